@@ -1,0 +1,5 @@
+import sys
+
+from guestd.server.daemon import main
+
+sys.exit(main())

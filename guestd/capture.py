@@ -1,0 +1,69 @@
+"""Bounded output capture with exact accounting.
+
+Shared by every producer of process output. It keeps at most ``limit`` bytes:
+either the last ``limit`` bytes (``tail``) or the first half and the last half
+(``head_tail``), and always knows how many bytes were produced and dropped, so
+truncation is never silent.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+
+
+class OutputCapture:
+    __slots__ = ("limit", "head_limit", "_head", "_tail", "_tail_len", "total")
+
+    def __init__(self, limit: int, mode: str = "tail") -> None:
+        if limit < 0:
+            raise ValueError("limit must be >= 0")
+        self.limit = limit
+        self.head_limit = limit // 2 if mode == "head_tail" else 0
+        self._head = bytearray()
+        self._tail: deque[bytes] = deque()
+        self._tail_len = 0
+        self.total = 0
+
+    def feed(self, data: bytes) -> None:
+        self.total += len(data)
+        if len(self._head) < self.head_limit:
+            take = self.head_limit - len(self._head)
+            self._head += data[:take]
+            data = data[take:]
+            if not data:
+                return
+        tail_limit = self.limit - self.head_limit
+        if tail_limit <= 0:
+            return
+        if len(data) >= tail_limit:
+            self._tail.clear()
+            self._tail.append(bytes(data[-tail_limit:]))
+            self._tail_len = tail_limit
+            return
+        self._tail.append(bytes(data))
+        self._tail_len += len(data)
+        while self._tail_len > tail_limit:
+            over = self._tail_len - tail_limit
+            first = self._tail[0]
+            if len(first) <= over:
+                self._tail.popleft()
+                self._tail_len -= len(first)
+            else:
+                self._tail[0] = first[over:]
+                self._tail_len -= over
+
+    @property
+    def kept(self) -> int:
+        return len(self._head) + self._tail_len
+
+    @property
+    def dropped(self) -> int:
+        return self.total - self.kept
+
+    @property
+    def gap_at(self) -> int | None:
+        """Offset in :meth:`data` where dropped bytes were cut out; None if nothing was."""
+        return len(self._head) if self.dropped else None
+
+    def data(self) -> bytes:
+        return bytes(self._head) + b"".join(self._tail)

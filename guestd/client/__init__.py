@@ -1,0 +1,22 @@
+"""Host-side client for guestd: asyncio (:class:`AsyncClient`) and blocking (:class:`Client`)."""
+
+from guestd.client.aio import AsyncClient, ExecStream
+from guestd.client.connection import ConnectionClosed, GuestProtocolError
+from guestd.client.results import DirEntry, DirListing, ExecResult, FileStat, Info
+from guestd.client.sync import Client
+from guestd.wire.errors import ErrorCode, GuestdError
+
+__all__ = [
+    "AsyncClient",
+    "Client",
+    "ConnectionClosed",
+    "DirEntry",
+    "DirListing",
+    "ErrorCode",
+    "ExecResult",
+    "ExecStream",
+    "FileStat",
+    "GuestProtocolError",
+    "GuestdError",
+    "Info",
+]

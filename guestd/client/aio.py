@@ -1,0 +1,360 @@
+"""asyncio client: typed calls for every op, shaped like the sandbox SDKs agents use."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+from collections.abc import AsyncIterator, Callable
+from typing import Any
+
+from guestd.client.address import parse_address, open_socket
+from guestd.client.connection import DEFAULT_WINDOW, Call, ClientConnection, GuestProtocolError
+from guestd.client.results import DirEntry, DirListing, ExecResult, FileStat, Info
+from guestd.wire.errors import ErrorCode, GuestdError
+from guestd.wire.frames import DEFAULT_MAX_FRAME
+
+DEFAULT_TIMEOUT = 300.0  # any request without its own deadline
+EXEC_MARGIN = 30.0  # on top of an exec's own timeout + kill grace
+UPLOAD_CHUNK = 1024 * 1024
+
+Progress = Callable[[int], None]
+
+
+class ExecStream:
+    """A streaming exec: iterate ``(stream, bytes)`` pairs, then await :meth:`result`."""
+
+    def __init__(self, client: AsyncClient, call: Call, timeout: float | None) -> None:
+        self._client = client
+        self._call = call
+        self._timeout = timeout
+        self.pid: int | None = None
+
+    def __aiter__(self) -> AsyncIterator[tuple[str, bytes]]:
+        return self._iter()
+
+    async def _iter(self) -> AsyncIterator[tuple[str, bytes]]:
+        loop = asyncio.get_running_loop()
+        deadline = None if self._timeout is None else loop.time() + self._timeout
+        while True:
+            left = None if deadline is None else max(0.0, deadline - loop.time())
+            try:
+                ev = await asyncio.wait_for(self._call.next_event(), left)
+            except asyncio.TimeoutError:
+                self._client._conn._forget(self._call)
+                raise GuestdError(ErrorCode.TIMEOUT, "exec stream: no result before the client deadline") from None
+            if ev is None:
+                return
+            kind = ev.get("ev")
+            if kind == "started" and isinstance(ev.get("pid"), int):
+                self.pid = ev["pid"]
+            elif kind in ("stdout", "stderr") and isinstance(ev.get("data"), bytes):
+                yield kind, ev["data"]
+
+    async def write_stdin(self, data: bytes) -> None:
+        for i in range(0, len(data), UPLOAD_CHUNK):
+            part = data[i : i + UPLOAD_CHUNK]
+            await self._call.send_input({"data": part}, len(part))
+
+    async def close_stdin(self) -> None:
+        await self._call.send_input({"eof": True})
+
+    async def signal(self, sig: str | int) -> None:
+        await self._call.send_input({"signal": str(sig)})
+
+    async def cancel(self) -> None:
+        self._call.cancel()
+
+    async def result(self) -> ExecResult:
+        return ExecResult.from_body(await self._client._conn.wait(self._call, self._timeout))
+
+
+class AsyncClient:
+    """Connect with ``await AsyncClient.connect("unix:/run/guestd.sock")``."""
+
+    def __init__(self, conn: ClientConnection, address: str) -> None:
+        self._conn = conn
+        self.address = address
+
+    @classmethod
+    async def connect(
+        cls,
+        address: str,
+        *,
+        timeout: float = 10.0,
+        token: str | None = None,
+        max_frame: int = DEFAULT_MAX_FRAME,
+        stream_window: int = DEFAULT_WINDOW,
+    ) -> AsyncClient:
+        sock = await open_socket(parse_address(address), timeout)
+        conn = await ClientConnection.open(sock, timeout=timeout, token=token, max_frame=max_frame, stream_window=stream_window)
+        return cls(conn, address)
+
+    async def __aenter__(self) -> AsyncClient:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()
+
+    async def close(self) -> None:
+        self._conn.close()
+
+    @property
+    def server_hello(self) -> dict[str, Any]:
+        assert self._conn.hello is not None
+        return self._conn.hello
+
+    @property
+    def limits(self) -> dict[str, Any]:
+        limits: dict[str, Any] = self.server_hello["limits"]
+        return limits
+
+    async def call(self, op: str, args: dict[str, Any] | None = None, *, timeout: float | None = DEFAULT_TIMEOUT) -> dict[str, Any]:
+        """Send any op (including ones this client version has no method for)."""
+        return await self._conn.request(op, args or {}, timeout)
+
+    # -- system ---------------------------------------------------------------------------
+    async def ping(self, *, timeout: float = 10.0) -> int:
+        return int((await self._conn.request("ping", {}, timeout))["t_ns"])
+
+    async def info(self, *, timeout: float = 10.0) -> Info:
+        b = await self._conn.request("info", {}, timeout)
+        return Info(b["version"], b["protocol_version"], b["capabilities"], b["boot_id"], b["uptime_s"], b)
+
+    # -- exec -------------------------------------------------------------------------------
+    @staticmethod
+    def _exec_args(
+        cmd: list[str] | str, *, cwd: str | None, env: dict[str, str] | None, replace_env: bool,
+        stdin: bytes | None, timeout: float | None, idle_timeout: float | None, max_output: int | None,
+        head_tail: bool, kill_grace: float | None, stream: bool, stdin_stream: bool = False,
+    ) -> dict[str, Any]:
+        args: dict[str, Any] = {"shell": cmd} if isinstance(cmd, str) else {"argv": list(cmd)}
+        if cwd is not None:
+            args["cwd"] = cwd
+        if env is not None:
+            args["env"] = env
+        if replace_env:
+            args["env_mode"] = "replace"
+        if stdin is not None:
+            args["stdin"] = stdin
+        if timeout is not None:
+            args["timeout_s"] = float(timeout)
+        if idle_timeout is not None:
+            args["idle_timeout_s"] = float(idle_timeout)
+        if max_output is not None:
+            args["max_output"] = max_output
+        if head_tail:
+            args["capture"] = "head_tail"
+        if kill_grace is not None:
+            args["kill_grace_s"] = float(kill_grace)
+        if stream:
+            args["stream"] = True
+        if stdin_stream:
+            args["stdin_stream"] = True
+        return args
+
+    @staticmethod
+    def _exec_deadline(timeout: float | None, idle_timeout: float | None, kill_grace: float | None, client_timeout: float | None) -> float | None:
+        if client_timeout is not None:
+            return client_timeout
+        if timeout is None:
+            return None if idle_timeout is not None else DEFAULT_TIMEOUT * 12
+        return timeout + (kill_grace if kill_grace is not None else 2.0) + EXEC_MARGIN
+
+    async def exec(
+        self,
+        cmd: list[str] | str,
+        *,
+        cwd: str | None = None,
+        env: dict[str, str] | None = None,
+        replace_env: bool = False,
+        stdin: bytes | None = None,
+        timeout: float | None = None,
+        idle_timeout: float | None = None,
+        max_output: int | None = None,
+        head_tail: bool = False,
+        kill_grace: float | None = None,
+        client_timeout: float | None = None,
+    ) -> ExecResult:
+        """Run ``cmd`` (argv list, or a string for ``/bin/sh -c``) to completion.
+
+        ``timeout``/``idle_timeout`` are enforced in the guest and end the whole
+        process tree. Without a guest timeout the client still gives up after
+        ``client_timeout`` (default: one hour) and cancels the command.
+        """
+        args = self._exec_args(
+            cmd, cwd=cwd, env=env, replace_env=replace_env, stdin=stdin, timeout=timeout,
+            idle_timeout=idle_timeout, max_output=max_output, head_tail=head_tail, kill_grace=kill_grace, stream=False,
+        )
+        deadline = self._exec_deadline(timeout, idle_timeout, kill_grace, client_timeout)
+        return ExecResult.from_body(await self._conn.request("exec", args, deadline))
+
+    def exec_stream(
+        self,
+        cmd: list[str] | str,
+        *,
+        cwd: str | None = None,
+        env: dict[str, str] | None = None,
+        stdin: bytes | None = None,
+        stdin_stream: bool = False,
+        timeout: float | None = None,
+        idle_timeout: float | None = None,
+        kill_grace: float | None = None,
+        client_timeout: float | None = None,
+    ) -> ExecStream:
+        args = self._exec_args(
+            cmd, cwd=cwd, env=env, replace_env=False, stdin=stdin, timeout=timeout, idle_timeout=idle_timeout,
+            max_output=None, head_tail=False, kill_grace=kill_grace, stream=True, stdin_stream=stdin_stream,
+        )
+        call = self._conn.start("exec", args)
+        return ExecStream(self, call, self._exec_deadline(timeout, idle_timeout, kill_grace, client_timeout))
+
+    # -- files ----------------------------------------------------------------------------
+    async def read_file(self, path: str, *, offset: int = 0, length: int | None = None, timeout: float = DEFAULT_TIMEOUT) -> bytes:
+        args: dict[str, Any] = {"path": path, "offset": offset}
+        if length is not None:
+            args["length"] = length
+        data: bytes = (await self._conn.request("file.read", args, timeout))["data"]
+        if length is not None and len(data) > length:
+            raise GuestProtocolError("file.read returned more bytes than asked")
+        return data
+
+    async def write_file(
+        self, path: str, data: bytes | str, *, flag: str = "overwrite", perm: int | None = None,
+        parents: bool = False, timeout: float = DEFAULT_TIMEOUT,
+    ) -> int:
+        if isinstance(data, str):
+            data = data.encode()
+        args: dict[str, Any] = {"path": path, "data": data, "flag": flag, "parents": parents}
+        if perm is not None:
+            args["perm"] = perm
+        return int((await self._conn.request("file.write", args, timeout))["size"])
+
+    async def upload(
+        self, src: str | bytes, dst: str, *, perm: int | None = None, parents: bool = False,
+        exclusive: bool = False, progress: Progress | None = None, timeout: float = DEFAULT_TIMEOUT,
+    ) -> int:
+        """Stream a local file (path) or bytes to ``dst`` atomically. ``timeout`` bounds each chunk's wait."""
+        if isinstance(src, bytes):
+            size = len(src)
+            chunks: Any = (src[i : i + UPLOAD_CHUNK] for i in range(0, size, UPLOAD_CHUNK))
+            f = None
+        else:
+            f = open(src, "rb")  # noqa: SIM115 - closed in finally
+            size = os.fstat(f.fileno()).st_size
+            chunks = iter(lambda: f.read(UPLOAD_CHUNK), b"")  # type: ignore[union-attr]
+        args: dict[str, Any] = {"path": dst, "parents": parents, "size": size, "flag": "create" if exclusive else "overwrite"}
+        if perm is not None:
+            args["perm"] = perm
+        call = self._conn.start("file.upload", args)
+        try:
+            sent = 0
+            for chunk in chunks:
+                await asyncio.wait_for(call.send_input({"data": chunk}, len(chunk)), timeout)
+                sent += len(chunk)
+                if progress is not None:
+                    progress(len(chunk))
+            await call.send_input({"eof": True})
+            result = await self._conn.wait(call, timeout)
+        except BaseException:
+            self._conn._forget(call)
+            raise
+        finally:
+            if f is not None:
+                f.close()
+        if result["size"] != sent:
+            raise GuestProtocolError(f"upload: guest reports {result['size']} bytes, sent {sent}")
+        return sent
+
+    async def download(
+        self, src: str, dst: str | None = None, *, offset: int = 0, length: int | None = None,
+        max_bytes: int | None = None, progress: Progress | None = None, timeout: float = DEFAULT_TIMEOUT,
+    ) -> bytes | int:
+        """Stream ``src`` to a local path (returns bytes written) or into memory (returns bytes).
+
+        In-memory downloads are capped by ``max_bytes`` (default 256 MiB) so a
+        hostile guest cannot exhaust host memory. ``timeout`` bounds each wait.
+        """
+        cap = max_bytes if max_bytes is not None else (256 * 1024 * 1024 if dst is None else None)
+        args: dict[str, Any] = {"path": src, "offset": offset}
+        if length is not None:
+            args["length"] = length
+        call = self._conn.start("file.download", args)
+        out = open(dst + ".part", "wb") if dst is not None else None  # noqa: SIM115
+        buf = bytearray()
+        got = 0
+        expected: int | None = None
+        try:
+            while True:
+                ev = await asyncio.wait_for(call.next_event(), timeout)
+                if ev is None:
+                    break
+                if ev.get("ev") == "start" and isinstance(ev.get("size"), int):
+                    expected = max(0, ev["size"] - offset)
+                    if length is not None:
+                        expected = min(expected, length)
+                    continue
+                data = ev.get("data")
+                if not isinstance(data, bytes):
+                    continue
+                got += len(data)
+                if (expected is not None and got > expected) or (cap is not None and got > cap):
+                    raise GuestProtocolError(f"download: guest sent {got} bytes, more than expected/allowed")
+                if out is not None:
+                    out.write(data)
+                else:
+                    buf += data
+                if progress is not None:
+                    progress(len(data))
+            result = await self._conn.wait(call, timeout)
+            if result["bytes"] != got:
+                raise GuestProtocolError(f"download: guest reports {result['bytes']} bytes, received {got}")
+            if out is not None:
+                out.close()
+                os.replace(dst + ".part", dst)  # type: ignore[operator]
+                out = None
+                return got
+            return bytes(buf)
+        except BaseException:
+            self._conn._forget(call)
+            if out is not None:
+                out.close()
+                os.unlink(dst + ".part")  # type: ignore[operator]
+                out = None
+            raise
+
+    async def stat(self, path: str, *, follow: bool = True, timeout: float = DEFAULT_TIMEOUT) -> FileStat:
+        return FileStat.from_body(await self._conn.request("file.stat", {"path": path, "follow": follow}, timeout))
+
+    async def exists(self, path: str) -> bool:
+        try:
+            await self.stat(path, follow=False)
+            return True
+        except GuestdError as e:
+            if e.code == ErrorCode.NOT_FOUND.value:
+                return False
+            raise
+
+    async def listdir(self, path: str, *, max_entries: int | None = None, timeout: float = DEFAULT_TIMEOUT) -> DirListing:
+        args: dict[str, Any] = {"path": path}
+        if max_entries is not None:
+            args["max_entries"] = max_entries
+        b = await self._conn.request("file.list", args, timeout)
+        entries = b["entries"]
+        if not isinstance(entries, list):
+            raise GuestProtocolError("file.list: entries is not a list")
+        out = []
+        for e in entries:
+            try:
+                out.append(DirEntry(str(e["name"]), str(e["type"]), int(e["size"]), int(e["mode"]), int(e["mtime_ns"])))
+            except (KeyError, TypeError, ValueError):
+                raise GuestProtocolError("file.list: malformed entry") from None
+        return DirListing(out, bool(b["truncated"]))
+
+    async def mkdir(self, path: str, *, parents: bool = True, perm: int = 0o755, timeout: float = DEFAULT_TIMEOUT) -> bool:
+        return bool((await self._conn.request("file.mkdir", {"path": path, "parents": parents, "perm": perm}, timeout))["created"])
+
+    async def remove(self, path: str, *, recursive: bool = False, timeout: float = DEFAULT_TIMEOUT) -> int:
+        return int((await self._conn.request("file.remove", {"path": path, "recursive": recursive}, timeout))["removed"])
+
+    async def rename(self, src: str, dst: str, *, overwrite: bool = True, timeout: float = DEFAULT_TIMEOUT) -> None:
+        await self._conn.request("file.rename", {"src": src, "dst": dst, "overwrite": overwrite}, timeout)

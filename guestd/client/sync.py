@@ -1,0 +1,96 @@
+"""Blocking client: the asyncio client driven on a private event-loop thread."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from collections.abc import Coroutine
+from typing import Any, TypeVar
+
+from guestd.client.aio import AsyncClient
+from guestd.client.results import DirListing, ExecResult, FileStat, Info
+
+T = TypeVar("T")
+
+
+class Client:
+    """``with Client("unix:/run/guestd.sock") as c: c.exec(["ls"])``"""
+
+    def __init__(self, address: str, *, timeout: float = 10.0, token: str | None = None) -> None:
+        self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self._loop.run_forever, name="guestd-client", daemon=True)
+        self._thread.start()
+        try:
+            self._aio: AsyncClient = self._run(AsyncClient.connect(address, timeout=timeout, token=token))
+        except BaseException:
+            self._stop()
+            raise
+
+    def _run(self, coro: Coroutine[Any, Any, T]) -> T:
+        return asyncio.run_coroutine_threadsafe(coro, self._loop).result()
+
+    def _stop(self) -> None:
+        self._loop.call_soon_threadsafe(self._loop.stop)
+        self._thread.join(timeout=5)
+        if not self._thread.is_alive():
+            self._loop.close()
+
+    def close(self) -> None:
+        if self._loop.is_closed():
+            return
+        try:
+            self._run(self._aio.close())
+        finally:
+            self._stop()
+
+    def __enter__(self) -> Client:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    @property
+    def aio(self) -> AsyncClient:
+        return self._aio
+
+    def call(self, op: str, args: dict[str, Any] | None = None, **kw: Any) -> dict[str, Any]:
+        return self._run(self._aio.call(op, args, **kw))
+
+    def ping(self, **kw: Any) -> int:
+        return self._run(self._aio.ping(**kw))
+
+    def info(self, **kw: Any) -> Info:
+        return self._run(self._aio.info(**kw))
+
+    def exec(self, cmd: list[str] | str, **kw: Any) -> ExecResult:
+        return self._run(self._aio.exec(cmd, **kw))
+
+    def read_file(self, path: str, **kw: Any) -> bytes:
+        return self._run(self._aio.read_file(path, **kw))
+
+    def write_file(self, path: str, data: bytes | str, **kw: Any) -> int:
+        return self._run(self._aio.write_file(path, data, **kw))
+
+    def upload(self, src: str | bytes, dst: str, **kw: Any) -> int:
+        return self._run(self._aio.upload(src, dst, **kw))
+
+    def download(self, src: str, dst: str | None = None, **kw: Any) -> bytes | int:
+        return self._run(self._aio.download(src, dst, **kw))
+
+    def stat(self, path: str, **kw: Any) -> FileStat:
+        return self._run(self._aio.stat(path, **kw))
+
+    def exists(self, path: str) -> bool:
+        return self._run(self._aio.exists(path))
+
+    def listdir(self, path: str, **kw: Any) -> DirListing:
+        return self._run(self._aio.listdir(path, **kw))
+
+    def mkdir(self, path: str, **kw: Any) -> bool:
+        return self._run(self._aio.mkdir(path, **kw))
+
+    def remove(self, path: str, **kw: Any) -> int:
+        return self._run(self._aio.remove(path, **kw))
+
+    def rename(self, src: str, dst: str, **kw: Any) -> None:
+        self._run(self._aio.rename(src, dst, **kw))

@@ -1,0 +1,1 @@
+"""Capabilities: one module per capability, each registering its ops with the dispatcher."""

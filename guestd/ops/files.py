@@ -1,0 +1,352 @@
+"""files capability: read, write (atomic), upload/download streams, stat, list, mkdir, remove, rename.
+
+All blocking file-system calls run in the daemon's I/O thread pool, so a slow
+or stuck disk can delay file ops but never ping or exec.
+"""
+
+from __future__ import annotations
+
+import os
+import secrets
+import shutil
+import stat as st
+from typing import TYPE_CHECKING, Any
+
+from guestd.wire.errors import ErrorCode, GuestdError, limit_error, too_large
+
+if TYPE_CHECKING:
+    from guestd.server.connection import RequestContext
+    from guestd.server.daemon import Daemon
+
+DEFAULT_PERM = 0o644
+TMP_MARK = ".guestd-tmp-"
+
+
+def _type_name(mode: int) -> str:
+    for test, name in (
+        (st.S_ISREG, "file"),
+        (st.S_ISDIR, "dir"),
+        (st.S_ISLNK, "symlink"),
+        (st.S_ISFIFO, "fifo"),
+        (st.S_ISSOCK, "socket"),
+        (st.S_ISCHR, "char"),
+        (st.S_ISBLK, "block"),
+    ):
+        if test(mode):
+            return name
+    return "other"
+
+
+def _os_call(fn: Any, *args: Any) -> Any:
+    """Run fn, mapping OS failures to typed errors (runs in an I/O thread)."""
+    try:
+        return fn(*args)
+    except GuestdError:
+        raise
+    except OSError as exc:
+        raise GuestdError.from_os_error(exc) from None
+    except ValueError as exc:  # NUL in a path, for example
+        raise GuestdError(ErrorCode.BAD_REQUEST, str(exc)) from None
+
+
+# --------------------------------------------------------------------------- blocking helpers
+
+
+def read_range(path: str, offset: int, length: int | None, max_read: int) -> dict[str, Any]:
+    fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+    try:
+        info = os.fstat(fd)
+        if st.S_ISDIR(info.st_mode):
+            raise GuestdError(ErrorCode.IS_A_DIRECTORY, f"is a directory: {path}", details={"path": path})
+        size = info.st_size
+        want = max(0, size - offset) if length is None else length
+        if want > max_read:
+            raise too_large(
+                "max_read", want, f"read of {want} bytes exceeds max_read {max_read}; use file.download"
+            )
+        data = os.pread(fd, want, offset) if want else b""
+        return {"data": data, "size": size, "eof": offset + len(data) >= size}
+    finally:
+        os.close(fd)
+
+
+class AtomicFile:
+    """A temp file beside the target, renamed over it only when complete.
+
+    Readers see the old file or the new one, never a mix; a failure at any point
+    leaves the old file as it was and removes the temp file.
+    """
+
+    def __init__(self, path: str, flag: str, perm: int | None, parents: bool) -> None:
+        self.path = os.path.abspath(path)
+        self.flag = flag
+        self.dir = os.path.dirname(self.path)
+        if parents:
+            os.makedirs(self.dir, exist_ok=True)
+        mode = DEFAULT_PERM if perm is None else perm
+        self.owner: tuple[int, int] | None = None
+        try:
+            old = os.stat(self.path)
+        except FileNotFoundError:
+            old = None
+        if old is not None:
+            if st.S_ISDIR(old.st_mode):
+                raise GuestdError(ErrorCode.IS_A_DIRECTORY, f"is a directory: {path}", details={"path": path})
+            if flag == "create":
+                raise GuestdError(ErrorCode.EXISTS, f"already exists: {path}", details={"path": path})
+            if perm is None:
+                mode = st.S_IMODE(old.st_mode)  # an overwrite keeps the file's permissions
+            self.owner = (old.st_uid, old.st_gid)
+        self.mode = mode
+        name = os.path.basename(self.path)
+        self.tmp = os.path.join(self.dir, f".{name[:200]}{TMP_MARK}{secrets.token_hex(6)}")
+        self.fd = os.open(self.tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
+        self.size = 0
+
+    def write(self, data: bytes) -> None:
+        view = memoryview(data)
+        while view:
+            n = os.write(self.fd, view)
+            view = view[n:]
+        self.size += len(data)
+
+    def commit(self) -> int:
+        os.fchmod(self.fd, self.mode)
+        if self.owner is not None and os.geteuid() == 0:
+            os.fchown(self.fd, *self.owner)
+        os.fsync(self.fd)
+        os.close(self.fd)
+        self.fd = -1
+        if self.flag == "create":
+            os.link(self.tmp, self.path)  # fails with EEXIST if someone raced us: no clobber
+            os.unlink(self.tmp)
+        else:
+            os.rename(self.tmp, self.path)
+        _fsync_dir(self.dir)
+        return self.size
+
+    def abort(self) -> None:
+        if self.fd >= 0:
+            os.close(self.fd)
+            self.fd = -1
+        try:
+            os.unlink(self.tmp)
+        except OSError:
+            pass
+
+
+def _fsync_dir(path: str) -> None:
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+def write_whole(path: str, data: bytes, flag: str, perm: int | None, parents: bool) -> dict[str, Any]:
+    if flag == "append":
+        if parents:
+            os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+        fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_CLOEXEC, DEFAULT_PERM if perm is None else perm)
+        try:
+            view = memoryview(data)
+            while view:
+                view = view[os.write(fd, view) :]
+            os.fsync(fd)
+            return {"size": os.fstat(fd).st_size}
+        finally:
+            os.close(fd)
+    f = AtomicFile(path, flag, perm, parents)
+    try:
+        f.write(data)
+        return {"size": f.commit()}
+    except BaseException:
+        f.abort()
+        raise
+
+
+def stat_path(path: str, follow: bool) -> dict[str, Any]:
+    s = os.stat(path) if follow else os.lstat(path)
+    out: dict[str, Any] = {
+        "type": _type_name(s.st_mode),
+        "size": s.st_size,
+        "mode": st.S_IMODE(s.st_mode),
+        "uid": s.st_uid,
+        "gid": s.st_gid,
+        "mtime_ns": s.st_mtime_ns,
+        "target": None,
+    }
+    if st.S_ISLNK(s.st_mode):
+        out["target"] = os.readlink(path)
+    return out
+
+
+def list_dir(path: str, cap: int) -> dict[str, Any]:
+    entries: list[dict[str, Any]] = []
+    truncated = False
+    with os.scandir(path) as it:
+        names = []
+        for e in it:
+            if len(names) >= cap:
+                truncated = True
+                break
+            names.append(e)
+        for e in sorted(names, key=lambda x: x.name):
+            try:
+                s = e.stat(follow_symlinks=False)
+            except OSError:
+                continue  # vanished between listing and stat
+            entries.append(
+                {
+                    "name": e.name,
+                    "type": _type_name(s.st_mode),
+                    "size": s.st_size,
+                    "mode": st.S_IMODE(s.st_mode),
+                    "mtime_ns": s.st_mtime_ns,
+                }
+            )
+    return {"entries": entries, "truncated": truncated}
+
+
+def make_dir(path: str, parents: bool, perm: int) -> dict[str, Any]:
+    if parents:
+        if os.path.isdir(path):
+            return {"created": False}
+        os.makedirs(path, mode=perm, exist_ok=True)
+        return {"created": True}
+    os.mkdir(path, perm)
+    return {"created": True}
+
+
+def remove_path(path: str, recursive: bool) -> dict[str, Any]:
+    s = os.lstat(path)
+    if st.S_ISDIR(s.st_mode):
+        if not recursive:
+            os.rmdir(path)
+            return {"removed": 1}
+        count = 1
+        for _root, dirs, files in os.walk(path):
+            count += len(dirs) + len(files)
+        errors: list[OSError] = []
+        shutil.rmtree(path, onerror=lambda fn, p, exc: errors.append(exc[1]))  # type: ignore[arg-type]
+        if errors:
+            raise errors[0]
+        return {"removed": count}
+    os.unlink(path)
+    return {"removed": 1}
+
+
+def rename_path(src: str, dst: str, overwrite: bool) -> dict[str, Any]:
+    if not overwrite:
+        # Best effort: a racing creator between this check and the rename can still be replaced.
+        if os.path.lexists(dst):
+            raise GuestdError(ErrorCode.EXISTS, f"already exists: {dst}", details={"path": dst})
+    os.rename(src, dst)
+    return {}
+
+
+# --------------------------------------------------------------------------- registration
+
+
+def register(daemon: Daemon) -> None:
+    limits = daemon.config.limits
+    io = daemon.run_in_io
+
+    async def op_read(ctx: RequestContext, a: dict[str, Any]) -> dict[str, Any]:
+        return await io(_os_call, read_range, a["path"], a["offset"], a["length"], limits.max_read)  # type: ignore[no-any-return]
+
+    async def op_write(ctx: RequestContext, a: dict[str, Any]) -> dict[str, Any]:
+        return await io(_os_call, write_whole, a["path"], a["data"], a["flag"], a["perm"], a["parents"])  # type: ignore[no-any-return]
+
+    async def op_stat(ctx: RequestContext, a: dict[str, Any]) -> dict[str, Any]:
+        return await io(_os_call, stat_path, a["path"], a["follow"])  # type: ignore[no-any-return]
+
+    async def op_list(ctx: RequestContext, a: dict[str, Any]) -> dict[str, Any]:
+        cap = a["max_entries"] if a["max_entries"] is not None else limits.max_list_entries
+        if cap > limits.max_list_entries:
+            raise limit_error("max_list_entries", limits.max_list_entries, "max_entries above the limit")
+        return await io(_os_call, list_dir, a["path"], cap)  # type: ignore[no-any-return]
+
+    async def op_mkdir(ctx: RequestContext, a: dict[str, Any]) -> dict[str, Any]:
+        return await io(_os_call, make_dir, a["path"], a["parents"], a["perm"])  # type: ignore[no-any-return]
+
+    async def op_remove(ctx: RequestContext, a: dict[str, Any]) -> dict[str, Any]:
+        return await io(_os_call, remove_path, a["path"], a["recursive"])  # type: ignore[no-any-return]
+
+    async def op_rename(ctx: RequestContext, a: dict[str, Any]) -> dict[str, Any]:
+        return await io(_os_call, rename_path, a["src"], a["dst"], a["overwrite"])  # type: ignore[no-any-return]
+
+    async def op_upload(ctx: RequestContext, a: dict[str, Any]) -> dict[str, Any]:
+        f: AtomicFile = await io(_os_call, AtomicFile, a["path"], a["flag"], a["perm"], a["parents"])
+        try:
+            while True:
+                body = await ctx.input.get()
+                data = body.get("data")
+                if isinstance(data, bytes) and data:
+                    if a["size"] is not None and f.size + len(data) > a["size"]:
+                        raise GuestdError(
+                            ErrorCode.BAD_REQUEST, f"more data than the declared size {a['size']}", details={"field": "size"}
+                        )
+                    await io(_os_call, f.write, data)
+                    ctx.ack_input(len(data))
+                if body.get("eof"):
+                    break
+            if a["size"] is not None and f.size != a["size"]:
+                raise GuestdError(
+                    ErrorCode.BAD_REQUEST,
+                    f"upload ended at {f.size} bytes, declared {a['size']}; old file kept",
+                    details={"field": "size"},
+                )
+            size = await io(_os_call, f.commit)
+            return {"size": size}
+        except BaseException:
+            f.abort()  # close + unlink of our own temp file: quick, and must happen even on cancel
+            raise
+
+    async def op_download(ctx: RequestContext, a: dict[str, Any]) -> dict[str, Any]:
+        chunk = a["chunk"] or limits.max_chunk
+        if chunk > limits.max_chunk or chunk <= 0:
+            raise limit_error("max_chunk", limits.max_chunk, f"chunk must be in 1..{limits.max_chunk}")
+        fd: int = await io(_os_call, _open_for_download, a["path"])
+        try:
+            size = os.fstat(fd).st_size
+            end = size if a["length"] is None else min(size, a["offset"] + a["length"])
+            pos = a["offset"]
+            await ctx.send_event({"ev": "start", "size": size})
+            sent = 0
+            while pos < end:
+                data: bytes = await io(_os_call, os.pread, fd, min(chunk, end - pos), pos)
+                if not data:
+                    break  # file shrank while we read it
+                await ctx.send_event({"ev": "data", "data": data}, len(data))
+                pos += len(data)
+                sent += len(data)
+            return {"bytes": sent, "size": size}
+        finally:
+            os.close(fd)
+
+    for name, fn in (
+        ("file.read", op_read),
+        ("file.write", op_write),
+        ("file.upload", op_upload),
+        ("file.download", op_download),
+        ("file.stat", op_stat),
+        ("file.list", op_list),
+        ("file.mkdir", op_mkdir),
+        ("file.remove", op_remove),
+        ("file.rename", op_rename),
+    ):
+        daemon.dispatcher.add(name, fn)
+
+
+def _open_for_download(path: str) -> int:
+    fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+    if st.S_ISDIR(os.fstat(fd).st_mode):
+        os.close(fd)
+        raise GuestdError(ErrorCode.IS_A_DIRECTORY, f"is a directory: {path}", details={"path": path})
+    return fd

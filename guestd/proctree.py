@@ -1,0 +1,93 @@
+"""Ending a whole process tree: its process group, then descendants that escaped it."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+
+import psutil
+
+
+def descendants(pid: int) -> list[psutil.Process]:
+    """Every live descendant of ``pid`` (children of children too). Empty if it is gone."""
+    try:
+        return psutil.Process(pid).children(recursive=True)
+    except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
+        return []
+
+
+def signal_group(pgid: int, sig: int) -> None:
+    try:
+        os.killpg(pgid, sig)
+    except (ProcessLookupError, PermissionError):
+        pass
+
+
+def signal_each(procs: list[psutil.Process], sig: int) -> None:
+    for p in procs:
+        try:
+            p.send_signal(sig)  # psutil checks the create time: no PID-reuse mistakes
+        except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
+            pass
+
+
+def alive(procs: list[psutil.Process]) -> list[psutil.Process]:
+    out = []
+    for p in procs:
+        try:
+            if p.is_running() and p.status() != psutil.STATUS_ZOMBIE:
+                out.append(p)
+        except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
+            pass
+    return out
+
+
+async def kill_tree(pgid: int, known: list[psutil.Process], grace_s: float, is_done: asyncio.Event | None = None) -> None:
+    """SIGTERM the group and the known descendants, wait up to ``grace_s``, then SIGKILL.
+
+    ``known`` must be collected before the leader dies: orphans are re-parented
+    away and can no longer be found as descendants afterwards.
+    """
+    signal_group(pgid, signal.SIGTERM)
+    signal_each(known, signal.SIGTERM)
+    for p in known:
+        # A stopped process never handles SIGTERM.
+        try:
+            p.send_signal(signal.SIGCONT)
+        except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
+            pass
+    signal_group(pgid, signal.SIGCONT)
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + grace_s
+    while loop.time() < deadline:
+        if not alive(known) and (is_done is None or is_done.is_set()) and not _group_exists(pgid):
+            return
+        await asyncio.sleep(min(0.02, max(0.0, deadline - loop.time())))
+    # Sweep once more: survivors may have forked during the grace period.
+    survivors = alive(known)
+    for p in list(survivors):
+        survivors.extend(descendants(p.pid))
+    signal_group(pgid, signal.SIGKILL)
+    signal_each(survivors, signal.SIGKILL)
+
+
+def _group_exists(pgid: int) -> bool:
+    """True while a live (non-zombie) process is in the group.
+
+    Zombies count for killpg(pgid, 0) until whoever adopted them reaps them, which
+    on a host whose init is slow to reap would stretch every kill to the full grace.
+    """
+    try:
+        os.killpg(pgid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    for p in psutil.process_iter():
+        try:
+            if os.getpgid(p.pid) == pgid and p.status() != psutil.STATUS_ZOMBIE:
+                return True
+        except (OSError, psutil.Error):
+            continue
+    return False

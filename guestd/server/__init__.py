@@ -1,0 +1,1 @@
+"""The daemon: transports, connections, dispatch. Capabilities live in guestd.ops."""

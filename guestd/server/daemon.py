@@ -1,0 +1,204 @@
+"""The daemon object: configuration, dispatcher, connections, lifecycle, and ``main``."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import hmac
+import logging
+import os
+import signal
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+from guestd import __version__
+from guestd.server.config import DEFAULT_VSOCK_PORT, Config, Limits
+from guestd.server.connection import Connection
+from guestd.server.dispatch import Dispatcher
+from guestd.server.reaper import Reaper
+from guestd.server.transports import Listener, listen, parse_listen
+
+log = logging.getLogger("guestd")
+
+
+def read_boot_id() -> str:
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as f:
+            return f.read().strip()
+    except OSError:
+        return "unknown"
+
+
+class Daemon:
+    def __init__(self, config: Config) -> None:
+        self.config = config
+        self.started_mono = time.monotonic()
+        self.boot_id = read_boot_id()
+        self.connections: set[Connection] = set()
+        self.io = ThreadPoolExecutor(max_workers=config.io_threads, thread_name_prefix="guestd-io")
+        self.token: str | None = None
+        self.dispatcher = Dispatcher()
+        self.listeners: list[Listener] = []
+        self._stopping: asyncio.Event | None = None
+        self.reaper = Reaper()
+        self._sweeper: asyncio.Task[None] | None = None
+
+        from guestd.ops import exec as exec_ops
+        from guestd.ops import files, system
+
+        system.register(self)
+        exec_ops.register(self)
+        files.register(self)
+
+    # -- connections ------------------------------------------------------------------
+    def connection_opened(self, conn: Connection) -> bool:
+        if len(self.connections) >= self.config.limits.max_connections:
+            return False
+        self.connections.add(conn)
+        return True
+
+    def connection_closed(self, conn: Connection) -> None:
+        self.connections.discard(conn)
+
+    def check_token(self, token: Any) -> str | None:
+        """None when the peer may proceed, else the reason it may not."""
+        if self.token is None:
+            return None
+        if not isinstance(token, str) or not hmac.compare_digest(token.encode(), self.token.encode()):
+            return "missing or wrong access token"
+        return None
+
+    def hello_body(self, conn: Connection) -> dict[str, Any]:
+        return {
+            "version": conn.version,
+            "server": f"guestd/{__version__}",
+            "capabilities": self.dispatcher.capabilities(),
+            "ops": self.dispatcher.ops(),
+            "limits": self.config.limits.as_dict(),
+            "stream_window": conn.stream_window,
+            "max_frame": conn.peer_max_frame,
+            "boot_id": self.boot_id,
+            "session": conn.session,
+        }
+
+    async def run_in_io(self, fn: Any, *args: Any) -> Any:
+        """Run blocking file-system work off the event loop, so a slow disk never stalls ping."""
+        return await asyncio.get_running_loop().run_in_executor(self.io, fn, *args)
+
+    # -- lifecycle --------------------------------------------------------------------
+    async def serve(self, ready_fd: int | None = None) -> None:
+        loop = asyncio.get_running_loop()
+        self._stopping = asyncio.Event()
+        for addr in self.config.listen:
+            listener = await listen(self, parse_listen(addr))
+            self.listeners.append(listener)
+            log.info("listening on %s", listener.address)
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, self._stopping.set)
+        loop.add_signal_handler(signal.SIGPIPE, lambda: None)
+        if self.reaper.enable():
+            # uvloop owns SIGCHLD, so orphans are swept on a timer and after every exec exit.
+            self._sweeper = loop.create_task(self.reaper.run_periodic())
+        if ready_fd is not None:
+            os.write(ready_fd, b"ready\n")
+            os.close(ready_fd)
+        await self._stopping.wait()
+        await self.shutdown()
+
+    def stop(self) -> None:
+        if self._stopping is not None:
+            self._stopping.set()
+
+    async def shutdown(self) -> None:
+        log.info("shutting down")
+        for listener in self.listeners:
+            listener.close()
+        tasks = [ctx.task for c in self.connections for ctx in c.inflight.values() if ctx.task is not None]
+        for t in tasks:
+            t.cancel()
+        if tasks:
+            # Exec handlers kill their process trees on cancel; give them their grace.
+            await asyncio.wait(tasks, timeout=5.0)
+        for c in list(self.connections):
+            c.close()
+        self.io.shutdown(wait=False, cancel_futures=True)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="guestd", description="guestd: the in-guest sandbox agent")
+    p.add_argument(
+        "--listen",
+        action="append",
+        default=[],
+        metavar="ADDR",
+        help=f"unix:PATH, vsock:PORT (default port {DEFAULT_VSOCK_PORT}) or serial:DEVICE; repeatable",
+    )
+    p.add_argument(
+        "--allow-cid",
+        action="append",
+        type=int,
+        default=[],
+        metavar="CID",
+        help="vsock peer CID allowed to connect (repeatable; default: 2, the host)",
+    )
+    p.add_argument("--max-frame", type=int, default=None, help="max frame payload bytes")
+    p.add_argument("--max-inflight", type=int, default=None, help="max requests in flight per connection")
+    p.add_argument("--max-connections", type=int, default=None)
+    p.add_argument("--token-file", default=None, help="file holding an access token clients must present")
+    p.add_argument("--no-uvloop", action="store_true", help="use the default asyncio loop")
+    p.add_argument("--ready-fd", type=int, default=None, help="write 'ready' to this fd once listening")
+    p.add_argument("--log-level", default="INFO")
+    p.add_argument("--version", action="version", version=f"guestd {__version__}")
+    return p
+
+
+def config_from_args(ns: argparse.Namespace) -> Config:
+    limits = Limits()
+    if ns.max_frame is not None:
+        limits.max_frame = ns.max_frame
+    if ns.max_inflight is not None:
+        limits.max_inflight = ns.max_inflight
+    if ns.max_connections is not None:
+        limits.max_connections = ns.max_connections
+    cfg = Config(listen=ns.listen or [f"vsock:{DEFAULT_VSOCK_PORT}"], limits=limits, use_uvloop=not ns.no_uvloop)
+    if ns.allow_cid:
+        cfg.allowed_cids = set(ns.allow_cid)
+    return cfg
+
+
+def main(argv: list[str] | None = None) -> int:
+    ns = build_parser().parse_args(argv)
+    logging.basicConfig(
+        level=getattr(logging, str(ns.log_level).upper(), logging.INFO),
+        format="%(asctime)s guestd[%(process)d] %(levelname)s %(name)s: %(message)s",
+        stream=sys.stderr,
+    )
+    try:
+        cfg = config_from_args(ns)
+        for addr in cfg.listen:
+            parse_listen(addr)
+    except ValueError as exc:
+        print(f"guestd: {exc}", file=sys.stderr)
+        return 2
+    daemon = Daemon(cfg)
+    if ns.token_file:
+        with open(ns.token_file) as f:
+            daemon.token = f.read().strip()
+    if cfg.use_uvloop:
+        import uvloop
+
+        runner: Any = uvloop.run
+    else:
+        runner = asyncio.run
+    try:
+        runner(daemon.serve(ns.ready_fd))
+    except OSError as exc:
+        log.error("cannot serve: %s", exc)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

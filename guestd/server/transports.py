@@ -1,0 +1,344 @@
+"""Listeners for each address family: ``unix:PATH``, ``vsock:PORT``, ``serial:DEVICE``.
+
+Unix sockets use the loop's own transport (fastest). vsock and virtio-serial use
+:class:`FdTransport`, a small non-blocking fd transport, because uvloop does not
+accept AF_VSOCK sockets and because a virtio-serial port has its own notion of
+"peer gone" (0-byte reads / POLLHUP while the host side is closed) that must not
+end the session.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import errno
+import logging
+import os
+import socket
+import stat
+import termios
+import tty
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from guestd.server.config import DEFAULT_VSOCK_PORT
+from guestd.server.connection import Connection
+
+if TYPE_CHECKING:
+    from guestd.server.daemon import Daemon
+
+log = logging.getLogger("guestd.transport")
+
+READ_SIZE = 1024 * 1024
+HIGH_WATER = 2 * 1024 * 1024
+LOW_WATER = 512 * 1024
+SERIAL_POLL_S = 0.05
+
+
+@dataclass(frozen=True)
+class ListenAddress:
+    scheme: str  # unix | vsock | serial
+    path: str = ""
+    port: int = 0
+
+    def __str__(self) -> str:
+        return f"vsock:{self.port}" if self.scheme == "vsock" else f"{self.scheme}:{self.path}"
+
+
+def parse_listen(addr: str) -> ListenAddress:
+    scheme, sep, rest = addr.partition(":")
+    if not sep:
+        raise ValueError(f"listen address {addr!r} needs a scheme: unix:PATH, vsock:PORT or serial:DEVICE")
+    if scheme == "unix" and rest:
+        return ListenAddress("unix", path=rest)
+    if scheme == "serial" and rest:
+        return ListenAddress("serial", path=rest)
+    if scheme == "vsock":
+        port = int(rest) if rest else DEFAULT_VSOCK_PORT
+        if not 0 < port < 2**32:
+            raise ValueError(f"vsock port out of range: {port}")
+        return ListenAddress("vsock", port=port)
+    raise ValueError(f"bad listen address {addr!r}: use unix:PATH, vsock:PORT or serial:DEVICE")
+
+
+class FdTransport(asyncio.Transport):
+    """A non-blocking byte-stream transport over a raw fd (vsock socket or serial port)."""
+
+    def __init__(
+        self,
+        loop: asyncio.AbstractEventLoop,
+        fd: int,
+        protocol: Connection,
+        *,
+        peername: Any = None,
+        serial: bool = False,
+        on_close: Callable[[], None] | None = None,
+    ) -> None:
+        super().__init__()
+        self._loop = loop
+        self._fd = fd
+        self._protocol = protocol
+        self._peername = peername
+        self._serial = serial
+        self._on_close = on_close
+        self._buf = bytearray()
+        self._closing = False
+        self._paused_proto = False
+        self._reading = False
+        self._poll_handle: asyncio.TimerHandle | None = None
+        os.set_blocking(fd, False)
+        protocol.connection_made(self)
+        self._start_reading()
+
+    # -- reading ------------------------------------------------------------------
+    def _start_reading(self) -> None:
+        if not self._reading and not self._closing:
+            self._loop.add_reader(self._fd, self._on_readable)
+            self._reading = True
+
+    def _stop_reading(self) -> None:
+        if self._reading:
+            self._loop.remove_reader(self._fd)
+            self._reading = False
+
+    def _on_readable(self) -> None:
+        try:
+            data = os.read(self._fd, READ_SIZE)
+        except BlockingIOError:
+            return
+        except OSError as exc:
+            if self._serial and exc.errno in (errno.EIO, errno.EPIPE, errno.ECONNRESET):
+                self._serial_peer_gone()
+                return
+            self._force_close(exc)
+            return
+        if not data:
+            if self._serial:
+                self._serial_peer_gone()
+            else:
+                self._force_close(None)
+            return
+        self._protocol.data_received(data)
+
+    def _serial_peer_gone(self) -> None:
+        # The host side closed the port. Keep the device open and poll for its return.
+        self._stop_reading()
+        self._buf.clear()
+        self._protocol.peer_reset()
+        self._poll_handle = self._loop.call_later(SERIAL_POLL_S, self._serial_poll)
+
+    def _serial_poll(self) -> None:
+        self._poll_handle = None
+        if self._closing:
+            return
+        try:
+            data = os.read(self._fd, READ_SIZE)
+        except BlockingIOError:
+            self._start_reading()  # connected, nothing to read yet
+            return
+        except OSError:
+            data = b""
+        if not data:
+            self._poll_handle = self._loop.call_later(SERIAL_POLL_S, self._serial_poll)
+            return
+        self._start_reading()
+        self._protocol.data_received(data)
+
+    # -- writing ------------------------------------------------------------------
+    def write(self, data: bytes | bytearray | memoryview) -> None:
+        if self._closing:
+            return
+        if not self._buf:
+            try:
+                n = os.write(self._fd, data)
+            except BlockingIOError:
+                n = 0
+            except OSError as exc:
+                self._write_failed(exc)
+                return
+            if n == len(data):
+                return
+            data = memoryview(data)[n:]
+            self._loop.add_writer(self._fd, self._on_writable)
+        self._buf += data
+        if not self._paused_proto and len(self._buf) > HIGH_WATER:
+            self._paused_proto = True
+            self._protocol.pause_writing()
+
+    def _on_writable(self) -> None:
+        try:
+            n = os.write(self._fd, self._buf)
+        except BlockingIOError:
+            return
+        except OSError as exc:
+            self._write_failed(exc)
+            return
+        del self._buf[:n]
+        if not self._buf:
+            self._loop.remove_writer(self._fd)
+            if self._closing:
+                self._finish_close(None)
+                return
+        if self._paused_proto and len(self._buf) <= LOW_WATER:
+            self._paused_proto = False
+            self._protocol.resume_writing()
+
+    def _write_failed(self, exc: OSError) -> None:
+        if self._serial:
+            # Host side gone mid-write: what we had is for a peer that left.
+            self._buf.clear()
+            self._loop.remove_writer(self._fd)
+            if self._paused_proto:
+                self._paused_proto = False
+                self._protocol.resume_writing()
+            return
+        self._force_close(exc)
+
+    def get_write_buffer_size(self) -> int:
+        return len(self._buf)
+
+    # -- lifecycle ----------------------------------------------------------------
+    def get_extra_info(self, name: str, default: Any = None) -> Any:
+        if name == "peername":
+            return self._peername
+        return default
+
+    def is_closing(self) -> bool:
+        return self._closing
+
+    def close(self) -> None:
+        if self._closing:
+            return
+        self._closing = True
+        self._stop_reading()
+        if not self._buf:
+            self._loop.call_soon(self._finish_close, None)
+
+    def abort(self) -> None:
+        self._force_close(None)
+
+    def _force_close(self, exc: Exception | None) -> None:
+        self._closing = True
+        self._stop_reading()
+        self._buf.clear()
+        self._loop.remove_writer(self._fd)
+        self._finish_close(exc)
+
+    def _finish_close(self, exc: Exception | None) -> None:
+        if self._fd < 0:
+            return
+        if self._poll_handle is not None:
+            self._poll_handle.cancel()
+        fd, self._fd = self._fd, -1
+        self._loop.remove_writer(fd)
+        self._loop.remove_reader(fd)
+        os.close(fd)
+        self._protocol.connection_lost(exc)
+        if self._on_close is not None:
+            self._on_close()
+
+
+class Listener:
+    """A bound address; ``close`` stops accepting (existing connections stay)."""
+
+    def __init__(self, address: ListenAddress, closer: Callable[[], None]) -> None:
+        self.address = address
+        self._closer = closer
+
+    def close(self) -> None:
+        self._closer()
+
+
+async def listen(daemon: Daemon, address: ListenAddress) -> Listener:
+    loop = asyncio.get_running_loop()
+    if address.scheme == "unix":
+        return await _listen_unix(daemon, loop, address)
+    if address.scheme == "vsock":
+        return _listen_vsock(daemon, loop, address)
+    return _listen_serial(daemon, loop, address)
+
+
+async def _listen_unix(daemon: Daemon, loop: asyncio.AbstractEventLoop, address: ListenAddress) -> Listener:
+    path = address.path
+    try:
+        if stat.S_ISSOCK(os.lstat(path).st_mode):
+            os.unlink(path)  # stale socket from a previous run
+    except FileNotFoundError:
+        pass
+    old_umask = os.umask(0o177)  # created 0600: only the owner (root in a guest) may connect
+    try:
+        server = await loop.create_unix_server(lambda: Connection(daemon, "unix"), path, backlog=512)
+    finally:
+        os.umask(old_umask)
+
+    def closer() -> None:
+        server.close()
+        try:
+            os.unlink(path)
+        except OSError:
+            pass
+
+    return Listener(address, closer)
+
+
+def _listen_vsock(daemon: Daemon, loop: asyncio.AbstractEventLoop, address: ListenAddress) -> Listener:
+    sock = socket.socket(socket.AF_VSOCK, socket.SOCK_STREAM)
+    sock.bind((socket.VMADDR_CID_ANY, address.port))
+    sock.listen(128)
+    sock.setblocking(False)
+
+    def on_accept() -> None:
+        try:
+            conn, (cid, port) = sock.accept()
+        except (BlockingIOError, InterruptedError):
+            return
+        except OSError as exc:
+            log.warning("vsock accept failed: %s", exc)
+            return
+        if cid not in daemon.config.allowed_cids:
+            log.warning("vsock: refused peer cid %d (allowed: %s)", cid, sorted(daemon.config.allowed_cids))
+            conn.close()
+            return
+        fd = conn.detach()
+        FdTransport(loop, fd, Connection(daemon, "vsock"), peername=(cid, port))
+
+    loop.add_reader(sock.fileno(), on_accept)
+
+    def closer() -> None:
+        loop.remove_reader(sock.fileno())
+        sock.close()
+
+    return Listener(address, closer)
+
+
+def _listen_serial(daemon: Daemon, loop: asyncio.AbstractEventLoop, address: ListenAddress) -> Listener:
+    state: dict[str, Any] = {"closed": False, "transport": None}
+
+    def open_port() -> None:
+        if state["closed"]:
+            return
+        fd = os.open(address.path, os.O_RDWR | os.O_NONBLOCK | os.O_NOCTTY | os.O_CLOEXEC)
+        if os.isatty(fd):
+            tty.setraw(fd, termios.TCSANOW)  # a pty or real tty must pass bytes untouched
+        state["transport"] = FdTransport(
+            loop, fd, Connection(daemon, "serial", serial=True), peername=address.path, serial=True,
+            on_close=lambda: loop.call_later(SERIAL_POLL_S, reopen),
+        )
+
+    def reopen() -> None:
+        # The session object is long-lived; only a hard device error gets here. Retry quietly.
+        try:
+            open_port()
+        except OSError as exc:
+            log.warning("serial %s: %s; retrying", address.path, exc)
+            loop.call_later(1.0, reopen)
+
+    open_port()
+
+    def closer() -> None:
+        state["closed"] = True
+        tr = state["transport"]
+        if tr is not None:
+            tr.close()
+
+    return Listener(address, closer)

@@ -1,0 +1,451 @@
+"""The protocol's machine-readable contract: message fields and every op.
+
+This module is the single source of truth. ``protocol/schema/v1.json`` is a
+snapshot of :func:`schema_document` (regenerate with ``python -m guestd.wire.schema``;
+a test fails when the two differ), and the daemon validates every request's
+``args`` against these specs, so documentation and behaviour cannot drift.
+
+Field types: ``str``, ``int``, ``uint``, ``float`` (ints accepted), ``bool``,
+``bin`` (msgpack bin), ``map<str,str>``, ``list<str>``, ``list<uint>``, ``map`` (any map),
+``enum(a|b)``, ``any``. A trailing ``?`` means nil is also allowed.
+Unknown fields are ignored by receivers (forward compatibility).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import sys
+from dataclasses import dataclass, field
+from typing import Any
+
+from guestd.wire.errors import ErrorCode, GuestdError
+
+PROTOCOL_VERSION = 1
+SUPPORTED_VERSIONS = (1,)
+
+_ENUM = re.compile(r"^enum\(([a-z0-9_|]+)\)$")
+
+
+@dataclass(frozen=True)
+class F:
+    """One field of a message."""
+
+    name: str
+    type: str
+    doc: str
+    required: bool = False
+    default: Any = None
+
+    def to_json(self) -> dict[str, Any]:
+        out: dict[str, Any] = {"type": self.type, "required": self.required, "doc": self.doc}
+        if self.default is not None:
+            out["default"] = self.default
+        return out
+
+
+@dataclass(frozen=True)
+class OpSpec:
+    name: str
+    capability: str
+    doc: str
+    args: tuple[F, ...] = ()
+    result: tuple[F, ...] = ()
+    events: tuple[F, ...] = ()  # fields of EVENT frames, when the op streams
+    input: tuple[F, ...] = ()  # fields of INPUT frames the op accepts
+    errors: tuple[str, ...] = ()
+    fields_by_name: dict[str, F] = field(default_factory=dict, compare=False, repr=False)
+
+    def __post_init__(self) -> None:
+        self.fields_by_name.update({f.name: f for f in self.args})
+
+    def to_json(self) -> dict[str, Any]:
+        out: dict[str, Any] = {
+            "capability": self.capability,
+            "doc": self.doc,
+            "args": {f.name: f.to_json() for f in self.args},
+            "result": {f.name: f.to_json() for f in self.result},
+        }
+        if self.events:
+            out["events"] = {f.name: f.to_json() for f in self.events}
+        if self.input:
+            out["input"] = {f.name: f.to_json() for f in self.input}
+        if self.errors:
+            out["errors"] = list(self.errors)
+        return out
+
+
+def _bad(name: str, want: str, got: Any) -> GuestdError:
+    return GuestdError(
+        ErrorCode.BAD_REQUEST,
+        f"field {name!r} must be {want}, got {type(got).__name__}",
+        details={"field": name},
+    )
+
+
+def check_value(name: str, typ: str, value: Any) -> Any:
+    """Validate one value against a schema type; returns it (ints widened to float)."""
+    if typ.endswith("?"):
+        if value is None:
+            return None
+        typ = typ[:-1]
+    if typ == "any":
+        return value
+    if typ == "str":
+        if not isinstance(value, str):
+            raise _bad(name, "a string", value)
+        return value
+    if typ in ("int", "uint"):
+        if not isinstance(value, int) or isinstance(value, bool):
+            raise _bad(name, "an integer", value)
+        if typ == "uint" and value < 0:
+            raise GuestdError(ErrorCode.BAD_REQUEST, f"field {name!r} must be >= 0", details={"field": name})
+        return value
+    if typ == "float":
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise _bad(name, "a number", value)
+        if value != value or value in (float("inf"), float("-inf")):
+            raise GuestdError(ErrorCode.BAD_REQUEST, f"field {name!r} must be finite", details={"field": name})
+        return float(value)
+    if typ == "bool":
+        if not isinstance(value, bool):
+            raise _bad(name, "a boolean", value)
+        return value
+    if typ == "bin":
+        if not isinstance(value, bytes):
+            raise _bad(name, "binary (msgpack bin)", value)
+        return value
+    if typ == "map":
+        if not isinstance(value, dict):
+            raise _bad(name, "a map", value)
+        return value
+    if typ == "map<str,str>":
+        if not isinstance(value, dict) or not all(
+            isinstance(k, str) and isinstance(v, str) for k, v in value.items()
+        ):
+            raise _bad(name, "a map of string to string", value)
+        return value
+    if typ == "list<uint>":
+        if not isinstance(value, list) or not all(
+            isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in value
+        ):
+            raise _bad(name, "a list of non-negative integers", value)
+        return value
+    if typ == "list<str>":
+        if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
+            raise _bad(name, "a list of strings", value)
+        return value
+    m = _ENUM.match(typ)
+    if m:
+        choices = m.group(1).split("|")
+        if value not in choices:
+            raise GuestdError(
+                ErrorCode.BAD_REQUEST,
+                f"field {name!r} must be one of {', '.join(choices)}",
+                details={"field": name},
+            )
+        return value
+    raise AssertionError(f"unknown schema type {typ}")
+
+
+def validate(fields: tuple[F, ...], body: dict[str, Any]) -> dict[str, Any]:
+    """Check required fields and types, fill defaults, drop unknown keys."""
+    out: dict[str, Any] = {}
+    for f in fields:
+        if f.name in body and not (body[f.name] is None and not f.type.endswith("?") and not f.required):
+            out[f.name] = check_value(f.name, f.type, body[f.name])
+        elif f.required:
+            raise GuestdError(
+                ErrorCode.BAD_REQUEST, f"missing required field {f.name!r}", details={"field": f.name}
+            )
+        else:
+            out[f.name] = f.default
+    return out
+
+
+# --------------------------------------------------------------------------- messages
+
+HELLO_CLIENT = (
+    F("versions", "list<uint>", "protocol versions the client speaks", True),
+    F("client", "str", "client name/version, for logs", default=""),
+    F("max_frame", "uint?", "largest payload the client accepts; the server never sends more"),
+    F("stream_window", "uint?", "initial stream credit the client grants per stream, both directions "
+      "(the server uses the smaller of this and its own limit)"),
+    F("token", "str?", "access token, when the server is configured with one"),
+)
+
+HELLO_SERVER = (
+    F("version", "uint", "the negotiated protocol version", True),
+    F("server", "str", "guestd/<package version>", True),
+    F("capabilities", "list<str>", "capability names (system, exec, files, ...)", True),
+    F("ops", "list<str>", "every op this server serves", True),
+    F("limits", "map", "name -> value of every limit (see PROTOCOL.md)", True),
+    F("stream_window", "uint", "negotiated initial credit per stream, bytes", True),
+    F("max_frame", "uint", "negotiated max payload the server will send", True),
+    F("boot_id", "str", "kernel boot id of the guest", True),
+    F("session", "str", "random id of this connection, for logs", True),
+)
+
+ERROR_BODY = (
+    F("code", "str", "stable error code", True),
+    F("message", "str", "human-readable text", True),
+    F("errno", "int?", "OS errno when an OS call failed"),
+    F("details", "map", "structured extras: field, limit, stage, path, ..."),
+)
+
+WINDOW_BODY = (F("bytes", "uint", "additional stream bytes the sender may now send", True),)
+CANCEL_BODY: tuple[F, ...] = ()
+
+# --------------------------------------------------------------------------- ops
+
+_OUTPUT_RESULT = (
+    F("exit_code", "int?", "exit status when the process exited normally"),
+    F("signal", "int?", "terminating signal number when killed by a signal"),
+    F("timed_out", "enum(wall|idle)?", "which timeout fired, nil when none did"),
+    F("stdout", "bin", "captured stdout (empty in stream mode)", True),
+    F("stderr", "bin", "captured stderr (empty in stream mode)", True),
+    F("stdout_bytes", "uint", "total bytes the process wrote to stdout", True),
+    F("stderr_bytes", "uint", "total bytes the process wrote to stderr", True),
+    F("stdout_dropped", "uint", "bytes of stdout not returned", True),
+    F("stderr_dropped", "uint", "bytes of stderr not returned", True),
+    F("stdout_gap_at", "uint?", "offset in stdout where the dropped bytes were cut out"),
+    F("stderr_gap_at", "uint?", "offset in stderr where the dropped bytes were cut out"),
+    F("duration_s", "float", "wall time from spawn to result", True),
+    F("pid", "int", "process id of the started process", True),
+)
+
+OPS: tuple[OpSpec, ...] = (
+    OpSpec(
+        "ping",
+        "system",
+        "Liveness check; answered inline, never queued behind other work.",
+        result=(F("t_ns", "int", "guest monotonic clock, ns", True),),
+    ),
+    OpSpec(
+        "info",
+        "system",
+        "Version, capabilities, limits, uptime and resource figures of the guest.",
+        result=(
+            F("version", "str", "guestd package version", True),
+            F("protocol_version", "uint", "negotiated protocol version", True),
+            F("capabilities", "list<str>", "capability names", True),
+            F("ops", "list<str>", "ops served", True),
+            F("limits", "map", "limit name -> value", True),
+            F("boot_id", "str", "kernel boot id", True),
+            F("pid", "int", "guestd pid", True),
+            F("uptime_s", "float", "seconds since guestd started", True),
+            F("host_uptime_s", "float", "seconds since the guest booted", True),
+            F("load", "any", "1/5/15-minute load averages", True),
+            F("memory", "map", "total, available, used (bytes)", True),
+            F("disk", "map", "total, used, free of the root filesystem (bytes)", True),
+            F("cpu_count", "int", "logical CPUs", True),
+            F("connections", "int", "open client connections", True),
+            F("hostname", "str", "guest hostname", True),
+        ),
+    ),
+    OpSpec(
+        "exec",
+        "exec",
+        "Run a process to completion with bounded output capture and timeouts that end the "
+        "whole process tree. Could-not-start failures (bad argv, bad cwd) are ERROR frames "
+        "with details.stage; a process that ran and failed is a RESPONSE with its exit status.",
+        args=(
+            F("argv", "list<str>?", "program and arguments (exactly one of argv / shell)"),
+            F("shell", "str?", "command string run by /bin/sh -c"),
+            F("cwd", "str?", "working directory (default: guestd's)"),
+            F("env", "map<str,str>?", "environment variables"),
+            F("env_mode", "enum(merge|replace)", "merge env into guestd's, or use env alone", default="merge"),
+            F("stdin", "bin?", "bytes fed to stdin, then closed; nil means /dev/null"),
+            F("stdin_stream", "bool", "stdin comes from INPUT frames (data / eof)", default=False),
+            F("timeout_s", "float?", "wall-clock timeout"),
+            F("idle_timeout_s", "float?", "timeout with no output on either stream"),
+            F("kill_grace_s", "float", "SIGTERM -> SIGKILL grace after a timeout", default=2.0),
+            F("max_output", "uint", "bytes kept per stream (<= limits.max_output)", default=65536),
+            F("capture", "enum(tail|head_tail)", "which bytes are kept when over max_output", default="tail"),
+            F("stream", "bool", "send output as EVENT frames as it arrives", default=False),
+            F("linger_s", "float", "after exit, how long to wait for pipes held by leftover children", default=0.5),
+        ),
+        result=_OUTPUT_RESULT,
+        events=(
+            F("ev", "enum(started|stdout|stderr)", "event type", True),
+            F("pid", "int", "started: process id"),
+            F("data", "bin", "stdout/stderr: next bytes of the stream"),
+        ),
+        input=(
+            F("data", "bin", "bytes to write to stdin (stdin_stream only; counts against the window)"),
+            F("eof", "bool", "close stdin"),
+            F("signal", "str", "signal name (TERM, INT, KILL, HUP, USR1, ...) for the process group"),
+        ),
+        errors=("bad_request", "not_found", "permission_denied", "not_a_directory", "limit", "too_large", "cancelled"),
+    ),
+    OpSpec(
+        "file.read",
+        "files",
+        "Read a whole file or a byte range in one reply (at most limits.max_read bytes).",
+        args=(
+            F("path", "str", "absolute path, or relative to guestd's cwd", True),
+            F("offset", "uint", "first byte", default=0),
+            F("length", "uint?", "bytes to read; nil reads to the end"),
+        ),
+        result=(
+            F("data", "bin", "the bytes", True),
+            F("size", "uint", "file size at the time of the read", True),
+            F("eof", "bool", "true when data reaches the end of the file", True),
+        ),
+        errors=("not_found", "is_a_directory", "permission_denied", "too_large"),
+    ),
+    OpSpec(
+        "file.write",
+        "files",
+        "Write a file from bytes in one request. overwrite is an atomic replace (temp file, "
+        "fsync, rename): readers see the old or the new file, never a mix, and a failure "
+        "leaves the old file untouched.",
+        args=(
+            F("path", "str", "target path", True),
+            F("data", "bin", "content", True),
+            F("flag", "enum(overwrite|create|append)", "overwrite (atomic replace), create (fail if it exists), append", default="overwrite"),
+            F("perm", "uint?", "permission bits for a new file (default 0o644; overwrite keeps the old file's)"),
+            F("parents", "bool", "create missing parent directories", default=False),
+        ),
+        result=(F("size", "uint", "file size after the write", True),),
+        errors=("not_found", "exists", "is_a_directory", "not_a_directory", "permission_denied", "no_space"),
+    ),
+    OpSpec(
+        "file.upload",
+        "files",
+        "Stream a file of any size into the guest: INPUT frames carry data, then eof. The "
+        "server grants credit with WINDOW frames (the initial credit is limits.stream_window). "
+        "Written to a temp file and renamed into place on eof, so it is atomic like file.write.",
+        args=(
+            F("path", "str", "target path", True),
+            F("flag", "enum(overwrite|create)", "replace atomically, or fail if it exists", default="overwrite"),
+            F("perm", "uint?", "permission bits (default 0o644)"),
+            F("parents", "bool", "create missing parent directories", default=False),
+            F("size", "uint?", "expected size; a mismatch at eof fails and keeps the old file"),
+        ),
+        result=(F("size", "uint", "bytes written", True),),
+        input=(F("data", "bin", "next bytes"), F("eof", "bool", "all data sent; commit the file")),
+        errors=("not_found", "exists", "is_a_directory", "permission_denied", "no_space", "bad_request", "limit"),
+    ),
+    OpSpec(
+        "file.download",
+        "files",
+        "Stream a file (or a range) out of the guest as EVENT frames, within the client's "
+        "WINDOW credit (initially limits.stream_window).",
+        args=(
+            F("path", "str", "source path", True),
+            F("offset", "uint", "first byte", default=0),
+            F("length", "uint?", "bytes to send; nil sends to the end"),
+            F("chunk", "uint?", "bytes per EVENT (<= limits.max_chunk)"),
+        ),
+        result=(F("bytes", "uint", "bytes sent", True), F("size", "uint", "file size at open", True)),
+        events=(
+            F("ev", "enum(start|data)", "event type", True),
+            F("size", "uint", "start: file size at open"),
+            F("data", "bin", "data: next bytes"),
+        ),
+        errors=("not_found", "is_a_directory", "permission_denied"),
+    ),
+    OpSpec(
+        "file.stat",
+        "files",
+        "Metadata of a path.",
+        args=(F("path", "str", "path", True), F("follow", "bool", "follow a final symlink", default=True)),
+        result=(
+            F("type", "enum(file|dir|symlink|fifo|socket|char|block|other)", "file type", True),
+            F("size", "uint", "bytes", True),
+            F("mode", "uint", "permission bits", True),
+            F("uid", "int", "owner", True),
+            F("gid", "int", "group", True),
+            F("mtime_ns", "int", "modification time, ns since the epoch", True),
+            F("target", "str?", "symlink target when type is symlink"),
+        ),
+        errors=("not_found", "permission_denied"),
+    ),
+    OpSpec(
+        "file.list",
+        "files",
+        "List a directory (sorted by name, at most max_entries).",
+        args=(
+            F("path", "str", "directory", True),
+            F("max_entries", "uint?", "cap (<= limits.max_list_entries)"),
+        ),
+        result=(
+            F("entries", "any", "list of {name, type, size, mode, mtime_ns}", True),
+            F("truncated", "bool", "true when more entries exist than were returned", True),
+        ),
+        errors=("not_found", "not_a_directory", "permission_denied"),
+    ),
+    OpSpec(
+        "file.mkdir",
+        "files",
+        "Create a directory.",
+        args=(
+            F("path", "str", "directory", True),
+            F("parents", "bool", "create missing parents, no error when it exists (mkdir -p)", default=True),
+            F("perm", "uint", "permission bits", default=0o755),
+        ),
+        result=(F("created", "bool", "false when it already existed", True),),
+        errors=("exists", "not_found", "not_a_directory", "permission_denied"),
+    ),
+    OpSpec(
+        "file.remove",
+        "files",
+        "Remove a file, symlink or empty directory; with recursive, a whole tree (symlinks are "
+        "removed, never followed).",
+        args=(F("path", "str", "path", True), F("recursive", "bool", "remove a directory tree", default=False)),
+        result=(F("removed", "uint", "entries removed", True),),
+        errors=("not_found", "not_empty", "permission_denied"),
+    ),
+    OpSpec(
+        "file.rename",
+        "files",
+        "Rename (move) a path atomically within one filesystem.",
+        args=(
+            F("src", "str", "existing path", True),
+            F("dst", "str", "new path", True),
+            F("overwrite", "bool", "replace an existing dst", default=True),
+        ),
+        errors=("not_found", "exists", "permission_denied", "is_a_directory", "not_a_directory"),
+    ),
+)
+
+OPS_BY_NAME = {op.name: op for op in OPS}
+
+
+def schema_document() -> dict[str, Any]:
+    from guestd.wire.frames import DEFAULT_MAX_FRAME, FRAME_VERSION, HEADER_SIZE, MAGIC, Kind
+
+    return {
+        "protocol_version": PROTOCOL_VERSION,
+        "frame": {
+            "header_size": HEADER_SIZE,
+            "layout": ["magic:2", "frame_version:u8", "kind:u8", "length:u32be", "id:u32be"],
+            "magic_hex": MAGIC.hex(),
+            "frame_version": FRAME_VERSION,
+            "default_max_frame": DEFAULT_MAX_FRAME,
+            "payload": "one msgpack map (str keys); bin for bytes; str is UTF-8",
+        },
+        "kinds": {k.name.lower(): int(k) for k in Kind},
+        "messages": {
+            "hello_client": {f.name: f.to_json() for f in HELLO_CLIENT},
+            "hello_server": {f.name: f.to_json() for f in HELLO_SERVER},
+            "request": {
+                "op": {"type": "str", "required": True, "doc": "op name"},
+                "args": {"type": "map", "required": False, "doc": "op arguments (see ops)"},
+            },
+            "error": {f.name: f.to_json() for f in ERROR_BODY},
+            "window": {f.name: f.to_json() for f in WINDOW_BODY},
+            "cancel": {},
+        },
+        "error_codes": [c.value for c in ErrorCode],
+        "ops": {op.name: op.to_json() for op in OPS},
+    }
+
+
+def schema_json() -> str:
+    return json.dumps(schema_document(), indent=2, sort_keys=True) + "\n"
+
+
+if __name__ == "__main__":
+    sys.stdout.write(schema_json())
