@@ -268,13 +268,15 @@ class AsyncClient:
     async def download(
         self, src: str, dst: str | None = None, *, offset: int = 0, length: int | None = None,
         max_bytes: int | None = None, progress: Progress | None = None, timeout: float = DEFAULT_TIMEOUT,
+        sink: Callable[[bytes], object] | None = None,
     ) -> bytes | int:
-        """Stream ``src`` to a local path (returns bytes written) or into memory (returns bytes).
+        """Stream ``src`` to a local path or ``sink`` (returns bytes written) or into memory (returns bytes).
 
         In-memory downloads are capped by ``max_bytes`` (default 256 MiB) so a
         hostile guest cannot exhaust host memory. ``timeout`` bounds each wait.
         """
-        cap = max_bytes if max_bytes is not None else (256 * 1024 * 1024 if dst is None else None)
+        to_memory = dst is None and sink is None
+        cap = max_bytes if max_bytes is not None else (256 * 1024 * 1024 if to_memory else None)
         args: dict[str, Any] = {"path": src, "offset": offset}
         if length is not None:
             args["length"] = length
@@ -301,6 +303,8 @@ class AsyncClient:
                     raise GuestProtocolError(f"download: guest sent {got} bytes, more than expected/allowed")
                 if out is not None:
                     out.write(data)
+                elif sink is not None:
+                    sink(data)
                 else:
                     buf += data
                 if progress is not None:
@@ -313,7 +317,7 @@ class AsyncClient:
                 os.replace(dst + ".part", dst)  # type: ignore[operator]
                 out = None
                 return got
-            return bytes(buf)
+            return bytes(buf) if to_memory else got
         except BaseException:
             self._conn._forget(call)
             if out is not None:

@@ -1,0 +1,233 @@
+"""guestctl: drive a guestd from a shell or script.
+
+    guestctl --connect ADDR [--json] ping | info
+    guestctl ... exec [--timeout S] [--idle-timeout S] [--cwd D] [--env K=V]... [--max-output N] -- ARGV...
+    guestctl ... sh 'COMMAND'
+    guestctl ... cp SRC DST          (the guest side is written :PATH)
+    guestctl ... cat :PATH | ls :PATH | rm [-r] :PATH
+
+exec/sh exit with the remote exit code (124 when a timeout fired, 128+N when killed by signal N).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import stat
+import sys
+from typing import Any
+
+from guestd.client.aio import AsyncClient
+from guestd.client.results import ExecResult
+from guestd.wire.errors import GuestdError
+
+DEFAULT_CONNECT = "unix:/run/guestd/guestd.sock"
+PROGRESS_MIN = 1024 * 1024
+
+
+def _remote(path: str) -> str | None:
+    return path[1:] if path.startswith(":") else None
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="guestctl", description="Talk to a guestd.")
+    p.add_argument(
+        "--connect", default=os.environ.get("GUESTD_CONNECT", DEFAULT_CONNECT),
+        help="unix:PATH, vsock:CID:PORT or fc:UDS_PATH:PORT (env GUESTD_CONNECT)",
+    )
+    p.add_argument("--json", action="store_true", help="print one JSON object")
+    p.add_argument("--token", default=os.environ.get("GUESTD_TOKEN"), help="access token (env GUESTD_TOKEN)")
+    p.add_argument("--connect-timeout", type=float, default=10.0)
+    sub = p.add_subparsers(dest="cmd", required=True)
+    sub.add_parser("ping", help="round trip")
+    sub.add_parser("info", help="guest and daemon facts")
+    for name in ("exec", "sh"):
+        e = sub.add_parser(name, help="run ARGV" if name == "exec" else "run a /bin/sh -c command")
+        e.add_argument("--timeout", type=float, default=None, help="wall-clock timeout, seconds")
+        e.add_argument("--idle-timeout", type=float, default=None, help="no-output timeout, seconds")
+        e.add_argument("--cwd", default=None)
+        e.add_argument("--env", action="append", default=[], metavar="K=V")
+        e.add_argument("--max-output", type=int, default=None, help="bytes kept per stream")
+        e.add_argument("--head-tail", action="store_true", help="keep both ends of long output")
+        e.add_argument("--stdin", action="store_true", help="send local stdin to the command")
+        if name == "exec":
+            e.add_argument("argv", nargs=argparse.REMAINDER, help="-- PROGRAM ARGS...")
+        else:
+            e.add_argument("command")
+    c = sub.add_parser("cp", help="copy a file in or out (:PATH is the guest side)")
+    c.add_argument("src")
+    c.add_argument("dst")
+    c.add_argument("--parents", action="store_true", help="create the destination's parents in the guest")
+    c.add_argument("--no-progress", action="store_true")
+    sub.add_parser("cat", help="print a guest file").add_argument("path")
+    sub.add_parser("ls", help="list a guest directory").add_argument("path")
+    r = sub.add_parser("rm", help="remove a guest path")
+    r.add_argument("-r", "--recursive", action="store_true")
+    r.add_argument("path")
+    return p
+
+
+def _print_json(obj: Any) -> None:
+    sys.stdout.write(json.dumps(obj, sort_keys=True) + "\n")
+
+
+def _print_exec(res: ExecResult) -> None:
+    sys.stdout.buffer.write(res.stdout)
+    sys.stdout.flush()
+    sys.stderr.buffer.write(res.stderr)
+    for name, dropped in (("stdout", res.stdout_dropped), ("stderr", res.stderr_dropped)):
+        if dropped:
+            print(f"guestctl: {name} truncated: {dropped} of {getattr(res, name + '_bytes')} bytes dropped", file=sys.stderr)
+    if res.timed_out:
+        print(f"guestctl: {res.timed_out} timeout fired; process tree killed", file=sys.stderr)
+    sys.stderr.flush()
+
+
+def _progress(total: int, desc: str, disabled: bool) -> Any:
+    if disabled or total < PROGRESS_MIN or not sys.stderr.isatty():
+        return None
+    from tqdm import tqdm
+
+    return tqdm(total=total, unit="B", unit_scale=True, unit_divisor=1024, desc=desc, file=sys.stderr)
+
+
+async def _cp(client: AsyncClient, ns: argparse.Namespace) -> dict[str, Any]:
+    rsrc, rdst = _remote(ns.src), _remote(ns.dst)
+    if (rsrc is None) == (rdst is None):
+        raise SystemExit("guestctl cp: exactly one of SRC and DST must be a guest path (:PATH)")
+    if rdst is not None:
+        local = ns.src
+        if not stat.S_ISREG(os.stat(local).st_mode):
+            raise SystemExit(f"guestctl cp: {local} is not a regular file")
+        size = os.path.getsize(local)
+        if rdst.endswith("/"):
+            rdst += os.path.basename(local)
+        bar = _progress(size, os.path.basename(local), ns.no_progress)
+        try:
+            sent = await client.upload(local, rdst, parents=ns.parents, progress=bar.update if bar else None)
+        finally:
+            if bar:
+                bar.close()
+        remote_size = (await client.stat(rdst)).size
+        if remote_size != size or sent != size:
+            raise GuestdError("io_error", f"size check failed: local {size}, sent {sent}, guest {remote_size}")
+        return {"direction": "upload", "src": local, "dst": rdst, "bytes": size}
+    assert rsrc is not None
+    local = ns.dst
+    if os.path.isdir(local):
+        local = os.path.join(local, os.path.basename(rsrc))
+    size = (await client.stat(rsrc)).size
+    bar = _progress(size, os.path.basename(rsrc), ns.no_progress)
+    try:
+        got = await client.download(rsrc, local, progress=bar.update if bar else None)
+    finally:
+        if bar:
+            bar.close()
+    if os.path.getsize(local) != got:
+        raise GuestdError("io_error", f"size check failed: received {got}, wrote {os.path.getsize(local)}")
+    return {"direction": "download", "src": rsrc, "dst": local, "bytes": got}
+
+
+async def run(ns: argparse.Namespace) -> int:
+    client = await AsyncClient.connect(ns.connect, timeout=ns.connect_timeout, token=ns.token)
+    try:
+        if ns.cmd == "ping":
+            loop = asyncio.get_running_loop()
+            t0 = loop.time()
+            await client.ping()
+            rtt_ms = (loop.time() - t0) * 1000
+            _print_json({"ok": True, "rtt_ms": rtt_ms}) if ns.json else print(f"pong {rtt_ms:.3f} ms")
+            return 0
+        if ns.cmd == "info":
+            info = await client.info()
+            if ns.json:
+                _print_json(info.raw)
+            else:
+                for k, v in sorted(info.raw.items()):
+                    print(f"{k}: {v}")
+            return 0
+        if ns.cmd in ("exec", "sh"):
+            if ns.cmd == "exec":
+                argv = ns.argv[1:] if ns.argv[:1] == ["--"] else ns.argv
+                if not argv:
+                    raise SystemExit("guestctl exec: give the command after --")
+                cmd: list[str] | str = argv
+            else:
+                cmd = ns.command
+            env = {}
+            for kv in ns.env:
+                k, sep, v = kv.partition("=")
+                if not sep or not k:
+                    raise SystemExit(f"guestctl: --env wants K=V, got {kv!r}")
+                env[k] = v
+            stdin = sys.stdin.buffer.read() if ns.stdin else None
+            res = await client.exec(
+                cmd, cwd=ns.cwd, env=env or None, stdin=stdin, timeout=ns.timeout,
+                idle_timeout=ns.idle_timeout, max_output=ns.max_output, head_tail=ns.head_tail,
+            )
+            if ns.json:
+                _print_json(res.to_json())
+            else:
+                _print_exec(res)
+            return res.shell_exit_code()
+        if ns.cmd == "cp":
+            out = await _cp(client, ns)
+            if ns.json:
+                _print_json(out)
+            return 0
+        path = _remote(ns.path)
+        if path is None:
+            raise SystemExit(f"guestctl {ns.cmd}: the guest path is written :PATH")
+        if ns.cmd == "cat":
+            if ns.json:
+                data = await client.download(path)
+                assert isinstance(data, bytes)
+                _print_json({"path": path, "data": data.decode("utf-8", "replace"), "bytes": len(data)})
+            else:
+                await client.download(path, sink=sys.stdout.buffer.write)
+                sys.stdout.flush()
+            return 0
+        if ns.cmd == "ls":
+            listing = await client.listdir(path)
+            if ns.json:
+                _print_json({"entries": [e.__dict__ for e in listing.entries], "truncated": listing.truncated})
+            else:
+                for e in listing.entries:
+                    print(f"{e.type:7} {e.mode:04o} {e.size:>12} {e.name}")
+                if listing.truncated:
+                    print("guestctl: listing truncated", file=sys.stderr)
+            return 0
+        if ns.cmd == "rm":
+            n = await client.remove(path, recursive=ns.recursive)
+            if ns.json:
+                _print_json({"removed": n})
+            return 0
+        raise SystemExit(f"unknown command {ns.cmd}")
+    finally:
+        await client.close()
+
+
+def main(argv: list[str] | None = None) -> int:
+    ns = build_parser().parse_args(argv)
+    try:
+        return asyncio.run(run(ns))
+    except GuestdError as err:
+        if ns.json:
+            _print_json({"error": err.to_body()})
+        else:
+            print(f"guestctl: error [{err.code}]: {err.message}", file=sys.stderr)
+        return 1
+    except (OSError, ValueError) as exc:
+        if ns.json:
+            _print_json({"error": {"code": "client_error", "message": str(exc)}})
+        else:
+            print(f"guestctl: {exc}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

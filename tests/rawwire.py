@@ -1,0 +1,63 @@
+"""A blocking, deliberately dumb peer for speaking raw frames to a real guestd."""
+
+from __future__ import annotations
+
+import socket
+from typing import Any
+
+from guestd.wire.frames import HEADER, HEADER_SIZE, MAGIC, Kind, encode_frame
+from guestd.wire.messages import decode_body
+
+
+class RawPeer:
+    def __init__(self, sock: socket.socket) -> None:
+        self.sock = sock
+        self.buf = b""
+
+    def send(self, kind: int, req_id: int, body: dict[str, Any]) -> None:
+        self.sock.sendall(encode_frame(kind, req_id, body))
+
+    def send_bytes(self, data: bytes) -> None:
+        self.sock.sendall(data)
+
+    def hello(self, versions: list[int] | None = None, **extra: Any) -> dict[str, Any]:
+        self.send(Kind.HELLO, 0, {"versions": versions or [1], "client": "rawpeer", **extra})
+        kind, _, body = self.recv()
+        assert kind == Kind.HELLO, body
+        return body
+
+    def request(self, req_id: int, op: str, args: dict[str, Any] | None = None) -> None:
+        self.send(Kind.REQUEST, req_id, {"op": op, "args": args or {}})
+
+    def _read(self, n: int) -> bytes:
+        while len(self.buf) < n:
+            chunk = self.sock.recv(1 << 20)
+            if not chunk:
+                raise EOFError("guestd closed the connection")
+            self.buf += chunk
+        out, self.buf = self.buf[:n], self.buf[n:]
+        return out
+
+    def recv(self) -> tuple[int, int, dict[str, Any]]:
+        magic, version, kind, length, req_id = HEADER.unpack(self._read(HEADER_SIZE))
+        assert magic == MAGIC and version == 1
+        return kind, req_id, decode_body(self._read(length))
+
+    def recv_final(self, req_id: int) -> tuple[int, dict[str, Any]]:
+        """Skip events and other ids until the final frame of ``req_id``."""
+        while True:
+            kind, rid, body = self.recv()
+            if rid == req_id and kind in (Kind.RESPONSE, Kind.ERROR):
+                return kind, body
+
+    def closed(self, timeout: float = 5.0) -> bool:
+        """True when guestd closes the connection (after sending whatever it sends)."""
+        self.sock.settimeout(timeout)
+        try:
+            while True:
+                if not self.sock.recv(65536):
+                    return True
+        except TimeoutError:
+            return False
+        except ConnectionResetError:
+            return True
