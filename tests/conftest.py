@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import resource
+import shutil
 import socket
 import subprocess
 import sys
@@ -72,17 +73,19 @@ def start_guestd(
     preexec: Callable[[], None] | None = None,
     user: int | None = None,
     listen: list[str] | None = None,
+    wrapper: list[str] | None = None,
 ) -> Guestd:
     sock_path = os.path.join(workdir, "guestd.sock")
     log_path = os.path.join(workdir, "guestd.log")
     r, w = os.pipe()
-    cmd = [sys.executable, "-m", "guestd", "--ready-fd", str(w), *args]
+    cmd = [*(wrapper or []), sys.executable, "-m", "guestd", "--ready-fd", str(w), *args]
     for addr in listen if listen is not None else [f"unix:{sock_path}"]:
         cmd += ["--listen", addr]
     with open(log_path, "ab") as log:
         proc = subprocess.Popen(
             cmd, stdout=log, stderr=log, stdin=subprocess.DEVNULL, pass_fds=(w,), cwd=workdir,
-            preexec_fn=preexec, user=user, env={**os.environ, "PYTHONPATH": REPO},
+            preexec_fn=preexec, user=user, group=user, extra_groups=[] if user is not None else None,
+            env={**os.environ, "PYTHONPATH": REPO},
         )
     os.close(w)
     with os.fdopen(r, "rb") as ready:
@@ -105,13 +108,12 @@ def guestd() -> Iterator[Guestd]:
 
 
 @pytest.fixture
-def fresh_guestd(tmp_path: object) -> Iterator[Callable[..., Guestd]]:
+def fresh_guestd() -> Iterator[Callable[..., Guestd]]:
     """Factory for a private daemon with extra arguments; stopped after the test."""
     started: list[Guestd] = []
 
     def make(*args: str, **kw: object) -> Guestd:
-        d = tempfile.mkdtemp(prefix="guestd-fresh-", dir=str(tmp_path))
-        os.chmod(d, 0o755)
+        d = tempfile.mkdtemp(prefix="guestd-fresh-")
         g = start_guestd(d, *args, **kw)  # type: ignore[arg-type]
         started.append(g)
         return g
@@ -119,12 +121,17 @@ def fresh_guestd(tmp_path: object) -> Iterator[Callable[..., Guestd]]:
     yield make
     for g in started:
         g.stop()
+        shutil.rmtree(g.workdir, ignore_errors=True)
 
 
 @pytest.fixture
 def client(guestd: Guestd) -> Iterator[Client]:
     with guestd.client() as c:
         yield c
+
+
+# Root without the capabilities that bypass file permissions: permission checks become real.
+NO_DAC = ["setpriv", "--bounding-set=-dac_override,-dac_read_search", "--inh-caps=-dac_override,-dac_read_search", "--"]
 
 
 def fsize_limit(nbytes: int) -> Callable[[], None]:

@@ -1,0 +1,189 @@
+"""files against a real guestd: every op, typed errors, atomicity under failure, large streams."""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import os
+import threading
+import time
+from collections.abc import Callable
+
+import pytest
+
+from guestd.client import AsyncClient, Client, GuestdError
+from tests.conftest import NO_DAC, Guestd, fsize_limit
+
+
+def err_code(fn: Callable[[], object]) -> str:
+    with pytest.raises(GuestdError) as ei:
+        fn()
+    return ei.value.code
+
+
+def test_write_read_stat_roundtrip(client: Client, tmp_path: object) -> None:
+    p = f"{tmp_path}/a.bin"
+    data = bytes(range(256)) * 100
+    assert client.write_file(p, data) == len(data)
+    assert client.read_file(p) == data
+    assert client.read_file(p, offset=10, length=5) == data[10:15]
+    st = client.stat(p)
+    assert (st.type, st.size, st.mode) == ("file", len(data), 0o644)
+    assert client.write_file(p, b"!!", flag="append") == len(data) + 2
+    assert client.read_file(p)[-2:] == b"!!"
+
+
+def test_write_modes_perm_and_parents(client: Client, tmp_path: object) -> None:
+    p = f"{tmp_path}/deep/er/file"
+    assert err_code(lambda: client.write_file(p, b"x")) == "not_found"
+    client.write_file(p, b"x", parents=True, perm=0o600)
+    assert client.stat(p).mode == 0o600
+    assert err_code(lambda: client.write_file(p, b"y", flag="create")) == "exists"
+    client.write_file(p, b"new")  # overwrite keeps the permission bits
+    assert client.stat(p).mode == 0o600 and client.read_file(p) == b"new"
+    assert not [n for n in os.listdir(os.path.dirname(p)) if "guestd-tmp" in n]
+
+
+def test_typed_errors(client: Client, tmp_path: object) -> None:
+    d = str(tmp_path)
+    open(f"{d}/f", "w").close()
+    assert err_code(lambda: client.read_file(f"{d}/missing")) == "not_found"
+    assert err_code(lambda: client.read_file(d)) == "is_a_directory"
+    assert err_code(lambda: client.write_file(d, b"x")) == "is_a_directory"
+    assert err_code(lambda: client.write_file(f"{d}/f/sub", b"x")) == "not_a_directory"
+    assert err_code(lambda: client.listdir(f"{d}/f")) == "not_a_directory"
+    assert err_code(lambda: client.mkdir(f"{d}/f", parents=False)) == "exists"
+    assert err_code(lambda: client.remove(f"{d}/nope")) == "not_found"
+    assert err_code(lambda: client.read_file("bad\0path")) == "bad_request"
+    assert err_code(lambda: client.rename(f"{d}/nope", f"{d}/x")) == "not_found"
+
+
+def test_read_cap_is_too_large_with_limit_name(client: Client, tmp_path: object) -> None:
+    p = f"{tmp_path}/big"
+    with open(p, "wb") as f:
+        f.truncate(client.aio.limits["max_read"] + 1)
+    with pytest.raises(GuestdError) as ei:
+        client.read_file(p)
+    assert ei.value.code == "too_large" and ei.value.details["limit"] == "max_read"
+    assert len(client.read_file(p, length=100)) == 100
+
+
+def test_list_mkdir_remove_rename(client: Client, tmp_path: object) -> None:
+    d = f"{tmp_path}/tree"
+    assert client.mkdir(f"{d}/a/b") is True
+    assert client.mkdir(f"{d}/a/b") is False
+    client.write_file(f"{d}/a/b/f1", b"1")
+    client.write_file(f"{d}/z", b"22")
+    os.symlink("z", f"{d}/link")
+    names = [(e.name, e.type) for e in client.listdir(d).entries]
+    assert names == [("a", "dir"), ("link", "symlink"), ("z", "file")]
+    listing = client.listdir(d, max_entries=1)
+    assert listing.truncated and len(listing.entries) == 1
+    assert client.stat(f"{d}/link", follow=False).target == "z"
+    assert err_code(lambda: client.remove(f"{d}/a")) == "not_empty"
+    assert client.remove(f"{d}/a", recursive=True) == 3
+    client.rename(f"{d}/z", f"{d}/y")
+    assert client.read_file(f"{d}/y") == b"22"
+    client.write_file(f"{d}/w", b"w")
+    assert err_code(lambda: client.rename(f"{d}/w", f"{d}/y", overwrite=False)) == "exists"
+    assert client.remove(f"{d}/link") == 1
+    assert os.path.exists(f"{d}/y")  # removing a symlink never touches its target
+
+
+def test_permission_denied(fresh_guestd: Callable[..., Guestd]) -> None:
+    g = fresh_guestd(wrapper=NO_DAC) if os.geteuid() == 0 else fresh_guestd()
+    with g.client() as c:
+        locked = os.path.join(g.workdir, "locked")
+        os.mkdir(locked, 0o000)
+        secret = os.path.join(g.workdir, "secret")
+        with open(secret, "w") as f:
+            f.write("s")
+        os.chmod(secret, 0o000)
+        assert err_code(lambda: c.read_file(secret)) == "permission_denied"
+        assert err_code(lambda: c.write_file(f"{locked}/f", b"x")) == "permission_denied"
+        assert err_code(lambda: c.listdir(locked)) == "permission_denied"
+        assert err_code(lambda: c.download(secret)) == "permission_denied"
+        with pytest.raises(GuestdError) as ei:
+            c.exec(["true"], cwd=locked + "/x")
+        assert ei.value.code == "permission_denied" and ei.value.details["stage"] == "cwd"
+        os.chmod(locked, 0o700)
+
+
+def test_atomic_write_under_a_real_write_failure(fresh_guestd: Callable[..., Guestd]) -> None:
+    # The daemon runs with RLIMIT_FSIZE = 1 MiB: a 2 MiB write fails with EFBIG halfway.
+    g = fresh_guestd(preexec=fsize_limit(1 << 20))
+    target = os.path.join(g.workdir, "precious")
+    with g.client() as c:
+        c.write_file(target, b"old content")
+        for attempt in (lambda: c.write_file(target, b"n" * (2 << 20)), lambda: c.upload(b"u" * (3 << 20), target)):
+            with pytest.raises(GuestdError) as ei:
+                attempt()
+            assert ei.value.code == "too_large" and ei.value.errno == 27  # EFBIG
+            assert c.read_file(target) == b"old content"
+        assert [n for n in os.listdir(g.workdir) if "guestd-tmp" in n] == []
+
+
+def test_upload_size_mismatch_and_drop_keep_old_file(guestd: Guestd, tmp_path: object) -> None:
+    target = f"{tmp_path}/keep"
+    with open(target, "wb") as f:
+        f.write(b"original")
+
+    async def go() -> None:
+        c = await AsyncClient.connect(guestd.address)
+        call = c._conn.start("file.upload", {"path": target, "size": 100})
+        await call.send_input({"data": b"x" * 10}, 10)
+        await call.send_input({"eof": True})
+        with pytest.raises(GuestdError) as ei:
+            await c._conn.wait(call, 10)
+        assert ei.value.code == "bad_request"
+        call = c._conn.start("file.upload", {"path": target})
+        await call.send_input({"data": b"y" * 1000}, 1000)
+        await c.close()  # connection dropped mid-upload
+
+    asyncio.run(go())
+    time.sleep(0.3)
+    assert open(target, "rb").read() == b"original"
+    assert [n for n in os.listdir(str(tmp_path)) if "guestd-tmp" in n] == []
+
+
+def test_concurrent_readers_never_see_a_partial_file(client: Client, tmp_path: object) -> None:
+    p = f"{tmp_path}/swap"
+    a, b = b"A" * 1_500_000, b"B" * 1_500_000
+    client.write_file(p, a)
+    stop = threading.Event()
+    bad: list[int] = []
+
+    def reader() -> None:
+        while not stop.is_set():
+            with open(p, "rb") as f:
+                data = f.read()
+            if data not in (a, b):
+                bad.append(len(data))
+
+    t = threading.Thread(target=reader)
+    t.start()
+    for i in range(20):
+        client.write_file(p, b if i % 2 == 0 else a)
+    stop.set()
+    t.join()
+    assert bad == []
+
+
+@pytest.mark.parametrize("size", [0, 1, 1 << 20, 64 << 20])
+def test_upload_download_roundtrip_with_checksum(client: Client, tmp_path: object, size: int) -> None:
+    src = f"{tmp_path}/src"
+    with open(src, "wb") as f:
+        f.write(os.urandom(min(size, 1 << 20)) * max(1, size >> 20) if size else b"")
+    want = hashlib.sha256(open(src, "rb").read()).hexdigest()
+    remote = f"{tmp_path}/remote/file"
+    assert client.upload(src, remote, parents=True) == size
+    back = f"{tmp_path}/back"
+    assert client.download(remote, back) == size
+    assert hashlib.sha256(open(back, "rb").read()).hexdigest() == want
+    part = client.download(remote, offset=size // 3, length=1000)
+    assert part == open(src, "rb").read()[size // 3 : size // 3 + 1000]
+
+
+def test_download_errors_are_typed(client: Client, tmp_path: object) -> None:
+    assert err_code(lambda: client.download(f"{tmp_path}/none")) == "not_found"
+    assert err_code(lambda: client.download(str(tmp_path))) == "is_a_directory"
