@@ -50,6 +50,9 @@ async def open_socket(address: Address, timeout: float) -> socket.socket:
         await asyncio.wait_for(loop.sock_connect(sock, target), timeout)
         if address.scheme == "fc":
             await asyncio.wait_for(_fc_handshake(loop, sock, address.port), timeout)
+    except asyncio.TimeoutError:
+        sock.close()
+        raise GuestdError(ErrorCode.TIMEOUT, f"connect to {address.scheme}: no answer within {timeout} s") from None
     except BaseException:
         sock.close()
         raise

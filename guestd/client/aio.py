@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import socket
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
@@ -88,6 +89,12 @@ class AsyncClient:
         sock = await open_socket(parse_address(address), timeout)
         conn = await ClientConnection.open(sock, timeout=timeout, token=token, max_frame=max_frame, stream_window=stream_window)
         return cls(conn, address)
+
+    @classmethod
+    async def from_socket(cls, sock: socket.socket, *, timeout: float = 10.0, token: str | None = None) -> AsyncClient:
+        """Speak the protocol over an already connected stream socket (e.g. a serial bridge)."""
+        sock.setblocking(False)
+        return cls(await ClientConnection.open(sock, timeout=timeout, token=token), f"socket:{sock.fileno()}")
 
     async def __aenter__(self) -> AsyncClient:
         return self

@@ -140,6 +140,9 @@ class ClientConnection(asyncio.Protocol):
             _, proto = await loop.create_connection(lambda: cls(max_frame, stream_window), sock=sock)
         try:
             await asyncio.wait_for(proto._handshake(token), timeout)
+        except asyncio.TimeoutError:
+            proto.close()
+            raise GuestdError(ErrorCode.TIMEOUT, f"no handshake reply within {timeout} s") from None
         except BaseException:
             proto.close()
             raise

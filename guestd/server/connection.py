@@ -31,6 +31,8 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("guestd.connection")
 
+SERIAL_STALL_S = 1.0
+
 
 class RequestContext:
     """What a handler sees of its request: stream sending with credit, input, cancel."""
@@ -118,6 +120,8 @@ class Connection(asyncio.Protocol):
         self._paused = False
         self._drain_waiters: list[asyncio.Future[None]] = []
         self._closing = False
+        self._last_fed = 0.0  # loop time of the last bytes, for serial stall detection
+        self._stall_handle: asyncio.TimerHandle | None = None
 
     # -- asyncio.Protocol -----------------------------------------------------------------
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
@@ -132,21 +136,38 @@ class Connection(asyncio.Protocol):
 
     def connection_lost(self, exc: Exception | None) -> None:
         self._closing = True
-        for ctx in list(self.inflight.values()):
-            if ctx.task is not None:
-                ctx.task.cancel()
-        self.inflight.clear()
+        if self._stall_handle is not None:
+            self._stall_handle.cancel()
+        self._cancel_all()
         self._wake_drainers()
         self.daemon.connection_closed(self)
 
-    def peer_reset(self) -> None:
-        """A serial peer went away: drop its requests and partial frame; await a new hello."""
+    def _cancel_all(self) -> None:
         for ctx in list(self.inflight.values()):
             if ctx.task is not None:
                 ctx.task.cancel()
         self.inflight.clear()
+
+    def peer_reset(self) -> None:
+        """A serial peer went away: drop its requests and partial frame; await a new hello."""
+        self._cancel_all()
         self.decoder.reset()
         self.version = None
+
+    def _stall_check(self) -> None:
+        # A partial frame with no bytes for SERIAL_STALL_S: its sender is gone (a host
+        # that disconnected mid-frame without the port reporting hang-up). Forget it so
+        # the next host's hello is not swallowed as the rest of the old frame.
+        self._stall_handle = None
+        if not self.decoder.buffered or self._closing:
+            return
+        loop = asyncio.get_running_loop()
+        quiet = loop.time() - self._last_fed
+        if quiet < SERIAL_STALL_S:
+            self._stall_handle = loop.call_later(SERIAL_STALL_S - quiet, self._stall_check)
+            return
+        log.warning("serial: dropped a %d-byte partial frame after %.1f s of silence", self.decoder.buffered, quiet)
+        self.decoder.reset()
 
     @property
     def write_paused(self) -> bool:
@@ -177,6 +198,14 @@ class Connection(asyncio.Protocol):
 
     def data_received(self, data: bytes) -> None:
         self.decoder.feed(data)
+        if self.serial:
+            loop = asyncio.get_running_loop()
+            self._last_fed = loop.time()
+            if self._stall_handle is None:
+                self._stall_handle = loop.call_later(SERIAL_STALL_S, self._stall_check)
+        self._drain_frames()
+
+    def _drain_frames(self) -> None:
         while not self._closing:
             try:
                 frame = self.decoder.next_frame()
@@ -270,8 +299,13 @@ class Connection(asyncio.Protocol):
 
     def _on_hello(self, frame: Frame) -> None:
         if self.version is not None:
-            self.send_error(0, GuestdError(ErrorCode.PROTOCOL_ERROR, "hello sent twice"))
-            return
+            if not self.serial:
+                self.send_error(0, GuestdError(ErrorCode.PROTOCOL_ERROR, "hello sent twice"))
+                return
+            # On a serial port a new hello means a new host session: drop the old one's requests.
+            log.info("serial: new host session")
+            self._cancel_all()
+            self.version = None
         try:
             hello = validate(HELLO_CLIENT, decode_body(frame.payload))
         except GuestdError as err:

@@ -194,6 +194,9 @@ class FdTransport(asyncio.Transport):
             return
         self._force_close(exc)
 
+    def set_write_buffer_limits(self, high: int | None = None, low: int | None = None) -> None:
+        pass  # fixed HIGH_WATER / LOW_WATER
+
     def get_write_buffer_size(self) -> int:
         return len(self._buf)
 
