@@ -1,0 +1,113 @@
+"""Golden test vectors: encoded frames with their decoded meaning.
+
+``python -m guestd.wire.vectors`` writes ``protocol/vectors/v1.json``. The file is
+checked in; tests decode every vector and re-encode it, so any change to the
+bytes on the wire shows up as a diff in review. In the JSON, binary values are
+written ``{"$bin": "<hex>"}``.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from typing import Any
+
+from guestd.wire.frames import HEADER, MAGIC, Kind, encode_frame
+
+VECTORS: list[dict[str, Any]] = [
+    {"name": "hello_client", "dir": "c2s", "kind": "hello", "id": 0,
+     "body": {"versions": [1], "client": "example/1.0", "max_frame": 4194304, "stream_window": 4194304}},
+    {"name": "hello_server", "dir": "s2c", "kind": "hello", "id": 0,
+     "body": {"version": 1, "server": "guestd/0.1.0", "capabilities": ["exec", "files", "system"],
+              "ops": ["exec", "ping"], "limits": {"max_frame": 4194304, "max_inflight": 4096},
+              "stream_window": 4194304, "max_frame": 4194304,
+              "boot_id": "2f1c0c1e-8d3a-4c39-9f51-1b7f0d6a5e21", "session": "9a8b7c6d5e4f3a2b"}},
+    {"name": "unsupported_version", "dir": "s2c", "kind": "error", "id": 0,
+     "body": {"code": "unsupported_version", "message": "no common protocol version; server speaks [1]",
+              "details": {"supported": [1]}}},
+    {"name": "ping_request", "dir": "c2s", "kind": "request", "id": 1, "body": {"op": "ping", "args": {}}},
+    {"name": "ping_response", "dir": "s2c", "kind": "response", "id": 1, "body": {"t_ns": 5123456789}},
+    {"name": "exec_request", "dir": "c2s", "kind": "request", "id": 2,
+     "body": {"op": "exec", "args": {"argv": ["sh", "-c", "echo hi; exit 3"], "cwd": "/workspace",
+                                     "env": {"LANG": "C.UTF-8"}, "timeout_s": 30.0, "max_output": 65536}}},
+    {"name": "exec_response", "dir": "s2c", "kind": "response", "id": 2,
+     "body": {"exit_code": 3, "signal": None, "timed_out": None, "stdout": b"hi\n", "stderr": b"",
+              "stdout_bytes": 3, "stderr_bytes": 0, "stdout_dropped": 0, "stderr_dropped": 0,
+              "stdout_gap_at": None, "stderr_gap_at": None, "duration_s": 0.0042, "pid": 4242}},
+    {"name": "exec_timeout_truncated_response", "dir": "s2c", "kind": "response", "id": 3,
+     "body": {"exit_code": None, "signal": 15, "timed_out": "wall", "stdout": b"99998\n99999\n", "stderr": b"",
+              "stdout_bytes": 588895, "stderr_bytes": 0, "stdout_dropped": 588883, "stderr_dropped": 0,
+              "stdout_gap_at": 0, "stderr_gap_at": None, "duration_s": 1.5, "pid": 4243}},
+    {"name": "exec_spawn_failed", "dir": "s2c", "kind": "error", "id": 4,
+     "body": {"code": "not_found", "message": "No such file or directory: /nonexistent", "errno": 2,
+              "details": {"stage": "spawn", "argv0": "/nonexistent"}}},
+    {"name": "exec_stream_request", "dir": "c2s", "kind": "request", "id": 5,
+     "body": {"op": "exec", "args": {"shell": "cat", "stream": True, "stdin_stream": True}}},
+    {"name": "exec_started_event", "dir": "s2c", "kind": "event", "id": 5, "body": {"ev": "started", "pid": 4244}},
+    {"name": "stdin_input", "dir": "c2s", "kind": "input", "id": 5, "body": {"data": b"hello\n"}},
+    {"name": "stdin_eof", "dir": "c2s", "kind": "input", "id": 5, "body": {"eof": True}},
+    {"name": "signal_input", "dir": "c2s", "kind": "input", "id": 5, "body": {"signal": "TERM"}},
+    {"name": "stdout_event", "dir": "s2c", "kind": "event", "id": 5, "body": {"ev": "stdout", "data": b"hello\n"}},
+    {"name": "window_grant", "dir": "c2s", "kind": "window", "id": 5, "body": {"bytes": 6}},
+    {"name": "cancel", "dir": "c2s", "kind": "cancel", "id": 5, "body": {}},
+    {"name": "cancelled_error", "dir": "s2c", "kind": "error", "id": 5,
+     "body": {"code": "cancelled", "message": "request cancelled"}},
+    {"name": "file_write_request", "dir": "c2s", "kind": "request", "id": 6,
+     "body": {"op": "file.write", "args": {"path": "/workspace/a.bin", "data": b"\x00\x01\x02\xff", "parents": True}}},
+    {"name": "file_write_response", "dir": "s2c", "kind": "response", "id": 6, "body": {"size": 4}},
+    {"name": "too_large_error", "dir": "s2c", "kind": "error", "id": 7,
+     "body": {"code": "too_large", "message": "frame of 4194314 bytes exceeds max_frame 4194304",
+              "details": {"limit": "max_frame", "value": 4194314}}},
+    {"name": "id_at_maximum", "dir": "c2s", "kind": "request", "id": 0xFFFFFFFF, "body": {"op": "ping", "args": {}}},
+]
+
+# Byte strings that are not valid frames, and what a decoder must do with them.
+BAD_STREAMS: list[dict[str, Any]] = [
+    {"name": "bad_magic", "hex": b"HTTP/1.1 200 OK\r\n".hex(), "expect": "framing_error"},
+    {"name": "bad_frame_version", "hex": (MAGIC + bytes([9, 2]) + bytes(8)).hex(), "expect": "framing_error"},
+    {"name": "oversize_request_header", "hex": HEADER.pack(MAGIC, 1, Kind.REQUEST, 4194305, 7).hex(),
+     "expect": "oversize", "max_frame": 4194304, "id": 7, "length": 4194305},
+    {"name": "payload_not_a_map", "hex": (HEADER.pack(MAGIC, 1, Kind.REQUEST, 1, 8) + b"\x90").hex(),
+     "expect": "bad_request", "id": 8},
+    {"name": "payload_not_msgpack", "hex": (HEADER.pack(MAGIC, 1, Kind.REQUEST, 1, 9) + b"\xc1").hex(),
+     "expect": "bad_request", "id": 9},
+]
+
+
+def to_json_value(v: Any) -> Any:
+    if isinstance(v, bytes):
+        return {"$bin": v.hex()}
+    if isinstance(v, dict):
+        return {k: to_json_value(x) for k, x in v.items()}
+    if isinstance(v, list):
+        return [to_json_value(x) for x in v]
+    return v
+
+
+def from_json_value(v: Any) -> Any:
+    if isinstance(v, dict):
+        if set(v) == {"$bin"}:
+            return bytes.fromhex(v["$bin"])
+        return {k: from_json_value(x) for k, x in v.items()}
+    if isinstance(v, list):
+        return [from_json_value(x) for x in v]
+    return v
+
+
+def document() -> dict[str, Any]:
+    frames = []
+    for v in VECTORS:
+        kind = Kind[v["kind"].upper()]
+        frames.append({**v, "body": to_json_value(v["body"]), "hex": encode_frame(kind, v["id"], v["body"]).hex()})
+    return {
+        "protocol_version": 1,
+        "notes": "hex = header + msgpack payload, encoded with map keys in the order listed. Key order is not "
+        "significant to receivers; a decoder must accept every vector, an encoder that keeps this order must "
+        "reproduce the bytes. Binary values are {\"$bin\": hex}.",
+        "frames": frames,
+        "bad_streams": BAD_STREAMS,
+    }
+
+
+if __name__ == "__main__":
+    sys.stdout.write(json.dumps(document(), indent=1) + "\n")

@@ -1,0 +1,87 @@
+"""guestctl as people and scripts use it: exit codes, --json fields, cp/cat/ls/rm."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+from tests.conftest import REPO, Guestd
+
+
+def guestctl(g: Guestd, *args: str, stdin: bytes | None = None) -> subprocess.CompletedProcess[bytes]:
+    return subprocess.run(
+        [sys.executable, "-m", "guestd.cli", "--connect", g.address, *args],
+        input=stdin, capture_output=True, timeout=120, env={**os.environ, "PYTHONPATH": REPO},
+    )
+
+
+def test_ping_and_info(guestd: Guestd) -> None:
+    r = guestctl(guestd, "ping")
+    assert r.returncode == 0 and r.stdout.startswith(b"pong")
+    info = json.loads(guestctl(guestd, "--json", "info").stdout)
+    assert info["pid"] == guestd.pid and "exec" in info["capabilities"]
+
+
+def test_exec_exit_codes_and_json(guestd: Guestd) -> None:
+    r = guestctl(guestd, "exec", "--", "sh", "-c", "echo out; echo err >&2; exit 5")
+    assert (r.returncode, r.stdout, r.stderr) == (5, b"out\n", b"err\n")
+    r = guestctl(guestd, "--json", "exec", "--max-output", "4", "--env", "A=b", "--", "sh", "-c", "echo $A-12345")
+    obj = json.loads(r.stdout)
+    for key in ("exit_code", "signal", "timed_out", "stdout", "stderr", "stdout_bytes", "stderr_bytes",
+                "stdout_dropped", "stderr_dropped", "duration_s"):
+        assert key in obj
+    assert obj["stdout"] == "345\n" and obj["stdout_bytes"] == 8 and obj["stdout_dropped"] == 4
+    assert r.returncode == 0
+
+
+def test_timeout_exits_124(guestd: Guestd) -> None:
+    r = guestctl(guestd, "--json", "sh", "--timeout", "0.3", "echo partial; sleep 30")
+    obj = json.loads(r.stdout)
+    assert r.returncode == 124 and obj["timed_out"] == "wall" and obj["stdout"] == "partial\n"
+    r = guestctl(guestd, "sh", "--idle-timeout", "0.3", "sleep 30")
+    assert r.returncode == 124 and b"idle timeout" in r.stderr
+
+
+def test_could_not_start_is_an_error(guestd: Guestd) -> None:
+    r = guestctl(guestd, "--json", "exec", "--cwd", "/nonexistent", "--", "true")
+    assert r.returncode == 1
+    err = json.loads(r.stdout)["error"]
+    assert err["code"] == "not_found" and err["details"]["stage"] == "cwd"
+
+
+def test_cp_both_ways_cat_ls_rm(guestd: Guestd, tmp_path: object) -> None:
+    src = f"{tmp_path}/local.bin"
+    data = os.urandom(3 << 20)
+    with open(src, "wb") as f:
+        f.write(data)
+    remote = f"{tmp_path}/guest/dir/remote.bin"
+    r = guestctl(guestd, "--json", "cp", "--parents", src, f":{remote}")
+    assert r.returncode == 0, r.stderr
+    assert json.loads(r.stdout)["bytes"] == len(data)
+    back = f"{tmp_path}/back.bin"
+    assert guestctl(guestd, "cp", f":{remote}", back).returncode == 0
+    assert open(back, "rb").read() == data
+    assert guestctl(guestd, "cat", f":{remote}").stdout == data
+    ls = json.loads(guestctl(guestd, "--json", "ls", f":{tmp_path}/guest/dir").stdout)
+    assert [e["name"] for e in ls["entries"]] == ["remote.bin"]
+    r = guestctl(guestd, "rm", f":{tmp_path}/guest")
+    assert r.returncode == 1 and b"not_empty" in r.stderr
+    assert guestctl(guestd, "rm", "-r", f":{tmp_path}/guest").returncode == 0
+    assert not os.path.exists(f"{tmp_path}/guest")
+    r = guestctl(guestd, "cp", src, back)
+    assert r.returncode != 0 and b":PATH" in r.stderr
+
+
+def test_stdin_is_forwarded(guestd: Guestd) -> None:
+    r = guestctl(guestd, "exec", "--stdin", "--", "wc", "-c", stdin=b"12345")
+    assert r.stdout.strip() == b"5"
+
+
+def test_unreachable_address_is_a_clean_error(tmp_path: object) -> None:
+    r = subprocess.run(
+        [sys.executable, "-m", "guestd.cli", "--connect", f"unix:{tmp_path}/none.sock", "ping"],
+        capture_output=True, timeout=60, env={**os.environ, "PYTHONPATH": REPO},
+    )
+    assert r.returncode == 1 and b"guestctl:" in r.stderr and b"Traceback" not in r.stderr

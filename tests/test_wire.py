@@ -1,0 +1,181 @@
+"""The sans-I/O codec against the checked-in contract: golden vectors, schema snapshot, properties."""
+
+from __future__ import annotations
+
+import json
+import os
+from typing import Any
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from guestd.capture import OutputCapture
+from guestd.wire.errors import GuestdError
+from guestd.wire.frames import Frame, FrameDecoder, FramingError, Kind, OversizeFrame, encode_frame
+from guestd.wire.messages import decode_body
+from guestd.wire.schema import OPS, schema_json, validate
+from guestd.wire.vectors import document, from_json_value
+
+PROTOCOL = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "protocol")
+
+
+def load(rel: str) -> Any:
+    with open(os.path.join(PROTOCOL, rel)) as f:
+        return json.load(f)
+
+
+VECTORS = load("vectors/v1.json")
+
+
+def test_schema_snapshot_matches_the_code() -> None:
+    with open(os.path.join(PROTOCOL, "schema/v1.json")) as f:
+        assert f.read() == schema_json(), "run: python -m guestd.wire.schema > protocol/schema/v1.json"
+
+
+def test_vectors_file_matches_the_generator() -> None:
+    assert VECTORS == json.loads(json.dumps(document()))
+
+
+@pytest.mark.parametrize("vec", VECTORS["frames"], ids=lambda v: v["name"])
+def test_vector_decodes_to_its_meaning(vec: dict[str, Any]) -> None:
+    raw = bytes.fromhex(vec["hex"])
+    dec = FrameDecoder()
+    for i in range(len(raw)):  # byte by byte: the worst split
+        dec.feed(raw[i : i + 1])
+        if i < len(raw) - 1:
+            assert dec.next_frame() is None
+    frame = dec.next_frame()
+    assert isinstance(frame, Frame)
+    assert frame.kind == Kind[vec["kind"].upper()] and frame.id == vec["id"]
+    assert decode_body(frame.payload) == from_json_value(vec["body"])
+
+
+@pytest.mark.parametrize("vec", VECTORS["frames"], ids=lambda v: v["name"])
+def test_vector_encodes_to_its_bytes(vec: dict[str, Any]) -> None:
+    body = from_json_value(vec["body"])
+    assert encode_frame(Kind[vec["kind"].upper()], vec["id"], body).hex() == vec["hex"]
+
+
+@pytest.mark.parametrize("vec", VECTORS["bad_streams"], ids=lambda v: v["name"])
+def test_bad_streams(vec: dict[str, Any]) -> None:
+    dec = FrameDecoder(vec.get("max_frame", 4 << 20))
+    dec.feed(bytes.fromhex(vec["hex"]))
+    if vec["expect"] == "framing_error":
+        with pytest.raises(FramingError):
+            dec.next_frame()
+        return
+    frame = dec.next_frame()
+    if vec["expect"] == "oversize":
+        assert frame == OversizeFrame(Kind.REQUEST, vec["id"], vec["length"])
+        return
+    assert isinstance(frame, Frame) and frame.id == vec["id"]
+    with pytest.raises(GuestdError) as ei:
+        decode_body(frame.payload)
+    assert ei.value.code == "bad_request"
+
+
+def test_oversize_body_is_skipped_without_buffering() -> None:
+    dec = FrameDecoder(max_frame=1000)
+    big = encode_frame(Kind.REQUEST, 3, {"op": "x", "pad": b"z" * 5000})
+    after = encode_frame(Kind.REQUEST, 4, {"op": "ping"})
+    dec.feed(big[:100])
+    assert isinstance(dec.next_frame(), OversizeFrame)
+    for i in range(100, len(big), 64):
+        dec.feed(big[i : i + 64])
+        assert dec.next_frame() is None
+        assert dec.buffered == 0  # nothing of the oversize body is kept
+    dec.feed(after)
+    frame = dec.next_frame()
+    assert isinstance(frame, Frame) and frame.id == 4
+
+
+def test_serial_resync_finds_the_next_header() -> None:
+    dec = FrameDecoder()
+    good = encode_frame(Kind.HELLO, 0, {"versions": [1]})
+    dec.feed(b"noise\x00\xffGD" + good)
+    with pytest.raises(FramingError):
+        dec.next_frame()
+    while True:
+        dec.resync()
+        try:
+            frame = dec.next_frame()
+            break
+        except FramingError:
+            continue
+    assert isinstance(frame, Frame) and frame.kind == Kind.HELLO
+
+
+msgpack_values = st.recursive(
+    st.none() | st.booleans() | st.integers(-(2**63), 2**64 - 1) | st.floats(allow_nan=False)
+    | st.text(max_size=20) | st.binary(max_size=64),
+    lambda children: st.lists(children, max_size=4) | st.dictionaries(st.text(max_size=8), children, max_size=4),
+    max_leaves=20,
+)
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    frames=st.lists(
+        st.tuples(st.sampled_from(list(Kind)), st.integers(0, 2**32 - 1), st.dictionaries(st.text(max_size=8), msgpack_values, max_size=5)),
+        min_size=1, max_size=6,
+    ),
+    cuts=st.lists(st.integers(1, 50), max_size=30),
+)
+def test_frames_round_trip_across_arbitrary_splits(frames: list[tuple[Kind, int, dict[str, Any]]], cuts: list[int]) -> None:
+    stream = b"".join(encode_frame(k, i, b) for k, i, b in frames)
+    dec = FrameDecoder()
+    out = []
+    pos = 0
+    for c in [*cuts, len(stream)]:
+        dec.feed(stream[pos : pos + c])
+        pos += c
+        while (f := dec.next_frame()) is not None:
+            assert isinstance(f, Frame)
+            out.append((f.kind, f.id, decode_body(f.payload)))
+    dec.feed(stream[pos:])
+    while (f := dec.next_frame()) is not None:
+        assert isinstance(f, Frame)
+        out.append((f.kind, f.id, decode_body(f.payload)))
+    assert out == [(int(k), i, b) for k, i, b in frames]
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    chunks=st.lists(st.binary(max_size=300), max_size=40),
+    limit=st.integers(0, 700),
+    mode=st.sampled_from(["tail", "head_tail"]),
+)
+def test_capture_keeps_exact_ends_and_counts(chunks: list[bytes], limit: int, mode: str) -> None:
+    cap = OutputCapture(limit, mode)
+    for c in chunks:
+        cap.feed(c)
+    full = b"".join(chunks)
+    data = cap.data()
+    assert cap.total == len(full)
+    assert len(data) == min(limit, len(full))
+    assert cap.dropped == len(full) - len(data)
+    if cap.dropped == 0:
+        assert data == full and cap.gap_at is None
+    else:
+        gap = cap.gap_at
+        assert gap is not None
+        assert data[:gap] == full[:gap]
+        assert data[gap:] == full[len(full) - (len(data) - gap) :]
+        assert gap == (limit // 2 if mode == "head_tail" else 0)
+
+
+def test_validate_fills_defaults_and_ignores_unknown_fields() -> None:
+    spec = {op.name: op for op in OPS}["exec"]
+    args = validate(spec.args, {"argv": ["true"], "from_the_future": 1})
+    assert args["max_output"] == 65536 and args["capture"] == "tail" and "from_the_future" not in args
+    with pytest.raises(GuestdError) as ei:
+        validate(spec.args, {"argv": ["true"], "max_output": True})
+    assert ei.value.details["field"] == "max_output"
+
+
+def test_every_op_documents_its_args_and_results() -> None:
+    for op in OPS:
+        assert op.doc and op.capability
+        for f in (*op.args, *op.result, *op.events, *op.input):
+            assert f.doc, f"{op.name}.{f.name} has no doc"
