@@ -12,7 +12,7 @@ from collections import deque
 
 
 class OutputCapture:
-    __slots__ = ("limit", "head_limit", "_head", "_tail", "_tail_len", "total")
+    __slots__ = ("_head", "_tail", "_tail_len", "head_limit", "limit", "total")
 
     def __init__(self, limit: int, mode: str = "tail") -> None:
         if limit < 0:

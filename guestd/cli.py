@@ -34,7 +34,8 @@ def _remote(path: str) -> str | None:
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="guestctl", description="Talk to a guestd.")
     p.add_argument(
-        "--connect", default=os.environ.get("GUESTD_CONNECT", DEFAULT_CONNECT),
+        "--connect",
+        default=os.environ.get("GUESTD_CONNECT", DEFAULT_CONNECT),
         help="unix:PATH, vsock:CID:PORT or fc:UDS_PATH:PORT (env GUESTD_CONNECT)",
     )
     p.add_argument("--json", action="store_true", help="print one JSON object")
@@ -79,7 +80,10 @@ def _print_exec(res: ExecResult) -> None:
     sys.stderr.buffer.write(res.stderr)
     for name, dropped in (("stdout", res.stdout_dropped), ("stderr", res.stderr_dropped)):
         if dropped:
-            print(f"guestctl: {name} truncated: {dropped} of {getattr(res, name + '_bytes')} bytes dropped", file=sys.stderr)
+            print(
+                f"guestctl: {name} truncated: {dropped} of {getattr(res, name + '_bytes')} bytes dropped",
+                file=sys.stderr,
+            )
     if res.timed_out:
         print(f"guestctl: {res.timed_out} timeout fired; process tree killed", file=sys.stderr)
     sys.stderr.flush()
@@ -126,7 +130,7 @@ async def _cp(client: AsyncClient, ns: argparse.Namespace) -> dict[str, Any]:
         if bar:
             bar.close()
     if os.path.getsize(local) != got:
-        raise GuestdError("io_error", f"size check failed: received {got}, wrote {os.path.getsize(local)}")
+        raise GuestdError("io_error", f"size check failed: received {got!r}, wrote {os.path.getsize(local)}")
     return {"direction": "download", "src": rsrc, "dst": local, "bytes": got}
 
 
@@ -164,8 +168,14 @@ async def run(ns: argparse.Namespace) -> int:
                 env[k] = v
             stdin = sys.stdin.buffer.read() if ns.stdin else None
             res = await client.exec(
-                cmd, cwd=ns.cwd, env=env or None, stdin=stdin, timeout=ns.timeout,
-                idle_timeout=ns.idle_timeout, max_output=ns.max_output, head_tail=ns.head_tail,
+                cmd,
+                cwd=ns.cwd,
+                env=env or None,
+                stdin=stdin,
+                timeout=ns.timeout,
+                idle_timeout=ns.idle_timeout,
+                max_output=ns.max_output,
+                head_tail=ns.head_tail,
             )
             if ns.json:
                 _print_json(res.to_json())

@@ -43,7 +43,9 @@ def alive(procs: list[psutil.Process]) -> list[psutil.Process]:
     return out
 
 
-async def kill_tree(pgid: int, known: list[psutil.Process], grace_s: float, is_done: asyncio.Event | None = None) -> None:
+async def kill_tree(
+    pgid: int, known: list[psutil.Process], grace_s: float, is_done: asyncio.Event | None = None
+) -> None:
     """SIGTERM the group and the known descendants, wait up to ``grace_s``, then SIGKILL.
 
     ``known`` must be collected before the leader dies: orphans are re-parented

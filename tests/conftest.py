@@ -83,8 +83,16 @@ def start_guestd(
         cmd += ["--listen", addr]
     with open(log_path, "ab") as log:
         proc = subprocess.Popen(
-            cmd, stdout=log, stderr=log, stdin=subprocess.DEVNULL, pass_fds=(w,), cwd=workdir,
-            preexec_fn=preexec, user=user, group=user, extra_groups=[] if user is not None else None,
+            cmd,
+            stdout=log,
+            stderr=log,
+            stdin=subprocess.DEVNULL,
+            pass_fds=(w,),
+            cwd=workdir,
+            preexec_fn=preexec,
+            user=user,
+            group=user,
+            extra_groups=[] if user is not None else None,
             env={**os.environ, "PYTHONPATH": REPO},
         )
     os.close(w)

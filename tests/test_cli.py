@@ -13,7 +13,10 @@ from tests.conftest import REPO, Guestd
 def guestctl(g: Guestd, *args: str, stdin: bytes | None = None) -> subprocess.CompletedProcess[bytes]:
     return subprocess.run(
         [sys.executable, "-m", "guestd.cli", "--connect", g.address, *args],
-        input=stdin, capture_output=True, timeout=120, env={**os.environ, "PYTHONPATH": REPO},
+        input=stdin,
+        capture_output=True,
+        timeout=120,
+        env={**os.environ, "PYTHONPATH": REPO},
     )
 
 
@@ -29,8 +32,18 @@ def test_exec_exit_codes_and_json(guestd: Guestd) -> None:
     assert (r.returncode, r.stdout, r.stderr) == (5, b"out\n", b"err\n")
     r = guestctl(guestd, "--json", "exec", "--max-output", "4", "--env", "A=b", "--", "sh", "-c", "echo $A-12345")
     obj = json.loads(r.stdout)
-    for key in ("exit_code", "signal", "timed_out", "stdout", "stderr", "stdout_bytes", "stderr_bytes",
-                "stdout_dropped", "stderr_dropped", "duration_s"):
+    for key in (
+        "exit_code",
+        "signal",
+        "timed_out",
+        "stdout",
+        "stderr",
+        "stdout_bytes",
+        "stderr_bytes",
+        "stdout_dropped",
+        "stderr_dropped",
+        "duration_s",
+    ):
         assert key in obj
     assert obj["stdout"] == "345\n" and obj["stdout_bytes"] == 8 and obj["stdout_dropped"] == 4
     assert r.returncode == 0
@@ -82,6 +95,8 @@ def test_stdin_is_forwarded(guestd: Guestd) -> None:
 def test_unreachable_address_is_a_clean_error(tmp_path: object) -> None:
     r = subprocess.run(
         [sys.executable, "-m", "guestd.cli", "--connect", f"unix:{tmp_path}/none.sock", "ping"],
-        capture_output=True, timeout=60, env={**os.environ, "PYTHONPATH": REPO},
+        capture_output=True,
+        timeout=60,
+        env={**os.environ, "PYTHONPATH": REPO},
     )
     assert r.returncode == 1 and b"guestctl:" in r.stderr and b"Traceback" not in r.stderr

@@ -61,7 +61,9 @@ def test_killed_by_signal(client: Client) -> None:
         ({"cmd": ["true"], "cwd": "/etc/hostname"}, "not_a_directory", "cwd"),
     ],
 )
-def test_could_not_start_is_an_error_not_an_exit_code(client: Client, kwargs: dict[str, object], code: str, stage: str) -> None:
+def test_could_not_start_is_an_error_not_an_exit_code(
+    client: Client, kwargs: dict[str, object], code: str, stage: str
+) -> None:
     cmd = kwargs.pop("cmd")
     with pytest.raises(GuestdError) as ei:
         client.exec(cmd, **kwargs)  # type: ignore[arg-type]
@@ -71,7 +73,8 @@ def test_could_not_start_is_an_error_not_an_exit_code(client: Client, kwargs: di
 
 
 def test_bad_arguments(client: Client) -> None:
-    for kwargs in ({"cmd": []}, {"cmd": ["true"], "timeout": -1}, {"cmd": ["a\0b"]}):
+    cases: list[dict[str, object]] = [{"cmd": []}, {"cmd": ["true"], "timeout": -1}, {"cmd": ["a\0b"]}]
+    for kwargs in cases:
         cmd = kwargs.pop("cmd")
         with pytest.raises(GuestdError) as ei:
             client.exec(cmd, **kwargs)  # type: ignore[arg-type]

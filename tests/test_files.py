@@ -115,7 +115,11 @@ def test_atomic_write_under_a_real_write_failure(fresh_guestd: Callable[..., Gue
     target = os.path.join(g.workdir, "precious")
     with g.client() as c:
         c.write_file(target, b"old content")
-        for attempt in (lambda: c.write_file(target, b"n" * (2 << 20)), lambda: c.upload(b"u" * (3 << 20), target)):
+        attempts: list[Callable[[], object]] = [
+            lambda: c.write_file(target, b"n" * (2 << 20)),
+            lambda: c.upload(b"u" * (3 << 20), target),
+        ]
+        for attempt in attempts:
             with pytest.raises(GuestdError) as ei:
                 attempt()
             assert ei.value.code == "too_large" and ei.value.errno == 27  # EFBIG

@@ -159,7 +159,7 @@ def test_max_inflight_is_a_typed_limit(fresh_guestd: object) -> None:
 def test_thousand_pings_in_flight_on_one_connection(peer: RawPeer) -> None:
     n = 1000
     peer.send_bytes(b"".join(encode_frame(Kind.REQUEST, i, {"op": "ping"}) for i in range(1, n + 1)))
-    seen = set()
+    seen: set[int] = set()
     while len(seen) < n:
         kind, rid, _ = peer.recv()
         assert kind == Kind.RESPONSE

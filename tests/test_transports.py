@@ -146,9 +146,9 @@ class SerialBridge:
 
     def _relay(self, s: socket.socket) -> None:
         while not self.stop.is_set():
-            r, _, _ = select.select([s, self.master], [], [], 0.2)
+            r, _, _ = select.select([s.fileno(), self.master], [], [], 0.2)
             for fd in r:
-                if fd is s:
+                if fd == s.fileno():
                     data = s.recv(65536)
                     if not data:
                         return

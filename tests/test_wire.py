@@ -34,7 +34,7 @@ def test_schema_snapshot_matches_the_code() -> None:
 
 
 def test_vectors_file_matches_the_generator() -> None:
-    assert VECTORS == json.loads(json.dumps(document()))
+    assert json.loads(json.dumps(document())) == VECTORS
 
 
 @pytest.mark.parametrize("vec", VECTORS["frames"], ids=lambda v: v["name"])
@@ -107,8 +107,12 @@ def test_serial_resync_finds_the_next_header() -> None:
 
 
 msgpack_values = st.recursive(
-    st.none() | st.booleans() | st.integers(-(2**63), 2**64 - 1) | st.floats(allow_nan=False)
-    | st.text(max_size=20) | st.binary(max_size=64),
+    st.none()
+    | st.booleans()
+    | st.integers(-(2**63), 2**64 - 1)
+    | st.floats(allow_nan=False)
+    | st.text(max_size=20)
+    | st.binary(max_size=64),
     lambda children: st.lists(children, max_size=4) | st.dictionaries(st.text(max_size=8), children, max_size=4),
     max_leaves=20,
 )
@@ -117,12 +121,19 @@ msgpack_values = st.recursive(
 @settings(max_examples=200, deadline=None)
 @given(
     frames=st.lists(
-        st.tuples(st.sampled_from(list(Kind)), st.integers(0, 2**32 - 1), st.dictionaries(st.text(max_size=8), msgpack_values, max_size=5)),
-        min_size=1, max_size=6,
+        st.tuples(
+            st.sampled_from(list(Kind)),
+            st.integers(0, 2**32 - 1),
+            st.dictionaries(st.text(max_size=8), msgpack_values, max_size=5),
+        ),
+        min_size=1,
+        max_size=6,
     ),
     cuts=st.lists(st.integers(1, 50), max_size=30),
 )
-def test_frames_round_trip_across_arbitrary_splits(frames: list[tuple[Kind, int, dict[str, Any]]], cuts: list[int]) -> None:
+def test_frames_round_trip_across_arbitrary_splits(
+    frames: list[tuple[Kind, int, dict[str, Any]]], cuts: list[int]
+) -> None:
     stream = b"".join(encode_frame(k, i, b) for k, i, b in frames)
     dec = FrameDecoder()
     out = []

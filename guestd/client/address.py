@@ -20,7 +20,7 @@ class Address:
 
 
 def parse_address(addr: str) -> Address:
-    scheme, sep, rest = addr.partition(":")
+    scheme, _sep, rest = addr.partition(":")
     try:
         if scheme == "unix" and rest:
             return Address("unix", path=rest)
@@ -41,7 +41,7 @@ async def open_socket(address: Address, timeout: float) -> socket.socket:
     loop = asyncio.get_running_loop()
     if address.scheme == "vsock":
         sock = socket.socket(socket.AF_VSOCK, socket.SOCK_STREAM)
-        target: object = (address.cid, address.port)
+        target: str | tuple[int, int] = (address.cid, address.port)
     else:
         sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         target = address.path
@@ -50,7 +50,7 @@ async def open_socket(address: Address, timeout: float) -> socket.socket:
         await asyncio.wait_for(loop.sock_connect(sock, target), timeout)
         if address.scheme == "fc":
             await asyncio.wait_for(_fc_handshake(loop, sock, address.port), timeout)
-    except asyncio.TimeoutError:
+    except TimeoutError:
         sock.close()
         raise GuestdError(ErrorCode.TIMEOUT, f"connect to {address.scheme}: no answer within {timeout} s") from None
     except BaseException:

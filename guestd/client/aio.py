@@ -8,7 +8,7 @@ import socket
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
-from guestd.client.address import parse_address, open_socket
+from guestd.client.address import open_socket, parse_address
 from guestd.client.connection import DEFAULT_WINDOW, Call, ClientConnection, GuestProtocolError
 from guestd.client.results import DirEntry, DirListing, ExecResult, FileStat, Info
 from guestd.wire.errors import ErrorCode, GuestdError
@@ -40,7 +40,7 @@ class ExecStream:
             left = None if deadline is None else max(0.0, deadline - loop.time())
             try:
                 ev = await asyncio.wait_for(self._call.next_event(), left)
-            except asyncio.TimeoutError:
+            except TimeoutError:
                 self._client._conn._forget(self._call)
                 raise GuestdError(ErrorCode.TIMEOUT, "exec stream: no result before the client deadline") from None
             if ev is None:
@@ -87,7 +87,9 @@ class AsyncClient:
         stream_window: int = DEFAULT_WINDOW,
     ) -> AsyncClient:
         sock = await open_socket(parse_address(address), timeout)
-        conn = await ClientConnection.open(sock, timeout=timeout, token=token, max_frame=max_frame, stream_window=stream_window)
+        conn = await ClientConnection.open(
+            sock, timeout=timeout, token=token, max_frame=max_frame, stream_window=stream_window
+        )
         return cls(conn, address)
 
     @classmethod
@@ -115,7 +117,9 @@ class AsyncClient:
         limits: dict[str, Any] = self.server_hello["limits"]
         return limits
 
-    async def call(self, op: str, args: dict[str, Any] | None = None, *, timeout: float | None = DEFAULT_TIMEOUT) -> dict[str, Any]:
+    async def call(
+        self, op: str, args: dict[str, Any] | None = None, *, timeout: float | None = DEFAULT_TIMEOUT
+    ) -> dict[str, Any]:
         """Send any op (including ones this client version has no method for)."""
         return await self._conn.request(op, args or {}, timeout)
 
@@ -130,9 +134,19 @@ class AsyncClient:
     # -- exec -------------------------------------------------------------------------------
     @staticmethod
     def _exec_args(
-        cmd: list[str] | str, *, cwd: str | None, env: dict[str, str] | None, replace_env: bool,
-        stdin: bytes | None, timeout: float | None, idle_timeout: float | None, max_output: int | None,
-        head_tail: bool, kill_grace: float | None, stream: bool, stdin_stream: bool = False,
+        cmd: list[str] | str,
+        *,
+        cwd: str | None,
+        env: dict[str, str] | None,
+        replace_env: bool,
+        stdin: bytes | None,
+        timeout: float | None,
+        idle_timeout: float | None,
+        max_output: int | None,
+        head_tail: bool,
+        kill_grace: float | None,
+        stream: bool,
+        stdin_stream: bool = False,
     ) -> dict[str, Any]:
         args: dict[str, Any] = {"shell": cmd} if isinstance(cmd, str) else {"argv": list(cmd)}
         if cwd is not None:
@@ -160,7 +174,9 @@ class AsyncClient:
         return args
 
     @staticmethod
-    def _exec_deadline(timeout: float | None, idle_timeout: float | None, kill_grace: float | None, client_timeout: float | None) -> float | None:
+    def _exec_deadline(
+        timeout: float | None, idle_timeout: float | None, kill_grace: float | None, client_timeout: float | None
+    ) -> float | None:
         if client_timeout is not None:
             return client_timeout
         if timeout is None:
@@ -189,8 +205,17 @@ class AsyncClient:
         ``client_timeout`` (default: one hour) and cancels the command.
         """
         args = self._exec_args(
-            cmd, cwd=cwd, env=env, replace_env=replace_env, stdin=stdin, timeout=timeout,
-            idle_timeout=idle_timeout, max_output=max_output, head_tail=head_tail, kill_grace=kill_grace, stream=False,
+            cmd,
+            cwd=cwd,
+            env=env,
+            replace_env=replace_env,
+            stdin=stdin,
+            timeout=timeout,
+            idle_timeout=idle_timeout,
+            max_output=max_output,
+            head_tail=head_tail,
+            kill_grace=kill_grace,
+            stream=False,
         )
         deadline = self._exec_deadline(timeout, idle_timeout, kill_grace, client_timeout)
         return ExecResult.from_body(await self._conn.request("exec", args, deadline))
@@ -209,14 +234,26 @@ class AsyncClient:
         client_timeout: float | None = None,
     ) -> ExecStream:
         args = self._exec_args(
-            cmd, cwd=cwd, env=env, replace_env=False, stdin=stdin, timeout=timeout, idle_timeout=idle_timeout,
-            max_output=None, head_tail=False, kill_grace=kill_grace, stream=True, stdin_stream=stdin_stream,
+            cmd,
+            cwd=cwd,
+            env=env,
+            replace_env=False,
+            stdin=stdin,
+            timeout=timeout,
+            idle_timeout=idle_timeout,
+            max_output=None,
+            head_tail=False,
+            kill_grace=kill_grace,
+            stream=True,
+            stdin_stream=stdin_stream,
         )
         call = self._conn.start("exec", args)
         return ExecStream(self, call, self._exec_deadline(timeout, idle_timeout, kill_grace, client_timeout))
 
     # -- files ----------------------------------------------------------------------------
-    async def read_file(self, path: str, *, offset: int = 0, length: int | None = None, timeout: float = DEFAULT_TIMEOUT) -> bytes:
+    async def read_file(
+        self, path: str, *, offset: int = 0, length: int | None = None, timeout: float = DEFAULT_TIMEOUT
+    ) -> bytes:
         args: dict[str, Any] = {"path": path, "offset": offset}
         if length is not None:
             args["length"] = length
@@ -226,8 +263,14 @@ class AsyncClient:
         return data
 
     async def write_file(
-        self, path: str, data: bytes | str, *, flag: str = "overwrite", perm: int | None = None,
-        parents: bool = False, timeout: float = DEFAULT_TIMEOUT,
+        self,
+        path: str,
+        data: bytes | str,
+        *,
+        flag: str = "overwrite",
+        perm: int | None = None,
+        parents: bool = False,
+        timeout: float = DEFAULT_TIMEOUT,
     ) -> int:
         if isinstance(data, str):
             data = data.encode()
@@ -237,8 +280,15 @@ class AsyncClient:
         return int((await self._conn.request("file.write", args, timeout))["size"])
 
     async def upload(
-        self, src: str | bytes, dst: str, *, perm: int | None = None, parents: bool = False,
-        exclusive: bool = False, progress: Progress | None = None, timeout: float = DEFAULT_TIMEOUT,
+        self,
+        src: str | bytes,
+        dst: str,
+        *,
+        perm: int | None = None,
+        parents: bool = False,
+        exclusive: bool = False,
+        progress: Progress | None = None,
+        timeout: float = DEFAULT_TIMEOUT,
     ) -> int:
         """Stream a local file (path) or bytes to ``dst`` atomically. ``timeout`` bounds each chunk's wait."""
         if isinstance(src, bytes):
@@ -248,8 +298,14 @@ class AsyncClient:
         else:
             f = open(src, "rb")  # noqa: SIM115 - closed in finally
             size = os.fstat(f.fileno()).st_size
-            chunks = iter(lambda: f.read(UPLOAD_CHUNK), b"")  # type: ignore[union-attr]
-        args: dict[str, Any] = {"path": dst, "parents": parents, "size": size, "flag": "create" if exclusive else "overwrite"}
+            reader = f
+            chunks = iter(lambda: reader.read(UPLOAD_CHUNK), b"")
+        args: dict[str, Any] = {
+            "path": dst,
+            "parents": parents,
+            "size": size,
+            "flag": "create" if exclusive else "overwrite",
+        }
         if perm is not None:
             args["perm"] = perm
         call = self._conn.start("file.upload", args)
@@ -273,8 +329,15 @@ class AsyncClient:
         return sent
 
     async def download(
-        self, src: str, dst: str | None = None, *, offset: int = 0, length: int | None = None,
-        max_bytes: int | None = None, progress: Progress | None = None, timeout: float = DEFAULT_TIMEOUT,
+        self,
+        src: str,
+        dst: str | None = None,
+        *,
+        offset: int = 0,
+        length: int | None = None,
+        max_bytes: int | None = None,
+        progress: Progress | None = None,
+        timeout: float = DEFAULT_TIMEOUT,
         sink: Callable[[bytes], object] | None = None,
     ) -> bytes | int:
         """Stream ``src`` to a local path or ``sink`` (returns bytes written) or into memory (returns bytes).
@@ -288,7 +351,8 @@ class AsyncClient:
         if length is not None:
             args["length"] = length
         call = self._conn.start("file.download", args)
-        out = open(dst + ".part", "wb") if dst is not None else None  # noqa: SIM115
+        part = dst + ".part" if dst is not None else None
+        out = open(part, "wb") if part is not None else None  # noqa: SIM115
         buf = bytearray()
         got = 0
         expected: int | None = None
@@ -321,7 +385,8 @@ class AsyncClient:
                 raise GuestProtocolError(f"download: guest reports {result['bytes']} bytes, received {got}")
             if out is not None:
                 out.close()
-                os.replace(dst + ".part", dst)  # type: ignore[operator]
+                assert part is not None and dst is not None
+                os.replace(part, dst)
                 out = None
                 return got
             return bytes(buf) if to_memory else got
@@ -329,7 +394,8 @@ class AsyncClient:
             self._conn._forget(call)
             if out is not None:
                 out.close()
-                os.unlink(dst + ".part")  # type: ignore[operator]
+                assert part is not None
+                os.unlink(part)
                 out = None
             raise
 
@@ -345,7 +411,9 @@ class AsyncClient:
                 return False
             raise
 
-    async def listdir(self, path: str, *, max_entries: int | None = None, timeout: float = DEFAULT_TIMEOUT) -> DirListing:
+    async def listdir(
+        self, path: str, *, max_entries: int | None = None, timeout: float = DEFAULT_TIMEOUT
+    ) -> DirListing:
         args: dict[str, Any] = {"path": path}
         if max_entries is not None:
             args["max_entries"] = max_entries
@@ -361,11 +429,19 @@ class AsyncClient:
                 raise GuestProtocolError("file.list: malformed entry") from None
         return DirListing(out, bool(b["truncated"]))
 
-    async def mkdir(self, path: str, *, parents: bool = True, perm: int = 0o755, timeout: float = DEFAULT_TIMEOUT) -> bool:
-        return bool((await self._conn.request("file.mkdir", {"path": path, "parents": parents, "perm": perm}, timeout))["created"])
+    async def mkdir(
+        self, path: str, *, parents: bool = True, perm: int = 0o755, timeout: float = DEFAULT_TIMEOUT
+    ) -> bool:
+        return bool(
+            (await self._conn.request("file.mkdir", {"path": path, "parents": parents, "perm": perm}, timeout))[
+                "created"
+            ]
+        )
 
     async def remove(self, path: str, *, recursive: bool = False, timeout: float = DEFAULT_TIMEOUT) -> int:
-        return int((await self._conn.request("file.remove", {"path": path, "recursive": recursive}, timeout))["removed"])
+        return int(
+            (await self._conn.request("file.remove", {"path": path, "recursive": recursive}, timeout))["removed"]
+        )
 
     async def rename(self, src: str, dst: str, *, overwrite: bool = True, timeout: float = DEFAULT_TIMEOUT) -> None:
         await self._conn.request("file.rename", {"src": src, "dst": dst, "overwrite": overwrite}, timeout)

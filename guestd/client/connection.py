@@ -38,7 +38,7 @@ class ConnectionClosed(GuestdError):
 class Call:
     """One request in flight. Streams queue their events here within our credit."""
 
-    __slots__ = ("conn", "id", "op", "future", "events", "unacked", "queued_small", "input_credit", "input_event")
+    __slots__ = ("conn", "events", "future", "id", "input_credit", "input_event", "op", "queued_small", "unacked")
 
     def __init__(self, conn: ClientConnection, req_id: int, op: str) -> None:
         self.conn = conn
@@ -130,8 +130,13 @@ class ClientConnection(asyncio.Protocol):
     # -- set-up ---------------------------------------------------------------------
     @classmethod
     async def open(
-        cls, sock: socket.socket, *, timeout: float, token: str | None = None,
-        max_frame: int = DEFAULT_MAX_FRAME, stream_window: int = DEFAULT_WINDOW,
+        cls,
+        sock: socket.socket,
+        *,
+        timeout: float,
+        token: str | None = None,
+        max_frame: int = DEFAULT_MAX_FRAME,
+        stream_window: int = DEFAULT_WINDOW,
     ) -> ClientConnection:
         loop = asyncio.get_running_loop()
         if sock.family == socket.AF_UNIX:
@@ -140,7 +145,7 @@ class ClientConnection(asyncio.Protocol):
             _, proto = await loop.create_connection(lambda: cls(max_frame, stream_window), sock=sock)
         try:
             await asyncio.wait_for(proto._handshake(token), timeout)
-        except asyncio.TimeoutError:
+        except TimeoutError:
             proto.close()
             raise GuestdError(ErrorCode.TIMEOUT, f"no handshake reply within {timeout} s") from None
         except BaseException:
@@ -287,9 +292,11 @@ class ClientConnection(asyncio.Protocol):
         """Await the final reply; on our deadline cancel the request in the guest too."""
         try:
             return await asyncio.wait_for(asyncio.shield(call.future), timeout)
-        except asyncio.TimeoutError:
+        except TimeoutError:
             self._forget(call)
-            raise GuestdError(ErrorCode.TIMEOUT, f"{call.op}: no reply within {timeout} s (request cancelled)") from None
+            raise GuestdError(
+                ErrorCode.TIMEOUT, f"{call.op}: no reply within {timeout} s (request cancelled)"
+            ) from None
         except asyncio.CancelledError:
             self._forget(call)
             raise

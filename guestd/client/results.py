@@ -74,7 +74,7 @@ class FileStat:
 
     @classmethod
     def from_body(cls, b: dict[str, Any]) -> FileStat:
-        return cls(**{k: b.get(k) for k in cls.__dataclass_fields__})
+        return cls(b["type"], b["size"], b["mode"], b["uid"], b["gid"], b["mtime_ns"], b.get("target"))
 
 
 @dataclass(frozen=True)

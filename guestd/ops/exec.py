@@ -67,7 +67,9 @@ def spawn(args: dict[str, Any], stdin_pipe: bool) -> subprocess.Popen[bytes]:
             raise GuestdError.from_os_error(exc, stage="cwd", cwd=cwd) from None
         if not os.path.isdir(cwd) or not st:
             raise GuestdError(
-                ErrorCode.NOT_A_DIRECTORY, f"cwd is not a directory: {cwd}", errno=errno.ENOTDIR,
+                ErrorCode.NOT_A_DIRECTORY,
+                f"cwd is not a directory: {cwd}",
+                errno=errno.ENOTDIR,
                 details={"stage": "cwd", "cwd": cwd},
             )
     try:
@@ -92,7 +94,9 @@ def spawn(args: dict[str, Any], stdin_pipe: bool) -> subprocess.Popen[bytes]:
 class ExecRun:
     """One running exec: pipes, exit, timeouts, streaming credit."""
 
-    def __init__(self, ctx: RequestContext, args: dict[str, Any], proc: subprocess.Popen[bytes], daemon: Daemon) -> None:
+    def __init__(
+        self, ctx: RequestContext, args: dict[str, Any], proc: subprocess.Popen[bytes], daemon: Daemon
+    ) -> None:
         self.ctx = ctx
         self.reaper = daemon.reaper
         self.args = args
@@ -235,9 +239,7 @@ class ExecRun:
     def kill(self) -> None:
         if self.kill_task is None:
             known = descendants(self.pid)
-            self.kill_task = self.loop.create_task(
-                kill_tree(self.pid, known, self.args["kill_grace_s"], self.exited)
-            )
+            self.kill_task = self.loop.create_task(kill_tree(self.pid, known, self.args["kill_grace_s"], self.exited))
 
     def signal(self, sig: int) -> None:
         signal_group(self.pid, sig)
@@ -255,7 +257,7 @@ class ExecRun:
                 linger += self.args["kill_grace_s"]
             try:
                 await asyncio.wait_for(self.pipes_done.wait(), linger)
-            except asyncio.TimeoutError:
+            except TimeoutError:
                 pass
         # Whatever is still readable right now belongs to the result.
         for which in list(self.open_fds):
@@ -319,6 +321,11 @@ class ExecRun:
                     pass
 
 
+def _set_if_pending(fut: asyncio.Future[None]) -> None:
+    if not fut.done():
+        fut.set_result(None)
+
+
 async def _write_all(loop: asyncio.AbstractEventLoop, fd: int, data: bytes) -> None:
     view = memoryview(data)
     while view:
@@ -329,7 +336,7 @@ async def _write_all(loop: asyncio.AbstractEventLoop, fd: int, data: bytes) -> N
         except BlockingIOError:
             pass
         fut: asyncio.Future[None] = loop.create_future()
-        loop.add_writer(fd, lambda: fut.done() or fut.set_result(None))
+        loop.add_writer(fd, _set_if_pending, fut)
         try:
             await fut
         finally:
@@ -413,7 +420,9 @@ def register(daemon: Daemon) -> None:
             if run.stream:
                 ctx.conn.send(5, ctx.id, {"ev": "started", "pid": run.pid})
             if stdin_pipe:
-                helpers.append(run.loop.create_task(_feed_stdin(run, args["stdin"] if not args["stdin_stream"] else None)))
+                helpers.append(
+                    run.loop.create_task(_feed_stdin(run, args["stdin"] if not args["stdin_stream"] else None))
+                )
             else:
                 helpers.append(run.loop.create_task(_relay_signals(run)))
             return await run.wait()

@@ -6,6 +6,8 @@ or stuck disk can delay file ops but never ping or exec.
 
 from __future__ import annotations
 
+import ctypes
+import errno
 import os
 import secrets
 import shutil
@@ -61,9 +63,7 @@ def read_range(path: str, offset: int, length: int | None, max_read: int) -> dic
         size = info.st_size
         want = max(0, size - offset) if length is None else length
         if want > max_read:
-            raise too_large(
-                "max_read", want, f"read of {want} bytes exceeds max_read {max_read}; use file.download"
-            )
+            raise too_large("max_read", want, f"read of {want} bytes exceeds max_read {max_read}; use file.download")
         data = os.pread(fd, want, offset) if want else b""
         return {"data": data, "size": size, "eof": offset + len(data) >= size}
     finally:
@@ -152,7 +152,9 @@ def write_whole(path: str, data: bytes, flag: str, perm: int | None, parents: bo
     if flag == "append":
         if parents:
             os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-        fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_CLOEXEC, DEFAULT_PERM if perm is None else perm)
+        fd = os.open(
+            path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_CLOEXEC, DEFAULT_PERM if perm is None else perm
+        )
         try:
             view = memoryview(data)
             while view:
@@ -190,7 +192,7 @@ def list_dir(path: str, cap: int) -> dict[str, Any]:
     entries: list[dict[str, Any]] = []
     truncated = False
     with os.scandir(path) as it:
-        names = []
+        names: list[os.DirEntry[str]] = []
         for e in it:
             if len(names) >= cap:
                 truncated = True
@@ -241,12 +243,32 @@ def remove_path(path: str, recursive: bool) -> dict[str, Any]:
     return {"removed": 1}
 
 
-def rename_path(src: str, dst: str, overwrite: bool) -> dict[str, Any]:
-    if not overwrite:
-        # Best effort: a racing creator between this check and the rename can still be replaced.
-        if os.path.lexists(dst):
-            raise GuestdError(ErrorCode.EXISTS, f"already exists: {dst}", details={"path": dst})
+_AT_FDCWD = -100
+_RENAME_NOREPLACE = 1
+
+
+def _rename_noreplace(src: str, dst: str) -> None:
+    """renameat2(RENAME_NOREPLACE): atomic, never clobbers. Falls back where unsupported."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    fn = getattr(libc, "renameat2", None)
+    if fn is not None:
+        if fn(_AT_FDCWD, os.fsencode(src), _AT_FDCWD, os.fsencode(dst), _RENAME_NOREPLACE) == 0:
+            return
+        err = ctypes.get_errno()
+        if err not in (errno.ENOSYS, errno.EINVAL):
+            raise OSError(err, os.strerror(err), dst if err == errno.EEXIST else src)
+    if os.path.lexists(dst):  # best effort on filesystems without RENAME_NOREPLACE
+        raise OSError(errno.EEXIST, os.strerror(errno.EEXIST), dst)
     os.rename(src, dst)
+
+
+def rename_path(src: str, dst: str, overwrite: bool) -> dict[str, Any]:
+    if "\0" in src or "\0" in dst:
+        raise ValueError("embedded null byte")
+    if overwrite:
+        os.rename(src, dst)
+    else:
+        _rename_noreplace(src, dst)
     return {}
 
 
@@ -290,7 +312,9 @@ def register(daemon: Daemon) -> None:
                 if isinstance(data, bytes) and data:
                     if a["size"] is not None and f.size + len(data) > a["size"]:
                         raise GuestdError(
-                            ErrorCode.BAD_REQUEST, f"more data than the declared size {a['size']}", details={"field": "size"}
+                            ErrorCode.BAD_REQUEST,
+                            f"more data than the declared size {a['size']}",
+                            details={"field": "size"},
                         )
                     await io(_os_call, f.write, data)
                     ctx.ack_input(len(data))

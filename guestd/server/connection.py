@@ -37,7 +37,7 @@ SERIAL_STALL_S = 1.0
 class RequestContext:
     """What a handler sees of its request: stream sending with credit, input, cancel."""
 
-    __slots__ = ("conn", "id", "op", "task", "_credit", "_credit_event", "_input", "_input_granted", "accepts_input")
+    __slots__ = ("_credit", "_credit_event", "_input", "_input_granted", "accepts_input", "conn", "id", "op", "task")
 
     def __init__(self, conn: Connection, req_id: int, op: str, accepts_input: bool) -> None:
         self.conn = conn
@@ -257,7 +257,9 @@ class Connection(asyncio.Protocol):
 
     # -- receiving ----------------------------------------------------------------------
     def _on_oversize(self, frame: OversizeFrame) -> None:
-        err = too_large("max_frame", frame.length, f"frame of {frame.length} bytes exceeds max_frame {self.limits.max_frame}")
+        err = too_large(
+            "max_frame", frame.length, f"frame of {frame.length} bytes exceeds max_frame {self.limits.max_frame}"
+        )
         if frame.kind == Kind.REQUEST:
             self.send_error(frame.id, err)
         elif frame.kind == Kind.INPUT:
@@ -309,7 +311,10 @@ class Connection(asyncio.Protocol):
         try:
             hello = validate(HELLO_CLIENT, decode_body(frame.payload))
         except GuestdError as err:
-            self._fatal(ErrorCode(err.code) if err.code in ErrorCode._value2member_map_ else ErrorCode.BAD_REQUEST, f"bad hello: {err.message}")
+            self._fatal(
+                ErrorCode(err.code) if err.code in ErrorCode._value2member_map_ else ErrorCode.BAD_REQUEST,
+                f"bad hello: {err.message}",
+            )
             return
         common = [v for v in hello["versions"] if v in SUPPORTED_VERSIONS]
         if not common:
@@ -377,7 +382,9 @@ class Connection(asyncio.Protocol):
         except asyncio.CancelledError as exc:
             reason = str(exc.args[0]) if exc.args else "cancel"
             if reason == "window":
-                err = GuestdError(ErrorCode.LIMIT, "client sent input beyond its window", details={"limit": "stream_window"})
+                err = GuestdError(
+                    ErrorCode.LIMIT, "client sent input beyond its window", details={"limit": "stream_window"}
+                )
             elif reason == "oversize":
                 err = too_large("max_frame", 0, "an input frame exceeded max_frame")
             elif reason == "bad input":

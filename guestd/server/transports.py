@@ -317,6 +317,9 @@ def _listen_vsock(daemon: Daemon, loop: asyncio.AbstractEventLoop, address: List
 def _listen_serial(daemon: Daemon, loop: asyncio.AbstractEventLoop, address: ListenAddress) -> Listener:
     state: dict[str, Any] = {"closed": False, "transport": None}
 
+    def schedule_reopen() -> None:
+        loop.call_later(SERIAL_POLL_S, reopen)
+
     def open_port() -> None:
         if state["closed"]:
             return
@@ -324,8 +327,12 @@ def _listen_serial(daemon: Daemon, loop: asyncio.AbstractEventLoop, address: Lis
         if os.isatty(fd):
             tty.setraw(fd, termios.TCSANOW)  # a pty or real tty must pass bytes untouched
         state["transport"] = FdTransport(
-            loop, fd, Connection(daemon, "serial", serial=True), peername=address.path, serial=True,
-            on_close=lambda: loop.call_later(SERIAL_POLL_S, reopen),
+            loop,
+            fd,
+            Connection(daemon, "serial", serial=True),
+            peername=address.path,
+            serial=True,
+            on_close=schedule_reopen,
         )
 
     def reopen() -> None:

@@ -3,11 +3,11 @@
 from __future__ import annotations
 
 import errno as _errno
-from enum import Enum
+from enum import StrEnum
 from typing import Any
 
 
-class ErrorCode(str, Enum):
+class ErrorCode(StrEnum):
     """Stable error codes. New codes may be added in a minor revision; clients map
     unknown codes to ``internal`` semantics but keep the original string."""
 

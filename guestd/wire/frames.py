@@ -86,7 +86,7 @@ class FrameDecoder:
     arrives, never buffered.
     """
 
-    __slots__ = ("max_frame", "_buf", "_pos", "_skip")
+    __slots__ = ("_buf", "_pos", "_skip", "max_frame")
 
     def __init__(self, max_frame: int = DEFAULT_MAX_FRAME) -> None:
         self.max_frame = max_frame

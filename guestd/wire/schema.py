@@ -120,9 +120,7 @@ def check_value(name: str, typ: str, value: Any) -> Any:
             raise _bad(name, "a map", value)
         return value
     if typ == "map<str,str>":
-        if not isinstance(value, dict) or not all(
-            isinstance(k, str) and isinstance(v, str) for k, v in value.items()
-        ):
+        if not isinstance(value, dict) or not all(isinstance(k, str) and isinstance(v, str) for k, v in value.items()):
             raise _bad(name, "a map of string to string", value)
         return value
     if typ == "list<uint>":
@@ -155,9 +153,7 @@ def validate(fields: tuple[F, ...], body: dict[str, Any]) -> dict[str, Any]:
         if f.name in body and not (body[f.name] is None and not f.type.endswith("?") and not f.required):
             out[f.name] = check_value(f.name, f.type, body[f.name])
         elif f.required:
-            raise GuestdError(
-                ErrorCode.BAD_REQUEST, f"missing required field {f.name!r}", details={"field": f.name}
-            )
+            raise GuestdError(ErrorCode.BAD_REQUEST, f"missing required field {f.name!r}", details={"field": f.name})
         else:
             out[f.name] = f.default
     return out
@@ -169,8 +165,12 @@ HELLO_CLIENT = (
     F("versions", "list<uint>", "protocol versions the client speaks", True),
     F("client", "str", "client name/version, for logs", default=""),
     F("max_frame", "uint?", "largest payload the client accepts; the server never sends more"),
-    F("stream_window", "uint?", "initial stream credit the client grants per stream, both directions "
-      "(the server uses the smaller of this and its own limit)"),
+    F(
+        "stream_window",
+        "uint?",
+        "initial stream credit the client grants per stream, both directions "
+        "(the server uses the smaller of this and its own limit)",
+    ),
     F("token", "str?", "access token, when the server is configured with one"),
 )
 
@@ -303,7 +303,12 @@ OPS: tuple[OpSpec, ...] = (
         args=(
             F("path", "str", "target path", True),
             F("data", "bin", "content", True),
-            F("flag", "enum(overwrite|create|append)", "overwrite (atomic replace), create (fail if it exists), append", default="overwrite"),
+            F(
+                "flag",
+                "enum(overwrite|create|append)",
+                "overwrite (atomic replace), create (fail if it exists), append",
+                default="overwrite",
+            ),
             F("perm", "uint?", "permission bits for a new file (default 0o644; overwrite keeps the old file's)"),
             F("parents", "bool", "create missing parent directories", default=False),
         ),

@@ -1,0 +1,18 @@
+#!/usr/bin/env bash
+# Create .venv (if needed) and install guestd with its dev tools into it. Idempotent.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PY="${PYTHON:-python3}"
+if ! "$PY" -c 'import sys; sys.exit(sys.version_info < (3, 11))' 2>/dev/null; then
+  echo "guestd needs Python >= 3.11 (found: $("$PY" --version 2>&1 || echo none))" >&2
+  exit 1
+fi
+if [ ! -x .venv/bin/python ]; then
+  "$PY" -m venv .venv || { echo "python3 -m venv failed; on Debian: apt-get install -y python3-venv" >&2; exit 1; }
+fi
+stamp=.venv/.guestd-installed
+if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ]; then
+  .venv/bin/python -m pip install -q --upgrade pip
+  .venv/bin/python -m pip install -q -e '.[dev]'
+  touch "$stamp"
+fi
