@@ -109,8 +109,7 @@ class Call:
         await self.conn.drain()
 
     def cancel(self) -> None:
-        if not self.future.done():
-            self.conn.send(Kind.CANCEL, self.id, {})
+        self.conn.send(Kind.CANCEL, self.id, {})
 
 
 class ClientConnection(asyncio.Protocol):
@@ -290,16 +289,28 @@ class ClientConnection(asyncio.Protocol):
 
     async def wait(self, call: Call, timeout: float | None) -> dict[str, Any]:
         """Await the final reply; on our deadline cancel the request in the guest too."""
+        handle = None
+        if timeout is not None:
+            handle = asyncio.get_running_loop().call_later(timeout, self._expire, call, timeout)
         try:
-            return await asyncio.wait_for(asyncio.shield(call.future), timeout)
-        except TimeoutError:
-            self._forget(call)
-            raise GuestdError(
-                ErrorCode.TIMEOUT, f"{call.op}: no reply within {timeout} s (request cancelled)"
-            ) from None
+            return await call.future
         except asyncio.CancelledError:
             self._forget(call)
             raise
+        finally:
+            if handle is not None:
+                handle.cancel()
+
+    def _expire(self, call: Call, timeout: float) -> None:
+        if call.future.done():
+            return
+        if self.calls.get(call.id) is call:
+            del self.calls[call.id]
+            try:
+                call.cancel()
+            except GuestdError:
+                pass
+        call.finish(None, GuestdError(ErrorCode.TIMEOUT, f"{call.op}: no reply within {timeout} s (request cancelled)"))
 
     def _forget(self, call: Call) -> None:
         if self.calls.get(call.id) is call:
