@@ -135,17 +135,19 @@ def test_upload_size_mismatch_and_drop_keep_old_file(guestd: Guestd, tmp_path: o
     async def go() -> None:
         c = await AsyncClient.connect(guestd.address)
         call = c._conn.start("file.upload", {"path": target, "size": 100})
-        await call.send_input({"data": b"x" * 10}, 10)
+        await call.send_input({"data": b"x" * 10})
         await call.send_input({"eof": True})
         with pytest.raises(GuestdError) as ei:
             await c._conn.wait(call, 10)
         assert ei.value.code == "bad_request"
         call = c._conn.start("file.upload", {"path": target})
-        await call.send_input({"data": b"y" * 1000}, 1000)
+        await call.send_input({"data": b"y" * 1000})
         await c.close()  # connection dropped mid-upload
 
     asyncio.run(go())
-    time.sleep(0.3)
+    deadline = time.monotonic() + 10  # the daemon notices the dropped connection asynchronously
+    while [n for n in os.listdir(str(tmp_path)) if "guestd-tmp" in n] and time.monotonic() < deadline:
+        time.sleep(0.05)
     assert open(target, "rb").read() == b"original"
     assert [n for n in os.listdir(str(tmp_path)) if "guestd-tmp" in n] == []
 

@@ -54,7 +54,7 @@ class ExecStream:
     async def write_stdin(self, data: bytes) -> None:
         for i in range(0, len(data), UPLOAD_CHUNK):
             part = data[i : i + UPLOAD_CHUNK]
-            await self._call.send_input({"data": part}, len(part))
+            await self._call.send_input({"data": part})
 
     async def close_stdin(self) -> None:
         await self._call.send_input({"eof": True})
@@ -312,7 +312,7 @@ class AsyncClient:
         try:
             sent = 0
             for chunk in chunks:
-                await asyncio.wait_for(call.send_input({"data": chunk}, len(chunk)), timeout)
+                await call.send_input({"data": chunk}, timeout)
                 sent += len(chunk)
                 if progress is not None:
                     progress(len(chunk))
@@ -358,7 +358,7 @@ class AsyncClient:
         expected: int | None = None
         try:
             while True:
-                ev = await asyncio.wait_for(call.next_event(), timeout)
+                ev = await call.next_event(timeout)
                 if ev is None:
                     break
                 if ev.get("ev") == "start" and isinstance(ev.get("size"), int):

@@ -10,12 +10,21 @@ from __future__ import annotations
 
 import asyncio
 import socket
+from collections import deque
 from collections.abc import AsyncIterator
-from typing import Any
+from typing import Any, cast
 
 from guestd import __version__
 from guestd.wire.errors import ErrorCode, GuestdError
-from guestd.wire.frames import DEFAULT_MAX_FRAME, FrameDecoder, FramingError, Kind, OversizeFrame, encode_frame
+from guestd.wire.frames import (
+    DEFAULT_MAX_FRAME,
+    FrameDecoder,
+    FramingError,
+    Kind,
+    OversizeFrame,
+    encode_data_frame,
+    encode_frame,
+)
 from guestd.wire.messages import decode_body
 from guestd.wire.schema import HELLO_SERVER, OPS_BY_NAME, PROTOCOL_VERSION, validate
 
@@ -36,20 +45,38 @@ class ConnectionClosed(GuestdError):
 
 
 class Call:
-    """One request in flight. Streams queue their events here within our credit."""
+    """One request in flight. Streams queue their events here within our credit.
 
-    __slots__ = ("conn", "events", "future", "id", "input_credit", "input_event", "op", "queued_small", "unacked")
+    Plain requests (ping, stat, ...) only use ``future``; the event queue and the
+    input-credit waiter are made on first use, so the common path stays cheap.
+    """
+
+    __slots__ = ("_events", "_waiter", "conn", "future", "id", "input_credit", "op", "queued_small", "unacked")
 
     def __init__(self, conn: ClientConnection, req_id: int, op: str) -> None:
         self.conn = conn
         self.id = req_id
         self.op = op
-        self.future: asyncio.Future[dict[str, Any]] = asyncio.get_running_loop().create_future()
-        self.events: asyncio.Queue[dict[str, Any] | None] = asyncio.Queue()
+        self.future: asyncio.Future[dict[str, Any]] = conn.loop.create_future()
+        self._events: deque[dict[str, Any]] | None = None
+        self._waiter: asyncio.Future[None] | None = None  # a consumer or an input sender waits here
         self.unacked = 0  # stream bytes received but not yet consumed
         self.queued_small = 0
         self.input_credit = conn.stream_window
-        self.input_event = asyncio.Event()
+
+    def _wake(self) -> None:
+        w = self._waiter
+        if w is not None and not w.done():
+            w.set_result(None)
+
+    async def _wait(self, timeout: float | None) -> None:
+        self._waiter = self.conn.loop.create_future()
+        try:
+            await asyncio.wait_for(self._waiter, timeout)
+        except TimeoutError:
+            raise GuestdError(ErrorCode.TIMEOUT, f"{self.op}: no progress within {timeout} s") from None
+        finally:
+            self._waiter = None
 
     def on_event(self, body: dict[str, Any]) -> None:
         data = body.get("data")
@@ -61,7 +88,10 @@ class Call:
             self.queued_small += 1
             if self.queued_small > MAX_PENDING_EVENTS:
                 raise GuestProtocolError("guest flooded a stream with events")
-        self.events.put_nowait(body)
+        if self._events is None:
+            self._events = deque()
+        self._events.append(body)
+        self._wake()
 
     def finish(self, body: dict[str, Any] | None, err: BaseException | None) -> None:
         if not self.future.done():
@@ -70,13 +100,15 @@ class Call:
             else:
                 assert body is not None
                 self.future.set_result(body)
-        self.events.put_nowait(None)  # wake a consumer waiting for events
+        self._wake()
 
-    async def next_event(self) -> dict[str, Any] | None:
+    async def next_event(self, timeout: float | None = None) -> dict[str, Any] | None:
         """Next stream event, or None once the call has finished (then await ``future``)."""
-        body = await self.events.get()
-        if body is None:
-            return None
+        while not self._events:
+            if self.future.done():
+                return None
+            await self._wait(timeout)
+        body = self._events.popleft()
         data = body.get("data")
         if isinstance(data, bytes):
             self.unacked -= len(data)
@@ -86,26 +118,32 @@ class Call:
             self.queued_small -= 1
         return body
 
-    async def iter_events(self) -> AsyncIterator[dict[str, Any]]:
+    async def iter_events(self, timeout: float | None = None) -> AsyncIterator[dict[str, Any]]:
         while True:
-            ev = await self.next_event()
+            ev = await self.next_event(timeout)
             if ev is None:
                 return
             yield ev
 
     def grant_input(self, n: int) -> None:
         self.input_credit += n
-        self.input_event.set()
+        self._wake()
 
-    async def send_input(self, body: dict[str, Any], nbytes: int = 0) -> None:
-        if nbytes:
+    async def send_input(self, body: dict[str, Any], timeout: float | None = None) -> None:
+        """Send one INPUT frame; a ``data`` chunk waits for the guest's WINDOW credit."""
+        data = body.get("data")
+        if isinstance(data, bytes):
             while self.input_credit <= 0 and not self.future.done():
-                self.input_event.clear()
-                await self.input_event.wait()
-            self.input_credit -= nbytes
-        if self.future.done():
-            return
-        self.conn.send(Kind.INPUT, self.id, body)
+                await self._wait(timeout)
+            if self.future.done():
+                return
+            self.input_credit -= len(data)
+            fields = {k: v for k, v in body.items() if k != "data"}
+            self.conn.send_data(Kind.INPUT, self.id, fields, data)
+        else:
+            if self.future.done():
+                return
+            self.conn.send(Kind.INPUT, self.id, body)
         await self.conn.drain()
 
     def cancel(self) -> None:
@@ -120,7 +158,8 @@ class ClientConnection(asyncio.Protocol):
         self.transport: asyncio.Transport | None = None
         self.calls: dict[int, Call] = {}
         self.hello: dict[str, Any] | None = None
-        self._hello_future: asyncio.Future[dict[str, Any]] = asyncio.get_running_loop().create_future()
+        self.loop = asyncio.get_running_loop()
+        self._hello_future: asyncio.Future[dict[str, Any]] = self.loop.create_future()
         self._next_id = 1
         self._closed_exc: BaseException | None = None
         self._paused = False
@@ -169,9 +208,9 @@ class ClientConnection(asyncio.Protocol):
 
     # -- asyncio.Protocol ---------------------------------------------------------------
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        assert isinstance(transport, asyncio.Transport)
-        self.transport = transport
-        transport.set_write_buffer_limits(high=2 * 1024 * 1024)
+        # uvloop's transports are not asyncio.Transport subclasses, but have its API.
+        self.transport = cast(asyncio.Transport, transport)
+        self.transport.set_write_buffer_limits(high=2 * 1024 * 1024)
 
     def data_received(self, data: bytes) -> None:
         self.decoder.feed(data)
@@ -272,6 +311,14 @@ class ClientConnection(asyncio.Protocol):
         assert self.transport is not None
         self.transport.write(encode_frame(kind, req_id, body))
 
+    def send_data(self, kind: int, req_id: int, fields: dict[str, Any], data: bytes) -> None:
+        if self._closed_exc is not None:
+            raise self._closed_exc
+        assert self.transport is not None
+        head, body = encode_data_frame(kind, req_id, fields, data)
+        self.transport.write(head)
+        self.transport.write(body)
+
     def _alloc_id(self) -> int:
         while True:
             rid = self._next_id
@@ -320,7 +367,7 @@ class ClientConnection(asyncio.Protocol):
                 pass
             del self.calls[call.id]
             call.future.cancel()
-            call.events.put_nowait(None)
+            call._wake()
 
     async def request(self, op: str, args: dict[str, Any], timeout: float | None) -> dict[str, Any]:
         return await self.wait(self.start(op, args), timeout)

@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING, Any
 from guestd.capture import OutputCapture
 from guestd.proctree import descendants, kill_tree, signal_group
 from guestd.wire.errors import ErrorCode, GuestdError, limit_error
+from guestd.wire.frames import Kind
 
 if TYPE_CHECKING:
     from guestd.server.connection import RequestContext
@@ -176,7 +177,7 @@ class ExecRun:
             return
         ev = "stdout" if which == 1 else "stderr"
         self.ctx.take_credit(len(data))
-        self.ctx.conn.send(5, self.ctx.id, {"ev": ev, "data": data})  # Kind.EVENT
+        self.ctx.conn.send_data(Kind.EVENT, self.ctx.id, {"ev": ev}, data)
         if not self.ctx.has_credit() or self.ctx.conn.write_paused:
             # The client is behind: stop reading so the process blocks on its pipe,
             # instead of buffering without bound here.
@@ -275,7 +276,7 @@ class ExecRun:
                 return
             self.totals[which] += len(data)
             if self.stream:
-                self.ctx.conn.send(5, self.ctx.id, {"ev": "stdout" if which == 1 else "stderr", "data": data})
+                self.ctx.conn.send_data(Kind.EVENT, self.ctx.id, {"ev": "stdout" if which == 1 else "stderr"}, data)
             else:
                 self.caps[which].feed(data)
 
@@ -378,14 +379,6 @@ def _apply_signal(run: ExecRun, value: Any) -> None:
         run.signal(sig)
 
 
-async def _relay_signals(run: ExecRun) -> None:
-    """INPUT frames when stdin is not streamed: only signals mean anything."""
-    while True:
-        body = await run.ctx.input.get()
-        if "signal" in body:
-            _apply_signal(run, body["signal"])
-
-
 def validate_exec_args(args: dict[str, Any], daemon: Daemon) -> None:
     limits = daemon.config.limits
     if (args["argv"] is None) == (args["shell"] is None):
@@ -418,13 +411,14 @@ def register(daemon: Daemon) -> None:
         try:
             run.start()
             if run.stream:
-                ctx.conn.send(5, ctx.id, {"ev": "started", "pid": run.pid})
+                ctx.conn.send(Kind.EVENT, ctx.id, {"ev": "started", "pid": run.pid})
             if stdin_pipe:
                 helpers.append(
                     run.loop.create_task(_feed_stdin(run, args["stdin"] if not args["stdin_stream"] else None))
                 )
             else:
-                helpers.append(run.loop.create_task(_relay_signals(run)))
+                # Without streamed stdin, INPUT frames only carry signals: handle them inline.
+                ctx.input_handler = lambda body: _apply_signal(run, body["signal"]) if "signal" in body else None
             return await run.wait()
         except asyncio.CancelledError:
             # Cancelled request or dropped connection: the work must really stop.

@@ -347,7 +347,7 @@ def register(daemon: Daemon) -> None:
                 data: bytes = await io(_os_call, os.pread, fd, min(chunk, end - pos), pos)
                 if not data:
                     break  # file shrank while we read it
-                await ctx.send_event({"ev": "data", "data": data}, len(data))
+                await ctx.send_data_event({"ev": "data"}, data)
                 pos += len(data)
                 sent += len(data)
             return {"bytes": sent, "size": size}

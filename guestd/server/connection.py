@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import secrets
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from guestd.wire.errors import ErrorCode, GuestdError, too_large
@@ -21,6 +22,7 @@ from guestd.wire.frames import (
     FramingError,
     Kind,
     OversizeFrame,
+    encode_data_frame,
     encode_frame,
 )
 from guestd.wire.messages import decode_body, split_request
@@ -37,7 +39,18 @@ SERIAL_STALL_S = 1.0
 class RequestContext:
     """What a handler sees of its request: stream sending with credit, input, cancel."""
 
-    __slots__ = ("_credit", "_credit_event", "_input", "_input_granted", "accepts_input", "conn", "id", "op", "task")
+    __slots__ = (
+        "_credit",
+        "_credit_waiter",
+        "_input",
+        "_input_granted",
+        "accepts_input",
+        "conn",
+        "id",
+        "input_handler",
+        "op",
+        "task",
+    )
 
     def __init__(self, conn: Connection, req_id: int, op: str, accepts_input: bool) -> None:
         self.conn = conn
@@ -45,21 +58,25 @@ class RequestContext:
         self.op = op
         self.task: asyncio.Task[None] | None = None
         self._credit = conn.stream_window
-        self._credit_event = asyncio.Event()
+        self._credit_waiter: asyncio.Future[None] | None = None
         self.accepts_input = accepts_input
         self._input: asyncio.Queue[dict[str, Any]] | None = None
+        # Handlers that react to INPUT synchronously (exec signals) set this instead of reading ``input``.
+        self.input_handler: Callable[[dict[str, Any]], None] | None = None
         # Input bytes the client may still send before we grant more.
         self._input_granted = conn.stream_window if accepts_input else 0
 
     # -- server -> client stream ------------------------------------------------------
-    async def send_event(self, body: dict[str, Any], nbytes: int = 0) -> None:
-        """Send one EVENT; data-carrying events wait for the client's WINDOW credit."""
-        if nbytes:
-            while self._credit <= 0:
-                self._credit_event.clear()
-                await self._credit_event.wait()
-            self._credit -= nbytes
+    async def send_event(self, body: dict[str, Any]) -> None:
+        """Send one small, non-data EVENT (it needs no credit)."""
         self.conn.send(Kind.EVENT, self.id, body)
+        await self.conn.drain()
+
+    async def send_data_event(self, fields: dict[str, Any], data: bytes) -> None:
+        """Send one data EVENT within the client's WINDOW credit."""
+        await self.wait_credit()
+        self._credit -= len(data)
+        self.conn.send_data(Kind.EVENT, self.id, fields, data)
         await self.conn.drain()
 
     def has_credit(self) -> bool:
@@ -67,16 +84,20 @@ class RequestContext:
 
     async def wait_credit(self) -> None:
         while self._credit <= 0:
-            self._credit_event.clear()
-            await self._credit_event.wait()
+            self._credit_waiter = asyncio.get_running_loop().create_future()
+            try:
+                await self._credit_waiter
+            finally:
+                self._credit_waiter = None
 
     def take_credit(self, nbytes: int) -> None:
         self._credit -= nbytes
 
     def grant(self, nbytes: int) -> None:
         self._credit += nbytes
-        if self._credit > 0:
-            self._credit_event.set()
+        w = self._credit_waiter
+        if self._credit > 0 and w is not None and not w.done():
+            w.set_result(None)
 
     # -- client -> server input -------------------------------------------------------
     @property
@@ -94,7 +115,10 @@ class RequestContext:
                 if self.task is not None:
                     self.task.cancel(msg="window")
                 return
-        self.input.put_nowait(body)
+        if self.input_handler is not None:
+            self.input_handler(body)
+        else:
+            self.input.put_nowait(body)
 
     def ack_input(self, nbytes: int) -> None:
         """Tell the client it may send ``nbytes`` more (after we consumed them)."""
@@ -242,6 +266,14 @@ class Connection(asyncio.Protocol):
             err = too_large("max_frame", len(data) - HEADER_SIZE, "reply larger than the client's max_frame")
             data = encode_frame(Kind.ERROR, req_id, err.to_body())
         self.transport.write(data)  # type: ignore[attr-defined]
+
+    def send_data(self, kind: int, req_id: int, fields: dict[str, Any], data: bytes) -> None:
+        """Send ``{**fields, "data": data}`` without copying ``data`` into a frame buffer."""
+        if self._closing or self.transport is None:
+            return
+        head, body = encode_data_frame(kind, req_id, fields, data)
+        self.transport.write(head)  # type: ignore[attr-defined]
+        self.transport.write(body)  # type: ignore[attr-defined]
 
     def send_error(self, req_id: int, err: GuestdError) -> None:
         self.send(Kind.ERROR, req_id, err.to_body())
