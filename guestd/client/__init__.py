@@ -4,6 +4,7 @@ from guestd.client.aio import AsyncClient, ExecStream
 from guestd.client.connection import ConnectionClosed, GuestProtocolError
 from guestd.client.results import DirEntry, DirListing, ExecResult, FileStat, Info
 from guestd.client.sync import Client
+from guestd.memtune import tune_malloc
 from guestd.wire.errors import ErrorCode, GuestdError
 
 __all__ = [
@@ -19,4 +20,5 @@ __all__ = [
     "GuestProtocolError",
     "GuestdError",
     "Info",
+    "tune_malloc",
 ]

@@ -14,6 +14,7 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from guestd import __version__
+from guestd.memtune import tune_malloc
 from guestd.server.config import DEFAULT_VSOCK_PORT, Config, Limits
 from guestd.server.connection import Connection
 from guestd.server.dispatch import Dispatcher
@@ -182,6 +183,7 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as exc:
         print(f"guestd: {exc}", file=sys.stderr)
         return 2
+    tune_malloc()  # bulk transfers reuse warm heap instead of page-faulting fresh mmaps
     daemon = Daemon(cfg)
     if ns.token_file:
         with open(ns.token_file) as f:

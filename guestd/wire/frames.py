@@ -106,85 +106,123 @@ def encode_raw(kind: int, req_id: int, payload: bytes) -> bytes:
 class FrameDecoder:
     """Incremental decoder. ``feed`` bytes, then drain ``next_frame`` until None.
 
-    Memory is bounded by ``max_frame`` plus one read: an oversize frame is
-    reported once as :class:`OversizeFrame` and its body is discarded as it
-    arrives, never buffered.
+    Received chunks are kept as a list and a payload is assembled with a single
+    copy (a join over memoryviews), so a 1 MiB frame arriving in 64 KiB reads is
+    copied once, not once per read. Memory is bounded by ``max_frame`` plus one
+    read: an oversize frame is reported once as :class:`OversizeFrame` and its
+    body is discarded as it arrives, never buffered.
     """
 
-    __slots__ = ("_buf", "_pos", "_skip", "max_frame")
+    __slots__ = ("_chunks", "_have", "_off", "_skip", "max_frame")
 
     def __init__(self, max_frame: int = DEFAULT_MAX_FRAME) -> None:
         self.max_frame = max_frame
-        self._buf = bytearray()
-        self._pos = 0
+        self._chunks: list[bytes] = []
+        self._off = 0  # consumed bytes of _chunks[0]
+        self._have = 0  # unconsumed bytes in total
         self._skip = 0
 
     @property
     def buffered(self) -> int:
-        return len(self._buf) - self._pos
+        return self._have
 
     def feed(self, data: bytes | bytearray | memoryview) -> None:
         if self._skip:
             n = min(self._skip, len(data))
             self._skip -= n
             data = data[n:]
-            if not data:
-                return
-        if self._pos and self._pos == len(self._buf):
-            self._buf.clear()
-            self._pos = 0
-        self._buf += data
+        if data:
+            self._chunks.append(bytes(data) if not isinstance(data, bytes) else data)
+            self._have += len(data)
 
     def reset(self) -> None:
         """Forget any partial frame (used when a serial peer reconnects)."""
-        self._buf = bytearray()
-        self._pos = 0
+        self._chunks = []
+        self._off = 0
+        self._have = 0
         self._skip = 0
 
+    def _take(self, n: int) -> bytes:
+        """Remove and return the next ``n`` unconsumed bytes (one copy)."""
+        first = self._chunks[0]
+        off = self._off
+        if len(first) - off >= n:
+            out = first[off : off + n] if (off or n != len(first)) else first
+            self._off = off + n
+            if self._off == len(first):
+                self._chunks.pop(0)
+                self._off = 0
+            self._have -= n
+            return out
+        parts: list[memoryview] = []
+        left = n
+        while left:
+            c = self._chunks[0]
+            avail = len(c) - self._off
+            k = min(avail, left)
+            parts.append(memoryview(c)[self._off : self._off + k])
+            left -= k
+            if k == avail:
+                self._chunks.pop(0)
+                self._off = 0
+            else:
+                self._off += k
+        self._have -= n
+        return b"".join(parts)
+
+    def _drop(self, n: int) -> None:
+        self._have -= n
+        while n:
+            avail = len(self._chunks[0]) - self._off
+            if avail <= n:
+                self._chunks.pop(0)
+                self._off = 0
+                n -= avail
+            else:
+                self._off += n
+                n = 0
+
+    def _peek_header(self) -> tuple[bytes, int, int, int, int]:
+        first = self._chunks[0]
+        if len(first) - self._off >= HEADER_SIZE:
+            return HEADER.unpack_from(first, self._off)  # type: ignore[return-value]
+        # The header straddles reads: merge just the bytes it spans into one chunk.
+        head = self._take(HEADER_SIZE)
+        if self._off:
+            self._chunks[0] = self._chunks[0][self._off :]
+            self._off = 0
+        self._chunks.insert(0, head)
+        self._have += HEADER_SIZE
+        return HEADER.unpack_from(head, 0)  # type: ignore[return-value]
+
     def next_frame(self) -> Frame | OversizeFrame | None:
-        buf = self._buf
-        pos = self._pos
-        avail = len(buf) - pos
-        if avail < HEADER_SIZE:
-            self._compact()
+        if self._have < HEADER_SIZE:
             return None
-        magic, version, kind, length, req_id = HEADER.unpack_from(buf, pos)
+        magic, version, kind, length, req_id = self._peek_header()
         if magic != MAGIC:
             raise FramingError(f"bad frame magic {bytes(magic)!r}")
         if version != FRAME_VERSION:
             raise FramingError(f"unsupported frame version {version}")
         if length > self.max_frame:
-            body_here = min(length, avail - HEADER_SIZE)
-            self._pos = pos + HEADER_SIZE + body_here
+            self._drop(HEADER_SIZE)
+            body_here = min(length, self._have)
+            self._drop(body_here)
             self._skip = length - body_here
-            self._compact()
             return OversizeFrame(kind, req_id, length)
-        end = pos + HEADER_SIZE + length
-        if len(buf) < end:
-            self._compact()
+        if self._have < HEADER_SIZE + length:
             return None
-        with memoryview(buf) as view:  # one copy, not two (slice, then bytes)
-            payload = bytes(view[pos + HEADER_SIZE : end])
-        self._pos = end
-        return Frame(kind, req_id, payload)
-
-    def _compact(self) -> None:
-        # Drop consumed bytes once they dominate, so the buffer stays near one frame.
-        if self._pos and self._pos >= len(self._buf) // 2:
-            del self._buf[: self._pos]
-            self._pos = 0
+        self._drop(HEADER_SIZE)
+        return Frame(kind, req_id, self._take(length) if length else b"")
 
     def resync(self) -> int:
         """Drop bytes up to the next plausible header (serial links only). Returns bytes dropped."""
-        idx = self._buf.find(MAGIC + bytes([FRAME_VERSION]), self._pos + 1)
+        data = self._take(self._have)
+        idx = data.find(MAGIC + bytes([FRAME_VERSION]), 1)
         if idx < 0:
-            # Keep a possible partial magic at the very end.
-            keep = min(2, len(self._buf) - self._pos)
-            dropped = len(self._buf) - self._pos - keep
-            del self._buf[: len(self._buf) - keep]
-            self._pos = 0
-            return dropped
-        dropped = idx - self._pos
-        del self._buf[:idx]
-        self._pos = 0
-        return dropped
+            keep = min(2, len(data))  # a partial magic may sit at the very end
+            idx = len(data) - keep
+        rest = data[idx:]
+        self._chunks = [rest] if rest else []
+        self._off = 0
+        self._have = len(rest)
+        return idx
