@@ -11,7 +11,6 @@ RSS kept after a burst (32 MiB by default, inside the "idle + 32 MiB" budget).
 from __future__ import annotations
 
 import ctypes
-import ctypes.util
 
 M_TRIM_THRESHOLD = -1
 M_MMAP_THRESHOLD = -3
@@ -20,7 +19,7 @@ M_MMAP_THRESHOLD = -3
 def tune_malloc(mmap_threshold: int = 8 * 1024 * 1024, trim_threshold: int = 32 * 1024 * 1024) -> bool:
     """Apply the settings to this process; False where mallopt is unavailable (non-glibc)."""
     try:
-        libc = ctypes.CDLL(ctypes.util.find_library("c") or None)
+        libc = ctypes.CDLL(None)  # symbols of this process, libc included
         mallopt = libc.mallopt
     except (OSError, AttributeError):
         return False

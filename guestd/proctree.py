@@ -5,12 +5,16 @@ from __future__ import annotations
 import asyncio
 import os
 import signal
+from typing import TYPE_CHECKING
 
-import psutil
+if TYPE_CHECKING:
+    import psutil
 
 
 def descendants(pid: int) -> list[psutil.Process]:
     """Every live descendant of ``pid`` (children of children too). Empty if it is gone."""
+    import psutil  # lazily: only a timeout or a kill needs it, and idle memory should not pay
+
     try:
         return psutil.Process(pid).children(recursive=True)
     except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
@@ -25,6 +29,8 @@ def signal_group(pgid: int, sig: int) -> None:
 
 
 def signal_each(procs: list[psutil.Process], sig: int) -> None:
+    import psutil
+
     for p in procs:
         try:
             p.send_signal(sig)  # psutil checks the create time: no PID-reuse mistakes
@@ -33,6 +39,8 @@ def signal_each(procs: list[psutil.Process], sig: int) -> None:
 
 
 def alive(procs: list[psutil.Process]) -> list[psutil.Process]:
+    import psutil
+
     out = []
     for p in procs:
         try:
@@ -51,6 +59,8 @@ async def kill_tree(
     ``known`` must be collected before the leader dies: orphans are re-parented
     away and can no longer be found as descendants afterwards.
     """
+    import psutil
+
     signal_group(pgid, signal.SIGTERM)
     signal_each(known, signal.SIGTERM)
     for p in known:
@@ -86,6 +96,8 @@ def _group_exists(pgid: int) -> bool:
         return False
     except PermissionError:
         return True
+    import psutil
+
     for p in psutil.process_iter():
         try:
             if os.getpgid(p.pid) == pgid and p.status() != psutil.STATUS_ZOMBIE:

@@ -9,8 +9,6 @@ from __future__ import annotations
 import ctypes
 import errno
 import os
-import secrets
-import shutil
 import stat as st
 from typing import TYPE_CHECKING, Any
 
@@ -99,7 +97,7 @@ class AtomicFile:
             self.owner = (old.st_uid, old.st_gid)
         self.mode = mode
         name = os.path.basename(self.path)
-        self.tmp = os.path.join(self.dir, f".{name[:200]}{TMP_MARK}{secrets.token_hex(6)}")
+        self.tmp = os.path.join(self.dir, f".{name[:200]}{TMP_MARK}{os.urandom(6).hex()}")
         self.fd = os.open(self.tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
         self.size = 0
 
@@ -231,6 +229,8 @@ def remove_path(path: str, recursive: bool) -> dict[str, Any]:
         if not recursive:
             os.rmdir(path)
             return {"removed": 1}
+        import shutil  # lazily: it imports the bz2/lzma/zlib modules at load time
+
         count = 1
         for _root, dirs, files in os.walk(path):
             count += len(dirs) + len(files)

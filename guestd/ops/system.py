@@ -7,8 +7,6 @@ import socket
 import time
 from typing import TYPE_CHECKING, Any
 
-import psutil
-
 from guestd import __version__
 from guestd.wire.schema import PROTOCOL_VERSION
 
@@ -21,6 +19,8 @@ def register(daemon: Daemon) -> None:
         return {"t_ns": time.monotonic_ns()}
 
     def info(args: dict[str, Any]) -> dict[str, Any]:
+        import psutil  # lazily: idle memory should not pay for it
+
         vm = psutil.virtual_memory()
         try:
             du = psutil.disk_usage("/")

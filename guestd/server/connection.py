@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import secrets
+import os
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
@@ -133,7 +133,7 @@ class Connection(asyncio.Protocol):
         self.limits = daemon.config.limits
         self.transport_name = transport_name
         self.serial = serial  # serial links resync instead of closing on bad framing
-        self.session = secrets.token_hex(8)
+        self.session = os.urandom(8).hex()
         self.decoder = FrameDecoder(self.limits.max_frame)
         self.transport: asyncio.BaseTransport | None = None
         self.peer = "?"

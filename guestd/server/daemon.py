@@ -4,14 +4,12 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import hmac
 import logging
 import os
 import signal
 import sys
 import time
-from concurrent.futures import ThreadPoolExecutor
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from guestd import __version__
 from guestd.memtune import tune_malloc
@@ -20,6 +18,9 @@ from guestd.server.connection import Connection
 from guestd.server.dispatch import Dispatcher
 from guestd.server.reaper import Reaper
 from guestd.server.transports import Listener, listen, parse_listen
+
+if TYPE_CHECKING:
+    from concurrent.futures import ThreadPoolExecutor
 
 log = logging.getLogger("guestd")
 
@@ -38,7 +39,7 @@ class Daemon:
         self.started_mono = time.monotonic()
         self.boot_id = read_boot_id()
         self.connections: set[Connection] = set()
-        self.io = ThreadPoolExecutor(max_workers=config.io_threads, thread_name_prefix="guestd-io")
+        self._io: ThreadPoolExecutor | None = None  # made on first file op
         self.token: str | None = None
         self.dispatcher = Dispatcher()
         self.listeners: list[Listener] = []
@@ -67,6 +68,8 @@ class Daemon:
         """None when the peer may proceed, else the reason it may not."""
         if self.token is None:
             return None
+        import hmac  # only when a token is configured: it pulls in OpenSSL's hashlib
+
         if not isinstance(token, str) or not hmac.compare_digest(token.encode(), self.token.encode()):
             return "missing or wrong access token"
         return None
@@ -86,7 +89,11 @@ class Daemon:
 
     async def run_in_io(self, fn: Any, *args: Any) -> Any:
         """Run blocking file-system work off the event loop, so a slow disk never stalls ping."""
-        return await asyncio.get_running_loop().run_in_executor(self.io, fn, *args)
+        if self._io is None:
+            from concurrent.futures import ThreadPoolExecutor
+
+            self._io = ThreadPoolExecutor(max_workers=self.config.io_threads, thread_name_prefix="guestd-io")
+        return await asyncio.get_running_loop().run_in_executor(self._io, fn, *args)
 
     # -- lifecycle --------------------------------------------------------------------
     async def serve(self, ready_fd: int | None = None) -> None:
@@ -124,7 +131,8 @@ class Daemon:
             await asyncio.wait(tasks, timeout=5.0)
         for c in list(self.connections):
             c.close()
-        self.io.shutdown(wait=False, cancel_futures=True)
+        if self._io is not None:
+            self._io.shutdown(wait=False, cancel_futures=True)
 
 
 def build_parser() -> argparse.ArgumentParser:

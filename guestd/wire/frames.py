@@ -185,7 +185,7 @@ class FrameDecoder:
     def _peek_header(self) -> tuple[bytes, int, int, int, int]:
         first = self._chunks[0]
         if len(first) - self._off >= HEADER_SIZE:
-            return HEADER.unpack_from(first, self._off)  # type: ignore[return-value]
+            return HEADER.unpack_from(first, self._off)
         # The header straddles reads: merge just the bytes it spans into one chunk.
         head = self._take(HEADER_SIZE)
         if self._off:
@@ -193,7 +193,7 @@ class FrameDecoder:
             self._off = 0
         self._chunks.insert(0, head)
         self._have += HEADER_SIZE
-        return HEADER.unpack_from(head, 0)  # type: ignore[return-value]
+        return HEADER.unpack_from(head, 0)
 
     def next_frame(self) -> Frame | OversizeFrame | None:
         if self._have < HEADER_SIZE:

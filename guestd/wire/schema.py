@@ -13,7 +13,6 @@ Unknown fields are ignored by receivers (forward compatibility).
 
 from __future__ import annotations
 
-import json
 import re
 import sys
 from dataclasses import dataclass, field
@@ -449,6 +448,8 @@ def schema_document() -> dict[str, Any]:
 
 
 def schema_json() -> str:
+    import json
+
     return json.dumps(schema_document(), indent=2, sort_keys=True) + "\n"
 
 
