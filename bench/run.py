@@ -355,7 +355,7 @@ def render(floor: dict[str, Any], g: dict[str, Any], quick: bool, cmd: str) -> s
         f"Machine: {platform.processor() or platform.machine()}, {psutil.cpu_count()} CPUs, "
         f"{psutil.virtual_memory().total / 2**30:.1f} GiB, Linux {platform.release()}, "
         f"Python {platform.python_version()}, "
-        f"guestd {__version__}, uvloop {importlib.metadata.version("uvloop")}, msgpack {'.'.join(map(str, msgpack.version))}.",
+        f"guestd {__version__}, uvloop {importlib.metadata.version('uvloop')}, msgpack {'.'.join(map(str, msgpack.version))}.",
         "Every ratio is against a floor measured in this same run; the machine is shared and noisy, "
         "so read differences under ~1.5x between runs as ties.",
         "",
