@@ -12,8 +12,8 @@ start-to-first-reply. Writes bench/RESULTS.md and bench/out/results.json.
 from __future__ import annotations
 
 import argparse
-import importlib.metadata
 import asyncio
+import importlib.metadata
 import json
 import os
 import platform
@@ -39,6 +39,11 @@ from guestd.memtune import tune_malloc
 HERE = os.path.dirname(os.path.abspath(__file__))
 REPO = os.path.dirname(HERE)
 MiB = 1024 * 1024
+# Client on CPU 0, servers (and their children) on CPU 1: without pinning, whether the two
+# processes share a core flips round-trip times between ~20 and ~90 us on this 2-vCPU VM.
+_CPUS = sorted(os.sched_getaffinity(0))
+CLIENT_CPUS = {_CPUS[0]} if len(_CPUS) >= 2 else set()
+SERVER_CPUS = {_CPUS[1]} if len(_CPUS) >= 2 else set()
 
 
 def pct(xs: list[float], p: float) -> float:
@@ -59,14 +64,16 @@ class Proc:
         self.t0 = time.perf_counter()
         if ready_via_fd:
             argv = [*argv, "--ready-fd", str(w)]
-            self.p = subprocess.Popen(argv, pass_fds=(w,), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+            self.p = subprocess.Popen(
+                argv, pass_fds=(w,), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, preexec_fn=pin_servers
+            )
             os.close(w)
             with os.fdopen(r, "rb") as f:
                 f.readline()
         else:
             os.close(r)
             os.close(w)
-            self.p = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL)
+            self.p = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, preexec_fn=pin_servers)
             assert self.p.stdout is not None
             self.p.stdout.readline()
         self.ps = psutil.Process(self.p.pid)
@@ -182,22 +189,9 @@ def floor_stream(path: str, nbytes: int) -> tuple[float, float]:
     return up, down
 
 
-async def measure_floors(tmp: str, n_ping: int, n_exec: int) -> dict[str, Any]:
-    path = f"{tmp}/floor.sock"
-    proc = Proc([sys.executable, os.path.join(HERE, "floor_server.py"), path], ready_via_fd=False)
-    try:
-        time.sleep(0.3)
-        idle_rss = proc.rss()
-        idle_pss = proc.pss()
-        loop = asyncio.get_running_loop()
-        _, fc = await loop.create_unix_connection(FloorClient, path)
-        ping = await time_loop(lambda: fc.call({"op": "ping", "id": 1}), n_ping, 200)
-        assert fc.transport is not None
-        fc.transport.close()
-        up, down = await asyncio.to_thread(floor_stream, path, 64 * MiB)
-    finally:
-        proc.stop()
-    disk = []
+def disk_floor(tmp: str) -> float:
+    """Local write of 64 MiB + fsync: the least an atomic upload must also do."""
+    rates = []
     block = os.urandom(MiB)
     for i in range(3):
         t = time.perf_counter()
@@ -206,22 +200,13 @@ async def measure_floors(tmp: str, n_ping: int, n_exec: int) -> dict[str, Any]:
                 f.write(block)
             f.flush()
             os.fsync(f.fileno())
-        disk.append(64 * MiB / (time.perf_counter() - t) / 1e6)
+        rates.append(64 * MiB / (time.perf_counter() - t) / 1e6)
         os.unlink(f"{tmp}/disk-{i}")
-    run = []
-    for _ in range(n_exec + 20):
-        t = time.perf_counter()
-        subprocess.run(["true"], check=True)
-        run.append(time.perf_counter() - t)
-    return {
-        "echo_ping": summary_ms(ping),
-        "subprocess_true": summary_ms(run[20:]),
-        "socket_in_MBps": up,
-        "socket_out_MBps": down,
-        "disk_write_fsync_MBps": statistics.median(disk),
-        "idle_rss_MiB": idle_rss / MiB,
-        "idle_pss_MiB": idle_pss / MiB,
-    }
+    return statistics.median(rates)
+
+
+async def run_true() -> None:
+    subprocess.run(["true"], check=True)
 
 
 # --------------------------------------------------------------------------- guestd
@@ -236,7 +221,9 @@ async def start_to_first_reply(tmp: str, n: int) -> list[float]:
     for i in range(n):
         sock = f"{tmp}/start{i}.sock"
         t0 = time.perf_counter()
-        p = subprocess.Popen(guestd_argv(sock), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        p = subprocess.Popen(
+            guestd_argv(sock), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, preexec_fn=pin_servers
+        )
         try:
             while True:
                 try:
@@ -292,17 +279,45 @@ async def file_rates(c: AsyncClient, proc: Proc, tmp: str, size: int) -> dict[st
     }
 
 
-async def measure_guestd(tmp: str, n_ping: int, n_exec: int, big: bool) -> dict[str, Any]:
-    sock = f"{tmp}/guestd.sock"
-    proc = Proc(guestd_argv(sock), ready_via_fd=True)
+def pin_servers() -> None:
+    """preexec for servers: CPU 1, while the bench client stays on CPU 0 (see README of bench)."""
+    if SERVER_CPUS:
+        os.sched_setaffinity(0, SERVER_CPUS)
+
+
+async def measure(tmp: str, rounds: int, n_ping: int, n_exec: int, big: bool) -> dict[str, Any]:
+    floor_path = f"{tmp}/floor.sock"
+    floor = Proc([sys.executable, os.path.join(HERE, "floor_server.py"), floor_path], ready_via_fd=False)
+    gsock = f"{tmp}/guestd.sock"
+    gd = Proc(guestd_argv(gsock), ready_via_fd=True)
+    fl: dict[str, Any] = {}
     res: dict[str, Any] = {}
     try:
-        time.sleep(0.3)
-        res["idle_rss_MiB"] = proc.rss() / MiB
-        res["idle_pss_MiB"] = proc.pss() / MiB
-        c = await AsyncClient.connect(f"unix:{sock}")
-        res["ping"] = summary_ms(await time_loop(c.ping, n_ping, 200))
-        res["exec_true"] = summary_ms(await time_loop(lambda: c.exec(["true"]), n_exec, 20))
+        time.sleep(0.5)
+        fl["idle_rss_MiB"], fl["idle_pss_MiB"] = floor.rss() / MiB, floor.pss() / MiB
+        res["idle_rss_MiB"], res["idle_pss_MiB"] = gd.rss() / MiB, gd.pss() / MiB
+        loop = asyncio.get_running_loop()
+        _, fc = await loop.create_unix_connection(FloorClient, floor_path)
+        c = await AsyncClient.connect(f"unix:{gsock}")
+        # Interleave floor and guestd in rounds so drift on a shared machine hits both alike.
+        samples: dict[str, list[float]] = {"echo": [], "ping": [], "run": [], "exec": []}
+        await time_loop(lambda: fc.call({"op": "ping", "id": 1}), 0, 200)
+        await time_loop(c.ping, 0, 200)
+        await time_loop(lambda: c.exec(["true"]), 0, 20)
+        for _ in range(rounds):
+            samples["echo"] += await time_loop(lambda: fc.call({"op": "ping", "id": 1}), n_ping, 20)
+            samples["ping"] += await time_loop(c.ping, n_ping, 20)
+            samples["run"] += await time_loop(run_true, n_exec, 2)
+            samples["exec"] += await time_loop(lambda: c.exec(["true"]), n_exec, 2)
+        fl["echo_ping"] = summary_ms(samples["echo"])
+        res["ping"] = summary_ms(samples["ping"])
+        fl["subprocess_true"] = summary_ms(samples["run"])
+        res["exec_true"] = summary_ms(samples["exec"])
+        assert fc.transport is not None
+        fc.transport.close()
+        fl["socket_in_MBps"], fl["socket_out_MBps"] = await asyncio.to_thread(floor_stream, floor_path, 64 * MiB)
+        fl["disk_write_fsync_MBps"] = disk_floor(tmp)
+
         t = time.perf_counter()
         r = await c.exec("head -c 10000000 /dev/zero")
         res["out_10mb_tail"] = {
@@ -319,15 +334,15 @@ async def measure_guestd(tmp: str, n_ping: int, n_exec: int, big: bool) -> dict[
         await s.result()
         res["out_10mb_stream"] = {"s": time.perf_counter() - t, "returned": got}
         res["files"] = {}
-        sizes = [MiB, 64 * MiB] + ([1024 * MiB] if big else [])
-        for size in sizes:
-            res["files"][str(size)] = await file_rates(c, proc, tmp, size)
-        res["idle_rss_after_MiB"] = proc.rss() / MiB
+        for size in [MiB, 64 * MiB] + ([1024 * MiB] if big else []):
+            res["files"][str(size)] = await file_rates(c, gd, tmp, size)
+        res["idle_rss_after_MiB"] = gd.rss() / MiB
         await c.close()
     finally:
-        proc.stop()
+        floor.stop()
+        gd.stop()
     res["start_to_first_reply"] = summary_ms(await start_to_first_reply(tmp, 5))
-    return res
+    return {"floor": fl, "guestd": res}
 
 
 # --------------------------------------------------------------------------- report
@@ -337,7 +352,7 @@ def verdict(ok: bool) -> str:
     return "met" if ok else "**missed**"
 
 
-def render(floor: dict[str, Any], g: dict[str, Any], quick: bool, cmd: str) -> str:
+def render(floor: dict[str, Any], g: dict[str, Any], quick: bool, cmd: str, pinning: dict[str, Any]) -> str:
     f64 = g["files"][str(64 * MiB)]
     ping_ratio = g["ping"]["p50_ms"] / floor["echo_ping"]["p50_ms"]
     exec_ratio = g["exec_true"]["p50_ms"] / floor["subprocess_true"]["p50_ms"]
@@ -356,8 +371,10 @@ def render(floor: dict[str, Any], g: dict[str, Any], quick: bool, cmd: str) -> s
         f"{psutil.virtual_memory().total / 2**30:.1f} GiB, Linux {platform.release()}, "
         f"Python {platform.python_version()}, "
         f"guestd {__version__}, uvloop {importlib.metadata.version('uvloop')}, msgpack {'.'.join(map(str, msgpack.version))}.",
-        "Every ratio is against a floor measured in this same run; the machine is shared and noisy, "
-        "so read differences under ~1.5x between runs as ties.",
+        "Every ratio is against a floor measured in this same run, interleaved with it in rounds; "
+        "the machine is shared and noisy, so read differences under ~1.5x between runs as ties. "
+        f"Client pinned to CPUs {pinning['client_cpus']}, servers and their children to {pinning['server_cpus']} "
+        "(the host/guest split: every round trip crosses cores).",
         "",
         "## Targets",
         "",
@@ -430,11 +447,11 @@ def render(floor: dict[str, Any], g: dict[str, Any], quick: bool, cmd: str) -> s
 
 
 async def amain(quick: bool) -> dict[str, Any]:
-    n_ping, n_exec = (500, 100) if quick else (3000, 500)
+    rounds, n_ping, n_exec = (4, 200, 30) if quick else (10, 500, 60)
+    if SERVER_CPUS:
+        os.sched_setaffinity(0, CLIENT_CPUS)
     with tempfile.TemporaryDirectory(prefix="guestd-bench-") as tmp:
-        floor = await measure_floors(tmp, n_ping, n_exec)
-        g = await measure_guestd(tmp, n_ping, n_exec, big=not quick)
-    return {"floor": floor, "guestd": g}
+        return await measure(tmp, rounds, n_ping, n_exec, big=not quick)
 
 
 def main() -> None:
@@ -444,11 +461,12 @@ def main() -> None:
     ap.add_argument("--out", default=os.path.join(HERE, "RESULTS.md"))
     ns = ap.parse_args()
     res = uvloop.run(amain(ns.quick))
+    res["pinning"] = {"client_cpus": sorted(CLIENT_CPUS), "server_cpus": sorted(SERVER_CPUS)}
     os.makedirs(os.path.join(HERE, "out"), exist_ok=True)
     with open(os.path.join(HERE, "out", "results.json"), "w") as f:
         json.dump(res, f, indent=1)
     cmd = "python -m bench.run" + (" --quick" if ns.quick else "")
-    text = render(res["floor"], res["guestd"], ns.quick, cmd)
+    text = render(res["floor"], res["guestd"], ns.quick, cmd, res["pinning"])
     with open(ns.out, "w") as f:
         f.write(text)
     print(text)

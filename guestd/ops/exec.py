@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import asyncio
 import errno
-import fcntl
 import os
 import signal
 import subprocess
@@ -27,8 +26,6 @@ if TYPE_CHECKING:
     from guestd.server.daemon import Daemon
 
 READ_SIZE = 256 * 1024
-F_SETPIPE_SZ = 1031
-PIPE_SIZE = 1024 * 1024
 
 
 def parse_signal(value: Any) -> int | None:
@@ -45,12 +42,14 @@ def parse_signal(value: Any) -> int | None:
     return int(sig) if isinstance(sig, signal.Signals) else None
 
 
-def build_env(env: dict[str, str] | None, mode: str) -> dict[str, str]:
+def build_env(env: dict[str, str] | None, mode: str) -> dict[str, str] | None:
+    """None means "inherit guestd's environment" (cheapest: Popen encodes nothing)."""
     if mode == "replace":
         return dict(env or {})
+    if not env:
+        return None
     merged = dict(os.environ)
-    if env:
-        merged.update(env)
+    merged.update(env)
     return merged
 
 
@@ -96,7 +95,7 @@ class ExecRun:
     """One running exec: pipes, exit, timeouts, streaming credit."""
 
     def __init__(
-        self, ctx: RequestContext, args: dict[str, Any], proc: subprocess.Popen[bytes], daemon: Daemon
+        self, ctx: RequestContext, args: dict[str, Any], proc: subprocess.Popen[bytes], daemon: Daemon, t0: float
     ) -> None:
         self.ctx = ctx
         self.reaper = daemon.reaper
@@ -104,7 +103,7 @@ class ExecRun:
         self.proc = proc
         self.pid = proc.pid
         self.loop = asyncio.get_running_loop()
-        self.t0 = time.monotonic()
+        self.t0 = t0  # taken before the spawn: duration_s includes starting the process
         self.stream = bool(args["stream"])
         mode = args["capture"]
         self.caps = {1: OutputCapture(args["max_output"], mode), 2: OutputCapture(args["max_output"], mode)}
@@ -126,12 +125,9 @@ class ExecRun:
     # -- wiring ---------------------------------------------------------------------
     def start(self) -> None:
         for which, fd in self.fds.items():
+            # Pipes keep the default 64 KiB: F_SETPIPE_SZ to 1 MiB measured +45 us per exec,
+            # more than it saves for the short commands agents mostly run.
             os.set_blocking(fd, False)
-            if which == 1:
-                try:
-                    fcntl.fcntl(fd, F_SETPIPE_SZ, PIPE_SIZE)  # fewer wake-ups for chatty processes
-                except OSError:
-                    pass
             self.open_fds.add(which)
         self._resume_reading()
         try:
@@ -404,9 +400,10 @@ def register(daemon: Daemon) -> None:
     async def op_exec(ctx: RequestContext, args: dict[str, Any]) -> dict[str, Any]:
         validate_exec_args(args, daemon)
         stdin_pipe = args["stdin"] is not None or args["stdin_stream"]
+        t0 = time.monotonic()
         proc = spawn(args, stdin_pipe)
         daemon.reaper.tracked.add(proc.pid)
-        run = ExecRun(ctx, args, proc, daemon)
+        run = ExecRun(ctx, args, proc, daemon, t0)
         helpers: list[asyncio.Task[None]] = []
         try:
             run.start()
