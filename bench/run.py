@@ -357,6 +357,7 @@ def render(floor: dict[str, Any], g: dict[str, Any], quick: bool, cmd: str, pinn
     ping_ratio = g["ping"]["p50_ms"] / floor["echo_ping"]["p50_ms"]
     exec_ratio = g["exec_true"]["p50_ms"] / floor["subprocess_true"]["p50_ms"]
     up_frac = f64["upload_MBps"] / floor["socket_in_MBps"]
+    up_disk = f64["upload_MBps"] / floor["disk_write_fsync_MBps"]
     down_frac = f64["download_MBps"] / floor["socket_out_MBps"]
     idle_ratio = g["idle_rss_MiB"] / floor["idle_rss_MiB"]
     gib = g["files"].get(str(1024 * MiB))
@@ -370,7 +371,8 @@ def render(floor: dict[str, Any], g: dict[str, Any], quick: bool, cmd: str, pinn
         f"Machine: {platform.processor() or platform.machine()}, {psutil.cpu_count()} CPUs, "
         f"{psutil.virtual_memory().total / 2**30:.1f} GiB, Linux {platform.release()}, "
         f"Python {platform.python_version()}, "
-        f"guestd {__version__}, uvloop {importlib.metadata.version('uvloop')}, msgpack {'.'.join(map(str, msgpack.version))}.",
+        f"guestd {__version__}, uvloop {importlib.metadata.version('uvloop')}, "
+        f"msgpack {importlib.metadata.version('msgpack')}.",
         "Every ratio is against a floor measured in this same run, interleaved with it in rounds; "
         "the machine is shared and noisy, so read differences under ~1.5x between runs as ties. "
         f"Client pinned to CPUs {pinning['client_cpus']}, servers and their children to {pinning['server_cpus']} "
@@ -387,6 +389,8 @@ def render(floor: dict[str, Any], g: dict[str, Any], quick: bool, cmd: str, pinn
         f"(`subprocess.run(['true'])`) | {exec_ratio:.2f}x | <= 1.3x | {verdict(exec_ratio <= 1.3)} |",
         f"| 64 MiB upload | {f64['upload_MBps']:.0f} MB/s | {floor['socket_in_MBps']:.0f} MB/s (raw socket in) "
         f"| {up_frac:.0%} | >= 50% | {verdict(up_frac >= 0.5)} |",
+        f"| 64 MiB upload vs the disk | {f64['upload_MBps']:.0f} MB/s | {floor['disk_write_fsync_MBps']:.0f} MB/s "
+        f"(local write + fsync) | {up_disk:.0%} | (context) | - |",
         f"| 64 MiB download | {f64['download_MBps']:.0f} MB/s | {floor['socket_out_MBps']:.0f} MB/s (raw socket out) "
         f"| {down_frac:.0%} | >= 50% | {verdict(down_frac >= 0.5)} |",
         f"| idle RSS | {g['idle_rss_MiB']:.1f} MiB | {floor['idle_rss_MiB']:.1f} MiB (bare uvloop+msgpack server) "
