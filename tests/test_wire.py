@@ -190,3 +190,11 @@ def test_every_op_documents_its_args_and_results() -> None:
         assert op.doc and op.capability
         for f in (*op.args, *op.result, *op.events, *op.input):
             assert f.doc, f"{op.name}.{f.name} has no doc"
+
+
+def test_protocol_md_op_reference_is_current() -> None:
+    from guestd.wire.docs import render_into
+
+    with open(os.path.join(PROTOCOL, "PROTOCOL.md")) as f:
+        text = f.read()
+    assert text == render_into(text), "run: python -m guestd.wire.docs"
