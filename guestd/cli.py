@@ -186,6 +186,8 @@ async def run(ns: argparse.Namespace) -> int:
             out = await _cp(client, ns)
             if ns.json:
                 _print_json(out)
+            else:
+                print(f"{out['src']} -> {out['dst']}: {out['bytes']} bytes ({out['direction']}, size verified)")
             return 0
         path = _remote(ns.path)
         if path is None:

@@ -12,7 +12,12 @@ if [ ! -x .venv/bin/python ]; then
 fi
 stamp=.venv/.guestd-installed
 if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ]; then
-  .venv/bin/python -m pip install -q --upgrade pip
-  .venv/bin/python -m pip install -q -e '.[dev]'
+  log=.venv/install.log
+  echo "installing guestd and its dependencies into .venv (log: $log)" >&2
+  if ! { .venv/bin/python -m pip install --upgrade pip && .venv/bin/python -m pip install -e '.[dev]'; } >"$log" 2>&1; then
+    tail -n 30 "$log" >&2
+    echo "pip install failed; full log in $log" >&2
+    exit 1
+  fi
   touch "$stamp"
 fi
