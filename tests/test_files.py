@@ -193,3 +193,22 @@ def test_upload_download_roundtrip_with_checksum(client: Client, tmp_path: objec
 def test_download_errors_are_typed(client: Client, tmp_path: object) -> None:
     assert err_code(lambda: client.download(f"{tmp_path}/none")) == "not_found"
     assert err_code(lambda: client.download(str(tmp_path))) == "is_a_directory"
+
+
+def test_upload_abandoned_at_any_moment_leaves_no_temp_file(guestd: Guestd, tmp_path: object) -> None:
+    from guestd.wire.frames import Kind
+    from tests.rawwire import RawPeer
+
+    target = f"{tmp_path}/raced"
+    for i in range(40):
+        p = RawPeer(guestd.raw_socket())
+        p.hello()
+        p.request(1, "file.upload", {"path": target})
+        if i % 2:
+            p.send(Kind.INPUT, 1, {"data": b"z" * 100})
+        p.sock.close()  # gone while the temp file may still be being created
+    deadline = time.monotonic() + 10
+    while [n for n in os.listdir(str(tmp_path)) if "guestd-tmp" in n] and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert [n for n in os.listdir(str(tmp_path)) if "guestd-tmp" in n] == []
+    assert not os.path.exists(target)

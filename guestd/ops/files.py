@@ -304,7 +304,9 @@ def register(daemon: Daemon) -> None:
         return await io(_os_call, rename_path, a["src"], a["dst"], a["overwrite"])  # type: ignore[no-any-return]
 
     async def op_upload(ctx: RequestContext, a: dict[str, Any]) -> dict[str, Any]:
-        f: AtomicFile = await io(_os_call, AtomicFile, a["path"], a["flag"], a["perm"], a["parents"])
+        f: AtomicFile = await daemon.acquire_in_io(
+            _os_call, AtomicFile.abort, AtomicFile, a["path"], a["flag"], a["perm"], a["parents"]
+        )
         try:
             while True:
                 body = await ctx.input.get()
@@ -336,7 +338,7 @@ def register(daemon: Daemon) -> None:
         chunk = a["chunk"] or limits.max_chunk
         if chunk > limits.max_chunk or chunk <= 0:
             raise limit_error("max_chunk", limits.max_chunk, f"chunk must be in 1..{limits.max_chunk}")
-        fd: int = await io(_os_call, _open_for_download, a["path"])
+        fd: int = await daemon.acquire_in_io(_os_call, os.close, _open_for_download, a["path"])
         try:
             size = os.fstat(fd).st_size
             end = size if a["length"] is None else min(size, a["offset"] + a["length"])

@@ -95,6 +95,24 @@ class Daemon:
             self._io = ThreadPoolExecutor(max_workers=self.config.io_threads, thread_name_prefix="guestd-io")
         return await asyncio.get_running_loop().run_in_executor(self._io, fn, *args)
 
+    async def acquire_in_io(self, fn: Any, release: Any, *args: Any) -> Any:
+        """Like run_in_io for calls that create a resource (an fd, a temp file).
+
+        Cancelling the awaiting task cannot stop the thread, so if we are cancelled
+        while it runs, ``release`` is applied to whatever it produces afterwards.
+        """
+        fut = asyncio.ensure_future(self.run_in_io(fn, *args))
+        try:
+            return await asyncio.shield(fut)
+        except asyncio.CancelledError:
+
+            def cleanup(done: asyncio.Future[Any]) -> None:
+                if not done.cancelled() and done.exception() is None:
+                    release(done.result())
+
+            fut.add_done_callback(cleanup)
+            raise
+
     # -- lifecycle --------------------------------------------------------------------
     async def serve(self, ready_fd: int | None = None) -> None:
         loop = asyncio.get_running_loop()
