@@ -212,3 +212,19 @@ def test_upload_abandoned_at_any_moment_leaves_no_temp_file(guestd: Guestd, tmp_
         time.sleep(0.05)
     assert [n for n in os.listdir(str(tmp_path)) if "guestd-tmp" in n] == []
     assert not os.path.exists(target)
+
+
+def test_no_space_is_typed(client: Client) -> None:
+    # /dev/full fails every write with ENOSPC, like a full disk.
+    with pytest.raises(GuestdError) as ei:
+        client.write_file("/dev/full", b"x" * 100, flag="append")
+    assert ei.value.code == "no_space" and ei.value.errno == 28
+
+
+@pytest.mark.parametrize(
+    "err, code",
+    [(30, "read_only"), (5, "io_error"), (122, "no_space"), (2, "not_found"), (39, "not_empty"), (27, "too_large")],
+)
+def test_errno_mapping(err: int, code: str) -> None:
+    e = GuestdError.from_os_error(OSError(err, os.strerror(err), "/x"))
+    assert (e.code, e.errno) == (code, err) and "/x" in e.message

@@ -223,3 +223,19 @@ def test_header_layout_is_as_documented() -> None:
     (length,) = struct.unpack(">I", frame[4:8])
     assert length == len(frame) - 12
     assert frame[8:12] == b"\x01\x02\x03\x04"
+
+
+def test_max_connections_is_a_typed_limit(fresh_guestd: object) -> None:
+    g = fresh_guestd("--max-connections", "2")  # type: ignore[operator]
+    held = [RawPeer(g.raw_socket()) for _ in range(2)]
+    for p in held:
+        p.hello()
+    extra = RawPeer(g.raw_socket())
+    kind, rid, body = extra.recv()
+    assert (kind, rid, body["code"]) == (Kind.ERROR, 0, "limit")
+    assert body["details"]["limit"] == "max_connections"
+    assert extra.closed()
+    held[0].sock.close()
+    time.sleep(0.2)
+    again = RawPeer(g.raw_socket())
+    again.hello()  # a slot was freed
