@@ -449,7 +449,8 @@ def render(floor: dict[str, Any], g: dict[str, Any], quick: bool, cmd: str, pinn
         "request/response round trip across cores, an event-loop task, pidfd + pipe wake-ups, and its child shares "
         "the server's CPU. guestd already spawns through `subprocess.Popen` (vfork) rather than uvloop's fork-based "
         "spawn (2.5x slower here), inherits its environment instead of re-encoding it, and keeps the default pipe "
-        "size (F_SETPIPE_SZ cost ~45 us per exec). Across runs on this machine the ratio moved between ~1.2x and ~1.6x.",
+        "size (F_SETPIPE_SZ cost ~45 us per exec). "
+        "Across runs on this machine the ratio moved between ~1.2x and ~1.6x.",
         "- **64 MiB upload**: an upload is an atomic replace, so it writes and fsyncs the file; the line "
         '"upload vs the disk" compares it with a local write + fsync of the same size in the same run. '
         "The raw-socket floor moves bytes into a process that discards them.",
