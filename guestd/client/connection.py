@@ -15,6 +15,7 @@ from collections.abc import AsyncIterator
 from typing import Any, cast
 
 from guestd import __version__
+from guestd.flow import WriteGate
 from guestd.wire.errors import ErrorCode, GuestdError
 from guestd.wire.frames import (
     DEFAULT_MAX_FRAME,
@@ -162,8 +163,7 @@ class ClientConnection(asyncio.Protocol):
         self._hello_future: asyncio.Future[dict[str, Any]] = self.loop.create_future()
         self._next_id = 1
         self._closed_exc: BaseException | None = None
-        self._paused = False
-        self._drain_waiters: list[asyncio.Future[None]] = []
+        self._gate = WriteGate()
 
     # -- set-up ---------------------------------------------------------------------
     @classmethod
@@ -265,25 +265,15 @@ class ClientConnection(asyncio.Protocol):
         self._abort(ConnectionClosed(f"connection lost: {exc}" if exc else "connection closed by guest"))
 
     def pause_writing(self) -> None:
-        self._paused = True
+        self._gate.pause()
 
     def resume_writing(self) -> None:
-        self._paused = False
-        self._wake()
-
-    def _wake(self) -> None:
-        waiters, self._drain_waiters = self._drain_waiters, []
-        for f in waiters:
-            if not f.done():
-                f.set_result(None)
+        self._gate.resume()
 
     async def drain(self) -> None:
         if self._closed_exc is not None:
             raise self._closed_exc
-        if self._paused:
-            fut = asyncio.get_running_loop().create_future()
-            self._drain_waiters.append(fut)
-            await fut
+        await self._gate.wait()
 
     def _abort(self, exc: BaseException) -> None:
         if self._closed_exc is None:
@@ -293,7 +283,7 @@ class ClientConnection(asyncio.Protocol):
         calls, self.calls = self.calls, {}
         for call in calls.values():
             call.finish(None, exc)
-        self._wake()
+        self._gate.release_all()
         if self.transport is not None:
             self.transport.close()
 

@@ -14,6 +14,7 @@ import os
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
+from guestd.flow import WriteGate
 from guestd.wire.errors import ErrorCode, GuestdError, too_large
 from guestd.wire.frames import (
     HEADER_SIZE,
@@ -141,8 +142,7 @@ class Connection(asyncio.Protocol):
         self.peer_max_frame = self.limits.max_frame
         self.stream_window = self.limits.stream_window
         self.inflight: dict[int, RequestContext] = {}
-        self._paused = False
-        self._drain_waiters: list[asyncio.Future[None]] = []
+        self._gate = WriteGate()
         self._closing = False
         self._last_fed = 0.0  # loop time of the last bytes, for serial stall detection
         self._stall_handle: asyncio.TimerHandle | None = None
@@ -163,7 +163,7 @@ class Connection(asyncio.Protocol):
         if self._stall_handle is not None:
             self._stall_handle.cancel()
         self._cancel_all()
-        self._wake_drainers()
+        self._gate.release_all()
         self.daemon.connection_closed(self)
 
     def _cancel_all(self) -> None:
@@ -195,30 +195,20 @@ class Connection(asyncio.Protocol):
 
     @property
     def write_paused(self) -> bool:
-        return self._paused
+        return self._gate.paused
 
     def pause_writing(self) -> None:
-        self._paused = True
+        self._gate.pause()
 
     def resume_writing(self) -> None:
-        self._paused = False
-        self._wake_drainers()
-
-    def _wake_drainers(self) -> None:
-        waiters, self._drain_waiters = self._drain_waiters, []
-        for fut in waiters:
-            if not fut.done():
-                fut.set_result(None)
+        self._gate.resume()
 
     async def drain(self) -> None:
         if self._closing:
             raise ConnectionResetError("connection closed")
-        if self._paused:
-            fut = asyncio.get_running_loop().create_future()
-            self._drain_waiters.append(fut)
-            await fut
-            if self._closing:
-                raise ConnectionResetError("connection closed")
+        await self._gate.wait()
+        if self._closing:
+            raise ConnectionResetError("connection closed")
 
     def data_received(self, data: bytes) -> None:
         self.decoder.feed(data)
