@@ -239,3 +239,30 @@ def test_max_connections_is_a_typed_limit(fresh_guestd: object) -> None:
     time.sleep(0.2)
     again = RawPeer(g.raw_socket())
     again.hello()  # a slot was freed
+
+
+def test_random_and_mutated_frames_never_kill_the_daemon(guestd: Guestd) -> None:
+    import random
+
+    rng = random.Random(1234)
+    good = [
+        encode_frame(Kind.REQUEST, 1, {"op": "ping", "args": {}}),
+        encode_frame(Kind.REQUEST, 2, {"op": "file.stat", "args": {"path": "/"}}),
+        encode_frame(Kind.INPUT, 3, {"data": b"x"}),
+        encode_frame(Kind.WINDOW, 4, {"bytes": 5}),
+    ]
+    for _ in range(150):
+        p = RawPeer(guestd.raw_socket())
+        p.hello()
+        frame = bytearray(rng.choice(good))
+        for _ in range(rng.randint(1, 6)):  # flip bytes past the magic, so most frames stay frames
+            frame[rng.randrange(4, len(frame))] = rng.randrange(256)
+        if rng.random() < 0.3:
+            frame += bytes(rng.randrange(256) for _ in range(rng.randint(1, 40)))
+        try:
+            p.send_bytes(bytes(frame))
+        except OSError:
+            pass
+        p.sock.close()
+    with guestd.client() as c:
+        assert c.ping() > 0
