@@ -5,6 +5,7 @@
     guestctl ... sh 'COMMAND'
     guestctl ... cp SRC DST          (the guest side is written :PATH)
     guestctl ... cat :PATH | ls :PATH | rm [-r] :PATH
+    guestctl ... code new | run [--context ID] [--timeout S] CODE | ls | interrupt ID | restart ID | rm ID
 
 exec/sh exit with the remote exit code (124 when a timeout fired, 128+N when killed by signal N).
 """
@@ -20,7 +21,7 @@ import sys
 from typing import Any
 
 from guestd.client.aio import AsyncClient
-from guestd.client.results import ExecResult
+from guestd.client.results import CodeResult, ExecResult
 from guestd.wire.errors import GuestdError
 
 DEFAULT_CONNECT = "unix:/run/guestd/guestd.sock"
@@ -64,6 +65,21 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--no-progress", action="store_true")
     sub.add_parser("cat", help="print a guest file").add_argument("path")
     sub.add_parser("ls", help="list a guest directory").add_argument("path")
+    code = sub.add_parser("code", help="persistent Python contexts").add_subparsers(dest="code_cmd", required=True)
+    cn = code.add_parser("new", help="create a context")
+    cn.add_argument("--cwd", default=None)
+    cn.add_argument("--env", action="append", default=[], metavar="K=V")
+    cn.add_argument("--name", default=None)
+    cr = code.add_parser("run", help="run CODE ('-' reads stdin) in a context (default: one made on first use)")
+    cr.add_argument("--context", default=None, help="context id or name")
+    cr.add_argument("--timeout", type=float, default=None)
+    cr.add_argument("--input", action="append", default=None, metavar="LINE", help="an answer for input()")
+    cr.add_argument("--save-images", default=None, metavar="DIR", help="write image results to DIR")
+    cr.add_argument("--no-color", action="store_true", help="strip ANSI colours")
+    cr.add_argument("code")
+    code.add_parser("ls", help="list contexts")
+    for verb in ("interrupt", "restart", "rm"):
+        code.add_parser(verb).add_argument("context")
     r = sub.add_parser("rm", help="remove a guest path")
     r.add_argument("-r", "--recursive", action="store_true")
     r.add_argument("path")
@@ -87,6 +103,95 @@ def _print_exec(res: ExecResult) -> None:
     if res.timed_out:
         print(f"guestctl: {res.timed_out} timeout fired; process tree killed", file=sys.stderr)
     sys.stderr.flush()
+
+
+CODE_EXIT = {"ok": 0, "error": 1, "timeout": 124, "interrupted": 130, "died": 137}
+IMAGE_EXT = {"image/png": "png", "image/jpeg": "jpg", "image/gif": "gif", "image/svg+xml": "svg"}
+
+
+def _save_images(res: CodeResult, directory: str) -> list[str]:
+    os.makedirs(directory, exist_ok=True)
+    saved = []
+    for i, r in enumerate(res.results):
+        for mime, ext in IMAGE_EXT.items():
+            value = r["data"].get(mime)
+            if value is None:
+                continue
+            path = os.path.join(directory, f"{res.context}-{res.execution_count or 0}-{i}.{ext}")
+            with open(path, "wb") as f:
+                f.write(value if isinstance(value, bytes) else str(value).encode())
+            saved.append(path)
+    return saved
+
+
+async def _code(client: AsyncClient, ns: argparse.Namespace) -> int:
+    cmd = ns.code_cmd
+    if cmd == "new":
+        env = _parse_env(ns.env)
+        out = await client.code_create(cwd=ns.cwd, env=env or None, name=ns.name)
+        _print_json(out) if ns.json else print(out["id"])
+        return 0
+    if cmd == "ls":
+        contexts = await client.code_list()
+        if ns.json:
+            _print_json({"contexts": contexts})
+        else:
+            for c in contexts:
+                print(
+                    f"{c['id']}  {c.get('name') or '-':12} {c['state']:8} "
+                    f"pid {c.get('pid')}  runs {c['execution_count']}"
+                )
+        return 0
+    if cmd in ("interrupt", "restart", "rm"):
+        if cmd == "interrupt":
+            await client.code_interrupt(ns.context)
+        elif cmd == "restart":
+            pid = await client.code_restart(ns.context)
+            if not ns.json:
+                print(f"restarted; kernel pid {pid}")
+        else:
+            await client.code_close(ns.context)
+        if ns.json:
+            _print_json({"ok": True})
+        return 0
+    source = sys.stdin.read() if ns.code == "-" else ns.code
+    res = await client.code_run(
+        source, context=ns.context, timeout=ns.timeout, input_lines=ns.input, strip_ansi=ns.no_color or ns.json
+    )
+    saved = _save_images(res, ns.save_images) if ns.save_images else []
+    if ns.json:
+        out = res.to_json()
+        out["saved_images"] = saved
+        _print_json(out)
+        return CODE_EXIT.get(res.status, 1)
+    sys.stdout.buffer.write(res.stdout)
+    for r in res.results:
+        text = r["data"].get("text/plain")
+        images = [m for m in r["data"] if m in IMAGE_EXT]
+        if images and not ns.save_images:
+            print(f"[{', '.join(images)} result: use --save-images DIR]")
+        elif isinstance(text, str) and not images:
+            print(text)
+    for path in saved:
+        print(f"[saved {path}]")
+    sys.stdout.flush()
+    sys.stderr.buffer.write(res.stderr)
+    if res.error is not None:
+        print("\n".join(res.error.traceback) or f"{res.error.ename}: {res.error.evalue}", file=sys.stderr)
+    if res.status not in ("ok", "error"):
+        extra = res.timeout_action or res.exit_reason or ""
+        print(f"guestctl: run {res.status}" + (f" ({extra})" if extra else ""), file=sys.stderr)
+    return CODE_EXIT.get(res.status, 1)
+
+
+def _parse_env(pairs: list[str]) -> dict[str, str]:
+    env = {}
+    for kv in pairs:
+        k, sep, v = kv.partition("=")
+        if not sep or not k:
+            raise SystemExit(f"guestctl: --env wants K=V, got {kv!r}")
+        env[k] = v
+    return env
 
 
 def _progress(total: int, desc: str, disabled: bool) -> Any:
@@ -160,12 +265,7 @@ async def run(ns: argparse.Namespace) -> int:
                 cmd: list[str] | str = argv
             else:
                 cmd = ns.command
-            env = {}
-            for kv in ns.env:
-                k, sep, v = kv.partition("=")
-                if not sep or not k:
-                    raise SystemExit(f"guestctl: --env wants K=V, got {kv!r}")
-                env[k] = v
+            env = _parse_env(ns.env)
             stdin = sys.stdin.buffer.read() if ns.stdin else None
             res = await client.exec(
                 cmd,
@@ -182,6 +282,8 @@ async def run(ns: argparse.Namespace) -> int:
             else:
                 _print_exec(res)
             return res.shell_exit_code()
+        if ns.cmd == "code":
+            return await _code(client, ns)
         if ns.cmd == "cp":
             out = await _cp(client, ns)
             if ns.json:

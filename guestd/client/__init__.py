@@ -2,7 +2,7 @@
 
 from guestd.client.aio import AsyncClient, ExecStream
 from guestd.client.connection import ConnectionClosed, GuestProtocolError
-from guestd.client.results import DirEntry, DirListing, ExecResult, FileStat, Info
+from guestd.client.results import CodeError, CodeResult, DirEntry, DirListing, ExecResult, FileStat, Info
 from guestd.client.sync import Client
 from guestd.memtune import tune_malloc
 from guestd.wire.errors import ErrorCode, GuestdError
@@ -10,6 +10,8 @@ from guestd.wire.errors import ErrorCode, GuestdError
 __all__ = [
     "AsyncClient",
     "Client",
+    "CodeError",
+    "CodeResult",
     "ConnectionClosed",
     "DirEntry",
     "DirListing",

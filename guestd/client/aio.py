@@ -10,7 +10,7 @@ from typing import Any
 
 from guestd.client.address import open_socket, parse_address
 from guestd.client.connection import DEFAULT_WINDOW, Call, ClientConnection, GuestProtocolError
-from guestd.client.results import DirEntry, DirListing, ExecResult, FileStat, Info
+from guestd.client.results import CodeResult, DirEntry, DirListing, ExecResult, FileStat, Info
 from guestd.wire.errors import ErrorCode, GuestdError
 from guestd.wire.frames import DEFAULT_MAX_FRAME
 
@@ -445,3 +445,66 @@ class AsyncClient:
 
     async def rename(self, src: str, dst: str, *, overwrite: bool = True, timeout: float = DEFAULT_TIMEOUT) -> None:
         await self._conn.request("file.rename", {"src": src, "dst": dst, "overwrite": overwrite}, timeout)
+
+    # -- code contexts --------------------------------------------------------------------
+    async def code_create(
+        self,
+        *,
+        cwd: str | None = None,
+        env: dict[str, str] | None = None,
+        name: str | None = None,
+        timeout: float = 120.0,
+    ) -> dict[str, Any]:
+        """Create a Python context (returns ``{"id", "name", "pid", "pooled", "existing"}``)."""
+        args: dict[str, Any] = {}
+        if cwd is not None:
+            args["cwd"] = cwd
+        if env is not None:
+            args["env"] = env
+        if name is not None:
+            args["name"] = name
+        return await self._conn.request("code.create", args, timeout)
+
+    async def code_run(
+        self,
+        code: str,
+        *,
+        context: str | None = None,
+        timeout: float | None = None,
+        interrupt_grace: float | None = None,
+        input_lines: list[str] | None = None,
+        strip_ansi: bool = False,
+        max_output: int | None = None,
+        client_timeout: float | None = None,
+    ) -> CodeResult:
+        """Run a cell; without ``context`` the daemon's "default" context (made on first use)."""
+        args: dict[str, Any] = {"code": code, "strip_ansi": strip_ansi}
+        if context is not None:
+            args["context"] = context
+        if timeout is not None:
+            args["timeout_s"] = float(timeout)
+        if interrupt_grace is not None:
+            args["interrupt_grace_s"] = float(interrupt_grace)
+        if input_lines is not None:
+            args["input_lines"] = input_lines
+        if max_output is not None:
+            args["max_output"] = max_output
+        if client_timeout is None:
+            # A kernel start (default context), the run, an interrupt grace and a restart.
+            client_timeout = (
+                (timeout + (interrupt_grace or 2.0) + 120.0) if timeout is not None else DEFAULT_TIMEOUT * 12
+            )
+        return CodeResult.from_body(await self._conn.request("code.run", args, client_timeout))
+
+    async def code_interrupt(self, context: str, *, timeout: float = 30.0) -> None:
+        await self._conn.request("code.interrupt", {"context": context}, timeout)
+
+    async def code_restart(self, context: str, *, timeout: float = 120.0) -> int:
+        return int((await self._conn.request("code.restart", {"context": context}, timeout))["pid"])
+
+    async def code_close(self, context: str, *, timeout: float = 30.0) -> None:
+        await self._conn.request("code.close", {"context": context}, timeout)
+
+    async def code_list(self, *, timeout: float = 30.0) -> list[dict[str, Any]]:
+        contexts = (await self._conn.request("code.list", {}, timeout))["contexts"]
+        return [c for c in contexts if isinstance(c, dict)] if isinstance(contexts, list) else []

@@ -100,3 +100,93 @@ class Info:
     boot_id: str
     uptime_s: float
     raw: dict[str, Any] = field(repr=False)
+
+
+@dataclass(frozen=True)
+class CodeError:
+    ename: str
+    evalue: str
+    traceback: list[str]
+
+
+@dataclass(frozen=True)
+class CodeResult:
+    """One cell's outcome. ``results`` holds MIME bundles: ``{"kind", "data": {mime: value}}``."""
+
+    context: str
+    status: str  # ok | error | timeout | interrupted | died
+    timeout_action: str | None
+    exit_reason: str | None
+    stdout: bytes
+    stderr: bytes
+    stdout_bytes: int
+    stderr_bytes: int
+    stdout_dropped: int
+    stderr_dropped: int
+    results: list[dict[str, Any]]
+    results_dropped: int
+    error: CodeError | None
+    stdin_exhausted: bool
+    execution_count: int | None
+    duration_s: float
+
+    @classmethod
+    def from_body(cls, b: dict[str, Any]) -> CodeResult:
+        err = b.get("error")
+        results = b["results"] if isinstance(b["results"], list) else []
+        return cls(
+            context=b["context"],
+            status=b["status"],
+            timeout_action=b.get("timeout_action"),
+            exit_reason=b.get("exit_reason"),
+            stdout=b["stdout"],
+            stderr=b["stderr"],
+            stdout_bytes=b["stdout_bytes"],
+            stderr_bytes=b["stderr_bytes"],
+            stdout_dropped=b["stdout_dropped"],
+            stderr_dropped=b["stderr_dropped"],
+            results=[r for r in results if isinstance(r, dict) and isinstance(r.get("data"), dict)],
+            results_dropped=b["results_dropped"],
+            error=CodeError(
+                str(err.get("ename", "")), str(err.get("evalue", "")), [str(t) for t in err.get("traceback", [])]
+            )
+            if isinstance(err, dict)
+            else None,
+            stdin_exhausted=b["stdin_exhausted"],
+            execution_count=b.get("execution_count"),
+            duration_s=b["duration_s"],
+        )
+
+    @property
+    def ok(self) -> bool:
+        return self.status == "ok"
+
+    @property
+    def text(self) -> str | None:
+        """``text/plain`` of the cell's value (its execute_result), if any."""
+        for r in self.results:
+            if r.get("kind") == "result":
+                v = r["data"].get("text/plain")
+                return v if isinstance(v, str) else None
+        return None
+
+    def to_json(self) -> dict[str, Any]:
+        def jsonable(v: Any) -> Any:
+            if isinstance(v, bytes):
+                return {"base64": base64.b64encode(v).decode()}
+            if isinstance(v, dict):
+                return {k: jsonable(x) for k, x in v.items()}
+            if isinstance(v, list):
+                return [jsonable(x) for x in v]
+            return v
+
+        out: dict[str, Any] = {}
+        for k in self.__dataclass_fields__:
+            v = getattr(self, k)
+            if k in ("stdout", "stderr"):
+                out[k] = v.decode("utf-8", "replace")
+            elif k == "error":
+                out[k] = None if v is None else {"ename": v.ename, "evalue": v.evalue, "traceback": v.traceback}
+            else:
+                out[k] = jsonable(v)
+        return out

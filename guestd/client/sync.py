@@ -8,7 +8,7 @@ from collections.abc import Coroutine
 from typing import Any, TypeVar
 
 from guestd.client.aio import AsyncClient
-from guestd.client.results import DirListing, ExecResult, FileStat, Info
+from guestd.client.results import CodeResult, DirListing, ExecResult, FileStat, Info
 
 T = TypeVar("T")
 
@@ -94,3 +94,21 @@ class Client:
 
     def rename(self, src: str, dst: str, **kw: Any) -> None:
         self._run(self._aio.rename(src, dst, **kw))
+
+    def code_create(self, **kw: Any) -> dict[str, Any]:
+        return self._run(self._aio.code_create(**kw))
+
+    def code_run(self, code: str, **kw: Any) -> CodeResult:
+        return self._run(self._aio.code_run(code, **kw))
+
+    def code_interrupt(self, context: str, **kw: Any) -> None:
+        self._run(self._aio.code_interrupt(context, **kw))
+
+    def code_restart(self, context: str, **kw: Any) -> int:
+        return self._run(self._aio.code_restart(context, **kw))
+
+    def code_close(self, context: str, **kw: Any) -> None:
+        self._run(self._aio.code_close(context, **kw))
+
+    def code_list(self, **kw: Any) -> list[dict[str, Any]]:
+        return self._run(self._aio.code_list(**kw))

@@ -22,6 +22,8 @@ class Limits:
     max_read: int = 2 * 1024 * 1024  # bytes per file.read reply
     max_list_entries: int = 20_000
     max_exec_timeout_s: float = 7 * 24 * 3600.0
+    max_contexts: int = 8  # live code contexts (one kernel process each)
+    max_code_queue: int = 16  # runs waiting per context
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -34,3 +36,6 @@ class Config:
     limits: Limits = field(default_factory=Limits)
     io_threads: int = 8  # blocking file I/O runs here, never on the event loop
     use_uvloop: bool = True
+    runtime_dir: str = ""  # private state (kernel connection files); default /run/guestd or a temp dir
+    code_pool: int = 1  # pre-started kernels kept ready; 0 disables
+    code_prewarm: bool = False  # fill the pool at start-up instead of on first use

@@ -22,6 +22,8 @@ from guestd.server.transports import Listener, listen, parse_listen
 if TYPE_CHECKING:
     from concurrent.futures import ThreadPoolExecutor
 
+    from guestd.contexts import Contexts
+
 log = logging.getLogger("guestd")
 
 
@@ -47,12 +49,16 @@ class Daemon:
         self.reaper = Reaper()
         self._sweeper: asyncio.Task[None] | None = None
 
+        self._contexts: Contexts | None = None
+        self._kernel_dir: str | None = None
+
+        from guestd.ops import code, files, system
         from guestd.ops import exec as exec_ops
-        from guestd.ops import files, system
 
         system.register(self)
         exec_ops.register(self)
         files.register(self)
+        code.register(self)
 
     # -- connections ------------------------------------------------------------------
     def connection_opened(self, conn: Connection) -> bool:
@@ -95,6 +101,39 @@ class Daemon:
             self._io = ThreadPoolExecutor(max_workers=self.config.io_threads, thread_name_prefix="guestd-io")
         return await asyncio.get_running_loop().run_in_executor(self._io, fn, *args)
 
+    # -- code contexts ------------------------------------------------------------------
+    def has_contexts(self) -> bool:
+        return self._contexts is not None
+
+    def contexts(self) -> Contexts:
+        """The code-context manager; created (and jupyter_client imported) on first use."""
+        if self._contexts is None:
+            from guestd.contexts import Contexts
+
+            self._contexts = Contexts(self)
+            self._contexts.ensure_pool()
+        return self._contexts
+
+    def runtime_dir(self) -> str:
+        if not self.config.runtime_dir:
+            base = "/run/guestd" if os.geteuid() == 0 and os.path.isdir("/run") else None
+            if base is None:
+                import tempfile
+
+                base = os.path.join(tempfile.gettempdir(), f"guestd-{os.geteuid()}")
+            self.config.runtime_dir = base
+        os.makedirs(self.config.runtime_dir, mode=0o700, exist_ok=True)
+        return self.config.runtime_dir
+
+    def kernel_dir(self) -> str:
+        """Private (0700) home of kernel connection files and ipc sockets."""
+        if self._kernel_dir is None:
+            d = os.path.join(self.runtime_dir(), "kernels")
+            os.makedirs(d, mode=0o700, exist_ok=True)
+            os.chmod(d, 0o700)
+            self._kernel_dir = d
+        return self._kernel_dir
+
     async def acquire_in_io(self, fn: Any, release: Any, *args: Any) -> Any:
         """Like run_in_io for calls that create a resource (an fd, a temp file).
 
@@ -121,6 +160,13 @@ class Daemon:
             listener = await listen(self, parse_listen(addr))
             self.listeners.append(listener)
             log.info("listening on %s", listener.address)
+        from guestd.contexts import reap_orphan_kernels
+
+        orphans = reap_orphan_kernels(self.kernel_dir())  # a previous guestd may have crashed
+        if orphans:
+            log.warning("killed %d kernel(s) left by a previous guestd", orphans)
+        if self.config.code_prewarm and self.config.code_pool > 0:
+            self.contexts()
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, self._stopping.set)
         loop.add_signal_handler(signal.SIGPIPE, lambda: None)
@@ -149,6 +195,8 @@ class Daemon:
             await asyncio.wait(tasks, timeout=5.0)
         for c in list(self.connections):
             c.close()
+        if self._contexts is not None:
+            await self._contexts.shutdown()
         if self._io is not None:
             self._io.shutdown(wait=False, cancel_futures=True)
 
@@ -174,6 +222,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-inflight", type=int, default=None, help="max requests in flight per connection")
     p.add_argument("--max-connections", type=int, default=None)
     p.add_argument("--token-file", default=None, help="file holding an access token clients must present")
+    p.add_argument("--runtime-dir", default="", help="private state directory (default /run/guestd as root)")
+    p.add_argument("--code-pool", type=int, default=None, help="pre-started kernels kept ready (default 1; 0 disables)")
+    p.add_argument("--code-prewarm", action="store_true", help="fill the kernel pool at start-up, not on first use")
+    p.add_argument("--max-contexts", type=int, default=None)
     p.add_argument("--no-uvloop", action="store_true", help="use the default asyncio loop")
     p.add_argument("--ready-fd", type=int, default=None, help="write 'ready' to this fd once listening")
     p.add_argument("--log-level", default="INFO")
@@ -189,7 +241,13 @@ def config_from_args(ns: argparse.Namespace) -> Config:
         limits.max_inflight = ns.max_inflight
     if ns.max_connections is not None:
         limits.max_connections = ns.max_connections
+    if ns.max_contexts is not None:
+        limits.max_contexts = ns.max_contexts
     cfg = Config(listen=ns.listen or [f"vsock:{DEFAULT_VSOCK_PORT}"], limits=limits, use_uvloop=not ns.no_uvloop)
+    cfg.runtime_dir = ns.runtime_dir
+    if ns.code_pool is not None:
+        cfg.code_pool = ns.code_pool
+    cfg.code_prewarm = ns.code_prewarm
     if ns.allow_cid:
         cfg.allowed_cids = set(ns.allow_cid)
     return cfg

@@ -28,6 +28,7 @@ class ErrorCode(StrEnum):
     TIMEOUT = "timeout"
     CANCELLED = "cancelled"
     LIMIT = "limit"
+    UNAVAILABLE = "unavailable"  # the target exists but cannot serve (a dead kernel)
     INTERNAL = "internal"
 
 

@@ -414,6 +414,121 @@ OPS: tuple[OpSpec, ...] = (
     ),
 )
 
+_CODE_REF = F("context", "str?", 'context id or name; nil means the context named "default", created on first use')
+
+_CODE_RESULT = (
+    F("context", "str", "id of the context that ran the code", True),
+    F("status", "enum(ok|error|timeout|interrupted|died)", "how the run ended", True),
+    F("timeout_action", "enum(interrupted|restarted)?", "after a timeout: the kernel was interrupted, or restarted"),
+    F("exit_reason", "str?", "status died: how the kernel process ended"),
+    F("stdout", "bin", "captured stdout, UTF-8 (empty in stream mode)", True),
+    F("stderr", "bin", "captured stderr, UTF-8 (empty in stream mode)", True),
+    F("stdout_bytes", "uint", "total stdout bytes the cell wrote", True),
+    F("stderr_bytes", "uint", "total stderr bytes the cell wrote", True),
+    F("stdout_dropped", "uint", "stdout bytes not returned", True),
+    F("stderr_dropped", "uint", "stderr bytes not returned", True),
+    F("stdout_gap_at", "uint?", "offset in stdout where dropped bytes were cut out"),
+    F("stderr_gap_at", "uint?", "offset in stderr where dropped bytes were cut out"),
+    F("results", "any", "list of {kind: result|display, data: MIME bundle}; image/* values are bin", True),
+    F("results_dropped", "uint", "rich results not returned (count or size limit)", True),
+    F("error", "map?", "{ename, evalue, traceback: [str]} when the cell raised"),
+    F("stdin_exhausted", "bool", "the cell asked for more input lines than were supplied", True),
+    F("execution_count", "int?", "the kernel's execution counter for this cell"),
+    F("duration_s", "float", "wall time of the run", True),
+)
+
+CODE_OPS: tuple[OpSpec, ...] = (
+    OpSpec(
+        "code.create",
+        "code",
+        "Create a persistent Python context (one ipykernel kernel), from the warm pool when one is ready. "
+        "A name that already exists returns that context.",
+        args=(
+            F("cwd", "str?", "working directory of the kernel"),
+            F("env", "map<str,str>?", "environment variables added to the kernel's"),
+            F("name", "str?", "a name to find the context by"),
+        ),
+        result=(
+            F("id", "str", "context id", True),
+            F("name", "str?", "its name"),
+            F("pid", "int", "kernel process id", True),
+            F("pooled", "bool", "true when a pre-started kernel was used", True),
+            F("existing", "bool", "true when name matched an existing context", True),
+        ),
+        errors=("limit", "not_found", "unavailable"),
+    ),
+    OpSpec(
+        "code.run",
+        "code",
+        "Run code in a context. Runs on one context are serialized (bounded queue); contexts run in parallel. "
+        "A timeout interrupts the kernel (SIGINT) and restarts it if it is not idle within interrupt_grace_s; "
+        "output so far is kept. input()/getpass() fail at once unless input_lines are given.",
+        args=(
+            _CODE_REF,
+            F("code", "str", "the cell", True),
+            F("timeout_s", "float?", "wall-clock timeout for the cell"),
+            F(
+                "interrupt_grace_s",
+                "float",
+                "after a timeout, how long the interrupt may take before a restart",
+                default=2.0,
+            ),
+            F("input_lines", "list<str>?", "answers for input()/getpass(), in order"),
+            F("strip_ansi", "bool", "remove ANSI colour codes from output and tracebacks", default=False),
+            F("max_output", "uint", "bytes kept per stream (<= limits.max_output)", default=65536),
+            F("capture", "enum(tail|head_tail)", "which bytes are kept when over max_output", default="tail"),
+            F("stream", "bool", "send output and results as EVENT frames as they arrive", default=False),
+        ),
+        result=_CODE_RESULT,
+        events=(
+            F("ev", "enum(stdout|stderr|result|display|error)", "event type", True),
+            F("data", "bin", "stdout/stderr: next bytes"),
+            F("bundle", "map", "result/display: the MIME bundle"),
+            F("ename", "str", "error: exception class"),
+            F("evalue", "str", "error: message"),
+            F("traceback", "list<str>", "error: formatted traceback lines"),
+        ),
+        errors=("not_found", "unavailable", "limit", "bad_request"),
+    ),
+    OpSpec(
+        "code.interrupt",
+        "code",
+        "Send SIGINT to a context's kernel; a running cell ends with status interrupted.",
+        args=(_CODE_REF,),
+        errors=("not_found",),
+    ),
+    OpSpec(
+        "code.restart",
+        "code",
+        "Replace the context's kernel with a fresh one (state lost, same id, same cwd/env).",
+        args=(_CODE_REF,),
+        result=(F("pid", "int", "the new kernel's process id", True),),
+        errors=("not_found", "unavailable"),
+    ),
+    OpSpec(
+        "code.close",
+        "code",
+        "Close a context and kill its kernel.",
+        args=(_CODE_REF,),
+        errors=("not_found",),
+    ),
+    OpSpec(
+        "code.list",
+        "code",
+        "Every context with its state.",
+        result=(
+            F(
+                "contexts",
+                "any",
+                "list of {id, name, state, pid, memory, last_activity, execution_count, queued, restarts}",
+                True,
+            ),
+            F("pool_ready", "uint", "pre-started kernels ready in the pool", True),
+        ),
+    ),
+)
+
+OPS = OPS + CODE_OPS
 OPS_BY_NAME = {op.name: op for op in OPS}
 
 

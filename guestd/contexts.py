@@ -1,0 +1,710 @@
+"""Persistent Python code contexts: one ipykernel kernel per context, driven with jupyter_client.
+
+jupyter_client (and zmq, tornado, traitlets) is imported on first use only, so a
+guestd that never runs code does not pay for it in memory or start-up time.
+
+Every wait on a kernel is bounded: runs have a deadline (interrupt, then restart
+after a grace), kernel death is seen at once through a pidfd, and start-up has
+its own timeout.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import logging
+import os
+import re
+import signal
+import sys
+import time
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from guestd.capture import OutputCapture
+from guestd.wire.errors import ErrorCode, GuestdError, limit_error
+
+if TYPE_CHECKING:
+    from guestd.server.daemon import Daemon
+
+log = logging.getLogger("guestd.code")
+
+ANSI = re.compile(r"\x1b\[[0-9;?]*[ -/]*[@-~]")
+KERNEL_START_TIMEOUT_S = 60.0
+MAX_RESULTS = 64
+DEFAULT_CONTEXT = "default"
+
+
+def strip_ansi(text: str) -> str:
+    return ANSI.sub("", text)
+
+
+def _exit_reason(status: int | None) -> str:
+    if status is None:
+        return "kernel process ended (status unknown)"
+    code = os.waitstatus_to_exitcode(status)
+    if code < 0:
+        try:
+            name = signal.Signals(-code).name
+        except ValueError:
+            name = str(-code)
+        return f"killed by signal {name}" + (" (out of memory?)" if -code == signal.SIGKILL else "")
+    return f"exited with status {code}"
+
+
+class Kernel:
+    """One kernel process and its client channels."""
+
+    def __init__(self, daemon: Daemon, kid: str) -> None:
+        self.daemon = daemon
+        self.kid = kid
+        self.km: Any = None
+        self.kc: Any = None
+        self.pid = 0
+        self.died: asyncio.Future[str] = asyncio.get_running_loop().create_future()
+        self._pidfd: int | None = None
+        self._poller: asyncio.Task[None] | None = None
+
+    async def start(self, cwd: str | None, env: dict[str, str] | None) -> None:
+        from jupyter_client.kernelspec import KernelSpec, KernelSpecManager
+        from jupyter_client.manager import AsyncKernelManager
+
+        argv = [sys.executable, "-m", "guestd.kernel", "-f", "{connection_file}"]
+
+        class Specs(KernelSpecManager):
+            def get_kernel_spec(self, kernel_name: str) -> Any:
+                return KernelSpec(argv=argv, display_name="guestd python", language="python")
+
+        kdir = self.daemon.kernel_dir()
+        km = AsyncKernelManager(kernel_name="guestd-python", kernel_spec_manager=Specs())
+        km.transport = "ipc"  # Unix sockets in a 0700 directory: no ports, no network
+        km.ip = os.path.join(kdir, self.kid)
+        km.connection_file = os.path.join(kdir, f"{self.kid}.json")
+        kenv = dict(os.environ)
+        kenv.update(env or {})
+        kenv["GUESTD_PARENT_PID"] = str(os.getpid())
+        kenv.setdefault("PYTHONUNBUFFERED", "1")
+        kenv["MPLBACKEND"] = kenv.get("MPLBACKEND", "module://matplotlib_inline.backend_inline")
+        self.km = km
+        await asyncio.wait_for(km.start_kernel(cwd=cwd or os.getcwd(), env=kenv), KERNEL_START_TIMEOUT_S)
+        self.pid = km.provisioner.process.pid  # type: ignore[union-attr]
+        self.daemon.reaper.tracked.add(self.pid)
+        self._write_pidfile()
+        self._watch()
+        kc = km.client()
+        kc.start_channels()
+        self.kc = kc
+        ready: asyncio.Future[Any] = asyncio.ensure_future(kc.wait_for_ready(timeout=KERNEL_START_TIMEOUT_S))
+        waitset: set[asyncio.Future[Any]] = {ready, self.died}
+        done, _ = await asyncio.wait(waitset, return_when=asyncio.FIRST_COMPLETED)
+        if ready not in done:
+            ready.cancel()
+            raise GuestdError(ErrorCode.UNAVAILABLE, f"kernel failed to start: {self.died.result()}")
+        ready.result()
+
+    def _pidfile(self) -> str:
+        return os.path.join(self.daemon.kernel_dir(), f"{self.kid}.pid")
+
+    def _write_pidfile(self) -> None:
+        try:
+            import psutil
+
+            ctime = psutil.Process(self.pid).create_time()
+            with open(self._pidfile(), "w") as f:
+                f.write(f"{self.pid} {ctime}\n")
+        except (OSError, ImportError, Exception):  # best effort: PDEATHSIG is the first line of defence
+            log.debug("could not record kernel pid", exc_info=True)
+
+    def _watch(self) -> None:
+        loop = asyncio.get_running_loop()
+        try:
+            self._pidfd = os.pidfd_open(self.pid)
+        except OSError:
+            self._pidfd = None
+            self._poller = loop.create_task(self._poll_death())
+            return
+        loop.add_reader(self._pidfd, self._on_exit)
+
+    def _on_exit(self) -> None:
+        loop = asyncio.get_running_loop()
+        if self._pidfd is not None:
+            loop.remove_reader(self._pidfd)
+            os.close(self._pidfd)
+            self._pidfd = None
+        status: int | None = None
+        try:
+            pid, st = os.waitpid(self.pid, os.WNOHANG)
+            if pid:
+                status = st
+                proc = self.km.provisioner.process if self.km and self.km.provisioner else None
+                if proc is not None:
+                    proc.returncode = os.waitstatus_to_exitcode(st)
+        except ChildProcessError:
+            proc = self.km.provisioner.process if self.km and self.km.provisioner else None
+            rc = getattr(proc, "returncode", None)
+            if rc is not None:
+                status = (-rc & 0x7F) if rc < 0 else (rc << 8)
+        self.daemon.reaper.tracked.discard(self.pid)
+        if not self.died.done():
+            self.died.set_result(_exit_reason(status))
+        self._remove_pidfile()
+
+    async def _poll_death(self) -> None:
+        while not self.died.done():
+            await asyncio.sleep(0.2)
+            try:
+                os.kill(self.pid, 0)
+            except ProcessLookupError:
+                self._on_exit()
+
+    def _remove_pidfile(self) -> None:
+        try:
+            os.unlink(self._pidfile())
+        except OSError:
+            pass
+
+    @property
+    def alive(self) -> bool:
+        return not self.died.done()
+
+    def interrupt(self) -> None:
+        if self.alive:
+            try:
+                os.killpg(self.pid, signal.SIGINT)  # the kernel's own process group
+            except OSError:
+                try:
+                    os.kill(self.pid, signal.SIGINT)
+                except OSError:
+                    pass
+
+    async def shutdown(self) -> None:
+        """Kill now (a context's state is disposable) and release every file."""
+        if self.kc is not None:
+            try:
+                self.kc.stop_channels()
+            except Exception:
+                pass
+        if self.alive and self.pid:
+            try:
+                os.killpg(self.pid, signal.SIGKILL)
+            except OSError:
+                try:
+                    os.kill(self.pid, signal.SIGKILL)
+                except OSError:
+                    pass
+            try:
+                await asyncio.wait_for(asyncio.shield(self.died), 5.0)
+            except TimeoutError:
+                log.warning("kernel %s (pid %d) did not exit after SIGKILL", self.kid, self.pid)
+        if self.km is not None:
+            try:
+                await self.km.cleanup_resources(restart=False)  # connection file, ipc sockets
+            except Exception:
+                pass
+        self._remove_pidfile()
+
+    def memory(self) -> int | None:
+        try:
+            import psutil
+
+            return int(psutil.Process(self.pid).memory_info().rss)
+        except Exception:
+            return None
+
+
+@dataclass
+class RunState:
+    msg_id: str
+    stdout: OutputCapture
+    stderr: OutputCapture
+    strip: bool
+    stream: Any  # RequestContext | None
+    input_lines: list[str] | None
+    results: list[dict[str, Any]] = field(default_factory=list)
+    results_dropped: int = 0
+    results_bytes: int = 0
+    error: dict[str, Any] | None = None
+    execution_count: int | None = None
+    reply_status: str | None = None
+    iopub_idle: asyncio.Event = field(default_factory=asyncio.Event)
+    replied: asyncio.Event = field(default_factory=asyncio.Event)
+    stdin_exhausted: bool = False
+    pending_events: list[dict[str, Any]] = field(default_factory=list)
+
+
+def _bundle(data: dict[str, Any]) -> dict[str, Any]:
+    """Jupyter MIME bundle -> wire bundle: images as raw bytes, JSON as maps, text as str."""
+    out: dict[str, Any] = {}
+    for mime, value in data.items():
+        if mime.startswith("image/") and mime != "image/svg+xml" and isinstance(value, str):
+            try:
+                out[mime] = base64.b64decode(value)
+                continue
+            except ValueError:
+                pass
+        if isinstance(value, list) and all(isinstance(v, str) for v in value):
+            value = "".join(value)
+        out[mime] = value
+    return out
+
+
+def _bundle_size(b: dict[str, Any]) -> int:
+    return sum(len(v) if isinstance(v, (str, bytes)) else 256 for v in b.values())
+
+
+class CodeContext:
+    def __init__(
+        self, manager: Contexts, cid: str, name: str | None, cwd: str | None, env: dict[str, str] | None
+    ) -> None:
+        self.manager = manager
+        self.id = cid
+        self.name = name
+        self.cwd = cwd
+        self.env = env
+        self.kernel: Kernel | None = None
+        self.lock = asyncio.Lock()
+        self.waiting = 0
+        self.busy = False
+        self.execution_count = 0
+        self.last_activity = time.time()
+        self.restarts = 0
+        self._interrupted = False  # set by code.interrupt so the run reports "interrupted"
+
+    @property
+    def state(self) -> str:
+        if self.kernel is None:
+            return "starting"
+        if not self.kernel.alive:
+            return "dead"
+        return "busy" if self.busy else "idle"
+
+    def describe(self) -> dict[str, Any]:
+        k = self.kernel
+        return {
+            "id": self.id,
+            "name": self.name,
+            "state": self.state,
+            "pid": k.pid if k else None,
+            "memory": k.memory() if k and k.alive else None,
+            "last_activity": self.last_activity,
+            "execution_count": self.execution_count,
+            "queued": self.waiting,
+            "restarts": self.restarts,
+        }
+
+    # -- running ----------------------------------------------------------------------
+    async def run(self, code: str, opts: dict[str, Any], ctx: Any) -> dict[str, Any]:
+        limits = self.manager.daemon.config.limits
+        if self.waiting >= limits.max_code_queue:
+            raise limit_error("max_code_queue", limits.max_code_queue, f"context {self.id} has too many queued runs")
+        self.waiting += 1
+        try:
+            await self.lock.acquire()
+        finally:
+            self.waiting -= 1
+        try:
+            self.busy = True
+            return await self._run_locked(code, opts, ctx)
+        finally:
+            self.busy = False
+            self.last_activity = time.time()
+            self.lock.release()
+
+    async def _run_locked(self, code: str, opts: dict[str, Any], ctx: Any) -> dict[str, Any]:
+        kernel = self.kernel
+        if kernel is None or not kernel.alive:
+            reason = kernel.died.result() if kernel is not None and kernel.died.done() else "not started"
+            raise GuestdError(
+                ErrorCode.UNAVAILABLE,
+                f"context {self.id} has no live kernel ({reason}); restart it",
+                details={"context": self.id, "exit_reason": reason},
+            )
+        t0 = time.monotonic()
+        kc = kernel.kc
+        lines = opts.get("input_lines")
+        msg_id = kc.execute(code, silent=False, store_history=True, allow_stdin=lines is not None, stop_on_error=True)
+        st = RunState(
+            msg_id,
+            OutputCapture(opts["max_output"], opts["capture"]),
+            OutputCapture(opts["max_output"], opts["capture"]),
+            opts["strip_ansi"],
+            ctx if opts["stream"] else None,
+            list(lines) if lines is not None else None,
+        )
+        tasks = [
+            asyncio.ensure_future(self._read_iopub(kc, st)),
+            asyncio.ensure_future(self._read_shell(kc, st)),
+        ]
+        if st.input_lines is not None:
+            tasks.append(asyncio.ensure_future(self._answer_stdin(kc, st, kernel)))
+        status = "ok"
+        timeout_action = None
+        exit_reason = None
+        try:
+            outcome = await self._wait_done(st, kernel, opts["timeout_s"])
+            if outcome == "died":
+                status, exit_reason = "died", kernel.died.result()
+            elif outcome == "timeout":
+                status = "timeout"
+                kernel.interrupt()
+                grace = await self._wait_done(st, kernel, opts["interrupt_grace_s"])
+                if grace == "done":
+                    timeout_action = "interrupted"
+                else:
+                    timeout_action = "restarted"
+                    await self.restart()
+            else:
+                status = "error" if (st.reply_status == "error" or st.error) else "ok"
+                if st.reply_status == "aborted":
+                    status = "error"
+                if st.error and st.error.get("ename") == "KeyboardInterrupt" and self._interrupted:
+                    status = "interrupted"
+                if st.stdin_exhausted:
+                    status = "error"
+                    st.error = {
+                        "ename": "EOFError",
+                        "evalue": "input() was called but the request supplied no more input lines",
+                        "traceback": (st.error or {}).get("traceback", []),
+                    }
+        finally:
+            for t in tasks:
+                t.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+            self._interrupted = False
+        if st.execution_count is not None:
+            self.execution_count = st.execution_count
+        return {
+            "context": self.id,
+            "status": status,
+            "timeout_action": timeout_action,
+            "exit_reason": exit_reason,
+            "stdout": st.stdout.data() if st.stream is None else b"",
+            "stderr": st.stderr.data() if st.stream is None else b"",
+            "stdout_bytes": st.stdout.total,
+            "stderr_bytes": st.stderr.total,
+            "stdout_dropped": st.stdout.dropped if st.stream is None else 0,
+            "stderr_dropped": st.stderr.dropped if st.stream is None else 0,
+            "stdout_gap_at": st.stdout.gap_at if st.stream is None else None,
+            "stderr_gap_at": st.stderr.gap_at if st.stream is None else None,
+            "results": st.results if st.stream is None else [],
+            "results_dropped": st.results_dropped,
+            "error": st.error,
+            "stdin_exhausted": st.stdin_exhausted,
+            "execution_count": st.execution_count,
+            "duration_s": time.monotonic() - t0,
+        }
+
+    async def _wait_done(self, st: RunState, kernel: Kernel, timeout: float | None) -> str:
+        done_both: asyncio.Future[Any] = asyncio.ensure_future(_both(st.iopub_idle, st.replied))
+        waitset: set[asyncio.Future[Any]] = {done_both, kernel.died}
+        try:
+            done, _ = await asyncio.wait(waitset, timeout=timeout, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            if not done_both.done():
+                done_both.cancel()
+        if done_both in done:
+            return "done"
+        if kernel.died in done:
+            return "died"
+        return "timeout"
+
+    async def _read_iopub(self, kc: Any, st: RunState) -> None:
+        while True:
+            msg = await kc.get_iopub_msg()
+            if msg.get("parent_header", {}).get("msg_id") != st.msg_id:
+                continue
+            mtype = msg.get("msg_type")
+            content = msg.get("content", {})
+            if mtype == "stream":
+                text = content.get("text", "")
+                if st.strip:
+                    text = strip_ansi(text)
+                data = text.encode("utf-8", "replace")
+                name = "stderr" if content.get("name") == "stderr" else "stdout"
+                cap = st.stderr if name == "stderr" else st.stdout
+                if st.stream is not None:
+                    cap.total += len(data)
+                    await st.stream.send_data_event({"ev": name}, data)
+                else:
+                    cap.feed(data)
+            elif mtype in ("execute_result", "display_data"):
+                bundle = _bundle(content.get("data", {}))
+                kind = "result" if mtype == "execute_result" else "display"
+                size = _bundle_size(bundle)
+                limit = self.manager.daemon.config.limits.max_output
+                if st.stream is not None:
+                    if size <= self.manager.daemon.config.limits.max_chunk:
+                        await st.stream.send_event({"ev": kind, "bundle": bundle})
+                    else:
+                        st.results_dropped += 1
+                elif len(st.results) >= MAX_RESULTS or st.results_bytes + size > limit:
+                    st.results_dropped += 1
+                else:
+                    st.results.append({"kind": kind, "data": bundle})
+                    st.results_bytes += size
+            elif mtype == "error":
+                tb = [strip_ansi(t) if st.strip else t for t in content.get("traceback", [])]
+                st.error = {"ename": content.get("ename", ""), "evalue": content.get("evalue", ""), "traceback": tb}
+                if st.stream is not None:
+                    await st.stream.send_event({"ev": "error", **st.error})
+            elif mtype == "execute_input":
+                ec = content.get("execution_count")
+                if isinstance(ec, int):
+                    st.execution_count = ec
+            elif mtype == "status" and content.get("execution_state") == "idle":
+                st.iopub_idle.set()
+
+    async def _read_shell(self, kc: Any, st: RunState) -> None:
+        while True:
+            msg = await kc.get_shell_msg()
+            if msg.get("parent_header", {}).get("msg_id") != st.msg_id:
+                continue
+            content = msg.get("content", {})
+            st.reply_status = content.get("status")
+            ec = content.get("execution_count")
+            if isinstance(ec, int):
+                st.execution_count = ec
+            st.replied.set()
+
+    async def _answer_stdin(self, kc: Any, st: RunState, kernel: Kernel) -> None:
+        while True:
+            msg = await kc.get_stdin_msg()
+            if msg.get("msg_type") != "input_request":
+                continue
+            if st.input_lines:
+                kc.input(st.input_lines.pop(0))
+            else:
+                # No more lines: end the cell instead of letting input() wait forever. No reply is
+                # sent, so a later input() can never receive a stale one.
+                st.stdin_exhausted = True
+                kernel.interrupt()
+
+    async def interrupt(self) -> None:
+        if self.kernel is not None:
+            self._interrupted = True
+            self.kernel.interrupt()
+
+    async def start_kernel(self, pooled: Kernel | None) -> bool:
+        """Attach a kernel: a pooled one (then apply cwd/env) or a fresh one. Returns pooled-ness."""
+        if pooled is not None:
+            self.kernel = pooled
+            if self.cwd or self.env:
+                setup = "import os as _o\n"
+                if self.cwd:
+                    setup += f"_o.chdir({self.cwd!r})\n"
+                if self.env:
+                    setup += f"_o.environ.update({self.env!r})\n"
+                setup += "del _o\n"
+                res = await self._run_locked(setup, _SETUP_OPTS, None)
+                if res["status"] != "ok":
+                    err = res["error"] or {}
+                    raise GuestdError(
+                        ErrorCode.NOT_FOUND if err.get("ename") == "FileNotFoundError" else ErrorCode.BAD_REQUEST,
+                        f"cannot apply cwd/env: {err.get('ename')}: {err.get('evalue')}",
+                        details={"stage": "cwd"},
+                    )
+                self.execution_count = 0
+            return True
+        k = Kernel(self.manager.daemon, self.manager.new_kernel_id())
+        self.kernel = k
+        try:
+            await k.start(self.cwd, self.env)
+        except BaseException:
+            await k.shutdown()
+            raise
+        return False
+
+    async def restart(self) -> int:
+        """Fresh state, same id: a new kernel process with the context's cwd and env."""
+        old = self.kernel
+        self.kernel = None
+        if old is not None:
+            await old.shutdown()
+        self.restarts += 1
+        self.execution_count = 0
+        await self.start_kernel(None)
+        assert self.kernel is not None
+        return self.kernel.pid
+
+    async def close(self) -> None:
+        if self.kernel is not None:
+            await self.kernel.shutdown()
+
+
+_SETUP_OPTS = {
+    "max_output": 4096,
+    "capture": "tail",
+    "strip_ansi": True,
+    "stream": False,
+    "timeout_s": 30.0,
+    "interrupt_grace_s": 2.0,
+    "input_lines": None,
+}
+
+
+async def _both(a: asyncio.Event, b: asyncio.Event) -> None:
+    await a.wait()
+    await b.wait()
+
+
+class Contexts:
+    """All code contexts of the daemon, plus the warm kernel pool."""
+
+    def __init__(self, daemon: Daemon) -> None:
+        self.daemon = daemon
+        self.contexts: dict[str, CodeContext] = {}
+        self.pool: list[Kernel] = []
+        self._refill: asyncio.Task[None] | None = None
+        self._counter = 0
+
+    def new_kernel_id(self) -> str:
+        self._counter += 1
+        return f"k{os.getpid()}-{self._counter}-{os.urandom(3).hex()}"
+
+    def find(self, ref: str) -> CodeContext:
+        c = self.contexts.get(ref)
+        if c is None:
+            for ctx in self.contexts.values():
+                if ctx.name == ref:
+                    return ctx
+            raise GuestdError(ErrorCode.NOT_FOUND, f"no code context {ref!r}", details={"context": ref})
+        return c
+
+    async def create(
+        self, cwd: str | None, env: dict[str, str] | None, name: str | None
+    ) -> tuple[CodeContext, bool, bool]:
+        """Returns (context, pooled, existing). A name that exists returns that context."""
+        if name is not None:
+            for ctx in self.contexts.values():
+                if ctx.name == name:
+                    return ctx, False, True
+        limits = self.daemon.config.limits
+        if len(self.contexts) >= limits.max_contexts:
+            raise limit_error("max_contexts", limits.max_contexts, f"at most {limits.max_contexts} code contexts")
+        if cwd is not None and not os.path.isdir(cwd):
+            raise GuestdError(
+                ErrorCode.NOT_FOUND, f"cwd is not a directory: {cwd}", details={"stage": "cwd", "cwd": cwd}
+            )
+        cid = "c" + os.urandom(6).hex()
+        ctx = CodeContext(self, cid, name, cwd, env)
+        self.contexts[cid] = ctx  # reserved now so concurrent creates count against the limit
+        try:
+            pooled = self._take_pooled()
+            was_pooled = await ctx.start_kernel(pooled)
+        except BaseException:
+            self.contexts.pop(cid, None)
+            if ctx.kernel is not None:
+                await ctx.kernel.shutdown()
+            raise
+        self.ensure_pool()
+        return ctx, was_pooled, False
+
+    async def get_or_create_default(self) -> CodeContext:
+        try:
+            return self.find(DEFAULT_CONTEXT)
+        except GuestdError:
+            ctx, _, _ = await self.create(None, None, DEFAULT_CONTEXT)
+            return ctx
+
+    async def close(self, ref: str) -> None:
+        ctx = self.find(ref)
+        self.contexts.pop(ctx.id, None)
+        await ctx.close()
+
+    # -- pool ---------------------------------------------------------------------------
+    def _take_pooled(self) -> Kernel | None:
+        while self.pool:
+            k = self.pool.pop(0)
+            if k.alive:
+                return k
+        return None
+
+    def ensure_pool(self) -> None:
+        if self.daemon.config.code_pool <= 0:
+            return
+        if self._refill is None or self._refill.done():
+            self._refill = asyncio.get_running_loop().create_task(self._refill_pool())
+
+    async def _refill_pool(self) -> None:
+        # One kernel at a time: a start costs ~1 s of CPU, and the workload comes first.
+        while len(self.pool) < self.daemon.config.code_pool:
+            k = Kernel(self.daemon, self.new_kernel_id())
+            try:
+                await k.start(None, None)
+            except asyncio.CancelledError:
+                await k.shutdown()
+                raise
+            except Exception as exc:
+                log.warning("pool kernel failed to start: %s", exc)
+                await k.shutdown()
+                await asyncio.sleep(5)
+                continue
+            self.pool.append(k)
+
+    async def shutdown(self) -> None:
+        if self._refill is not None:
+            self._refill.cancel()
+            await asyncio.gather(self._refill, return_exceptions=True)
+        kernels = [c.kernel for c in self.contexts.values() if c.kernel is not None] + self.pool
+        self.contexts.clear()
+        self.pool = []
+        await asyncio.gather(*(k.shutdown() for k in kernels), return_exceptions=True)
+
+
+def _owner_alive(name: str) -> bool:
+    """Kernel ids are ``k<guestd pid>-...``: is the guestd that made this file still running?"""
+    m = re.match(r"k(\d+)-", name)
+    if not m:
+        return False
+    owner = int(m.group(1))
+    if owner == os.getpid():
+        return True
+    try:
+        os.kill(owner, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    try:
+        with open(f"/proc/{owner}/cmdline", "rb") as f:
+            return b"guestd" in f.read()
+    except OSError:
+        return False
+
+
+def reap_orphan_kernels(kernel_dir: str) -> int:
+    """Kill kernels whose guestd is gone (it crashed; their pid files survived it). Returns how many.
+
+    Files of a guestd that is still running (another instance sharing the directory)
+    are left alone.
+    """
+    killed = 0
+    try:
+        names = os.listdir(kernel_dir)
+    except OSError:
+        return 0
+    for n in names:
+        if _owner_alive(n):
+            continue
+        path = os.path.join(kernel_dir, n)
+        if n.endswith(".pid"):
+            try:
+                with open(path) as f:
+                    pid_s, ctime_s = f.read().split()[:2]
+                pid, ctime = int(pid_s), float(ctime_s)
+                import psutil
+
+                p = psutil.Process(pid)
+                if abs(p.create_time() - ctime) < 0.01 and "guestd.kernel" in " ".join(p.cmdline()):
+                    try:
+                        os.killpg(pid, signal.SIGKILL)
+                    except OSError:
+                        p.kill()
+                    killed += 1
+            except Exception:
+                pass
+        try:
+            os.unlink(path)
+        except OSError:
+            pass
+    return killed
