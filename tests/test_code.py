@@ -1,0 +1,259 @@
+"""Code contexts against a real guestd with real ipykernel kernels."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import struct
+import tempfile
+import time
+import zlib
+from collections.abc import Iterator
+
+import psutil
+import pytest
+
+from guestd.client import AsyncClient, Client, GuestdError
+from tests.conftest import Guestd, start_guestd
+
+
+@pytest.fixture(scope="module")
+def kg() -> Iterator[Guestd]:
+    with tempfile.TemporaryDirectory(prefix="guestd-code-") as d:
+        g = start_guestd(d, "--runtime-dir", f"{d}/rt", "--code-pool", "1", "--max-contexts", "6")
+        yield g
+        g.stop()
+
+
+@pytest.fixture
+def c(kg: Guestd) -> Iterator[Client]:
+    with kg.client() as client:
+        yield client
+
+
+def tiny_png() -> bytes:
+    def chunk(kind: bytes, data: bytes) -> bytes:
+        return struct.pack(">I", len(data)) + kind + data + struct.pack(">I", zlib.crc32(kind + data))
+
+    raw = b"\x00\xff\x00\x00"  # one red pixel, filter byte 0
+    return (
+        b"\x89PNG\r\n\x1a\n"
+        + chunk(b"IHDR", struct.pack(">IIBBBBB", 1, 1, 8, 2, 0, 0, 0))
+        + chunk(b"IDAT", zlib.compress(raw))
+        + chunk(b"IEND", b"")
+    )
+
+
+def wait_gone(pids: list[int], seconds: float = 10.0) -> list[int]:
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        alive = [p for p in pids if psutil.pid_exists(p) and psutil.Process(p).status() != psutil.STATUS_ZOMBIE]
+        if not alive:
+            return []
+        time.sleep(0.1)
+    return alive
+
+
+def test_state_persists_and_counts(c: Client) -> None:
+    ctx = c.code_create(name="persist")
+    r1 = c.code_run("x = 20\nprint('set')", context=ctx["id"])
+    r2 = c.code_run("x * 2 + 2", context="persist")  # by name too
+    assert (r1.status, r1.stdout) == ("ok", b"set\n")
+    assert r2.text == "42"
+    assert r2.execution_count == (r1.execution_count or 0) + 1
+    again = c.code_create(name="persist")
+    assert again["existing"] and again["id"] == ctx["id"]
+    c.code_close(ctx["id"])
+
+
+def test_rich_output_arrives_as_bytes(c: Client) -> None:
+    png = tiny_png()
+    code = (
+        "from IPython.display import Image, HTML, JSON, display\n"
+        f"display(Image(data={png!r}))\n"
+        "display(HTML('<b>bold</b>'))\n"
+        "display(JSON({'a': [1, 2]}))\n"
+        "'done'"
+    )
+    r = c.code_run(code)
+    assert r.status == "ok", r.error
+    images = [x["data"]["image/png"] for x in r.results if "image/png" in x["data"]]
+    assert images == [png]
+    assert any(x["data"].get("text/html") == "<b>bold</b>" for x in r.results)
+    assert any(x["data"].get("application/json") == {"a": [1, 2]} for x in r.results)
+    assert r.text == "'done'"
+
+
+def test_errors_with_and_without_ansi(c: Client) -> None:
+    r = c.code_run("1/0")
+    assert r.status == "error" and r.error is not None and r.error.ename == "ZeroDivisionError"
+    assert any("\x1b[" in line for line in r.error.traceback)
+    r = c.code_run("1/0", strip_ansi=True)
+    assert r.error is not None and not any("\x1b[" in line for line in r.error.traceback)
+
+
+def test_output_truncation_counts_exact_bytes(c: Client) -> None:
+    r = c.code_run("print('é' * 50000)", max_output=1000)  # 2 bytes per char in UTF-8
+    assert r.stdout_bytes == 100001 and r.stdout_dropped == 100001 - 1000
+    assert r.stdout.endswith("é".encode() * 10 + b"\n") or r.stdout.endswith(b"\n")
+    assert len(r.stdout) == 1000
+
+
+def test_timeout_interrupts_a_busy_loop_and_keeps_state_and_output(c: Client) -> None:
+    c.code_run("keep = 'me'")
+    r = c.code_run("print('before', flush=True)\nwhile True: pass", timeout=0.5)
+    assert (r.status, r.timeout_action) == ("timeout", "interrupted")
+    assert r.stdout == b"before\n"
+    assert c.code_run("keep").text == "'me'"
+
+
+def test_timeout_interrupts_a_c_level_sleep(c: Client) -> None:
+    r = c.code_run("import time\ntime.sleep(100)", timeout=0.5)
+    assert (r.status, r.timeout_action) == ("timeout", "interrupted")
+
+
+def test_timeout_escalates_to_restart_when_sigint_is_ignored(c: Client) -> None:
+    ctx = c.code_create()
+    c.code_run("state = 1", context=ctx["id"])
+    code = "import signal\nsignal.signal(signal.SIGINT, signal.SIG_IGN)\nwhile True: pass"
+    r = c.code_run(code, context=ctx["id"], timeout=0.5, interrupt_grace=0.5)
+    assert (r.status, r.timeout_action) == ("timeout", "restarted")
+    after = c.code_run("'state' in dir()", context=ctx["id"])
+    assert after.text == "False"  # fresh kernel, same id
+    listed = {x["id"]: x for x in c.code_list()}
+    assert listed[ctx["id"]]["pid"] != ctx["pid"] and listed[ctx["id"]]["restarts"] == 1
+    assert wait_gone([ctx["pid"]]) == []
+    c.code_close(ctx["id"])
+
+
+def test_input_fails_fast_unless_lines_are_given(c: Client) -> None:
+    r = c.code_run("input('name? ')")
+    assert r.status == "error" and r.error is not None and r.error.ename == "StdinNotImplementedError"
+    r = c.code_run("a = input('a? ')\nimport getpass\nb = getpass.getpass('b? ')\nprint(a, b)", input_lines=["x", "y"])
+    assert r.status == "ok" and r.stdout.endswith(b"x y\n")
+    r = c.code_run("input(); input()", input_lines=["only one"], timeout=30)
+    assert r.status == "error" and r.stdin_exhausted and r.error is not None and r.error.ename == "EOFError"
+    assert c.code_run("'still usable'").text == "'still usable'"
+
+
+def test_kernel_death_is_reported_and_restart_recovers(c: Client) -> None:
+    ctx = c.code_create()
+    r = c.code_run("import os\nos._exit(3)", context=ctx["id"])
+    assert r.status == "died" and r.exit_reason == "exited with status 3"
+    with pytest.raises(GuestdError) as ei:
+        c.code_run("1", context=ctx["id"])
+    assert ei.value.code == "unavailable"
+    c.code_restart(ctx["id"])
+    assert c.code_run("1 + 1", context=ctx["id"]).text == "2"
+    r = c.code_run("import os, signal\nos.kill(os.getpid(), signal.SIGSEGV)", context=ctx["id"])
+    assert r.status == "died" and "SIGSEGV" in (r.exit_reason or "")
+    c.code_close(ctx["id"])
+
+
+def test_contexts_run_in_parallel(kg: Guestd, tmp_path: object) -> None:
+    flag = f"{tmp_path}/flag"
+
+    async def go() -> None:
+        c = await AsyncClient.connect(kg.address)
+        a = await c.code_create()
+        b = await c.code_create()
+        # a waits for a file only b creates: this finishes only if both run at once.
+        wait = c.code_run(
+            f"import os, time\nwhile not os.path.exists({flag!r}): time.sleep(0.01)\n'seen'",
+            context=a["id"],
+            timeout=60,
+        )
+        make = c.code_run(f"import time; time.sleep(0.2); open({flag!r}, 'w').close()", context=b["id"])
+        ra, rb = await asyncio.gather(wait, make)
+        assert (ra.status, ra.text, rb.status) == ("ok", "'seen'", "ok")
+        await c.code_close(a["id"])
+        await c.code_close(b["id"])
+        await c.close()
+
+    asyncio.run(go())
+
+
+def test_runs_on_one_context_are_queued_in_order(kg: Guestd) -> None:
+    async def go() -> None:
+        c = await AsyncClient.connect(kg.address)
+        ctx = await c.code_create()
+        await c.code_run("order = []", context=ctx["id"])
+        await asyncio.gather(
+            *(c.code_run(f"import time; time.sleep(0.02); order.append({i})", context=ctx["id"]) for i in range(6))
+        )
+        assert (await c.code_run("order", context=ctx["id"])).text == "[0, 1, 2, 3, 4, 5]"
+        await c.code_close(ctx["id"])
+        await c.close()
+
+    asyncio.run(go())
+
+
+def test_pooled_context_gets_cwd_and_env_and_pool_refills(c: Client, tmp_path: object) -> None:
+    deadline = time.monotonic() + 60
+    while c.call("code.list")["pool_ready"] < 1 and time.monotonic() < deadline:
+        time.sleep(0.2)
+    ctx = c.code_create(cwd=str(tmp_path), env={"GUESTD_T": "yes"})
+    assert ctx["pooled"]
+    r = c.code_run("import os\n(os.getcwd(), os.environ['GUESTD_T'])", context=ctx["id"])
+    assert r.text == repr((str(tmp_path), "yes"))
+    while c.call("code.list")["pool_ready"] < 1 and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert c.call("code.list")["pool_ready"] == 1
+    c.code_close(ctx["id"])
+    assert wait_gone([ctx["pid"]]) == []
+
+
+def test_bad_cwd_and_limits(c: Client) -> None:
+    with pytest.raises(GuestdError) as ei:
+        c.code_create(cwd="/nonexistent")
+    assert ei.value.code == "not_found"
+    with pytest.raises(GuestdError) as ei:
+        c.code_run("1", context="no-such-context")
+    assert ei.value.code == "not_found"
+    made = []
+    with pytest.raises(GuestdError) as ei:
+        for _ in range(10):
+            made.append(c.code_create()["id"])
+    assert ei.value.code == "limit" and ei.value.details["limit"] == "max_contexts"
+    for cid in made:
+        c.code_close(cid)
+
+
+def test_jupyter_is_loaded_only_when_needed_and_kernels_die_with_guestd(tmp_path: object) -> None:
+    d = str(tmp_path)
+    g = start_guestd(d, "--runtime-dir", f"{d}/rt", "--code-pool", "0")
+    try:
+        with open(f"/proc/{g.pid}/maps") as f:
+            assert "zmq" not in f.read()
+        with g.client() as c:
+            ctx = c.code_create()
+            with open(f"/proc/{g.pid}/maps") as f:
+                assert "zmq" in f.read()
+            pid = ctx["pid"]
+        os.kill(g.pid, signal.SIGKILL)  # a crash: no chance to clean up
+        g.proc.wait(10)
+        assert wait_gone([pid]) == []
+        assert [n for n in os.listdir(f"{d}/rt/kernels") if n.endswith(".pid")] != []  # left behind by the crash
+        g2 = start_guestd(d, "--runtime-dir", f"{d}/rt", "--code-pool", "0")
+        try:
+            assert [n for n in os.listdir(f"{d}/rt/kernels")] == []  # cleaned by the next start
+        finally:
+            g2.stop()
+    finally:
+        g.stop()
+
+
+def test_close_and_shutdown_leave_no_kernel(tmp_path: object) -> None:
+    d = str(tmp_path)
+    g = start_guestd(d, "--runtime-dir", f"{d}/rt", "--code-pool", "1")
+    with g.client() as c:
+        ctx = c.code_create()
+        c.code_run("1")
+        pids = [ctx["pid"]] + [x["pid"] for x in c.code_list()]
+        deadline = time.monotonic() + 60
+        while c.call("code.list")["pool_ready"] < 1 and time.monotonic() < deadline:
+            time.sleep(0.2)
+        kernels = [p.pid for p in psutil.Process(g.pid).children() if "guestd.kernel" in " ".join(p.cmdline())]
+    g.stop()  # SIGTERM: a clean shutdown
+    assert wait_gone(pids + kernels) == []
