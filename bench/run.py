@@ -345,6 +345,105 @@ async def measure(tmp: str, rounds: int, n_ping: int, n_exec: int, big: bool) ->
     return {"floor": fl, "guestd": res}
 
 
+# --------------------------------------------------------------------------- code contexts
+
+
+def pin_all_threads(pid: int) -> None:
+    """Move every thread of ``pid`` to the server CPUs (a kernel starts its threads before we can pin it)."""
+    if not SERVER_CPUS:
+        return
+    for tid in os.listdir(f"/proc/{pid}/task"):
+        try:
+            os.sched_setaffinity(int(tid), SERVER_CPUS)
+        except OSError:
+            pass
+
+
+class RawKernel:
+    """bench/raw_kernel.py as a helper process pinned like guestd (driver and kernel share its CPUs)."""
+
+    def start(self, tmp: str) -> None:
+        self.p = subprocess.Popen(
+            [sys.executable, os.path.join(HERE, "raw_kernel.py")],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            text=True,
+            preexec_fn=pin_servers,
+        )
+        assert self.p.stdin is not None and self.p.stdout is not None
+        self.p.stdin.write(tmp + "\n")
+        self.p.stdin.flush()
+        if self.p.stdout.readline().strip() != "ready":
+            raise RuntimeError("raw kernel helper failed to start")
+
+    def run(self, n: int) -> list[float]:
+        assert self.p.stdin is not None and self.p.stdout is not None
+        self.p.stdin.write(f"{n}\n")
+        self.p.stdin.flush()
+        samples: list[float] = json.loads(self.p.stdout.readline())
+        return samples
+
+    def stop(self) -> None:
+        if self.p.stdin is not None:
+            self.p.stdin.close()
+        try:
+            self.p.wait(30)
+        except subprocess.TimeoutExpired:
+            self.p.kill()
+
+
+async def measure_code(tmp: str, rounds: int, n: int) -> dict[str, Any]:
+    gsock = f"{tmp}/guestd-code.sock"
+    gd = Proc([*guestd_argv(gsock), "--runtime-dir", f"{tmp}/rt", "--code-pool", "1"], ready_via_fd=True)
+    out: dict[str, Any] = {}
+    raw = RawKernel()
+    try:
+        time.sleep(0.3)
+        out["guestd_rss_no_context_MiB"] = gd.rss() / MiB
+        c = await AsyncClient.connect(f"unix:{gsock}")
+        t = time.perf_counter()
+        cold = await c.code_create()
+        out["create_cold_ms"] = (time.perf_counter() - t) * 1000
+        pin_all_threads(cold["pid"])
+        deadline = time.monotonic() + 60
+        while (await c.call("code.list"))["pool_ready"] < 1 and time.monotonic() < deadline:
+            await asyncio.sleep(0.1)
+        t = time.perf_counter()
+        warm = await c.code_create()
+        out["create_pooled_ms"] = (time.perf_counter() - t) * 1000
+        pin_all_threads(warm["pid"])
+        ctx = warm["id"]
+        await asyncio.to_thread(raw.start, tmp)
+        g_s: list[float] = []
+        r_s: list[float] = []
+        for _ in range(3):
+            await c.code_run("1+1", context=ctx)
+        for _ in range(rounds):
+            r_s += await asyncio.to_thread(raw.run, n)
+            g_s += await time_loop(lambda: c.code_run("1+1", context=ctx), n, 2)
+        out["raw_1p1"] = summary_ms(r_s)
+        out["guestd_1p1"] = summary_ms(g_s)
+        t = time.perf_counter()
+        r = await c.code_run("import sys; sys.stdout.write('x' * 10_000_000)", context=ctx)
+        out["print_10mb"] = {
+            "s": time.perf_counter() - t,
+            "returned": len(r.stdout),
+            "total": r.stdout_bytes,
+            "dropped": r.stdout_dropped,
+        }
+        out["guestd_rss_with_contexts_MiB"] = gd.rss() / MiB
+        kernel_rss = [psutil.Process(x["pid"]).memory_info().rss for x in await c.code_list()]
+        out["kernel_rss_MiB"] = statistics.median(kernel_rss) / MiB if kernel_rss else 0.0
+        await c.close()
+    finally:
+        try:
+            raw.stop()
+        except Exception:
+            pass
+        gd.stop()
+    return out
+
+
 # --------------------------------------------------------------------------- report
 
 
@@ -352,7 +451,9 @@ def verdict(ok: bool) -> str:
     return "met" if ok else "**missed**"
 
 
-def render(floor: dict[str, Any], g: dict[str, Any], quick: bool, cmd: str, pinning: dict[str, Any]) -> str:
+def render(
+    floor: dict[str, Any], g: dict[str, Any], quick: bool, cmd: str, pinning: dict[str, Any], code: dict[str, Any]
+) -> str:
     f64 = g["files"][str(64 * MiB)]
     ping_ratio = g["ping"]["p50_ms"] / floor["echo_ping"]["p50_ms"]
     exec_ratio = g["exec_true"]["p50_ms"] / floor["subprocess_true"]["p50_ms"]
@@ -396,6 +497,12 @@ def render(floor: dict[str, Any], g: dict[str, Any], quick: bool, cmd: str, pinn
         f"| idle RSS | {g['idle_rss_MiB']:.1f} MiB | {floor['idle_rss_MiB']:.1f} MiB (bare uvloop+msgpack server) "
         f"| {idle_ratio:.2f}x | <= 1.15x | {verdict(idle_ratio <= 1.15)} |",
     ]
+    code_ratio = code["guestd_1p1"]["p50_ms"] / code["raw_1p1"]["p50_ms"]
+    lines.append(
+        f"| code `1+1` p50 | {code['guestd_1p1']['p50_ms']:.2f} ms | {code['raw_1p1']['p50_ms']:.2f} ms "
+        f"(raw jupyter_client, ipc, same CPU as its kernel) | {code_ratio:.2f}x | <= 1.2x "
+        f"| {verdict(code_ratio <= 1.2)} |"
+    )
     if gib is not None:
         growth = max(gib["upload_rss_growth_MiB"], gib["download_rss_growth_MiB"])
         lines.append(
@@ -437,6 +544,19 @@ def render(floor: dict[str, Any], g: dict[str, Any], quick: bool, cmd: str, pinn
         f"| floor: local write + fsync 64 MiB (what an atomic upload must also do) "
         f"| {floor['disk_write_fsync_MBps']:.0f} | - | - | - |",
         "",
+        "| code contexts | value |",
+        "|---|---|",
+        f"| create, cold (kernel start + ready) | {code['create_cold_ms']:.0f} ms |",
+        f"| create, from the warm pool | {code['create_pooled_ms']:.1f} ms |",
+        f"| `1+1` p50 / p99, guestd | {code['guestd_1p1']['p50_ms']:.2f} / {code['guestd_1p1']['p99_ms']:.2f} ms |",
+        f"| `1+1` p50 / p99, raw jupyter_client "
+        f"| {code['raw_1p1']['p50_ms']:.2f} / {code['raw_1p1']['p99_ms']:.2f} ms |",
+        f"| 10 MB print | {code['print_10mb']['s']:.3f} s, {code['print_10mb']['returned']} bytes returned of "
+        f"{code['print_10mb']['total']} (dropped {code['print_10mb']['dropped']}, reported) |",
+        f"| guestd RSS, no context yet (jupyter_client not imported) | {code['guestd_rss_no_context_MiB']:.1f} MiB |",
+        f"| guestd RSS with 2 contexts + 1 pooled kernel | {code['guestd_rss_with_contexts_MiB']:.1f} MiB |",
+        f"| one kernel process RSS (median) | {code['kernel_rss_MiB']:.1f} MiB |",
+        "",
         "| memory | RSS MiB | PSS MiB |",
         "|---|---|---|",
         f"| floor: bare uvloop+msgpack server, idle | {floor['idle_rss_MiB']:.1f} | {floor['idle_pss_MiB']:.1f} |",
@@ -469,7 +589,9 @@ async def amain(quick: bool) -> dict[str, Any]:
     if SERVER_CPUS:
         os.sched_setaffinity(0, CLIENT_CPUS)
     with tempfile.TemporaryDirectory(prefix="guestd-bench-") as tmp:
-        return await measure(tmp, rounds, n_ping, n_exec, big=not quick)
+        res = await measure(tmp, rounds, n_ping, n_exec, big=not quick)
+        res["code"] = await measure_code(tmp, rounds, 10 if quick else 40)
+        return res
 
 
 def main() -> None:
@@ -484,7 +606,7 @@ def main() -> None:
     with open(os.path.join(HERE, "out", "results.json"), "w") as f:
         json.dump(res, f, indent=1)
     cmd = "python -m bench.run" + (" --quick" if ns.quick else "")
-    text = render(res["floor"], res["guestd"], ns.quick, cmd, res["pinning"])
+    text = render(res["floor"], res["guestd"], ns.quick, cmd, res["pinning"], res["code"])
     with open(ns.out, "w") as f:
         f.write(text)
     print(text)

@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import hmac
+import json
 import logging
 import os
 import re
@@ -64,6 +66,8 @@ class Kernel:
         self.died: asyncio.Future[str] = asyncio.get_running_loop().create_future()
         self._pidfd: int | None = None
         self._poller: asyncio.Task[None] | None = None
+        self.readers: list[asyncio.Future[None]] = []
+        self.current: RunState | None = None  # the run whose messages the readers deliver
 
     async def start(self, cwd: str | None, env: dict[str, str] | None) -> None:
         from jupyter_client.kernelspec import KernelSpec, KernelSpecManager
@@ -92,7 +96,7 @@ class Kernel:
         self._write_pidfile()
         self._watch()
         kc = km.client()
-        kc.start_channels()
+        kc.start_channels(hb=False)  # liveness comes from the pidfd; no heartbeat thread
         self.kc = kc
         ready: asyncio.Future[Any] = asyncio.ensure_future(kc.wait_for_ready(timeout=KERNEL_START_TIMEOUT_S))
         waitset: set[asyncio.Future[Any]] = {ready, self.died}
@@ -101,6 +105,38 @@ class Kernel:
             ready.cancel()
             raise GuestdError(ErrorCode.UNAVAILABLE, f"kernel failed to start: {self.died.result()}")
         ready.result()
+        # From here on guestd reads the channels itself: one long-lived reader per socket that
+        # hands each message to the run in progress, with a lean decode (no date parsing, no
+        # protocol adaptation) instead of jupyter_client's per-call poll + deserialize.
+        self.readers = [
+            asyncio.ensure_future(self._reader(kc.iopub_channel.socket, "iopub")),
+            asyncio.ensure_future(self._reader(kc.shell_channel.socket, "shell")),
+            asyncio.ensure_future(self._reader(kc.stdin_channel.socket, "stdin")),
+        ]
+
+    async def _reader(self, sock: Any, channel: str) -> None:
+        session = self.kc.session
+        while True:
+            frames = await sock.recv_multipart()
+            try:
+                msg = _decode(session, frames)
+            except Exception:
+                log.warning("kernel %s: undecodable %s message dropped", self.kid, channel)
+                continue
+            run = self.current
+            if run is None or msg["parent_header"].get("msg_id") != run.msg_id:
+                continue  # late output of an earlier cell, or a reply nobody waits for
+            try:
+                if channel == "iopub":
+                    await run.on_iopub(msg)
+                elif channel == "shell":
+                    run.on_shell(msg)
+                else:
+                    run.on_stdin(msg, self)
+            except (ConnectionResetError, asyncio.CancelledError):
+                raise
+            except Exception:
+                log.exception("kernel %s: handling a %s message failed", self.kid, channel)
 
     def _pidfile(self) -> str:
         return os.path.join(self.daemon.kernel_dir(), f"{self.kid}.pid")
@@ -179,6 +215,11 @@ class Kernel:
 
     async def shutdown(self) -> None:
         """Kill now (a context's state is disposable) and release every file."""
+        for r in self.readers:
+            r.cancel()
+        if self.readers:
+            await asyncio.gather(*self.readers, return_exceptions=True)
+        self.readers = []
         if self.kc is not None:
             try:
                 self.kc.stop_channels()
@@ -220,16 +261,92 @@ class RunState:
     strip: bool
     stream: Any  # RequestContext | None
     input_lines: list[str] | None
+    limits: Any
     results: list[dict[str, Any]] = field(default_factory=list)
     results_dropped: int = 0
     results_bytes: int = 0
     error: dict[str, Any] | None = None
     execution_count: int | None = None
     reply_status: str | None = None
-    iopub_idle: asyncio.Event = field(default_factory=asyncio.Event)
-    replied: asyncio.Event = field(default_factory=asyncio.Event)
+    iopub_idle: bool = False
+    replied: bool = False
+    done: asyncio.Event = field(default_factory=asyncio.Event)
     stdin_exhausted: bool = False
-    pending_events: list[dict[str, Any]] = field(default_factory=list)
+
+    async def on_iopub(self, msg: dict[str, Any]) -> None:
+        mtype = msg["msg_type"]
+        content = msg["content"]
+        if mtype == "stream":
+            text = content.get("text", "")
+            if self.strip:
+                text = strip_ansi(text)
+            data = text.encode("utf-8", "replace")
+            name = "stderr" if content.get("name") == "stderr" else "stdout"
+            cap = self.stderr if name == "stderr" else self.stdout
+            if self.stream is not None:
+                cap.total += len(data)
+                for i in range(0, len(data), self.limits.max_chunk):
+                    await self.stream.send_data_event({"ev": name}, data[i : i + self.limits.max_chunk])
+            else:
+                cap.feed(data)
+        elif mtype in ("execute_result", "display_data"):
+            bundle = _bundle(content.get("data", {}))
+            kind = "result" if mtype == "execute_result" else "display"
+            size = _bundle_size(bundle)
+            if self.stream is not None:
+                if size <= self.limits.max_chunk:
+                    await self.stream.send_event({"ev": kind, "bundle": bundle})
+                else:
+                    self.results_dropped += 1
+            elif len(self.results) >= MAX_RESULTS or self.results_bytes + size > self.limits.max_output:
+                self.results_dropped += 1
+            else:
+                self.results.append({"kind": kind, "data": bundle})
+                self.results_bytes += size
+        elif mtype == "error":
+            tb = [strip_ansi(t) if self.strip else t for t in content.get("traceback", [])]
+            self.error = {"ename": content.get("ename", ""), "evalue": content.get("evalue", ""), "traceback": tb}
+            if self.stream is not None:
+                await self.stream.send_event({"ev": "error", **self.error})
+        elif mtype == "execute_input":
+            ec = content.get("execution_count")
+            if isinstance(ec, int):
+                self.execution_count = ec
+        elif mtype == "status" and content.get("execution_state") == "idle":
+            self.iopub_idle = True
+            if self.replied:
+                self.done.set()
+
+    def on_shell(self, msg: dict[str, Any]) -> None:
+        content = msg["content"]
+        self.reply_status = content.get("status")
+        ec = content.get("execution_count")
+        if isinstance(ec, int):
+            self.execution_count = ec
+        self.replied = True
+        if self.iopub_idle:
+            self.done.set()
+
+    def on_stdin(self, msg: dict[str, Any], kernel: Kernel) -> None:
+        if msg["msg_type"] != "input_request":
+            return
+        if self.input_lines:
+            kernel.kc.input(self.input_lines.pop(0))
+        else:
+            # No (more) lines: end the cell instead of letting input() wait forever. No reply
+            # is sent, so a later input() can never receive a stale one.
+            self.stdin_exhausted = True
+            kernel.interrupt()
+
+
+def _decode(session: Any, frames: list[bytes]) -> dict[str, Any]:
+    """Verify and decode one Jupyter wire message (header, parent, content only)."""
+    _, parts = session.feed_identities(frames)
+    signature, header, parent, _metadata, content = parts[:5]
+    if session.auth is not None and not hmac.compare_digest(signature, session.sign(parts[1:5])):
+        raise ValueError("bad message signature")
+    h = json.loads(header)
+    return {"msg_type": h.get("msg_type"), "parent_header": json.loads(parent), "content": json.loads(content)}
 
 
 def _bundle(data: dict[str, Any]) -> dict[str, Any]:
@@ -320,23 +437,20 @@ class CodeContext:
                 details={"context": self.id, "exit_reason": reason},
             )
         t0 = time.monotonic()
-        kc = kernel.kc
         lines = opts.get("input_lines")
-        msg_id = kc.execute(code, silent=False, store_history=True, allow_stdin=lines is not None, stop_on_error=True)
         st = RunState(
-            msg_id,
+            "",
             OutputCapture(opts["max_output"], opts["capture"]),
             OutputCapture(opts["max_output"], opts["capture"]),
             opts["strip_ansi"],
             ctx if opts["stream"] else None,
             list(lines) if lines is not None else None,
+            self.manager.daemon.config.limits,
         )
-        tasks = [
-            asyncio.ensure_future(self._read_iopub(kc, st)),
-            asyncio.ensure_future(self._read_shell(kc, st)),
-        ]
-        if st.input_lines is not None:
-            tasks.append(asyncio.ensure_future(self._answer_stdin(kc, st, kernel)))
+        st.msg_id = kernel.kc.execute(
+            code, silent=False, store_history=True, allow_stdin=lines is not None, stop_on_error=True
+        )
+        kernel.current = st  # replies cannot arrive before we are back in the event loop
         status = "ok"
         timeout_action = None
         exit_reason = None
@@ -367,9 +481,7 @@ class CodeContext:
                         "traceback": (st.error or {}).get("traceback", []),
                     }
         finally:
-            for t in tasks:
-                t.cancel()
-            await asyncio.gather(*tasks, return_exceptions=True)
+            kernel.current = None
             self._interrupted = False
         if st.execution_count is not None:
             self.execution_count = st.execution_count
@@ -395,89 +507,31 @@ class CodeContext:
         }
 
     async def _wait_done(self, st: RunState, kernel: Kernel, timeout: float | None) -> str:
-        done_both: asyncio.Future[Any] = asyncio.ensure_future(_both(st.iopub_idle, st.replied))
-        waitset: set[asyncio.Future[Any]] = {done_both, kernel.died}
-        try:
-            done, _ = await asyncio.wait(waitset, timeout=timeout, return_when=asyncio.FIRST_COMPLETED)
-        finally:
-            if not done_both.done():
-                done_both.cancel()
-        if done_both in done:
+        if st.done.is_set():
             return "done"
-        if kernel.died in done:
+        if kernel.died.done():
             return "died"
-        return "timeout"
+        loop = asyncio.get_running_loop()
+        waiter: asyncio.Future[str] = loop.create_future()
 
-    async def _read_iopub(self, kc: Any, st: RunState) -> None:
-        while True:
-            msg = await kc.get_iopub_msg()
-            if msg.get("parent_header", {}).get("msg_id") != st.msg_id:
-                continue
-            mtype = msg.get("msg_type")
-            content = msg.get("content", {})
-            if mtype == "stream":
-                text = content.get("text", "")
-                if st.strip:
-                    text = strip_ansi(text)
-                data = text.encode("utf-8", "replace")
-                name = "stderr" if content.get("name") == "stderr" else "stdout"
-                cap = st.stderr if name == "stderr" else st.stdout
-                if st.stream is not None:
-                    cap.total += len(data)
-                    await st.stream.send_data_event({"ev": name}, data)
-                else:
-                    cap.feed(data)
-            elif mtype in ("execute_result", "display_data"):
-                bundle = _bundle(content.get("data", {}))
-                kind = "result" if mtype == "execute_result" else "display"
-                size = _bundle_size(bundle)
-                limit = self.manager.daemon.config.limits.max_output
-                if st.stream is not None:
-                    if size <= self.manager.daemon.config.limits.max_chunk:
-                        await st.stream.send_event({"ev": kind, "bundle": bundle})
-                    else:
-                        st.results_dropped += 1
-                elif len(st.results) >= MAX_RESULTS or st.results_bytes + size > limit:
-                    st.results_dropped += 1
-                else:
-                    st.results.append({"kind": kind, "data": bundle})
-                    st.results_bytes += size
-            elif mtype == "error":
-                tb = [strip_ansi(t) if st.strip else t for t in content.get("traceback", [])]
-                st.error = {"ename": content.get("ename", ""), "evalue": content.get("evalue", ""), "traceback": tb}
-                if st.stream is not None:
-                    await st.stream.send_event({"ev": "error", **st.error})
-            elif mtype == "execute_input":
-                ec = content.get("execution_count")
-                if isinstance(ec, int):
-                    st.execution_count = ec
-            elif mtype == "status" and content.get("execution_state") == "idle":
-                st.iopub_idle.set()
+        def finish(outcome: str) -> None:
+            if not waiter.done():
+                waiter.set_result(outcome)
 
-    async def _read_shell(self, kc: Any, st: RunState) -> None:
-        while True:
-            msg = await kc.get_shell_msg()
-            if msg.get("parent_header", {}).get("msg_id") != st.msg_id:
-                continue
-            content = msg.get("content", {})
-            st.reply_status = content.get("status")
-            ec = content.get("execution_count")
-            if isinstance(ec, int):
-                st.execution_count = ec
-            st.replied.set()
+        def on_died(_: object) -> None:
+            finish("died")
 
-    async def _answer_stdin(self, kc: Any, st: RunState, kernel: Kernel) -> None:
-        while True:
-            msg = await kc.get_stdin_msg()
-            if msg.get("msg_type") != "input_request":
-                continue
-            if st.input_lines:
-                kc.input(st.input_lines.pop(0))
-            else:
-                # No more lines: end the cell instead of letting input() wait forever. No reply is
-                # sent, so a later input() can never receive a stale one.
-                st.stdin_exhausted = True
-                kernel.interrupt()
+        done_task = loop.create_task(st.done.wait())
+        done_task.add_done_callback(lambda _: finish("done"))
+        kernel.died.add_done_callback(on_died)
+        timer = loop.call_later(timeout, finish, "timeout") if timeout is not None else None
+        try:
+            return await waiter
+        finally:
+            done_task.cancel()
+            kernel.died.remove_done_callback(on_died)
+            if timer is not None:
+                timer.cancel()
 
     async def interrupt(self) -> None:
         if self.kernel is not None:
@@ -540,11 +594,6 @@ _SETUP_OPTS = {
     "interrupt_grace_s": 2.0,
     "input_lines": None,
 }
-
-
-async def _both(a: asyncio.Event, b: asyncio.Event) -> None:
-    await a.wait()
-    await b.wait()
 
 
 class Contexts:

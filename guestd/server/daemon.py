@@ -160,11 +160,12 @@ class Daemon:
             listener = await listen(self, parse_listen(addr))
             self.listeners.append(listener)
             log.info("listening on %s", listener.address)
-        from guestd.contexts import reap_orphan_kernels
+        if os.listdir(self.kernel_dir()):  # a previous guestd may have crashed and left kernels
+            from guestd.contexts import reap_orphan_kernels
 
-        orphans = reap_orphan_kernels(self.kernel_dir())  # a previous guestd may have crashed
-        if orphans:
-            log.warning("killed %d kernel(s) left by a previous guestd", orphans)
+            orphans = reap_orphan_kernels(self.kernel_dir())
+            if orphans:
+                log.warning("killed %d kernel(s) left by a previous guestd", orphans)
         if self.config.code_prewarm and self.config.code_pool > 0:
             self.contexts()
         for sig in (signal.SIGTERM, signal.SIGINT):
