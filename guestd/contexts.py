@@ -133,8 +133,8 @@ class Kernel:
                     run.on_shell(msg)
                 else:
                     run.on_stdin(msg, self)
-            except (ConnectionResetError, asyncio.CancelledError):
-                raise
+            except ConnectionResetError:
+                run.stream = None  # the streaming client left; keep reading for the kernel's sake
             except Exception:
                 log.exception("kernel %s: handling a %s message failed", self.kid, channel)
 
@@ -386,6 +386,8 @@ class CodeContext:
         self.last_activity = time.time()
         self.restarts = 0
         self._interrupted = False  # set by code.interrupt so the run reports "interrupted"
+        self._abandoned: tuple[RunState, Kernel, float] | None = None  # a cancelled run still finishing
+        self._settler: asyncio.Task[None] | None = None
 
     @property
     def state(self) -> str:
@@ -419,10 +421,33 @@ class CodeContext:
             await self.lock.acquire()
         finally:
             self.waiting -= 1
+        handed_off = False
         try:
             self.busy = True
             return await self._run_locked(code, opts, ctx)
+        except asyncio.CancelledError:
+            if self._abandoned is not None:
+                # The interrupted cell may still be finishing; the next run must not be sent
+                # before it has (ipykernel would abort it). A background task keeps the lock.
+                handed_off = True
+                self._settler = asyncio.get_running_loop().create_task(self._settle(*self._abandoned))
+            raise
         finally:
+            if not handed_off:
+                self.busy = False
+                self.last_activity = time.time()
+                self.lock.release()
+
+    async def _settle(self, st: RunState, kernel: Kernel, grace: float) -> None:
+        try:
+            if await self._wait_done(st, kernel, grace) == "timeout" and kernel.alive:
+                await self.restart()
+        except Exception:
+            log.exception("context %s: settling an abandoned run failed", self.id)
+        finally:
+            if kernel.current is st:
+                kernel.current = None
+            self._abandoned = None
             self.busy = False
             self.last_activity = time.time()
             self.lock.release()
@@ -455,7 +480,13 @@ class CodeContext:
         timeout_action = None
         exit_reason = None
         try:
-            outcome = await self._wait_done(st, kernel, opts["timeout_s"])
+            try:
+                outcome = await self._wait_done(st, kernel, opts["timeout_s"])
+            except asyncio.CancelledError:
+                kernel.interrupt()  # nobody waits for this cell any more: stop it, like a cancelled exec
+                st.stream = None
+                self._abandoned = (st, kernel, opts["interrupt_grace_s"])
+                raise
             if outcome == "died":
                 status, exit_reason = "died", kernel.died.result()
             elif outcome == "timeout":
@@ -481,7 +512,8 @@ class CodeContext:
                         "traceback": (st.error or {}).get("traceback", []),
                     }
         finally:
-            kernel.current = None
+            if self._abandoned is None:
+                kernel.current = None
             self._interrupted = False
         if st.execution_count is not None:
             self.execution_count = st.execution_count

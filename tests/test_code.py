@@ -257,3 +257,39 @@ def test_close_and_shutdown_leave_no_kernel(tmp_path: object) -> None:
         kernels = [p.pid for p in psutil.Process(g.pid).children() if "guestd.kernel" in " ".join(p.cmdline())]
     g.stop()  # SIGTERM: a clean shutdown
     assert wait_gone(pids + kernels) == []
+
+
+def test_streaming_run_delivers_output_as_it_arrives(kg: Guestd) -> None:
+    async def go() -> None:
+        c = await AsyncClient.connect(kg.address)
+        ctx = await c.code_create()
+        s = c.code_run_stream(
+            "import time\nfor i in range(3):\n    print(i, flush=True)\n    time.sleep(0.05)\n"
+            "from IPython.display import HTML, display\ndisplay(HTML('<i>x</i>'))\n1/0",
+            context=ctx["id"],
+        )
+        events = [(kind, value) async for kind, value in s]
+        r = await s.result()
+        out = b"".join(v for k, v in events if k == "stdout")
+        assert out == b"0\n1\n2\n"
+        assert [k for k, _ in events if k != "stdout"] == ["display", "error"]
+        assert r.status == "error" and r.stdout == b"" and r.stdout_bytes == len(out)
+        await c.code_close(ctx["id"])
+        await c.close()
+
+    asyncio.run(go())
+
+
+def test_cancelled_run_is_interrupted_and_context_stays_usable(kg: Guestd) -> None:
+    async def go() -> None:
+        c = await AsyncClient.connect(kg.address)
+        ctx = await c.code_create()
+        with pytest.raises(GuestdError) as ei:
+            await c.code_run("import time\ntime.sleep(60)", context=ctx["id"], client_timeout=0.5)
+        assert ei.value.code == "timeout"
+        r = await c.code_run("'next'", context=ctx["id"], timeout=10)
+        assert r.status == "ok" and r.text == "'next'"
+        await c.code_close(ctx["id"])
+        await c.close()
+
+    asyncio.run(go())

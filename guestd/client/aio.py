@@ -69,6 +69,38 @@ class ExecStream:
         return ExecResult.from_body(await self._client._conn.wait(self._call, self._timeout))
 
 
+class CodeStream:
+    """A streaming code run: iterate events as they arrive, then await :meth:`result`.
+
+    Events are ``("stdout"|"stderr", bytes)``, ``("result"|"display", bundle)`` and
+    ``("error", {"ename", "evalue", "traceback"})``.
+    """
+
+    def __init__(self, client: AsyncClient, call: Call, timeout: float | None) -> None:
+        self._client = client
+        self._call = call
+        self._timeout = timeout
+
+    def __aiter__(self) -> AsyncIterator[tuple[str, Any]]:
+        return self._iter()
+
+    async def _iter(self) -> AsyncIterator[tuple[str, Any]]:
+        while True:
+            ev = await self._call.next_event(self._timeout)
+            if ev is None:
+                return
+            kind = ev.get("ev")
+            if kind in ("stdout", "stderr") and isinstance(ev.get("data"), bytes):
+                yield kind, ev["data"]
+            elif kind in ("result", "display") and isinstance(ev.get("bundle"), dict):
+                yield kind, ev["bundle"]
+            elif kind == "error":
+                yield kind, {k: ev.get(k) for k in ("ename", "evalue", "traceback")}
+
+    async def result(self) -> CodeResult:
+        return CodeResult.from_body(await self._client._conn.wait(self._call, self._timeout))
+
+
 class AsyncClient:
     """Connect with ``await AsyncClient.connect("unix:/run/guestd.sock")``."""
 
@@ -495,6 +527,25 @@ class AsyncClient:
                 (timeout + (interrupt_grace or 2.0) + 120.0) if timeout is not None else DEFAULT_TIMEOUT * 12
             )
         return CodeResult.from_body(await self._conn.request("code.run", args, client_timeout))
+
+    def code_run_stream(
+        self,
+        code: str,
+        *,
+        context: str | None = None,
+        timeout: float | None = None,
+        strip_ansi: bool = False,
+        client_timeout: float | None = None,
+    ) -> CodeStream:
+        """Like :meth:`code_run`, delivering output and rich results as they arrive."""
+        args: dict[str, Any] = {"code": code, "strip_ansi": strip_ansi, "stream": True}
+        if context is not None:
+            args["context"] = context
+        if timeout is not None:
+            args["timeout_s"] = float(timeout)
+        if client_timeout is None:
+            client_timeout = (timeout + 122.0) if timeout is not None else DEFAULT_TIMEOUT * 12
+        return CodeStream(self, self._conn.start("code.run", args), client_timeout)
 
     async def code_interrupt(self, context: str, *, timeout: float = 30.0) -> None:
         await self._conn.request("code.interrupt", {"context": context}, timeout)
