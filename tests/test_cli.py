@@ -100,3 +100,46 @@ def test_unreachable_address_is_a_clean_error(tmp_path: object) -> None:
         env={**os.environ, "PYTHONPATH": REPO},
     )
     assert r.returncode == 1 and b"guestctl:" in r.stderr and b"Traceback" not in r.stderr
+
+
+def test_code_commands(tmp_path: object) -> None:
+    import tempfile
+
+    from tests.conftest import start_guestd
+
+    with tempfile.TemporaryDirectory(prefix="guestd-cli-code-") as d:
+        g = start_guestd(d, "--runtime-dir", f"{d}/rt", "--code-pool", "0")
+        try:
+            r = guestctl(g, "code", "run", "x = 6")
+            assert r.returncode == 0, r.stderr
+            r = guestctl(g, "--json", "code", "run", "x * 7")
+            obj = json.loads(r.stdout)
+            for key in ("status", "stdout", "stderr", "results", "error", "execution_count", "duration_s"):
+                assert key in obj
+            assert obj["status"] == "ok" and obj["results"][0]["data"]["text/plain"] == "42"
+            r = guestctl(g, "code", "run", "-", stdin=b"print('from stdin')\n1/0")
+            assert r.returncode == 1 and r.stdout == b"from stdin\n" and b"ZeroDivisionError" in r.stderr
+            r = guestctl(g, "code", "run", "--timeout", "0.5", "while True: pass")
+            assert r.returncode == 124 and b"timeout" in r.stderr
+            new = json.loads(guestctl(g, "--json", "code", "new", "--name", "cli").stdout)
+            png = (
+                "import base64\nfrom IPython.display import Image, display\n"
+                "display(Image(data=base64.b64decode("
+                "'iVBORw0KGgoAAAANSUhEUgAAAAEAAAABCAIAAACQd1PeAAAADElEQVR4nGP4z8AAAAMBAQDJ/pLvAAAAAElFTkSuQmCC')))"
+            )
+            out_dir = f"{tmp_path}/imgs"
+            r = guestctl(g, "--json", "code", "run", "--context", new["id"], "--save-images", out_dir, png)
+            obj = json.loads(r.stdout)
+            assert obj["status"] == "ok" and len(obj["saved_images"]) == 1
+            with open(obj["saved_images"][0], "rb") as f:
+                assert f.read().startswith(b"\x89PNG")
+            assert "base64" in obj["results"][0]["data"]["image/png"]
+            ls = json.loads(guestctl(g, "--json", "code", "ls").stdout)["contexts"]
+            assert {c["name"] for c in ls} == {"default", "cli"}
+            assert guestctl(g, "code", "restart", "cli").returncode == 0
+            assert guestctl(g, "code", "interrupt", "cli").returncode == 0
+            assert guestctl(g, "code", "rm", "cli").returncode == 0
+            r = guestctl(g, "code", "rm", "cli")
+            assert r.returncode == 1 and b"not_found" in r.stderr
+        finally:
+            g.stop()
