@@ -67,3 +67,47 @@ class OutputCapture:
 
     def data(self) -> bytes:
         return bytes(self._head) + b"".join(self._tail)
+
+
+class OutputRing:
+    """The last ``capacity`` bytes of a stream, addressed by absolute byte offsets.
+
+    Offset 0 is the first byte the stream ever produced. A reader remembers the
+    offset it has seen up to and reads on from there; if the ring has moved past
+    it, :meth:`read` says how many bytes were lost, so every byte is delivered
+    exactly once or reported missing, across reconnects.
+    """
+
+    __slots__ = ("_buf", "capacity", "closed", "total")
+
+    def __init__(self, capacity: int) -> None:
+        self.capacity = capacity
+        self._buf = bytearray()
+        self.total = 0  # bytes ever written == offset of the next byte
+        self.closed = False
+
+    @property
+    def start(self) -> int:
+        """Offset of the oldest byte still held."""
+        return self.total - len(self._buf)
+
+    def write(self, data: bytes) -> None:
+        self.total += len(data)
+        if len(data) >= self.capacity:
+            self._buf = bytearray(data[len(data) - self.capacity :])
+            return
+        self._buf += data
+        over = len(self._buf) - self.capacity
+        if over > 0:
+            del self._buf[:over]
+
+    def read(self, offset: int, limit: int) -> tuple[bytes, int, int]:
+        """Bytes from ``offset`` on (at most ``limit``): (data, offset of data[0], bytes lost before it)."""
+        start = self.start
+        lost = 0
+        if offset < start:
+            lost = start - offset
+            offset = start
+        offset = min(offset, self.total)
+        i = offset - start
+        return bytes(self._buf[i : i + limit]), offset, lost

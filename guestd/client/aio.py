@@ -101,6 +101,45 @@ class CodeStream:
         return CodeResult.from_body(await self._client._conn.wait(self._call, self._timeout))
 
 
+class Attach:
+    """Output of a background process from given offsets: iterate ``(stream, offset, data)``.
+
+    A ``("lost", offset, b"")`` item says bytes before ``offset`` were overwritten in the
+    ring (``lost_bytes`` keeps the count). After the loop, :meth:`result` gives the exit
+    status and the offsets to reattach from.
+    """
+
+    def __init__(self, client: AsyncClient, call: Call, timeout: float | None) -> None:
+        self._client = client
+        self._call = call
+        self._timeout = timeout
+        self.lost_bytes = {"stdout": 0, "stderr": 0}
+
+    def __aiter__(self) -> AsyncIterator[tuple[str, int, bytes]]:
+        return self._iter()
+
+    async def _iter(self) -> AsyncIterator[tuple[str, int, bytes]]:
+        while True:
+            ev = await self._call.next_event(self._timeout)
+            if ev is None:
+                return
+            kind = ev.get("ev")
+            offset = ev.get("offset")
+            if not isinstance(offset, int):
+                continue
+            if kind in ("stdout", "stderr") and isinstance(ev.get("data"), bytes):
+                yield kind, offset, ev["data"]
+            elif kind == "lost" and ev.get("stream") in self.lost_bytes and isinstance(ev.get("bytes"), int):
+                self.lost_bytes[ev["stream"]] += ev["bytes"]
+                yield "lost", offset, b""
+
+    async def result(self) -> dict[str, Any]:
+        return await self._client._conn.wait(self._call, self._timeout)
+
+    def cancel(self) -> None:
+        self._client._conn._forget(self._call)
+
+
 class AsyncClient:
     """Connect with ``await AsyncClient.connect("unix:/run/guestd.sock")``."""
 
@@ -559,3 +598,68 @@ class AsyncClient:
     async def code_list(self, *, timeout: float = 30.0) -> list[dict[str, Any]]:
         contexts = (await self._conn.request("code.list", {}, timeout))["contexts"]
         return [c for c in contexts if isinstance(c, dict)] if isinstance(contexts, list) else []
+
+    # -- background processes ---------------------------------------------------------------
+    async def process_start(
+        self,
+        cmd: list[str] | str,
+        *,
+        cwd: str | None = None,
+        env: dict[str, str] | None = None,
+        stdin: bool = False,
+        pty: bool = False,
+        rows: int = 24,
+        cols: int = 80,
+        ring_bytes: int | None = None,
+        timeout: float = DEFAULT_TIMEOUT,
+    ) -> dict[str, Any]:
+        """Start a detached process; returns ``{"id", "pid"}`` at once."""
+        args: dict[str, Any] = {"shell": cmd} if isinstance(cmd, str) else {"argv": list(cmd)}
+        args.update({"stdin": stdin, "pty": pty, "rows": rows, "cols": cols})
+        if cwd is not None:
+            args["cwd"] = cwd
+        if env is not None:
+            args["env"] = env
+        if ring_bytes is not None:
+            args["ring_bytes"] = ring_bytes
+        return await self._conn.request("process.start", args, timeout)
+
+    async def process_list(self, *, timeout: float = DEFAULT_TIMEOUT) -> list[dict[str, Any]]:
+        procs = (await self._conn.request("process.list", {}, timeout))["processes"]
+        return [p for p in procs if isinstance(p, dict)] if isinstance(procs, list) else []
+
+    def attach(
+        self,
+        pid_id: str,
+        *,
+        stdout_from: int = 0,
+        stderr_from: int = 0,
+        follow: bool = True,
+        timeout: float | None = None,
+    ) -> Attach:
+        """Stream output from the given offsets (``timeout`` bounds each wait for the next event)."""
+        args = {"id": pid_id, "stdout_from": stdout_from, "stderr_from": stderr_from, "follow": follow}
+        return Attach(self, self._conn.start("process.attach", args), timeout)
+
+    async def process_wait(self, pid_id: str, timeout: float | None = None) -> dict[str, Any]:
+        args: dict[str, Any] = {"id": pid_id}
+        if timeout is not None:
+            args["timeout_s"] = float(timeout)
+        client_timeout = None if timeout is None else timeout + EXEC_MARGIN
+        return await self._conn.request("process.wait", args, client_timeout)
+
+    async def process_signal(self, pid_id: str, sig: str | int = "TERM", *, timeout: float = 30.0) -> None:
+        await self._conn.request("process.signal", {"id": pid_id, "signal": str(sig)}, timeout)
+
+    async def process_write(self, pid_id: str, data: bytes | str, *, timeout: float = 60.0) -> int:
+        raw = data.encode() if isinstance(data, str) else data
+        return int((await self._conn.request("process.write", {"id": pid_id, "data": raw}, timeout))["written"])
+
+    async def process_close_stdin(self, pid_id: str, *, timeout: float = 30.0) -> None:
+        await self._conn.request("process.close_stdin", {"id": pid_id}, timeout)
+
+    async def process_resize(self, pid_id: str, rows: int, cols: int, *, timeout: float = 30.0) -> None:
+        await self._conn.request("process.resize", {"id": pid_id, "rows": rows, "cols": cols}, timeout)
+
+    async def process_forget(self, pid_id: str, *, timeout: float = 30.0) -> None:
+        await self._conn.request("process.forget", {"id": pid_id}, timeout)

@@ -112,3 +112,40 @@ class Client:
 
     def code_list(self, **kw: Any) -> list[dict[str, Any]]:
         return self._run(self._aio.code_list(**kw))
+
+    def process_start(self, cmd: list[str] | str, **kw: Any) -> dict[str, Any]:
+        return self._run(self._aio.process_start(cmd, **kw))
+
+    def process_list(self, **kw: Any) -> list[dict[str, Any]]:
+        return self._run(self._aio.process_list(**kw))
+
+    def process_output(self, pid_id: str, **kw: Any) -> tuple[bytes, bytes, dict[str, Any]]:
+        """Everything attach delivers (stdout, stderr, final status); follows until exit by default."""
+
+        async def collect() -> tuple[bytes, bytes, dict[str, Any]]:
+            a = self._aio.attach(pid_id, **kw)
+            out = {"stdout": bytearray(), "stderr": bytearray()}
+            async for name, _, data in a:
+                if name in out:
+                    out[name] += data
+            return bytes(out["stdout"]), bytes(out["stderr"]), await a.result()
+
+        return self._run(collect())
+
+    def process_wait(self, pid_id: str, timeout: float | None = None) -> dict[str, Any]:
+        return self._run(self._aio.process_wait(pid_id, timeout))
+
+    def process_signal(self, pid_id: str, sig: str | int = "TERM") -> None:
+        self._run(self._aio.process_signal(pid_id, sig))
+
+    def process_write(self, pid_id: str, data: bytes | str) -> int:
+        return self._run(self._aio.process_write(pid_id, data))
+
+    def process_close_stdin(self, pid_id: str) -> None:
+        self._run(self._aio.process_close_stdin(pid_id))
+
+    def process_resize(self, pid_id: str, rows: int, cols: int) -> None:
+        self._run(self._aio.process_resize(pid_id, rows, cols))
+
+    def process_forget(self, pid_id: str) -> None:
+        self._run(self._aio.process_forget(pid_id))

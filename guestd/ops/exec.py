@@ -53,6 +53,25 @@ def build_env(env: dict[str, str] | None, mode: str) -> dict[str, str] | None:
     return merged
 
 
+def check_cwd(cwd: str | None) -> None:
+    """A missing or non-directory cwd is a could-not-start error with stage "cwd"."""
+    if cwd is None:
+        return
+    try:
+        st = os.stat(cwd)
+    except OSError as exc:
+        raise GuestdError.from_os_error(exc, stage="cwd", cwd=cwd) from None
+    except ValueError as exc:
+        raise GuestdError(ErrorCode.BAD_REQUEST, f"bad cwd: {exc}", details={"stage": "cwd"}) from None
+    if not os.path.isdir(cwd) or not st:
+        raise GuestdError(
+            ErrorCode.NOT_A_DIRECTORY,
+            f"cwd is not a directory: {cwd}",
+            errno=errno.ENOTDIR,
+            details={"stage": "cwd", "cwd": cwd},
+        )
+
+
 def spawn(args: dict[str, Any], stdin_pipe: bool) -> subprocess.Popen[bytes]:
     """Start the process in its own session (so its group can be killed as a unit).
 
@@ -60,18 +79,7 @@ def spawn(args: dict[str, Any], stdin_pipe: bool) -> subprocess.Popen[bytes]:
     """
     argv: list[str] = args["argv"] if args["argv"] is not None else ["/bin/sh", "-c", args["shell"]]
     cwd = args["cwd"]
-    if cwd is not None:
-        try:
-            st = os.stat(cwd)
-        except OSError as exc:
-            raise GuestdError.from_os_error(exc, stage="cwd", cwd=cwd) from None
-        if not os.path.isdir(cwd) or not st:
-            raise GuestdError(
-                ErrorCode.NOT_A_DIRECTORY,
-                f"cwd is not a directory: {cwd}",
-                errno=errno.ENOTDIR,
-                details={"stage": "cwd", "cwd": cwd},
-            )
+    check_cwd(cwd)
     try:
         proc = subprocess.Popen(
             argv,
@@ -323,7 +331,7 @@ def _set_if_pending(fut: asyncio.Future[None]) -> None:
         fut.set_result(None)
 
 
-async def _write_all(loop: asyncio.AbstractEventLoop, fd: int, data: bytes) -> None:
+async def write_all(loop: asyncio.AbstractEventLoop, fd: int, data: bytes) -> None:
     view = memoryview(data)
     while view:
         try:
@@ -348,13 +356,13 @@ async def _feed_stdin(run: ExecRun, data: bytes | None) -> None:
     os.set_blocking(fd, False)
     try:
         if data is not None:
-            await _write_all(loop, fd, data)
+            await write_all(loop, fd, data)
             return
         while True:
             body = await ctx.input.get()
             chunk = body.get("data")
             if isinstance(chunk, bytes) and chunk:
-                await _write_all(loop, fd, chunk)
+                await write_all(loop, fd, chunk)
                 ctx.ack_input(len(chunk))
             if body.get("eof"):
                 return

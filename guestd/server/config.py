@@ -23,6 +23,10 @@ class Limits:
     max_list_entries: int = 20_000
     max_exec_timeout_s: float = 7 * 24 * 3600.0
     max_contexts: int = 8  # live code contexts (one kernel process each)
+    max_processes: int = 64  # live background processes
+    max_kept_processes: int = 256  # background processes kept, finished ones included
+    max_ring_bytes: int = 16 * 1024 * 1024  # output ring per stream of a background process
+    max_shells: int = 16  # persistent shell sessions
     max_code_queue: int = 16  # runs waiting per context
 
     def as_dict(self) -> dict[str, Any]:
@@ -39,3 +43,4 @@ class Config:
     runtime_dir: str = ""  # private state (kernel connection files); default /run/guestd or a temp dir
     code_pool: int = 1  # pre-started kernels kept ready; 0 disables
     code_prewarm: bool = False  # fill the pool at start-up instead of on first use
+    process_retention_s: float = 3600.0  # how long a finished background process stays attachable

@@ -23,6 +23,7 @@ if TYPE_CHECKING:
     from concurrent.futures import ThreadPoolExecutor
 
     from guestd.contexts import Contexts
+    from guestd.processes import ProcessTable
 
 log = logging.getLogger("guestd")
 
@@ -50,14 +51,16 @@ class Daemon:
         self._sweeper: asyncio.Task[None] | None = None
 
         self._contexts: Contexts | None = None
+        self._processes: ProcessTable | None = None
         self._kernel_dir: str | None = None
 
-        from guestd.ops import code, files, system
+        from guestd.ops import code, files, process, system
         from guestd.ops import exec as exec_ops
 
         system.register(self)
         exec_ops.register(self)
         files.register(self)
+        process.register(self)
         code.register(self)
 
     # -- connections ------------------------------------------------------------------
@@ -100,6 +103,17 @@ class Daemon:
 
             self._io = ThreadPoolExecutor(max_workers=self.config.io_threads, thread_name_prefix="guestd-io")
         return await asyncio.get_running_loop().run_in_executor(self._io, fn, *args)
+
+    # -- background processes -----------------------------------------------------------
+    def has_processes(self) -> bool:
+        return self._processes is not None
+
+    def processes(self) -> ProcessTable:
+        if self._processes is None:
+            from guestd.processes import ProcessTable
+
+            self._processes = ProcessTable(self)
+        return self._processes
 
     # -- code contexts ------------------------------------------------------------------
     def has_contexts(self) -> bool:
@@ -198,6 +212,8 @@ class Daemon:
             c.close()
         if self._contexts is not None:
             await self._contexts.shutdown()
+        if self._processes is not None:
+            await self._processes.shutdown()
         if self._io is not None:
             self._io.shutdown(wait=False, cancel_futures=True)
 

@@ -528,7 +528,120 @@ CODE_OPS: tuple[OpSpec, ...] = (
     ),
 )
 
-OPS = OPS + CODE_OPS
+_PID = F("id", "str", "process id returned by process.start", True)
+_EXIT = (
+    F("state", "enum(running|exited)", "process state", True),
+    F("exit_code", "int?", "exit status once exited normally"),
+    F("signal", "int?", "terminating signal once killed"),
+)
+
+PROCESS_OPS: tuple[OpSpec, ...] = (
+    OpSpec(
+        "process.start",
+        "process",
+        "Start a background process and return at once. It keeps running when the connection closes; "
+        "its output is kept in per-stream rings addressed by absolute offsets.",
+        args=(
+            F("argv", "list<str>?", "program and arguments (exactly one of argv / shell)"),
+            F("shell", "str?", "command string run by /bin/sh -c"),
+            F("cwd", "str?", "working directory"),
+            F("env", "map<str,str>?", "environment variables"),
+            F("env_mode", "enum(merge|replace)", "merge env into guestd's, or use env alone", default="merge"),
+            F("stdin", "bool", "keep a stdin pipe for process.write (else /dev/null)", default=False),
+            F(
+                "pty",
+                "bool",
+                "run on a pseudo-terminal (output merged into stdout, input via process.write)",
+                default=False,
+            ),
+            F("rows", "uint", "pty rows", default=24),
+            F("cols", "uint", "pty columns", default=80),
+            F("ring_bytes", "uint", "bytes kept per stream (<= limits.max_ring_bytes)", default=1024 * 1024),
+        ),
+        result=(F("id", "str", "process id", True), F("pid", "int", "OS pid", True)),
+        errors=("not_found", "permission_denied", "not_a_directory", "limit", "bad_request"),
+    ),
+    OpSpec(
+        "process.list",
+        "process",
+        "Every kept process.",
+        result=(
+            F(
+                "processes",
+                "any",
+                "list of {id, pid, command, state, pty, started_at, ended_at, exit_code, signal, "
+                "stdout_offset, stderr_offset, cpu_s, rss}",
+                True,
+            ),
+        ),
+    ),
+    OpSpec(
+        "process.attach",
+        "process",
+        "Stream a process's output from the given offsets, then live until it exits (follow) or until "
+        "what is buffered now has been sent. Bytes overwritten in the ring are reported by a lost event.",
+        args=(
+            _PID,
+            F("stdout_from", "uint", "first stdout offset wanted", default=0),
+            F("stderr_from", "uint", "first stderr offset wanted", default=0),
+            F("follow", "bool", "keep streaming until the process exits", default=True),
+            F("chunk", "uint?", "bytes per event (<= limits.max_chunk)"),
+        ),
+        result=(
+            *_EXIT,
+            F("stdout_offset", "uint", "next stdout offset (reattach from here)", True),
+            F("stderr_offset", "uint", "next stderr offset (reattach from here)", True),
+        ),
+        events=(
+            F("ev", "enum(stdout|stderr|lost)", "event type", True),
+            F("data", "bin", "stdout/stderr: bytes starting at offset"),
+            F("offset", "uint", "absolute offset of data[0] (lost: where delivery resumes)"),
+            F("stream", "str", "lost: which stream"),
+            F("bytes", "uint", "lost: bytes no longer in the ring"),
+        ),
+        errors=("not_found",),
+    ),
+    OpSpec(
+        "process.wait",
+        "process",
+        "Wait for exit, at most timeout_s.",
+        args=(_PID, F("timeout_s", "float?", "give up after this long (timed_out: true)")),
+        result=(*_EXIT, F("timed_out", "bool", "the timeout passed first", True)),
+        errors=("not_found",),
+    ),
+    OpSpec(
+        "process.signal",
+        "process",
+        "Signal the process group; KILL also kills descendants that left the group.",
+        args=(_PID, F("signal", "str", "TERM, INT, KILL, HUP, USR1, ... or a number", True)),
+        errors=("not_found", "bad_request"),
+    ),
+    OpSpec(
+        "process.write",
+        "process",
+        "Write bytes to the process's stdin (or pty).",
+        args=(_PID, F("data", "bin", "bytes", True)),
+        result=(F("written", "uint", "bytes written", True),),
+        errors=("not_found", "bad_request", "timeout"),
+    ),
+    OpSpec("process.close_stdin", "process", "Close stdin (a pty gets ^D).", args=(_PID,), errors=("not_found",)),
+    OpSpec(
+        "process.resize",
+        "process",
+        "Set the pty size (the foreground job gets SIGWINCH).",
+        args=(_PID, F("rows", "uint", "rows", True), F("cols", "uint", "columns", True)),
+        errors=("not_found", "bad_request"),
+    ),
+    OpSpec(
+        "process.forget",
+        "process",
+        "Drop a finished process and its output.",
+        args=(_PID,),
+        errors=("not_found", "bad_request"),
+    ),
+)
+
+OPS = OPS + CODE_OPS + PROCESS_OPS
 OPS_BY_NAME = {op.name: op for op in OPS}
 
 

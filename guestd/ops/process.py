@@ -1,0 +1,126 @@
+"""process capability: background processes, attach/reattach by offset, PTYs (see guestd.processes)."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from typing import TYPE_CHECKING, Any
+
+from guestd.ops.exec import parse_signal
+from guestd.wire.errors import ErrorCode, GuestdError, limit_error
+
+if TYPE_CHECKING:
+    from guestd.processes import ManagedProcess, ProcessTable
+    from guestd.server.connection import RequestContext
+    from guestd.server.daemon import Daemon
+
+EXIT_SETTLE_S = 0.5  # after exit, how long attach keeps reading output of leftover children
+
+
+def register(daemon: Daemon) -> None:
+    limits = daemon.config.limits
+
+    def table() -> ProcessTable:
+        return daemon.processes()
+
+    async def op_start(ctx: RequestContext, a: dict[str, Any]) -> dict[str, Any]:
+        if (a["argv"] is None) == (a["shell"] is None):
+            raise GuestdError(ErrorCode.BAD_REQUEST, "give exactly one of 'argv' or 'shell'", details={"field": "argv"})
+        if a["argv"] is not None and not a["argv"]:
+            raise GuestdError(ErrorCode.BAD_REQUEST, "'argv' must not be empty", details={"field": "argv"})
+        if not 0 < a["ring_bytes"] <= limits.max_ring_bytes:
+            raise limit_error(
+                "max_ring_bytes", limits.max_ring_bytes, f"ring_bytes must be in 1..{limits.max_ring_bytes}"
+            )
+        if not (0 < a["rows"] < 10000 and 0 < a["cols"] < 10000):
+            raise GuestdError(ErrorCode.BAD_REQUEST, "rows/cols out of range", details={"field": "rows"})
+        p = table().start(a)
+        return {"id": p.id, "pid": p.pid}
+
+    async def op_list(ctx: RequestContext, a: dict[str, Any]) -> dict[str, Any]:
+        if not daemon.has_processes():
+            return {"processes": []}
+        return {"processes": [p.describe() for p in table().procs.values()]}
+
+    def final(p: ManagedProcess, offs: dict[str, int]) -> dict[str, Any]:
+        return {
+            "state": "running" if p.running else "exited",
+            **p.exit_info(),
+            "stdout_offset": offs["stdout"],
+            "stderr_offset": offs["stderr"],
+        }
+
+    async def op_attach(ctx: RequestContext, a: dict[str, Any]) -> dict[str, Any]:
+        p = table().get(a["id"])
+        chunk = min(a["chunk"] or limits.max_chunk, limits.max_chunk)
+        offs = {"stdout": a["stdout_from"], "stderr": a["stderr_from"]}
+        loop_time = time.monotonic
+        exited_at: float | None = None
+        while True:
+            progressed = False
+            for name in ("stdout", "stderr"):
+                data, at, lost = p.rings[name].read(offs[name], chunk)
+                if lost:
+                    await ctx.send_event({"ev": "lost", "stream": name, "bytes": lost, "offset": at})
+                offs[name] = at
+                if data:
+                    await ctx.send_data_event({"ev": name, "offset": at}, data)
+                    offs[name] = at + len(data)
+                    progressed = True
+            if progressed:
+                continue
+            if not a["follow"]:
+                return final(p, offs)
+            if not p.running:
+                if exited_at is None:
+                    exited_at = loop_time()
+                drained = all(p.rings[n].closed for n in ("stdout", "stderr"))
+                if drained or loop_time() - exited_at >= EXIT_SETTLE_S:
+                    return final(p, offs)
+            await p.changed(timeout=0.1 if not p.running else EXIT_SETTLE_S)
+
+    async def op_wait(ctx: RequestContext, a: dict[str, Any]) -> dict[str, Any]:
+        p = table().get(a["id"])
+        loop = asyncio.get_running_loop()
+        deadline = None if a["timeout_s"] is None else loop.time() + a["timeout_s"]
+        while p.running:
+            left = None if deadline is None else deadline - loop.time()
+            if left is not None and left <= 0:
+                return {"state": "running", **p.exit_info(), "timed_out": True}
+            await p.changed(timeout=left)
+        return {"state": "exited", **p.exit_info(), "timed_out": False}
+
+    async def op_signal(ctx: RequestContext, a: dict[str, Any]) -> dict[str, Any]:
+        sig = parse_signal(a["signal"])
+        if sig is None:
+            raise GuestdError(ErrorCode.BAD_REQUEST, f"unknown signal {a['signal']!r}", details={"field": "signal"})
+        table().get(a["id"]).send_signal(sig)
+        return {}
+
+    async def op_write(ctx: RequestContext, a: dict[str, Any]) -> dict[str, Any]:
+        return {"written": await table().get(a["id"]).write_stdin(a["data"])}
+
+    async def op_close_stdin(ctx: RequestContext, a: dict[str, Any]) -> dict[str, Any]:
+        table().get(a["id"]).close_stdin()
+        return {}
+
+    async def op_resize(ctx: RequestContext, a: dict[str, Any]) -> dict[str, Any]:
+        table().get(a["id"]).resize(a["rows"], a["cols"])
+        return {}
+
+    async def op_forget(ctx: RequestContext, a: dict[str, Any]) -> dict[str, Any]:
+        table().forget(a["id"])
+        return {}
+
+    for name, fn in (
+        ("process.start", op_start),
+        ("process.list", op_list),
+        ("process.attach", op_attach),
+        ("process.wait", op_wait),
+        ("process.signal", op_signal),
+        ("process.write", op_write),
+        ("process.close_stdin", op_close_stdin),
+        ("process.resize", op_resize),
+        ("process.forget", op_forget),
+    ):
+        daemon.dispatcher.add(name, fn)
