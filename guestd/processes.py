@@ -367,13 +367,17 @@ class ProcessTable:
             self._expire()
 
     async def shutdown(self) -> None:
+        """guestd is stopping: end every process tree it started (escaped descendants too)."""
+        trees = {p.id: descendants(p.pid) for p in self.procs.values() if p.running}
         for p in self.procs.values():
             if p.running:
                 signal_group(p.pid, signal.SIGTERM)
+                signal_each(trees[p.id], signal.SIGTERM)
         deadline = time.monotonic() + 2.0
         while any(p.running for p in self.procs.values()) and time.monotonic() < deadline:
             await asyncio.sleep(0.05)
         for p in self.procs.values():
-            if p.running:
+            if p.id in trees:
                 signal_group(p.pid, signal.SIGKILL)
+                signal_each(trees[p.id], signal.SIGKILL)
             p.release()

@@ -2,7 +2,16 @@
 
 from guestd.client.aio import AsyncClient, ExecStream
 from guestd.client.connection import ConnectionClosed, GuestProtocolError
-from guestd.client.results import CodeError, CodeResult, DirEntry, DirListing, ExecResult, FileStat, Info
+from guestd.client.results import (
+    CodeError,
+    CodeResult,
+    DirEntry,
+    DirListing,
+    ExecResult,
+    FileStat,
+    Info,
+    ShellResult,
+)
 from guestd.client.sync import Client
 from guestd.memtune import tune_malloc
 from guestd.wire.errors import ErrorCode, GuestdError
@@ -22,5 +31,6 @@ __all__ = [
     "GuestProtocolError",
     "GuestdError",
     "Info",
+    "ShellResult",
     "tune_malloc",
 ]

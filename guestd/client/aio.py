@@ -10,7 +10,7 @@ from typing import Any
 
 from guestd.client.address import open_socket, parse_address
 from guestd.client.connection import DEFAULT_WINDOW, Call, ClientConnection, GuestProtocolError
-from guestd.client.results import CodeResult, DirEntry, DirListing, ExecResult, FileStat, Info
+from guestd.client.results import CodeResult, DirEntry, DirListing, ExecResult, FileStat, Info, ShellResult
 from guestd.wire.errors import ErrorCode, GuestdError
 from guestd.wire.frames import DEFAULT_MAX_FRAME
 
@@ -663,3 +663,56 @@ class AsyncClient:
 
     async def process_forget(self, pid_id: str, *, timeout: float = 30.0) -> None:
         await self._conn.request("process.forget", {"id": pid_id}, timeout)
+
+    # -- shell sessions -----------------------------------------------------------------------
+    async def shell_create(
+        self,
+        *,
+        cwd: str | None = None,
+        env: dict[str, str] | None = None,
+        name: str | None = None,
+        timeout: float = 60.0,
+    ) -> dict[str, Any]:
+        args: dict[str, Any] = {}
+        if cwd is not None:
+            args["cwd"] = cwd
+        if env is not None:
+            args["env"] = env
+        if name is not None:
+            args["name"] = name
+        return await self._conn.request("shell.create", args, timeout)
+
+    async def shell_run(
+        self,
+        session: str,
+        command: str,
+        *,
+        input: bytes | None = None,
+        timeout: float | None = None,
+        idle_timeout: float | None = None,
+        max_output: int | None = None,
+        head_tail: bool = False,
+        client_timeout: float | None = None,
+    ) -> ShellResult:
+        """Run a command in a persistent bash session (cd, variables, venvs persist)."""
+        args: dict[str, Any] = {"id": session, "command": command}
+        if input is not None:
+            args["input"] = input
+        if timeout is not None:
+            args["timeout_s"] = float(timeout)
+        if idle_timeout is not None:
+            args["idle_timeout_s"] = float(idle_timeout)
+        if max_output is not None:
+            args["max_output"] = max_output
+        if head_tail:
+            args["capture"] = "head_tail"
+        if client_timeout is None:
+            client_timeout = self._exec_deadline(timeout, idle_timeout, 5.0, None)
+        return ShellResult.from_body(await self._conn.request("shell.run", args, client_timeout))
+
+    async def shell_list(self, *, timeout: float = 30.0) -> list[dict[str, Any]]:
+        sessions = (await self._conn.request("shell.list", {}, timeout))["sessions"]
+        return [s for s in sessions if isinstance(s, dict)] if isinstance(sessions, list) else []
+
+    async def shell_close(self, session: str, *, timeout: float = 30.0) -> None:
+        await self._conn.request("shell.close", {"id": session}, timeout)

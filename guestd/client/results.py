@@ -190,3 +190,32 @@ class CodeResult:
             else:
                 out[k] = jsonable(v)
         return out
+
+
+@dataclass(frozen=True)
+class ShellResult:
+    exit_code: int | None
+    timed_out: str | None
+    interrupted: bool
+    session_restarted: bool
+    cwd: str
+    stdout: bytes
+    stderr: bytes
+    stdout_bytes: int
+    stderr_bytes: int
+    stdout_dropped: int
+    stderr_dropped: int
+    stdout_gap_at: int | None
+    stderr_gap_at: int | None
+    duration_s: float
+
+    @classmethod
+    def from_body(cls, b: dict[str, Any]) -> ShellResult:
+        return cls(**{k: b[k] for k in cls.__dataclass_fields__})
+
+    @property
+    def text(self) -> str:
+        return self.stdout.decode("utf-8", "replace")
+
+    def to_json(self) -> dict[str, Any]:
+        return ExecResult.to_json(self)  # type: ignore[arg-type]

@@ -8,7 +8,7 @@ from collections.abc import Coroutine
 from typing import Any, TypeVar
 
 from guestd.client.aio import AsyncClient
-from guestd.client.results import CodeResult, DirListing, ExecResult, FileStat, Info
+from guestd.client.results import CodeResult, DirListing, ExecResult, FileStat, Info, ShellResult
 
 T = TypeVar("T")
 
@@ -149,3 +149,15 @@ class Client:
 
     def process_forget(self, pid_id: str) -> None:
         self._run(self._aio.process_forget(pid_id))
+
+    def shell_create(self, **kw: Any) -> dict[str, Any]:
+        return self._run(self._aio.shell_create(**kw))
+
+    def shell_run(self, session: str, command: str, **kw: Any) -> ShellResult:
+        return self._run(self._aio.shell_run(session, command, **kw))
+
+    def shell_list(self, **kw: Any) -> list[dict[str, Any]]:
+        return self._run(self._aio.shell_list(**kw))
+
+    def shell_close(self, session: str, **kw: Any) -> None:
+        self._run(self._aio.shell_close(session, **kw))

@@ -24,6 +24,7 @@ if TYPE_CHECKING:
 
     from guestd.contexts import Contexts
     from guestd.processes import ProcessTable
+    from guestd.shells import Shells
 
 log = logging.getLogger("guestd")
 
@@ -52,15 +53,17 @@ class Daemon:
 
         self._contexts: Contexts | None = None
         self._processes: ProcessTable | None = None
+        self._shells: Shells | None = None
         self._kernel_dir: str | None = None
 
-        from guestd.ops import code, files, process, system
+        from guestd.ops import code, files, process, shell, system
         from guestd.ops import exec as exec_ops
 
         system.register(self)
         exec_ops.register(self)
         files.register(self)
         process.register(self)
+        shell.register(self)
         code.register(self)
 
     # -- connections ------------------------------------------------------------------
@@ -114,6 +117,16 @@ class Daemon:
 
             self._processes = ProcessTable(self)
         return self._processes
+
+    def has_shells(self) -> bool:
+        return self._shells is not None
+
+    def shells(self) -> Shells:
+        if self._shells is None:
+            from guestd.shells import Shells
+
+            self._shells = Shells(self)
+        return self._shells
 
     # -- code contexts ------------------------------------------------------------------
     def has_contexts(self) -> bool:
@@ -214,6 +227,8 @@ class Daemon:
             await self._contexts.shutdown()
         if self._processes is not None:
             await self._processes.shutdown()
+        if self._shells is not None:
+            await self._shells.shutdown()
         if self._io is not None:
             self._io.shutdown(wait=False, cancel_futures=True)
 

@@ -641,7 +641,69 @@ PROCESS_OPS: tuple[OpSpec, ...] = (
     ),
 )
 
-OPS = OPS + CODE_OPS + PROCESS_OPS
+SHELL_OPS: tuple[OpSpec, ...] = (
+    OpSpec(
+        "shell.create",
+        "shell",
+        "Start a persistent bash session.",
+        args=(
+            F("cwd", "str?", "starting directory"),
+            F("env", "map<str,str>?", "environment variables added to guestd's"),
+            F("name", "str?", "a name to find the session by"),
+        ),
+        result=(F("id", "str", "session id", True), F("pid", "int", "bash's pid", True)),
+        errors=("limit", "not_found", "not_a_directory"),
+    ),
+    OpSpec(
+        "shell.run",
+        "shell",
+        "Run a command in the session: cd, variables, functions, aliases and activated venvs persist. "
+        "stdin is /dev/null unless input is given. Output capture and counts as in exec; no markers in it.",
+        args=(
+            F("id", "str", "session id or name", True),
+            F("command", "str", "bash command text (multi-line, heredocs allowed)", True),
+            F("input", "bin?", "bytes for the command's stdin"),
+            F("timeout_s", "float?", "wall-clock timeout: SIGINT, then the command's processes are ended"),
+            F("idle_timeout_s", "float?", "timeout with no output"),
+            F("max_output", "uint", "bytes kept per stream (<= limits.max_output)", default=65536),
+            F("capture", "enum(tail|head_tail)", "which bytes are kept when over max_output", default="tail"),
+        ),
+        result=(
+            F("exit_code", "int?", "the command's status (nil when the session had to be restarted)"),
+            F("timed_out", "enum(wall|idle)?", "which timeout fired"),
+            F("interrupted", "bool", "the command was interrupted by a timeout", True),
+            F("session_restarted", "bool", "bash was restarted (cwd and exported variables kept)", True),
+            F("cwd", "str", "working directory after the command", True),
+            F("stdout", "bin", "captured stdout", True),
+            F("stderr", "bin", "captured stderr", True),
+            F("stdout_bytes", "uint", "total stdout bytes", True),
+            F("stderr_bytes", "uint", "total stderr bytes", True),
+            F("stdout_dropped", "uint", "stdout bytes not returned", True),
+            F("stderr_dropped", "uint", "stderr bytes not returned", True),
+            F("stdout_gap_at", "uint?", "offset in stdout where dropped bytes were cut out"),
+            F("stderr_gap_at", "uint?", "offset in stderr where dropped bytes were cut out"),
+            F("duration_s", "float", "wall time", True),
+        ),
+        errors=("not_found", "limit", "bad_request"),
+    ),
+    OpSpec(
+        "shell.list",
+        "shell",
+        "Every session.",
+        result=(
+            F("sessions", "any", "list of {id, name, pid, cwd, busy, alive, commands, restarts, stray_bytes}", True),
+        ),
+    ),
+    OpSpec(
+        "shell.close",
+        "shell",
+        "End a session.",
+        args=(F("id", "str", "session id or name", True),),
+        errors=("not_found",),
+    ),
+)
+
+OPS = OPS + CODE_OPS + PROCESS_OPS + SHELL_OPS
 OPS_BY_NAME = {op.name: op for op in OPS}
 
 

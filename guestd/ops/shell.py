@@ -1,0 +1,49 @@
+"""shell capability: persistent bash sessions (see guestd.shells)."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+from guestd.wire.errors import ErrorCode, GuestdError, limit_error
+
+if TYPE_CHECKING:
+    from guestd.server.connection import RequestContext
+    from guestd.server.daemon import Daemon
+    from guestd.shells import Shells
+
+
+def register(daemon: Daemon) -> None:
+    limits = daemon.config.limits
+
+    def shells() -> Shells:
+        return daemon.shells()
+
+    async def op_create(ctx: RequestContext, a: dict[str, Any]) -> dict[str, Any]:
+        s = await shells().create(a["cwd"], a["env"], a["name"])
+        return {"id": s.id, "pid": s.pid}
+
+    async def op_run(ctx: RequestContext, a: dict[str, Any]) -> dict[str, Any]:
+        if a["max_output"] > limits.max_output:
+            raise limit_error("max_output", limits.max_output, f"max_output may be at most {limits.max_output} bytes")
+        for name in ("timeout_s", "idle_timeout_s"):
+            v = a[name]
+            if v is not None and not 0 < v <= limits.max_exec_timeout_s:
+                raise GuestdError(ErrorCode.BAD_REQUEST, f"{name} out of range", details={"field": name})
+        return await shells().get(a["id"]).run(a)
+
+    async def op_list(ctx: RequestContext, a: dict[str, Any]) -> dict[str, Any]:
+        if not daemon.has_shells():
+            return {"sessions": []}
+        return {"sessions": [s.describe() for s in shells().sessions.values()]}
+
+    async def op_close(ctx: RequestContext, a: dict[str, Any]) -> dict[str, Any]:
+        await shells().close(a["id"])
+        return {}
+
+    for name, fn in (
+        ("shell.create", op_create),
+        ("shell.run", op_run),
+        ("shell.list", op_list),
+        ("shell.close", op_close),
+    ):
+        daemon.dispatcher.add(name, fn)

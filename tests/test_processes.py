@@ -1,0 +1,235 @@
+"""Background processes, reattach by offset, rings, signals, stdin, PTYs: real processes, real guestd."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import time
+
+import pytest
+
+from guestd.client import AsyncClient, Client, GuestdError
+from tests.conftest import Guestd
+from tests.test_exec import live_procs_with
+
+SEQ = "for i in $(seq 1 {n}); do printf '%06d\\n' $i; done"
+
+
+def numbered(n: int) -> bytes:
+    return "".join(f"{i:06d}\n" for i in range(1, n + 1)).encode()
+
+
+def test_start_returns_at_once_and_survives_its_connection(guestd: Guestd) -> None:
+    with guestd.client() as c:
+        p = c.process_start("sleep 0.5; echo done")
+    with guestd.client() as c:  # a new connection: the process is still there
+        listed = {x["id"]: x for x in c.process_list()}
+        assert listed[p["id"]]["state"] == "running" and listed[p["id"]]["pid"] == p["pid"]
+        assert c.process_wait(p["id"], timeout=10) == {
+            "state": "exited",
+            "exit_code": 0,
+            "signal": None,
+            "timed_out": False,
+        }
+        out, err, final = c.process_output(p["id"])
+        assert (out, err, final["stdout_offset"]) == (b"done\n", b"", 5)
+        c.process_forget(p["id"])
+        with pytest.raises(GuestdError) as ei:
+            c.process_wait(p["id"])
+        assert ei.value.code == "not_found"
+
+
+def test_reattach_after_dropped_connection_gets_every_byte_once(guestd: Guestd) -> None:
+    n = 20000
+
+    async def go() -> None:
+        c = await AsyncClient.connect(guestd.address)
+        p = await c.process_start(SEQ.format(n=n) + "; sleep 0.2")
+        got = bytearray()
+        offset = 0
+        a = c.attach(p["id"])
+        async for name, at, data in a:
+            assert name == "stdout" and at == offset
+            got += data
+            offset = at + len(data)
+            if len(got) > 30000:
+                break
+        await c.close()  # the connection drops mid-stream
+        c2 = await AsyncClient.connect(guestd.address)
+        a2 = c2.attach(p["id"], stdout_from=offset)
+        async for name, at, data in a2:
+            assert name == "stdout" and at == offset  # resumes exactly where we stopped
+            got += data
+            offset = at + len(data)
+        final = await a2.result()
+        assert bytes(got) == numbered(n)
+        assert final["stdout_offset"] == len(got) and final["exit_code"] == 0
+        assert a2.lost_bytes == {"stdout": 0, "stderr": 0}
+        await c2.close()
+
+    asyncio.run(go())
+
+
+def test_ring_overflow_is_reported_as_lost_bytes(guestd: Guestd) -> None:
+    with guestd.client() as c:
+        p = c.process_start(SEQ.format(n=5000), ring_bytes=7000)
+        c.process_wait(p["id"], timeout=30)
+
+        async def go() -> tuple[bytes, int]:
+            a = c.aio.attach(p["id"])
+            data = bytearray()
+            async for name, _, chunk in a:
+                data += chunk
+            await a.result()
+            return bytes(data), a.lost_bytes["stdout"]
+
+        data, lost = c._run(go())
+        full = numbered(5000)
+        assert lost == len(full) - 7000 and data == full[-7000:]
+
+
+def test_stalled_attacher_blocks_neither_process_nor_other_readers(guestd: Guestd) -> None:
+    async def go() -> None:
+        slow = await AsyncClient.connect(guestd.address, stream_window=64 * 1024)
+        fast = await AsyncClient.connect(guestd.address)
+        p = await fast.process_start("head -c 5000000 /dev/zero; echo end", ring_bytes=16 << 20)
+        stalled = slow.attach(p["id"])  # never read: its window fills and stays full
+        got = 0
+        a = fast.attach(p["id"])
+        async for _, _, data in a:
+            got += len(data)
+        assert got == 5_000_004 and (await a.result())["exit_code"] == 0
+        assert (await fast.process_wait(p["id"], timeout=30))["state"] == "exited"
+        stalled.cancel()
+        await slow.close()
+        await fast.close()
+
+    asyncio.run(go())
+
+
+def test_signals_reach_grandchildren_and_kill_sweeps_escapees(client: Client) -> None:
+    marker = "sleep 997.5"
+    p = client.process_start(f"sh -c '{marker}' & {marker} & setsid {marker} & wait")
+
+    def sleeps() -> int:
+        return sum(1 for x in live_procs_with(marker) if x.name() == "sleep")
+
+    deadline = time.monotonic() + 5
+    while sleeps() < 3 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert sleeps() == 3  # a grandchild (via sh -c), a child, and one that left the group
+    client.process_signal(p["id"], "KILL")
+    assert client.process_wait(p["id"], timeout=10)["signal"] == 9
+    deadline = time.monotonic() + 5
+    while live_procs_with(marker) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert live_procs_with(marker) == []
+
+
+def test_term_to_the_group(client: Client) -> None:
+    p = client.process_start("trap 'echo got-term; exit 5' TERM; echo ready; while :; do sleep 0.05; done")
+    deadline = time.monotonic() + 5
+    while client.process_list() and not [x for x in client.process_list() if x["id"] == p["id"] and x["stdout_offset"]]:
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
+    client.process_signal(p["id"], "TERM")
+    res = client.process_wait(p["id"], timeout=10)
+    out, _, _ = client.process_output(p["id"])
+    assert res["exit_code"] == 5 and out == b"ready\ngot-term\n"
+    with pytest.raises(GuestdError):
+        client.process_signal(p["id"], "TERM")  # exited
+    with pytest.raises(GuestdError) as ei:
+        client.process_signal(p["id"], "NOPE")
+    assert ei.value.code == "bad_request"
+
+
+def test_stdin_write_and_close(client: Client) -> None:
+    p = client.process_start(["sh", "-c", 'while read l; do echo "<$l>"; done; echo eof'], stdin=True)
+    client.process_write(p["id"], "a\nb\n")
+    client.process_close_stdin(p["id"])
+    client.process_wait(p["id"], timeout=10)
+    assert client.process_output(p["id"])[0] == b"<a>\n<b>\neof\n"
+    q = client.process_start(["true"])
+    with pytest.raises(GuestdError) as ei:
+        client.process_write(q["id"], "x")
+    assert ei.value.code == "bad_request"
+
+
+def test_pty_size_resize_and_an_interactive_repl(client: Client) -> None:
+    p = client.process_start(["sh", "-c", "stty size; read x; stty size"], pty=True, rows=33, cols=101, stdin=True)
+    deadline = time.monotonic() + 5
+    while b"33 101" not in client.process_output(p["id"], follow=False)[0]:
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
+    client.process_resize(p["id"], 40, 120)
+    client.process_write(p["id"], "go\r")
+    client.process_wait(p["id"], timeout=10)
+    out = client.process_output(p["id"])[0]
+    assert b"33 101" in out and b"40 120" in out
+    repl = client.process_start(["python3", "-q", "-i", "-c", ""], pty=True)
+    client.process_write(repl["id"], "print(6 * 7)\r")
+    deadline = time.monotonic() + 20
+    while b"42" not in client.process_output(repl["id"], follow=False)[0]:
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
+    client.process_write(repl["id"], "\x03")  # ^C through the terminal: KeyboardInterrupt, REPL lives on
+    client.process_write(repl["id"], "exit()\r")
+    assert client.process_wait(repl["id"], timeout=20)["exit_code"] == 0
+
+
+def test_pty_drives_a_pager_and_an_editor_stand_in(client: Client, tmp_path: object) -> None:
+    f = f"{tmp_path}/long.txt"
+    with open(f, "w") as fh:
+        fh.write("".join(f"row {i}\n" for i in range(200)))
+    less = client.process_start(["less", f], pty=True, rows=10, cols=40)
+    deadline = time.monotonic() + 10
+    while b"row 5" not in client.process_output(less["id"], follow=False)[0]:
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
+    client.process_write(less["id"], "G")  # jump to the end
+    while b"row 199" not in client.process_output(less["id"], follow=False)[0]:
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
+    client.process_write(less["id"], "q")
+    assert client.process_wait(less["id"], timeout=10)["exit_code"] == 0
+    repo = f"{tmp_path}/repo"
+    os.makedirs(repo)
+    editor = f"{tmp_path}/editor.sh"
+    with open(editor, "w") as fh:  # a stand-in editor that asks on the terminal, then edits the todo list
+        fh.write(
+            "#!/bin/sh\nprintf 'squash? ' > /dev/tty; read a < /dev/tty\n"
+            '[ "$a" = y ] && sed -i \'2s/^pick/squash/\' "$1"\nexit 0\n'
+        )
+    os.chmod(editor, 0o755)
+    script = (
+        "git init -q . && git config user.email t@t && git config user.name t && "
+        "for i in 1 2 3; do echo $i > f; git add f; git commit -qm c$i; done && "
+        f"GIT_SEQUENCE_EDITOR={editor} GIT_EDITOR=true git rebase -i HEAD~2 && git log --format=%s"
+    )
+    reb = client.process_start(["sh", "-c", script], pty=True, cwd=repo)
+    while b"squash?" not in client.process_output(reb["id"], follow=False)[0]:
+        assert time.monotonic() < deadline + 20
+        time.sleep(0.05)
+    client.process_write(reb["id"], "y\r")
+    assert client.process_wait(reb["id"], timeout=30)["exit_code"] == 0
+    log = client.process_output(reb["id"])[0].split(b"squash?")[-1]
+    subjects = [ln.strip() for ln in log.replace(b"\r", b"").split(b"\n") if ln.strip() in (b"c1", b"c2", b"c3")]
+    assert subjects == [b"c2", b"c1"]  # c3 was squashed into c2 by the answer typed on the terminal
+
+
+def test_limits_and_bad_input(fresh_guestd: object) -> None:
+    g = fresh_guestd()  # type: ignore[operator]
+    with g.client() as c:
+        with pytest.raises(GuestdError) as ei:
+            c.process_start(["true"], ring_bytes=1 << 40)
+        assert ei.value.code == "limit" and ei.value.details["limit"] == "max_ring_bytes"
+        with pytest.raises(GuestdError) as ei:
+            c.process_start(["/nonexistent"])
+        assert ei.value.code == "not_found" and ei.value.details["stage"] == "spawn"
+        p = c.process_start(["sleep", "30"])
+        with pytest.raises(GuestdError) as ei:
+            c.process_forget(p["id"])
+        assert ei.value.code == "bad_request"
+        c.process_signal(p["id"], "KILL")
+        c.process_wait(p["id"], timeout=10)
+        c.process_forget(p["id"])
