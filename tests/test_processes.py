@@ -78,7 +78,7 @@ def test_ring_overflow_is_reported_as_lost_bytes(guestd: Guestd) -> None:
         async def go() -> tuple[bytes, int]:
             a = c.aio.attach(p["id"])
             data = bytearray()
-            async for name, _, chunk in a:
+            async for _name, _, chunk in a:
                 data += chunk
             await a.result()
             return bytes(data), a.lost_bytes["stdout"]
@@ -204,7 +204,7 @@ def test_pty_drives_a_pager_and_an_editor_stand_in(client: Client, tmp_path: obj
     script = (
         "git init -q . && git config user.email t@t && git config user.name t && "
         "for i in 1 2 3; do echo $i > f; git add f; git commit -qm c$i; done && "
-        f"GIT_SEQUENCE_EDITOR={editor} GIT_EDITOR=true git rebase -i HEAD~2 && git log --format=%s"
+        f"GIT_SEQUENCE_EDITOR={editor} GIT_EDITOR=true git rebase -i HEAD~2 && git --no-pager log --format=%s"
     )
     reb = client.process_start(["sh", "-c", script], pty=True, cwd=repo)
     while b"squash?" not in client.process_output(reb["id"], follow=False)[0]:
