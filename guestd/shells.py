@@ -11,8 +11,9 @@ How a command runs, without markers in the user's output:
 - ``exit``/``logout`` are shell functions that return from the command, so
   ``exit 3`` gives status 3 and keeps the session. The command runs in an ``if``
   condition, so ``set -e`` cannot end the session (and has no effect inside it).
-  ``builtin exit``, ``exec``, or a pure-bash busy loop past its timeout end bash:
-  the session is restarted with the last cwd and exported variables, and says so.
+  ``builtin exit``, ``exec``, or a command that ignores SIGINT inside bash itself
+  (``trap '' INT; while :; do :; done``) past its timeout end bash: the session is
+  restarted with the last cwd and exported variables, and the result says so.
 - A timeout sends SIGINT to the session's process group (bash's INT trap returns
   from the command), then ends the command's child processes, and as a last
   resort restarts bash with the last known cwd and exported environment.
