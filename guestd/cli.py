@@ -6,6 +6,9 @@
     guestctl ... cp SRC DST          (the guest side is written :PATH)
     guestctl ... cat :PATH | ls :PATH | rm [-r] :PATH
     guestctl ... code new | run [--context ID] [--timeout S] CODE | ls | interrupt ID | restart ID | rm ID
+    guestctl ... exec --detach -- ARGV... | exec --pty -- ARGV...
+    guestctl ... ps | attach ID [--from OFFSET] | kill ID [SIGNAL] | wait ID
+    guestctl ... shell new | shell run ID 'COMMAND' | shell ls | shell rm ID
 
 exec/sh exit with the remote exit code (124 when a timeout fired, 128+N when killed by signal N).
 """
@@ -54,6 +57,8 @@ def build_parser() -> argparse.ArgumentParser:
         e.add_argument("--max-output", type=int, default=None, help="bytes kept per stream")
         e.add_argument("--head-tail", action="store_true", help="keep both ends of long output")
         e.add_argument("--stdin", action="store_true", help="send local stdin to the command")
+        e.add_argument("--detach", action="store_true", help="start in the background; print its process id")
+        e.add_argument("--pty", action="store_true", help="run on a pseudo-terminal attached to this terminal")
         if name == "exec":
             e.add_argument("argv", nargs=argparse.REMAINDER, help="-- PROGRAM ARGS...")
         else:
@@ -65,6 +70,32 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--no-progress", action="store_true")
     sub.add_parser("cat", help="print a guest file").add_argument("path")
     sub.add_parser("ls", help="list a guest directory").add_argument("path")
+    sub.add_parser("ps", help="list background processes")
+    at = sub.add_parser("attach", help="stream a background process's output")
+    at.add_argument("id")
+    at.add_argument("--from", dest="offset", type=int, default=0, help="stdout offset to start from")
+    at.add_argument("--stderr-from", type=int, default=0)
+    at.add_argument("--no-follow", action="store_true", help="print what is buffered and return")
+    k = sub.add_parser("kill", help="signal a background process group")
+    k.add_argument("id")
+    k.add_argument("signal", nargs="?", default="TERM")
+    w = sub.add_parser("wait", help="wait for a background process to exit")
+    w.add_argument("id")
+    w.add_argument("--timeout", type=float, default=None)
+    shell = sub.add_parser("shell", help="persistent bash sessions").add_subparsers(dest="shell_cmd", required=True)
+    snew = shell.add_parser("new", help="create a session; prints its id")
+    snew.add_argument("--cwd", default=None)
+    snew.add_argument("--env", action="append", default=[], metavar="K=V")
+    snew.add_argument("--name", default=None)
+    srun = shell.add_parser("run", help="run COMMAND in session ID")
+    srun.add_argument("id")
+    srun.add_argument("command")
+    srun.add_argument("--timeout", type=float, default=None)
+    srun.add_argument("--idle-timeout", type=float, default=None)
+    srun.add_argument("--max-output", type=int, default=None)
+    srun.add_argument("--stdin", action="store_true", help="send local stdin as the command's input")
+    shell.add_parser("ls", help="list sessions")
+    shell.add_parser("rm", help="end a session").add_argument("id")
     code = sub.add_parser("code", help="persistent Python contexts").add_subparsers(dest="code_cmd", required=True)
     cn = code.add_parser("new", help="create a context")
     cn.add_argument("--cwd", default=None)
@@ -184,6 +215,152 @@ async def _code(client: AsyncClient, ns: argparse.Namespace) -> int:
     return CODE_EXIT.get(res.status, 1)
 
 
+async def _start_process(client: AsyncClient, ns: argparse.Namespace, cmd: list[str] | str, env: dict[str, str]) -> int:
+    if not ns.pty:
+        p = await client.process_start(cmd, cwd=ns.cwd, env=env or None, stdin=ns.stdin)
+        _print_json(p) if ns.json else print(p["id"])
+        return 0
+    size = os.get_terminal_size(sys.stdout.fileno()) if sys.stdout.isatty() else os.terminal_size((80, 24))
+    p = await client.process_start(cmd, cwd=ns.cwd, env=env or None, pty=True, rows=size.lines, cols=size.columns)
+    return await _attach_terminal(client, p["id"], detach_ok=ns.detach)
+
+
+async def _attach_terminal(client: AsyncClient, pid_id: str, detach_ok: bool) -> int:
+    """Local terminal <-> remote pty: raw mode, keystrokes forwarded, window size followed."""
+    import signal as _signal
+    import termios
+    import tty
+
+    loop = asyncio.get_running_loop()
+    fd = sys.stdin.fileno()
+    interactive = os.isatty(fd)
+    saved = termios.tcgetattr(fd) if interactive else None
+    pending: list[asyncio.Task[Any]] = []
+
+    def on_key() -> None:
+        data = os.read(fd, 4096)
+        if data:
+            pending.append(loop.create_task(client.process_write(pid_id, data)))
+        else:
+            loop.remove_reader(fd)
+
+    def on_winch() -> None:
+        size = os.get_terminal_size(sys.stdout.fileno())
+        pending.append(loop.create_task(client.process_resize(pid_id, size.lines, size.columns)))
+
+    pollable = True
+    try:
+        if interactive:
+            tty.setraw(fd)
+            loop.add_signal_handler(_signal.SIGWINCH, on_winch)
+        try:
+            loop.add_reader(fd, on_key)
+        except OSError:  # epoll refuses plain files and /dev/null: nothing to forward then
+            pollable = False
+        a = client.attach(pid_id)
+        async for _, _, data in a:
+            sys.stdout.buffer.write(data)
+            sys.stdout.flush()
+        final = await a.result()
+    finally:
+        if pollable:
+            loop.remove_reader(fd)
+        if saved is not None:
+            termios.tcsetattr(fd, termios.TCSADRAIN, saved)
+            loop.remove_signal_handler(_signal.SIGWINCH)
+        for t in pending:
+            t.cancel()
+    if final["signal"] is not None:
+        return 128 + int(final["signal"])
+    return int(final["exit_code"] or 0)
+
+
+async def _process(client: AsyncClient, ns: argparse.Namespace) -> int:
+    if ns.cmd == "ps":
+        procs = await client.process_list()
+        if ns.json:
+            _print_json({"processes": procs})
+        else:
+            for p in procs:
+                status = (
+                    p["state"]
+                    if p["state"] == "running"
+                    else f"exit {p['exit_code']}"
+                    if p["signal"] is None
+                    else f"signal {p['signal']}"
+                )
+                print(f"{p['id']}  pid {p['pid']:<8} {status:12} out {p['stdout_offset']:<10} {p['command'][:60]}")
+        return 0
+    if ns.cmd == "kill":
+        await client.process_signal(ns.id, ns.signal)
+        return 0
+    if ns.cmd == "wait":
+        res = await client.process_wait(ns.id, ns.timeout)
+        if ns.json:
+            _print_json(res)
+        if res["timed_out"]:
+            return 124
+        return 128 + int(res["signal"]) if res["signal"] is not None else int(res["exit_code"] or 0)
+    a = client.attach(ns.id, stdout_from=ns.offset, stderr_from=ns.stderr_from, follow=not ns.no_follow)
+    async for name, offset, data in a:
+        if name == "lost":
+            print(f"guestctl: output before offset {offset} was overwritten in the ring", file=sys.stderr)
+        elif name == "stderr":
+            sys.stderr.buffer.write(data)
+            sys.stderr.flush()
+        else:
+            sys.stdout.buffer.write(data)
+            sys.stdout.flush()
+    final = await a.result()
+    if ns.json:
+        _print_json(final)
+    else:
+        print(
+            f"guestctl: {final['state']}; reattach with --from {final['stdout_offset']} "
+            f"--stderr-from {final['stderr_offset']}",
+            file=sys.stderr,
+        )
+    if final["state"] == "running":
+        return 0
+    return 128 + int(final["signal"]) if final["signal"] is not None else int(final["exit_code"] or 0)
+
+
+async def _shell(client: AsyncClient, ns: argparse.Namespace) -> int:
+    cmd = ns.shell_cmd
+    if cmd == "new":
+        s = await client.shell_create(cwd=ns.cwd, env=_parse_env(ns.env) or None, name=ns.name)
+        _print_json(s) if ns.json else print(s["id"])
+        return 0
+    if cmd == "ls":
+        sessions = await client.shell_list()
+        if ns.json:
+            _print_json({"sessions": sessions})
+        else:
+            for s in sessions:
+                print(f"{s['id']}  {s.get('name') or '-':12} pid {s['pid']:<8} {s['cwd']}  ({s['commands']} commands)")
+        return 0
+    if cmd == "rm":
+        await client.shell_close(ns.id)
+        return 0
+    stdin = sys.stdin.buffer.read() if ns.stdin else None
+    res = await client.shell_run(
+        ns.id, ns.command, input=stdin, timeout=ns.timeout, idle_timeout=ns.idle_timeout, max_output=ns.max_output
+    )
+    if ns.json:
+        _print_json(res.to_json())
+    else:
+        sys.stdout.buffer.write(res.stdout)
+        sys.stdout.flush()
+        sys.stderr.buffer.write(res.stderr)
+        if res.timed_out:
+            print(f"guestctl: {res.timed_out} timeout fired; command interrupted", file=sys.stderr)
+        if res.session_restarted:
+            print("guestctl: the session had to be restarted (cwd and exported variables kept)", file=sys.stderr)
+    if res.timed_out:
+        return 124
+    return res.exit_code if res.exit_code is not None else 1
+
+
 def _parse_env(pairs: list[str]) -> dict[str, str]:
     env = {}
     for kv in pairs:
@@ -266,6 +443,8 @@ async def run(ns: argparse.Namespace) -> int:
             else:
                 cmd = ns.command
             env = _parse_env(ns.env)
+            if ns.detach or ns.pty:
+                return await _start_process(client, ns, cmd, env)
             stdin = sys.stdin.buffer.read() if ns.stdin else None
             res = await client.exec(
                 cmd,
@@ -284,6 +463,10 @@ async def run(ns: argparse.Namespace) -> int:
             return res.shell_exit_code()
         if ns.cmd == "code":
             return await _code(client, ns)
+        if ns.cmd in ("ps", "attach", "kill", "wait"):
+            return await _process(client, ns)
+        if ns.cmd == "shell":
+            return await _shell(client, ns)
         if ns.cmd == "cp":
             out = await _cp(client, ns)
             if ns.json:

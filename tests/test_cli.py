@@ -143,3 +143,33 @@ def test_code_commands(tmp_path: object) -> None:
             assert r.returncode == 1 and b"not_found" in r.stderr
         finally:
             g.stop()
+
+
+def test_process_and_shell_commands(guestd: Guestd) -> None:
+    r = guestctl(guestd, "exec", "--detach", "--", "sh", "-c", "echo one; echo two >&2; sleep 0.3; exit 4")
+    assert r.returncode == 0
+    pid_id = r.stdout.decode().strip()
+    assert pid_id.startswith("p")
+    ps = json.loads(guestctl(guestd, "--json", "ps").stdout)["processes"]
+    assert pid_id in [p["id"] for p in ps]
+    assert guestctl(guestd, "wait", pid_id).returncode == 4
+    r = guestctl(guestd, "attach", pid_id)
+    assert (r.returncode, r.stdout) == (4, b"one\n") and r.stderr.startswith(b"two\n")
+    r = guestctl(guestd, "attach", pid_id, "--from", "2")
+    assert r.stdout == b"e\n"
+    r = guestctl(guestd, "exec", "--detach", "--", "sleep", "30")
+    sid = r.stdout.decode().strip()
+    assert guestctl(guestd, "kill", sid, "KILL").returncode == 0
+    assert guestctl(guestd, "wait", sid).returncode == 137
+    r = guestctl(guestd, "exec", "--pty", "--", "sh", "-c", "test -t 0 && stty size && exit 6")
+    assert r.returncode == 6 and b"24 80" in r.stdout  # not a terminal here: the default size
+    s = guestctl(guestd, "shell", "new", "--cwd", "/tmp").stdout.decode().strip()
+    assert guestctl(guestd, "shell", "run", s, "cd /etc; Z=9").returncode == 0
+    r = guestctl(guestd, "shell", "run", s, "pwd; echo $Z; exit 5")
+    assert (r.returncode, r.stdout) == (5, b"/etc\n9\n")
+    r = guestctl(guestd, "--json", "shell", "run", "--stdin", s, "cat", stdin=b"fed")
+    obj = json.loads(r.stdout)
+    assert obj["stdout"] == "fed" and obj["cwd"] == "/etc"
+    assert guestctl(guestd, "shell", "run", s, "sleep 30", "--timeout", "0.3").returncode == 124
+    assert s in guestctl(guestd, "shell", "ls").stdout.decode()
+    assert guestctl(guestd, "shell", "rm", s).returncode == 0
