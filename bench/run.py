@@ -336,6 +336,30 @@ async def measure(tmp: str, rounds: int, n_ping: int, n_exec: int, big: bool) ->
         res["files"] = {}
         for size in [MiB, 64 * MiB] + ([1024 * MiB] if big else []):
             res["files"][str(size)] = await file_rates(c, gd, tmp, size)
+        # Persistent shell: per-command cost over a bare exec of the same external command.
+        sid = (await c.shell_create())["id"]
+        sh_s: list[float] = []
+        ex_s: list[float] = []
+        for _ in range(rounds):
+            sh_s += await time_loop(lambda: c.shell_run(sid, "/bin/true"), n_exec, 2)
+            ex_s += await time_loop(lambda: c.exec(["/bin/true"]), n_exec, 2)
+        res["shell_true"] = summary_ms(sh_s)
+        res["exec_bin_true"] = summary_ms(ex_s)
+        await c.shell_close(sid)
+        # Attach throughput: follow a process writing 64 MiB live (16 MiB ring).
+        p = await c.process_start("head -c 67108864 /dev/zero", ring_bytes=16 * MiB)
+        t = time.perf_counter()
+        a = c.attach(p["id"])
+        got = 0
+        async for _, _, data in a:
+            got += len(data)
+        await a.result()
+        res["attach"] = {
+            "MBps": 64 * MiB / (time.perf_counter() - t) / 1e6,
+            "received": got,
+            "lost": a.lost_bytes["stdout"],
+        }
+        await c.process_forget(p["id"])
         res["idle_rss_after_MiB"] = gd.rss() / MiB
         await c.close()
     finally:
@@ -497,6 +521,12 @@ def render(
         f"| idle RSS | {g['idle_rss_MiB']:.1f} MiB | {floor['idle_rss_MiB']:.1f} MiB (bare uvloop+msgpack server) "
         f"| {idle_ratio:.2f}x | <= 1.15x | {verdict(idle_ratio <= 1.15)} |",
     ]
+    shell_over = g["shell_true"]["p50_ms"] - g["exec_bin_true"]["p50_ms"]
+    lines.append(
+        f"| shell per-command overhead p50 | {g['shell_true']['p50_ms']:.3f} ms "
+        f"| {g['exec_bin_true']['p50_ms']:.3f} ms "
+        f"(exec of the same command) | {shell_over:+.3f} ms | <= +2 ms | {verdict(shell_over <= 2.0)} |"
+    )
     code_ratio = code["guestd_1p1"]["p50_ms"] / code["raw_1p1"]["p50_ms"]
     lines.append(
         f"| code `1+1` p50 | {code['guestd_1p1']['p50_ms']:.2f} ms | {code['raw_1p1']['p50_ms']:.2f} ms "
@@ -522,6 +552,10 @@ def render(
         f"| {floor['subprocess_true']['p99_ms']:.3f} | {floor['subprocess_true']['n']} |",
         f"| guestd: `exec ['true']` | {g['exec_true']['p50_ms']:.3f} | {g['exec_true']['p99_ms']:.3f} "
         f"| {g['exec_true']['n']} |",
+        f"| guestd: `shell.run('/bin/true')` in a persistent bash | {g['shell_true']['p50_ms']:.3f} "
+        f"| {g['shell_true']['p99_ms']:.3f} | {g['shell_true']['n']} |",
+        f"| guestd: `exec ['/bin/true']` (same rounds) | {g['exec_bin_true']['p50_ms']:.3f} "
+        f"| {g['exec_bin_true']['p99_ms']:.3f} | {g['exec_bin_true']['n']} |",
         f"| guestd: spawn -> first ping reply | {g['start_to_first_reply']['p50_ms']:.1f} "
         f"| {g['start_to_first_reply']['p99_ms']:.1f} | {g['start_to_first_reply']['n']} |",
         "",
@@ -530,6 +564,10 @@ def render(
         f"| exec, default capture (64 KiB tail) | {g['out_10mb_tail']['s']:.3f} | {g['out_10mb_tail']['returned']} "
         f"| total {g['out_10mb_tail']['total']}, dropped {g['out_10mb_tail']['dropped']} (reported) |",
         f"| exec, stream mode | {g['out_10mb_stream']['s']:.3f} | {g['out_10mb_stream']['returned']} | complete |",
+        "",
+        f"Attach to a process writing 64 MiB, live (16 MiB ring): {g['attach']['MBps']:.0f} MB/s, "
+        f"{g['attach']['received']} bytes received, {g['attach']['lost']} reported lost "
+        "(received + lost = everything written).",
         "",
         "| file size | upload MB/s | download MB/s | guestd peak RSS MiB | RSS growth up / down MiB |",
         "|---|---|---|---|---|",

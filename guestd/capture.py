@@ -76,11 +76,16 @@ class OutputRing:
     offset it has seen up to and reads on from there; if the ring has moved past
     it, :meth:`read` says how many bytes were lost, so every byte is delivered
     exactly once or reported missing, across reconnects.
+
+    The byte at offset ``o`` lives at index ``o % capacity``: writes and reads are
+    O(bytes moved), and the buffer grows only as far as output actually arrives.
     """
 
     __slots__ = ("_buf", "capacity", "closed", "total")
 
     def __init__(self, capacity: int) -> None:
+        if capacity <= 0:
+            raise ValueError("capacity must be > 0")
         self.capacity = capacity
         self._buf = bytearray()
         self.total = 0  # bytes ever written == offset of the next byte
@@ -89,17 +94,27 @@ class OutputRing:
     @property
     def start(self) -> int:
         """Offset of the oldest byte still held."""
-        return self.total - len(self._buf)
+        return max(0, self.total - self.capacity)
 
     def write(self, data: bytes) -> None:
-        self.total += len(data)
-        if len(data) >= self.capacity:
-            self._buf = bytearray(data[len(data) - self.capacity :])
+        cap = self.capacity
+        n = len(data)
+        if self.total + n <= cap:  # still filling up: plain append
+            self._buf += data
+            self.total += n
             return
-        self._buf += data
-        over = len(self._buf) - self.capacity
-        if over > 0:
-            del self._buf[:over]
+        if len(self._buf) < cap:
+            self._buf += bytes(cap - len(self._buf))
+        if n > cap:  # only the last `cap` bytes can survive
+            self.total += n - cap
+            data = data[n - cap :]
+            n = cap
+        i = self.total % cap
+        first = min(n, cap - i)
+        self._buf[i : i + first] = data[:first]
+        if first < n:
+            self._buf[: n - first] = data[first:]
+        self.total += n
 
     def read(self, offset: int, limit: int) -> tuple[bytes, int, int]:
         """Bytes from ``offset`` on (at most ``limit``): (data, offset of data[0], bytes lost before it)."""
@@ -109,5 +124,11 @@ class OutputRing:
             lost = start - offset
             offset = start
         offset = min(offset, self.total)
-        i = offset - start
-        return bytes(self._buf[i : i + limit]), offset, lost
+        n = min(limit, self.total - offset)
+        if n <= 0:
+            return b"", offset, lost
+        i = offset % self.capacity
+        first = min(n, self.capacity - i)
+        with memoryview(self._buf) as view:
+            data = bytes(view[i : i + first]) if first == n else bytes(view[i : i + first]) + bytes(view[: n - first])
+        return data, offset, lost

@@ -198,3 +198,27 @@ def test_protocol_md_op_reference_is_current() -> None:
     with open(os.path.join(PROTOCOL, "PROTOCOL.md")) as f:
         text = f.read()
     assert text == render_into(text), "run: python -m guestd.wire.docs"
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    chunks=st.lists(st.binary(min_size=0, max_size=120), max_size=40),
+    capacity=st.integers(1, 200),
+    reads=st.lists(st.tuples(st.integers(0, 3000), st.integers(1, 300)), max_size=10),
+)
+def test_ring_holds_exactly_the_last_bytes_by_offset(
+    chunks: list[bytes], capacity: int, reads: list[tuple[int, int]]
+) -> None:
+    from guestd.capture import OutputRing
+
+    ring = OutputRing(capacity)
+    for c in chunks:
+        ring.write(c)
+    full = b"".join(chunks)
+    assert ring.total == len(full) and ring.start == max(0, len(full) - capacity)
+    for offset, limit in reads:
+        data, at, lost = ring.read(offset, limit)
+        start = max(0, len(full) - capacity)
+        assert lost == max(0, start - offset)
+        assert at == min(max(offset, start), len(full))
+        assert data == full[at : at + limit]
