@@ -233,3 +233,25 @@ def test_limits_and_bad_input(fresh_guestd: object) -> None:
         c.process_signal(p["id"], "KILL")
         c.process_wait(p["id"], timeout=10)
         c.process_forget(p["id"])
+
+
+def test_kept_processes_are_bounded_and_expire(fresh_guestd: object) -> None:
+    g = fresh_guestd("--max-processes", "2", "--max-kept-processes", "3", "--process-retention", "1")  # type: ignore[operator]
+    with g.client() as c:
+        a = c.process_start(["sleep", "30"])
+        c.process_start(["sleep", "30"])
+        with pytest.raises(GuestdError) as ei:
+            c.process_start(["true"])
+        assert ei.value.code == "limit" and ei.value.details["limit"] == "max_processes"
+        c.process_signal(a["id"], "KILL")
+        c.process_wait(a["id"], timeout=10)
+        done = [c.process_start(["true"])["id"]]
+        c.process_wait(done[0], timeout=10)
+        # 3 kept (1 running, 2 finished): a new start drops the oldest finished one
+        new = c.process_start(["true"])
+        ids = {p["id"] for p in c.process_list()}
+        assert a["id"] not in ids and done[0] in ids and new["id"] in ids
+        c.process_wait(new["id"], timeout=10)
+        time.sleep(1.2)  # past the 1 s retention
+        c.process_start(["true"])  # retention is enforced on each start (and by a periodic sweep)
+        assert done[0] not in {p["id"] for p in c.process_list()}

@@ -258,6 +258,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--code-pool", type=int, default=None, help="pre-started kernels kept ready (default 1; 0 disables)")
     p.add_argument("--code-prewarm", action="store_true", help="fill the kernel pool at start-up, not on first use")
     p.add_argument("--max-contexts", type=int, default=None)
+    p.add_argument("--max-processes", type=int, default=None, help="live background processes")
+    p.add_argument("--max-kept-processes", type=int, default=None, help="kept background processes, finished included")
+    p.add_argument("--process-retention", type=float, default=None, help="seconds a finished process stays attachable")
+    p.add_argument("--max-shells", type=int, default=None)
     p.add_argument("--no-uvloop", action="store_true", help="use the default asyncio loop")
     p.add_argument("--ready-fd", type=int, default=None, help="write 'ready' to this fd once listening")
     p.add_argument("--log-level", default="INFO")
@@ -273,13 +277,16 @@ def config_from_args(ns: argparse.Namespace) -> Config:
         limits.max_inflight = ns.max_inflight
     if ns.max_connections is not None:
         limits.max_connections = ns.max_connections
-    if ns.max_contexts is not None:
-        limits.max_contexts = ns.max_contexts
+    for name in ("max_contexts", "max_processes", "max_kept_processes", "max_shells"):
+        if getattr(ns, name) is not None:
+            setattr(limits, name, getattr(ns, name))
     cfg = Config(listen=ns.listen or [f"vsock:{DEFAULT_VSOCK_PORT}"], limits=limits, use_uvloop=not ns.no_uvloop)
     cfg.runtime_dir = ns.runtime_dir
     if ns.code_pool is not None:
         cfg.code_pool = ns.code_pool
     cfg.code_prewarm = ns.code_prewarm
+    if ns.process_retention is not None:
+        cfg.process_retention_s = ns.process_retention
     if ns.allow_cid:
         cfg.allowed_cids = set(ns.allow_cid)
     return cfg
