@@ -87,11 +87,17 @@ class Kernel:
         kenv = dict(os.environ)
         kenv.update(env or {})
         kenv["GUESTD_PARENT_PID"] = str(os.getpid())
+        from guestd.server.daemon import PRIVATE_ENV
+
+        kenv.update(PRIVATE_ENV)  # the kernel runs guestd's own Python
         kenv.setdefault("PYTHONUNBUFFERED", "1")
         kenv["MPLBACKEND"] = kenv.get("MPLBACKEND", "module://matplotlib_inline.backend_inline")
         self.km = km
         await asyncio.wait_for(km.start_kernel(cwd=cwd or os.getcwd(), env=kenv), KERNEL_START_TIMEOUT_S)
         self.pid = km.provisioner.process.pid  # type: ignore[union-attr]
+        from guestd.proctree import reset_oom_score
+
+        reset_oom_score(self.pid)
         self.daemon.reaper.tracked.add(self.pid)
         self._write_pidfile()
         self._watch()

@@ -20,7 +20,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from guestd.capture import OutputRing
-from guestd.proctree import descendants, signal_each, signal_group
+from guestd.proctree import descendants, reset_oom_score, signal_each, signal_group
 from guestd.wire.errors import ErrorCode, GuestdError, limit_error
 
 if TYPE_CHECKING:
@@ -110,6 +110,7 @@ class ManagedProcess:
         except (ValueError, TypeError) as exc:
             raise GuestdError(ErrorCode.BAD_REQUEST, f"cannot spawn: {exc}", details={"stage": "spawn"}) from None
         self.pid = self.proc.pid
+        reset_oom_score(self.pid)
         self.table.daemon.reaper.tracked.add(self.pid)
         loop = asyncio.get_running_loop()
         for name, fd in self._fds.items():

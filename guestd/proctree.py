@@ -105,3 +105,30 @@ def _group_exists(pgid: int) -> bool:
         except (OSError, psutil.Error):
             continue
     return False
+
+
+def _own_oom_score_adj() -> int:
+    try:
+        with open("/proc/self/oom_score_adj") as f:
+            return int(f.read())
+    except (OSError, ValueError):
+        return 0
+
+
+_CHILD_OOM = os.environ.get("GUESTD_CHILD_OOM_SCORE_ADJ")
+_RESET_OOM = _CHILD_OOM is not None or _own_oom_score_adj() < 0
+
+
+def reset_oom_score(pid: int) -> None:
+    """guestd runs with OOMScoreAdjust=-1000; what it starts must be killable like any process.
+
+    Children inherit the score, so each one is set back (to GUESTD_CHILD_OOM_SCORE_ADJ, default 0)
+    right after it starts. Raising a score needs no privilege.
+    """
+    if not _RESET_OOM:
+        return
+    try:
+        with open(f"/proc/{pid}/oom_score_adj", "w") as f:
+            f.write(_CHILD_OOM or "0")
+    except OSError:
+        pass

@@ -29,7 +29,7 @@ import time
 from typing import TYPE_CHECKING, Any
 
 from guestd.capture import OutputCapture
-from guestd.proctree import descendants, signal_each, signal_group
+from guestd.proctree import descendants, reset_oom_score, signal_each, signal_group
 from guestd.wire.errors import ErrorCode, GuestdError, limit_error
 
 if TYPE_CHECKING:
@@ -126,6 +126,7 @@ class Session:
         finally:
             os.close(w)
         loop = asyncio.get_running_loop()
+        reset_oom_score(self.proc.pid)
         self.ctl_fd = r
         os.set_blocking(r, False)
         loop.add_reader(r, self._on_ctl)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import socket
 import threading
 from collections.abc import Coroutine
 from typing import Any, TypeVar
@@ -16,12 +17,19 @@ T = TypeVar("T")
 class Client:
     """``with Client("unix:/run/guestd.sock") as c: c.exec(["ls"])``"""
 
-    def __init__(self, address: str, *, timeout: float = 10.0, token: str | None = None) -> None:
+    def __init__(
+        self, address: str, *, timeout: float = 10.0, token: str | None = None, sock: socket.socket | None = None
+    ) -> None:
+        """Connect to ``address``; or, with ``sock``, speak over an already connected stream socket
+        (QEMU's chardev socket behind a virtio-serial port, for example)."""
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, name="guestd-client", daemon=True)
         self._thread.start()
         try:
-            self._aio: AsyncClient = self._run(AsyncClient.connect(address, timeout=timeout, token=token))
+            if sock is not None:
+                self._aio: AsyncClient = self._run(AsyncClient.from_socket(sock, timeout=timeout, token=token))
+            else:
+                self._aio = self._run(AsyncClient.connect(address, timeout=timeout, token=token))
         except BaseException:
             self._stop()
             raise

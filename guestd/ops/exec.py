@@ -17,7 +17,7 @@ import time
 from typing import TYPE_CHECKING, Any
 
 from guestd.capture import OutputCapture
-from guestd.proctree import descendants, kill_tree, signal_group
+from guestd.proctree import descendants, kill_tree, reset_oom_score, signal_group
 from guestd.wire.errors import ErrorCode, GuestdError, limit_error
 from guestd.wire.frames import Kind
 
@@ -410,6 +410,7 @@ def register(daemon: Daemon) -> None:
         stdin_pipe = args["stdin"] is not None or args["stdin_stream"]
         t0 = time.monotonic()
         proc = spawn(args, stdin_pipe)
+        reset_oom_score(proc.pid)
         daemon.reaper.tracked.add(proc.pid)
         run = ExecRun(ctx, args, proc, daemon, t0)
         helpers: list[asyncio.Task[None]] = []

@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field
+import tomllib
+from dataclasses import asdict, dataclass, field, fields
 from typing import Any
 
 from guestd.wire.frames import DEFAULT_MAX_FRAME
@@ -44,3 +45,68 @@ class Config:
     code_pool: int = 1  # pre-started kernels kept ready; 0 disables
     code_prewarm: bool = False  # fill the pool at start-up instead of on first use
     process_retention_s: float = 3600.0  # how long a finished background process stays attachable
+    workspace: str = ""  # guestd's working directory: the default cwd of exec, shells, processes, code
+    token_file: str = ""
+    log_level: str = "INFO"
+
+
+class ConfigError(ValueError):
+    pass
+
+
+def _want(key: str, value: Any, typ: type | tuple[type, ...]) -> Any:
+    if isinstance(value, bool) and typ in (int, float, (int, float)):
+        raise ConfigError(f"config key {key!r} must be a number")
+    if not isinstance(value, typ):
+        raise ConfigError(f"config key {key!r} has the wrong type ({type(value).__name__})")
+    return value
+
+
+def load_config_file(path: str, cfg: Config) -> Config:
+    """Apply a TOML config file (see rootfs-overlay/etc/guestd/guestd.toml) onto ``cfg``.
+
+    Unknown keys are errors: a typo in an image's config should fail loudly at boot,
+    not be silently ignored.
+    """
+    try:
+        with open(path, "rb") as f:
+            doc = tomllib.load(f)
+    except (OSError, tomllib.TOMLDecodeError) as exc:
+        raise ConfigError(f"{path}: {exc}") from None
+    top: dict[str, tuple[Any, Any]] = {
+        "listen": (list, lambda v: setattr(cfg, "listen", [_want("listen[]", x, str) for x in v])),
+        "allowed_cids": (list, lambda v: setattr(cfg, "allowed_cids", {_want("allowed_cids[]", x, int) for x in v})),
+        "workspace": (str, lambda v: setattr(cfg, "workspace", v)),
+        "runtime_dir": (str, lambda v: setattr(cfg, "runtime_dir", v)),
+        "token_file": (str, lambda v: setattr(cfg, "token_file", v)),
+        "log_level": (str, lambda v: setattr(cfg, "log_level", v)),
+        "io_threads": (int, lambda v: setattr(cfg, "io_threads", v)),
+        "uvloop": (bool, lambda v: setattr(cfg, "use_uvloop", v)),
+    }
+    for key, value in doc.items():
+        if key in top:
+            typ, apply = top[key]
+            apply(_want(key, value, typ))
+        elif key == "code":
+            for k, v in _want("code", value, dict).items():
+                if k == "pool":
+                    cfg.code_pool = _want("code.pool", v, int)
+                elif k == "prewarm":
+                    cfg.code_prewarm = _want("code.prewarm", v, bool)
+                else:
+                    raise ConfigError(f"unknown config key code.{k}")
+        elif key == "processes":
+            for k, v in _want("processes", value, dict).items():
+                if k == "retention_s":
+                    cfg.process_retention_s = float(_want("processes.retention_s", v, (int, float)))
+                else:
+                    raise ConfigError(f"unknown config key processes.{k}")
+        elif key == "limits":
+            known = {f.name: f.type for f in fields(Limits)}
+            for k, v in _want("limits", value, dict).items():
+                if k not in known:
+                    raise ConfigError(f"unknown config key limits.{k}")
+                setattr(cfg.limits, k, float(v) if k.endswith("_s") else _want(f"limits.{k}", v, int))
+        else:
+            raise ConfigError(f"unknown config key {key!r}")
+    return cfg

@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Any
 
 from guestd import __version__
 from guestd.memtune import tune_malloc
-from guestd.server.config import DEFAULT_VSOCK_PORT, Config, Limits
+from guestd.server.config import DEFAULT_VSOCK_PORT, Config, load_config_file
 from guestd.server.connection import Connection
 from guestd.server.dispatch import Dispatcher
 from guestd.server.reaper import Reaper
@@ -27,6 +27,17 @@ if TYPE_CHECKING:
     from guestd.shells import Shells
 
 log = logging.getLogger("guestd")
+
+# Variables the launcher set for guestd's own interpreter (e.g. LD_LIBRARY_PATH of a baked
+# image's private Python). They are taken out of the environment the workload inherits and
+# handed only to processes that run guestd's Python (kernels).
+PRIVATE_ENV: dict[str, str] = {}
+
+
+def take_private_env() -> None:
+    for name in os.environ.pop("GUESTD_PRIVATE_ENV", "").split(","):
+        if name and name in os.environ:
+            PRIVATE_ENV[name] = os.environ.pop(name)
 
 
 def read_boot_id() -> str:
@@ -235,6 +246,7 @@ class Daemon:
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="guestd", description="guestd: the in-guest sandbox agent")
+    p.add_argument("--config", default=None, metavar="FILE", help="TOML config file; flags override it")
     p.add_argument(
         "--listen",
         action="append",
@@ -264,41 +276,56 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-shells", type=int, default=None)
     p.add_argument("--no-uvloop", action="store_true", help="use the default asyncio loop")
     p.add_argument("--ready-fd", type=int, default=None, help="write 'ready' to this fd once listening")
-    p.add_argument("--log-level", default="INFO")
+    p.add_argument("--workspace", default=None, help="working directory (created if missing)")
+    p.add_argument("--log-level", default=None)
     p.add_argument("--version", action="version", version=f"guestd {__version__}")
     return p
 
 
 def config_from_args(ns: argparse.Namespace) -> Config:
-    limits = Limits()
-    if ns.max_frame is not None:
-        limits.max_frame = ns.max_frame
-    if ns.max_inflight is not None:
-        limits.max_inflight = ns.max_inflight
-    if ns.max_connections is not None:
-        limits.max_connections = ns.max_connections
-    for name in ("max_contexts", "max_processes", "max_kept_processes", "max_shells"):
+    cfg = Config()
+    if ns.config:
+        load_config_file(ns.config, cfg)
+    limits = cfg.limits
+    for name in (
+        "max_frame",
+        "max_inflight",
+        "max_connections",
+        "max_contexts",
+        "max_processes",
+        "max_kept_processes",
+        "max_shells",
+    ):
         if getattr(ns, name) is not None:
             setattr(limits, name, getattr(ns, name))
-    cfg = Config(listen=ns.listen or [f"vsock:{DEFAULT_VSOCK_PORT}"], limits=limits, use_uvloop=not ns.no_uvloop)
-    cfg.runtime_dir = ns.runtime_dir
-    if ns.code_pool is not None:
-        cfg.code_pool = ns.code_pool
-    cfg.code_prewarm = ns.code_prewarm
-    if ns.process_retention is not None:
-        cfg.process_retention_s = ns.process_retention
+    if ns.listen:
+        cfg.listen = ns.listen
+    if not cfg.listen:
+        cfg.listen = [f"vsock:{DEFAULT_VSOCK_PORT}"]
     if ns.allow_cid:
         cfg.allowed_cids = set(ns.allow_cid)
+    if ns.no_uvloop:
+        cfg.use_uvloop = False
+    if ns.runtime_dir:
+        cfg.runtime_dir = ns.runtime_dir
+    if ns.code_pool is not None:
+        cfg.code_pool = ns.code_pool
+    if ns.code_prewarm:
+        cfg.code_prewarm = True
+    if ns.process_retention is not None:
+        cfg.process_retention_s = ns.process_retention
+    if ns.token_file:
+        cfg.token_file = ns.token_file
+    if ns.workspace:
+        cfg.workspace = ns.workspace
+    if ns.log_level:
+        cfg.log_level = ns.log_level
     return cfg
 
 
 def main(argv: list[str] | None = None) -> int:
     ns = build_parser().parse_args(argv)
-    logging.basicConfig(
-        level=getattr(logging, str(ns.log_level).upper(), logging.INFO),
-        format="%(asctime)s guestd[%(process)d] %(levelname)s %(name)s: %(message)s",
-        stream=sys.stderr,
-    )
+    take_private_env()
     try:
         cfg = config_from_args(ns)
         for addr in cfg.listen:
@@ -306,10 +333,18 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as exc:
         print(f"guestd: {exc}", file=sys.stderr)
         return 2
+    logging.basicConfig(
+        level=getattr(logging, str(cfg.log_level).upper(), logging.INFO),
+        format="%(asctime)s guestd[%(process)d] %(levelname)s %(name)s: %(message)s",
+        stream=sys.stderr,
+    )
+    if cfg.workspace:
+        os.makedirs(cfg.workspace, exist_ok=True)
+        os.chdir(cfg.workspace)  # the default cwd of everything the workload runs
     tune_malloc()  # bulk transfers reuse warm heap instead of page-faulting fresh mmaps
     daemon = Daemon(cfg)
-    if ns.token_file:
-        with open(ns.token_file) as f:
+    if cfg.token_file:
+        with open(cfg.token_file) as f:
             daemon.token = f.read().strip()
     if cfg.use_uvloop:
         import uvloop

@@ -1,0 +1,256 @@
+"""guestd-bake: install guestd into a root filesystem directory and emit it as an image.
+
+    guestd-bake ROOT [--busybox] [--kernel-modules KDIR] [--config FILE]
+                     [--initramfs OUT.cpio] [--ext4 OUT.img --size-mb N]
+
+What lands in ROOT:
+- /opt/guestd/python: this Python (interpreter, libpython, stdlib) with guestd and its
+  dependencies in its own site-packages, so the image needs no Python of its own and
+  guestd never mixes with the workload's packages;
+- the shared libraries those binaries need that ROOT lacks (from this machine);
+- /usr/local/bin/{guestd,guestctl,guestd-python} and /sbin/guestd-init wrappers;
+- rootfs-overlay/ (systemd unit, default config, modules-load list);
+- with --busybox, a static busybox as /bin/sh and friends when ROOT has no /bin/sh;
+- with --kernel-modules, the virtio/vsock modules of that kernel tree plus
+  /etc/guestd/modules.list (load order for guestd-init).
+
+The image builder must match this machine's architecture and libc generation.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import subprocess
+import sys
+import sysconfig
+
+PREFIX = "/opt/guestd/python"
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+DEFAULT_OVERLAY = os.path.join(REPO, "rootfs-overlay")
+RUNTIME_DEPS = ["msgpack", "uvloop", "psutil", "jupyter_client", "ipykernel", "tqdm"]
+MODULES = ["virtio_pci", "virtio_console", "virtio-rng", "vsock", "vmw_vsock_virtio_transport", "vsock_loopback"]
+STDLIB_SKIP = {
+    "site-packages",
+    "test",
+    "tests",
+    "idlelib",
+    "tkinter",
+    "turtledemo",
+    "ensurepip",
+    "lib2to3",
+    "__pycache__",
+}
+
+WRAPPER = """#!/bin/sh
+# guestd's private Python: its libpython is not on the image's library path.
+LD_LIBRARY_PATH={prefix}/lib GUESTD_PRIVATE_ENV=LD_LIBRARY_PATH exec {prefix}/bin/python3 {args}"$@"
+"""
+
+
+def log(msg: str) -> None:
+    print(f"guestd-bake: {msg}", file=sys.stderr)
+
+
+def copy_python(root: str) -> str:
+    src = sys.base_prefix
+    ver = f"python{sys.version_info.major}.{sys.version_info.minor}"
+    dst = root + PREFIX
+    os.makedirs(f"{dst}/bin", exist_ok=True)
+    os.makedirs(f"{dst}/lib", exist_ok=True)
+    interpreter = f"{src}/bin/{ver}" if os.path.isfile(f"{src}/bin/{ver}") else os.path.realpath(sys.executable)
+    shutil.copy2(interpreter, f"{dst}/bin/{ver}")
+    if not os.path.lexists(f"{dst}/bin/python3"):
+        os.symlink(ver, f"{dst}/bin/python3")
+    libdir = sysconfig.get_config_var("LIBDIR") or f"{src}/lib"
+    for name in os.listdir(libdir):
+        if name.startswith("libpython") and ".so" in name:
+            shutil.copy2(os.path.join(libdir, name), f"{dst}/lib/{name}", follow_symlinks=True)
+    stdlib = os.path.join(src, "lib", ver)
+
+    def ignore(d: str, names: list[str]) -> set[str]:
+        return {
+            n for n in names if n in STDLIB_SKIP or n.startswith("config-") or n.endswith((".opt-1.pyc", ".opt-2.pyc"))
+        }
+
+    shutil.copytree(stdlib, f"{dst}/lib/{ver}", ignore=ignore, dirs_exist_ok=True)
+    return f"{dst}/lib/{ver}/site-packages"
+
+
+def install_packages(site: str) -> None:
+    os.makedirs(site, exist_ok=True)
+    cmd = [
+        sys.executable,
+        "-m",
+        "pip",
+        "install",
+        "--quiet",
+        "--disable-pip-version-check",
+        "--no-compile",
+        "--target",
+        site,
+        *RUNTIME_DEPS,
+    ]
+    log("pip install --target " + site)
+    subprocess.run(cmd, check=True)
+    pkg = os.path.join(REPO, "guestd")
+    shutil.copytree(pkg, os.path.join(site, "guestd"), dirs_exist_ok=True, ignore=shutil.ignore_patterns("__pycache__"))
+
+
+def needed_libs(paths: list[str]) -> set[str]:
+    libs: set[str] = set()
+    for p in paths:
+        try:
+            out = subprocess.run(["ldd", p], capture_output=True, text=True, timeout=30).stdout
+        except (OSError, subprocess.TimeoutExpired):
+            continue
+        for line in out.splitlines():
+            parts = line.split()
+            if "=>" in parts and len(parts) >= 3 and parts[2].startswith("/"):
+                libs.add(parts[2])
+            elif parts and parts[0].startswith("/"):
+                libs.add(parts[0])
+    return libs
+
+
+def copy_libs(root: str, extra: list[str] | None = None) -> None:
+    binaries = list(extra or [])
+    for d, _, files in os.walk(root + PREFIX):
+        for f in files:
+            if f.endswith(".so") or ".so." in f or f.startswith("python3."):
+                binaries.append(os.path.join(d, f))
+    for lib in sorted(needed_libs(binaries)):
+        if lib.startswith(sys.base_prefix):
+            continue  # libpython: already in PREFIX/lib
+        target = root + lib
+        if not os.path.exists(target):
+            os.makedirs(os.path.dirname(target), exist_ok=True)
+            shutil.copy2(lib, target, follow_symlinks=True)
+
+
+def write_wrappers(root: str) -> None:
+    scripts = {
+        "/usr/local/bin/guestd": "-m guestd",
+        "/usr/local/bin/guestctl": "-m guestd.cli",
+        "/usr/local/bin/guestd-python": "",
+        "/sbin/guestd-init": "-m guestd.init",
+    }
+    for path, args in scripts.items():
+        os.makedirs(os.path.dirname(root + path), exist_ok=True)
+        with open(root + path, "w") as f:
+            f.write(WRAPPER.format(prefix=PREFIX, args=args + " " if args else ""))
+        os.chmod(root + path, 0o755)
+
+
+def add_busybox(root: str) -> None:
+    if os.path.exists(root + "/bin/sh"):
+        return
+    bb = shutil.which("busybox")
+    if bb is None:
+        raise SystemExit("guestd-bake: --busybox needs busybox on this machine (apt-get install busybox-static)")
+    os.makedirs(root + "/bin", exist_ok=True)
+    shutil.copy2(bb, root + "/bin/busybox")
+    applets = subprocess.run([bb, "--list"], capture_output=True, text=True, check=True).stdout.split()
+    for a in applets:
+        if a != "busybox" and not os.path.lexists(f"{root}/bin/{a}"):
+            os.symlink("busybox", f"{root}/bin/{a}")
+    for d in ("proc", "sys", "dev", "run", "tmp", "root", "etc", "sbin", "usr/bin", "var/tmp"):
+        os.makedirs(f"{root}/{d}", exist_ok=True)
+    if not os.path.exists(root + "/etc/passwd"):
+        with open(root + "/etc/passwd", "w") as f:
+            f.write("root:x:0:0:root:/root:/bin/sh\nnobody:x:65534:65534:nobody:/nonexistent:/bin/false\n")
+    if not os.path.exists(root + "/etc/group"):
+        with open(root + "/etc/group", "w") as f:
+            f.write("root:x:0:\ntty:x:5:\nnogroup:x:65534:\n")
+
+
+def add_modules(root: str, kdir: str) -> None:
+    kver = os.listdir(os.path.join(kdir, "lib", "modules"))[0]
+    order: list[str] = []
+    for m in MODULES:
+        out = subprocess.run(
+            ["modprobe", "-d", kdir, "-S", kver, "--show-depends", m], capture_output=True, text=True, check=False
+        ).stdout
+        for line in out.splitlines():
+            parts = line.split()
+            if len(parts) >= 2 and parts[0] == "insmod" and parts[1] not in order:
+                order.append(parts[1])
+    os.makedirs(root + "/etc/guestd", exist_ok=True)
+    with open(root + "/etc/guestd/modules.list", "w") as f:
+        for src in order:
+            rel = src[len(kdir) :] if src.startswith(kdir) else src
+            os.makedirs(os.path.dirname(root + rel), exist_ok=True)
+            shutil.copy2(src, root + rel)
+            f.write(rel + "\n")
+    log(f"{len(order)} kernel modules for {kver}")
+
+
+def emit_initramfs(root: str, out: str) -> None:
+    if not os.path.lexists(root + "/init"):
+        os.symlink("/sbin/guestd-init", root + "/init")
+    with open(out, "wb") as f:
+        find = subprocess.Popen(["find", ".", "-print0"], cwd=root, stdout=subprocess.PIPE)
+        subprocess.run(
+            ["cpio", "--null", "-o", "-H", "newc", "--quiet"], cwd=root, stdin=find.stdout, stdout=f, check=True
+        )
+        find.wait()
+    log(f"initramfs {out}: {os.path.getsize(out) >> 20} MiB")
+
+
+def emit_ext4(root: str, out: str, size_mb: int) -> None:
+    subprocess.run(["mkfs.ext4", "-q", "-F", "-d", root, out, f"{size_mb}M"], check=True)
+    log(f"ext4 image {out}: {size_mb} MiB")
+
+
+def bake(
+    root: str,
+    *,
+    overlay: str = DEFAULT_OVERLAY,
+    busybox: bool = False,
+    kernel_modules: str | None = None,
+    config: str | None = None,
+) -> None:
+    os.makedirs(root, exist_ok=True)
+    site = copy_python(root)
+    install_packages(site)
+    copy_libs(root)
+    write_wrappers(root)
+    shutil.copytree(overlay, root, dirs_exist_ok=True)
+    if config is not None:
+        shutil.copy2(config, root + "/etc/guestd/guestd.toml")
+    if busybox:
+        add_busybox(root)
+        if not os.path.exists(root + "/bin/bash"):
+            # Shell sessions need bash; busybox's ash is not enough. Take this machine's.
+            shutil.copy2("/bin/bash", root + "/bin/bash")
+            copy_libs(root, ["/bin/bash"])
+    if kernel_modules is not None:
+        add_modules(root, kernel_modules)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(
+        prog="guestd-bake", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    p.add_argument("root", help="root filesystem directory (created if missing)")
+    p.add_argument("--overlay", default=DEFAULT_OVERLAY)
+    p.add_argument("--config", default=None, help="use this guestd.toml instead of the overlay's")
+    p.add_argument("--busybox", action="store_true", help="add busybox when ROOT has no /bin/sh (minimal rootfs)")
+    p.add_argument(
+        "--kernel-modules", default=None, metavar="KDIR", help="unpacked kernel package (dpkg -x) to take modules from"
+    )
+    p.add_argument("--initramfs", default=None, metavar="OUT", help="also write ROOT as a newc cpio initramfs")
+    p.add_argument("--ext4", default=None, metavar="OUT", help="also write ROOT as an ext4 image")
+    p.add_argument("--size-mb", type=int, default=1024, help="ext4 image size")
+    ns = p.parse_args(argv)
+    bake(ns.root, overlay=ns.overlay, busybox=ns.busybox, kernel_modules=ns.kernel_modules, config=ns.config)
+    if ns.initramfs:
+        emit_initramfs(ns.root, ns.initramfs)
+    if ns.ext4:
+        emit_ext4(ns.root, ns.ext4, ns.size_mb)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

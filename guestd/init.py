@@ -1,0 +1,207 @@
+"""guestd-init: a minimal PID 1 for images without systemd (Firecracker-style rootfs, initramfs).
+
+As PID 1 it mounts the basics, loads the modules guestd needs, names the virtio
+serial ports (no udev), then supervises guestd: restarts it whenever it exits
+(with a short backoff), reaps every orphan re-parented to PID 1, and powers the
+VM off cleanly on SIGTERM or SIGUSR2 (reboots on SIGINT, i.e. ctrl-alt-del).
+Not as PID 1 (under another init or in a test) it only supervises.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import errno
+import glob
+import os
+import signal
+import subprocess
+import sys
+import time
+
+GUESTD = os.environ.get("GUESTD_BIN", "/usr/local/bin/guestd")
+CONFIG = os.environ.get("GUESTD_CONFIG", "/etc/guestd/guestd.toml")
+MODULE_LIST = "/etc/guestd/modules.list"  # insmod order written by guestd-bake
+RB_POWER_OFF = 0x4321FEDC
+RB_AUTOBOOT = 0x01234567
+
+_libc = ctypes.CDLL(None, use_errno=True)
+
+
+def log(msg: str) -> None:
+    sys.stderr.write(f"guestd-init: {msg}\n")
+    sys.stderr.flush()
+
+
+def mount(source: str, target: str, fstype: str, flags: int = 0, data: str = "") -> None:
+    os.makedirs(target, exist_ok=True)
+    if _libc.mount(source.encode(), target.encode(), fstype.encode(), flags, data.encode() or None) != 0:
+        err = ctypes.get_errno()
+        if err != errno.EBUSY:  # already mounted is fine
+            log(f"mount {fstype} on {target}: {os.strerror(err)}")
+
+
+def mount_basics() -> None:
+    for src, target, fstype, data in (
+        ("proc", "/proc", "proc", ""),
+        ("sysfs", "/sys", "sysfs", ""),
+        ("devtmpfs", "/dev", "devtmpfs", "mode=0755"),
+        ("devpts", "/dev/pts", "devpts", "gid=5,mode=620,ptmxmode=666"),
+        ("tmpfs", "/dev/shm", "tmpfs", "mode=1777"),
+        ("tmpfs", "/run", "tmpfs", "mode=0755"),
+        ("tmpfs", "/tmp", "tmpfs", "mode=1777"),
+    ):
+        if not os.path.ismount(target):
+            mount(src, target, fstype, 0, data)
+    if os.path.exists("/sys/fs/cgroup") and not os.path.ismount("/sys/fs/cgroup"):
+        mount("cgroup2", "/sys/fs/cgroup", "cgroup2")
+
+
+def load_modules() -> None:
+    names: list[str] = []
+    if os.path.exists(MODULE_LIST):
+        with open(MODULE_LIST) as f:
+            names = [ln.strip() for ln in f if ln.strip() and not ln.startswith("#")]
+        for path in names:  # already in dependency order, as files
+            _insmod(path)
+        return
+    for conf in sorted(glob.glob("/etc/modules-load.d/*.conf")):
+        with open(conf) as f:
+            names += [ln.split("#")[0].strip() for ln in f if ln.split("#")[0].strip()]
+    for name in names:
+        try:
+            subprocess.run(["modprobe", "-q", name], timeout=30, check=False)
+        except (OSError, subprocess.TimeoutExpired) as exc:
+            log(f"modprobe {name}: {exc}")
+
+
+def _insmod(path: str) -> None:
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+    except OSError as exc:
+        log(f"module {path}: {exc}")
+        return
+    try:
+        # finit_module(fd, "", 0): no userspace tools needed.
+        if _libc.syscall(313, fd, b"", 0) != 0 and ctypes.get_errno() != errno.EEXIST:
+            log(f"finit_module {path}: {os.strerror(ctypes.get_errno())}")
+    finally:
+        os.close(fd)
+
+
+def link_virtio_ports() -> None:
+    os.makedirs("/dev/virtio-ports", exist_ok=True)
+    for name_file in glob.glob("/sys/class/virtio-ports/*/name"):
+        with open(name_file) as f:
+            name = f.read().strip()
+        if not name:
+            continue
+        dev = "/dev/" + os.path.basename(os.path.dirname(name_file))
+        link = f"/dev/virtio-ports/{name}"
+        if not os.path.lexists(link):
+            os.symlink(dev, link)
+
+
+def set_hostname() -> None:
+    try:
+        with open("/etc/hostname") as f:
+            name = f.read().strip()
+    except OSError:
+        return
+    if name:
+        _libc.sethostname(name.encode(), len(name.encode()))
+
+
+class Supervisor:
+    def __init__(self, argv: list[str]) -> None:
+        self.argv = argv
+        self.child: subprocess.Popen[bytes] | None = None
+        self.stopping: str | None = None
+        self.backoff = 0.2
+
+    def start(self) -> None:
+        try:
+            self.child = subprocess.Popen(self.argv, start_new_session=True)
+            log(f"started {' '.join(self.argv)} (pid {self.child.pid})")
+        except OSError as exc:
+            log(f"cannot start guestd: {exc}")
+            self.child = None
+
+    def on_signal(self, signum: int, _frame: object) -> None:
+        self.stopping = "reboot" if signum == signal.SIGINT else "poweroff"
+
+    def reap(self) -> None:
+        """Reap every exited child (orphans included); restart guestd when it is one of them."""
+        while True:
+            try:
+                pid, status = os.waitpid(-1, os.WNOHANG)
+            except ChildProcessError:
+                return
+            if pid == 0:
+                return
+            if self.child is not None and pid == self.child.pid:
+                self.child.returncode = os.waitstatus_to_exitcode(status)
+                log(f"guestd exited ({self.child.returncode})")
+                self.child = None
+
+    def run(self) -> str:
+        for sig in (signal.SIGTERM, signal.SIGUSR2, signal.SIGINT):
+            signal.signal(sig, self.on_signal)
+        started_at = 0.0
+        while self.stopping is None:
+            if self.child is None:
+                if time.monotonic() - started_at < 5:
+                    time.sleep(self.backoff)  # crash loop: back off up to 5 s
+                    self.backoff = min(5.0, self.backoff * 2)
+                else:
+                    self.backoff = 0.2
+                started_at = time.monotonic()
+                self.start()
+            time.sleep(0.1)
+            self.reap()
+        return self.stopping
+
+    def stop(self, grace: float = 10.0) -> None:
+        if self.child is not None:
+            self.child.terminate()
+            deadline = time.monotonic() + grace
+            while self.child is not None and time.monotonic() < deadline:
+                time.sleep(0.05)
+                self.reap()
+
+
+def shutdown(action: str) -> None:
+    log(f"{action}: stopping every process")
+    os.kill(-1, signal.SIGTERM)
+    deadline = time.monotonic() + 3
+    while time.monotonic() < deadline:
+        try:
+            if os.waitpid(-1, os.WNOHANG)[0] == 0:
+                time.sleep(0.05)
+        except ChildProcessError:
+            break
+    os.kill(-1, signal.SIGKILL)
+    os.sync()
+    _libc.reboot(RB_AUTOBOOT if action == "reboot" else RB_POWER_OFF)
+
+
+def main() -> None:
+    pid1 = os.getpid() == 1
+    for name in os.environ.pop("GUESTD_PRIVATE_ENV", "").split(","):
+        if name:
+            os.environ.pop(name, None)  # guestd's wrapper sets its own; the workload must not see it
+    if pid1:
+        os.environ["PATH"] = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
+        os.environ.setdefault("HOME", "/root")
+        mount_basics()
+        load_modules()
+        link_virtio_ports()
+        set_hostname()
+    sup = Supervisor([GUESTD, "--config", CONFIG] if os.path.exists(CONFIG) else [GUESTD])
+    action = sup.run()
+    sup.stop()
+    if pid1:
+        shutdown(action)
+
+
+if __name__ == "__main__":
+    main()
