@@ -1,0 +1,78 @@
+"""guestd-bake on the host: the tree it writes, and an ext4 image of it (booting is tests/qemu)."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+
+import pytest
+
+from tests.conftest import REPO
+
+
+@pytest.mark.skipif(shutil.which("mkfs.ext4") is None, reason="needs mkfs.ext4")
+def test_bake_writes_a_complete_tree_and_an_ext4_image(tmp_path: object) -> None:
+    root = f"{tmp_path}/root"
+    img = f"{tmp_path}/root.ext4"
+    subprocess.run(
+        [sys.executable, "-m", "guestd.bake", root, "--ext4", img, "--size-mb", "512"],
+        check=True,
+        cwd=REPO,
+        env={**os.environ, "PYTHONPATH": REPO},
+        capture_output=True,
+    )
+    for path in (
+        "/usr/local/bin/guestd",
+        "/usr/local/bin/guestctl",
+        "/sbin/guestd-init",
+        "/etc/guestd/guestd.toml",
+        "/etc/systemd/system/guestd.service",
+        "/etc/modules-load.d/guestd.conf",
+        "/opt/guestd/python/bin/python3",
+    ):
+        assert os.path.exists(root + path), path
+    site = f"{root}/opt/guestd/python/lib/python3.{sys.version_info.minor}/site-packages"
+    for pkg in ("guestd", "msgpack", "uvloop", "psutil", "jupyter_client", "ipykernel"):
+        assert os.path.isdir(f"{site}/{pkg}"), pkg
+    with open(root + "/usr/local/bin/guestd") as f:
+        wrapper = f.read()
+    assert "GUESTD_PRIVATE_ENV=LD_LIBRARY_PATH" in wrapper and "-m guestd" in wrapper
+    assert os.path.getsize(img) == 512 << 20
+    if shutil.which("debugfs"):
+        out = subprocess.run(["debugfs", "-R", "stat /usr/local/bin/guestd", img], capture_output=True, text=True)
+        assert "Type: regular" in out.stdout
+
+
+def test_default_config_is_valid_and_every_key_documented() -> None:
+    from guestd.server.config import Config, load_config_file
+
+    path = os.path.join(REPO, "rootfs-overlay", "etc", "guestd", "guestd.toml")
+    cfg = load_config_file(path, Config())
+    assert cfg.listen == ["vsock:10700", "serial:/dev/virtio-ports/org.guestd.0"] and cfg.allowed_cids == {2}
+    with open(path) as f:
+        lines = f.read().splitlines()
+    for i, line in enumerate(lines):
+        if "=" in line and not line.lstrip().startswith("#"):
+            documented = "#" in line or (i > 0 and lines[i - 1].lstrip().startswith("#"))
+            assert documented, f"undocumented key: {line}"
+
+
+def test_bad_config_is_a_clear_error(tmp_path: object) -> None:
+    from guestd.server.config import Config, ConfigError, load_config_file
+
+    for text in ('listen = "vsock:1"', "nonsense = 1", "[limits]\nmax_frame = 'big'", "[code]\npool = true"):
+        p = f"{tmp_path}/bad.toml"
+        with open(p, "w") as f:
+            f.write(text)
+        with pytest.raises(ConfigError):
+            load_config_file(p, Config())
+    r = subprocess.run(
+        [sys.executable, "-m", "guestd", "--config", p],
+        capture_output=True,
+        text=True,
+        env={**os.environ, "PYTHONPATH": REPO},
+        timeout=60,
+    )
+    assert r.returncode == 2 and "pool" in r.stderr
