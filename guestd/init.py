@@ -120,11 +120,19 @@ class Supervisor:
 
     def start(self) -> None:
         try:
-            self.child = subprocess.Popen(self.argv, start_new_session=True)
+            # What guestd starts gets a normal OOM score back (see guestd.proctree.reset_oom_score).
+            env = {**os.environ, "GUESTD_CHILD_OOM_SCORE_ADJ": "0"}
+            self.child = subprocess.Popen(self.argv, start_new_session=True, env=env)
             log(f"started {' '.join(self.argv)} (pid {self.child.pid})")
         except OSError as exc:
             log(f"cannot start guestd: {exc}")
             self.child = None
+            return
+        try:
+            with open(f"/proc/{self.child.pid}/oom_score_adj", "w") as f:
+                f.write("-1000")  # the agent must outlive any workload (as OOMScoreAdjust does under systemd)
+        except OSError as exc:
+            log(f"cannot protect guestd from the OOM killer: {exc}")
 
     def on_signal(self, signum: int, _frame: object) -> None:
         self.stopping = "reboot" if signum == signal.SIGINT else "poweroff"

@@ -69,6 +69,8 @@ def test_host_exec_over_virtio_serial(vm: GuestVM) -> None:
         assert "org.guestd.0" in r.stdout.decode()
         info = c.info().raw
         assert info["pid"] != 1 and info["boot_id"] != open("/proc/sys/kernel/random/boot_id").read().strip()
+        r = c.exec(["sh", "-c", f"cat /proc/{info['pid']}/oom_score_adj /proc/self/oom_score_adj"], timeout=60)
+        assert r.stdout.split() == [b"-1000", b"0"]  # guestd protected, the workload not
 
 
 def test_host_file_round_trip_with_checksum(vm: GuestVM) -> None:
