@@ -96,6 +96,19 @@ def build_parser() -> argparse.ArgumentParser:
     srun.add_argument("--stdin", action="store_true", help="send local stdin as the command's input")
     shell.add_parser("ls", help="list sessions")
     shell.add_parser("rm", help="end a session").add_argument("id")
+    snap = sub.add_parser("snapshot", help="before a VM snapshot").add_subparsers(dest="snap_cmd", required=True)
+    snap.add_parser("prepare", help="settle writes, sync, drop seed files").add_argument(
+        "--quiesce", action="store_true", help="hold new work until restore or resume"
+    )
+    snap.add_parser("resume", help="accept work again after prepare --quiesce")
+    rs = sub.add_parser("restore", help="after every restore/clone: re-seed, fix the clock, new identity")
+    rs.add_argument("--entropy-hex", default=None, help="default: 64 fresh random bytes")
+    rs.add_argument("--time-ns", type=int, default=None, help="default: this machine's clock")
+    rs.add_argument("--generation", type=int, default=None, help="default: the guest's current + 1")
+    rs.add_argument("--nonce", default=None)
+    rs.add_argument("--id", dest="sandbox_id", default=None, help="new sandbox id")
+    rs.add_argument("--hostname", default=None)
+    rs.add_argument("--env", action="append", default=[], metavar="K=V", help="environment for future execs")
     code = sub.add_parser("code", help="persistent Python contexts").add_subparsers(dest="code_cmd", required=True)
     cn = code.add_parser("new", help="create a context")
     cn.add_argument("--cwd", default=None)
@@ -467,6 +480,26 @@ async def run(ns: argparse.Namespace) -> int:
             return await _process(client, ns)
         if ns.cmd == "shell":
             return await _shell(client, ns)
+        if ns.cmd == "snapshot":
+            if ns.snap_cmd == "prepare":
+                out = await client.snapshot_prepare(quiesce=ns.quiesce)
+            else:
+                await client.snapshot_resume()
+                out = {"resumed": True}
+            _print_json(out) if ns.json else print(json.dumps(out, indent=1))
+            return 0
+        if ns.cmd == "restore":
+            report = await client.restore(
+                generation=ns.generation,
+                nonce=ns.nonce,
+                time_ns=ns.time_ns,
+                entropy=bytes.fromhex(ns.entropy_hex) if ns.entropy_hex else None,
+                sandbox_id=ns.sandbox_id,
+                hostname=ns.hostname,
+                env=_parse_env(ns.env) or None,
+            )
+            _print_json(report) if ns.json else print(json.dumps(report, indent=1, default=str))
+            return 0
         if ns.cmd == "cp":
             out = await _cp(client, ns)
             if ns.json:

@@ -393,6 +393,7 @@ class CodeContext:
         self.restarts = 0
         self._interrupted = False  # set by code.interrupt so the run reports "interrupted"
         self._abandoned: tuple[RunState, Kernel, float] | None = None  # a cancelled run still finishing
+        self.pending_seed: bytes | None = None  # set by a restore; applied before the next cell
         self._settler: asyncio.Task[None] | None = None
 
     @property
@@ -458,7 +459,27 @@ class CodeContext:
             self.last_activity = time.time()
             self.lock.release()
 
+    async def apply_pending_seed(self) -> None:
+        """Re-seed the kernel's user-space PRNGs (after a restore), waiting for the context to be idle."""
+        async with self.lock:
+            await self._reseed_locked()
+
+    async def _reseed_locked(self) -> None:
+        seed, self.pending_seed = self.pending_seed, None
+        if seed is None or self.kernel is None or not self.kernel.alive:
+            return
+        code = (
+            "import random as _gd_r, sys as _gd_s\n"
+            f"_gd_r.seed({seed!r})\n"
+            "if 'numpy' in _gd_s.modules:\n"
+            f"    _gd_s.modules['numpy'].random.seed({int.from_bytes(seed[:4], 'big')})\n"
+            "del _gd_r, _gd_s\n"
+        )
+        await self._run_locked(code, {**_SETUP_OPTS, "silent": True}, None)
+
     async def _run_locked(self, code: str, opts: dict[str, Any], ctx: Any) -> dict[str, Any]:
+        if self.pending_seed is not None and not opts.get("silent"):
+            await self._reseed_locked()  # a restore happened while this context was busy
         kernel = self.kernel
         if kernel is None or not kernel.alive:
             reason = kernel.died.result() if kernel is not None and kernel.died.done() else "not started"
@@ -478,8 +499,9 @@ class CodeContext:
             list(lines) if lines is not None else None,
             self.manager.daemon.config.limits,
         )
+        silent = bool(opts.get("silent"))
         st.msg_id = kernel.kc.execute(
-            code, silent=False, store_history=True, allow_stdin=lines is not None, stop_on_error=True
+            code, silent=silent, store_history=not silent, allow_stdin=lines is not None, stop_on_error=True
         )
         kernel.current = st  # replies cannot arrive before we are back in the event loop
         status = "ok"

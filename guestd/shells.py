@@ -89,6 +89,27 @@ class Session:
         self._fds: dict[int, int] = {}
         self._exited: asyncio.Future[None] | None = None
         self._pidfd: int | None = None
+        self.pending_seed: int | None = None  # set by a restore: a new $RANDOM seed for the next command
+
+    async def apply_pending_seed(self) -> None:
+        async with self.lock:
+            await self._reseed_locked()
+
+    async def _reseed_locked(self) -> None:
+        seed, self.pending_seed = self.pending_seed, None
+        if seed is None or not self.alive:
+            return
+        await self._run_locked(
+            {
+                "command": f"RANDOM={seed}",
+                "input": None,
+                "timeout_s": 10.0,
+                "idle_timeout_s": None,
+                "max_output": 1024,
+                "capture": "tail",
+            },
+            count=False,
+        )
 
     @property
     def pid(self) -> int:
@@ -290,9 +311,11 @@ class Session:
         async with self.lock:
             if not self.alive:
                 await self.restart()
+            if self.pending_seed is not None:
+                await self._reseed_locked()
             return await self._run_locked(args)
 
-    async def _run_locked(self, a: dict[str, Any]) -> dict[str, Any]:
+    async def _run_locked(self, a: dict[str, Any], count: bool = True) -> dict[str, Any]:
         loop = asyncio.get_running_loop()
         t0 = time.monotonic()
         self._drain_output()  # whatever background jobs wrote since the last command is not ours
@@ -347,7 +370,8 @@ class Session:
                     pass
         if restarted:
             await self.restart()
-        self.commands += 1
+        if count:
+            self.commands += 1
         code = result[0] if result else None
         if result:
             self.cwd = result[1]

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import os
 import socket
+import time
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
@@ -716,3 +717,42 @@ class AsyncClient:
 
     async def shell_close(self, session: str, *, timeout: float = 30.0) -> None:
         await self._conn.request("shell.close", {"id": session}, timeout)
+
+    # -- snapshots ----------------------------------------------------------------------------
+    async def snapshot_prepare(self, *, quiesce: bool = False, timeout: float = 120.0) -> dict[str, Any]:
+        """Call before pausing/snapshotting the VM."""
+        return await self._conn.request("snapshot.prepare", {"quiesce": quiesce, "timeout_s": timeout / 2}, timeout)
+
+    async def snapshot_resume(self, *, timeout: float = 30.0) -> None:
+        await self._conn.request("snapshot.resume", {}, timeout)
+
+    async def restore(
+        self,
+        *,
+        generation: int | None = None,
+        nonce: str | None = None,
+        time_ns: int | None = None,
+        entropy: bytes | None = None,
+        sandbox_id: str | None = None,
+        hostname: str | None = None,
+        env: dict[str, str] | None = None,
+        token: str | None = None,
+        timeout: float = 120.0,
+    ) -> dict[str, Any]:
+        """Call first thing after every restore/clone. Defaults: the next generation, a fresh
+        nonce, this host's clock and 64 bytes from os.urandom."""
+        if generation is None:
+            generation = int((await self.info()).raw["snapshot"]["generation"]) + 1
+        identity: dict[str, Any] = {}
+        for key, value in (("sandbox_id", sandbox_id), ("hostname", hostname), ("env", env), ("token", token)):
+            if value is not None:
+                identity[key] = value
+        args: dict[str, Any] = {
+            "generation": generation,
+            "nonce": nonce or os.urandom(16).hex(),
+            "time_ns": time_ns if time_ns is not None else time.time_ns(),
+            "entropy": entropy if entropy is not None else os.urandom(64),
+        }
+        if identity:
+            args["identity"] = identity
+        return await self._conn.request("snapshot.restore", args, timeout)

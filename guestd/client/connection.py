@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import socket
+import time
 from collections import deque
 from collections.abc import AsyncIterator
 from typing import Any, cast
@@ -197,6 +198,7 @@ class ClientConnection(asyncio.Protocol):
             "client": f"guestd-client/{__version__}",
             "max_frame": self.max_frame,
             "stream_window": self.stream_window,
+            "time_ns": time.time_ns(),  # lets a guest that missed a restore notice its stale clock
         }
         if token is not None:
             hello["token"] = token

@@ -169,3 +169,12 @@ class Client:
 
     def shell_close(self, session: str, **kw: Any) -> None:
         self._run(self._aio.shell_close(session, **kw))
+
+    def snapshot_prepare(self, **kw: Any) -> dict[str, Any]:
+        return self._run(self._aio.snapshot_prepare(**kw))
+
+    def snapshot_resume(self) -> None:
+        self._run(self._aio.snapshot_resume())
+
+    def restore(self, **kw: Any) -> dict[str, Any]:
+        return self._run(self._aio.restore(**kw))

@@ -283,7 +283,11 @@ def register(daemon: Daemon) -> None:
         return await io(_os_call, read_range, a["path"], a["offset"], a["length"], limits.max_read)  # type: ignore[no-any-return]
 
     async def op_write(ctx: RequestContext, a: dict[str, Any]) -> dict[str, Any]:
-        return await io(_os_call, write_whole, a["path"], a["data"], a["flag"], a["perm"], a["parents"])  # type: ignore[no-any-return]
+        daemon.snapshot.write_started()  # snapshot.prepare waits for these
+        try:
+            return await io(_os_call, write_whole, a["path"], a["data"], a["flag"], a["perm"], a["parents"])  # type: ignore[no-any-return]
+        finally:
+            daemon.snapshot.write_finished()
 
     async def op_stat(ctx: RequestContext, a: dict[str, Any]) -> dict[str, Any]:
         return await io(_os_call, stat_path, a["path"], a["follow"])  # type: ignore[no-any-return]
@@ -304,6 +308,13 @@ def register(daemon: Daemon) -> None:
         return await io(_os_call, rename_path, a["src"], a["dst"], a["overwrite"])  # type: ignore[no-any-return]
 
     async def op_upload(ctx: RequestContext, a: dict[str, Any]) -> dict[str, Any]:
+        daemon.snapshot.write_started()
+        try:
+            return await _upload(ctx, a)
+        finally:
+            daemon.snapshot.write_finished()
+
+    async def _upload(ctx: RequestContext, a: dict[str, Any]) -> dict[str, Any]:
         f: AtomicFile = await daemon.acquire_in_io(
             _os_call, AtomicFile.abort, AtomicFile, a["path"], a["flag"], a["perm"], a["parents"]
         )

@@ -43,6 +43,7 @@ def register(daemon: Daemon) -> None:
             "cpu_count": os.cpu_count() or 1,
             "connections": len(daemon.connections),
             "hostname": socket.gethostname(),
+            "snapshot": daemon.snapshot.describe(),
         }
 
     daemon.dispatcher.add("ping", inline=ping)

@@ -48,6 +48,7 @@ class Config:
     workspace: str = ""  # guestd's working directory: the default cwd of exec, shells, processes, code
     token_file: str = ""
     log_level: str = "INFO"
+    simulate_privileged: bool = False  # record CRNG/clock/hostname/machine-id changes instead of making them
 
 
 class ConfigError(ValueError):
@@ -82,6 +83,7 @@ def load_config_file(path: str, cfg: Config) -> Config:
         "log_level": (str, lambda v: setattr(cfg, "log_level", v)),
         "io_threads": (int, lambda v: setattr(cfg, "io_threads", v)),
         "uvloop": (bool, lambda v: setattr(cfg, "use_uvloop", v)),
+        "simulate_privileged": (bool, lambda v: setattr(cfg, "simulate_privileged", v)),
     }
     for key, value in doc.items():
         if key in top:

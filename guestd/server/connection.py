@@ -355,6 +355,7 @@ class Connection(asyncio.Protocol):
         if hello["stream_window"] is not None:
             # A sender may overshoot its credit by one chunk; receivers allow for that.
             self.stream_window = max(64 * 1024, min(hello["stream_window"], self.limits.stream_window))
+        self.daemon.snapshot.check_host_time(hello.get("time_ns"))
         auth = self.daemon.check_token(hello.get("token"))
         if auth is not None:
             self._fatal(ErrorCode.PERMISSION_DENIED, auth)
@@ -387,19 +388,22 @@ class Connection(asyncio.Protocol):
         except GuestdError as err:
             self.send_error(req_id, err)
             return
-        if route.inline is not None:
+        gate = self.daemon.snapshot.gate(op)
+        if route.inline is not None and gate is None:
             try:
                 self.send(Kind.RESPONSE, req_id, route.inline(args))
             except GuestdError as err:
                 self.send_error(req_id, err)
             return
-        assert route.handler is not None
+        handler = route.handler if route.handler is not None else _as_handler(route.inline)
         ctx = RequestContext(self, req_id, op, accepts_input=bool(route.spec.input))
         self.inflight[req_id] = ctx
-        ctx.task = asyncio.get_running_loop().create_task(self._run(ctx, route.handler, args))
+        ctx.task = asyncio.get_running_loop().create_task(self._run(ctx, handler, args, gate))
 
-    async def _run(self, ctx: RequestContext, handler: Any, args: dict[str, Any]) -> None:
+    async def _run(self, ctx: RequestContext, handler: Any, args: dict[str, Any], gate: asyncio.Event | None) -> None:
         try:
+            if gate is not None:
+                await gate.wait()  # a restore (or a quiescing prepare) is in progress
             result = await handler(ctx, args)
         except asyncio.CancelledError as exc:
             reason = str(exc.args[0]) if exc.args else "cancel"
@@ -435,3 +439,11 @@ class Connection(asyncio.Protocol):
         if self.inflight.get(ctx.id) is ctx:
             del self.inflight[ctx.id]
             self.send_error(ctx.id, err)
+
+
+def _as_handler(inline: Any) -> Any:
+    async def handler(ctx: RequestContext, args: dict[str, Any]) -> dict[str, Any]:
+        result: dict[str, Any] = inline(args)
+        return result
+
+    return handler

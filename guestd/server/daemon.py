@@ -65,10 +65,14 @@ class Daemon:
         self._contexts: Contexts | None = None
         self._processes: ProcessTable | None = None
         self._shells: Shells | None = None
+        from guestd.snapshot import SnapshotState
+
+        self.snapshot = SnapshotState(self)
         self._kernel_dir: str | None = None
 
         from guestd.ops import code, files, process, shell, system
         from guestd.ops import exec as exec_ops
+        from guestd.ops import snapshot as snapshot_ops
 
         system.register(self)
         exec_ops.register(self)
@@ -76,6 +80,7 @@ class Daemon:
         process.register(self)
         shell.register(self)
         code.register(self)
+        snapshot_ops.register(self)
 
     # -- connections ------------------------------------------------------------------
     def connection_opened(self, conn: Connection) -> bool:
@@ -86,6 +91,15 @@ class Daemon:
 
     def connection_closed(self, conn: Connection) -> None:
         self.connections.discard(conn)
+
+    def drop_connections(self, keep: Connection | None) -> int:
+        """Close every connection but ``keep`` (after a restore: they are from before the snapshot)."""
+        dropped = 0
+        for c in list(self.connections):
+            if c is not keep:
+                c.close()
+                dropped += 1
+        return dropped
 
     def check_token(self, token: Any) -> str | None:
         """None when the peer may proceed, else the reason it may not."""
@@ -275,6 +289,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--process-retention", type=float, default=None, help="seconds a finished process stays attachable")
     p.add_argument("--max-shells", type=int, default=None)
     p.add_argument("--no-uvloop", action="store_true", help="use the default asyncio loop")
+    p.add_argument(
+        "--simulate-privileged",
+        action="store_true",
+        help="record CRNG/clock/hostname/machine-id changes instead of making them (tests on a host)",
+    )
     p.add_argument("--ready-fd", type=int, default=None, help="write 'ready' to this fd once listening")
     p.add_argument("--workspace", default=None, help="working directory (created if missing)")
     p.add_argument("--log-level", default=None)
@@ -320,6 +339,8 @@ def config_from_args(ns: argparse.Namespace) -> Config:
         cfg.workspace = ns.workspace
     if ns.log_level:
         cfg.log_level = ns.log_level
+    if ns.simulate_privileged:
+        cfg.simulate_privileged = True
     return cfg
 
 

@@ -29,6 +29,7 @@ class ErrorCode(StrEnum):
     CANCELLED = "cancelled"
     LIMIT = "limit"
     UNAVAILABLE = "unavailable"  # the target exists but cannot serve (a dead kernel)
+    STALE = "stale"  # a restore for a generation that is not newer than the current one
     INTERNAL = "internal"
 
 

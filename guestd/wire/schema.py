@@ -171,6 +171,7 @@ HELLO_CLIENT = (
         "(the server uses the smaller of this and its own limit)",
     ),
     F("token", "str?", "access token, when the server is configured with one"),
+    F("time_ns", "int?", "the host's wall clock; a guest clock off by > 1 s is corrected and a restore suspected"),
 )
 
 HELLO_SERVER = (
@@ -240,6 +241,7 @@ OPS: tuple[OpSpec, ...] = (
             F("cpu_count", "int", "logical CPUs", True),
             F("connections", "int", "open client connections", True),
             F("hostname", "str", "guest hostname", True),
+            F("snapshot", "map", "generation, instance_id, sandbox_id, quiesced, suspected_restore, restored_at", True),
         ),
     ),
     OpSpec(
@@ -703,7 +705,67 @@ SHELL_OPS: tuple[OpSpec, ...] = (
     ),
 )
 
-OPS = OPS + CODE_OPS + PROCESS_OPS + SHELL_OPS
+SNAPSHOT_OPS: tuple[OpSpec, ...] = (
+    OpSpec(
+        "snapshot.prepare",
+        "snapshot",
+        "Before pausing the VM: wait for in-flight file writes, sync filesystems, remove saved random-seed "
+        "files, optionally stop accepting new work (until restore or snapshot.resume), and report what is "
+        "still running. Idempotent.",
+        args=(
+            F(
+                "quiesce",
+                "bool",
+                "new requests wait until restore/resume (ping, info and snapshot ops still answer)",
+                default=False,
+            ),
+            F("timeout_s", "float", "how long to wait for in-flight writes", default=30.0),
+        ),
+        result=(
+            F("writes_settled", "bool", "no file write was in flight when it returned", True),
+            F("synced", "bool", "sync(2) ran", True),
+            F("seed_files_removed", "list<str>", "random-seed files removed (or that would be, when simulating)", True),
+            F("quiesced", "bool", "new work is held", True),
+            F("running", "map", "{processes, busy_contexts, busy_shells}: ids still running", True),
+            F("duration_s", "float", "wall time", True),
+        ),
+    ),
+    OpSpec("snapshot.resume", "snapshot", "Accept new work again after a quiescing prepare (no restore happened)."),
+    OpSpec(
+        "snapshot.restore",
+        "snapshot",
+        "First thing after every restore or clone (or pause/resume): re-seed the kernel CRNG (RNDADDENTROPY and "
+        "RNDRESEEDCRNG), set the clock if off, re-seed guestd, code contexts (random, numpy) and shells ($RANDOM), "
+        "apply a new identity, drop connections from before the snapshot. Requests arriving meanwhile wait. "
+        "The same nonce again is a no-op returning the first report; an older generation is refused (stale).",
+        args=(
+            F("generation", "uint", "strictly increasing per restore of this VM lineage", True),
+            F("nonce", "str", "unique per restore call; a replay with the same nonce changes nothing", True),
+            F("time_ns", "int", "the host's wall clock, ns since the epoch", True),
+            F("entropy", "bin", "at least 32 bytes of host randomness", True),
+            F("identity", "map?", "{sandbox_id, hostname, env: {K: V} for future execs, token}"),
+        ),
+        result=(
+            F("generation", "uint", "the generation now current", True),
+            F("replayed", "bool", "true when this nonce was seen before (nothing was done again)", True),
+            F("crng", "str", "done | simulated", True),
+            F("clock", "str", "done | simulated | kept (within the threshold)", True),
+            F("clock_skew_s", "float", "guest clock minus host clock before the fix", True),
+            F("identity", "list<str>", "identity fields applied", True),
+            F("connections_dropped", "uint", "connections from before the snapshot that were closed", True),
+            F("contexts_reseeded", "list<str>", "code contexts re-seeded now", True),
+            F("contexts_pending", "list<str>", "busy contexts, re-seeded before their next cell", True),
+            F("shells_reseeded", "list<str>", "shell sessions whose $RANDOM was re-seeded", True),
+            F("shells_pending", "list<str>", "busy sessions, re-seeded before their next command", True),
+            F("actions", "list<str>", "privileged steps recorded instead of done (simulate_privileged)", True),
+            F("instance_id", "str", "guestd's regenerated instance id", True),
+            F("duration_s", "float", "time the restore took in the guest", True),
+        ),
+        errors=("stale", "bad_request", "permission_denied"),
+    ),
+)
+
+OPS = OPS + CODE_OPS + PROCESS_OPS + SHELL_OPS + SNAPSHOT_OPS
 OPS_BY_NAME = {op.name: op for op in OPS}
 
 

@@ -1,0 +1,30 @@
+"""snapshot capability: prepare, resume, restore (see guestd.snapshot)."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from guestd.server.connection import RequestContext
+    from guestd.server.daemon import Daemon
+
+# Ops that never wait behind a quiesce (health checks and the snapshot ops themselves).
+UNGATED_WHEN_QUIESCED = frozenset({"ping", "info", "snapshot.prepare", "snapshot.resume", "snapshot.restore"})
+
+
+def register(daemon: Daemon) -> None:
+    state = daemon.snapshot
+
+    async def op_prepare(ctx: RequestContext, a: dict[str, Any]) -> dict[str, Any]:
+        return await state.prepare(a["quiesce"], a["timeout_s"])
+
+    async def op_resume(ctx: RequestContext, a: dict[str, Any]) -> dict[str, Any]:
+        state.resume()
+        return {}
+
+    async def op_restore(ctx: RequestContext, a: dict[str, Any]) -> dict[str, Any]:
+        return await state.restore(a, ctx.conn)
+
+    daemon.dispatcher.add("snapshot.prepare", op_prepare)
+    daemon.dispatcher.add("snapshot.resume", op_resume)
+    daemon.dispatcher.add("snapshot.restore", op_restore)

@@ -1,0 +1,306 @@
+"""Snapshot safety: quiesce before a snapshot, re-seed and re-identify after every restore.
+
+A restored clone wakes up with its parent's memory: the same kernel CRNG state, the
+same user-space PRNG states, a stale wall clock and the same ids. Nothing in the guest
+learns about the restore unless the host says so, with `restore`. guestd then, before
+it answers any other request:
+
+1. re-seeds the kernel CRNG: RNDADDENTROPY with the host's bytes *and* RNDRESEEDCRNG
+   (adding entropy alone does not make the CRNG reseed at once);
+2. sets the wall clock when it is off by more than a threshold (guestd's own deadlines
+   use the monotonic clock, so running timeouts stay right);
+3. re-seeds its own PRNG and regenerates its instance id;
+4. applies the new identity (hostname, /etc/machine-id, environment, access token);
+5. drops every connection from before the snapshot;
+then re-seeds every code context (Python's `random`, and numpy's global state when
+numpy is loaded) and every shell session (`$RANDOM`), at once when idle, or before
+their next run when busy.
+
+Privileged steps (ioctls on /dev/random, clock_settime, sethostname, /etc/machine-id)
+run for real only in guests; with ``simulate_privileged`` they are recorded instead.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import fcntl
+import hashlib
+import os
+import random
+import socket
+import struct
+import time
+from typing import TYPE_CHECKING, Any
+
+from guestd.wire.errors import ErrorCode, GuestdError
+
+if TYPE_CHECKING:
+    from guestd.server.daemon import Daemon
+
+RNDADDENTROPY = 0x40085203
+RNDRESEEDCRNG = 0x5207
+RANDOM_SEED_FILES = ("/var/lib/systemd/random-seed", "/var/lib/urandom/random-seed", "/var/lib/random-seed")
+CLOCK_THRESHOLD_S = 0.2  # the host's clock arrives a request latency late; below this, leave the clock alone
+
+
+def derive(entropy: bytes, label: str, n: int = 32) -> bytes:
+    """Per-consumer seed material: different for every context/session, all from the host's entropy."""
+    return hashlib.blake2b(entropy, digest_size=n, person=b"guestd-restore", salt=label.encode()[:16]).digest()
+
+
+class Privileged:
+    """Steps that change the machine. Recorded instead of done when simulating (host tests)."""
+
+    def __init__(self, simulate: bool) -> None:
+        self.simulate = simulate
+        self.recorded: list[str] = []
+
+    def _record(self, what: str) -> bool:
+        if self.simulate:
+            self.recorded.append(what)
+        return self.simulate
+
+    def reseed_crng(self, entropy: bytes) -> str:
+        if self._record(f"RNDADDENTROPY {len(entropy)} bytes + RNDRESEEDCRNG"):
+            return "simulated"
+        fd = os.open("/dev/random", os.O_WRONLY | os.O_CLOEXEC)
+        try:
+            words = (len(entropy) + 3) // 4
+            buf = struct.pack("ii", len(entropy) * 8, len(entropy)) + entropy.ljust(words * 4, b"\0")
+            fcntl.ioctl(fd, RNDADDENTROPY, buf)
+            fcntl.ioctl(fd, RNDRESEEDCRNG)
+        finally:
+            os.close(fd)
+        return "done"
+
+    def set_clock(self, time_ns: int) -> str:
+        if self._record(f"clock_settime(CLOCK_REALTIME, {time_ns})"):
+            return "simulated"
+        time.clock_settime_ns(time.CLOCK_REALTIME, time_ns)
+        return "done"
+
+    def set_hostname(self, name: str) -> str:
+        if self._record(f"sethostname({name!r}) and /etc/hostname"):
+            return "simulated"
+        socket.sethostname(name)
+        try:
+            with open("/etc/hostname", "w") as f:
+                f.write(name + "\n")
+        except OSError:
+            pass
+        return "done"
+
+    def set_machine_id(self, machine_id: str) -> str:
+        if self._record(f"/etc/machine-id = {machine_id}"):
+            return "simulated"
+        tmp = "/etc/machine-id.guestd-tmp"
+        with open(tmp, "w") as f:
+            f.write(machine_id + "\n")
+        os.replace(tmp, "/etc/machine-id")
+        return "done"
+
+    def remove_seed_files(self) -> list[str]:
+        removed = []
+        for path in RANDOM_SEED_FILES:
+            if os.path.exists(path):
+                if not self._record(f"unlink {path}"):
+                    os.unlink(path)
+                removed.append(path)
+        return removed
+
+
+class SnapshotState:
+    def __init__(self, daemon: Daemon) -> None:
+        self.daemon = daemon
+        self.priv = Privileged(daemon.config.simulate_privileged)
+        self.generation = 0
+        self.nonces: dict[str, dict[str, Any]] = {}  # nonce -> the report it produced (replays return it)
+        self.ready = asyncio.Event()  # cleared while quiesced or restoring: new work waits
+        self.ready.set()
+        self.quiesced = False
+        self.instance_id = os.urandom(16).hex()
+        self.sandbox_id: str | None = None
+        self.suspected_restore = False
+        self.restored_at: float | None = None
+        self.writes = 0  # file writes in flight
+        self._writes_idle = asyncio.Event()
+        self._writes_idle.set()
+        self.lock = asyncio.Lock()
+
+    def gate(self, op: str) -> asyncio.Event | None:
+        """The event a new request must wait for, or None. During a restore everything but the
+        restore itself waits ("before it answers any other request of the new generation");
+        while quiesced, new work waits but health checks and snapshot ops do not."""
+        if self.ready.is_set():
+            return None
+        if self.lock.locked():
+            return None if op == "snapshot.restore" else self.ready
+        from guestd.ops.snapshot import UNGATED_WHEN_QUIESCED
+
+        return None if op in UNGATED_WHEN_QUIESCED else self.ready
+
+    # -- writes in flight (prepare waits for them) --------------------------------------
+    def write_started(self) -> None:
+        self.writes += 1
+        self._writes_idle.clear()
+
+    def write_finished(self) -> None:
+        self.writes -= 1
+        if self.writes == 0:
+            self._writes_idle.set()
+
+    # -- prepare ------------------------------------------------------------------------
+    async def prepare(self, quiesce: bool, timeout_s: float) -> dict[str, Any]:
+        t0 = time.monotonic()
+        if quiesce:
+            self.quiesced = True
+            self.ready.clear()  # new work waits for restore (or resume); in-flight work finishes
+        try:
+            await asyncio.wait_for(self._writes_idle.wait(), timeout_s)
+            writes_done = True
+        except TimeoutError:
+            writes_done = False
+        await self.daemon.run_in_io(os.sync)
+        removed = self.priv.remove_seed_files()
+        return {
+            "writes_settled": writes_done,
+            "synced": True,
+            "seed_files_removed": removed,
+            "quiesced": self.quiesced,
+            "running": self.running_work(),
+            "duration_s": time.monotonic() - t0,
+        }
+
+    def resume(self) -> None:
+        self.quiesced = False
+        self.ready.set()
+
+    def running_work(self) -> dict[str, Any]:
+        d = self.daemon
+        procs = [p.id for p in d.processes().procs.values() if p.running] if d.has_processes() else []
+        busy = [c.id for c in d.contexts().contexts.values() if c.busy] if d.has_contexts() else []
+        shells = [s.id for s in d.shells().sessions.values() if s.lock.locked()] if d.has_shells() else []
+        return {"processes": procs, "busy_contexts": busy, "busy_shells": shells}
+
+    # -- restore ------------------------------------------------------------------------
+    async def restore(self, args: dict[str, Any], origin: Any) -> dict[str, Any]:
+        nonce = args["nonce"]
+        if nonce in self.nonces:
+            return {**self.nonces[nonce], "replayed": True}
+        gen = args["generation"]
+        if gen <= self.generation:
+            raise GuestdError(
+                ErrorCode.STALE,
+                f"generation {gen} is not newer than the current {self.generation}",
+                details={"generation": self.generation},
+            )
+        entropy: bytes = args["entropy"]
+        if len(entropy) < 32:
+            raise GuestdError(ErrorCode.BAD_REQUEST, "entropy must be at least 32 bytes", details={"field": "entropy"})
+        async with self.lock:
+            self.ready.clear()  # the barrier: other requests wait until the guest is fresh
+            t0 = time.monotonic()
+            try:
+                report = await self._restore_locked(args, origin, entropy, gen)
+            finally:
+                self.quiesced = False
+                self.ready.set()
+            report["duration_s"] = time.monotonic() - t0
+            self.nonces[nonce] = report
+            if len(self.nonces) > 64:
+                self.nonces.pop(next(iter(self.nonces)))
+            return report
+
+    async def _restore_locked(self, args: dict[str, Any], origin: Any, entropy: bytes, gen: int) -> dict[str, Any]:
+        self.priv.recorded = []
+        done: dict[str, Any] = {"generation": gen, "replayed": False}
+        t = time.monotonic()
+        done["crng"] = self.priv.reseed_crng(entropy)
+        done["crng_ms"] = (time.monotonic() - t) * 1000
+        skew = time.time_ns() - args["time_ns"]
+        done["clock_skew_s"] = skew / 1e9
+        done["clock"] = self.priv.set_clock(args["time_ns"]) if abs(skew) > CLOCK_THRESHOLD_S * 1e9 else "kept"
+        random.seed(derive(entropy, "guestd"))
+        self.instance_id = derive(entropy, "instance", 16).hex()
+        ident = args["identity"] or {}
+        applied = []
+        if ident.get("sandbox_id"):
+            self.sandbox_id = str(ident["sandbox_id"])
+            applied.append("sandbox_id")
+            done["machine_id"] = self.priv.set_machine_id(hashlib.md5(self.sandbox_id.encode()).hexdigest())
+        if ident.get("hostname"):
+            done["hostname"] = self.priv.set_hostname(str(ident["hostname"]))
+            applied.append("hostname")
+        if isinstance(ident.get("env"), dict):
+            os.environ.update({str(k): str(v) for k, v in ident["env"].items()})
+            applied.append("env")
+        if ident.get("token"):
+            self.daemon.token = str(ident["token"])
+            applied.append("token")
+        done["identity"] = applied
+        done["connections_dropped"] = self.daemon.drop_connections(keep=origin)
+        self.generation = gen
+        self.restored_at = time.time()
+        self.suspected_restore = False
+        t = time.monotonic()
+        done.update(await self._reseed_workloads(entropy))
+        done["workloads_ms"] = (time.monotonic() - t) * 1000
+        done["actions"] = list(self.priv.recorded)
+        done["instance_id"] = self.instance_id
+        return done
+
+    async def _reseed_workloads(self, entropy: bytes) -> dict[str, Any]:
+        d = self.daemon
+        reseeded: list[str] = []
+        pending: list[str] = []
+        jobs = []
+        if d.has_contexts():
+            for c in d.contexts().contexts.values():
+                c.pending_seed = derive(entropy, "ctx:" + c.id)
+                if c.lock.locked():
+                    pending.append(c.id)  # re-seeded before its next cell
+                else:
+                    jobs.append(c.apply_pending_seed())
+                    reseeded.append(c.id)
+        shells_done: list[str] = []
+        shells_pending: list[str] = []
+        if d.has_shells():
+            for s in d.shells().sessions.values():
+                s.pending_seed = int.from_bytes(derive(entropy, "sh:" + s.id, 4), "big") & 0x7FFF_FFFF
+                if s.lock.locked():
+                    shells_pending.append(s.id)
+                else:
+                    jobs.append(s.apply_pending_seed())
+                    shells_done.append(s.id)
+        results = await asyncio.gather(*jobs, return_exceptions=True)
+        failed = [repr(r) for r in results if isinstance(r, BaseException)]
+        return {
+            "contexts_reseeded": reseeded,
+            "contexts_pending": pending,
+            "shells_reseeded": shells_done,
+            "shells_pending": shells_pending,
+            "reseed_errors": failed,
+        }
+
+    def check_host_time(self, host_time_ns: int | None) -> None:
+        """Fallback when the host forgot `restore`: a handshake's clock far from ours means we were paused."""
+        if host_time_ns is None:
+            return
+        skew = time.time_ns() - host_time_ns
+        if abs(skew) > 1e9:
+            self.suspected_restore = True
+            try:
+                self.priv.set_clock(host_time_ns)
+            except OSError:
+                pass
+
+    def describe(self) -> dict[str, Any]:
+        return {
+            "generation": self.generation,
+            "instance_id": self.instance_id,
+            "sandbox_id": self.sandbox_id,
+            "quiesced": self.quiesced,
+            "suspected_restore": self.suspected_restore,
+            "restored_at": self.restored_at,
+            "simulate_privileged": self.priv.simulate,
+        }
