@@ -7,6 +7,7 @@ side must never touch vsock); AF_VSOCK is exercised inside the guest over vsock_
 
 from __future__ import annotations
 
+import json
 import lzma
 import os
 import shutil
@@ -95,10 +96,22 @@ def bake_initramfs(workdir: str, kdir: str) -> str:
 class GuestVM:
     """One QEMU process with a console log and a virtio-serial port exposed as a host Unix socket."""
 
-    def __init__(self, workdir: str, vmlinux: str, initrd: str, *, mem_mb: int = 1536, timeout_s: float = 600) -> None:
+    def __init__(
+        self,
+        workdir: str,
+        vmlinux: str,
+        initrd: str,
+        *,
+        mem_mb: int = 1536,
+        timeout_s: float = 600,
+        qmp: bool = False,
+        incoming: bool = False,
+        tag: str = "vm",
+    ) -> None:
         self.workdir = workdir
-        self.serial_sock = os.path.join(workdir, "guestd-port.sock")
-        self.console_log = os.path.join(workdir, "console.log")
+        self.serial_sock = os.path.join(workdir, f"{tag}-port.sock")
+        self.console_log = os.path.join(workdir, f"{tag}-console.log")
+        self.qmp_sock = os.path.join(workdir, f"{tag}-qmp.sock") if qmp else None
         argv = [
             "qemu-system-x86_64",
             "-accel",
@@ -135,6 +148,10 @@ class GuestVM:
             "-device",
             "virtserialport,bus=vser0.0,chardev=ch0,name=org.guestd.0",
         ]
+        if self.qmp_sock:
+            argv += ["-qmp", f"unix:{self.qmp_sock},server=on,wait=off"]
+        if incoming:
+            argv += ["-incoming", "defer"]
         self.proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
         # A hard ceiling: QEMU never outlives its test, whatever the test does.
         self._killer = threading.Timer(timeout_s, self.kill)
@@ -171,3 +188,49 @@ class GuestVM:
             except subprocess.TimeoutExpired:
                 pass
         self._killer.cancel()
+
+
+class QMP:
+    """Just enough of QEMU's machine protocol: commands and their replies (events are skipped)."""
+
+    def __init__(self, path: str, timeout_s: float = 60.0) -> None:
+        deadline = time.monotonic() + timeout_s
+        while True:
+            try:
+                self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+                self.sock.connect(path)
+                break
+            except OSError:
+                self.sock.close()
+                if time.monotonic() > deadline:
+                    raise
+                time.sleep(0.05)
+        self.sock.settimeout(timeout_s)
+        self.file = self.sock.makefile("rb")
+        self.file.readline()  # greeting
+        self.cmd("qmp_capabilities")
+
+    def cmd(self, name: str, **args: object) -> dict[str, object]:
+        msg = {"execute": name, **({"arguments": args} if args else {})}
+        self.sock.sendall(json.dumps(msg).encode() + b"\n")
+        while True:
+            line = self.file.readline()
+            if not line:
+                raise RuntimeError("QMP connection closed")
+            reply = json.loads(line)
+            if "return" in reply:
+                return reply["return"] if isinstance(reply["return"], dict) else {}
+            if "error" in reply:
+                raise RuntimeError(f"QMP {name}: {reply['error']}")
+
+    def wait_migration(self, timeout_s: float = 300.0) -> dict[str, object]:
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            st = self.cmd("query-migrate")
+            if st.get("status") in ("completed", "failed", "cancelled"):
+                return st
+            time.sleep(0.05)
+        raise TimeoutError("migration did not finish")
+
+    def close(self) -> None:
+        self.sock.close()
