@@ -23,12 +23,7 @@ run for real only in guests; with ``simulate_privileged`` they are recorded inst
 from __future__ import annotations
 
 import asyncio
-import fcntl
-import hashlib
 import os
-import random
-import socket
-import struct
 import time
 from typing import TYPE_CHECKING, Any
 
@@ -45,6 +40,8 @@ CLOCK_THRESHOLD_S = 0.2  # the host's clock arrives a request latency late; belo
 
 def derive(entropy: bytes, label: str, n: int = 32) -> bytes:
     """Per-consumer seed material: different for every context/session, all from the host's entropy."""
+    import hashlib  # lazily, like everything here: idle guestd memory should not pay for OpenSSL
+
     return hashlib.blake2b(entropy, digest_size=n, person=b"guestd-restore", salt=label.encode()[:16]).digest()
 
 
@@ -63,6 +60,9 @@ class Privileged:
     def reseed_crng(self, entropy: bytes) -> str:
         if self._record(f"RNDADDENTROPY {len(entropy)} bytes + RNDRESEEDCRNG"):
             return "simulated"
+        import fcntl
+        import struct
+
         fd = os.open("/dev/random", os.O_WRONLY | os.O_CLOEXEC)
         try:
             words = (len(entropy) + 3) // 4
@@ -82,6 +82,8 @@ class Privileged:
     def set_hostname(self, name: str) -> str:
         if self._record(f"sethostname({name!r}) and /etc/hostname"):
             return "simulated"
+        import socket
+
         socket.sethostname(name)
         try:
             with open("/etc/hostname", "w") as f:
@@ -220,6 +222,8 @@ class SnapshotState:
         skew = time.time_ns() - args["time_ns"]
         done["clock_skew_s"] = skew / 1e9
         done["clock"] = self.priv.set_clock(args["time_ns"]) if abs(skew) > CLOCK_THRESHOLD_S * 1e9 else "kept"
+        import random
+
         random.seed(derive(entropy, "guestd"))
         self.instance_id = derive(entropy, "instance", 16).hex()
         ident = args["identity"] or {}
@@ -227,7 +231,7 @@ class SnapshotState:
         if ident.get("sandbox_id"):
             self.sandbox_id = str(ident["sandbox_id"])
             applied.append("sandbox_id")
-            done["machine_id"] = self.priv.set_machine_id(hashlib.md5(self.sandbox_id.encode()).hexdigest())
+            done["machine_id"] = self.priv.set_machine_id(derive(self.sandbox_id.encode(), "machine-id", 16).hex())
         if ident.get("hostname"):
             done["hostname"] = self.priv.set_hostname(str(ident["hostname"]))
             applied.append("hostname")
