@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import tomllib
 from dataclasses import asdict, dataclass, field, fields
 from typing import Any
 
@@ -69,6 +68,8 @@ def load_config_file(path: str, cfg: Config) -> Config:
     Unknown keys are errors: a typo in an image's config should fail loudly at boot,
     not be silently ignored.
     """
+    import tomllib  # only when a config file is given
+
     try:
         with open(path, "rb") as f:
             doc = tomllib.load(f)
