@@ -58,7 +58,9 @@ class ManagedProcess:
 
     # -- start ------------------------------------------------------------------------
     def start(self, args: dict[str, Any]) -> None:
-        from guestd.ops.exec import build_env, check_cwd
+        from guestd.ops.exec import as_user, build_env, check_cwd
+
+        creds = as_user(self.table.daemon.config.policy.workload_ids())
 
         argv: list[str] = args["argv"] if args["argv"] is not None else ["/bin/sh", "-c", args["shell"]]
         cwd = args["cwd"]
@@ -82,6 +84,7 @@ class ManagedProcess:
                         start_new_session=True,
                         preexec_fn=_take_controlling_tty,
                         close_fds=True,
+                        **creds,
                     )
                 finally:
                     os.close(slave)
@@ -98,6 +101,7 @@ class ManagedProcess:
                     env=env,
                     start_new_session=True,
                     close_fds=True,
+                    **creds,
                 )
                 assert self.proc.stdout is not None and self.proc.stderr is not None
                 self._fds = {"stdout": self.proc.stdout.fileno(), "stderr": self.proc.stderr.fileno()}

@@ -121,7 +121,7 @@ class Session:
 
     # -- process -----------------------------------------------------------------------
     async def start(self, replay_exports: bool = False) -> None:
-        from guestd.ops.exec import check_cwd
+        from guestd.ops.exec import as_user, check_cwd
 
         check_cwd(self.cwd)
         env = dict(os.environ)
@@ -140,6 +140,7 @@ class Session:
                 env=env,
                 start_new_session=True,
                 pass_fds=(w,),
+                **as_user(self.table.daemon.config.policy.workload_ids()),
             )
         except OSError as exc:
             os.close(r)
@@ -322,8 +323,15 @@ class Session:
         self._caps = {1: OutputCapture(a["max_output"], a["capture"]), 2: OutputCapture(a["max_output"], a["capture"])}
         infile = None
         if a["input"] is not None:
-            infile = os.path.join(self.table.daemon.runtime_dir(), f"shell-in-{os.urandom(6).hex()}")
+            # 0711 directory: the workload user can open its own (unguessable) file, not list others.
+            indir = os.path.join(self.table.daemon.runtime_dir(), "shell-input")
+            os.makedirs(indir, mode=0o711, exist_ok=True)
+            os.chmod(self.table.daemon.runtime_dir(), 0o711)
+            infile = os.path.join(indir, f"in-{os.urandom(12).hex()}")
             fd = os.open(infile, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+            ids = self.table.daemon.config.policy.workload_ids()
+            if ids is not None:
+                os.fchown(fd, *ids)  # bash runs as the workload user and must be able to read it
             with os.fdopen(fd, "wb") as f:
                 f.write(a["input"])
         src = ansi_c_quote(infile) if infile else "/dev/null"

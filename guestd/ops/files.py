@@ -277,12 +277,14 @@ def rename_path(src: str, dst: str, overwrite: bool) -> dict[str, Any]:
 
 def register(daemon: Daemon) -> None:
     limits = daemon.config.limits
+    policy = daemon.config.policy
     io = daemon.run_in_io
 
     async def op_read(ctx: RequestContext, a: dict[str, Any]) -> dict[str, Any]:
         return await io(_os_call, read_range, a["path"], a["offset"], a["length"], limits.max_read)  # type: ignore[no-any-return]
 
     async def op_write(ctx: RequestContext, a: dict[str, Any]) -> dict[str, Any]:
+        policy.check_write(a["path"])
         daemon.snapshot.write_started()  # snapshot.prepare waits for these
         try:
             return await io(_os_call, write_whole, a["path"], a["data"], a["flag"], a["perm"], a["parents"])  # type: ignore[no-any-return]
@@ -299,12 +301,16 @@ def register(daemon: Daemon) -> None:
         return await io(_os_call, list_dir, a["path"], cap)  # type: ignore[no-any-return]
 
     async def op_mkdir(ctx: RequestContext, a: dict[str, Any]) -> dict[str, Any]:
+        policy.check_write(a["path"])
         return await io(_os_call, make_dir, a["path"], a["parents"], a["perm"])  # type: ignore[no-any-return]
 
     async def op_remove(ctx: RequestContext, a: dict[str, Any]) -> dict[str, Any]:
+        policy.check_write(a["path"])
         return await io(_os_call, remove_path, a["path"], a["recursive"])  # type: ignore[no-any-return]
 
     async def op_rename(ctx: RequestContext, a: dict[str, Any]) -> dict[str, Any]:
+        policy.check_write(a["src"])
+        policy.check_write(a["dst"])
         return await io(_os_call, rename_path, a["src"], a["dst"], a["overwrite"])  # type: ignore[no-any-return]
 
     async def op_upload(ctx: RequestContext, a: dict[str, Any]) -> dict[str, Any]:
@@ -315,6 +321,7 @@ def register(daemon: Daemon) -> None:
             daemon.snapshot.write_finished()
 
     async def _upload(ctx: RequestContext, a: dict[str, Any]) -> dict[str, Any]:
+        policy.check_write(a["path"])
         f: AtomicFile = await daemon.acquire_in_io(
             _os_call, AtomicFile.abort, AtomicFile, a["path"], a["flag"], a["perm"], a["parents"]
         )

@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field, fields
 from typing import Any
 
+from guestd.server.policy import Policy
 from guestd.wire.frames import DEFAULT_MAX_FRAME
 
 DEFAULT_VSOCK_PORT = 10_700  # documented in PROTOCOL.md; any free port works
@@ -47,6 +48,7 @@ class Config:
     workspace: str = ""  # guestd's working directory: the default cwd of exec, shells, processes, code
     token_file: str = ""
     log_level: str = "INFO"
+    policy: Policy = field(default_factory=Policy)
     simulate_privileged: bool = False  # record CRNG/clock/hostname/machine-id changes instead of making them
 
 
@@ -104,6 +106,17 @@ def load_config_file(path: str, cfg: Config) -> Config:
                     cfg.process_retention_s = float(_want("processes.retention_s", v, (int, float)))
                 else:
                     raise ConfigError(f"unknown config key processes.{k}")
+        elif key == "policy":
+            pol = cfg.policy
+            for k, v in _want("policy", value, dict).items():
+                if k == "allowed_uids":
+                    pol.allowed_uids = {_want("policy.allowed_uids[]", x, int) for x in _want(k, v, list)}
+                elif k in ("allow_ops", "deny_ops", "write_roots"):
+                    setattr(pol, k, [_want(f"policy.{k}[]", x, str) for x in _want(k, v, list)])
+                elif k == "workload_user":
+                    pol.workload_user = str(_want(k, v, (str, int)))
+                else:
+                    raise ConfigError(f"unknown config key policy.{k}")
         elif key == "limits":
             known = {f.name: f.type for f in fields(Limits)}
             for k, v in _want("limits", value, dict).items():

@@ -157,6 +157,10 @@ class Connection(asyncio.Protocol):
             set_limits(high=2 * 1024 * 1024)
         if not self.daemon.connection_opened(self):
             self._fatal(ErrorCode.LIMIT, "too many connections", {"limit": "max_connections"})
+            return
+        refused = self.daemon.config.policy.peer_allowed(transport.get_extra_info("socket"))
+        if refused is not None:
+            self._fatal(ErrorCode.PERMISSION_DENIED, refused, {"policy": "allowed_uids"})
 
     def connection_lost(self, exc: Exception | None) -> None:
         self._closing = True
@@ -384,6 +388,7 @@ class Connection(asyncio.Protocol):
         try:
             op, raw_args = split_request(decode_body(frame.payload))
             route = self.daemon.dispatcher.lookup(op)
+            self.daemon.config.policy.check_op(op)
             args = validate(route.spec.args, raw_args)
         except GuestdError as err:
             self.send_error(req_id, err)

@@ -1,0 +1,87 @@
+"""Who may talk to guestd and what they may do: peer uids, an op allow/deny list, write roots,
+and the unprivileged user the workload runs as.
+
+Configured in guestd.toml (``[policy]``) so an image can, for example, turn off file
+writes outside its workspace. Every refusal is ``permission_denied`` naming the rule.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import os
+import socket
+import struct
+from dataclasses import dataclass, field
+from typing import Any
+
+from guestd.wire.errors import ErrorCode, GuestdError
+
+
+@dataclass
+class Policy:
+    allowed_uids: set[int] | None = None  # Unix-socket peers; None: guestd's own uid and root
+    allow_ops: list[str] | None = None  # fnmatch patterns; None: every op
+    deny_ops: list[str] = field(default_factory=list)
+    write_roots: list[str] | None = None  # None: writes anywhere guestd may write
+    workload_user: str | None = None  # run exec/processes/shells as this user when guestd is root
+
+    def peer_allowed(self, sock: Any) -> str | None:
+        """None when the Unix-socket peer may connect, else why not (SO_PEERCRED)."""
+        if sock is None or getattr(sock, "family", None) != socket.AF_UNIX:
+            return None
+        try:
+            raw = sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
+        except OSError:
+            return "cannot read the peer's credentials"
+        _pid, uid, _gid = struct.unpack("3i", raw)
+        allowed = self.allowed_uids if self.allowed_uids is not None else {0, os.geteuid()}
+        return None if uid in allowed else f"peer uid {uid} is not allowed (policy.allowed_uids)"
+
+    def check_op(self, op: str) -> None:
+        if self.allow_ops is not None and not any(fnmatch.fnmatchcase(op, p) for p in self.allow_ops):
+            raise GuestdError(
+                ErrorCode.PERMISSION_DENIED,
+                f"op {op!r} is not allowed by policy.allow_ops",
+                details={"policy": "allow_ops", "op": op},
+            )
+        for pattern in self.deny_ops:
+            if fnmatch.fnmatchcase(op, pattern):
+                raise GuestdError(
+                    ErrorCode.PERMISSION_DENIED,
+                    f"op {op!r} is denied by policy.deny_ops ({pattern})",
+                    details={"policy": "deny_ops", "op": op},
+                )
+
+    def check_write(self, path: str) -> None:
+        if self.write_roots is None:
+            return
+        # Resolve the parent (the target itself may not exist yet, or be a symlink we replace).
+        absolute = os.path.abspath(path)
+        real = os.path.join(os.path.realpath(os.path.dirname(absolute)), os.path.basename(absolute))
+        for root in self.write_roots:
+            r = os.path.realpath(root)
+            if real == r or real.startswith(r.rstrip("/") + "/"):
+                return
+        raise GuestdError(
+            ErrorCode.PERMISSION_DENIED,
+            f"writing {path} is outside policy.write_roots",
+            details={"policy": "write_roots", "path": path},
+        )
+
+    def workload_ids(self) -> tuple[int, int] | None:
+        """(uid, gid) to run the workload as, or None (not root, or no user configured)."""
+        if self.workload_user is None or os.geteuid() != 0:
+            return None
+        import pwd
+
+        try:
+            pw = (
+                pwd.getpwuid(int(self.workload_user))
+                if self.workload_user.isdigit()
+                else pwd.getpwnam(self.workload_user)
+            )
+        except KeyError:
+            raise GuestdError(
+                ErrorCode.BAD_REQUEST, f"policy.workload_user {self.workload_user!r} does not exist"
+            ) from None
+        return pw.pw_uid, pw.pw_gid
