@@ -388,8 +388,8 @@ class Connection(asyncio.Protocol):
         try:
             op, raw_args = split_request(decode_body(frame.payload))
             route = self.daemon.dispatcher.lookup(op)
-            self.daemon.config.policy.check_op(op)
             args = validate(route.spec.args, raw_args)
+            self.daemon.config.policy.check_op(op)
         except GuestdError as err:
             self.send_error(req_id, err)
             return

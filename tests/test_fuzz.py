@@ -1,0 +1,42 @@
+"""A bounded atheris (libFuzzer) run over decoder + validation + dispatch of a real server object,
+seeded with the golden vectors. Longer runs: python tests/fuzz/fuzz_server.py -runs=N."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from tests.conftest import REPO
+
+pytest.importorskip("atheris")
+
+
+def test_fuzz_server_bounded(tmp_path: object) -> None:
+    corpus = f"{tmp_path}/corpus"
+    os.makedirs(corpus)
+    with open(os.path.join(REPO, "protocol", "vectors", "v1.json")) as f:
+        vectors = json.load(f)
+    for i, v in enumerate(vectors["frames"]):
+        with open(f"{corpus}/v{i}", "wb") as out:
+            out.write(b"\x01" + bytes.fromhex(v["hex"]))  # first byte: FuzzedDataProvider's ConsumeBool
+    r = subprocess.run(
+        [
+            sys.executable,
+            os.path.join(REPO, "tests", "fuzz", "fuzz_server.py"),
+            "-runs=20000",
+            "-max_len=4096",
+            "-timeout=10",
+            corpus,
+        ],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        cwd=str(tmp_path),
+        env={**os.environ, "PYTHONPATH": REPO},
+    )
+    assert r.returncode == 0, r.stderr[-4000:]
+    assert "Done 20000 runs" in r.stderr
