@@ -9,6 +9,7 @@ truncation is never silent.
 from __future__ import annotations
 
 from collections import deque
+from typing import Any
 
 
 class OutputCapture:
@@ -67,6 +68,20 @@ class OutputCapture:
 
     def data(self) -> bytes:
         return bytes(self._head) + b"".join(self._tail)
+
+
+def capture_fields(stdout: OutputCapture, stderr: OutputCapture, streamed: bool = False) -> dict[str, Any]:
+    """The result fields every output producer reports (exec, shell.run, code.run).
+
+    When the output was streamed as events it is not repeated: empty data, nothing dropped.
+    """
+    out: dict[str, Any] = {}
+    for name, cap in (("stdout", stdout), ("stderr", stderr)):
+        out[name] = b"" if streamed else cap.data()
+        out[f"{name}_bytes"] = cap.total
+        out[f"{name}_dropped"] = 0 if streamed else cap.dropped
+        out[f"{name}_gap_at"] = None if streamed else cap.gap_at
+    return out
 
 
 class OutputRing:

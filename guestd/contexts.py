@@ -23,7 +23,7 @@ import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from guestd.capture import OutputCapture
+from guestd.capture import OutputCapture, capture_fields
 from guestd.wire.errors import ErrorCode, GuestdError, limit_error
 
 if TYPE_CHECKING:
@@ -489,6 +489,7 @@ class CodeContext:
                 details={"context": self.id, "exit_reason": reason},
             )
         t0 = time.monotonic()
+        streamed = bool(opts["stream"])
         lines = opts.get("input_lines")
         st = RunState(
             "",
@@ -550,15 +551,8 @@ class CodeContext:
             "status": status,
             "timeout_action": timeout_action,
             "exit_reason": exit_reason,
-            "stdout": st.stdout.data() if st.stream is None else b"",
-            "stderr": st.stderr.data() if st.stream is None else b"",
-            "stdout_bytes": st.stdout.total,
-            "stderr_bytes": st.stderr.total,
-            "stdout_dropped": st.stdout.dropped if st.stream is None else 0,
-            "stderr_dropped": st.stderr.dropped if st.stream is None else 0,
-            "stdout_gap_at": st.stdout.gap_at if st.stream is None else None,
-            "stderr_gap_at": st.stderr.gap_at if st.stream is None else None,
-            "results": st.results if st.stream is None else [],
+            **capture_fields(st.stdout, st.stderr, streamed=streamed),
+            "results": [] if streamed else st.results,
             "results_dropped": st.results_dropped,
             "error": st.error,
             "stdin_exhausted": st.stdin_exhausted,

@@ -28,7 +28,7 @@ import subprocess
 import time
 from typing import TYPE_CHECKING, Any
 
-from guestd.capture import OutputCapture
+from guestd.capture import OutputCapture, capture_fields
 from guestd.proctree import descendants, reset_oom_score, signal_each, signal_group
 from guestd.wire.errors import ErrorCode, GuestdError, limit_error
 
@@ -392,12 +392,7 @@ class Session:
             "cwd": self.cwd,
             "duration_s": time.monotonic() - t0,
         }
-        for which, name in ((1, "stdout"), (2, "stderr")):
-            cap = caps[which]
-            out[name] = cap.data()
-            out[f"{name}_bytes"] = cap.total
-            out[f"{name}_dropped"] = cap.dropped
-            out[f"{name}_gap_at"] = cap.gap_at
+        out.update(capture_fields(caps[1], caps[2]))
         return out
 
     async def _wait(self, timeout: float | None, idle: float | None) -> str:

@@ -16,7 +16,7 @@ import subprocess
 import time
 from typing import TYPE_CHECKING, Any
 
-from guestd.capture import OutputCapture
+from guestd.capture import OutputCapture, capture_fields
 from guestd.proctree import descendants, kill_tree, reset_oom_score, signal_group
 from guestd.wire.errors import ErrorCode, GuestdError, limit_error
 from guestd.wire.frames import Kind
@@ -123,7 +123,6 @@ class ExecRun:
         self.stream = bool(args["stream"])
         mode = args["capture"]
         self.caps = {1: OutputCapture(args["max_output"], mode), 2: OutputCapture(args["max_output"], mode)}
-        self.totals = {1: 0, 2: 0}
         assert proc.stdout is not None and proc.stderr is not None
         self.fds: dict[int, int] = {1: proc.stdout.fileno(), 2: proc.stderr.fileno()}
         self.open_fds: set[int] = set()
@@ -183,10 +182,10 @@ class ExecRun:
             self._close_pipe(which)
             return
         self.last_output = time.monotonic()
-        self.totals[which] += len(data)
         if not self.stream:
             self.caps[which].feed(data)
             return
+        self.caps[which].total += len(data)  # streamed, not kept: only counted
         ev = "stdout" if which == 1 else "stderr"
         self.ctx.take_credit(len(data))
         self.ctx.conn.send_data(Kind.EVENT, self.ctx.id, {"ev": ev}, data)
@@ -286,8 +285,8 @@ class ExecRun:
                 return
             if not data:
                 return
-            self.totals[which] += len(data)
             if self.stream:
+                self.caps[which].total += len(data)
                 self.ctx.conn.send_data(Kind.EVENT, self.ctx.id, {"ev": "stdout" if which == 1 else "stderr"}, data)
             else:
                 self.caps[which].feed(data)
@@ -302,18 +301,7 @@ class ExecRun:
             "duration_s": time.monotonic() - self.t0,
             "pid": self.pid,
         }
-        for which, name in ((1, "stdout"), (2, "stderr")):
-            if self.stream:
-                out[name] = b""
-                out[f"{name}_bytes"] = self.totals[which]
-                out[f"{name}_dropped"] = 0
-                out[f"{name}_gap_at"] = None
-            else:
-                cap = self.caps[which]
-                out[name] = cap.data()
-                out[f"{name}_bytes"] = cap.total
-                out[f"{name}_dropped"] = cap.dropped
-                out[f"{name}_gap_at"] = cap.gap_at
+        out.update(capture_fields(self.caps[1], self.caps[2], streamed=self.stream))
         return out
 
     def close(self) -> None:

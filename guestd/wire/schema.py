@@ -198,18 +198,28 @@ CANCEL_BODY: tuple[F, ...] = ()
 
 # --------------------------------------------------------------------------- ops
 
+
+def _captured(who: str) -> tuple[F, ...]:
+    """The bounded-capture fields shared by exec, shell.run and code.run results."""
+    out: list[F] = []
+    for s in ("stdout", "stderr"):
+        out += [
+            F(s, "bin", f"captured {s} (empty in stream mode)", True),
+            F(f"{s}_bytes", "uint", f"total bytes {who} wrote to {s}", True),
+            F(f"{s}_dropped", "uint", f"bytes of {s} not returned", True),
+        ]
+    return (
+        *out,
+        F("stdout_gap_at", "uint?", "offset in stdout where the dropped bytes were cut out"),
+        F("stderr_gap_at", "uint?", "offset in stderr where the dropped bytes were cut out"),
+    )
+
+
 _OUTPUT_RESULT = (
     F("exit_code", "int?", "exit status when the process exited normally"),
     F("signal", "int?", "terminating signal number when killed by a signal"),
     F("timed_out", "enum(wall|idle)?", "which timeout fired, nil when none did"),
-    F("stdout", "bin", "captured stdout (empty in stream mode)", True),
-    F("stderr", "bin", "captured stderr (empty in stream mode)", True),
-    F("stdout_bytes", "uint", "total bytes the process wrote to stdout", True),
-    F("stderr_bytes", "uint", "total bytes the process wrote to stderr", True),
-    F("stdout_dropped", "uint", "bytes of stdout not returned", True),
-    F("stderr_dropped", "uint", "bytes of stderr not returned", True),
-    F("stdout_gap_at", "uint?", "offset in stdout where the dropped bytes were cut out"),
-    F("stderr_gap_at", "uint?", "offset in stderr where the dropped bytes were cut out"),
+    *_captured("the process"),
     F("duration_s", "float", "wall time from spawn to result", True),
     F("pid", "int", "process id of the started process", True),
 )
@@ -423,14 +433,7 @@ _CODE_RESULT = (
     F("status", "enum(ok|error|timeout|interrupted|died)", "how the run ended", True),
     F("timeout_action", "enum(interrupted|restarted)?", "after a timeout: the kernel was interrupted, or restarted"),
     F("exit_reason", "str?", "status died: how the kernel process ended"),
-    F("stdout", "bin", "captured stdout, UTF-8 (empty in stream mode)", True),
-    F("stderr", "bin", "captured stderr, UTF-8 (empty in stream mode)", True),
-    F("stdout_bytes", "uint", "total stdout bytes the cell wrote", True),
-    F("stderr_bytes", "uint", "total stderr bytes the cell wrote", True),
-    F("stdout_dropped", "uint", "stdout bytes not returned", True),
-    F("stderr_dropped", "uint", "stderr bytes not returned", True),
-    F("stdout_gap_at", "uint?", "offset in stdout where dropped bytes were cut out"),
-    F("stderr_gap_at", "uint?", "offset in stderr where dropped bytes were cut out"),
+    *_captured("the cell (UTF-8)"),
     F("results", "any", "list of {kind: result|display, data: MIME bundle}; image/* values are bin", True),
     F("results_dropped", "uint", "rich results not returned (count or size limit)", True),
     F("error", "map?", "{ename, evalue, traceback: [str]} when the cell raised"),
@@ -676,14 +679,7 @@ SHELL_OPS: tuple[OpSpec, ...] = (
             F("interrupted", "bool", "the command was interrupted by a timeout", True),
             F("session_restarted", "bool", "bash was restarted (cwd and exported variables kept)", True),
             F("cwd", "str", "working directory after the command", True),
-            F("stdout", "bin", "captured stdout", True),
-            F("stderr", "bin", "captured stderr", True),
-            F("stdout_bytes", "uint", "total stdout bytes", True),
-            F("stderr_bytes", "uint", "total stderr bytes", True),
-            F("stdout_dropped", "uint", "stdout bytes not returned", True),
-            F("stderr_dropped", "uint", "stderr bytes not returned", True),
-            F("stdout_gap_at", "uint?", "offset in stdout where dropped bytes were cut out"),
-            F("stderr_gap_at", "uint?", "offset in stderr where dropped bytes were cut out"),
+            *_captured("the command"),
             F("duration_s", "float", "wall time", True),
         ),
         errors=("not_found", "limit", "bad_request"),
