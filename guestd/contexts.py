@@ -98,6 +98,7 @@ class Kernel:
         from guestd.proctree import reset_oom_score
 
         reset_oom_score(self.pid)
+        self.daemon.workload.adopt(self.pid)
         self.daemon.reaper.tracked.add(self.pid)
         self._write_pidfile()
         self._watch()

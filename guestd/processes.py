@@ -33,6 +33,17 @@ def set_winsize(fd: int, rows: int, cols: int) -> None:
     fcntl.ioctl(fd, termios.TIOCSWINSZ, struct.pack("HHHH", rows, cols, 0, 0))
 
 
+def _chain(first: Any, second: Any) -> Any:
+    if first is None:
+        return second
+
+    def both() -> None:
+        first()
+        second()
+
+    return both
+
+
 def _take_controlling_tty() -> None:
     # Runs in the child after setsid(): make the pty its controlling terminal, so ^C,
     # ^Z and SIGWINCH work as on a real terminal.
@@ -60,7 +71,8 @@ class ManagedProcess:
     def start(self, args: dict[str, Any]) -> None:
         from guestd.ops.exec import as_user, build_env, check_cwd
 
-        creds = as_user(self.table.daemon.config.policy.workload_ids())
+        daemon = self.table.daemon
+        creds = as_user(daemon.config.policy.workload_ids(), daemon.workload.popen_kwargs())
 
         argv: list[str] = args["argv"] if args["argv"] is not None else ["/bin/sh", "-c", args["shell"]]
         cwd = args["cwd"]
@@ -82,9 +94,8 @@ class ManagedProcess:
                         cwd=cwd,
                         env=env,
                         start_new_session=True,
-                        preexec_fn=_take_controlling_tty,
                         close_fds=True,
-                        **creds,
+                        **{**creds, "preexec_fn": _chain(creds.get("preexec_fn"), _take_controlling_tty)},
                     )
                 finally:
                     os.close(slave)

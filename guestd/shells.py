@@ -140,7 +140,7 @@ class Session:
                 env=env,
                 start_new_session=True,
                 pass_fds=(w,),
-                **as_user(self.table.daemon.config.policy.workload_ids()),
+                **as_user(self.table.daemon.config.policy.workload_ids(), self.table.daemon.workload.popen_kwargs()),
             )
         except OSError as exc:
             os.close(r)

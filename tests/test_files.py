@@ -228,3 +228,9 @@ def test_no_space_is_typed(client: Client) -> None:
 def test_errno_mapping(err: int, code: str) -> None:
     e = GuestdError.from_os_error(OSError(err, os.strerror(err), "/x"))
     assert (e.code, e.errno) == (code, err) and "/x" in e.message
+
+
+def test_read_pseudo_files_that_report_size_zero(client: Client) -> None:
+    data = client.read_file("/proc/self/status")  # guestd's own status: size 0 in stat, content on read
+    assert data.startswith(b"Name:") and len(data) > 100
+    assert client.read_file("/proc/self/cmdline", length=4) != b""

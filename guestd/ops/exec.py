@@ -72,14 +72,18 @@ def check_cwd(cwd: str | None) -> None:
         )
 
 
-def as_user(ids: tuple[int, int] | None) -> dict[str, Any]:
-    """Popen arguments that drop to the workload user (policy.workload_user) when guestd is root."""
-    if ids is None:
-        return {}
-    return {"user": ids[0], "group": ids[1], "extra_groups": []}
+def as_user(ids: tuple[int, int] | None, cgroup: dict[str, Any] | None = None) -> dict[str, Any]:
+    """Popen arguments for a workload process: the workload user (policy.workload_user, when
+    guestd is root) and the workload cgroup (a preexec that joins it)."""
+    out: dict[str, Any] = dict(cgroup or {})
+    if ids is not None:
+        out.update({"user": ids[0], "group": ids[1], "extra_groups": []})
+    return out
 
 
-def spawn(args: dict[str, Any], stdin_pipe: bool, ids: tuple[int, int] | None = None) -> subprocess.Popen[bytes]:
+def spawn(
+    args: dict[str, Any], stdin_pipe: bool, ids: tuple[int, int] | None = None, cgroup: dict[str, Any] | None = None
+) -> subprocess.Popen[bytes]:
     """Start the process in its own session (so its group can be killed as a unit).
 
     Raises GuestdError with ``details.stage`` = ``cwd`` or ``spawn`` when it could not start.
@@ -97,7 +101,7 @@ def spawn(args: dict[str, Any], stdin_pipe: bool, ids: tuple[int, int] | None = 
             env=build_env(args["env"], args["env_mode"]),
             start_new_session=True,
             close_fds=True,
-            **as_user(ids),
+            **as_user(ids, cgroup),
         )
     except OSError as exc:
         stage = "cwd" if cwd is not None and exc.filename == cwd else "spawn"
@@ -405,7 +409,7 @@ def register(daemon: Daemon) -> None:
         validate_exec_args(args, daemon)
         stdin_pipe = args["stdin"] is not None or args["stdin_stream"]
         t0 = time.monotonic()
-        proc = spawn(args, stdin_pipe, daemon.config.policy.workload_ids())
+        proc = spawn(args, stdin_pipe, daemon.config.policy.workload_ids(), daemon.workload.popen_kwargs())
         reset_oom_score(proc.pid)
         daemon.reaper.tracked.add(proc.pid)
         run = ExecRun(ctx, args, proc, daemon, t0)

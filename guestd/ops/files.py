@@ -59,6 +59,12 @@ def read_range(path: str, offset: int, length: int | None, max_read: int) -> dic
         if st.S_ISDIR(info.st_mode):
             raise GuestdError(ErrorCode.IS_A_DIRECTORY, f"is a directory: {path}", details={"path": path})
         size = info.st_size
+        if size == 0 and length is None:
+            # /proc, /sys and the like report size 0: read to EOF, bounded by max_read.
+            data = _read_to_eof(fd, offset, max_read + 1)
+            if len(data) > max_read:
+                raise too_large("max_read", len(data), f"more than max_read {max_read} bytes; use file.download")
+            return {"data": data, "size": offset + len(data), "eof": True}
         want = max(0, size - offset) if length is None else length
         if want > max_read:
             raise too_large("max_read", want, f"read of {want} bytes exceeds max_read {max_read}; use file.download")
@@ -66,6 +72,18 @@ def read_range(path: str, offset: int, length: int | None, max_read: int) -> dic
         return {"data": data, "size": size, "eof": offset + len(data) >= size}
     finally:
         os.close(fd)
+
+
+def _read_to_eof(fd: int, offset: int, limit: int) -> bytes:
+    if offset:
+        os.lseek(fd, offset, os.SEEK_SET)
+    out = bytearray()
+    while len(out) < limit:
+        chunk = os.read(fd, min(65536, limit - len(out)))
+        if not chunk:
+            break
+        out += chunk
+    return bytes(out)
 
 
 class AtomicFile:

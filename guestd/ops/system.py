@@ -44,6 +44,7 @@ def register(daemon: Daemon) -> None:
             "connections": len(daemon.connections),
             "hostname": socket.gethostname(),
             "snapshot": daemon.snapshot.describe(),
+            "workload_cgroup": daemon.workload.status,
         }
 
     daemon.dispatcher.add("ping", inline=ping)

@@ -6,6 +6,7 @@ from dataclasses import asdict, dataclass, field, fields
 from typing import Any
 
 from guestd.server.policy import Policy
+from guestd.server.workload import WorkloadConfig
 from guestd.wire.frames import DEFAULT_MAX_FRAME
 
 DEFAULT_VSOCK_PORT = 10_700  # documented in PROTOCOL.md; any free port works
@@ -49,6 +50,7 @@ class Config:
     token_file: str = ""
     log_level: str = "INFO"
     policy: Policy = field(default_factory=Policy)
+    workload: WorkloadConfig = field(default_factory=WorkloadConfig)
     simulate_privileged: bool = False  # record CRNG/clock/hostname/machine-id changes instead of making them
 
 
@@ -117,6 +119,17 @@ def load_config_file(path: str, cfg: Config) -> Config:
                     pol.workload_user = str(_want(k, v, (str, int)))
                 else:
                     raise ConfigError(f"unknown config key policy.{k}")
+        elif key == "workload":
+            wl = cfg.workload
+            for k, v in _want("workload", value, dict).items():
+                if k == "cgroup":
+                    wl.cgroup = _want("workload.cgroup", v, str)
+                elif k in ("memory_max", "pids_max"):
+                    setattr(wl, k, str(_want(f"workload.{k}", v, (str, int))))
+                elif k == "cpu_weight":
+                    wl.cpu_weight = _want("workload.cpu_weight", v, int)
+                else:
+                    raise ConfigError(f"unknown config key workload.{k}")
         elif key == "limits":
             known = {f.name: f.type for f in fields(Limits)}
             for k, v in _want("limits", value, dict).items():

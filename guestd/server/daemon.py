@@ -68,6 +68,9 @@ class Daemon:
         from guestd.snapshot import SnapshotState
 
         self.snapshot = SnapshotState(self)
+        from guestd.server.workload import WorkloadCgroup
+
+        self.workload = WorkloadCgroup(config.workload)
         self._kernel_dir: str | None = None
 
         from guestd.ops import code, files, process, shell, system
@@ -212,6 +215,8 @@ class Daemon:
             listener = await listen(self, parse_listen(addr))
             self.listeners.append(listener)
             log.info("listening on %s", listener.address)
+        if os.geteuid() == 0:
+            self.workload.setup()
         if os.listdir(self.kernel_dir()):  # a previous guestd may have crashed and left kernels
             from guestd.contexts import reap_orphan_kernels
 

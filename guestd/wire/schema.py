@@ -252,6 +252,7 @@ OPS: tuple[OpSpec, ...] = (
             F("connections", "int", "open client connections", True),
             F("hostname", "str", "guest hostname", True),
             F("snapshot", "map", "generation, instance_id, sandbox_id, quiesced, suspected_restore, restored_at", True),
+            F("workload_cgroup", "str", "disabled | unavailable: why | active: path and limits", True),
         ),
     ),
     OpSpec(

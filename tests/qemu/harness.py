@@ -32,6 +32,11 @@ runtime_dir = "/run/guestd"
 log_level = "INFO"
 [code]
 pool = 0
+[workload]
+cgroup = "/sys/fs/cgroup/guestd-workload"
+memory_max = 268435456   # 256 MiB: a memory hog is OOM-killed inside the cgroup
+pids_max = 256           # a fork bomb stops here
+cpu_weight = 1
 """
 
 

@@ -117,3 +117,32 @@ def test_guestd_survives_and_init_restarts_it(vm: GuestVM) -> None:
         assert c.info().raw["pid"] != old
         zombies = c.exec(["sh", "-c", "ps -o stat= | grep -c Z || true"], timeout=30).stdout.strip()
         assert zombies == b"0"
+
+
+def test_workload_cgroup_contains_a_memory_hog_and_a_fork_bomb(vm: GuestVM) -> None:
+    with connect(vm) as c:
+        assert c.info().raw["workload_cgroup"].startswith("active"), c.info().raw["workload_cgroup"]
+        assert b"guestd-workload" in c.exec(["cat", "/proc/self/cgroup"], timeout=60).stdout
+        hog = c.exec(["/usr/local/bin/guestd-python", "-c", "b = bytearray(1 << 30); print('survived')"], timeout=300)
+        assert hog.signal == 9 and hog.stdout == b""  # OOM-killed inside the cgroup (memory.max 256 MiB)
+        # A bomb that stays: forks CPU spinners until pids.max refuses, and keeps trying.
+        bomb = c.process_start("while :; do (while :; do :; done) & done")["id"]
+        time.sleep(3)
+        pings = []
+        end = time.monotonic() + 8
+        while time.monotonic() < end:
+            t = time.perf_counter()
+            c.ping(timeout=30)
+            pings.append(time.perf_counter() - t)
+        pids_now = int(c.read_file("/sys/fs/cgroup/guestd-workload/pids.current").strip())
+        c.write_file("/sys/fs/cgroup/guestd-workload/cgroup.kill", b"1", flag="append")  # end the bomb
+        pings.sort()
+        p99 = pings[min(len(pings) - 1, int(len(pings) * 0.99))]
+        print(
+            f"fork bomb: {len(pings)} pings, p50 {pings[len(pings) // 2] * 1000:.1f} ms, p99 {p99 * 1000:.1f} ms, "
+            f"workload pids {pids_now}"
+        )
+        assert 50 <= pids_now <= 256  # the bomb is running (and can never pass pids.max)
+        assert p99 < 1.0  # under TCG (~20x slower than the host); the 100 ms is for real guests
+        assert c.process_wait(bomb, timeout=60)["state"] == "exited"
+        assert c.exec(["echo", "alive"], timeout=60).stdout == b"alive\n"
