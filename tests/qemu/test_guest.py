@@ -146,3 +146,37 @@ def test_workload_cgroup_contains_a_memory_hog_and_a_fork_bomb(vm: GuestVM) -> N
         assert p99 < 1.0  # under TCG (~20x slower than the host); the 100 ms is for real guests
         assert c.process_wait(bomb, timeout=60)["state"] == "exited"
         assert c.exec(["echo", "alive"], timeout=60).stdout == b"alive\n"
+
+
+def test_disk_full_and_fd_exhaustion_leave_guestd_answering(vm: GuestVM) -> None:
+    with connect(vm) as c:
+        assert (
+            c.exec(
+                ["sh", "-c", "mkdir -p /mnt/small && mount -t tmpfs -o size=16m tmpfs /mnt/small"], timeout=60
+            ).exit_code
+            == 0
+        )
+        fill = c.exec(
+            ["sh", "-c", "dd if=/dev/zero of=/mnt/small/fill bs=1M 2>&1; df -k /mnt/small | tail -1"], timeout=120
+        )
+        assert b"No space left" in fill.stdout
+        assert c.ping() > 0
+        with pytest.raises(GuestdError) as ei:
+            c.write_file("/mnt/small/more", b"x" * (1 << 20))
+        assert ei.value.code == "no_space"
+        c.exec(["rm", "-f", "/mnt/small/fill"], timeout=60)
+        code = (
+            "import os, resource\n"
+            "soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)\n"
+            "resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))\n"
+            "fds = []\n"
+            "try:\n"
+            "    while True:\n"
+            "        fds.append(os.open('/dev/null', os.O_RDONLY))\n"
+            "except OSError as e:\n"
+            "    print(len(fds), e.errno)\n"
+        )
+        r = c.exec(["/usr/local/bin/guestd-python", "-c", code], timeout=300)
+        opened, err = r.stdout.split()
+        assert int(opened) > 1000 and int(err) in (23, 24)  # ENFILE / EMFILE: the workload ran out, not guestd
+        assert c.ping() > 0 and c.exec(["echo", "ok"], timeout=60).stdout == b"ok\n"
