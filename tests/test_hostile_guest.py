@@ -57,7 +57,7 @@ def evil(tmp_path: object) -> Iterator[Callable[[Callable[[RawPeer], None]], str
 
 def test_oversize_frame_closes_the_connection(evil: Callable[..., str]) -> None:
     def script(p: RawPeer) -> None:
-        kind, rid, _ = p.recv()
+        _, rid, _ = p.recv()
         p.send_bytes(HEADER.pack(MAGIC, 1, Kind.RESPONSE, 1 << 30, rid))  # "a 1 GiB reply follows"
         p.sock.recv(1)
 
