@@ -266,3 +266,43 @@ def test_random_and_mutated_frames_never_kill_the_daemon(guestd: Guestd) -> None
         p.sock.close()
     with guestd.client() as c:
         assert c.ping() > 0
+
+
+def test_network_fuzz_batches_keep_guestd_answering_with_bounded_rss(fresh_guestd: object) -> None:
+    import random
+
+    from guestd.wire.schema import OPS
+
+    g = fresh_guestd("--simulate-privileged")  # type: ignore[operator]  # never touch this host's clock
+    rng = random.Random(99)
+    junk_values = [None, True, -1, 2**63, 1.5, "", "x" * 300, b"\x00" * 10, [], {}, [1, [2, [3]]], {"a": {"b": 1}}]
+    with g.client() as c:
+        c.ping()
+        base = g.rss()
+        for batch in range(6):
+            for i in range(40):
+                p = RawPeer(g.raw_socket())
+                try:
+                    p.hello()
+                    kind = rng.choice([0, 1, 2, 3])
+                    if kind == 0:  # half frames
+                        frame = encode_frame(Kind.REQUEST, i + 1, {"op": "ping"})
+                        p.send_bytes(frame[: rng.randint(1, len(frame) - 1)])
+                    elif kind == 1:  # huge declared lengths
+                        p.send_bytes(HEADER.pack(MAGIC, FRAME_VERSION, Kind.REQUEST, rng.choice([2**31, 2**32 - 1]), i))
+                    elif kind == 2:  # deep msgpack nesting
+                        depth = rng.choice([100, 1000, 100000])
+                        p.send_bytes(encode_raw(Kind.REQUEST, i + 1, b"\x91" * depth + b"\xc0"))
+                    else:  # wrong types in every field of a random op
+                        op = rng.choice(OPS)
+                        args = {f.name: rng.choice(junk_values) for f in op.args}
+                        p.send(Kind.REQUEST, i + 1, {"op": op.name, "args": args})
+                except OSError:
+                    pass
+                p.sock.close()
+            for _ in range(30):  # a burst of connects and disconnects
+                s = g.raw_socket()
+                s.close()
+            assert c.ping() > 0, f"batch {batch}"
+        assert g.rss() - base < 64 * 1024 * 1024
+    assert g.alive()
