@@ -22,6 +22,11 @@ UPLOAD_CHUNK = 1024 * 1024
 Progress = Callable[[int], None]
 
 
+def present(**fields: Any) -> dict[str, Any]:
+    """Request args without the fields left at None (the guest applies its defaults)."""
+    return {k: v for k, v in fields.items() if v is not None}
+
+
 class ExecStream:
     """A streaming exec: iterate ``(stream, bytes)`` pairs, then await :meth:`result`."""
 
@@ -528,14 +533,7 @@ class AsyncClient:
         timeout: float = 120.0,
     ) -> dict[str, Any]:
         """Create a Python context (returns ``{"id", "name", "pid", "pooled", "existing"}``)."""
-        args: dict[str, Any] = {}
-        if cwd is not None:
-            args["cwd"] = cwd
-        if env is not None:
-            args["env"] = env
-        if name is not None:
-            args["name"] = name
-        return await self._conn.request("code.create", args, timeout)
+        return await self._conn.request("code.create", present(cwd=cwd, env=env, name=name), timeout)
 
     async def code_run(
         self,
@@ -674,14 +672,7 @@ class AsyncClient:
         name: str | None = None,
         timeout: float = 60.0,
     ) -> dict[str, Any]:
-        args: dict[str, Any] = {}
-        if cwd is not None:
-            args["cwd"] = cwd
-        if env is not None:
-            args["env"] = env
-        if name is not None:
-            args["name"] = name
-        return await self._conn.request("shell.create", args, timeout)
+        return await self._conn.request("shell.create", present(cwd=cwd, env=env, name=name), timeout)
 
     async def shell_run(
         self,
