@@ -13,7 +13,7 @@ import os
 import shutil
 import tempfile
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import pytest
 
@@ -57,6 +57,22 @@ def connect(vm: GuestVM, timeout_s: float = 180.0) -> Client:
             sock.close()
             if time.monotonic() > deadline:
                 raise AssertionError(f"guestd never answered on the serial port:\n{vm.console()[-3000:]}") from None
+
+
+def pings_while(c: Client, running: Callable[[], bool], seconds: float) -> tuple[float, float, int]:
+    """Ping back to back while a fault runs; (p50, p99) in seconds and the sample count."""
+    samples = []
+    end = time.monotonic() + seconds
+    while time.monotonic() < end and running():
+        t = time.perf_counter()
+        c.ping(timeout=30)
+        samples.append(time.perf_counter() - t)
+    samples.sort()
+    assert samples, "the fault ended before any ping"
+    return samples[len(samples) // 2], samples[min(len(samples) - 1, int(len(samples) * 0.99))], len(samples)
+
+
+PING_P99_S = 0.1  # the issue's bound; measured here under TCG, i.e. ~20x slower than a real guest
 
 
 def test_host_exec_over_virtio_serial(vm: GuestVM) -> None:
@@ -123,8 +139,12 @@ def test_workload_cgroup_contains_a_memory_hog_and_a_fork_bomb(vm: GuestVM) -> N
     with connect(vm) as c:
         assert c.info().raw["workload_cgroup"].startswith("active"), c.info().raw["workload_cgroup"]
         assert b"guestd-workload" in c.exec(["cat", "/proc/self/cgroup"], timeout=60).stdout
-        hog = c.exec(["/usr/local/bin/guestd-python", "-c", "b = bytearray(1 << 30); print('survived')"], timeout=300)
-        assert hog.signal == 9 and hog.stdout == b""  # OOM-killed inside the cgroup (memory.max 256 MiB)
+        grow = "import time\nb = []\nwhile True:\n    b.append(bytearray(8 << 20))\n    time.sleep(0.02)\n"
+        hog = c.process_start(["/usr/local/bin/guestd-python", "-c", grow])["id"]
+        p50, p99, n = pings_while(c, lambda: c.process_wait(hog, timeout=0.01)["state"] == "running", 60)
+        print(f"memory hog: {n} pings, p50 {p50 * 1000:.1f} ms, p99 {p99 * 1000:.1f} ms")
+        assert c.process_wait(hog, timeout=120)["signal"] == 9  # OOM-killed inside the cgroup (memory.max 256 MiB)
+        assert p99 < PING_P99_S
         # A bomb that stays: forks CPU spinners until pids.max refuses, and keeps trying.
         bomb = c.process_start("while :; do (while :; do :; done) & done")["id"]
         time.sleep(3)
@@ -143,7 +163,7 @@ def test_workload_cgroup_contains_a_memory_hog_and_a_fork_bomb(vm: GuestVM) -> N
             f"workload pids {pids_now}"
         )
         assert 50 <= pids_now <= 256  # the bomb is running (and can never pass pids.max)
-        assert p99 < 1.0  # under TCG (~20x slower than the host); the issue's 100 ms is for real guests
+        assert p99 < PING_P99_S
         assert c.process_wait(bomb, timeout=60)["state"] == "exited"
         assert c.exec(["echo", "alive"], timeout=60).stdout == b"alive\n"
 
@@ -156,11 +176,13 @@ def test_disk_full_and_fd_exhaustion_leave_guestd_answering(vm: GuestVM) -> None
             ).exit_code
             == 0
         )
-        fill = c.exec(
-            ["sh", "-c", "dd if=/dev/zero of=/mnt/small/fill bs=1M 2>&1; df -k /mnt/small | tail -1"], timeout=120
-        )
-        assert b"No space left" in fill.stdout
-        assert c.ping() > 0
+        # Slow enough (bs=16k into a 16 MiB tmpfs) that guestd is pinged while the disk fills.
+        dd = c.process_start(["sh", "-c", "dd if=/dev/zero of=/mnt/small/fill bs=16k 2>&1"])["id"]
+        p50, p99, n = pings_while(c, lambda: c.process_wait(dd, timeout=0.01)["state"] == "running", 60)
+        c.process_wait(dd, timeout=120)
+        assert b"No space left" in c.process_output(dd)[0]
+        print(f"disk fill: {n} pings, p50 {p50 * 1000:.1f} ms, p99 {p99 * 1000:.1f} ms")
+        assert p99 < PING_P99_S
         with pytest.raises(GuestdError) as ei:
             c.write_file("/mnt/small/more", b"x" * (1 << 20))
         assert ei.value.code == "no_space"
@@ -174,9 +196,14 @@ def test_disk_full_and_fd_exhaustion_leave_guestd_answering(vm: GuestVM) -> None
             "    while True:\n"
             "        fds.append(os.open('/dev/null', os.O_RDONLY))\n"
             "except OSError as e:\n"
-            "    print(len(fds), e.errno)\n"
+            "    print(len(fds), e.errno, flush=True)\n"
+            "import time; time.sleep(3)\n"  # hold them while guestd is pinged
         )
-        r = c.exec(["/usr/local/bin/guestd-python", "-c", code], timeout=300)
-        opened, err = r.stdout.split()
+        fdp = c.process_start(["/usr/local/bin/guestd-python", "-c", code])["id"]
+        p50, p99, n = pings_while(c, lambda: c.process_wait(fdp, timeout=0.01)["state"] == "running", 60)
+        c.process_wait(fdp, timeout=120)
+        opened, err = c.process_output(fdp)[0].split()
         assert int(opened) > 1000 and int(err) in (23, 24)  # ENFILE / EMFILE: the workload ran out, not guestd
-        assert c.ping() > 0 and c.exec(["echo", "ok"], timeout=60).stdout == b"ok\n"
+        print(f"fd exhaustion: {n} pings, p50 {p50 * 1000:.1f} ms, p99 {p99 * 1000:.1f} ms")
+        assert p99 < PING_P99_S
+        assert c.exec(["echo", "ok"], timeout=60).stdout == b"ok\n"
