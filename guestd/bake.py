@@ -165,6 +165,25 @@ def add_busybox(root: str) -> None:
             f.write("root:x:0:\ntty:x:5:\nnogroup:x:65534:\n")
 
 
+def add_workload_user(root: str, name: str = "sandbox", uid: int = 1000) -> None:
+    """The unprivileged user the default config runs the workload as, when the image lacks it."""
+    passwd = root + "/etc/passwd"
+    existing = ""
+    if os.path.exists(passwd):
+        with open(passwd) as f:
+            existing = f.read()
+    if any(line.split(":")[0] == name for line in existing.splitlines()):
+        return
+    os.makedirs(root + "/etc", exist_ok=True)
+    with open(passwd, "a") as f:
+        f.write(f"{name}:x:{uid}:{uid}:guestd workload:/home/{name}:/bin/bash\n")
+    with open(root + "/etc/group", "a") as f:
+        f.write(f"{name}:x:{uid}:\n")
+    os.makedirs(f"{root}/home/{name}", exist_ok=True)
+    if os.geteuid() == 0:
+        os.chown(f"{root}/home/{name}", uid, uid)
+
+
 def add_modules(root: str, kdir: str) -> None:
     kver = os.listdir(os.path.join(kdir, "lib", "modules"))[0]
     order: list[str] = []
@@ -225,6 +244,7 @@ def bake(
             # Shell sessions need bash; busybox's ash is not enough. Take this machine's.
             shutil.copy2("/bin/bash", root + "/bin/bash")
             copy_libs(root, ["/bin/bash"])
+    add_workload_user(root)
     if kernel_modules is not None:
         add_modules(root, kernel_modules)
 

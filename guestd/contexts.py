@@ -93,7 +93,25 @@ class Kernel:
         kenv.setdefault("PYTHONUNBUFFERED", "1")
         kenv["MPLBACKEND"] = kenv.get("MPLBACKEND", "module://matplotlib_inline.backend_inline")
         self.km = km
-        await asyncio.wait_for(km.start_kernel(cwd=cwd or os.getcwd(), env=kenv), KERNEL_START_TIMEOUT_S)
+        launch: dict[str, Any] = {}
+        ids = self.daemon.config.policy.workload_ids()
+        if ids is not None:
+            # The kernel runs as the workload user: it must read its connection file and bind its
+            # ipc sockets, so its files live in a directory of its own, owned by that user.
+            # Parents must be traversable (not listable) by that user: 0711.
+            os.chmod(self.daemon.runtime_dir(), 0o711)
+            os.chmod(kdir, 0o711)
+            kdir = os.path.join(kdir, f"u{ids[0]}")
+            os.makedirs(kdir, mode=0o700, exist_ok=True)
+            os.chown(kdir, *ids)
+            km.ip = os.path.join(kdir, self.kid)
+            km.connection_file = os.path.join(kdir, f"{self.kid}.json")
+            km.write_connection_file()
+            os.chown(km.connection_file, *ids)
+            kenv["IPYTHONDIR"] = os.path.join(kdir, "ipython")
+            kenv["HOME"] = kdir  # guestd's HOME is not the workload user's to write
+            launch = {"user": ids[0], "group": ids[1], "extra_groups": []}
+        await asyncio.wait_for(km.start_kernel(cwd=cwd or os.getcwd(), env=kenv, **launch), KERNEL_START_TIMEOUT_S)
         self.pid = km.provisioner.process.pid  # type: ignore[union-attr]
         from guestd.proctree import reset_oom_score
 

@@ -36,6 +36,8 @@ def test_bake_writes_a_complete_tree_and_an_ext4_image(tmp_path: object) -> None
     site = f"{root}/opt/guestd/python/lib/python3.{sys.version_info.minor}/site-packages"
     for pkg in ("guestd", "msgpack", "uvloop", "psutil", "jupyter_client", "ipykernel"):
         assert os.path.isdir(f"{site}/{pkg}"), pkg
+    with open(root + "/etc/passwd") as f:
+        assert any(line.startswith("sandbox:x:1000:1000:") for line in f)  # the default workload user
     with open(root + "/usr/local/bin/guestd") as f:
         wrapper = f.read()
     assert "GUESTD_PRIVATE_ENV=LD_LIBRARY_PATH" in wrapper and "-m guestd" in wrapper
@@ -51,6 +53,7 @@ def test_default_config_is_valid_and_every_key_documented() -> None:
     path = os.path.join(REPO, "rootfs-overlay", "etc", "guestd", "guestd.toml")
     cfg = load_config_file(path, Config())
     assert cfg.listen == ["vsock:10700", "serial:/dev/virtio-ports/org.guestd.0"] and cfg.allowed_cids == {2}
+    assert cfg.policy.workload_user == "sandbox" and cfg.workload.cgroup == "/sys/fs/cgroup/guestd-workload"
     with open(path) as f:
         lines = f.read().splitlines()
     for i, line in enumerate(lines):

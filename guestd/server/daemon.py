@@ -365,7 +365,15 @@ def main(argv: list[str] | None = None) -> int:
         stream=sys.stderr,
     )
     if cfg.workspace:
+        created = not os.path.isdir(cfg.workspace)
         os.makedirs(cfg.workspace, exist_ok=True)
+        try:
+            ids = cfg.policy.workload_ids()
+        except Exception as exc:
+            print(f"guestd: {exc}", file=sys.stderr)
+            return 2
+        if created and ids is not None:
+            os.chown(cfg.workspace, *ids)  # the workload user must be able to work in its workspace
         os.chdir(cfg.workspace)  # the default cwd of everything the workload runs
     tune_malloc()  # bulk transfers reuse warm heap instead of page-faulting fresh mmaps
     daemon = Daemon(cfg)

@@ -207,3 +207,41 @@ def test_disk_full_and_fd_exhaustion_leave_guestd_answering(vm: GuestVM) -> None
         print(f"fd exhaustion: {n} pings, p50 {p50 * 1000:.1f} ms, p99 {p99 * 1000:.1f} ms")
         assert p99 < PING_P99_S
         assert c.exec(["echo", "ok"], timeout=60).stdout == b"ok\n"
+
+
+G2_CHECK = """
+import json, time
+from guestd.client import Client
+for _ in range(600):
+    try:
+        c = Client("unix:/run/g2.sock", timeout=5)
+        break
+    except Exception:
+        time.sleep(0.2)
+out = {"exec": c.exec(["id", "-u"], cwd="/").stdout.decode().strip()}
+sid = c.shell_create(cwd="/tmp")["id"]
+out["shell"] = c.shell_run(sid, "id -u").stdout.decode().strip()
+ctx = c.code_create(timeout=300)["id"]
+out["kernel"] = c.code_run("import os; os.getuid()", context=ctx, timeout=300).text
+c.close()
+print(json.dumps(out))
+"""
+
+
+def test_workload_user_applies_to_exec_shells_and_kernels(vm: GuestVM) -> None:
+    # A second guestd in the guest, configured with a workload user (the first one's tests need root).
+    cfg = (
+        'listen = ["unix:/run/g2.sock"]\nruntime_dir = "/run/g2"\nworkspace = "/tmp"\n'
+        '[code]\npool = 0\n[policy]\nworkload_user = "nobody"\n'
+    )
+    with connect(vm) as c:
+        c.write_file("/tmp/g2.toml", cfg)
+        c.write_file("/tmp/g2_check.py", G2_CHECK)
+        g2 = c.process_start(["/usr/local/bin/guestd", "--config", "/tmp/g2.toml"])["id"]
+        try:
+            r = c.exec(["/usr/local/bin/guestd-python", "/tmp/g2_check.py"], timeout=600)
+            assert r.exit_code == 0, (r.stderr.decode()[-2000:], c.process_output(g2, follow=False)[0][-2000:])
+            assert json.loads(r.stdout) == {"exec": "65534", "shell": "65534", "kernel": "65534"}
+        finally:
+            c.process_signal(g2, "TERM")
+            c.process_wait(g2, timeout=60)
