@@ -127,3 +127,17 @@ def test_garbage_instead_of_a_hello(tmp_path: object) -> None:
     with pytest.raises(GuestdError):
         Client(f"unix:{path}", timeout=5)
     srv.close()
+
+
+def test_replies_to_ids_never_sent_are_ignored(evil: Callable[..., str]) -> None:
+    def script(p: RawPeer) -> None:
+        _, rid, _ = p.recv()
+        for bogus in (rid + 1000, 0xFFFFFFFF):
+            p.send(Kind.RESPONSE, bogus, {"t_ns": 1})
+            p.send(Kind.EVENT, bogus, {"ev": "data", "data": b"x" * 1000})
+            p.send(Kind.ERROR, bogus, {"code": "internal", "message": "for nobody"})
+        p.send(Kind.RESPONSE, rid, {"t_ns": 42})
+        p.sock.recv(1)
+
+    with Client(evil(script)) as c:
+        assert c.ping(timeout=10) == 42
