@@ -20,7 +20,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from guestd.capture import OutputRing
-from guestd.proctree import descendants, reset_oom_score, signal_each, signal_group
+from guestd.proctree import descendants, read_chunk, reset_oom_score, signal_each, signal_group, try_reap
 from guestd.wire.errors import ErrorCode, GuestdError, limit_error
 
 if TYPE_CHECKING:
@@ -142,12 +142,9 @@ class ManagedProcess:
         fd = self._fds.get(name)
         if fd is None:
             return
-        try:
-            data = os.read(fd, READ_SIZE)
-        except BlockingIOError:
+        data = read_chunk(fd, READ_SIZE)
+        if data is None:
             return
-        except OSError:  # EIO on a pty master once the last slave holder is gone
-            data = b""
         if not data:
             self._close_stream(name)
         else:
@@ -181,11 +178,8 @@ class ManagedProcess:
     def _check_exit(self) -> None:
         if self.status is not None:
             return
-        try:
-            pid, st = os.waitpid(self.pid, os.WNOHANG)
-        except ChildProcessError:
-            pid, st = self.pid, 255 << 8
-        if pid == 0:
+        st = try_reap(self.pid)
+        if st is None:
             return
         self.status = st
         self.ended_at = time.time()

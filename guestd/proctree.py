@@ -132,3 +132,26 @@ def reset_oom_score(pid: int) -> None:
             f.write(_CHILD_OOM or "0")
     except OSError:
         pass
+
+
+def try_reap(pid: int) -> int | None:
+    """The wait status of ``pid`` if it has exited (reaping it), else None.
+
+    A child someone else already reaped counts as exit status 255.
+    """
+    try:
+        done, status = os.waitpid(pid, os.WNOHANG)
+    except ChildProcessError:
+        return 255 << 8
+    return status if done else None
+
+
+def read_chunk(fd: int, size: int) -> bytes | None:
+    """One non-blocking read of a child's pipe or pty: None when nothing is ready yet,
+    b"" at end of stream (EOF, or EIO on a pty whose other side is gone)."""
+    try:
+        return os.read(fd, size)
+    except BlockingIOError:
+        return None
+    except OSError:
+        return b""

@@ -29,7 +29,7 @@ import time
 from typing import TYPE_CHECKING, Any
 
 from guestd.capture import OutputCapture, capture_fields
-from guestd.proctree import descendants, reset_oom_score, signal_each, signal_group
+from guestd.proctree import descendants, read_chunk, reset_oom_score, signal_each, signal_group, try_reap
 from guestd.wire.errors import ErrorCode, GuestdError, limit_error
 
 if TYPE_CHECKING:
@@ -187,11 +187,8 @@ class Session:
     def _on_exit(self) -> None:
         assert self.proc is not None
         loop = asyncio.get_running_loop()
-        try:
-            pid, st = os.waitpid(self.proc.pid, os.WNOHANG)
-        except ChildProcessError:
-            pid, st = self.proc.pid, 0
-        if pid == 0:
+        st = try_reap(self.proc.pid)
+        if st is None:
             return
         self.proc.returncode = os.waitstatus_to_exitcode(st)
         if self._pidfd is not None:
@@ -206,12 +203,9 @@ class Session:
         fd = self._fds.get(which)
         if fd is None:
             return
-        try:
-            data = os.read(fd, READ_SIZE)
-        except BlockingIOError:
+        data = read_chunk(fd, READ_SIZE)
+        if data is None:
             return
-        except OSError:
-            data = b""
         if not data:
             asyncio.get_running_loop().remove_reader(fd)
             del self._fds[which]
@@ -229,12 +223,9 @@ class Session:
                 fd = self._fds.get(which)
                 if fd is None:
                     break
-                try:
-                    data = os.read(fd, READ_SIZE)
-                except BlockingIOError:
+                data = read_chunk(fd, READ_SIZE)
+                if data is None:
                     break
-                except OSError:
-                    data = b""
                 if not data:
                     asyncio.get_running_loop().remove_reader(fd)
                     del self._fds[which]

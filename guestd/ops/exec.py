@@ -17,7 +17,7 @@ import time
 from typing import TYPE_CHECKING, Any
 
 from guestd.capture import OutputCapture, capture_fields
-from guestd.proctree import descendants, kill_tree, reset_oom_score, signal_group
+from guestd.proctree import descendants, kill_tree, read_chunk, reset_oom_score, signal_group, try_reap
 from guestd.wire.errors import ErrorCode, GuestdError, limit_error
 from guestd.wire.frames import Kind
 
@@ -175,13 +175,9 @@ class ExecRun:
             self.loop.remove_reader(self.fds[which])
 
     def _on_readable(self, which: int) -> None:
-        fd = self.fds[which]
-        try:
-            data = os.read(fd, READ_SIZE)
-        except BlockingIOError:
+        data = read_chunk(self.fds[which], READ_SIZE)
+        if data is None:
             return
-        except OSError:
-            data = b""
         if not data:
             self._close_pipe(which)
             return
@@ -216,11 +212,8 @@ class ExecRun:
     def _on_exit_ready(self) -> None:
         if self.status is not None:
             return
-        try:
-            pid, status = os.waitpid(self.pid, os.WNOHANG)
-        except ChildProcessError:
-            pid, status = self.pid, 255 << 8
-        if pid == 0:
+        status = try_reap(self.pid)
+        if status is None:
             return
         self.status = status
         self.proc.returncode = os.waitstatus_to_exitcode(status)  # so Popen never waits again
@@ -283,10 +276,7 @@ class ExecRun:
     def _drain_now(self, which: int) -> None:
         fd = self.fds[which]
         for _ in range(64):
-            try:
-                data = os.read(fd, READ_SIZE)
-            except OSError:
-                return
+            data = read_chunk(fd, READ_SIZE)
             if not data:
                 return
             if self.stream:
@@ -447,10 +437,6 @@ def register(daemon: Daemon) -> None:
 
 async def _reap_later(pid: int) -> None:
     for _ in range(600):
-        try:
-            done, _ = os.waitpid(pid, os.WNOHANG)
-        except ChildProcessError:
-            return
-        if done:
+        if try_reap(pid) is not None:
             return
         await asyncio.sleep(0.1)
