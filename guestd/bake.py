@@ -1,6 +1,6 @@
 """guestd-bake: install guestd into a root filesystem directory and emit it as an image.
 
-    guestd-bake ROOT [--busybox] [--kernel-modules KDIR] [--config FILE]
+    guestd-bake ROOT [--busybox] [--kernel-modules KDIR] [--config FILE] [--add PATH ...]
                      [--initramfs OUT.cpio] [--ext4 OUT.img --size-mb N]
 
 What lands in ROOT:
@@ -12,7 +12,10 @@ What lands in ROOT:
 - rootfs-overlay/ (systemd unit, default config, modules-load list);
 - with --busybox, a static busybox as /bin/sh and friends when ROOT has no /bin/sh;
 - with --kernel-modules, the virtio/vsock modules of that kernel tree plus
-  /etc/guestd/modules.list (load order for guestd-init).
+  /etc/guestd/modules.list (load order for guestd-init);
+- with --add PATH (repeatable), that file or directory from this machine at the same path,
+  plus the shared libraries of any ELF program in it (e.g. `--add /usr/bin/git` for the
+  agent examples' minimal guest).
 
 The image builder must match this machine's architecture and libc generation.
 """
@@ -184,6 +187,32 @@ def add_workload_user(root: str, name: str = "sandbox", uid: int = 1000) -> None
         os.chown(f"{root}/home/{name}", uid, uid)
 
 
+def add_paths(root: str, paths: list[str]) -> None:
+    """Copy host files/directories into ROOT at the same absolute path, with their ELF programs' libraries."""
+    elves: list[str] = []
+    for src in paths:
+        src = os.path.abspath(src)
+        if not os.path.exists(src):
+            raise SystemExit(f"guestd-bake: --add {src}: no such file or directory")
+        dst = root + src
+        if os.path.isdir(src):
+            shutil.copytree(src, dst, symlinks=True, dirs_exist_ok=True)
+            found = [os.path.join(d, f) for d, _, fs in os.walk(src) for f in fs]
+        else:
+            os.makedirs(os.path.dirname(dst), exist_ok=True)
+            shutil.copy2(src, dst, follow_symlinks=True)
+            found = [src]
+        for f in found:
+            try:
+                with open(f, "rb") as fh:
+                    if fh.read(4) == b"\x7fELF":
+                        elves.append(f)
+            except OSError:
+                continue
+    copy_libs(root, elves)
+    log(f"added {len(paths)} path(s), {len(elves)} ELF file(s)")
+
+
 def add_modules(root: str, kdir: str) -> None:
     kver = os.listdir(os.path.join(kdir, "lib", "modules"))[0]
     order: list[str] = []
@@ -229,6 +258,7 @@ def bake(
     busybox: bool = False,
     kernel_modules: str | None = None,
     config: str | None = None,
+    add: list[str] | None = None,
 ) -> None:
     os.makedirs(root, exist_ok=True)
     site = copy_python(root)
@@ -245,6 +275,8 @@ def bake(
             shutil.copy2("/bin/bash", root + "/bin/bash")
             copy_libs(root, ["/bin/bash"])
     add_workload_user(root)
+    if add:
+        add_paths(root, add)
     if kernel_modules is not None:
         add_modules(root, kernel_modules)
 
@@ -260,11 +292,25 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument(
         "--kernel-modules", default=None, metavar="KDIR", help="unpacked kernel package (dpkg -x) to take modules from"
     )
+    p.add_argument(
+        "--add",
+        action="append",
+        default=[],
+        metavar="PATH",
+        help="also copy this host file or directory (and its programs' libraries); repeatable",
+    )
     p.add_argument("--initramfs", default=None, metavar="OUT", help="also write ROOT as a newc cpio initramfs")
     p.add_argument("--ext4", default=None, metavar="OUT", help="also write ROOT as an ext4 image")
     p.add_argument("--size-mb", type=int, default=1024, help="ext4 image size")
     ns = p.parse_args(argv)
-    bake(ns.root, overlay=ns.overlay, busybox=ns.busybox, kernel_modules=ns.kernel_modules, config=ns.config)
+    bake(
+        ns.root,
+        overlay=ns.overlay,
+        busybox=ns.busybox,
+        kernel_modules=ns.kernel_modules,
+        config=ns.config,
+        add=ns.add,
+    )
     if ns.initramfs:
         emit_initramfs(ns.root, ns.initramfs)
     if ns.ext4:

@@ -79,3 +79,20 @@ def test_bad_config_is_a_clear_error(tmp_path: object) -> None:
         timeout=60,
     )
     assert r.returncode == 2 and "pool" in r.stderr
+
+
+@pytest.mark.skipif(shutil.which("git") is None, reason="needs git on this machine")
+def test_add_copies_a_program_with_its_libraries(tmp_path: object) -> None:
+    from guestd.bake import add_paths, needed_libs
+
+    git = os.path.realpath(shutil.which("git") or "")
+    root = f"{tmp_path}/root"
+    add_paths(root, [git])
+    assert os.access(root + git, os.X_OK)
+    libs = needed_libs([git])
+    assert libs  # git links at least libc and zlib
+    for lib in libs:
+        if not lib.startswith(sys.base_prefix):
+            assert os.path.exists(root + lib), lib
+    with pytest.raises(SystemExit, match="no such file"):
+        add_paths(root, [f"{tmp_path}/missing"])

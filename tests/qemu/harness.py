@@ -17,6 +17,10 @@ import sys
 import tempfile
 import threading
 import time
+from collections.abc import Sequence
+from typing import Any
+
+from guestd.client import Client, GuestdError
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 CACHE = os.environ.get("GUESTD_QEMU_CACHE", os.path.join(tempfile.gettempdir(), "guestd-qemu-cache"))
@@ -71,7 +75,8 @@ def ensure_kernel() -> tuple[str, str]:
     return vmlinux, kdir
 
 
-def bake_initramfs(workdir: str, kdir: str) -> str:
+def bake_initramfs(workdir: str, kdir: str, add: Sequence[str] = ()) -> str:
+    """Bake the test image; ``add``: host paths copied in too (``guestd-bake --add``)."""
     root = os.path.join(workdir, "root")
     cfg = os.path.join(workdir, "guestd.toml")
     with open(cfg, "w") as f:
@@ -90,6 +95,7 @@ def bake_initramfs(workdir: str, kdir: str) -> str:
             cfg,
             "--initramfs",
             out,
+            *[a for path in add for a in ("--add", path)],
         ],
         check=True,
         cwd=REPO,
@@ -184,6 +190,56 @@ class GuestVM:
                 if time.monotonic() > deadline:
                     raise
                 time.sleep(0.1)
+
+    def client(self, timeout_s: float = 180.0) -> Client:
+        """A host session over the virtio-serial port (retried while guestd is still starting)."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            sock = self.connect_serial()
+            try:
+                return Client("serial", sock=sock, timeout=3)
+            except GuestdError:
+                sock.close()
+                if time.monotonic() > deadline:
+                    raise RuntimeError(f"guestd never answered on the serial port:\n{self.console()[-3000:]}") from None
+
+    def save(self, path: str) -> None:
+        """Pause, write the whole VM state to ``path`` (QMP migrate to a file) and quit."""
+        if self.qmp_sock is None:
+            raise RuntimeError("save needs a VM started with qmp=True")
+        q = QMP(self.qmp_sock)
+        try:
+            q.cmd("stop")
+            q.cmd("migrate-set-parameters", **{"max-bandwidth": 8 << 30})
+            q.cmd("migrate", uri=f"exec:cat > {path}")
+            st = q.wait_migration()
+            if st.get("status") != "completed":
+                raise RuntimeError(f"snapshot save failed: {st}")
+            q.cmd("quit")
+        finally:
+            q.close()
+        self.proc.wait(60)
+        self._killer.cancel()
+
+    @classmethod
+    def clone(cls, snapshot: str, workdir: str, vmlinux: str, initrd: str, *, tag: str, **kw: Any) -> GuestVM:
+        """A new QEMU process resumed from a state ``save`` wrote (same kernel/initrd/memory size)."""
+        vm = cls(workdir, vmlinux, initrd, qmp=True, incoming=True, tag=tag, **kw)
+        try:
+            assert vm.qmp_sock is not None
+            q = QMP(vm.qmp_sock)
+            try:
+                q.cmd("migrate-incoming", uri=f"exec:cat {snapshot}")
+                st = q.wait_migration()
+                if st.get("status") != "completed":
+                    raise RuntimeError(f"snapshot load failed: {st}")
+                q.cmd("cont")
+            finally:
+                q.close()
+        except BaseException:
+            vm.kill()
+            raise
+        return vm
 
     def kill(self) -> None:
         if self.proc.poll() is None:

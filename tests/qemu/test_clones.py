@@ -6,7 +6,6 @@ right, and the work that was running survives.
 from __future__ import annotations
 
 import os
-import re
 import shutil
 import tempfile
 import time
@@ -15,7 +14,7 @@ from collections.abc import Iterator
 import pytest
 
 from guestd.client import Client
-from tests.qemu.harness import QMP, GuestVM, bake_initramfs, ensure_kernel, missing_tools
+from tests.qemu.harness import GuestVM, bake_initramfs, ensure_kernel, missing_tools
 from tests.qemu.test_guest import ARTIFACTS, connect
 
 pytestmark = pytest.mark.qemu
@@ -62,29 +61,17 @@ def test_clones_diverge_only_after_restore(images: tuple[str, str, str], request
             assert c.exec(["date", "-s", f"@{int(time.time()) - 3600}"], timeout=60).exit_code == 0
             prep = c.snapshot_prepare()
             assert prep["synced"] and proc in prep["running"]["processes"]
-        assert src.qmp_sock is not None
-        q = QMP(src.qmp_sock)
-        q.cmd("stop")
-        q.cmd("migrate-set-parameters", **{"max-bandwidth": 8 << 30})
-        q.cmd("migrate", uri=f"exec:cat > {snap}")
-        assert q.wait_migration()["status"] == "completed"
-        q.cmd("quit")
-        src.proc.wait(60)
+        src.save(snap)
         time.sleep(2.0)  # the clones wake up with a wall clock this much (and the restore time) behind
 
         clones = []
         for tag in ("cloneA", "cloneB"):
-            vm = GuestVM(work, vmlinux, initrd, qmp=True, incoming=True, tag=tag, timeout_s=900)
+            vm = GuestVM.clone(snap, work, vmlinux, initrd, tag=tag, timeout_s=900)
             vms.append(vm)
-            assert vm.qmp_sock is not None
-            cq = QMP(vm.qmp_sock)
-            cq.cmd("migrate-incoming", uri=f"exec:cat {snap}")
-            assert cq.wait_migration()["status"] == "completed"
-            cq.cmd("cont")
-            clones.append((vm, cq))
+            clones.append(vm)
 
         control, after, urandom, skew = [], [], [], []
-        for i, (vm, _) in enumerate(clones):
+        for i, vm in enumerate(clones):
             with connect(vm) as c:
                 control.append(observe(c, ctx, sid))  # no restore yet: the parent's PRNG states
                 # The handshake carried the host's clock: guestd already fixed the hour-stale clock
@@ -118,4 +105,3 @@ def test_clones_diverge_only_after_restore(images: tuple[str, str, str], request
                 shutil.copy(vm.console_log, ARTIFACTS)
         for vm in vms:
             vm.kill()
-        _ = re

@@ -48,15 +48,7 @@ def vm(request: pytest.FixtureRequest) -> Iterator[GuestVM]:
 
 def connect(vm: GuestVM, timeout_s: float = 180.0) -> Client:
     """A host session over the virtio-serial port (retried while guestd is still starting)."""
-    deadline = time.monotonic() + timeout_s
-    while True:
-        sock = vm.connect_serial()
-        try:
-            return Client("serial", sock=sock, timeout=3)
-        except GuestdError:
-            sock.close()
-            if time.monotonic() > deadline:
-                raise AssertionError(f"guestd never answered on the serial port:\n{vm.console()[-3000:]}") from None
+    return vm.client(timeout_s)
 
 
 def pings_while(c: Client, running: Callable[[], bool], seconds: float) -> tuple[float, float, int]:
