@@ -74,7 +74,10 @@ class CmdOutputObservation:
     @property
     def message(self) -> str:
         """What the model reads."""
-        return f"{self.content}\n[Current working directory: {self.cwd}]\n[Command finished with exit code {self.exit_code}]"
+        return (
+            f"{self.content}\n[Current working directory: {self.cwd}]\n"
+            f"[Command finished with exit code {self.exit_code}]"
+        )
 
 
 @dataclass
@@ -122,7 +125,8 @@ def tail_text(data: bytes, *, limit: int, dropped_before: int = 0, what: str = "
     dropped = dropped_before + cut
     text = data[cut:].decode("utf-8", "replace")
     if dropped:
-        text = f"[... {what} truncated: the first {dropped} bytes were dropped, the last {len(data) - cut} are shown ...]\n{text}"
+        shown = len(data) - cut
+        text = f"[... {what} truncated: the first {dropped} bytes were dropped, the last {shown} are shown ...]\n{text}"
     return text, dropped
 
 
@@ -250,7 +254,10 @@ class GuestdRuntime:
         joined = b"".join(p for p in parts if p)
         text, dropped = tail_text(joined, limit=limit, dropped_before=r.stdout_dropped + r.stderr_dropped)
         if r.status == "timeout":
-            text += f"\n[The cell timed out after {timeout:g} s and was interrupted ({r.timeout_action}); variables defined before are kept.]"
+            text += (
+                f"\n[The cell timed out after {timeout:g} s and was interrupted ({r.timeout_action}); "
+                "variables defined before it are kept.]"
+            )
         elif r.status == "died":
             text += f"\n[The Python kernel died ({r.exit_reason}); it will be restarted and its variables are lost.]"
             self.client.code_restart(self.context_id)

@@ -29,7 +29,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from examples import demo_repo
-from examples.guests import Guest, LocalGuest
+from examples.guests import LocalGuest
 from examples.openhands_runtime import tail_text
 from guestd.client import Client, GuestdError
 
