@@ -176,7 +176,7 @@ def test_swe_agent_driver_fixes_the_bug_and_submits_a_patch_that_applies() -> No
             assert r.exit_code == 0 and b"5 passed" in r.stdout, r
 
             # Nothing pushes: not the existing remote, not one the agent adds itself.
-            pushed = tools.shell("git commit -qm wip && git push origin HEAD:main")
+            pushed = tools.shell("git push origin HEAD:main")
             assert "[exit code 0]" not in pushed and "no-push" in pushed
             pushed = tools.shell(f"git remote add mine {origin} && git push mine HEAD:refs/heads/x")
             assert "[exit code 0]" not in pushed
