@@ -123,6 +123,11 @@ def test_errors_come_back_as_typed_observations(runtime: GuestdRuntime) -> None:
     assert runtime.client.read_file(f"{runtime.guest.workspace}/new/dir/notes.md") == b"hello\n", w
     err = cell(runtime.run_action(IPythonRunCellAction("1 / 0")))
     assert err.status == "error" and "ZeroDivisionError" in err.content
+    cell(runtime.run_action(IPythonRunCellAction("lost = 1")))
+    died = cell(runtime.run_action(IPythonRunCellAction("import os\nos._exit(3)")))
+    assert died.status == "died" and "kernel died" in died.content and "restarted" in died.content
+    again = cell(runtime.run_action(IPythonRunCellAction("'lost' in globals(), 6 * 7")))
+    assert again.status == "ok" and again.content.strip() == "(False, 42)"  # a new kernel, same session
 
 
 def test_close_always_tears_the_guest_down() -> None:

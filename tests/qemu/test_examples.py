@@ -29,7 +29,7 @@ from examples.swe_agent_driver import scripted_fix as swe_script
 from tests.qemu.harness import missing_tools
 from tests.qemu.test_guest import ARTIFACTS
 
-pytestmark = pytest.mark.qemu
+pytestmark = [pytest.mark.qemu, pytest.mark.timeout(900)]  # several VMs per test under TCG
 PY = best_of_n.GUEST_PYTHON
 REPO = best_of_n.REPO
 
