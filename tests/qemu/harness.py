@@ -48,6 +48,17 @@ def missing_tools() -> list[str]:
     return [t for t in ("qemu-system-x86_64", "cpio", "busybox", "apt-get", "dpkg", "modprobe") if not shutil.which(t)]
 
 
+def require_qemu() -> None:
+    """Skip the calling test without the tools, but fail under CI (.ci/run installs them)."""
+    import pytest
+
+    missing = missing_tools()
+    if missing and os.environ.get("CI"):
+        pytest.fail(f"QEMU suite needs {missing} (.ci/run installs them)")
+    if missing:
+        pytest.skip(f"QEMU suite needs {missing}")
+
+
 def ensure_kernel() -> tuple[str, str]:
     """(vmlinux, unpacked package dir). Cached; the package is never installed on this machine."""
     kdir = os.path.join(CACHE, "kgen")
@@ -211,10 +222,7 @@ class GuestVM:
         try:
             q.cmd("stop")
             q.cmd("migrate-set-parameters", **{"max-bandwidth": 8 << 30})
-            q.cmd("migrate", uri=f"exec:cat > {path}")
-            st = q.wait_migration()
-            if st.get("status") != "completed":
-                raise RuntimeError(f"snapshot save failed: {st}")
+            q.migrate("migrate", f"exec:cat > {path}")
             q.cmd("quit")
         finally:
             q.close()
@@ -229,10 +237,7 @@ class GuestVM:
             assert vm.qmp_sock is not None
             q = QMP(vm.qmp_sock)
             try:
-                q.cmd("migrate-incoming", uri=f"exec:cat {snapshot}")
-                st = q.wait_migration()
-                if st.get("status") != "completed":
-                    raise RuntimeError(f"snapshot load failed: {st}")
+                q.migrate("migrate-incoming", f"exec:cat {snapshot}")
                 q.cmd("cont")
             finally:
                 q.close()
@@ -292,6 +297,13 @@ class QMP:
                 return st
             time.sleep(0.05)
         raise TimeoutError("migration did not finish")
+
+    def migrate(self, command: str, uri: str) -> None:
+        """``migrate`` (save) or ``migrate-incoming`` (load) and wait until it completed."""
+        self.cmd(command, uri=uri)
+        st = self.wait_migration()
+        if st.get("status") != "completed":
+            raise RuntimeError(f"{command} {uri}: {st}")
 
     def close(self) -> None:
         self.sock.close()

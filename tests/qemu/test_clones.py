@@ -14,7 +14,7 @@ from collections.abc import Iterator
 import pytest
 
 from guestd.client import Client
-from tests.qemu.harness import GuestVM, bake_initramfs, ensure_kernel, missing_tools
+from tests.qemu.harness import GuestVM, bake_initramfs, ensure_kernel, require_qemu
 from tests.qemu.test_guest import ARTIFACTS, connect
 
 pytestmark = pytest.mark.qemu
@@ -22,11 +22,7 @@ pytestmark = pytest.mark.qemu
 
 @pytest.fixture(scope="module")
 def images() -> Iterator[tuple[str, str, str]]:
-    missing = missing_tools()
-    if missing:
-        if os.environ.get("CI"):
-            pytest.fail(f"QEMU suite needs {missing}")
-        pytest.skip(f"QEMU suite needs {missing}")
+    require_qemu()
     vmlinux, kdir = ensure_kernel()
     work = tempfile.mkdtemp(prefix="guestd-clones-")
     try:

@@ -26,7 +26,7 @@ from examples.openhands_runtime import (
 )
 from examples.swe_agent_driver import NO_PUSH, ScriptedModel, SweTools, run_episode
 from examples.swe_agent_driver import scripted_fix as swe_script
-from tests.qemu.harness import missing_tools
+from tests.qemu.harness import require_qemu
 from tests.qemu.test_guest import ARTIFACTS
 
 pytestmark = [pytest.mark.qemu, pytest.mark.timeout(900)]  # several VMs per test under TCG
@@ -36,11 +36,7 @@ REPO = best_of_n.REPO
 
 @pytest.fixture(scope="module")
 def image() -> Iterator[tuple[str, str, str]]:
-    missing = missing_tools()
-    if missing:
-        if os.environ.get("CI"):
-            pytest.fail(f"QEMU suite needs {missing}")
-        pytest.skip(f"QEMU suite needs {missing}")
+    require_qemu()
     work = tempfile.mkdtemp(prefix="guestd-examples-")
     try:
         kernel, initrd = QemuGuest.image(work)
@@ -60,13 +56,22 @@ def keep_logs(image: tuple[str, str, str], request: pytest.FixtureRequest) -> It
                 shutil.copy(os.path.join(image[0], f), os.path.join(ARTIFACTS, f"examples-{f}"))
 
 
-def test_openhands_runtime_in_a_guest(image: tuple[str, str, str], keep_logs: None) -> None:
+def boot_with_task(image: tuple[str, str, str], tag: str) -> tuple[QemuGuest, dict[str, str]]:
+    """A VM for one agent session, with the task repository and pytest in it."""
     work, kernel, initrd = image
-    guest = QemuGuest.boot(work, kernel, initrd, tag="openhands")
+    guest = QemuGuest.boot(work, kernel, initrd, tag=tag)
     try:
         with guest.connect() as c:
             demo_repo.create(c, REPO)
-            env = demo_repo.ensure_pytest(c, PY)
+            return guest, demo_repo.ensure_pytest(c, PY)
+    except BaseException:
+        guest.stop()
+        raise
+
+
+def test_openhands_runtime_in_a_guest(image: tuple[str, str, str], keep_logs: None) -> None:
+    guest, env = boot_with_task(image, "openhands")
+    try:
         rt = GuestdRuntime.start(lambda: guest, RuntimeConfig(env=env, command_timeout_s=300))
     except BaseException:
         guest.stop()
@@ -87,12 +92,9 @@ def test_openhands_runtime_in_a_guest(image: tuple[str, str, str], keep_logs: No
 
 
 def test_swe_agent_driver_in_a_guest(image: tuple[str, str, str], keep_logs: None) -> None:
-    work, kernel, initrd = image
-    guest = QemuGuest.boot(work, kernel, initrd, tag="swe")
+    guest, env = boot_with_task(image, "swe")
     try:
         with guest.connect() as c:
-            demo_repo.create(c, REPO)
-            env = demo_repo.ensure_pytest(c, PY)
             remote = "git remote add origin https://example.invalid/textstats.git"
             assert c.exec(["sh", "-c", remote], cwd=REPO, timeout=60).exit_code == 0
             tools = SweTools(c, REPO, env=env, timeout_s=300)

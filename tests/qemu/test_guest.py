@@ -18,7 +18,7 @@ from collections.abc import Callable, Iterator
 import pytest
 
 from guestd.client import Client, GuestdError
-from tests.qemu.harness import REPO, GuestVM, bake_initramfs, ensure_kernel, missing_tools
+from tests.qemu.harness import REPO, GuestVM, bake_initramfs, ensure_kernel, require_qemu
 
 pytestmark = pytest.mark.qemu
 ARTIFACTS = os.path.join(REPO, "qemu-artifacts")
@@ -26,11 +26,7 @@ ARTIFACTS = os.path.join(REPO, "qemu-artifacts")
 
 @pytest.fixture(scope="module")
 def vm(request: pytest.FixtureRequest) -> Iterator[GuestVM]:
-    missing = missing_tools()
-    if missing:
-        if os.environ.get("CI"):
-            pytest.fail(f"QEMU suite needs {missing} (.ci/run installs them)")
-        pytest.skip(f"QEMU suite needs {missing}")
+    require_qemu()
     vmlinux, kdir = ensure_kernel()
     work = tempfile.mkdtemp(prefix="guestd-vm-")
     initrd = bake_initramfs(work, kdir)
