@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from guestd.capture import OutputCapture, capture_fields
+from guestd.proctree import ExitWatch
 from guestd.wire.errors import ErrorCode, GuestdError, limit_error
 
 if TYPE_CHECKING:
@@ -64,8 +65,7 @@ class Kernel:
         self.kc: Any = None
         self.pid = 0
         self.died: asyncio.Future[str] = asyncio.get_running_loop().create_future()
-        self._pidfd: int | None = None
-        self._poller: asyncio.Task[None] | None = None
+        self._exit_watch: ExitWatch | None = None
         self.readers: list[asyncio.Future[None]] = []
         self.current: RunState | None = None  # the run whose messages the readers deliver
 
@@ -177,46 +177,30 @@ class Kernel:
             log.debug("could not record kernel pid", exc_info=True)
 
     def _watch(self) -> None:
-        loop = asyncio.get_running_loop()
-        try:
-            self._pidfd = os.pidfd_open(self.pid)
-        except OSError:
-            self._pidfd = None
-            self._poller = loop.create_task(self._poll_death())
-            return
-        loop.add_reader(self._pidfd, self._on_exit)
+        if self._exit_watch is not None:
+            self._exit_watch.close()
+        self._exit_watch = ExitWatch(asyncio.get_running_loop(), self.pid, self._on_exit, 0.2)
 
     def _on_exit(self) -> None:
-        loop = asyncio.get_running_loop()
-        if self._pidfd is not None:
-            loop.remove_reader(self._pidfd)
-            os.close(self._pidfd)
-            self._pidfd = None
         status: int | None = None
+        proc = self.km.provisioner.process if self.km and self.km.provisioner else None
         try:
             pid, st = os.waitpid(self.pid, os.WNOHANG)
-            if pid:
-                status = st
-                proc = self.km.provisioner.process if self.km and self.km.provisioner else None
-                if proc is not None:
-                    proc.returncode = os.waitstatus_to_exitcode(st)
-        except ChildProcessError:
-            proc = self.km.provisioner.process if self.km and self.km.provisioner else None
+            if not pid:
+                return  # still running: a poll tick (no pidfd) found nothing
+            status = st
+            if proc is not None:
+                proc.returncode = os.waitstatus_to_exitcode(st)
+        except ChildProcessError:  # reaped already (by the subreaper sweep or jupyter_client)
             rc = getattr(proc, "returncode", None)
             if rc is not None:
                 status = (-rc & 0x7F) if rc < 0 else (rc << 8)
+        if self._exit_watch is not None:
+            self._exit_watch.close()
         self.daemon.reaper.tracked.discard(self.pid)
         if not self.died.done():
             self.died.set_result(_exit_reason(status))
         self._remove_pidfile()
-
-    async def _poll_death(self) -> None:
-        while not self.died.done():
-            await asyncio.sleep(0.2)
-            try:
-                os.kill(self.pid, 0)
-            except ProcessLookupError:
-                self._on_exit()
 
     def _remove_pidfile(self) -> None:
         try:

@@ -20,7 +20,15 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from guestd.capture import OutputRing
-from guestd.proctree import descendants, read_chunk, reset_oom_score, signal_each, signal_group, try_reap
+from guestd.proctree import (
+    ExitWatch,
+    descendants,
+    read_chunk,
+    reset_oom_score,
+    signal_each,
+    signal_group,
+    try_reap,
+)
 from guestd.wire.errors import ErrorCode, GuestdError, limit_error
 
 if TYPE_CHECKING:
@@ -63,7 +71,7 @@ class ManagedProcess:
         self.pty_fd: int | None = None
         self.stdin_fd: int | None = None
         self._fds: dict[str, int] = {}
-        self._pidfd: int | None = None
+        self._exit_watch: ExitWatch | None = None
         self._waiters: list[asyncio.Future[None]] = []
         self.proc: subprocess.Popen[bytes] | None = None
 
@@ -131,11 +139,7 @@ class ManagedProcess:
         for name, fd in self._fds.items():
             os.set_blocking(fd, False)
             loop.add_reader(fd, self._on_readable, name)
-        try:
-            self._pidfd = os.pidfd_open(self.pid)
-            loop.add_reader(self._pidfd, self._check_exit)
-        except OSError:
-            self._poller = loop.create_task(self._poll_exit())
+        self._exit_watch = ExitWatch(loop, self.pid, self._check_exit, 0.05)
 
     # -- output -----------------------------------------------------------------------
     def _on_readable(self, name: str) -> None:
@@ -186,10 +190,8 @@ class ManagedProcess:
         if self.proc is not None:
             self.proc.returncode = os.waitstatus_to_exitcode(st)
         loop = asyncio.get_running_loop()
-        if self._pidfd is not None:
-            loop.remove_reader(self._pidfd)
-            os.close(self._pidfd)
-            self._pidfd = None
+        if self._exit_watch is not None:
+            self._exit_watch.close()
         self.table.daemon.reaper.tracked.discard(self.pid)
         # Leftover children may keep the pipes open; whatever they write still lands in the rings.
         loop.call_later(0.2, self._finish_streams_if_idle)
@@ -200,11 +202,6 @@ class ManagedProcess:
             # A pty master never reports EOF while other processes hold the slave; drain and stop.
             self._on_readable("stdout")
         self._notify()
-
-    async def _poll_exit(self) -> None:
-        while self.status is None:
-            await asyncio.sleep(0.05)
-            self._check_exit()
 
     @property
     def running(self) -> bool:
@@ -293,13 +290,10 @@ class ManagedProcess:
 
     def release(self) -> None:
         """Drop every fd (after the process is gone or forgotten)."""
-        loop = asyncio.get_running_loop()
         for name in list(self._fds):
             self._close_stream(name)
-        if self._pidfd is not None:
-            loop.remove_reader(self._pidfd)
-            os.close(self._pidfd)
-            self._pidfd = None
+        if self._exit_watch is not None:
+            self._exit_watch.close()
         if self.pty_fd is not None:
             try:
                 os.close(self.pty_fd)

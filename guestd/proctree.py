@@ -1,10 +1,12 @@
-"""Ending a whole process tree: its process group, then descendants that escaped it."""
+"""Child processes: ending a whole tree (its group, then descendants that escaped it),
+watching for exit, reaping, and reading their pipes."""
 
 from __future__ import annotations
 
 import asyncio
 import os
 import signal
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
@@ -144,6 +146,38 @@ def try_reap(pid: int) -> int | None:
     except ChildProcessError:
         return 255 << 8
     return status if done else None
+
+
+class ExitWatch:
+    """Calls ``on_ready`` on the loop when ``pid`` may have exited: once its pidfd is readable,
+    or every ``poll_s`` where pidfds are missing (kernels before 5.3). Wake-ups can be spurious:
+    the callback reaps with ``try_reap`` and calls ``close()`` once the child is gone."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop, pid: int, on_ready: Callable[[], None], poll_s: float) -> None:
+        self.loop = loop
+        self.on_ready = on_ready
+        self.poll_s = poll_s
+        self.fd: int | None = None
+        self.timer: asyncio.TimerHandle | None = None
+        try:
+            self.fd = os.pidfd_open(pid)
+            loop.add_reader(self.fd, on_ready)
+        except OSError:
+            self.timer = loop.call_later(poll_s, self._poll)
+
+    def _poll(self) -> None:
+        self.timer = self.loop.call_later(self.poll_s, self._poll)
+        self.on_ready()  # may close() us, which cancels the timer just set
+
+    def close(self) -> None:
+        """Stop watching; idempotent."""
+        if self.fd is not None:
+            self.loop.remove_reader(self.fd)
+            os.close(self.fd)
+            self.fd = None
+        if self.timer is not None:
+            self.timer.cancel()
+            self.timer = None
 
 
 def read_chunk(fd: int, size: int) -> bytes | None:

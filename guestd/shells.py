@@ -29,7 +29,15 @@ import time
 from typing import TYPE_CHECKING, Any
 
 from guestd.capture import OutputCapture, capture_fields
-from guestd.proctree import descendants, read_chunk, reset_oom_score, signal_each, signal_group, try_reap
+from guestd.proctree import (
+    ExitWatch,
+    descendants,
+    read_chunk,
+    reset_oom_score,
+    signal_each,
+    signal_group,
+    try_reap,
+)
 from guestd.wire.errors import ErrorCode, GuestdError, limit_error
 
 if TYPE_CHECKING:
@@ -88,7 +96,7 @@ class Session:
         self._last_output = 0.0
         self._fds: dict[int, int] = {}
         self._exited: asyncio.Future[None] | None = None
-        self._pidfd: int | None = None
+        self._exit_watch: ExitWatch | None = None
         self.pending_seed: int | None = None  # set by a restore: a new $RANDOM seed for the next command
 
     async def apply_pending_seed(self) -> None:
@@ -160,11 +168,7 @@ class Session:
         os.set_blocking(self.proc.stdin.fileno(), False)
         self.table.daemon.reaper.tracked.add(self.proc.pid)
         self._exited = loop.create_future()
-        try:
-            self._pidfd = os.pidfd_open(self.proc.pid)
-            loop.add_reader(self._pidfd, self._on_exit)
-        except OSError:
-            self._pidfd = None
+        self._exit_watch = ExitWatch(loop, self.proc.pid, self._on_exit, 0.05)
         # Move the control pipe to its fixed fd, out of the way of user redirections.
         script = f"exec {CTL_FD}>&{w} {w}>&-\n" + PRELUDE
         if replay_exports and self.exports:
@@ -186,15 +190,12 @@ class Session:
 
     def _on_exit(self) -> None:
         assert self.proc is not None
-        loop = asyncio.get_running_loop()
         st = try_reap(self.proc.pid)
         if st is None:
             return
         self.proc.returncode = os.waitstatus_to_exitcode(st)
-        if self._pidfd is not None:
-            loop.remove_reader(self._pidfd)
-            os.close(self._pidfd)
-            self._pidfd = None
+        if self._exit_watch is not None:
+            self._exit_watch.close()
         self.table.daemon.reaper.tracked.discard(self.proc.pid)
         if self._exited is not None and not self._exited.done():
             self._exited.set_result(None)
@@ -281,10 +282,8 @@ class Session:
             loop.remove_reader(self.ctl_fd)
             os.close(self.ctl_fd)
             self.ctl_fd = -1
-        if self._pidfd is not None:
-            loop.remove_reader(self._pidfd)
-            os.close(self._pidfd)
-            self._pidfd = None
+        if self._exit_watch is not None:
+            self._exit_watch.close()
         if self.proc is not None:
             for f in (self.proc.stdin, self.proc.stdout, self.proc.stderr):
                 if f is not None:

@@ -17,7 +17,15 @@ import time
 from typing import TYPE_CHECKING, Any
 
 from guestd.capture import OutputCapture, capture_fields
-from guestd.proctree import descendants, kill_tree, read_chunk, reset_oom_score, signal_group, try_reap
+from guestd.proctree import (
+    ExitWatch,
+    descendants,
+    kill_tree,
+    read_chunk,
+    reset_oom_score,
+    signal_group,
+    try_reap,
+)
 from guestd.wire.errors import ErrorCode, GuestdError, limit_error
 from guestd.wire.frames import Kind
 
@@ -138,7 +146,7 @@ class ExecRun:
         self.last_output = self.t0
         self.kill_task: asyncio.Task[None] | None = None
         self.resume_task: asyncio.Task[None] | None = None
-        self.pidfd: int | None = None
+        self.exit_watch: ExitWatch | None = None
         self.handles: list[asyncio.TimerHandle] = []
 
     # -- wiring ---------------------------------------------------------------------
@@ -149,11 +157,7 @@ class ExecRun:
             os.set_blocking(fd, False)
             self.open_fds.add(which)
         self._resume_reading()
-        try:
-            self.pidfd = os.pidfd_open(self.pid)
-            self.loop.add_reader(self.pidfd, self._on_exit_ready)
-        except OSError:
-            self.handles.append(self.loop.call_later(0.005, self._poll_exit))
+        self.exit_watch = ExitWatch(self.loop, self.pid, self._on_exit_ready, 0.01)
         self._on_exit_ready()  # it may already be gone
         if self.args["timeout_s"] is not None:
             self.handles.append(self.loop.call_later(self.args["timeout_s"], self._fire_timeout, "wall"))
@@ -220,16 +224,9 @@ class ExecRun:
         self.reaper.tracked.discard(self.pid)
         if self.reaper.enabled:
             self.reaper.sweep()  # a sweep may have stopped at us while we were unreaped
-        if self.pidfd is not None:
-            self.loop.remove_reader(self.pidfd)
-            os.close(self.pidfd)
-            self.pidfd = None
+        if self.exit_watch is not None:
+            self.exit_watch.close()
         self.exited.set()
-
-    def _poll_exit(self) -> None:
-        self._on_exit_ready()
-        if self.status is None:
-            self.handles.append(self.loop.call_later(0.01, self._poll_exit))
 
     def _check_idle(self) -> None:
         idle = self.args["idle_timeout_s"]
@@ -302,10 +299,8 @@ class ExecRun:
         for h in self.handles:
             h.cancel()
         self._pause_reading()
-        if self.pidfd is not None:
-            self.loop.remove_reader(self.pidfd)
-            os.close(self.pidfd)
-            self.pidfd = None
+        if self.exit_watch is not None:
+            self.exit_watch.close()
         if self.resume_task is not None:
             self.resume_task.cancel()
         for f in (self.proc.stdout, self.proc.stderr, self.proc.stdin):
