@@ -7,29 +7,18 @@ from dataclasses import dataclass, field
 from typing import Any
 
 
-@dataclass(frozen=True)
-class ExecResult:
-    exit_code: int | None
-    signal: int | None
-    timed_out: str | None  # "wall" | "idle" | None
+@dataclass(frozen=True, kw_only=True)
+class CapturedOutput:
+    """What every output-producing result carries: the kept bytes of each stream and exact
+    counts of what was produced and dropped (the schema's bounded-capture fields)."""
+
     stdout: bytes
     stderr: bytes
     stdout_bytes: int
     stderr_bytes: int
     stdout_dropped: int
     stderr_dropped: int
-    stdout_gap_at: int | None
-    stderr_gap_at: int | None
     duration_s: float
-    pid: int
-
-    @classmethod
-    def from_body(cls, b: dict[str, Any]) -> ExecResult:
-        return cls(**{k: b[k] for k in cls.__dataclass_fields__})
-
-    @property
-    def ok(self) -> bool:
-        return self.exit_code == 0 and self.timed_out is None
 
     @property
     def truncated(self) -> bool:
@@ -39,15 +28,8 @@ class ExecResult:
     def text(self) -> str:
         return self.stdout.decode("utf-8", "replace")
 
-    def shell_exit_code(self) -> int:
-        """Exit code as a shell reports it: 124 on timeout, 128+N when killed by signal N."""
-        if self.timed_out is not None:
-            return 124
-        if self.signal is not None:
-            return 128 + self.signal
-        return self.exit_code if self.exit_code is not None else 1
-
     def to_json(self) -> dict[str, Any]:
+        """JSON-ready: bytes as UTF-8 text, plus ``<field>_base64`` when they are not UTF-8."""
         out: dict[str, Any] = {}
         for k in self.__dataclass_fields__:
             v = getattr(self, k)
@@ -60,6 +42,32 @@ class ExecResult:
             else:
                 out[k] = v
         return out
+
+
+@dataclass(frozen=True, kw_only=True)
+class ExecResult(CapturedOutput):
+    exit_code: int | None
+    signal: int | None
+    timed_out: str | None  # "wall" | "idle" | None
+    stdout_gap_at: int | None
+    stderr_gap_at: int | None
+    pid: int
+
+    @classmethod
+    def from_body(cls, b: dict[str, Any]) -> ExecResult:
+        return cls(**{k: b[k] for k in cls.__dataclass_fields__})
+
+    @property
+    def ok(self) -> bool:
+        return self.exit_code == 0 and self.timed_out is None
+
+    def shell_exit_code(self) -> int:
+        """Exit code as a shell reports it: 124 on timeout, 128+N when killed by signal N."""
+        if self.timed_out is not None:
+            return 124
+        if self.signal is not None:
+            return 128 + self.signal
+        return self.exit_code if self.exit_code is not None else 1
 
 
 @dataclass(frozen=True)
@@ -111,7 +119,8 @@ class CodeError:
 
 @dataclass(frozen=True)
 class CodeResult:
-    """One cell's outcome. ``results`` holds MIME bundles: ``{"kind", "data": {mime: value}}``."""
+    """One cell's outcome. ``results`` holds MIME bundles: ``{"kind", "data": {mime: value}}``.
+    (Not a CapturedOutput: its ``text`` is the cell's value, not its stdout.)"""
 
     context: str
     status: str  # ok | error | timeout | interrupted | died
@@ -192,30 +201,16 @@ class CodeResult:
         return out
 
 
-@dataclass(frozen=True)
-class ShellResult:
+@dataclass(frozen=True, kw_only=True)
+class ShellResult(CapturedOutput):
     exit_code: int | None
     timed_out: str | None
     interrupted: bool
     session_restarted: bool
     cwd: str
-    stdout: bytes
-    stderr: bytes
-    stdout_bytes: int
-    stderr_bytes: int
-    stdout_dropped: int
-    stderr_dropped: int
     stdout_gap_at: int | None
     stderr_gap_at: int | None
-    duration_s: float
 
     @classmethod
     def from_body(cls, b: dict[str, Any]) -> ShellResult:
         return cls(**{k: b[k] for k in cls.__dataclass_fields__})
-
-    @property
-    def text(self) -> str:
-        return self.stdout.decode("utf-8", "replace")
-
-    def to_json(self) -> dict[str, Any]:
-        return ExecResult.to_json(self)  # type: ignore[arg-type]
