@@ -12,6 +12,7 @@ implement the same two against Firecracker (``fc:/path/to/v.sock:10700`` address
 from __future__ import annotations
 
 import os
+import select
 import shutil
 import subprocess
 import sys
@@ -58,7 +59,8 @@ class LocalGuest:
         try:
             # guestd writes "ready" once it listens; EOF first means it died while starting.
             with os.fdopen(r, "rb") as ready:
-                os.set_blocking(ready.fileno(), True)
+                if not select.select([ready], [], [], ready_timeout_s)[0]:
+                    raise RuntimeError(f"guestd did not start within {ready_timeout_s} s; its log:\n{self.log()}")
                 line = ready.readline()
             if line != b"ready\n":
                 raise RuntimeError(f"guestd did not start; its log:\n{self.log()}")

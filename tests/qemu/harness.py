@@ -93,7 +93,7 @@ def bake_initramfs(workdir: str, kdir: str, add: Sequence[str] = ()) -> str:
     with open(cfg, "w") as f:
         f.write(GUEST_CONFIG)
     out = os.path.join(workdir, "initramfs.cpio")
-    subprocess.run(
+    r = subprocess.run(
         [
             sys.executable,
             "-m",
@@ -108,10 +108,13 @@ def bake_initramfs(workdir: str, kdir: str, add: Sequence[str] = ()) -> str:
             out,
             *[a for path in add for a in ("--add", path)],
         ],
-        check=True,
         cwd=REPO,
         env={**os.environ, "PYTHONPATH": REPO},
+        capture_output=True,
+        text=True,
     )
+    if r.returncode != 0:  # pip's chatter stays out of the way unless the bake fails
+        raise RuntimeError(f"guestd-bake failed ({r.returncode}):\n{r.stdout[-3000:]}\n{r.stderr[-5000:]}")
     return out
 
 
