@@ -1,10 +1,12 @@
 """A bounded atheris (libFuzzer) run over decoder + validation + dispatch of a real server object,
-seeded with the golden vectors. Longer runs: python tests/fuzz/fuzz_server.py -runs=N."""
+seeded with the golden vectors and the committed corpus (tests/fuzz/corpus: inputs a long run
+kept for new coverage, minimized with -merge=1). Longer runs: see SECURITY.md."""
 
 from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 
@@ -23,6 +25,10 @@ def test_fuzz_server_bounded(tmp_path: object) -> None:
     for i, v in enumerate(vectors["frames"]):
         with open(f"{corpus}/v{i}", "wb") as out:
             out.write(b"\x01" + bytes.fromhex(v["hex"]))  # first byte: FuzzedDataProvider's ConsumeBool
+    committed = os.path.join(REPO, "tests", "fuzz", "corpus")
+    for name in os.listdir(committed):  # copied: the run adds to its corpus, the repository's stays as is
+        shutil.copy(os.path.join(committed, name), corpus)
+    assert len(os.listdir(corpus)) > len(vectors["frames"])
     r = subprocess.run(
         [
             sys.executable,
