@@ -173,8 +173,15 @@ def _(c: Client) -> None:
     assert c.ping() > 0
 
 
-@check("bounded fuzz: random and mutated frames, guestd keeps answering")
+def rss_kib(pid: int) -> int:
+    with open(f"/proc/{pid}/status") as f:
+        return next(int(line.split()[1]) for line in f if line.startswith("VmRSS:"))
+
+
+@check("bounded fuzz: random and mutated frames, guestd keeps answering with bounded RSS")
 def _(c: Client) -> None:
+    guestd_pid = int(c.info().raw["pid"])
+    base = rss_kib(guestd_pid)
     rng = random.Random(int(os.environ.get("FUZZ_SEED", "7")))
     seeds = [
         encode_frame(Kind.REQUEST, 1, {"op": "ping", "args": {}}),
@@ -198,6 +205,8 @@ def _(c: Client) -> None:
         s.close()
     assert c.ping() > 0
     assert c.exec(["true"]).exit_code == 0
+    grown = rss_kib(guestd_pid) - base
+    assert grown < 64 * 1024, f"guestd RSS grew by {grown} KiB over the fuzz batch"
 
 
 print(json.dumps({"results": results}))
