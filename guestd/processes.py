@@ -77,7 +77,7 @@ class ManagedProcess:
 
     # -- start ------------------------------------------------------------------------
     def start(self, args: dict[str, Any]) -> None:
-        from guestd.ops.exec import as_user, build_env, check_cwd
+        from guestd.ops.exec import as_user, build_env, check_cwd, preexec_failed
 
         daemon = self.table.daemon
         creds = as_user(daemon.config.policy.workload_ids(), daemon.workload.popen_kwargs())
@@ -132,6 +132,8 @@ class ManagedProcess:
             raise GuestdError.from_os_error(exc, stage=stage, argv0=argv[0]) from None
         except (ValueError, TypeError) as exc:
             raise GuestdError(ErrorCode.BAD_REQUEST, f"cannot spawn: {exc}", details={"stage": "spawn"}) from None
+        except subprocess.SubprocessError as exc:
+            raise preexec_failed(exc) from None
         self.pid = self.proc.pid
         reset_oom_score(self.pid)
         self.table.daemon.reaper.tracked.add(self.pid)

@@ -129,7 +129,7 @@ class Session:
 
     # -- process -----------------------------------------------------------------------
     async def start(self, replay_exports: bool = False) -> None:
-        from guestd.ops.exec import as_user, check_cwd
+        from guestd.ops.exec import as_user, check_cwd, preexec_failed
 
         check_cwd(self.cwd)
         env = dict(os.environ)
@@ -153,6 +153,9 @@ class Session:
         except OSError as exc:
             os.close(r)
             raise GuestdError.from_os_error(exc, stage="spawn", argv0="/bin/bash") from None
+        except subprocess.SubprocessError as exc:
+            os.close(r)
+            raise preexec_failed(exc) from None
         finally:
             os.close(w)
         loop = asyncio.get_running_loop()

@@ -32,7 +32,10 @@ def denied(fn: Callable[[], object]) -> dict[str, object]:
 def test_unix_peer_uid_must_be_allowed(fresh_guestd: Callable[..., Guestd]) -> None:
     g = with_config(fresh_guestd, "[policy]\nallowed_uids = [54321]\n")
     p = RawPeer(g.raw_socket())
-    p.send_bytes(encode_frame(Kind.HELLO, 0, {"versions": [1]}))
+    try:  # guestd refuses at accept: its error and close may come before our hello is written
+        p.send_bytes(encode_frame(Kind.HELLO, 0, {"versions": [1]}))
+    except (BrokenPipeError, ConnectionResetError):
+        pass
     kind, rid, body = p.recv()
     assert (kind, rid, body["code"]) == (Kind.ERROR, 0, "permission_denied")
     assert body["details"]["policy"] == "allowed_uids" and p.closed()
@@ -83,3 +86,32 @@ def test_workload_runs_as_the_configured_user(fresh_guestd: Callable[..., Guestd
         c.process_wait(p["id"], timeout=10)
         assert c.process_output(p["id"])[0] == b"65534\n"
         assert c.info().raw["pid"] and os.stat(f"/proc/{c.info().raw['pid']}").st_uid == 0  # guestd stays root
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="dropping to another user needs root")
+def test_the_cgroup_step_runs_as_root_before_the_drop_to_the_workload_user(tmp_path: object) -> None:
+    # Popen applies user=/group= before preexec_fn, and only root may join the workload cgroup
+    # (the shipped config sets both). as_user() must join first, then drop. A stand-in join
+    # step records who ran it; the real cgroup join is covered in tests/qemu (shipped config).
+    from guestd.ops.exec import as_user, spawn
+
+    marker = f"{tmp_path}/joined"
+
+    def join() -> None:
+        with open(marker, "w") as f:
+            f.write(str(os.getuid()))
+
+    args = {"argv": ["id", "-u"], "shell": None, "cwd": "/", "env": None, "env_mode": "merge"}
+    proc = spawn(args, False, (65534, 65534), {"preexec_fn": join})
+    out, _ = proc.communicate(timeout=30)
+    assert out.strip() == b"65534"  # the process runs as the workload user ...
+    with open(marker) as f:
+        assert f.read() == "0"  # ... and the join step ran before the drop, as root
+
+    def refuse() -> None:
+        raise PermissionError("no")
+
+    with pytest.raises(GuestdError) as ei:
+        spawn(args, False, (65534, 65534), {"preexec_fn": refuse})
+    assert ei.value.code == "unavailable" and ei.value.details["stage"] == "spawn"
+    assert as_user(None, None) == {} and "preexec_fn" not in as_user((1, 1))

@@ -83,10 +83,31 @@ def check_cwd(cwd: str | None) -> None:
 def as_user(ids: tuple[int, int] | None, cgroup: dict[str, Any] | None = None) -> dict[str, Any]:
     """Popen arguments for a workload process: the workload user (policy.workload_user, when
     guestd is root) and the workload cgroup (a preexec that joins it)."""
-    out: dict[str, Any] = dict(cgroup or {})
-    if ids is not None:
-        out.update({"user": ids[0], "group": ids[1], "extra_groups": []})
-    return out
+    join = (cgroup or {}).get("preexec_fn")
+    if ids is None:
+        return {"preexec_fn": join} if join is not None else {}
+    if join is None:
+        return {"user": ids[0], "group": ids[1], "extra_groups": []}
+    uid, gid = ids
+
+    # Popen drops privileges *before* preexec_fn runs, and only root may move a process into
+    # the workload cgroup: so join first, then become the workload user, in that order.
+    def join_then_drop() -> None:
+        join()
+        os.setgroups([])
+        os.setresgid(gid, gid, gid)
+        os.setresuid(uid, uid, uid)
+
+    return {"preexec_fn": join_then_drop}
+
+
+def preexec_failed(exc: subprocess.SubprocessError) -> GuestdError:
+    """The child could not be set up before exec (workload cgroup join, privilege drop)."""
+    return GuestdError(
+        ErrorCode.UNAVAILABLE,
+        f"could not set up the child (workload cgroup / workload user): {exc}",
+        details={"stage": "spawn"},
+    )
 
 
 def spawn(
@@ -116,6 +137,8 @@ def spawn(
         raise GuestdError.from_os_error(exc, stage=stage, argv0=argv[0]) from None
     except (ValueError, TypeError) as exc:  # e.g. NUL bytes in argv or env
         raise GuestdError(ErrorCode.BAD_REQUEST, f"cannot spawn: {exc}", details={"stage": "spawn"}) from None
+    except subprocess.SubprocessError as exc:
+        raise preexec_failed(exc) from None
     return proc
 
 

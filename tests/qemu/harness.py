@@ -132,6 +132,7 @@ class GuestVM:
         qmp: bool = False,
         incoming: bool = False,
         tag: str = "vm",
+        cmdline: str = CMDLINE,
     ) -> None:
         self.workdir = workdir
         self.serial_sock = os.path.join(workdir, f"{tag}-port.sock")
@@ -163,7 +164,7 @@ class GuestVM:
             "-initrd",
             initrd,
             "-append",
-            CMDLINE,
+            cmdline,
             "-device",
             "virtio-rng-pci",
             "-device",

@@ -206,21 +206,29 @@ for _ in range(600):
         break
     except Exception:
         time.sleep(0.2)
-out = {"exec": c.exec(["id", "-u"], cwd="/").stdout.decode().strip()}
+who = "echo $(id -u) $(cat /proc/self/cgroup)"
+out = {"exec": c.exec(["sh", "-c", who], cwd="/").stdout.decode().strip()}
 sid = c.shell_create(cwd="/tmp")["id"]
-out["shell"] = c.shell_run(sid, "id -u").stdout.decode().strip()
+out["shell"] = c.shell_run(sid, who).stdout.decode().strip()
+p = c.process_start(who, pty=True)["id"]
+c.process_wait(p, timeout=120)
+out["pty process"] = c.process_output(p, follow=False)[0].decode().strip()
 ctx = c.code_create(timeout=300)["id"]
-out["kernel"] = c.code_run("import os; os.getuid()", context=ctx, timeout=300).text
+cell = "import os; print(os.getuid(), open('/proc/self/cgroup').read().strip())"
+out["kernel"] = c.code_run(cell, context=ctx, timeout=300).stdout.decode().strip()
 c.close()
 print(json.dumps(out))
 """
 
 
-def test_workload_user_applies_to_exec_shells_and_kernels(vm: GuestVM) -> None:
-    # A second guestd in the guest, configured with a workload user (the first one's tests need root).
+def test_workload_user_and_cgroup_apply_to_exec_shells_processes_and_kernels(vm: GuestVM) -> None:
+    # A second guestd in the guest, configured like the shipped config: a workload user and a
+    # workload cgroup together (the first one's tests need root). Popen drops privileges before
+    # any preexec step, so joining the cgroup has to happen first: this is the test of that order.
     cfg = (
         'listen = ["unix:/run/g2.sock"]\nruntime_dir = "/run/g2"\nworkspace = "/tmp"\n'
         '[code]\npool = 0\n[policy]\nworkload_user = "nobody"\n'
+        '[workload]\ncgroup = "/sys/fs/cgroup/g2-workload"\npids_max = 128\n'
     )
     with connect(vm) as c:
         c.write_file("/tmp/g2.toml", cfg)
@@ -229,7 +237,8 @@ def test_workload_user_applies_to_exec_shells_and_kernels(vm: GuestVM) -> None:
         try:
             r = c.exec(["/usr/local/bin/guestd-python", "/tmp/g2_check.py"], timeout=600)
             assert r.exit_code == 0, (r.stderr.decode()[-2000:], c.process_output(g2, follow=False)[0][-2000:])
-            assert json.loads(r.stdout) == {"exec": "65534", "shell": "65534", "kernel": "65534"}
+            seen = json.loads(r.stdout)
+            assert seen == dict.fromkeys(("exec", "shell", "pty process", "kernel"), "65534 0::/g2-workload"), seen
         finally:
             c.process_signal(g2, "TERM")
             c.process_wait(g2, timeout=60)
