@@ -5,7 +5,7 @@ cd "$(dirname "$0")/.."
 bash scripts/bootstrap.sh
 # The QEMU guest suite (tests/qemu) needs these; as root on Debian they are installed here.
 need=""
-for t in qemu-system-x86_64:qemu-system-x86 busybox:busybox-static cpio:cpio modprobe:kmod; do
+for t in qemu-system-x86_64:qemu-system-x86 busybox:busybox-static cpio:cpio modprobe:kmod debootstrap:debootstrap; do
   command -v "${t%%:*}" >/dev/null 2>&1 || need="$need ${t#*:}"
 done
 if [ -n "$need" ]; then

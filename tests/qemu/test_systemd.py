@@ -1,0 +1,72 @@
+"""The production path with systemd: a debootstrap'ed Debian bookworm with guestd baked in
+using the shipped rootfs-overlay unchanged (unit, guestd.toml, modules-load list), booted with
+systemd as PID 1. The host reaches guestd over virtio-serial as configured in the shipped
+config; udev names the port, systemd-modules-load loads the vsock modules.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+from collections.abc import Iterator
+
+import pytest
+
+from tests.qemu.harness import (
+    SYSTEMD_CMDLINE,
+    GuestVM,
+    debian_systemd_initramfs,
+    ensure_kernel,
+    require_qemu,
+)
+from tests.qemu.test_guest import ARTIFACTS
+
+pytestmark = [pytest.mark.qemu, pytest.mark.timeout(1200)]  # debootstrap on a cold cache
+
+
+@pytest.fixture(scope="module")
+def vm(request: pytest.FixtureRequest) -> Iterator[GuestVM]:
+    require_qemu()
+    if shutil.which("debootstrap") is None:
+        if os.environ.get("CI"):
+            pytest.fail("the systemd image needs debootstrap (.ci/run installs it)")
+        pytest.skip("the systemd image needs debootstrap")
+    vmlinux, kdir = ensure_kernel()
+    work = tempfile.mkdtemp(prefix="guestd-systemd-")
+    guest = GuestVM(
+        work, vmlinux, debian_systemd_initramfs(work, kdir), mem_mb=2048, cmdline=SYSTEMD_CMDLINE, tag="systemd"
+    )
+    failed = request.session.testsfailed
+    try:
+        yield guest
+    finally:
+        if request.session.testsfailed > failed:
+            os.makedirs(ARTIFACTS, exist_ok=True)
+            shutil.copy(guest.console_log, os.path.join(ARTIFACTS, "systemd-console.log"))
+        guest.kill()
+        shutil.rmtree(work, ignore_errors=True)
+
+
+def test_the_shipped_unit_and_config_under_systemd(vm: GuestVM) -> None:
+    with vm.client(timeout_s=300) as c:
+        info = c.info().raw
+        pid = int(info["pid"])
+        # File ops run as guestd (root); exec runs as the workload user.
+        assert c.read_file("/proc/1/comm") == b"systemd\n"
+        assert c.read_file(f"/proc/{pid}/cgroup") == b"0::/system.slice/guestd.service\n"  # started by the unit
+        assert c.read_file(f"/proc/{pid}/oom_score_adj") == b"-1000\n"  # OOMScoreAdjust=-1000
+        assert "org.guestd.0" in [e.name for e in c.listdir("/dev/virtio-ports").entries]  # named by udev
+        for module in ("vsock", "vmw_vsock_virtio_transport", "virtio_console"):  # modules-load.d
+            assert c.stat(f"/sys/module/{module}").type == "dir", module
+        assert info["workload_cgroup"].startswith("active: /sys/fs/cgroup/guestd-workload")
+        r = c.exec(["sh", "-c", "id -un; cat /proc/self/oom_score_adj /proc/self/cgroup"], timeout=120)
+        assert r.exit_code == 0, r
+        assert r.stdout.decode().split() == ["sandbox", "0", "0::/guestd-workload"]
+        sid = c.shell_create()["id"]
+        assert c.shell_run(sid, "cd /tmp && id -u && pwd", timeout=120).stdout == b"1000\n/tmp\n"
+        ctx = c.code_create(timeout=300)["id"]
+        assert c.code_run("import os; os.getuid()", context=ctx, timeout=300).text == "1000"
+        # Enabled by the image's own `systemctl enable` through the unit's [Install] section.
+        unit = c.read_file("/etc/systemd/system/sysinit.target.wants/guestd.service")
+        assert b"Restart=always" in unit and b"KillMode=process" in unit
