@@ -13,6 +13,7 @@ from collections.abc import Iterator
 
 import pytest
 
+from guestd.client import GuestdError
 from tests.qemu.harness import (
     SYSTEMD_CMDLINE,
     GuestVM,
@@ -70,3 +71,15 @@ def test_the_shipped_unit_and_config_under_systemd(vm: GuestVM) -> None:
         # Enabled by the image's own `systemctl enable` through the unit's [Install] section.
         unit = c.read_file("/etc/systemd/system/sysinit.target.wants/guestd.service")
         assert b"Restart=always" in unit and b"KillMode=process" in unit
+        sleeper = c.process_start(["sleep", "600"])["pid"]
+
+    # Kill guestd the way the kernel would (its whole unit cgroup, at once): systemd restarts it
+    # (Restart=always), and the workload, which lives in its own cgroup, is not touched.
+    with vm.client(timeout_s=300) as c, pytest.raises(GuestdError):  # guestd dies while answering: no reply comes
+        c.write_file("/sys/fs/cgroup/system.slice/guestd.service/cgroup.kill", "1", flag="append", timeout=10)
+    with vm.client(timeout_s=300) as c:
+        new_pid = int(c.info().raw["pid"])
+        assert new_pid != pid and not c.exists(f"/proc/{pid}")
+        assert c.read_file(f"/proc/{new_pid}/cgroup") == b"0::/system.slice/guestd.service\n"
+        assert c.read_file(f"/proc/{sleeper}/cmdline") == b"sleep\x00600\x00"  # the workload survived
+        assert c.exec(["id", "-un"], timeout=120).stdout == b"sandbox\n"
