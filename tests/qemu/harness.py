@@ -17,12 +17,14 @@ import sys
 import tempfile
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from typing import Any
 
 from guestd.client import Client, GuestdError
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+ARTIFACTS = os.path.join(REPO, "qemu-artifacts")  # console logs of failed tests land here
 CACHE = os.environ.get("GUESTD_QEMU_CACHE", os.path.join(tempfile.gettempdir(), "guestd-qemu-cache"))
 CMDLINE = (
     "console=ttyS0 panic=-1 quiet lpj=7353518 tsc=reliable clocksource=tsc mitigations=off nokaslr "
@@ -48,11 +50,12 @@ def missing_tools() -> list[str]:
     return [t for t in ("qemu-system-x86_64", "cpio", "busybox", "apt-get", "dpkg", "modprobe") if not shutil.which(t)]
 
 
-def require_qemu() -> None:
-    """Skip the calling test without the tools, but fail under CI (.ci/run installs them)."""
+def require_qemu(*extra: str) -> None:
+    """Skip the calling test without the tools (and ``extra`` ones), but fail under CI (.ci/run
+    installs them)."""
     import pytest
 
-    missing = missing_tools()
+    missing = missing_tools() + [t for t in extra if not shutil.which(t)]
     if missing and os.environ.get("CI"):
         pytest.fail(f"QEMU suite needs {missing} (.ci/run installs them)")
     if missing:
@@ -116,6 +119,28 @@ def bake_initramfs(workdir: str, kdir: str, add: Sequence[str] = ()) -> str:
     if r.returncode != 0:  # pip's chatter stays out of the way unless the bake fails
         raise RuntimeError(f"guestd-bake failed ({r.returncode}):\n{r.stdout[-3000:]}\n{r.stderr[-5000:]}")
     return out
+
+
+@contextmanager
+def running_vm(
+    request: Any, build_initrd: Callable[[str, str], str], *, prefix: str, artifact: str, **vm_kw: Any
+) -> Iterator[GuestVM]:
+    """A booted VM for a test module: kernel, an initramfs from ``build_initrd(workdir, kdir)``,
+    the console log copied to ARTIFACTS/``artifact`` if a test failed, everything removed after."""
+    vmlinux, kdir = ensure_kernel()
+    work = tempfile.mkdtemp(prefix=prefix)
+    try:
+        guest = GuestVM(work, vmlinux, build_initrd(work, kdir), **vm_kw)
+        failed = request.session.testsfailed
+        try:
+            yield guest
+        finally:
+            if request.session.testsfailed > failed:
+                os.makedirs(ARTIFACTS, exist_ok=True)
+                shutil.copy(guest.console_log, os.path.join(ARTIFACTS, artifact))
+            guest.kill()
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
 
 
 class GuestVM:

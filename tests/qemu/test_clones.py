@@ -14,8 +14,8 @@ from collections.abc import Iterator
 import pytest
 
 from guestd.client import Client
-from tests.qemu.harness import GuestVM, bake_initramfs, ensure_kernel, require_qemu
-from tests.qemu.test_guest import ARTIFACTS, connect
+from tests.qemu.harness import ARTIFACTS, GuestVM, bake_initramfs, ensure_kernel, require_qemu
+from tests.qemu.test_guest import connect
 
 pytestmark = pytest.mark.qemu
 

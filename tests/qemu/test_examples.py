@@ -26,8 +26,7 @@ from examples.openhands_runtime import (
 )
 from examples.swe_agent_driver import NO_PUSH, ScriptedModel, SweTools, run_episode
 from examples.swe_agent_driver import scripted_fix as swe_script
-from tests.qemu.harness import require_qemu
-from tests.qemu.test_guest import ARTIFACTS
+from tests.qemu.harness import ARTIFACTS, require_qemu
 
 pytestmark = [pytest.mark.qemu, pytest.mark.timeout(900)]  # several VMs per test under TCG
 PY = best_of_n.GUEST_PYTHON

@@ -10,36 +10,22 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import shutil
-import tempfile
 import time
 from collections.abc import Callable, Iterator
 
 import pytest
 
 from guestd.client import Client, GuestdError
-from tests.qemu.harness import REPO, GuestVM, bake_initramfs, ensure_kernel, require_qemu
+from tests.qemu.harness import REPO, GuestVM, bake_initramfs, require_qemu, running_vm
 
 pytestmark = pytest.mark.qemu
-ARTIFACTS = os.path.join(REPO, "qemu-artifacts")
 
 
 @pytest.fixture(scope="module")
 def vm(request: pytest.FixtureRequest) -> Iterator[GuestVM]:
     require_qemu()
-    vmlinux, kdir = ensure_kernel()
-    work = tempfile.mkdtemp(prefix="guestd-vm-")
-    initrd = bake_initramfs(work, kdir)
-    guest = GuestVM(work, vmlinux, initrd, timeout_s=900)
-    failed_before = request.session.testsfailed
-    try:
+    with running_vm(request, bake_initramfs, prefix="guestd-vm-", artifact="console.log", timeout_s=900) as guest:
         yield guest
-    finally:
-        if request.session.testsfailed > failed_before:
-            os.makedirs(ARTIFACTS, exist_ok=True)
-            shutil.copy(guest.console_log, os.path.join(ARTIFACTS, "console.log"))
-        guest.kill()
-        shutil.rmtree(work, ignore_errors=True)
 
 
 def connect(vm: GuestVM, timeout_s: float = 180.0) -> Client:

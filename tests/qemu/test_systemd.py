@@ -6,9 +6,6 @@ config; udev names the port, systemd-modules-load loads the vsock modules.
 
 from __future__ import annotations
 
-import os
-import shutil
-import tempfile
 from collections.abc import Iterator
 
 import pytest
@@ -18,35 +15,26 @@ from tests.qemu.harness import (
     SYSTEMD_CMDLINE,
     GuestVM,
     debian_systemd_initramfs,
-    ensure_kernel,
     require_qemu,
+    running_vm,
 )
-from tests.qemu.test_guest import ARTIFACTS
 
 pytestmark = [pytest.mark.qemu, pytest.mark.timeout(1200)]  # debootstrap on a cold cache
 
 
 @pytest.fixture(scope="module")
 def vm(request: pytest.FixtureRequest) -> Iterator[GuestVM]:
-    require_qemu()
-    if shutil.which("debootstrap") is None:
-        if os.environ.get("CI"):
-            pytest.fail("the systemd image needs debootstrap (.ci/run installs it)")
-        pytest.skip("the systemd image needs debootstrap")
-    vmlinux, kdir = ensure_kernel()
-    work = tempfile.mkdtemp(prefix="guestd-systemd-")
-    guest = GuestVM(
-        work, vmlinux, debian_systemd_initramfs(work, kdir), mem_mb=2048, cmdline=SYSTEMD_CMDLINE, tag="systemd"
-    )
-    failed = request.session.testsfailed
-    try:
+    require_qemu("debootstrap")
+    with running_vm(
+        request,
+        debian_systemd_initramfs,
+        prefix="guestd-systemd-",
+        artifact="systemd-console.log",
+        mem_mb=2048,
+        cmdline=SYSTEMD_CMDLINE,
+        tag="systemd",
+    ) as guest:
         yield guest
-    finally:
-        if request.session.testsfailed > failed:
-            os.makedirs(ARTIFACTS, exist_ok=True)
-            shutil.copy(guest.console_log, os.path.join(ARTIFACTS, "systemd-console.log"))
-        guest.kill()
-        shutil.rmtree(work, ignore_errors=True)
 
 
 def test_the_shipped_unit_and_config_under_systemd(vm: GuestVM) -> None:
