@@ -88,6 +88,43 @@ def test_workload_runs_as_the_configured_user(fresh_guestd: Callable[..., Guestd
         assert c.info().raw["pid"] and os.stat(f"/proc/{c.info().raw['pid']}").st_uid == 0  # guestd stays root
 
 
+@pytest.mark.skipif(os.geteuid() != 0, reason="giving files to another user needs root")
+def test_files_the_host_creates_in_the_workspace_belong_to_the_workload_user(
+    fresh_guestd: Callable[..., Guestd],
+) -> None:
+    import tempfile
+
+    top = tempfile.mkdtemp(prefix="guestd-owner-")
+    os.chmod(top, 0o755)  # the workload user must be able to reach its workspace
+    ws, outside = f"{top}/ws", f"{top}/outside"
+    os.mkdir(outside)
+    g = with_config(fresh_guestd, f'workspace = "{ws}"\n[policy]\nworkload_user = "nobody"\n')
+    try:
+        with g.client() as c:
+            c.write_file(f"{ws}/pkg/mod.py", "x = 1\n", parents=True)
+            c.mkdir(f"{ws}/a/b", parents=True)
+            c.write_file(f"{ws}/log.txt", "one\n", flag="append")
+            c.upload(b"blob", f"{ws}/up/blob.bin", parents=True)
+            with open(f"{ws}/hosts-own.txt", "w") as f:  # an existing file keeps its owner
+                f.write("v1")
+            c.write_file(f"{ws}/hosts-own.txt", "v2")
+            c.write_file(f"{outside}/etc-like.conf", "k = v\n")
+            os.symlink(outside, f"{ws}/escape")
+            c.write_file(f"{ws}/escape/through-link.txt", "no\n")
+            for path in ("ws", "ws/pkg", "ws/pkg/mod.py", "ws/a", "ws/a/b", "ws/log.txt", "ws/up", "ws/up/blob.bin"):
+                assert os.stat(f"{top}/{path}").st_uid == 65534, path
+            for path in ("ws/hosts-own.txt", "outside/etc-like.conf", "outside/through-link.txt"):
+                assert os.stat(f"{top}/{path}").st_uid == 0, path
+            # What the host wrote, the workload can change, next to it too.
+            script = "echo 'y = 2' >> pkg/mod.py && touch pkg/new a/b/c up/more && echo two >> log.txt"
+            r = c.exec(["sh", "-c", script], timeout=30)
+            assert r.exit_code == 0, r.stderr
+    finally:
+        import shutil
+
+        shutil.rmtree(top, ignore_errors=True)
+
+
 @pytest.mark.skipif(os.geteuid() != 0, reason="dropping to another user needs root")
 def test_the_cgroup_step_runs_as_root_before_the_drop_to_the_workload_user(tmp_path: object) -> None:
     # Popen applies user=/group= before preexec_fn, and only root may join the workload cgroup

@@ -173,6 +173,10 @@ def test_pty_size_resize_and_an_interactive_repl(client: Client) -> None:
         assert time.monotonic() < deadline
         time.sleep(0.05)
     client.process_write(repl["id"], "\x03")  # ^C through the terminal: KeyboardInterrupt, REPL lives on
+    # Type on only after the REPL has handled it: ^C flushes the terminal's pending input.
+    while b"KeyboardInterrupt" not in client.process_output(repl["id"], follow=False)[0]:
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
     client.process_write(repl["id"], "exit()\r")
     assert client.process_wait(repl["id"], timeout=20)["exit_code"] == 0
 

@@ -20,6 +20,44 @@ if TYPE_CHECKING:
 
 DEFAULT_PERM = 0o644
 TMP_MARK = ".guestd-tmp-"
+Owner = tuple[int, int] | None  # (uid, gid) for new files and directories; None: guestd's own
+
+
+class WorkspaceOwner:
+    """Who new files and directories belong to: under the workspace, the workload user (when one
+    is configured and guestd is root), so what the host writes there the workload can change;
+    elsewhere guestd's own (root's), so the workload cannot rewrite files the host put in /etc
+    or /usr. Replaced files always keep their owner. Called in an I/O thread (realpath)."""
+
+    def __init__(self, workspace: str, ids: tuple[int, int] | None) -> None:
+        self.root = os.path.realpath(workspace) if workspace and ids is not None else None
+        self.ids = ids
+
+    def __call__(self, path: str) -> Owner:
+        if self.root is None:
+            return None
+        real = os.path.realpath(path)
+        return self.ids if real == self.root or real.startswith(self.root.rstrip("/") + "/") else None
+
+
+def makedirs_owned(path: str, owner: Owner, mode: int = 0o777) -> bool:
+    """``os.makedirs(path, exist_ok=True)`` that gives each directory it creates to ``owner``.
+    True when ``path`` itself was created."""
+    path = os.path.abspath(path)
+    if os.path.isdir(path):
+        return False
+    parent = os.path.dirname(path)
+    if parent != path:
+        makedirs_owned(parent, owner, mode)
+    try:
+        os.mkdir(path, mode)
+    except FileExistsError:
+        if os.path.isdir(path):
+            return False  # someone else made it meanwhile
+        raise
+    if owner is not None:
+        os.chown(path, *owner)
+    return True
 
 
 def _type_name(mode: int) -> str:
@@ -93,14 +131,14 @@ class AtomicFile:
     leaves the old file as it was and removes the temp file.
     """
 
-    def __init__(self, path: str, flag: str, perm: int | None, parents: bool) -> None:
+    def __init__(self, path: str, flag: str, perm: int | None, parents: bool, new_owner: Owner = None) -> None:
         self.path = os.path.abspath(path)
         self.flag = flag
         self.dir = os.path.dirname(self.path)
         if parents:
-            os.makedirs(self.dir, exist_ok=True)
+            makedirs_owned(self.dir, new_owner)
         mode = DEFAULT_PERM if perm is None else perm
-        self.owner: tuple[int, int] | None = None
+        self.owner: Owner = new_owner  # a new file's; a replaced file keeps its old owner
         try:
             old = os.stat(self.path)
         except FileNotFoundError:
@@ -164,14 +202,22 @@ def _fsync_dir(path: str) -> None:
         os.close(fd)
 
 
-def write_whole(path: str, data: bytes, flag: str, perm: int | None, parents: bool) -> dict[str, Any]:
+def write_whole(
+    path: str, data: bytes, flag: str, perm: int | None, parents: bool, new_owner: Owner = None
+) -> dict[str, Any]:
     if flag == "append":
         if parents:
-            os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-        fd = os.open(
-            path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_CLOEXEC, DEFAULT_PERM if perm is None else perm
-        )
+            makedirs_owned(os.path.dirname(os.path.abspath(path)), new_owner)
+        flags = os.O_WRONLY | os.O_APPEND | os.O_CLOEXEC
+        try:  # new (then it gets new_owner) or existing (it keeps its owner)?
+            fd = os.open(path, flags | os.O_CREAT | os.O_EXCL, DEFAULT_PERM if perm is None else perm)
+            created = True
+        except FileExistsError:
+            fd = os.open(path, flags)
+            created = False
         try:
+            if created and new_owner is not None:
+                os.fchown(fd, *new_owner)
             view = memoryview(data)
             while view:
                 view = view[os.write(fd, view) :]
@@ -179,7 +225,7 @@ def write_whole(path: str, data: bytes, flag: str, perm: int | None, parents: bo
             return {"size": os.fstat(fd).st_size}
         finally:
             os.close(fd)
-    f = AtomicFile(path, flag, perm, parents)
+    f = AtomicFile(path, flag, perm, parents, new_owner)
     try:
         f.write(data)
         return {"size": f.commit()}
@@ -231,13 +277,19 @@ def list_dir(path: str, cap: int) -> dict[str, Any]:
     return {"entries": entries, "truncated": truncated}
 
 
-def make_dir(path: str, parents: bool, perm: int) -> dict[str, Any]:
+def make_dir(path: str, parents: bool, perm: int, new_owner: Owner = None) -> dict[str, Any]:
     if parents:
         if os.path.isdir(path):
             return {"created": False}
-        os.makedirs(path, mode=perm, exist_ok=True)
-        return {"created": True}
-    os.mkdir(path, perm)
+        makedirs_owned(os.path.dirname(os.path.abspath(path)), new_owner)
+    try:
+        os.mkdir(path, perm)
+    except FileExistsError:
+        if parents and os.path.isdir(path):
+            return {"created": False}
+        raise
+    if new_owner is not None:
+        os.chown(path, *new_owner)
     return {"created": True}
 
 
@@ -293,10 +345,19 @@ def rename_path(src: str, dst: str, overwrite: bool) -> dict[str, Any]:
 # --------------------------------------------------------------------------- registration
 
 
+def open_atomic(path: str, flag: str, perm: int | None, parents: bool, owner: WorkspaceOwner) -> AtomicFile:
+    return AtomicFile(path, flag, perm, parents, owner(path))
+
+
 def register(daemon: Daemon) -> None:
     limits = daemon.config.limits
     policy = daemon.config.policy
     io = daemon.run_in_io
+    try:
+        ids = policy.workload_ids()
+    except GuestdError:  # a missing workload user: exec and friends report it on use
+        ids = None
+    owner = WorkspaceOwner(daemon.config.workspace or "", ids)
 
     async def op_read(ctx: RequestContext, a: dict[str, Any]) -> dict[str, Any]:
         return await io(_os_call, read_range, a["path"], a["offset"], a["length"], limits.max_read)  # type: ignore[no-any-return]
@@ -305,7 +366,10 @@ def register(daemon: Daemon) -> None:
         policy.check_write(a["path"])
         daemon.snapshot.write_started()  # snapshot.prepare waits for these
         try:
-            return await io(_os_call, write_whole, a["path"], a["data"], a["flag"], a["perm"], a["parents"])  # type: ignore[no-any-return]
+            return await io(  # type: ignore[no-any-return]
+                _os_call,
+                lambda: write_whole(a["path"], a["data"], a["flag"], a["perm"], a["parents"], owner(a["path"])),
+            )
         finally:
             daemon.snapshot.write_finished()
 
@@ -320,7 +384,9 @@ def register(daemon: Daemon) -> None:
 
     async def op_mkdir(ctx: RequestContext, a: dict[str, Any]) -> dict[str, Any]:
         policy.check_write(a["path"])
-        return await io(_os_call, make_dir, a["path"], a["parents"], a["perm"])  # type: ignore[no-any-return]
+        return await io(  # type: ignore[no-any-return]
+            _os_call, lambda: make_dir(a["path"], a["parents"], a["perm"], owner(a["path"]))
+        )
 
     async def op_remove(ctx: RequestContext, a: dict[str, Any]) -> dict[str, Any]:
         policy.check_write(a["path"])
@@ -341,7 +407,7 @@ def register(daemon: Daemon) -> None:
     async def _upload(ctx: RequestContext, a: dict[str, Any]) -> dict[str, Any]:
         policy.check_write(a["path"])
         f: AtomicFile = await daemon.acquire_in_io(
-            _os_call, AtomicFile.abort, AtomicFile, a["path"], a["flag"], a["perm"], a["parents"]
+            _os_call, AtomicFile.abort, open_atomic, a["path"], a["flag"], a["perm"], a["parents"], owner
         )
         try:
             while True:
