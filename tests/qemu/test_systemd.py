@@ -54,6 +54,10 @@ def test_the_shipped_unit_and_config_under_systemd(vm: GuestVM) -> None:
         assert r.stdout.decode().split() == ["sandbox", "0", "0::/guestd-workload"]
         sid = c.shell_create()["id"]
         assert c.shell_run(sid, "cd /tmp && id -u && pwd", timeout=120).stdout == b"1000\n/tmp\n"
+        # What the host writes into the workspace, the workload user can change and add to.
+        c.write_file("/workspace/task/notes.txt", "v1\n", parents=True)
+        r = c.exec(["sh", "-c", "echo v2 >> task/notes.txt && touch task/more"], cwd="/workspace", timeout=120)
+        assert r.exit_code == 0 and c.read_file("/workspace/task/notes.txt") == b"v1\nv2\n", r
         ctx = c.code_create(timeout=300)["id"]
         assert c.code_run("import os; os.getuid()", context=ctx, timeout=300).text == "1000"
         # Enabled by the image's own `systemctl enable` through the unit's [Install] section.
