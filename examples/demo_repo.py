@@ -124,16 +124,15 @@ def pytest_bundle() -> bytes:
     return buf.getvalue()
 
 
-def ensure_pytest(c: Client, python: str, *, deps_dir: str = "/opt/agent-deps", timeout: float = 300) -> dict[str, str]:
+def ensure_pytest(c: Client, python: str, *, deps_dir: str = "/tmp/agent-deps", timeout: float = 300) -> dict[str, str]:
     """Make ``python -m pytest`` work in the guest: nothing to do when it already imports, else
-    unpack this machine's pytest into ``deps_dir``. Returns the env the workload needs."""
+    unpack this machine's pytest into ``deps_dir`` (as the workload: under /tmp by default, so it
+    works when the workload runs as an unprivileged user). Returns the env the workload needs."""
     if c.exec([python, "-c", "import pytest"], timeout=timeout).exit_code == 0:
         return {}
     c.upload(pytest_bundle(), "/tmp/agent-deps.tar.gz")
-    r = c.exec(
-        ["sh", "-c", f"mkdir -p {shlex.quote(deps_dir)} && {python} -m tarfile -e /tmp/agent-deps.tar.gz {deps_dir}"],
-        timeout=timeout,
-    )
+    d = shlex.quote(deps_dir)
+    r = c.exec(["sh", "-c", f"mkdir -p {d} && {python} -m tarfile -e /tmp/agent-deps.tar.gz {d}"], timeout=timeout)
     if r.exit_code != 0:
         raise RuntimeError(f"installing pytest in the guest failed: {r.stderr.decode(errors='replace')}")
     env = {"PYTHONPATH": deps_dir}

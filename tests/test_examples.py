@@ -207,3 +207,19 @@ def test_the_demos_run_as_documented() -> None:
 
 def demo_repo_root() -> str:
     return os.path.dirname(os.path.dirname(os.path.abspath(demo_repo.__file__)))
+
+
+def test_ensure_pytest_installs_it_for_a_python_that_lacks_it() -> None:
+    bare = next((p for p in ("/usr/bin/python3",) if os.path.exists(p)), None)
+    if bare is None or subprocess.run([bare, "-c", "import pytest"], capture_output=True).returncode == 0:
+        pytest.skip("needs a python3 without pytest")
+    guest = LocalGuest()
+    try:
+        with guest.connect() as c:
+            env = demo_repo.ensure_pytest(c, bare, deps_dir=f"{guest.dir}/deps dir")
+            assert env == {"PYTHONPATH": f"{guest.dir}/deps dir"}
+            r = c.exec([bare, "-m", "pytest", "--version"], env=env, timeout=60)
+            assert r.exit_code == 0 and b"pytest" in r.stdout + r.stderr, r
+            assert demo_repo.ensure_pytest(c, sys.executable) == {}  # already there: nothing to do
+    finally:
+        guest.stop()

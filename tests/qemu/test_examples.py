@@ -2,7 +2,7 @@
 and best-of-N over two clones restored from one saved state.
 
 The minimal image has git (guestd-bake --add) but no pytest: the examples install it the way
-an agent runtime would (unpacked into /opt/agent-deps from this machine's copy).
+an agent runtime would (unpacked into /tmp/agent-deps from this machine's copy).
 """
 
 from __future__ import annotations
