@@ -21,7 +21,8 @@ import socket
 import subprocess
 import sys
 import time
-from typing import Any
+from collections.abc import Callable
+from typing import Any, TypeVar
 
 from bench.run import MiB, Proc, peak_rss, pin_servers, summary_ms
 
@@ -102,6 +103,20 @@ def _files(proc: Proc, write: Any, read: Any, tmp: str, size: int) -> dict[str, 
     }
 
 
+H = TypeVar("H")
+
+
+def _cold_starts(start: Callable[[], tuple[subprocess.Popen[bytes], H, float]]) -> tuple[list[float], Proc, H]:
+    """Three starts timed to the first reply (each ended again), then one kept for the rest."""
+    starts = []
+    for _ in range(3):
+        p, _handle, dt = start()
+        starts.append(dt)
+        Proc.adopt(p).stop()
+    p, handle, _ = start()
+    return starts, Proc.adopt(p), handle
+
+
 def measure_qga(tmp: str, n: int) -> dict[str, Any]:
     sock = f"{tmp}/qga.sock"
     state = f"{tmp}/qga-state"
@@ -121,19 +136,7 @@ def measure_qga(tmp: str, n: int) -> dict[str, Any]:
             except OSError:
                 time.sleep(0.001)
 
-    starts = []
-    for _ in range(3):
-        p, q, dt = start()
-        starts.append(dt)
-        q.sock.close()
-        p.terminate()
-        p.wait()
-    import psutil
-
-    p, q, _ = start()
-    proc = Proc.__new__(Proc)
-    proc.p = p
-    proc.ps = psutil.Process(p.pid)
+    starts, proc, q = _cold_starts(start)
     res: dict[str, Any] = {"start_to_first_reply": summary_ms(starts)}
     try:
         time.sleep(0.2)
@@ -185,18 +188,7 @@ def measure_swerex(tmp: str, n: int, venv_bin: str) -> dict[str, Any]:
             except (OSError, http.client.HTTPException, ValueError):
                 time.sleep(0.002)
 
-    starts = []
-    for _ in range(3):
-        p, h, dt = start()
-        starts.append(dt)
-        p.terminate()
-        p.wait()
-    p, h, _ = start()
-    import psutil
-
-    proc = Proc.__new__(Proc)
-    proc.p = p
-    proc.ps = psutil.Process(p.pid)
+    starts, proc, h = _cold_starts(start)
     res: dict[str, Any] = {"start_to_first_reply": summary_ms(starts)}
     try:
         time.sleep(0.3)

@@ -78,6 +78,14 @@ class Proc:
             self.p.stdout.readline()
         self.ps = psutil.Process(self.p.pid)
 
+    @classmethod
+    def adopt(cls, p: subprocess.Popen[bytes]) -> Proc:
+        """Wrap a server someone else started (and waited on for readiness)."""
+        proc = cls.__new__(cls)
+        proc.p = p
+        proc.ps = psutil.Process(p.pid)
+        return proc
+
     def rss(self) -> int:
         return int(self.ps.memory_info().rss)
 
