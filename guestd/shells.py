@@ -204,40 +204,34 @@ class Session:
             self._exited.set_result(None)
 
     def _on_output(self, which: int) -> None:
+        self._read_once(which)
+
+    def _read_once(self, which: int) -> bool:
+        """One read from a pipe, routed to the running command's capture (or counted as stray).
+        False when nothing is ready or the pipe has ended."""
         fd = self._fds.get(which)
         if fd is None:
-            return
+            return False
         data = read_chunk(fd, READ_SIZE)
         if data is None:
-            return
+            return False
         if not data:
             asyncio.get_running_loop().remove_reader(fd)
             del self._fds[which]
-            return
+            return False
         self._last_output = time.monotonic()
         if self._caps is not None:
             self._caps[which].feed(data)
         else:
             self.stray_bytes += len(data)
+        return True
 
     def _drain_output(self) -> None:
         """Read whatever is in the pipes right now (bounded: at most 64 reads per stream)."""
         for which in list(self._fds):
             for _ in range(64):
-                fd = self._fds.get(which)
-                if fd is None:
+                if not self._read_once(which):
                     break
-                data = read_chunk(fd, READ_SIZE)
-                if data is None:
-                    break
-                if not data:
-                    asyncio.get_running_loop().remove_reader(fd)
-                    del self._fds[which]
-                    break
-                if self._caps is not None:
-                    self._caps[which].feed(data)
-                else:
-                    self.stray_bytes += len(data)
 
     def _on_ctl(self) -> None:
         try:
