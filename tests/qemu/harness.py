@@ -89,6 +89,19 @@ def ensure_kernel() -> tuple[str, str]:
     return vmlinux, kdir
 
 
+def guestd_bake(root: str, *args: str) -> None:
+    """Run guestd-bake from this checkout; pip's chatter stays out of the way unless it fails."""
+    r = subprocess.run(
+        [sys.executable, "-m", "guestd.bake", root, *args],
+        cwd=REPO,
+        env={**os.environ, "PYTHONPATH": REPO},
+        capture_output=True,
+        text=True,
+    )
+    if r.returncode != 0:
+        raise RuntimeError(f"guestd-bake failed ({r.returncode}):\n{r.stdout[-3000:]}\n{r.stderr[-5000:]}")
+
+
 def bake_initramfs(workdir: str, kdir: str, add: Sequence[str] = ()) -> str:
     """Bake the test image; ``add``: host paths copied in too (``guestd-bake --add``)."""
     root = os.path.join(workdir, "root")
@@ -96,28 +109,17 @@ def bake_initramfs(workdir: str, kdir: str, add: Sequence[str] = ()) -> str:
     with open(cfg, "w") as f:
         f.write(GUEST_CONFIG)
     out = os.path.join(workdir, "initramfs.cpio")
-    r = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "guestd.bake",
-            root,
-            "--busybox",
-            "--kernel-modules",
-            kdir,
-            "--config",
-            cfg,
-            "--initramfs",
-            out,
-            *[a for path in add for a in ("--add", path)],
-        ],
-        cwd=REPO,
-        env={**os.environ, "PYTHONPATH": REPO},
-        capture_output=True,
-        text=True,
+    guestd_bake(
+        root,
+        "--busybox",
+        "--kernel-modules",
+        kdir,
+        "--config",
+        cfg,
+        "--initramfs",
+        out,
+        *[a for path in add for a in ("--add", path)],
     )
-    if r.returncode != 0:  # pip's chatter stays out of the way unless the bake fails
-        raise RuntimeError(f"guestd-bake failed ({r.returncode}):\n{r.stdout[-3000:]}\n{r.stderr[-5000:]}")
     return out
 
 
@@ -358,15 +360,7 @@ def debian_systemd_initramfs(workdir: str, kdir: str) -> str:
         open(os.path.join(pristine, ".complete"), "w").close()
     root = os.path.join(workdir, "debian-root")
     subprocess.run(["cp", "-a", pristine, root], check=True)
-    r = subprocess.run(
-        [sys.executable, "-m", "guestd.bake", root, "--kernel-modules", kdir],
-        cwd=REPO,
-        env={**os.environ, "PYTHONPATH": REPO},
-        capture_output=True,
-        text=True,
-    )
-    if r.returncode != 0:
-        raise RuntimeError(f"guestd-bake failed ({r.returncode}):\n{r.stderr[-5000:]}")
+    guestd_bake(root, "--kernel-modules", kdir)
     kver = os.listdir(os.path.join(kdir, "lib", "modules"))[0]
     subprocess.run(["/sbin/depmod", "-b", root, kver], check=True, capture_output=True)
     # The image's own systemctl, as an image build would run it.
