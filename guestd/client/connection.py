@@ -1,9 +1,10 @@
-"""Client side of one connection: framing, id allocation, demultiplexing, flow control.
+"""Client side of one connection: the asyncio adapter around the sans-I/O ``ClientSession``.
 
-Everything the guest sends is treated as hostile: frames above the negotiated
-size, malformed bodies, stream data beyond the credit we granted, or replies of
-the wrong shape end the connection with :class:`GuestProtocolError`, and every
-wait has a deadline.
+The session core (``guestd/wire/session.py``) owns the protocol rules it shares with
+the server: framing, ids, credit and frame sizes. Everything the guest sends is
+treated as hostile: frames above the negotiated size, malformed bodies, stream data
+beyond the credit we granted, or replies of the wrong shape end the connection with
+:class:`GuestProtocolError`, and every wait has a deadline.
 """
 
 from __future__ import annotations
@@ -18,27 +19,23 @@ from typing import Any, cast
 from guestd import __version__
 from guestd.flow import WriteGate
 from guestd.wire.errors import ErrorCode, GuestdError
-from guestd.wire.frames import (
-    DEFAULT_MAX_FRAME,
-    FrameDecoder,
-    FramingError,
-    Kind,
-    OversizeFrame,
-    encode_data_frame,
-    encode_frame,
+from guestd.wire.frames import DEFAULT_MAX_FRAME
+from guestd.wire.schema import OPS_BY_NAME, PROTOCOL_VERSION
+from guestd.wire.session import (
+    ClientSession,
+    ConnectionFailed,
+    CreditGranted,
+    ErrorReceived,
+    EventReceived,
+    HelloAccepted,
+    PeerViolation,
+    ResponseReceived,
 )
-from guestd.wire.messages import decode_body
-from guestd.wire.schema import HELLO_SERVER, OPS_BY_NAME, PROTOCOL_VERSION, validate
 
 DEFAULT_WINDOW = 4 * 1024 * 1024
 MAX_PENDING_EVENTS = 4096  # non-data events queued per stream before we call it abuse
 
-
-class GuestProtocolError(GuestdError):
-    """The guest broke the protocol; the connection is closed."""
-
-    def __init__(self, message: str) -> None:
-        super().__init__(ErrorCode.PROTOCOL_ERROR, message)
+GuestProtocolError = PeerViolation  # the guest broke the protocol; the connection is closed
 
 
 class ConnectionClosed(GuestdError):
@@ -53,7 +50,7 @@ class Call:
     input-credit waiter are made on first use, so the common path stays cheap.
     """
 
-    __slots__ = ("_events", "_waiter", "conn", "future", "id", "input_credit", "op", "queued_small", "unacked")
+    __slots__ = ("_events", "_waiter", "conn", "future", "id", "op", "queued_small")
 
     def __init__(self, conn: ClientConnection, req_id: int, op: str) -> None:
         self.conn = conn
@@ -62,9 +59,7 @@ class Call:
         self.future: asyncio.Future[dict[str, Any]] = conn.loop.create_future()
         self._events: deque[dict[str, Any]] | None = None
         self._waiter: asyncio.Future[None] | None = None  # a consumer or an input sender waits here
-        self.unacked = 0  # stream bytes received but not yet consumed
         self.queued_small = 0
-        self.input_credit = conn.stream_window
 
     def _wake(self) -> None:
         w = self._waiter
@@ -81,12 +76,8 @@ class Call:
             self._waiter = None
 
     def on_event(self, body: dict[str, Any]) -> None:
-        data = body.get("data")
-        if isinstance(data, bytes):
-            self.unacked += len(data)
-            if self.unacked > self.conn.stream_window + self.conn.max_frame:
-                raise GuestProtocolError(f"guest sent {self.unacked} stream bytes beyond the granted window")
-        else:
+        # Data is bounded by the credit the session enforces; other events by count.
+        if not isinstance(body.get("data"), bytes):
             self.queued_small += 1
             if self.queued_small > MAX_PENDING_EVENTS:
                 raise GuestProtocolError("guest flooded a stream with events")
@@ -113,9 +104,8 @@ class Call:
         body = self._events.popleft()
         data = body.get("data")
         if isinstance(data, bytes):
-            self.unacked -= len(data)
-            if not self.future.done():
-                self.conn.send(Kind.WINDOW, self.id, {"bytes": len(data)})
+            if data and not self.future.done():
+                self.conn.grant(self.id, len(data))
         else:
             self.queued_small -= 1
         return body
@@ -127,44 +117,59 @@ class Call:
                 return
             yield ev
 
-    def grant_input(self, n: int) -> None:
-        self.input_credit += n
+    def on_credit(self) -> None:
         self._wake()
 
     async def send_input(self, body: dict[str, Any], timeout: float | None = None) -> None:
-        """Send one INPUT frame; a ``data`` chunk waits for the guest's WINDOW credit."""
+        """Send INPUT; ``data`` is cut into frames within the guest's credit and max_frame."""
+        session = self.conn.session
         data = body.get("data")
-        if isinstance(data, bytes):
-            while self.input_credit <= 0 and not self.future.done():
+        if not isinstance(data, bytes):
+            if not self.future.done():
+                self.conn.check_open()
+                session.send_input(self.id, body)
+                self.conn.flush()
+                await self.conn.drain()
+            return
+        fields = {k: v for k, v in body.items() if k != "data"}
+        view = memoryview(data)
+        while view and not self.future.done():
+            self.conn.check_open()
+            room = session.data_room(self.id, fields)
+            if room <= 0:
+                if self.id not in session.streams:
+                    return
                 await self._wait(timeout)
-            if self.future.done():
-                return
-            self.input_credit -= len(data)
-            fields = {k: v for k, v in body.items() if k != "data"}
-            self.conn.send_data(Kind.INPUT, self.id, fields, data)
-        else:
-            if self.future.done():
-                return
-            self.conn.send(Kind.INPUT, self.id, body)
-        await self.conn.drain()
+                continue
+            piece = data if room >= len(view) and len(view) == len(data) else bytes(view[:room])
+            session.send_input_data(self.id, fields, piece)
+            self.conn.flush()
+            view = view[len(piece) :]
+            await self.conn.drain()
 
     def cancel(self) -> None:
-        self.conn.send(Kind.CANCEL, self.id, {})
+        self.conn.session.cancel(self.id, forget=False)
+        self.conn.flush()
 
 
 class ClientConnection(asyncio.Protocol):
     def __init__(self, max_frame: int = DEFAULT_MAX_FRAME, stream_window: int = DEFAULT_WINDOW) -> None:
-        self.max_frame = max_frame
-        self.stream_window = stream_window
-        self.decoder = FrameDecoder(max_frame)
+        self.session = ClientSession(ops=OPS_BY_NAME, max_frame=max_frame, stream_window=stream_window)
         self.transport: asyncio.Transport | None = None
         self.calls: dict[int, Call] = {}
         self.hello: dict[str, Any] | None = None
         self.loop = asyncio.get_running_loop()
         self._hello_future: asyncio.Future[dict[str, Any]] = self.loop.create_future()
-        self._next_id = 1
         self._closed_exc: BaseException | None = None
         self._gate = WriteGate()
+
+    @property
+    def max_frame(self) -> int:
+        return self.session.max_frame
+
+    @property
+    def stream_window(self) -> int:
+        return self.session.stream_window
 
     # -- set-up ---------------------------------------------------------------------
     @classmethod
@@ -196,17 +201,15 @@ class ClientConnection(asyncio.Protocol):
         hello: dict[str, Any] = {
             "versions": [PROTOCOL_VERSION],
             "client": f"guestd-client/{__version__}",
-            "max_frame": self.max_frame,
-            "stream_window": self.stream_window,
+            "max_frame": self.session.max_frame,
+            "stream_window": self.session.stream_window,
             "time_ns": time.time_ns(),  # lets a guest that missed a restore notice its stale clock
         }
         if token is not None:
             hello["token"] = token
-        self.send(Kind.HELLO, 0, hello)
-        body = await self._hello_future
-        self.hello = validate(HELLO_SERVER, body)
-        # The server may lower, never raise, what we offered.
-        self.stream_window = min(self.stream_window, self.hello["stream_window"])
+        self.session.send_hello(hello)
+        self.flush()
+        self.hello = await self._hello_future
 
     # -- asyncio.Protocol ---------------------------------------------------------------
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
@@ -215,53 +218,35 @@ class ClientConnection(asyncio.Protocol):
         self.transport.set_write_buffer_limits(high=2 * 1024 * 1024)
 
     def data_received(self, data: bytes) -> None:
-        self.decoder.feed(data)
         try:
-            while True:
-                frame = self.decoder.next_frame()
-                if frame is None:
-                    return
-                if isinstance(frame, OversizeFrame):
-                    raise GuestProtocolError(f"guest sent a {frame.length}-byte frame (max {self.max_frame})")
-                self._on_frame(frame.kind, frame.id, frame.payload)
-        except FramingError as exc:
-            self._abort(GuestProtocolError(str(exc)))
+            for event in self.session.receive_data(data):
+                self._on_event(event)
         except GuestdError as exc:
             self._abort(exc if isinstance(exc, GuestProtocolError) else GuestProtocolError(exc.message))
+        self.flush()
 
-    def _on_frame(self, kind: int, req_id: int, payload: bytes) -> None:
-        body = decode_body(payload)
-        if kind == Kind.HELLO:
+    def _on_event(self, event: object) -> None:
+        if isinstance(event, EventReceived):
+            call = self.calls.get(event.id)
+            if call is not None:
+                call.on_event(event.body)
+        elif isinstance(event, ResponseReceived):
+            call = self.calls.pop(event.id, None)
+            if call is not None:
+                call.finish(event.body, None)
+        elif isinstance(event, ErrorReceived):
+            call = self.calls.pop(event.id, None)
+            if call is not None:
+                call.finish(None, event.error)
+        elif isinstance(event, CreditGranted):
+            call = self.calls.get(event.id)
+            if call is not None:
+                call.on_credit()
+        elif isinstance(event, HelloAccepted):
             if not self._hello_future.done():
-                self._hello_future.set_result(body)
-            return
-        if kind == Kind.ERROR and req_id == 0:
-            err = GuestdError.from_body(body)
-            if not self._hello_future.done():
-                self._hello_future.set_exception(err)
-            self._abort(err)
-            return
-        call = self.calls.get(req_id)
-        if call is None:
-            return  # a late frame for a call we gave up on
-        if kind == Kind.RESPONSE:
-            del self.calls[req_id]
-            spec = OPS_BY_NAME.get(call.op)
-            try:
-                checked = validate(spec.result, body) if spec is not None else body
-            except GuestdError as err:
-                call.finish(None, GuestProtocolError(f"malformed {call.op} reply: {err.message}"))
-                return
-            call.finish(checked, None)
-        elif kind == Kind.ERROR:
-            del self.calls[req_id]
-            call.finish(None, GuestdError.from_body(body))
-        elif kind == Kind.EVENT:
-            call.on_event(body)
-        elif kind == Kind.WINDOW:
-            n = body.get("bytes")
-            if isinstance(n, int) and not isinstance(n, bool) and 0 < n <= self.stream_window * 4:
-                call.grant_input(n)
+                self._hello_future.set_result(event.hello)
+        elif isinstance(event, ConnectionFailed):
+            self._abort(event.error)
 
     def connection_lost(self, exc: Exception | None) -> None:
         self._abort(ConnectionClosed(f"connection lost: {exc}" if exc else "connection closed by guest"))
@@ -273,9 +258,12 @@ class ClientConnection(asyncio.Protocol):
         self._gate.resume()
 
     async def drain(self) -> None:
+        self.check_open()
+        await self._gate.wait()
+
+    def check_open(self) -> None:
         if self._closed_exc is not None:
             raise self._closed_exc
-        await self._gate.wait()
 
     def _abort(self, exc: BaseException) -> None:
         if self._closed_exc is None:
@@ -297,33 +285,21 @@ class ClientConnection(asyncio.Protocol):
     def close(self) -> None:
         self._abort(ConnectionClosed("closed by client"))
 
-    def send(self, kind: int, req_id: int, body: dict[str, Any]) -> None:
-        if self._closed_exc is not None:
-            raise self._closed_exc
-        assert self.transport is not None
-        self.transport.write(encode_frame(kind, req_id, body))
+    def flush(self) -> None:
+        out = self.session.data_to_send()
+        if out and self.transport is not None and self._closed_exc is None:
+            self.transport.writelines(out)
 
-    def send_data(self, kind: int, req_id: int, fields: dict[str, Any], data: bytes) -> None:
-        if self._closed_exc is not None:
-            raise self._closed_exc
-        assert self.transport is not None
-        head, body = encode_data_frame(kind, req_id, fields, data)
-        self.transport.write(head)
-        self.transport.write(body)
-
-    def _alloc_id(self) -> int:
-        while True:
-            rid = self._next_id
-            self._next_id = rid + 1 if rid < 0xFFFFFFFF else 1
-            if rid not in self.calls:
-                return rid
+    def grant(self, req_id: int, nbytes: int) -> None:
+        self.session.grant(req_id, nbytes)
+        self.flush()
 
     def start(self, op: str, args: dict[str, Any]) -> Call:
-        if self._closed_exc is not None:
-            raise self._closed_exc
-        call = Call(self, self._alloc_id(), op)
-        self.calls[call.id] = call
-        self.send(Kind.REQUEST, call.id, {"op": op, "args": args})
+        self.check_open()
+        req_id = self.session.start(op, args)
+        call = Call(self, req_id, op)
+        self.calls[req_id] = call
+        self.flush()
         return call
 
     async def wait(self, call: Call, timeout: float | None) -> dict[str, Any]:
@@ -343,21 +319,20 @@ class ClientConnection(asyncio.Protocol):
     def _expire(self, call: Call, timeout: float) -> None:
         if call.future.done():
             return
+        self._drop(call)
+        call.finish(None, GuestdError(ErrorCode.TIMEOUT, f"{call.op}: no reply within {timeout} s (request cancelled)"))
+
+    def _drop(self, call: Call) -> None:
+        """Cancel ``call`` in the guest and ignore whatever it still sends."""
         if self.calls.get(call.id) is call:
             del self.calls[call.id]
-            try:
-                call.cancel()
-            except GuestdError:
-                pass
-        call.finish(None, GuestdError(ErrorCode.TIMEOUT, f"{call.op}: no reply within {timeout} s (request cancelled)"))
+            if self._closed_exc is None:
+                self.session.cancel(call.id, forget=True)
+                self.flush()
 
     def _forget(self, call: Call) -> None:
         if self.calls.get(call.id) is call:
-            try:
-                call.cancel()
-            except GuestdError:
-                pass
-            del self.calls[call.id]
+            self._drop(call)
             call.future.cancel()
             call._wake()
 

@@ -27,13 +27,13 @@ from guestd.proctree import (
     try_reap,
 )
 from guestd.wire.errors import ErrorCode, GuestdError, limit_error
-from guestd.wire.frames import Kind
 
 if TYPE_CHECKING:
     from guestd.server.connection import RequestContext
     from guestd.server.daemon import Daemon
 
 READ_SIZE = 256 * 1024
+_STREAM_FIELDS = {1: {"ev": "stdout"}, 2: {"ev": "stderr"}}
 
 
 def parse_signal(value: Any) -> int | None:
@@ -202,7 +202,15 @@ class ExecRun:
             self.loop.remove_reader(self.fds[which])
 
     def _on_readable(self, which: int) -> None:
-        data = read_chunk(self.fds[which], READ_SIZE)
+        size = READ_SIZE
+        if self.stream:
+            # Read no more than one frame within the client's credit can carry, so no
+            # event ever exceeds the client's max_frame or its window.
+            size = min(size, self.ctx.data_room(_STREAM_FIELDS[which]))
+            if size <= 0:
+                self._wait_for_client()
+                return
+        data = read_chunk(self.fds[which], size)
         if data is None:
             return
         if not data:
@@ -213,15 +221,16 @@ class ExecRun:
             self.caps[which].feed(data)
             return
         self.caps[which].total += len(data)  # streamed, not kept: only counted
-        ev = "stdout" if which == 1 else "stderr"
-        self.ctx.take_credit(len(data))
-        self.ctx.conn.send_data(Kind.EVENT, self.ctx.id, {"ev": ev}, data)
-        if not self.ctx.has_credit() or self.ctx.conn.write_paused:
-            # The client is behind: stop reading so the process blocks on its pipe,
-            # instead of buffering without bound here.
-            self._pause_reading()
-            if self.resume_task is None or self.resume_task.done():
-                self.resume_task = self.loop.create_task(self._resume_when_ready())
+        self.ctx.push_data(_STREAM_FIELDS[which], data)
+        if self.ctx.data_room(_STREAM_FIELDS[which]) <= 0 or self.ctx.conn.write_paused:
+            self._wait_for_client()
+
+    def _wait_for_client(self) -> None:
+        # The client is behind: stop reading so the process blocks on its pipe,
+        # instead of buffering without bound here.
+        self._pause_reading()
+        if self.resume_task is None or self.resume_task.done():
+            self.resume_task = self.loop.create_task(self._resume_when_ready())
 
     async def _resume_when_ready(self) -> None:
         await self.ctx.wait_credit()
@@ -290,7 +299,10 @@ class ExecRun:
                 pass
         # Whatever is still readable right now belongs to the result.
         for which in list(self.open_fds):
-            self._drain_now(which)
+            if self.stream:
+                await self._drain_to_client(which)
+            else:
+                self._drain_now(which)
         return self.result()
 
     def _drain_now(self, which: int) -> None:
@@ -299,11 +311,22 @@ class ExecRun:
             data = read_chunk(fd, READ_SIZE)
             if not data:
                 return
-            if self.stream:
-                self.caps[which].total += len(data)
-                self.ctx.conn.send_data(Kind.EVENT, self.ctx.id, {"ev": "stdout" if which == 1 else "stderr"}, data)
-            else:
-                self.caps[which].feed(data)
+            self.caps[which].feed(data)
+
+    async def _drain_to_client(self, which: int) -> None:
+        fd, fields = self.fds[which], _STREAM_FIELDS[which]
+        for _ in range(64):
+            room = self.ctx.data_room(fields)
+            if room <= 0:
+                if not self.ctx.active:
+                    return
+                await self.ctx.wait_credit()
+                continue
+            data = read_chunk(fd, min(READ_SIZE, room))
+            if not data:
+                return
+            self.caps[which].total += len(data)
+            self.ctx.push_data(fields, data)
 
     def result(self) -> dict[str, Any]:
         status = self.status if self.status is not None else 0
@@ -425,7 +448,7 @@ def register(daemon: Daemon) -> None:
         try:
             run.start()
             if run.stream:
-                ctx.conn.send(Kind.EVENT, ctx.id, {"ev": "started", "pid": run.pid})
+                ctx.post_event({"ev": "started", "pid": run.pid})
             if stdin_pipe:
                 helpers.append(
                     run.loop.create_task(_feed_stdin(run, args["stdin"] if not args["stdin_stream"] else None))

@@ -424,6 +424,9 @@ def register(daemon: Daemon) -> None:
                     ctx.ack_input(len(data))
                 if body.get("eof"):
                     break
+            # Past eof the upload commits: a cancel arriving now must not answer "cancelled"
+            # for a file that is then in place, so the reply reports what really happened.
+            ctx.cancel_shielded = True
             if a["size"] is not None and f.size != a["size"]:
                 raise GuestdError(
                     ErrorCode.BAD_REQUEST,

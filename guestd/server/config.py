@@ -17,7 +17,8 @@ HOST_CID = 2
 class Limits:
     max_frame: int = DEFAULT_MAX_FRAME  # payload bytes, both directions
     max_inflight: int = 4096  # requests in flight per connection
-    max_connections: int = 256
+    max_connections: int = 256  # when full, the oldest connection still without a hello is closed
+    hello_timeout_s: float = 10.0  # a connection that sends no hello by then is closed
     stream_window: int = 4 * 1024 * 1024  # initial credit per stream, bytes
     max_chunk: int = 1024 * 1024  # bytes per data EVENT / INPUT
     max_output: int = 1024 * 1024  # bytes kept per stream by exec capture

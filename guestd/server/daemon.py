@@ -18,6 +18,7 @@ from guestd.server.connection import Connection
 from guestd.server.dispatch import Dispatcher
 from guestd.server.reaper import Reaper
 from guestd.server.transports import Listener, listen, parse_listen
+from guestd.wire.errors import ErrorCode, GuestdError
 
 if TYPE_CHECKING:
     from concurrent.futures import ThreadPoolExecutor
@@ -88,7 +89,20 @@ class Daemon:
     # -- connections ------------------------------------------------------------------
     def connection_opened(self, conn: Connection) -> bool:
         if len(self.connections) >= self.config.limits.max_connections:
-            return False
+            # Peers that never said hello must not lock the host out: the oldest of them
+            # makes room. Only when every slot has a handshaken peer is the newcomer refused.
+            silent = [c for c in self.connections if c.awaiting_hello]
+            if not silent:
+                return False
+            oldest = min(silent, key=lambda c: c.opened_at)
+            self.connections.discard(oldest)
+            oldest.refuse(
+                GuestdError(
+                    ErrorCode.LIMIT,
+                    "connection slots are full; the oldest connection without a hello was closed",
+                    details={"limit": "max_connections"},
+                )
+            )
         self.connections.add(conn)
         return True
 
@@ -124,7 +138,7 @@ class Daemon:
             "stream_window": conn.stream_window,
             "max_frame": conn.peer_max_frame,
             "boot_id": self.boot_id,
-            "session": conn.session,
+            "session": conn.session_id,
         }
 
     async def run_in_io(self, fn: Any, *args: Any) -> Any:
@@ -245,9 +259,10 @@ class Daemon:
         log.info("shutting down")
         for listener in self.listeners:
             listener.close()
-        tasks = [ctx.task for c in self.connections for ctx in c.inflight.values() if ctx.task is not None]
-        for t in tasks:
-            t.cancel()
+        requests = [ctx for c in self.connections for ctx in c.requests.values() if ctx.task is not None]
+        tasks = [ctx.task for ctx in requests if ctx.task is not None]
+        for ctx in requests:
+            ctx.cancel("shutdown")
         if tasks:
             # Exec handlers kill their process trees on cancel; give them their grace.
             await asyncio.wait(tasks, timeout=5.0)

@@ -28,12 +28,14 @@ class Route:
 class Dispatcher:
     def __init__(self) -> None:
         self.routes: dict[str, Route] = {}
+        self.specs: dict[str, OpSpec] = {}  # the ops served: what the session core admits
 
     def add(self, op: str, handler: Handler | None = None, *, inline: InlineHandler | None = None) -> None:
         spec = OPS_BY_NAME[op]  # KeyError here is a programming error: ops must be in the schema
         if (handler is None) == (inline is None):
             raise ValueError("give exactly one of handler / inline")
         self.routes[op] = Route(spec, handler, inline)
+        self.specs[op] = spec
 
     def lookup(self, op: str) -> Route:
         route = self.routes.get(op)

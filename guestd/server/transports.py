@@ -85,6 +85,7 @@ class FdTransport(asyncio.Transport):
         self._closing = False
         self._paused_proto = False
         self._reading = False
+        self._reading_paused = False  # by the protocol, while its peer does not read
         self._poll_handle: asyncio.TimerHandle | None = None
         os.set_blocking(fd, False)
         protocol.connection_made(self)
@@ -92,9 +93,22 @@ class FdTransport(asyncio.Transport):
 
     # -- reading ------------------------------------------------------------------
     def _start_reading(self) -> None:
-        if not self._reading and not self._closing:
+        if not self._reading and not self._closing and not self._reading_paused:
             self._loop.add_reader(self._fd, self._on_readable)
             self._reading = True
+
+    def pause_reading(self) -> None:
+        self._reading_paused = True
+        self._stop_reading()
+
+    def resume_reading(self) -> None:
+        if self._reading_paused:
+            self._reading_paused = False
+            if self._poll_handle is None:  # a serial port waiting for its host polls instead
+                self._start_reading()
+
+    def is_reading(self) -> bool:
+        return self._reading
 
     def _stop_reading(self) -> None:
         if self._reading:

@@ -60,6 +60,11 @@ HELLO = encode_frame(Kind.HELLO, 0, {"versions": [1]})
 
 
 def one_input(data: bytes) -> None:
+    loop.run_until_complete(serve_one(data))
+
+
+async def serve_one(data: bytes) -> None:
+    # Inside the loop, as asyncio calls a protocol: handlers become tasks, timers are set.
     fdp = atheris.FuzzedDataProvider(data)
     conn = Connection(daemon, "fuzz")
     sink = Sink()
@@ -70,11 +75,11 @@ def one_input(data: bytes) -> None:
         conn.data_received(fdp.ConsumeBytes(fdp.ConsumeIntInRange(1, 512)))
         if sink.closed:
             break
-        loop.run_until_complete(asyncio.sleep(0))
+        await asyncio.sleep(0)
     for _ in range(3):
-        loop.run_until_complete(asyncio.sleep(0))
+        await asyncio.sleep(0)
     conn.connection_lost(None)
-    loop.run_until_complete(asyncio.sleep(0))
+    await asyncio.sleep(0)
     dec = FrameDecoder(1 << 30)
     dec.feed(bytes(sink.out))
     while (frame := dec.next_frame()) is not None:  # raises on a malformed reply stream

@@ -1,0 +1,707 @@
+"""Sans-I/O session core: the protocol's rules for one connection, for both ends.
+
+Bytes in, events out; calls in, bytes out (the shape of h11's ``Connection`` and
+websockets' ``Protocol``). ``ServerSession`` and ``ClientSession`` share framing,
+the in-flight table, credit in both directions and the frame-size rules; the
+asyncio adapters in ``guestd/server/connection.py`` and ``guestd/client/connection.py``
+only move bytes and run tasks. Nothing here does I/O or knows about the event loop,
+so every rule is unit-tested without sockets (tests/test_session.py).
+
+Rules this module owns (PROTOCOL.md sections 3-6):
+
+* Every request ends with exactly one final frame (RESPONSE or ERROR). When the
+  core refuses a request's input it sends the final ERROR itself, at once, and
+  reports :class:`RequestAborted` so the handler stops; anything the handler
+  sends later for that id is dropped.
+* No frame exceeds the peer's negotiated ``max_frame``: data is cut to
+  :meth:`Session.data_room`, which is the smaller of the stream's credit and the
+  room left in one frame after its other fields.
+* Credit is strict in both directions: a data frame may carry at most the
+  sender's remaining credit for that stream; one byte more is a violation
+  (``limit`` for the request on the server, a protocol error on the client).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from enum import Enum
+from typing import Any
+
+import msgpack
+
+from guestd.wire.errors import ErrorCode, GuestdError, too_large
+from guestd.wire.frames import (
+    HEADER_SIZE,
+    MAX_ID,
+    Frame,
+    FrameDecoder,
+    FramingError,
+    Kind,
+    OversizeFrame,
+    encode_data_frame,
+    encode_frame,
+)
+from guestd.wire.messages import decode_body, split_request
+from guestd.wire.schema import (
+    HELLO_CLIENT,
+    HELLO_SERVER,
+    SUPPORTED_VERSIONS,
+    WINDOW_BODY,
+    OpSpec,
+    validate,
+)
+
+# Floors of the negotiated values: a hello reply alone is ~900 bytes, and a window
+# smaller than one read would turn every stream into a stop-and-go of tiny frames.
+MIN_MAX_FRAME = 64 * 1024
+MIN_STREAM_WINDOW = 64 * 1024
+
+# Bytes a data frame's body spends on its "data" key and a bin32 header.
+_DATA_KEY_OVERHEAD = 5 + 5
+
+
+def data_overhead(fields: Mapping[str, Any]) -> int:
+    """Payload bytes of a data frame ``{**fields, "data": ...}`` that are not data."""
+    size = 1  # fixmap header (data frames have at most 15 fields)
+    for key, value in fields.items():
+        size += len(msgpack.packb(key)) + len(msgpack.packb(value, use_bin_type=True))
+    return size + _DATA_KEY_OVERHEAD
+
+
+class Phase(Enum):
+    AWAIT_HELLO = "await_hello"
+    OPEN = "open"
+    CLOSED = "closed"
+
+
+# ----------------------------------------------------------------------------- events
+# Frozen, slotted records: what the peer did, in the order it did it.
+
+
+@dataclass(frozen=True, slots=True)
+class HelloReceived:
+    """Server: a well-formed client hello with a common version. Nothing has taken
+    effect yet: the adapter checks the token and peer, then calls ``accept_hello``."""
+
+    hello: dict[str, Any]
+
+
+@dataclass(frozen=True, slots=True)
+class SessionReset:
+    """Server, serial links only: a new host sent a hello; every request of the old one is gone."""
+
+    dropped: tuple[int, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class RequestReceived:
+    id: int
+    op: str
+    args: dict[str, Any]
+
+
+@dataclass(frozen=True, slots=True)
+class InputReceived:
+    id: int
+    body: dict[str, Any]
+
+
+@dataclass(frozen=True, slots=True)
+class CreditGranted:
+    """The peer granted ``nbytes`` more stream credit for request ``id``."""
+
+    id: int
+    nbytes: int
+
+
+@dataclass(frozen=True, slots=True)
+class CancelRequested:
+    id: int
+
+
+@dataclass(frozen=True, slots=True)
+class RequestAborted:
+    """Server: the core already sent request ``id``'s final ERROR; its handler must stop."""
+
+    id: int
+    error: GuestdError
+
+
+@dataclass(frozen=True, slots=True)
+class HelloAccepted:
+    """Client: the server's validated hello; negotiated values are in effect."""
+
+    hello: dict[str, Any]
+
+
+@dataclass(frozen=True, slots=True)
+class ResponseReceived:
+    id: int
+    body: dict[str, Any]
+
+
+@dataclass(frozen=True, slots=True)
+class ErrorReceived:
+    id: int
+    error: GuestdError
+
+
+@dataclass(frozen=True, slots=True)
+class EventReceived:
+    id: int
+    body: dict[str, Any]
+
+
+@dataclass(frozen=True, slots=True)
+class ConnectionFailed:
+    """The connection cannot continue; the adapter flushes what is queued and closes."""
+
+    error: GuestdError
+
+
+Event = (
+    HelloReceived
+    | SessionReset
+    | RequestReceived
+    | InputReceived
+    | CreditGranted
+    | CancelRequested
+    | RequestAborted
+    | HelloAccepted
+    | ResponseReceived
+    | ErrorReceived
+    | EventReceived
+    | ConnectionFailed
+)
+
+
+class PeerViolation(GuestdError):
+    """The peer broke the protocol; the connection is closed."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__(ErrorCode.PROTOCOL_ERROR, message)
+
+
+# ----------------------------------------------------------------------------- streams
+
+
+class Stream:
+    """One request in flight, as either end sees it.
+
+    ``send_credit``: bytes of data this end may still send on the stream.
+    ``receive_allowance``: bytes of data the peer may still send before this end grants more.
+    """
+
+    __slots__ = ("accepts_input", "id", "op", "receive_allowance", "send_credit", "spec")
+
+    def __init__(self, req_id: int, op: str, spec: OpSpec | None, send_credit: int, receive_allowance: int) -> None:
+        self.id = req_id
+        self.op = op
+        self.spec = spec
+        self.send_credit = send_credit
+        self.receive_allowance = receive_allowance
+        self.accepts_input = bool(spec is not None and spec.input)
+
+
+# ----------------------------------------------------------------------------- shared core
+
+
+class Session:
+    """Framing, output queue, in-flight table and the data-frame rules of both ends."""
+
+    def __init__(self, *, max_frame: int, stream_window: int) -> None:
+        self.max_frame = max_frame  # the largest payload we accept
+        self.peer_max_frame = max_frame  # the largest payload we may send (set by the handshake)
+        self.stream_window = stream_window  # initial credit per stream (set by the handshake)
+        self.decoder = FrameDecoder(max_frame)
+        self.phase = Phase.AWAIT_HELLO
+        self.streams: dict[int, Stream] = {}
+        self._out: list[bytes] = []
+        self._out_bytes = 0
+        self._events: list[Event] = []
+
+    # -- output --------------------------------------------------------------------------
+    def data_to_send(self) -> list[bytes]:
+        """Bytes queued since the last call, in order (write them with ``writelines``)."""
+        out, self._out, self._out_bytes = self._out, [], 0
+        return out
+
+    @property
+    def bytes_to_send(self) -> int:
+        return self._out_bytes
+
+    def _queue(self, data: bytes) -> None:
+        self._out.append(data)
+        self._out_bytes += len(data)
+
+    def _send(self, kind: int, req_id: int, body: dict[str, Any]) -> None:
+        self._queue(encode_frame(kind, req_id, body))
+
+    def _fail_connection(self, error: GuestdError) -> None:
+        if self.phase is Phase.CLOSED:
+            return
+        self.phase = Phase.CLOSED
+        self._events.append(ConnectionFailed(error))
+
+    # -- input ---------------------------------------------------------------------------
+    def receive_data(self, data: bytes) -> list[Event]:
+        """Feed bytes from the peer; returns the events they complete, in order."""
+        if self.phase is not Phase.CLOSED and data:
+            self.decoder.feed(data)
+            self._drain_frames()
+        events, self._events = self._events, []
+        return events
+
+    def _drain_frames(self) -> None:
+        while self.phase is not Phase.CLOSED:
+            try:
+                frame = self.decoder.next_frame()
+            except FramingError as exc:
+                self._on_framing_error(exc)
+                continue
+            if frame is None:
+                return
+            if isinstance(frame, OversizeFrame):
+                self._on_oversize(frame)
+            else:
+                self._on_frame(frame)
+
+    def _on_framing_error(self, exc: FramingError) -> None:
+        self._fail_connection(PeerViolation(str(exc)))
+
+    def _on_oversize(self, frame: OversizeFrame) -> None:
+        raise NotImplementedError
+
+    def _on_frame(self, frame: Frame) -> None:
+        raise NotImplementedError
+
+    # -- data frames ---------------------------------------------------------------------
+    def data_room(self, req_id: int, fields: Mapping[str, Any]) -> int:
+        """How many data bytes the next data frame of ``req_id`` may carry (0: wait for credit)."""
+        stream = self.streams.get(req_id)
+        if stream is None:
+            return 0
+        return max(0, min(stream.send_credit, self.peer_max_frame - data_overhead(fields)))
+
+    def frame_room(self, fields: Mapping[str, Any]) -> int:
+        """Data bytes that fit in one frame after ``fields``, credit aside."""
+        return self.peer_max_frame - data_overhead(fields)
+
+    def _send_data(self, kind: int, req_id: int, fields: Mapping[str, Any], data: bytes) -> bool:
+        """Queue one data frame within credit and frame size; False when ``req_id`` is not in flight."""
+        stream = self.streams.get(req_id)
+        if stream is None:
+            return False
+        if len(data) > stream.send_credit or len(data) > self.peer_max_frame - data_overhead(fields):
+            raise AssertionError(f"data frame of {len(data)} bytes exceeds data_room")
+        stream.send_credit -= len(data)
+        head, body = encode_data_frame(kind, req_id, dict(fields), data)
+        self._queue(head)
+        if body:
+            self._queue(body)
+        return True
+
+    def _take_data(self, stream: Stream, body: dict[str, Any]) -> bool:
+        """Count a received data frame against the stream; False when it overran the credit."""
+        data = body.get("data")
+        if isinstance(data, bytes) and data:
+            stream.receive_allowance -= len(data)
+            return stream.receive_allowance >= 0
+        return True
+
+    def grant(self, req_id: int, nbytes: int) -> None:
+        """Grant the peer ``nbytes`` more credit on ``req_id`` (after consuming that much)."""
+        stream = self.streams.get(req_id)
+        if stream is None or nbytes <= 0 or self.phase is not Phase.OPEN:
+            return
+        stream.receive_allowance += nbytes
+        self._send(Kind.WINDOW, req_id, {"bytes": nbytes})
+
+    def _on_window(self, frame: Frame) -> None:
+        stream = self.streams.get(frame.id)
+        if stream is None:
+            return  # the request already ended: a late grant is harmless
+        try:
+            nbytes = validate(WINDOW_BODY, decode_body(frame.payload))["bytes"]
+        except GuestdError:
+            return
+        if nbytes:
+            stream.send_credit += nbytes
+            self._events.append(CreditGranted(frame.id, nbytes))
+
+
+# ----------------------------------------------------------------------------- server
+
+
+class ServerSession(Session):
+    """The server's half: admits requests, guards input, guarantees one final frame each."""
+
+    def __init__(
+        self,
+        *,
+        ops: Mapping[str, OpSpec],
+        max_frame: int,
+        stream_window: int,
+        max_inflight: int,
+        serial: bool = False,
+    ) -> None:
+        super().__init__(max_frame=max_frame, stream_window=stream_window)
+        self.ops = ops
+        self.limit_max_frame = max_frame
+        self.limit_stream_window = stream_window
+        self.max_inflight = max_inflight
+        self.serial = serial  # serial links resync on bad framing and accept a new hello
+        self.version: int | None = None
+
+    # -- handshake -----------------------------------------------------------------------
+    def accept_hello(self, hello: dict[str, Any], make_reply: Callable[[ServerSession], dict[str, Any]]) -> None:
+        """Put a received hello into effect (after the adapter's token and peer checks) and answer it."""
+        self.version = max(v for v in hello["versions"] if v in SUPPORTED_VERSIONS)
+        if hello["max_frame"] is not None:
+            self.peer_max_frame = max(MIN_MAX_FRAME, min(hello["max_frame"], self.limit_max_frame))
+        if hello["stream_window"] is not None:
+            self.stream_window = max(MIN_STREAM_WINDOW, min(hello["stream_window"], self.limit_stream_window))
+        self.phase = Phase.OPEN
+        self._send(Kind.HELLO, 0, make_reply(self))
+
+    def refuse(self, error: GuestdError) -> None:
+        """End the connection with a connection-level ERROR (id 0)."""
+        if self.phase is Phase.CLOSED:
+            return
+        self._send(Kind.ERROR, 0, error.to_body())
+        self._fail_connection(error)
+
+    def reset_peer(self) -> tuple[int, ...]:
+        """Serial links: the host went away; forget its requests and partial frame, await a new hello."""
+        self.decoder.reset()
+        return self._forget_host()
+
+    def _forget_host(self) -> tuple[int, ...]:
+        dropped = tuple(self.streams)
+        self.streams.clear()
+        self.phase = Phase.AWAIT_HELLO
+        self.version = None
+        self.peer_max_frame = self.limit_max_frame
+        self.stream_window = self.limit_stream_window
+        return dropped
+
+    def _on_hello(self, frame: Frame) -> None:
+        if self.phase is Phase.OPEN:
+            if not self.serial:
+                self._send(Kind.ERROR, 0, GuestdError(ErrorCode.PROTOCOL_ERROR, "hello sent twice").to_body())
+                return
+            # On a serial port a new hello means a new host session: forget the old one's requests.
+            self._events.append(SessionReset(self._forget_host()))
+        try:
+            hello = validate(HELLO_CLIENT, decode_body(frame.payload))
+        except GuestdError as err:
+            self.refuse(GuestdError(ErrorCode.BAD_REQUEST, f"bad hello: {err.message}", details=err.details))
+            return
+        if not any(v in SUPPORTED_VERSIONS for v in hello["versions"]):
+            self.refuse(
+                GuestdError(
+                    ErrorCode.UNSUPPORTED_VERSION,
+                    f"no common protocol version; server speaks {list(SUPPORTED_VERSIONS)}",
+                    details={"supported": list(SUPPORTED_VERSIONS)},
+                )
+            )
+            return
+        self._events.append(HelloReceived(hello))
+
+    # -- frames from the client ----------------------------------------------------------
+    def _on_framing_error(self, exc: FramingError) -> None:
+        if self.serial:
+            self.decoder.resync()  # a serial line can carry noise; find the next header
+            return
+        self.refuse(GuestdError(ErrorCode.PROTOCOL_ERROR, str(exc)))
+
+    def _on_oversize(self, frame: OversizeFrame) -> None:
+        err = too_large(
+            "max_frame", frame.length, f"frame of {frame.length} bytes exceeds max_frame {self.limit_max_frame}"
+        )
+        if frame.kind == Kind.HELLO:
+            self.refuse(err)
+        elif frame.kind == Kind.REQUEST:
+            if self.phase is Phase.OPEN and frame.id not in self.streams and frame.id != 0:
+                self._send(Kind.ERROR, frame.id, err.to_body())
+        elif frame.kind == Kind.INPUT:
+            self._abort(frame.id, too_large("max_frame", frame.length, "an input frame exceeded max_frame"))
+
+    def _on_frame(self, frame: Frame) -> None:
+        kind = frame.kind
+        if kind == Kind.REQUEST:
+            self._on_request(frame)
+        elif kind == Kind.INPUT:
+            self._on_input(frame)
+        elif kind == Kind.WINDOW:
+            self._on_window(frame)
+        elif kind == Kind.CANCEL:
+            if frame.id in self.streams:
+                self._events.append(CancelRequested(frame.id))
+        elif kind == Kind.HELLO:
+            self._on_hello(frame)
+        # Other kinds are ignored so that later protocol revisions can add them.
+
+    def _on_request(self, frame: Frame) -> None:
+        req_id = frame.id
+        if req_id == 0:
+            # Id 0 is the connection's own: an error there would read as fatal.
+            self._send(
+                Kind.ERROR,
+                0,
+                GuestdError(
+                    ErrorCode.BAD_REQUEST, "request id 0 is reserved", details={"field": "id", "reason": "reserved"}
+                ).to_body(),
+            )
+            return
+        if self.phase is not Phase.OPEN:
+            self._refuse_request(req_id, GuestdError(ErrorCode.PROTOCOL_ERROR, "send hello before any request"))
+            return
+        if req_id in self.streams:
+            # Not the original's final frame: that one still comes. details say which this is.
+            self._send(
+                Kind.ERROR,
+                req_id,
+                GuestdError(
+                    ErrorCode.BAD_REQUEST,
+                    f"request id {req_id} is already in flight; this refuses the duplicate, the original continues",
+                    details={"field": "id", "reason": "in_flight"},
+                ).to_body(),
+            )
+            return
+        if len(self.streams) >= self.max_inflight:
+            self._refuse_request(
+                req_id,
+                GuestdError(
+                    ErrorCode.LIMIT,
+                    f"more than {self.max_inflight} requests in flight",
+                    details={"limit": "max_inflight", "value": self.max_inflight},
+                ),
+            )
+            return
+        try:
+            op, raw_args = split_request(decode_body(frame.payload))
+            spec = self.ops.get(op)
+            if spec is None:
+                raise GuestdError(ErrorCode.UNKNOWN_OP, f"unknown op {op!r}", details={"op": op})
+            args = validate(spec.args, raw_args)
+        except GuestdError as err:
+            self._refuse_request(req_id, err)
+            return
+        stream = Stream(req_id, op, spec, self.stream_window, 0)
+        if stream.accepts_input:
+            stream.receive_allowance = self.stream_window
+        self.streams[req_id] = stream
+        self._events.append(RequestReceived(req_id, op, args))
+
+    def _refuse_request(self, req_id: int, err: GuestdError) -> None:
+        self._send(Kind.ERROR, req_id, err.to_body())
+
+    def _on_input(self, frame: Frame) -> None:
+        stream = self.streams.get(frame.id)
+        if stream is None or not stream.accepts_input:
+            return  # the request ended (or takes no input): late input is dropped by design
+        assert stream.spec is not None
+        try:
+            body = validate(stream.spec.input, decode_body(frame.payload))
+        except GuestdError as err:
+            self._abort(
+                frame.id, GuestdError(ErrorCode.BAD_REQUEST, f"bad input frame: {err.message}", details=err.details)
+            )
+            return
+        if not self._take_data(stream, body):
+            self._abort(
+                frame.id,
+                GuestdError(
+                    ErrorCode.LIMIT,
+                    "client sent input beyond its credit",
+                    details={"limit": "stream_window", "over": -stream.receive_allowance},
+                ),
+            )
+            return
+        self._events.append(InputReceived(frame.id, {k: v for k, v in body.items() if v is not None}))
+
+    def _abort(self, req_id: int, err: GuestdError) -> None:
+        if req_id in self.streams:
+            del self.streams[req_id]
+            self._send(Kind.ERROR, req_id, err.to_body())
+            self._events.append(RequestAborted(req_id, err))
+
+    # -- what handlers send --------------------------------------------------------------
+    def in_flight(self, req_id: int) -> bool:
+        return req_id in self.streams
+
+    def send_event(self, req_id: int, body: dict[str, Any]) -> bool:
+        """Queue a non-data EVENT; False when the request already ended (the event is dropped)."""
+        if req_id not in self.streams or self.phase is not Phase.OPEN:
+            return False
+        frame = encode_frame(Kind.EVENT, req_id, body)
+        if len(frame) - HEADER_SIZE > self.peer_max_frame:
+            raise too_large("max_frame", len(frame) - HEADER_SIZE, "event larger than the client's max_frame")
+        self._queue(frame)
+        return True
+
+    def send_data(self, req_id: int, fields: Mapping[str, Any], data: bytes) -> bool:
+        """Queue one data EVENT of at most ``data_room`` bytes; False when the request already ended."""
+        if self.phase is not Phase.OPEN:
+            return False
+        return self._send_data(Kind.EVENT, req_id, fields, data)
+
+    def ack_input(self, req_id: int, nbytes: int) -> None:
+        """The handler consumed ``nbytes`` of input: the client may send that much more."""
+        self.grant(req_id, nbytes)
+
+    def respond(self, req_id: int, result: dict[str, Any]) -> bool:
+        """Send request ``req_id``'s final RESPONSE, once. A result that cannot be encoded
+        or does not fit the client's max_frame becomes a typed ERROR instead."""
+        if self.streams.pop(req_id, None) is None:
+            return False
+        if self.phase is not Phase.OPEN:
+            return True
+        try:
+            frame = encode_frame(Kind.RESPONSE, req_id, result)
+        except (TypeError, ValueError, OverflowError) as exc:  # UnicodeEncodeError is a ValueError
+            err = GuestdError(
+                ErrorCode.INTERNAL,
+                f"the reply could not be encoded: {type(exc).__name__}: {exc}",
+                details={"stage": "encode"},
+            )
+            self._send(Kind.ERROR, req_id, err.to_body())
+            return True
+        if len(frame) - HEADER_SIZE > self.peer_max_frame:
+            err = too_large("max_frame", len(frame) - HEADER_SIZE, "reply larger than the client's max_frame")
+            self._send(Kind.ERROR, req_id, err.to_body())
+            return True
+        self._queue(frame)
+        return True
+
+    def fail(self, req_id: int, error: GuestdError) -> bool:
+        """Send request ``req_id``'s final ERROR, once; False when it already ended."""
+        if self.streams.pop(req_id, None) is None:
+            return False
+        if self.phase is Phase.OPEN:
+            self._send(Kind.ERROR, req_id, error.to_body())
+        return True
+
+    def respond_unchecked(self, req_id: int, result: dict[str, Any]) -> None:
+        """Answer a request that never entered the in-flight table (inline ops: ping)."""
+        self._queue(encode_frame(Kind.RESPONSE, req_id, result))
+
+    def forget(self, req_id: int) -> None:
+        """Drop a request with no final frame (connection lost)."""
+        self.streams.pop(req_id, None)
+
+
+# ----------------------------------------------------------------------------- client
+
+
+class ClientSession(Session):
+    """The client's half: allocates ids, checks every reply, enforces the credit it granted."""
+
+    def __init__(self, *, ops: Mapping[str, OpSpec], max_frame: int, stream_window: int) -> None:
+        super().__init__(max_frame=max_frame, stream_window=stream_window)
+        self.ops = ops
+        self.hello: dict[str, Any] | None = None
+        self._next_id = 1
+
+    def send_hello(self, body: dict[str, Any]) -> None:
+        self._send(Kind.HELLO, 0, body)
+
+    # -- requests ------------------------------------------------------------------------
+    def start(self, op: str, args: dict[str, Any]) -> int:
+        """Queue a REQUEST; returns its id (never 0, never one in flight)."""
+        if self.phase is not Phase.OPEN:
+            raise PeerViolation("the handshake has not completed")
+        while True:
+            req_id = self._next_id
+            self._next_id = req_id + 1 if req_id < MAX_ID else 1
+            if req_id not in self.streams:
+                break
+        self.streams[req_id] = Stream(req_id, op, self.ops.get(op), self.stream_window, self.stream_window)
+        self._send(Kind.REQUEST, req_id, {"op": op, "args": args})
+        return req_id
+
+    def send_input(self, req_id: int, body: dict[str, Any]) -> bool:
+        """Queue a non-data INPUT (eof, signal); False when the request already ended."""
+        if req_id not in self.streams or self.phase is not Phase.OPEN:
+            return False
+        self._send(Kind.INPUT, req_id, body)
+        return True
+
+    def send_input_data(self, req_id: int, fields: Mapping[str, Any], data: bytes) -> bool:
+        """Queue one data INPUT of at most ``data_room`` bytes; False when the request already ended."""
+        if self.phase is not Phase.OPEN:
+            return False
+        return self._send_data(Kind.INPUT, req_id, fields, data)
+
+    def cancel(self, req_id: int, *, forget: bool) -> None:
+        """Ask the server to cancel ``req_id``; with ``forget`` its later frames are ignored."""
+        if req_id in self.streams and self.phase is Phase.OPEN:
+            self._send(Kind.CANCEL, req_id, {})
+        if forget:
+            self.streams.pop(req_id, None)
+
+    # -- frames from the server ----------------------------------------------------------
+    def _on_oversize(self, frame: OversizeFrame) -> None:
+        self._fail_connection(PeerViolation(f"guest sent a {frame.length}-byte frame (max {self.max_frame})"))
+
+    def _on_frame(self, frame: Frame) -> None:
+        try:
+            body = decode_body(frame.payload)
+        except GuestdError as err:
+            self._fail_connection(PeerViolation(err.message))
+            return
+        kind = frame.kind
+        if kind == Kind.HELLO:
+            self._on_hello(body)
+            return
+        if kind == Kind.ERROR and frame.id == 0:
+            self._fail_connection(GuestdError.from_body(body))
+            return
+        stream = self.streams.get(frame.id)
+        if stream is None:
+            return  # a late frame for a request we gave up on
+        if kind == Kind.RESPONSE:
+            del self.streams[frame.id]
+            if stream.spec is not None:
+                try:
+                    body = validate(stream.spec.result, body)
+                except GuestdError as err:
+                    self._events.append(
+                        ErrorReceived(frame.id, PeerViolation(f"malformed {stream.op} reply: {err.message}"))
+                    )
+                    return
+            self._events.append(ResponseReceived(frame.id, body))
+        elif kind == Kind.ERROR:
+            del self.streams[frame.id]
+            self._events.append(ErrorReceived(frame.id, GuestdError.from_body(body)))
+        elif kind == Kind.EVENT:
+            if not self._take_data(stream, body):
+                self._fail_connection(
+                    PeerViolation(f"guest sent {-stream.receive_allowance} stream bytes beyond the granted credit")
+                )
+                return
+            self._events.append(EventReceived(frame.id, body))
+        elif kind == Kind.WINDOW:
+            self._on_window(frame)
+
+    def _on_hello(self, body: dict[str, Any]) -> None:
+        if self.phase is not Phase.AWAIT_HELLO:
+            self._fail_connection(PeerViolation("guest sent a second hello"))
+            return
+        try:
+            hello = validate(HELLO_SERVER, body)
+        except GuestdError as err:
+            self._fail_connection(PeerViolation(f"malformed hello: {err.message}"))
+            return
+        # The server may lower, never raise, what we offered.
+        self.stream_window = min(self.stream_window, hello["stream_window"])
+        limit = hello["limits"].get("max_frame")
+        if isinstance(limit, int) and not isinstance(limit, bool) and limit >= MIN_MAX_FRAME:
+            self.peer_max_frame = limit
+        else:
+            self.peer_max_frame = MIN_MAX_FRAME
+        self.hello = hello
+        self.phase = Phase.OPEN
+        self._events.append(HelloAccepted(hello))
