@@ -366,11 +366,16 @@ class ServerSession(Session):
         self._send(Kind.HELLO, 0, make_reply(self))
 
     def refuse(self, error: GuestdError) -> None:
-        """End the connection with a connection-level ERROR (id 0)."""
-        if self.phase is Phase.CLOSED:
-            return
-        self._send(Kind.ERROR, 0, error.to_body())
-        self._fail_connection(error)
+        """End the connection with a connection-level ERROR (id 0); the adapter then closes."""
+        if self.phase is not Phase.CLOSED:
+            self._send(Kind.ERROR, 0, error.to_body())
+            self.phase = Phase.CLOSED
+
+    def _refuse(self, error: GuestdError) -> None:
+        """The peer's frames ended the connection: refuse it and report it as an event."""
+        if self.phase is not Phase.CLOSED:
+            self.refuse(error)
+            self._events.append(ConnectionFailed(error))
 
     def reset_peer(self) -> tuple[int, ...]:
         """Serial links: the host went away; forget its requests and partial frame, await a new hello."""
@@ -396,10 +401,10 @@ class ServerSession(Session):
         try:
             hello = validate(HELLO_CLIENT, decode_body(frame.payload))
         except GuestdError as err:
-            self.refuse(GuestdError(ErrorCode.BAD_REQUEST, f"bad hello: {err.message}", details=err.details))
+            self._refuse(GuestdError(ErrorCode.BAD_REQUEST, f"bad hello: {err.message}", details=err.details))
             return
         if not any(v in SUPPORTED_VERSIONS for v in hello["versions"]):
-            self.refuse(
+            self._refuse(
                 GuestdError(
                     ErrorCode.UNSUPPORTED_VERSION,
                     f"no common protocol version; server speaks {list(SUPPORTED_VERSIONS)}",
@@ -414,14 +419,14 @@ class ServerSession(Session):
         if self.serial:
             self.decoder.resync()  # a serial line can carry noise; find the next header
             return
-        self.refuse(GuestdError(ErrorCode.PROTOCOL_ERROR, str(exc)))
+        self._refuse(GuestdError(ErrorCode.PROTOCOL_ERROR, str(exc)))
 
     def _on_oversize(self, frame: OversizeFrame) -> None:
         err = too_large(
             "max_frame", frame.length, f"frame of {frame.length} bytes exceeds max_frame {self.limit_max_frame}"
         )
         if frame.kind == Kind.HELLO:
-            self.refuse(err)
+            self._refuse(err)
         elif frame.kind == Kind.REQUEST:
             if self.phase is Phase.OPEN and frame.id not in self.streams and frame.id != 0:
                 self._send(Kind.ERROR, frame.id, err.to_body())
@@ -446,13 +451,12 @@ class ServerSession(Session):
     def _on_request(self, frame: Frame) -> None:
         req_id = frame.id
         if req_id == 0:
-            # Id 0 is the connection's own: an error there would read as fatal.
-            self._send(
-                Kind.ERROR,
-                0,
+            # Id 0 is the connection's own: an answer there would read as a fatal error,
+            # so a request on it is one: the client has lost track of its ids.
+            self._refuse(
                 GuestdError(
-                    ErrorCode.BAD_REQUEST, "request id 0 is reserved", details={"field": "id", "reason": "reserved"}
-                ).to_body(),
+                    ErrorCode.PROTOCOL_ERROR, "request id 0 is reserved", details={"field": "id", "reason": "reserved"}
+                )
             )
             return
         if self.phase is not Phase.OPEN:

@@ -1,0 +1,284 @@
+"""The protocol's edges against a real guestd, frame by frame: one final frame per request
+whatever arrives with it, frame sizes within the client's max_frame, bounded memory for
+a peer that never reads, the hello deadline, and the order of hello checks."""
+
+from __future__ import annotations
+
+import os
+import socket
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+from guestd.wire.frames import HEADER, HEADER_SIZE, Kind, encode_frame
+from guestd.wire.messages import decode_body
+from tests.conftest import Guestd
+from tests.rawwire import RawPeer
+
+SMALL = 64 * 1024
+
+StartGuestd = Callable[..., Guestd]
+
+
+def config_file(tmp: str, **limits: object) -> str:
+    path = os.path.join(tmp, "guestd.toml")
+    with open(path, "w") as f:
+        f.write("[limits]\n" + "".join(f"{k} = {v!r}\n" for k, v in limits.items()))
+    return path
+
+
+class Reader:
+    """Reads frames with their payload sizes, granting credit for every data byte."""
+
+    def __init__(self, peer: RawPeer) -> None:
+        self.peer = peer
+        self.largest = 0
+
+    def frame(self) -> tuple[int, int, dict[str, Any]]:
+        _, _, kind, length, rid = HEADER.unpack(self.peer._read(HEADER_SIZE))
+        self.largest = max(self.largest, length)
+        body = decode_body(self.peer._read(length))
+        data = body.get("data")
+        if kind == Kind.EVENT and isinstance(data, bytes) and data:
+            self.peer.send(Kind.WINDOW, rid, {"bytes": len(data)})
+        return kind, rid, body
+
+    def until_final(self, req_id: int) -> tuple[int, dict[str, Any], int]:
+        """(final kind, final body, data bytes received) of ``req_id``."""
+        got = 0
+        while True:
+            kind, rid, body = self.frame()
+            if rid != req_id:
+                continue
+            if kind == Kind.EVENT and isinstance(body.get("data"), bytes):
+                got += len(body["data"])
+            if kind in (Kind.RESPONSE, Kind.ERROR):
+                return kind, body, got
+
+
+def small_peer(g: Guestd) -> RawPeer:
+    p = RawPeer(g.raw_socket())
+    hello = p.hello(max_frame=SMALL, stream_window=SMALL)
+    assert hello["max_frame"] == SMALL and hello["stream_window"] == SMALL
+    return p
+
+
+# ------------------------------------------------------------------ one final frame
+
+
+def test_input_beyond_credit_in_the_same_read_as_the_upload_ends_it(guestd: Guestd, tmp_path: Any) -> None:
+    p = small_peer(guestd)
+    req = encode_frame(Kind.REQUEST, 5, {"op": "file.upload", "args": {"path": f"{tmp_path}/up"}})
+    over = encode_frame(Kind.INPUT, 5, {"data": b"x" * (SMALL + 1)})
+    p.send_bytes(req + over)  # one write: guestd reads both before the handler first runs
+    kind, body = p.recv_final(5)
+    assert (kind, body["code"], body["details"]["limit"]) == (Kind.ERROR, "limit", "stream_window")
+    p.request(5, "ping")  # the id is free again, not "already in flight"
+    assert p.recv_final(5)[0] == Kind.RESPONSE
+    assert not os.path.exists(f"{tmp_path}/up")
+
+
+def test_oversize_input_in_the_same_read_as_the_upload_ends_it(fresh_guestd: StartGuestd, tmp_path: Any) -> None:
+    g = fresh_guestd("--max-frame", str(SMALL))
+    p = small_peer(g)
+    req = encode_frame(Kind.REQUEST, 6, {"op": "file.upload", "args": {"path": f"{tmp_path}/up"}})
+    over = encode_frame(Kind.INPUT, 6, {"data": b"x" * (SMALL + 100)})
+    p.send_bytes(req + over)
+    kind, body = p.recv_final(6)
+    assert (kind, body["code"]) == (Kind.ERROR, "too_large")
+    p.request(6, "ping")
+    assert p.recv_final(6)[0] == Kind.RESPONSE
+
+
+def test_a_cancel_in_the_same_read_as_its_request_still_gets_a_final_frame(guestd: Guestd) -> None:
+    p = small_peer(guestd)
+    req = encode_frame(Kind.REQUEST, 8, {"op": "exec", "args": {"argv": ["sleep", "30"]}})
+    p.send_bytes(req + encode_frame(Kind.CANCEL, 8, {}))
+    kind, body = p.recv_final(8)
+    assert (kind, body["code"]) == (Kind.ERROR, "cancelled")
+    p.request(8, "ping")
+    assert p.recv_final(8)[0] == Kind.RESPONSE
+
+
+def test_a_cancel_after_an_uploads_eof_answers_what_happened(guestd: Guestd, tmp_path: Any) -> None:
+    # A cancel sent just after the eof lands before, during or after the commit. Whatever
+    # guestd answers must agree with the file system: before the fix, a cancel that hit the
+    # commit said "cancelled" for a file that was then in place.
+    p = RawPeer(guestd.raw_socket())
+    p.hello()
+    outcomes = {"cancelled": 0, "committed": 0}
+    for attempt in range(300):
+        target = f"{tmp_path}/f{attempt}"
+        rid = attempt + 1
+        req = encode_frame(Kind.REQUEST, rid, {"op": "file.upload", "args": {"path": target}})
+        p.send_bytes(req + encode_frame(Kind.INPUT, rid, {"data": b"u" * 4096, "eof": True}))
+        time.sleep((attempt % 7) * 0.0003)
+        p.send(Kind.CANCEL, rid, {})
+        kind, body = p.recv_final(rid)
+        if kind == Kind.RESPONSE:
+            assert os.path.getsize(target) == body["size"] == 4096
+            outcomes["committed"] += 1
+        else:
+            assert body["code"] == "cancelled"
+            assert not os.path.exists(target), f"attempt {attempt}: answered cancelled, the file is in place"
+            outcomes["cancelled"] += 1
+    assert outcomes["committed"] > 0  # the cancel did land after eof in some attempts
+
+
+# ------------------------------------------------------------------ frame sizes
+
+
+def test_download_events_fit_the_clients_max_frame(guestd: Guestd, tmp_path: Any) -> None:
+    path = f"{tmp_path}/blob"
+    with open(path, "wb") as f:
+        f.write(os.urandom(3 * 1024 * 1024 + 17))
+    p = small_peer(guestd)
+    p.request(1, "file.download", {"path": path})  # no chunk: the server picks
+    r = Reader(p)
+    kind, body, got = r.until_final(1)
+    assert kind == Kind.RESPONSE and got == body["bytes"] == 3 * 1024 * 1024 + 17
+    assert r.largest <= SMALL
+
+
+def test_exec_stream_events_fit_the_clients_max_frame(guestd: Guestd) -> None:
+    p = small_peer(guestd)
+    p.request(1, "exec", {"argv": ["head", "-c", "3000000", "/dev/zero"], "stream": True})
+    r = Reader(p)
+    kind, body, got = r.until_final(1)
+    assert kind == Kind.RESPONSE and body["exit_code"] == 0 and got == 3_000_000
+    assert r.largest <= SMALL
+
+
+def test_attach_events_fit_the_clients_max_frame(guestd: Guestd) -> None:
+    p = small_peer(guestd)
+    p.request(1, "process.start", {"argv": ["head", "-c", "2000000", "/dev/zero"]})
+    kind, body = p.recv_final(1)
+    assert kind == Kind.RESPONSE, body
+    pid_id = body["id"]
+    p.request(2, "process.attach", {"id": pid_id, "follow": True})
+    r = Reader(p)
+    kind, final, got = r.until_final(2)
+    assert kind == Kind.RESPONSE and got == 2_000_000 == final["stdout_offset"]
+    assert r.largest <= SMALL
+
+
+def test_max_frame_below_the_floor_is_raised_to_it(guestd: Guestd) -> None:
+    p = RawPeer(guestd.raw_socket())
+    hello = p.hello(max_frame=100, stream_window=10)
+    assert hello["max_frame"] == 65536 and hello["stream_window"] == 65536
+
+
+# ------------------------------------------------------------------ peers that misbehave
+
+
+def test_a_peer_that_never_reads_cannot_grow_guestd(fresh_guestd: StartGuestd) -> None:
+    g = fresh_guestd()
+    s = g.raw_socket()
+    s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+    p = RawPeer(s)
+    p.hello()
+    before = g.rss()
+    batch = b"".join(encode_frame(Kind.REQUEST, i, {"op": "ping", "args": {}}) for i in range(1, 20001))
+    s.settimeout(0.5)
+    sent = blocked = 0
+    deadline = time.monotonic() + 20
+    while time.monotonic() < deadline:
+        try:
+            s.sendall(batch)
+            sent += 1
+        except TimeoutError:
+            blocked += 1  # guestd stopped reading us: the point of the test
+            if blocked >= 3:
+                break
+    grown = g.rss() - before
+    assert blocked >= 3, f"guestd kept reading {sent} batches of 20000 unread pings"
+    assert grown < 64 * 1024 * 1024, f"guestd grew by {grown >> 20} MiB for a peer that never reads"
+    s.close()
+    with g.client() as c:
+        assert c.ping(timeout=10) > 0
+
+
+def test_silent_peers_get_a_hello_deadline_and_cannot_lock_the_host_out(
+    fresh_guestd: StartGuestd, tmp_path: Any
+) -> None:
+    cfg = config_file(str(tmp_path), hello_timeout_s=1.0, max_connections=4)
+    g = fresh_guestd("--config", cfg)
+    silent = [g.raw_socket() for _ in range(4)]
+    # Every slot is held by a peer that never says hello; the host's real connection still gets in.
+    with g.client(timeout=5) as c:
+        assert c.ping(timeout=5) > 0
+    # The evicted one was told why; the rest hit the deadline.
+    reasons = []
+    for s in silent:
+        p = RawPeer(s)
+        kind, rid, body = p.recv()
+        assert (kind, rid) == (Kind.ERROR, 0)
+        reasons.append(body["code"])
+        assert p.closed()
+    assert sorted(set(reasons)) == ["limit", "timeout"]
+
+
+def test_handshaken_peers_keep_their_slots(fresh_guestd: StartGuestd) -> None:
+    g = fresh_guestd("--max-connections", "2")
+    held = [RawPeer(g.raw_socket()) for _ in range(2)]
+    for p in held:
+        p.hello()
+    extra = RawPeer(g.raw_socket())
+    kind, rid, body = extra.recv()
+    assert (kind, rid, body["code"]) == (Kind.ERROR, 0, "limit")
+    for p in held:
+        p.request(1, "ping")
+        assert p.recv_final(1)[0] == Kind.RESPONSE
+
+
+def test_a_hello_with_a_wrong_token_changes_nothing(fresh_guestd: StartGuestd, tmp_path: Any) -> None:
+    token = tmp_path / "token"
+    token.write_text("s3cret\n")
+    g = fresh_guestd("--token-file", str(token), "--simulate-privileged")  # never touch this host's clock
+    p = RawPeer(g.raw_socket())
+    p.send(Kind.HELLO, 0, {"versions": [1], "token": "wrong", "time_ns": time.time_ns() + 3600 * 10**9})
+    kind, rid, body = p.recv()
+    assert (kind, rid, body["code"]) == (Kind.ERROR, 0, "permission_denied")
+    with g.client(token="s3cret") as c:
+        assert c.call("info", {}, timeout=10)["snapshot"]["suspected_restore"] is False
+
+
+def test_request_id_zero_is_a_protocol_error(guestd: Guestd) -> None:
+    p = RawPeer(guestd.raw_socket())
+    p.hello()
+    p.request(0, "ping")
+    kind, rid, body = p.recv()
+    assert (kind, rid, body["code"], body["details"]["field"]) == (Kind.ERROR, 0, "protocol_error", "id")
+    assert p.closed()
+
+
+def test_a_duplicate_id_says_it_is_not_the_originals_final_frame(guestd: Guestd) -> None:
+    p = RawPeer(guestd.raw_socket())
+    p.hello()
+    p.request(1, "exec", {"argv": ["sleep", "0.3"]})
+    p.request(1, "ping")
+    kind, rid, body = p.recv()
+    assert (kind, rid, body["details"]) == (Kind.ERROR, 1, {"field": "id", "reason": "in_flight"})
+    kind, body = p.recv_final(1)
+    assert kind == Kind.RESPONSE and body["exit_code"] == 0
+
+
+def test_many_unreading_peers_leave_ping_answering(guestd: Guestd) -> None:
+    socks = []
+    for _ in range(8):
+        s = guestd.raw_socket()
+        RawPeer(s).hello()
+        s.sendall(b"".join(encode_frame(Kind.REQUEST, i, {"op": "ping", "args": {}}) for i in range(1, 5001)))
+        socks.append(s)
+    done = threading.Event()
+
+    def ping() -> None:
+        with guestd.client() as c:
+            c.ping(timeout=10)
+        done.set()
+
+    threading.Thread(target=ping, daemon=True).start()
+    assert done.wait(15)
+    for s in socks:
+        s.close()
