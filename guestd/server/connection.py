@@ -167,7 +167,6 @@ Handler = Callable[[RequestContext, dict[str, Any]], Any]
 _CANCEL_ERRORS = {
     "cancel": "request cancelled",
     "shutdown": "guestd is shutting down",
-    "restore": "request cancelled by a snapshot restore",
 }
 
 

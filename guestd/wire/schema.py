@@ -163,12 +163,16 @@ def validate(fields: tuple[F, ...], body: dict[str, Any]) -> dict[str, Any]:
 HELLO_CLIENT = (
     F("versions", "list<uint>", "protocol versions the client speaks", True),
     F("client", "str", "client name/version, for logs", default=""),
-    F("max_frame", "uint?", "largest payload the client accepts; the server never sends more"),
+    F(
+        "max_frame",
+        "uint?",
+        "largest payload the client accepts; the server never sends more (values below 65536 are raised to 65536)",
+    ),
     F(
         "stream_window",
         "uint?",
         "initial stream credit the client grants per stream, both directions "
-        "(the server uses the smaller of this and its own limit)",
+        "(the server uses the smaller of this and its own limit, at least 65536)",
     ),
     F("token", "str?", "access token, when the server is configured with one"),
     F("time_ns", "int?", "the host's wall clock; a guest clock off by > 1 s is corrected and a restore suspected"),
@@ -331,7 +335,7 @@ OPS: tuple[OpSpec, ...] = (
         "file.upload",
         "files",
         "Stream a file of any size into the guest: INPUT frames carry data, then eof. The "
-        "server grants credit with WINDOW frames (the initial credit is limits.stream_window). "
+        "server grants credit with WINDOW frames (the initial credit is the negotiated hello.stream_window). "
         "Written to a temp file and renamed into place on eof, so it is atomic like file.write.",
         args=(
             F("path", "str", "target path", True),
@@ -348,12 +352,13 @@ OPS: tuple[OpSpec, ...] = (
         "file.download",
         "files",
         "Stream a file (or a range) out of the guest as EVENT frames, within the client's "
-        "WINDOW credit (initially limits.stream_window).",
+        "WINDOW credit (initially the negotiated hello.stream_window). Each data EVENT holds at most "
+        "chunk bytes and fits the client's max_frame.",
         args=(
             F("path", "str", "source path", True),
             F("offset", "uint", "first byte", default=0),
             F("length", "uint?", "bytes to send; nil sends to the end"),
-            F("chunk", "uint?", "bytes per EVENT (<= limits.max_chunk)"),
+            F("chunk", "uint?", "most bytes per EVENT, 1..limits.max_chunk; default limits.max_chunk"),
         ),
         result=(F("bytes", "uint", "bytes sent", True), F("size", "uint", "file size at open", True)),
         events=(
