@@ -313,3 +313,11 @@ def test_byte_by_byte_feeding_gives_the_same_events() -> None:
     whole = s1.receive_data(stream)
     pieces = [e for i in range(len(stream)) for e in s2.receive_data(stream[i : i + 1])]
     assert whole == pieces and len(whole) == 2
+
+
+def test_the_client_checks_event_shapes() -> None:
+    c, _ = pair()
+    rid = c.start("file.download", {"path": "/x"})
+    c.data_to_send()
+    (ev,) = c.receive_data(encode_frame(Kind.EVENT, rid, {"ev": "data", "data": "text, not bin"}))
+    assert isinstance(ev, ConnectionFailed) and "malformed file.download event" in ev.error.message

@@ -681,6 +681,12 @@ class ClientSession(Session):
             del self.streams[frame.id]
             self._events.append(ErrorReceived(frame.id, GuestdError.from_body(body)))
         elif kind == Kind.EVENT:
+            if stream.spec is not None and stream.spec.events:
+                try:
+                    validate(stream.spec.events, body)  # checked, not rewritten: unknown keys stay
+                except GuestdError as err:
+                    self._fail_connection(PeerViolation(f"malformed {stream.op} event: {err.message}"))
+                    return
             if not self._take_data(stream, body):
                 self._fail_connection(
                     PeerViolation(f"guest sent {-stream.receive_allowance} stream bytes beyond the granted credit")
