@@ -2,6 +2,9 @@
 
 All blocking file-system calls run in the daemon's I/O thread pool, so a slow
 or stuck disk can delay file ops but never ping or exec.
+
+Paths arrive as os strs (the dispatcher converts the wire's str-or-bin form, see
+guestd.wire.paths); names that go back out pass through ``path_to_wire``.
 """
 
 from __future__ import annotations
@@ -13,6 +16,7 @@ import stat as st
 from typing import TYPE_CHECKING, Any
 
 from guestd.wire.errors import ErrorCode, GuestdError, limit_error, too_large
+from guestd.wire.paths import path_to_wire
 
 if TYPE_CHECKING:
     from guestd.server.connection import RequestContext
@@ -246,7 +250,7 @@ def stat_path(path: str, follow: bool) -> dict[str, Any]:
         "target": None,
     }
     if st.S_ISLNK(s.st_mode):
-        out["target"] = os.readlink(path)
+        out["target"] = path_to_wire(os.readlink(path))
     return out
 
 
@@ -267,7 +271,7 @@ def list_dir(path: str, cap: int) -> dict[str, Any]:
                 continue  # vanished between listing and stat
             entries.append(
                 {
-                    "name": e.name,
+                    "name": path_to_wire(e.name),
                     "type": _type_name(s.st_mode),
                     "size": s.st_size,
                     "mode": st.S_IMODE(s.st_mode),
