@@ -536,12 +536,12 @@ async def run(ns: argparse.Namespace) -> int:
             listing = await client.listdir(path)
             if ns.json:
                 entries = [_json_path(dict(e.__dict__), "name") for e in listing.entries]
-                _print_json({"entries": entries, "truncated": listing.truncated})
+                _print_json({"entries": entries, "truncated": listing.truncated, "total": listing.total})
             else:
                 for e in listing.entries:
                     print(f"{e.type:7} {e.mode:04o} {e.size:>12} {printable_path(e.name)}")
                 if listing.truncated:
-                    print("guestctl: listing truncated", file=sys.stderr)
+                    print(f"guestctl: listing truncated: {len(listing.entries)} of {listing.total}", file=sys.stderr)
             return 0
         if ns.cmd == "rm":
             n = await client.remove(path, recursive=ns.recursive)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import os
+import random
 import threading
 import time
 from collections.abc import Callable
@@ -299,3 +300,25 @@ def test_a_bin_path_in_a_raw_request(guestd: Guestd, tmp_path: object) -> None:
     p.request(3, "file.stat", {"path": 7})
     kind, body = p.recv_final(3)
     assert kind == Kind.ERROR and body["code"] == "bad_request" and body["details"]["field"] == "path"
+
+
+def test_a_truncated_list_is_the_first_entries_by_name_bytes(client: Client, tmp_path: object) -> None:
+    d = os.fsencode(str(tmp_path))
+    # "\ue000" is b"\xee\x80\x80": before b"\xff" as bytes, after it as an os str ("\udcff").
+    names = [b"%03d" % i for i in range(200)] + [b"\xff", "\ue000".encode()]
+    random.Random(13).shuffle(names)
+    for n in names:
+        open(d + b"/" + n, "wb").close()
+    ordered = sorted(names)
+
+    def as_bytes(name: str | bytes) -> bytes:
+        return name if isinstance(name, bytes) else name.encode()
+
+    listing = client.listdir(str(tmp_path), max_entries=10)
+    assert [as_bytes(e.name) for e in listing.entries] == ordered[:10]
+    assert (listing.total, listing.truncated) == (202, True)
+    full = client.listdir(str(tmp_path))
+    assert [as_bytes(e.name) for e in full.entries] == ordered
+    assert (full.total, full.truncated) == (202, False)
+    none = client.listdir(str(tmp_path), max_entries=0)
+    assert (none.entries, none.total, none.truncated) == ([], 202, True)

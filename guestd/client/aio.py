@@ -494,7 +494,8 @@ class AsyncClient:
     async def listdir(
         self, path: WirePath, *, max_entries: int | None = None, timeout: float = DEFAULT_TIMEOUT
     ) -> DirListing:
-        """A name is a str, or bytes when it is not UTF-8 (pass it back as it is to name that entry)."""
+        """The first entries in order of their names as bytes. A name is a str, or bytes when it
+        is not UTF-8 (pass it back as it is to name that entry)."""
         args: dict[str, Any] = {"path": path_to_wire(path)}
         if max_entries is not None:
             args["max_entries"] = max_entries
@@ -511,7 +512,7 @@ class AsyncClient:
                 out.append(DirEntry(name, str(e["type"]), int(e["size"]), int(e["mode"]), int(e["mtime_ns"])))
             except (KeyError, TypeError, ValueError):
                 raise GuestProtocolError("file.list: malformed entry") from None
-        return DirListing(out, bool(b["truncated"]))
+        return DirListing(out, bool(b["truncated"]), int(b["total"]))
 
     async def mkdir(
         self, path: WirePath, *, parents: bool = True, perm: int = 0o755, timeout: float = DEFAULT_TIMEOUT

@@ -98,8 +98,9 @@ class DirEntry:
 
 @dataclass(frozen=True)
 class DirListing:
-    entries: list[DirEntry]
+    entries: list[DirEntry]  # the first ones in order of their names as bytes
     truncated: bool
+    total: int  # entries in the directory, returned or not
 
 
 @dataclass(frozen=True)

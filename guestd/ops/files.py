@@ -11,8 +11,10 @@ from __future__ import annotations
 
 import ctypes
 import errno
+import heapq
 import os
 import stat as st
+from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
 from guestd.wire.errors import ErrorCode, GuestdError, limit_error, too_large
@@ -255,30 +257,39 @@ def stat_path(path: str, follow: bool) -> dict[str, Any]:
 
 
 def list_dir(path: str, cap: int) -> dict[str, Any]:
-    entries: list[dict[str, Any]] = []
-    truncated = False
-    with os.scandir(path) as it:
-        names: list[os.DirEntry[str]] = []
+    """The first ``cap`` entries in order of their names as bytes, and how many there are.
+
+    Every name is read (the order is the names', not the directory's), but only ``cap``
+    are kept: a bounded heap, so a huge directory costs a scan, not memory."""
+    total = 0
+
+    def counted(it: Iterator[os.DirEntry[bytes]]) -> Iterator[os.DirEntry[bytes]]:
+        nonlocal total
         for e in it:
-            if len(names) >= cap:
-                truncated = True
-                break
-            names.append(e)
-        for e in sorted(names, key=lambda x: x.name):
-            try:
-                s = e.stat(follow_symlinks=False)
-            except OSError:
-                continue  # vanished between listing and stat
-            entries.append(
-                {
-                    "name": path_to_wire(e.name),
-                    "type": _type_name(s.st_mode),
-                    "size": s.st_size,
-                    "mode": st.S_IMODE(s.st_mode),
-                    "mtime_ns": s.st_mtime_ns,
-                }
-            )
-    return {"entries": entries, "truncated": truncated}
+            total += 1
+            yield e
+
+    with os.scandir(os.fsencode(path)) as it:
+        scanned = counted(it)
+        first = heapq.nsmallest(cap, scanned, key=lambda e: e.name)
+        for _ in scanned:  # nsmallest(0, ...) returns before the end: count the rest
+            pass
+    entries: list[dict[str, Any]] = []
+    for e in first:
+        try:
+            s = e.stat(follow_symlinks=False)
+        except OSError:
+            continue  # vanished between listing and stat
+        entries.append(
+            {
+                "name": path_to_wire(e.name),
+                "type": _type_name(s.st_mode),
+                "size": s.st_size,
+                "mode": st.S_IMODE(s.st_mode),
+                "mtime_ns": s.st_mtime_ns,
+            }
+        )
+    return {"entries": entries, "total": total, "truncated": total > cap}
 
 
 def make_dir(path: str, parents: bool, perm: int, new_owner: Owner = None) -> dict[str, Any]:

@@ -389,13 +389,15 @@ OPS: tuple[OpSpec, ...] = (
     OpSpec(
         "file.list",
         "files",
-        "List a directory (sorted by name, at most max_entries).",
+        "List a directory: the first max_entries entries in order of their names as bytes "
+        "(so a truncated listing is always the same prefix), with the total count.",
         args=(
             F("path", "path", "directory", True),
             F("max_entries", "uint?", "cap (<= limits.max_list_entries)"),
         ),
         result=(
-            F("entries", "any", "list of {name: path, type, size, mode, mtime_ns}", True),
+            F("entries", "any", "list of {name: path, type, size, mode, mtime_ns}, sorted by name bytes", True),
+            F("total", "uint", "entries in the directory (without . and ..), returned or not", True),
             F("truncated", "bool", "true when more entries exist than were returned", True),
         ),
         errors=("not_found", "not_a_directory", "permission_denied"),
