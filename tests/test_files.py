@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import errno
 import hashlib
 import os
 import random
@@ -322,3 +323,38 @@ def test_a_truncated_list_is_the_first_entries_by_name_bytes(client: Client, tmp
     assert (full.total, full.truncated) == (202, False)
     none = client.listdir(str(tmp_path), max_entries=0)
     assert (none.entries, none.total, none.truncated) == ([], 202, True)
+
+
+def test_mkdir_parents_two_thousand_levels_deep(client: Client, tmp_path: object) -> None:
+    base = str(tmp_path)
+    deep = base + "/d" * 2000  # under PATH_MAX (4096) with one-letter names
+    assert len(deep) < 4096 - 10
+    try:
+        assert client.mkdir(deep) is True  # was `internal` (RecursionError)
+        assert os.path.isdir(deep)
+        assert client.mkdir(deep) is False
+        assert client.write_file(deep + "/x/y", b"deep", parents=True) == 4
+        with pytest.raises(GuestdError) as ei:
+            client.mkdir(deep + "/d" * 60)  # beyond PATH_MAX
+        assert (ei.value.code, ei.value.errno) == ("bad_request", errno.ENAMETOOLONG)
+        assert os.listdir(deep) == ["x"]  # nothing of it was made
+    finally:
+        _remove_deep(base + "/d")
+
+
+def _remove_deep(top: str) -> None:
+    """rm -r of a tree too deep for shutil.rmtree (which recurses): down to a leaf, remove, repeat."""
+    at = top
+    while os.path.isdir(at):
+        inside = os.listdir(at)
+        if inside:
+            child = os.path.join(at, inside[0])
+            if os.path.isdir(child) and not os.path.islink(child):
+                at = child
+            else:
+                os.unlink(child)
+            continue
+        os.rmdir(at)
+        if at == top:
+            return
+        at = os.path.dirname(at)

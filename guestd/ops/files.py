@@ -26,6 +26,7 @@ if TYPE_CHECKING:
 
 DEFAULT_PERM = 0o644
 TMP_MARK = ".guestd-tmp-"
+PATH_MAX = 4096  # Linux's, counting the terminating NUL
 Owner = tuple[int, int] | None  # (uid, gid) for new files and directories; None: guestd's own
 
 
@@ -48,22 +49,31 @@ class WorkspaceOwner:
 
 def makedirs_owned(path: str, owner: Owner, mode: int = 0o777) -> bool:
     """``os.makedirs(path, exist_ok=True)`` that gives each directory it creates to ``owner``.
-    True when ``path`` itself was created."""
+    True when ``path`` itself was created. Iterative, so any depth the kernel accepts works
+    (a path longer than PATH_MAX fails with ENAMETOOLONG)."""
     path = os.path.abspath(path)
-    if os.path.isdir(path):
-        return False
-    parent = os.path.dirname(path)
-    if parent != path:
-        makedirs_owned(parent, owner, mode)
-    try:
-        os.mkdir(path, mode)
-    except FileExistsError:
-        if os.path.isdir(path):
-            return False  # someone else made it meanwhile
-        raise
-    if owner is not None:
-        os.chown(path, *owner)
-    return True
+    if len(os.fsencode(path)) >= PATH_MAX:  # before any mkdir: no half-made tree is left behind
+        raise OSError(errno.ENAMETOOLONG, os.strerror(errno.ENAMETOOLONG), path)
+    missing: list[str] = []  # deepest first
+    at = path
+    while not os.path.isdir(at):
+        missing.append(at)
+        parent = os.path.dirname(at)
+        if parent == at:
+            break
+        at = parent
+    created = False
+    for d in reversed(missing):
+        try:
+            os.mkdir(d, mode)
+        except FileExistsError:
+            if os.path.isdir(d):
+                continue  # someone else made it meanwhile
+            raise
+        if owner is not None:
+            os.chown(d, *owner)
+        created = d == path
+    return created
 
 
 def _type_name(mode: int) -> str:
