@@ -22,6 +22,7 @@ Run the scripted demo (starts a local guestd, fixes a real bug, runs its tests):
 
 from __future__ import annotations
 
+import os
 import posixpath
 import sys
 from collections.abc import Callable
@@ -212,7 +213,7 @@ class GuestdRuntime:
         r = self.client.shell_run(
             self.shell_id, action.command, timeout=timeout, max_output=limit, client_timeout=timeout + 60
         )
-        self.cwd = r.cwd
+        self.cwd = os.fsdecode(r.cwd)  # bytes when not UTF-8; the os str maps back to them
         out, dropped = tail_text(r.stdout, limit=limit, dropped_before=r.stdout_dropped)
         if r.stderr_bytes:
             err, err_dropped = tail_text(r.stderr, limit=limit // 4, dropped_before=r.stderr_dropped, what="stderr")
@@ -226,7 +227,7 @@ class GuestdRuntime:
         if r.session_restarted:
             out += "\n[The shell had to be restarted: the working directory and exported variables were kept.]"
         code = -1 if r.timed_out or r.exit_code is None else r.exit_code
-        return CmdOutputObservation(out, action.command, code, r.cwd, bool(r.timed_out), dropped)
+        return CmdOutputObservation(out, action.command, code, self.cwd, bool(r.timed_out), dropped)
 
     def run_ipython(self, action: IPythonRunCellAction) -> IPythonRunCellObservation:
         assert self.context_id is not None

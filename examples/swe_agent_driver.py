@@ -92,7 +92,7 @@ class SweTools:
     def shell(self, command: str, timeout: float | None = None) -> str:
         t = timeout or self.timeout_s
         r = self.client.shell_run(self.session, command, timeout=t, max_output=self.limit, client_timeout=t + 60)
-        self.cwd = r.cwd
+        self.cwd = os.fsdecode(r.cwd)  # bytes when not UTF-8; the os str maps back to them
         out, _ = tail_text(r.stdout + r.stderr, limit=self.limit, dropped_before=r.stdout_dropped + r.stderr_dropped)
         if r.timed_out:
             out += f"\n[timed out after {t:g} s; the command's processes were ended]"

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import base64
 import json
 import os
 import stat
@@ -26,6 +27,7 @@ from typing import Any
 from guestd.client.aio import AsyncClient
 from guestd.client.results import CodeResult, ExecResult
 from guestd.wire.errors import GuestdError
+from guestd.wire.paths import printable_path
 
 DEFAULT_CONNECT = "unix:/run/guestd/guestd.sock"
 PROGRESS_MIN = 1024 * 1024
@@ -128,6 +130,15 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("-r", "--recursive", action="store_true")
     r.add_argument("path")
     return p
+
+
+def _json_path(fields: dict[str, Any], key: str) -> dict[str, Any]:
+    """``fields`` with the path at ``key`` as JSON text: a name that is not UTF-8 becomes
+    its text with ``\\xff`` escapes plus ``<key>_base64`` holding the exact bytes."""
+    value = fields.get(key)
+    if not isinstance(value, bytes):
+        return fields
+    return {**fields, key: printable_path(value), f"{key}_base64": base64.b64encode(value).decode()}
 
 
 def _print_json(obj: Any) -> None:
@@ -347,10 +358,11 @@ async def _shell(client: AsyncClient, ns: argparse.Namespace) -> int:
     if cmd == "ls":
         sessions = await client.shell_list()
         if ns.json:
-            _print_json({"sessions": sessions})
+            _print_json({"sessions": [_json_path(s, "cwd") for s in sessions]})
         else:
             for s in sessions:
-                print(f"{s['id']}  {s.get('name') or '-':12} pid {s['pid']:<8} {s['cwd']}  ({s['commands']} commands)")
+                cwd = printable_path(s["cwd"])
+                print(f"{s['id']}  {s.get('name') or '-':12} pid {s['pid']:<8} {cwd}  ({s['commands']} commands)")
         return 0
     if cmd == "rm":
         await client.shell_close(ns.id)
@@ -505,7 +517,8 @@ async def run(ns: argparse.Namespace) -> int:
             if ns.json:
                 _print_json(out)
             else:
-                print(f"{out['src']} -> {out['dst']}: {out['bytes']} bytes ({out['direction']}, size verified)")
+                src, dst = printable_path(out["src"]), printable_path(out["dst"])
+                print(f"{src} -> {dst}: {out['bytes']} bytes ({out['direction']}, size verified)")
             return 0
         path = _remote(ns.path)
         if path is None:
@@ -522,12 +535,13 @@ async def run(ns: argparse.Namespace) -> int:
         if ns.cmd == "ls":
             listing = await client.listdir(path)
             if ns.json:
-                _print_json({"entries": [e.__dict__ for e in listing.entries], "truncated": listing.truncated})
+                entries = [_json_path(dict(e.__dict__), "name") for e in listing.entries]
+                _print_json({"entries": entries, "truncated": listing.truncated, "total": listing.total})
             else:
                 for e in listing.entries:
-                    print(f"{e.type:7} {e.mode:04o} {e.size:>12} {e.name}")
+                    print(f"{e.type:7} {e.mode:04o} {e.size:>12} {printable_path(e.name)}")
                 if listing.truncated:
-                    print("guestctl: listing truncated", file=sys.stderr)
+                    print(f"guestctl: listing truncated: {len(listing.entries)} of {listing.total}", file=sys.stderr)
             return 0
         if ns.cmd == "rm":
             n = await client.remove(path, recursive=ns.recursive)

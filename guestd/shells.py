@@ -39,6 +39,7 @@ from guestd.proctree import (
     try_reap,
 )
 from guestd.wire.errors import ErrorCode, GuestdError, limit_error
+from guestd.wire.paths import path_to_wire
 
 if TYPE_CHECKING:
     from guestd.server.daemon import Daemon
@@ -251,7 +252,7 @@ class Session:
                 self._marker.set_result(
                     (
                         int(code or b"0"),
-                        cwd.decode("utf-8", "surrogateescape"),
+                        os.fsdecode(cwd),  # an os str: any bytes, as cd left them
                         exports.decode("utf-8", "surrogateescape"),
                     )
                 )
@@ -376,7 +377,7 @@ class Session:
             "timed_out": timed_out,
             "interrupted": interrupted,
             "session_restarted": restarted,
-            "cwd": self.cwd,
+            "cwd": path_to_wire(self.cwd),
             "duration_s": time.monotonic() - t0,
         }
         out.update(capture_fields(caps[1], caps[2]))
@@ -410,7 +411,7 @@ class Session:
             "id": self.id,
             "name": self.name,
             "pid": self.pid,
-            "cwd": self.cwd,
+            "cwd": path_to_wire(self.cwd),
             "busy": self.lock.locked(),
             "alive": self.alive,
             "commands": self.commands,

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import base64
 import json
 import os
 import subprocess
@@ -85,6 +86,20 @@ def test_cp_both_ways_cat_ls_rm(guestd: Guestd, tmp_path: object) -> None:
     assert not os.path.exists(f"{tmp_path}/guest")
     r = guestctl(guestd, "cp", src, back)
     assert r.returncode != 0 and b":PATH" in r.stderr
+
+
+def test_names_that_are_not_utf8(guestd: Guestd, tmp_path: object) -> None:
+    bad = os.fsencode(str(tmp_path)) + b"/bad\xff"
+    with open(bad, "wb") as f:
+        f.write(b"content")
+    r = guestctl(guestd, "ls", f":{tmp_path}")
+    assert r.returncode == 0 and r.stdout.rstrip().endswith(b" bad\\xff"), r  # a visible escape
+    ls = json.loads(guestctl(guestd, "--json", "ls", f":{tmp_path}").stdout)
+    [entry] = ls["entries"]
+    assert (entry["name"], base64.b64decode(entry["name_base64"]), ls["total"]) == ("bad\\xff", b"bad\xff", 1)
+    # A path given on the command line reaches the guest as the same bytes.
+    r = guestctl(guestd, "cat", os.fsdecode(b":" + bad))
+    assert (r.returncode, r.stdout) == (0, b"content"), r
 
 
 def test_stdin_is_forwarded(guestd: Guestd) -> None:

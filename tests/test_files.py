@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import asyncio
+import errno
 import hashlib
 import os
+import random
 import threading
 import time
 from collections.abc import Callable
@@ -234,3 +236,125 @@ def test_read_pseudo_files_that_report_size_zero(client: Client) -> None:
     data = client.read_file("/proc/self/status")  # guestd's own status: size 0 in stat, content on read
     assert data.startswith(b"Name:") and len(data) > 100
     assert client.read_file("/proc/self/cmdline", length=4) != b""
+
+
+# --------------------------------------------------------------------------- names that are not UTF-8
+
+BAD = b"bad\xff"  # a legal Linux name that is not UTF-8: it travels as msgpack bin
+
+
+def test_names_that_are_not_utf8_round_trip(client: Client, tmp_path: object) -> None:
+    d = os.fsencode(str(tmp_path))
+    with open(d + b"/" + BAD, "wb") as f:
+        f.write(b"made on the host")
+    # The defect: the reply naming it could not be encoded, so none came (the client waited).
+    listing = client.listdir(str(tmp_path), timeout=10)
+    assert [e.name for e in listing.entries] == [BAD]
+    p = d + b"/" + BAD
+    assert client.stat(p, timeout=10).size == 16
+    assert client.stat(os.fsdecode(p), timeout=10).size == 16  # an os str names the same bytes
+    assert client.read_file(p, timeout=10) == b"made on the host"
+    assert client.write_file(p, b"written", timeout=10) == 7
+    assert client.upload(b"u" * 100_000, p, timeout=10) == 100_000
+    assert client.download(p, timeout=10) == b"u" * 100_000
+    os.symlink(BAD, d + b"/link")
+    assert client.stat(d + b"/link", follow=False, timeout=10).target == BAD
+    sub = d + b"/dir\xfe"
+    assert client.mkdir(sub + b"/deeper\xfd", timeout=10) is True
+    assert client.stat(sub, timeout=10).type == "dir"
+    assert [e.name for e in client.listdir(sub, timeout=10).entries] == [b"deeper\xfd"]
+    client.rename(p, sub + b"/moved\xfc", timeout=10)
+    assert sorted(os.listdir(sub)) == [b"deeper\xfd", b"moved\xfc"]
+    # Errors naming such a path are answered too: escaped in the message, exact in details.
+    with pytest.raises(GuestdError) as ei:
+        client.read_file(sub, timeout=10)
+    assert ei.value.code == "is_a_directory" and ei.value.details["path"] == sub
+    assert "dir\\xfe" in ei.value.message
+    with pytest.raises(GuestdError) as ei:
+        client.read_file(sub + b"/missing\xff", timeout=10)
+    assert ei.value.code == "not_found" and "missing\\xff" in ei.value.message
+    assert client.remove(sub, recursive=True, timeout=10) == 3
+    assert client.exec(["pwd"], cwd=d + b"/", client_timeout=10).stdout == d + b"\n"
+    os.mkdir(sub)
+    assert client.exec(["pwd"], cwd=sub, client_timeout=10).stdout == sub + b"\n"
+    proc = client.process_start(["pwd"], cwd=sub, timeout=10)
+    assert client.process_output(proc["id"])[0] == sub + b"\n"
+
+
+def test_a_bin_path_in_a_raw_request(guestd: Guestd, tmp_path: object) -> None:
+    from guestd.wire.frames import Kind
+    from tests.rawwire import RawPeer
+
+    d = os.fsencode(str(tmp_path))
+    with open(d + b"/" + BAD, "wb") as f:
+        f.write(b"xyz")
+    open(d + b"/plain", "wb").close()
+    p = RawPeer(guestd.raw_socket())
+    p.hello()
+    p.request(1, "file.stat", {"path": d + b"/" + BAD})
+    kind, body = p.recv_final(1)
+    assert kind == Kind.RESPONSE and body["size"] == 3, body
+    p.request(2, "file.list", {"path": d})  # bin although it is UTF-8: both forms are accepted
+    kind, body = p.recv_final(2)
+    assert kind == Kind.RESPONSE
+    assert [e["name"] for e in body["entries"]] == [BAD, "plain"]  # bin only where str cannot be
+    p.request(3, "file.stat", {"path": 7})
+    kind, body = p.recv_final(3)
+    assert kind == Kind.ERROR and body["code"] == "bad_request" and body["details"]["field"] == "path"
+
+
+def test_a_truncated_list_is_the_first_entries_by_name_bytes(client: Client, tmp_path: object) -> None:
+    d = os.fsencode(str(tmp_path))
+    # "\ue000" is b"\xee\x80\x80": before b"\xff" as bytes, after it as an os str ("\udcff").
+    names = [b"%03d" % i for i in range(200)] + [b"\xff", "\ue000".encode()]
+    random.Random(13).shuffle(names)
+    for n in names:
+        open(d + b"/" + n, "wb").close()
+    ordered = sorted(names)
+
+    def as_bytes(name: str | bytes) -> bytes:
+        return name if isinstance(name, bytes) else name.encode()
+
+    listing = client.listdir(str(tmp_path), max_entries=10)
+    assert [as_bytes(e.name) for e in listing.entries] == ordered[:10]
+    assert (listing.total, listing.truncated) == (202, True)
+    full = client.listdir(str(tmp_path))
+    assert [as_bytes(e.name) for e in full.entries] == ordered
+    assert (full.total, full.truncated) == (202, False)
+    none = client.listdir(str(tmp_path), max_entries=0)
+    assert (none.entries, none.total, none.truncated) == ([], 202, True)
+
+
+def test_mkdir_parents_two_thousand_levels_deep(client: Client, tmp_path: object) -> None:
+    base = str(tmp_path)
+    deep = base + "/d" * 2000  # under PATH_MAX (4096) with one-letter names
+    assert len(deep) < 4096 - 10
+    try:
+        assert client.mkdir(deep) is True  # was `internal` (RecursionError)
+        assert os.path.isdir(deep)
+        assert client.mkdir(deep) is False
+        assert client.write_file(deep + "/x/y", b"deep", parents=True) == 4
+        with pytest.raises(GuestdError) as ei:
+            client.mkdir(deep + "/d" * 60)  # beyond PATH_MAX
+        assert (ei.value.code, ei.value.errno) == ("bad_request", errno.ENAMETOOLONG)
+        assert os.listdir(deep) == ["x"]  # nothing of it was made
+    finally:
+        _remove_deep(base + "/d")
+
+
+def _remove_deep(top: str) -> None:
+    """rm -r of a tree too deep for shutil.rmtree (which recurses): down to a leaf, remove, repeat."""
+    at = top
+    while os.path.isdir(at):
+        inside = os.listdir(at)
+        if inside:
+            child = os.path.join(at, inside[0])
+            if os.path.isdir(child) and not os.path.islink(child):
+                at = child
+            else:
+                os.unlink(child)
+            continue
+        os.rmdir(at)
+        if at == top:
+            return
+        at = os.path.dirname(at)

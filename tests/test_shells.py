@@ -160,3 +160,23 @@ def test_closing_a_session_ends_its_processes(client: Client) -> None:
         time.sleep(0.05)
     assert live_procs_with(marker) == []
     assert os.path.exists("/bin/bash")
+
+
+def test_cd_into_a_directory_whose_name_is_not_utf8(sh: tuple[Client, str], tmp_path: object) -> None:
+    c, sid = sh
+    home = os.fsencode(str(tmp_path))
+    bad = home + b"/bad\xff"
+    os.mkdir(bad)
+    # The defect: the result carrying this cwd could not be encoded; no answer ever came.
+    r = c.shell_run(sid, "cd $'bad\\xff' && echo in", client_timeout=10)
+    assert (r.exit_code, r.stdout, r.cwd) == (0, b"in\n", bad)
+    [listed] = [s for s in c.shell_list(timeout=10) if s["id"] == sid]
+    assert listed["cwd"] == bad
+    r = c.shell_run(sid, "pwd; cd ..", client_timeout=10)
+    assert (r.stdout, r.cwd) == (bad + b"\n", str(tmp_path))  # still works, and str again
+    started_there = c.shell_create(cwd=bad, timeout=10)["id"]
+    try:
+        r = c.shell_run(started_there, "pwd", client_timeout=10)
+        assert (r.stdout, r.cwd) == (bad + b"\n", bad)
+    finally:
+        c.shell_close(started_there)

@@ -14,6 +14,7 @@ from guestd.client.connection import DEFAULT_WINDOW, Call, ClientConnection, Gue
 from guestd.client.results import CodeResult, DirEntry, DirListing, ExecResult, FileStat, Info, ShellResult
 from guestd.wire.errors import ErrorCode, GuestdError
 from guestd.wire.frames import DEFAULT_MAX_FRAME
+from guestd.wire.paths import WirePath, path_to_wire
 
 DEFAULT_TIMEOUT = 300.0  # any request without its own deadline
 EXEC_MARGIN = 30.0  # on top of an exec's own timeout + kill grace
@@ -213,7 +214,7 @@ class AsyncClient:
     def _exec_args(
         cmd: list[str] | str,
         *,
-        cwd: str | None,
+        cwd: WirePath | None,
         env: dict[str, str] | None,
         replace_env: bool,
         stdin: bytes | None,
@@ -227,7 +228,7 @@ class AsyncClient:
     ) -> dict[str, Any]:
         args: dict[str, Any] = {"shell": cmd} if isinstance(cmd, str) else {"argv": list(cmd)}
         if cwd is not None:
-            args["cwd"] = cwd
+            args["cwd"] = path_to_wire(cwd)
         if env is not None:
             args["env"] = env
         if replace_env:
@@ -264,7 +265,7 @@ class AsyncClient:
         self,
         cmd: list[str] | str,
         *,
-        cwd: str | None = None,
+        cwd: WirePath | None = None,
         env: dict[str, str] | None = None,
         replace_env: bool = False,
         stdin: bytes | None = None,
@@ -301,7 +302,7 @@ class AsyncClient:
         self,
         cmd: list[str] | str,
         *,
-        cwd: str | None = None,
+        cwd: WirePath | None = None,
         env: dict[str, str] | None = None,
         stdin: bytes | None = None,
         stdin_stream: bool = False,
@@ -329,9 +330,9 @@ class AsyncClient:
 
     # -- files ----------------------------------------------------------------------------
     async def read_file(
-        self, path: str, *, offset: int = 0, length: int | None = None, timeout: float = DEFAULT_TIMEOUT
+        self, path: WirePath, *, offset: int = 0, length: int | None = None, timeout: float = DEFAULT_TIMEOUT
     ) -> bytes:
-        args: dict[str, Any] = {"path": path, "offset": offset}
+        args: dict[str, Any] = {"path": path_to_wire(path), "offset": offset}
         if length is not None:
             args["length"] = length
         data: bytes = (await self._conn.request("file.read", args, timeout))["data"]
@@ -341,7 +342,7 @@ class AsyncClient:
 
     async def write_file(
         self,
-        path: str,
+        path: WirePath,
         data: bytes | str,
         *,
         flag: str = "overwrite",
@@ -351,7 +352,7 @@ class AsyncClient:
     ) -> int:
         if isinstance(data, str):
             data = data.encode()
-        args: dict[str, Any] = {"path": path, "data": data, "flag": flag, "parents": parents}
+        args: dict[str, Any] = {"path": path_to_wire(path), "data": data, "flag": flag, "parents": parents}
         if perm is not None:
             args["perm"] = perm
         return int((await self._conn.request("file.write", args, timeout))["size"])
@@ -359,7 +360,7 @@ class AsyncClient:
     async def upload(
         self,
         src: str | bytes,
-        dst: str,
+        dst: WirePath,
         *,
         perm: int | None = None,
         parents: bool = False,
@@ -367,7 +368,8 @@ class AsyncClient:
         progress: Progress | None = None,
         timeout: float = DEFAULT_TIMEOUT,
     ) -> int:
-        """Stream a local file (path) or bytes to ``dst`` atomically. ``timeout`` bounds each chunk's wait."""
+        """Stream a local file (path) or bytes to the guest path ``dst`` atomically. ``timeout`` bounds
+        each chunk's wait."""
         if isinstance(src, bytes):
             size = len(src)
             chunks: Any = (src[i : i + UPLOAD_CHUNK] for i in range(0, size, UPLOAD_CHUNK))
@@ -378,7 +380,7 @@ class AsyncClient:
             reader = f
             chunks = iter(lambda: reader.read(UPLOAD_CHUNK), b"")
         args: dict[str, Any] = {
-            "path": dst,
+            "path": path_to_wire(dst),
             "parents": parents,
             "size": size,
             "flag": "create" if exclusive else "overwrite",
@@ -407,7 +409,7 @@ class AsyncClient:
 
     async def download(
         self,
-        src: str,
+        src: WirePath,
         dst: str | None = None,
         *,
         offset: int = 0,
@@ -424,7 +426,7 @@ class AsyncClient:
         """
         to_memory = dst is None and sink is None
         cap = max_bytes if max_bytes is not None else (256 * 1024 * 1024 if to_memory else None)
-        args: dict[str, Any] = {"path": src, "offset": offset}
+        args: dict[str, Any] = {"path": path_to_wire(src), "offset": offset}
         if length is not None:
             args["length"] = length
         call = self._conn.start("file.download", args)
@@ -476,10 +478,11 @@ class AsyncClient:
                 out = None
             raise
 
-    async def stat(self, path: str, *, follow: bool = True, timeout: float = DEFAULT_TIMEOUT) -> FileStat:
-        return FileStat.from_body(await self._conn.request("file.stat", {"path": path, "follow": follow}, timeout))
+    async def stat(self, path: WirePath, *, follow: bool = True, timeout: float = DEFAULT_TIMEOUT) -> FileStat:
+        args = {"path": path_to_wire(path), "follow": follow}
+        return FileStat.from_body(await self._conn.request("file.stat", args, timeout))
 
-    async def exists(self, path: str) -> bool:
+    async def exists(self, path: WirePath) -> bool:
         try:
             await self.stat(path, follow=False)
             return True
@@ -489,9 +492,11 @@ class AsyncClient:
             raise
 
     async def listdir(
-        self, path: str, *, max_entries: int | None = None, timeout: float = DEFAULT_TIMEOUT
+        self, path: WirePath, *, max_entries: int | None = None, timeout: float = DEFAULT_TIMEOUT
     ) -> DirListing:
-        args: dict[str, Any] = {"path": path}
+        """The first entries in order of their names as bytes. A name is a str, or bytes when it
+        is not UTF-8 (pass it back as it is to name that entry)."""
+        args: dict[str, Any] = {"path": path_to_wire(path)}
         if max_entries is not None:
             args["max_entries"] = max_entries
         b = await self._conn.request("file.list", args, timeout)
@@ -501,39 +506,42 @@ class AsyncClient:
         out = []
         for e in entries:
             try:
-                out.append(DirEntry(str(e["name"]), str(e["type"]), int(e["size"]), int(e["mode"]), int(e["mtime_ns"])))
+                name = e["name"]
+                if not isinstance(name, (str, bytes)):
+                    raise TypeError("name")
+                out.append(DirEntry(name, str(e["type"]), int(e["size"]), int(e["mode"]), int(e["mtime_ns"])))
             except (KeyError, TypeError, ValueError):
                 raise GuestProtocolError("file.list: malformed entry") from None
-        return DirListing(out, bool(b["truncated"]))
+        return DirListing(out, bool(b["truncated"]), int(b["total"]))
 
     async def mkdir(
-        self, path: str, *, parents: bool = True, perm: int = 0o755, timeout: float = DEFAULT_TIMEOUT
+        self, path: WirePath, *, parents: bool = True, perm: int = 0o755, timeout: float = DEFAULT_TIMEOUT
     ) -> bool:
-        return bool(
-            (await self._conn.request("file.mkdir", {"path": path, "parents": parents, "perm": perm}, timeout))[
-                "created"
-            ]
-        )
+        args = {"path": path_to_wire(path), "parents": parents, "perm": perm}
+        return bool((await self._conn.request("file.mkdir", args, timeout))["created"])
 
-    async def remove(self, path: str, *, recursive: bool = False, timeout: float = DEFAULT_TIMEOUT) -> int:
-        return int(
-            (await self._conn.request("file.remove", {"path": path, "recursive": recursive}, timeout))["removed"]
-        )
+    async def remove(self, path: WirePath, *, recursive: bool = False, timeout: float = DEFAULT_TIMEOUT) -> int:
+        args = {"path": path_to_wire(path), "recursive": recursive}
+        return int((await self._conn.request("file.remove", args, timeout))["removed"])
 
-    async def rename(self, src: str, dst: str, *, overwrite: bool = True, timeout: float = DEFAULT_TIMEOUT) -> None:
-        await self._conn.request("file.rename", {"src": src, "dst": dst, "overwrite": overwrite}, timeout)
+    async def rename(
+        self, src: WirePath, dst: WirePath, *, overwrite: bool = True, timeout: float = DEFAULT_TIMEOUT
+    ) -> None:
+        args = {"src": path_to_wire(src), "dst": path_to_wire(dst), "overwrite": overwrite}
+        await self._conn.request("file.rename", args, timeout)
 
     # -- code contexts --------------------------------------------------------------------
     async def code_create(
         self,
         *,
-        cwd: str | None = None,
+        cwd: WirePath | None = None,
         env: dict[str, str] | None = None,
         name: str | None = None,
         timeout: float = 120.0,
     ) -> dict[str, Any]:
         """Create a Python context (returns ``{"id", "name", "pid", "pooled", "existing"}``)."""
-        return await self._conn.request("code.create", present(cwd=cwd, env=env, name=name), timeout)
+        wire_cwd = None if cwd is None else path_to_wire(cwd)
+        return await self._conn.request("code.create", present(cwd=wire_cwd, env=env, name=name), timeout)
 
     async def code_run(
         self,
@@ -603,7 +611,7 @@ class AsyncClient:
         self,
         cmd: list[str] | str,
         *,
-        cwd: str | None = None,
+        cwd: WirePath | None = None,
         env: dict[str, str] | None = None,
         stdin: bool = False,
         pty: bool = False,
@@ -616,7 +624,7 @@ class AsyncClient:
         args: dict[str, Any] = {"shell": cmd} if isinstance(cmd, str) else {"argv": list(cmd)}
         args.update({"stdin": stdin, "pty": pty, "rows": rows, "cols": cols})
         if cwd is not None:
-            args["cwd"] = cwd
+            args["cwd"] = path_to_wire(cwd)
         if env is not None:
             args["env"] = env
         if ring_bytes is not None:
@@ -667,12 +675,13 @@ class AsyncClient:
     async def shell_create(
         self,
         *,
-        cwd: str | None = None,
+        cwd: WirePath | None = None,
         env: dict[str, str] | None = None,
         name: str | None = None,
         timeout: float = 60.0,
     ) -> dict[str, Any]:
-        return await self._conn.request("shell.create", present(cwd=cwd, env=env, name=name), timeout)
+        wire_cwd = None if cwd is None else path_to_wire(cwd)
+        return await self._conn.request("shell.create", present(cwd=wire_cwd, env=env, name=name), timeout)
 
     async def shell_run(
         self,

@@ -6,6 +6,8 @@ import base64
 from dataclasses import dataclass, field
 from typing import Any
 
+from guestd.wire.paths import WirePath
+
 
 @dataclass(frozen=True, kw_only=True)
 class CapturedOutput:
@@ -78,7 +80,7 @@ class FileStat:
     uid: int
     gid: int
     mtime_ns: int
-    target: str | None = None
+    target: WirePath | None = None  # bytes when the link's target is not UTF-8
 
     @classmethod
     def from_body(cls, b: dict[str, Any]) -> FileStat:
@@ -87,7 +89,7 @@ class FileStat:
 
 @dataclass(frozen=True)
 class DirEntry:
-    name: str
+    name: WirePath  # bytes when the name is not UTF-8
     type: str
     size: int
     mode: int
@@ -96,8 +98,9 @@ class DirEntry:
 
 @dataclass(frozen=True)
 class DirListing:
-    entries: list[DirEntry]
+    entries: list[DirEntry]  # the first ones in order of their names as bytes
     truncated: bool
+    total: int  # entries in the directory, returned or not
 
 
 @dataclass(frozen=True)
@@ -207,7 +210,7 @@ class ShellResult(CapturedOutput):
     timed_out: str | None
     interrupted: bool
     session_restarted: bool
-    cwd: str
+    cwd: WirePath  # bytes when the directory's path is not UTF-8
     stdout_gap_at: int | None
     stderr_gap_at: int | None
 

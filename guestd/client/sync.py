@@ -10,6 +10,7 @@ from typing import Any, TypeVar
 
 from guestd.client.aio import AsyncClient
 from guestd.client.results import CodeResult, DirListing, ExecResult, FileStat, Info, ShellResult
+from guestd.wire.paths import WirePath
 
 T = TypeVar("T")
 
@@ -73,34 +74,34 @@ class Client:
     def exec(self, cmd: list[str] | str, **kw: Any) -> ExecResult:
         return self._run(self._aio.exec(cmd, **kw))
 
-    def read_file(self, path: str, **kw: Any) -> bytes:
+    def read_file(self, path: WirePath, **kw: Any) -> bytes:
         return self._run(self._aio.read_file(path, **kw))
 
-    def write_file(self, path: str, data: bytes | str, **kw: Any) -> int:
+    def write_file(self, path: WirePath, data: bytes | str, **kw: Any) -> int:
         return self._run(self._aio.write_file(path, data, **kw))
 
-    def upload(self, src: str | bytes, dst: str, **kw: Any) -> int:
+    def upload(self, src: str | bytes, dst: WirePath, **kw: Any) -> int:
         return self._run(self._aio.upload(src, dst, **kw))
 
-    def download(self, src: str, dst: str | None = None, **kw: Any) -> bytes | int:
+    def download(self, src: WirePath, dst: str | None = None, **kw: Any) -> bytes | int:
         return self._run(self._aio.download(src, dst, **kw))
 
-    def stat(self, path: str, **kw: Any) -> FileStat:
+    def stat(self, path: WirePath, **kw: Any) -> FileStat:
         return self._run(self._aio.stat(path, **kw))
 
-    def exists(self, path: str) -> bool:
+    def exists(self, path: WirePath) -> bool:
         return self._run(self._aio.exists(path))
 
-    def listdir(self, path: str, **kw: Any) -> DirListing:
+    def listdir(self, path: WirePath, **kw: Any) -> DirListing:
         return self._run(self._aio.listdir(path, **kw))
 
-    def mkdir(self, path: str, **kw: Any) -> bool:
+    def mkdir(self, path: WirePath, **kw: Any) -> bool:
         return self._run(self._aio.mkdir(path, **kw))
 
-    def remove(self, path: str, **kw: Any) -> int:
+    def remove(self, path: WirePath, **kw: Any) -> int:
         return self._run(self._aio.remove(path, **kw))
 
-    def rename(self, src: str, dst: str, **kw: Any) -> None:
+    def rename(self, src: WirePath, dst: WirePath, **kw: Any) -> None:
         self._run(self._aio.rename(src, dst, **kw))
 
     def code_create(self, **kw: Any) -> dict[str, Any]:

@@ -2,17 +2,23 @@
 
 All blocking file-system calls run in the daemon's I/O thread pool, so a slow
 or stuck disk can delay file ops but never ping or exec.
+
+Paths arrive as os strs (the dispatcher converts the wire's str-or-bin form, see
+guestd.wire.paths); names that go back out pass through ``path_to_wire``.
 """
 
 from __future__ import annotations
 
 import ctypes
 import errno
+import heapq
 import os
 import stat as st
+from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
 from guestd.wire.errors import ErrorCode, GuestdError, limit_error, too_large
+from guestd.wire.paths import path_to_wire
 
 if TYPE_CHECKING:
     from guestd.server.connection import RequestContext
@@ -20,6 +26,7 @@ if TYPE_CHECKING:
 
 DEFAULT_PERM = 0o644
 TMP_MARK = ".guestd-tmp-"
+PATH_MAX = 4096  # Linux's, counting the terminating NUL
 Owner = tuple[int, int] | None  # (uid, gid) for new files and directories; None: guestd's own
 
 
@@ -42,22 +49,31 @@ class WorkspaceOwner:
 
 def makedirs_owned(path: str, owner: Owner, mode: int = 0o777) -> bool:
     """``os.makedirs(path, exist_ok=True)`` that gives each directory it creates to ``owner``.
-    True when ``path`` itself was created."""
+    True when ``path`` itself was created. Iterative, so any depth the kernel accepts works
+    (a path longer than PATH_MAX fails with ENAMETOOLONG)."""
     path = os.path.abspath(path)
-    if os.path.isdir(path):
-        return False
-    parent = os.path.dirname(path)
-    if parent != path:
-        makedirs_owned(parent, owner, mode)
-    try:
-        os.mkdir(path, mode)
-    except FileExistsError:
-        if os.path.isdir(path):
-            return False  # someone else made it meanwhile
-        raise
-    if owner is not None:
-        os.chown(path, *owner)
-    return True
+    if len(os.fsencode(path)) >= PATH_MAX:  # before any mkdir: no half-made tree is left behind
+        raise OSError(errno.ENAMETOOLONG, os.strerror(errno.ENAMETOOLONG), path)
+    missing: list[str] = []  # deepest first
+    at = path
+    while not os.path.isdir(at):
+        missing.append(at)
+        parent = os.path.dirname(at)
+        if parent == at:
+            break
+        at = parent
+    created = False
+    for d in reversed(missing):
+        try:
+            os.mkdir(d, mode)
+        except FileExistsError:
+            if os.path.isdir(d):
+                continue  # someone else made it meanwhile
+            raise
+        if owner is not None:
+            os.chown(d, *owner)
+        created = d == path
+    return created
 
 
 def _type_name(mode: int) -> str:
@@ -246,35 +262,44 @@ def stat_path(path: str, follow: bool) -> dict[str, Any]:
         "target": None,
     }
     if st.S_ISLNK(s.st_mode):
-        out["target"] = os.readlink(path)
+        out["target"] = path_to_wire(os.readlink(path))
     return out
 
 
 def list_dir(path: str, cap: int) -> dict[str, Any]:
-    entries: list[dict[str, Any]] = []
-    truncated = False
-    with os.scandir(path) as it:
-        names: list[os.DirEntry[str]] = []
+    """The first ``cap`` entries in order of their names as bytes, and how many there are.
+
+    Every name is read (the order is the names', not the directory's), but only ``cap``
+    are kept: a bounded heap, so a huge directory costs a scan, not memory."""
+    total = 0
+
+    def counted(it: Iterator[os.DirEntry[bytes]]) -> Iterator[os.DirEntry[bytes]]:
+        nonlocal total
         for e in it:
-            if len(names) >= cap:
-                truncated = True
-                break
-            names.append(e)
-        for e in sorted(names, key=lambda x: x.name):
-            try:
-                s = e.stat(follow_symlinks=False)
-            except OSError:
-                continue  # vanished between listing and stat
-            entries.append(
-                {
-                    "name": e.name,
-                    "type": _type_name(s.st_mode),
-                    "size": s.st_size,
-                    "mode": st.S_IMODE(s.st_mode),
-                    "mtime_ns": s.st_mtime_ns,
-                }
-            )
-    return {"entries": entries, "truncated": truncated}
+            total += 1
+            yield e
+
+    with os.scandir(os.fsencode(path)) as it:
+        scanned = counted(it)
+        first = heapq.nsmallest(cap, scanned, key=lambda e: e.name)
+        for _ in scanned:  # nsmallest(0, ...) returns before the end: count the rest
+            pass
+    entries: list[dict[str, Any]] = []
+    for e in first:
+        try:
+            s = e.stat(follow_symlinks=False)
+        except OSError:
+            continue  # vanished between listing and stat
+        entries.append(
+            {
+                "name": path_to_wire(e.name),
+                "type": _type_name(s.st_mode),
+                "size": s.st_size,
+                "mode": st.S_IMODE(s.st_mode),
+                "mtime_ns": s.st_mtime_ns,
+            }
+        )
+    return {"entries": entries, "total": total, "truncated": total > cap}
 
 
 def make_dir(path: str, parents: bool, perm: int, new_owner: Owner = None) -> dict[str, Any]:

@@ -7,6 +7,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from guestd.wire.errors import ErrorCode, GuestdError
+from guestd.wire.paths import path_from_wire
 from guestd.wire.schema import OPS_BY_NAME, OpSpec
 
 if TYPE_CHECKING:
@@ -34,6 +35,10 @@ class Dispatcher:
         spec = OPS_BY_NAME[op]  # KeyError here is a programming error: ops must be in the schema
         if (handler is None) == (inline is None):
             raise ValueError("give exactly one of handler / inline")
+        if handler is not None:
+            handler = _with_os_paths(spec, handler)
+        elif any(f.type.rstrip("?") == "path" for f in spec.args):
+            raise ValueError(f"{op} takes paths: give it a handler, which gets them as os strs")
         self.routes[op] = Route(spec, handler, inline)
         self.specs[op] = spec
 
@@ -48,3 +53,17 @@ class Dispatcher:
 
     def ops(self) -> list[str]:
         return sorted(self.routes)
+
+
+def _with_os_paths(spec: OpSpec, handler: Handler) -> Handler:
+    """Hand ``path`` arguments (str or bin on the wire) to the handler as os strs, so every
+    op takes names that are not UTF-8 without converting them itself."""
+    names = [f.name for f in spec.args if f.type.rstrip("?") == "path"]
+    if not names:
+        return handler
+
+    async def call(ctx: RequestContext, args: Args) -> Result:
+        converted = {n: path_from_wire(args[n]) for n in names if args.get(n) is not None}
+        return await handler(ctx, {**args, **converted})
+
+    return call

@@ -6,6 +6,8 @@ import errno as _errno
 from enum import StrEnum
 from typing import Any
 
+from guestd.wire.paths import path_to_wire
+
 
 class ErrorCode(StrEnum):
     """Stable error codes. New codes may be added in a minor revision; clients map
@@ -64,11 +66,12 @@ class GuestdError(Exception):
         errno: int | None = None,
         details: dict[str, Any] | None = None,
     ) -> None:
+        message = _sendable_text(message)
         super().__init__(message)
         self.code = code.value if isinstance(code, ErrorCode) else str(code)
         self.message = message
         self.errno = errno
-        self.details = details or {}
+        self.details = {k: _sendable_detail(v) for k, v in (details or {}).items()}
 
     def to_body(self) -> dict[str, Any]:
         body: dict[str, Any] = {"code": self.code, "message": self.message}
@@ -107,6 +110,31 @@ class GuestdError(Exception):
 
     def __str__(self) -> str:
         return f"[{self.code}] {self.message}"
+
+
+def _sendable_text(text: str) -> str:
+    """``text`` as valid UTF-8 for msgpack str: an OS name that is not UTF-8 (surrogate
+    escapes, as in an OSError's filename) is shown as ``\\xff`` escapes instead of
+    making the error frame unencodable."""
+    try:
+        text.encode("utf-8")
+        return text
+    except UnicodeEncodeError:
+        pass
+    try:
+        return text.encode("utf-8", "surrogateescape").decode("utf-8", "backslashreplace")
+    except UnicodeEncodeError:  # a lone surrogate that is no escaped byte
+        return text.encode("utf-8", "backslashreplace").decode("utf-8")
+
+
+def _sendable_detail(value: Any) -> Any:
+    """A path in details (an os str naming bytes that are not UTF-8) travels in its bin form."""
+    if not isinstance(value, str):
+        return value
+    try:
+        return path_to_wire(value)
+    except UnicodeEncodeError:  # a lone surrogate that is no escaped byte: not a name
+        return _sendable_text(value)
 
 
 def limit_error(name: str, value: int | float, message: str) -> GuestdError:

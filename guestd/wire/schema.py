@@ -6,8 +6,10 @@ a test fails when the two differ), and the daemon validates every request's
 ``args`` against these specs, so documentation and behaviour cannot drift.
 
 Field types: ``str``, ``int``, ``uint``, ``float`` (ints accepted), ``bool``,
-``bin`` (msgpack bin), ``map<str,str>``, ``list<str>``, ``list<uint>``, ``map`` (any map),
-``enum(a|b)``, ``any``. A trailing ``?`` means nil is also allowed.
+``bin`` (msgpack bin), ``path`` (a file-system path or name: str when it is valid UTF-8,
+bin holding the raw bytes when it is not; see :mod:`guestd.wire.paths`), ``map<str,str>``,
+``list<str>``, ``list<uint>``, ``map`` (any map), ``enum(a|b)``, ``any``.
+A trailing ``?`` means nil is also allowed.
 Unknown fields are ignored by receivers (forward compatibility).
 """
 
@@ -113,6 +115,11 @@ def check_value(name: str, typ: str, value: Any) -> Any:
     if typ == "bin":
         if not isinstance(value, bytes):
             raise _bad(name, "binary (msgpack bin)", value)
+        return value
+    if typ == "path":
+        # Returned as received: the daemon's dispatcher turns it into an os str, the client keeps it.
+        if not isinstance(value, (str, bytes)):
+            raise _bad(name, "a path (string, or binary for names that are not UTF-8)", value)
         return value
     if typ == "map":
         if not isinstance(value, dict):
@@ -268,7 +275,7 @@ OPS: tuple[OpSpec, ...] = (
         args=(
             F("argv", "list<str>?", "program and arguments (exactly one of argv / shell)"),
             F("shell", "str?", "command string run by /bin/sh -c"),
-            F("cwd", "str?", "working directory (default: guestd's)"),
+            F("cwd", "path?", "working directory (default: guestd's)"),
             F("env", "map<str,str>?", "environment variables"),
             F("env_mode", "enum(merge|replace)", "merge env into guestd's, or use env alone", default="merge"),
             F("stdin", "bin?", "bytes fed to stdin, then closed; nil means /dev/null"),
@@ -299,7 +306,7 @@ OPS: tuple[OpSpec, ...] = (
         "files",
         "Read a whole file or a byte range in one reply (at most limits.max_read bytes).",
         args=(
-            F("path", "str", "absolute path, or relative to guestd's cwd", True),
+            F("path", "path", "absolute path, or relative to guestd's cwd", True),
             F("offset", "uint", "first byte", default=0),
             F("length", "uint?", "bytes to read; nil reads to the end"),
         ),
@@ -317,7 +324,7 @@ OPS: tuple[OpSpec, ...] = (
         "fsync, rename): readers see the old or the new file, never a mix, and a failure "
         "leaves the old file untouched.",
         args=(
-            F("path", "str", "target path", True),
+            F("path", "path", "target path", True),
             F("data", "bin", "content", True),
             F(
                 "flag",
@@ -338,7 +345,7 @@ OPS: tuple[OpSpec, ...] = (
         "server grants credit with WINDOW frames (the initial credit is the negotiated hello.stream_window). "
         "Written to a temp file and renamed into place on eof, so it is atomic like file.write.",
         args=(
-            F("path", "str", "target path", True),
+            F("path", "path", "target path", True),
             F("flag", "enum(overwrite|create)", "replace atomically, or fail if it exists", default="overwrite"),
             F("perm", "uint?", "permission bits (default 0o644)"),
             F("parents", "bool", "create missing parent directories", default=False),
@@ -355,7 +362,7 @@ OPS: tuple[OpSpec, ...] = (
         "WINDOW credit (initially the negotiated hello.stream_window). Each data EVENT holds at most "
         "chunk bytes and fits the client's max_frame.",
         args=(
-            F("path", "str", "source path", True),
+            F("path", "path", "source path", True),
             F("offset", "uint", "first byte", default=0),
             F("length", "uint?", "bytes to send; nil sends to the end"),
             F("chunk", "uint?", "most bytes per EVENT, 1..limits.max_chunk; default limits.max_chunk"),
@@ -372,7 +379,7 @@ OPS: tuple[OpSpec, ...] = (
         "file.stat",
         "files",
         "Metadata of a path.",
-        args=(F("path", "str", "path", True), F("follow", "bool", "follow a final symlink", default=True)),
+        args=(F("path", "path", "path", True), F("follow", "bool", "follow a final symlink", default=True)),
         result=(
             F("type", "enum(file|dir|symlink|fifo|socket|char|block|other)", "file type", True),
             F("size", "uint", "bytes", True),
@@ -380,20 +387,22 @@ OPS: tuple[OpSpec, ...] = (
             F("uid", "int", "owner", True),
             F("gid", "int", "group", True),
             F("mtime_ns", "int", "modification time, ns since the epoch", True),
-            F("target", "str?", "symlink target when type is symlink"),
+            F("target", "path?", "symlink target when type is symlink"),
         ),
         errors=("not_found", "permission_denied"),
     ),
     OpSpec(
         "file.list",
         "files",
-        "List a directory (sorted by name, at most max_entries).",
+        "List a directory: the first max_entries entries in order of their names as bytes "
+        "(so a truncated listing is always the same prefix), with the total count.",
         args=(
-            F("path", "str", "directory", True),
+            F("path", "path", "directory", True),
             F("max_entries", "uint?", "cap (<= limits.max_list_entries)"),
         ),
         result=(
-            F("entries", "any", "list of {name, type, size, mode, mtime_ns}", True),
+            F("entries", "any", "list of {name: path, type, size, mode, mtime_ns}, sorted by name bytes", True),
+            F("total", "uint", "entries in the directory (without . and ..), returned or not", True),
             F("truncated", "bool", "true when more entries exist than were returned", True),
         ),
         errors=("not_found", "not_a_directory", "permission_denied"),
@@ -403,7 +412,7 @@ OPS: tuple[OpSpec, ...] = (
         "files",
         "Create a directory.",
         args=(
-            F("path", "str", "directory", True),
+            F("path", "path", "directory", True),
             F("parents", "bool", "create missing parents, no error when it exists (mkdir -p)", default=True),
             F("perm", "uint", "permission bits", default=0o755),
         ),
@@ -415,7 +424,7 @@ OPS: tuple[OpSpec, ...] = (
         "files",
         "Remove a file, symlink or empty directory; with recursive, a whole tree (symlinks are "
         "removed, never followed).",
-        args=(F("path", "str", "path", True), F("recursive", "bool", "remove a directory tree", default=False)),
+        args=(F("path", "path", "path", True), F("recursive", "bool", "remove a directory tree", default=False)),
         result=(F("removed", "uint", "entries removed", True),),
         errors=("not_found", "not_empty", "permission_denied"),
     ),
@@ -424,8 +433,8 @@ OPS: tuple[OpSpec, ...] = (
         "files",
         "Rename (move) a path atomically within one filesystem.",
         args=(
-            F("src", "str", "existing path", True),
-            F("dst", "str", "new path", True),
+            F("src", "path", "existing path", True),
+            F("dst", "path", "new path", True),
             F("overwrite", "bool", "replace an existing dst", default=True),
         ),
         errors=("not_found", "exists", "permission_denied", "is_a_directory", "not_a_directory"),
@@ -455,7 +464,7 @@ CODE_OPS: tuple[OpSpec, ...] = (
         "Create a persistent Python context (one ipykernel kernel), from the warm pool when one is ready. "
         "A name that already exists returns that context.",
         args=(
-            F("cwd", "str?", "working directory of the kernel"),
+            F("cwd", "path?", "working directory of the kernel"),
             F("env", "map<str,str>?", "environment variables added to the kernel's"),
             F("name", "str?", "a name to find the context by"),
         ),
@@ -555,7 +564,7 @@ PROCESS_OPS: tuple[OpSpec, ...] = (
         args=(
             F("argv", "list<str>?", "program and arguments (exactly one of argv / shell)"),
             F("shell", "str?", "command string run by /bin/sh -c"),
-            F("cwd", "str?", "working directory"),
+            F("cwd", "path?", "working directory"),
             F("env", "map<str,str>?", "environment variables"),
             F("env_mode", "enum(merge|replace)", "merge env into guestd's, or use env alone", default="merge"),
             F("stdin", "bool", "keep a stdin pipe for process.write (else /dev/null)", default=False),
@@ -658,7 +667,7 @@ SHELL_OPS: tuple[OpSpec, ...] = (
         "shell",
         "Start a persistent bash session.",
         args=(
-            F("cwd", "str?", "starting directory"),
+            F("cwd", "path?", "starting directory"),
             F("env", "map<str,str>?", "environment variables added to guestd's"),
             F("name", "str?", "a name to find the session by"),
         ),
@@ -684,7 +693,7 @@ SHELL_OPS: tuple[OpSpec, ...] = (
             F("timed_out", "enum(wall|idle)?", "which timeout fired"),
             F("interrupted", "bool", "the command was interrupted by a timeout", True),
             F("session_restarted", "bool", "bash was restarted (cwd and exported variables kept)", True),
-            F("cwd", "str", "working directory after the command", True),
+            F("cwd", "path", "working directory after the command", True),
             *_captured("the command"),
             F("duration_s", "float", "wall time", True),
         ),
@@ -695,7 +704,12 @@ SHELL_OPS: tuple[OpSpec, ...] = (
         "shell",
         "Every session.",
         result=(
-            F("sessions", "any", "list of {id, name, pid, cwd, busy, alive, commands, restarts, stray_bytes}", True),
+            F(
+                "sessions",
+                "any",
+                "list of {id, name, pid, cwd: path, busy, alive, commands, restarts, stray_bytes}",
+                True,
+            ),
         ),
     ),
     OpSpec(
