@@ -289,7 +289,7 @@ class RunState:
             text = content.get("text", "")
             if self.strip:
                 text = strip_ansi(text)
-            data = text.encode("utf-8", "replace")
+            data = text.encode("utf-8")  # cannot fail: _decode replaced lone surrogates
             name = "stderr" if content.get("name") == "stderr" else "stdout"
             cap = self.stderr if name == "stderr" else self.stdout
             if self.stream is not None:
@@ -349,13 +349,76 @@ class RunState:
 
 
 def _decode(session: Any, frames: list[bytes]) -> dict[str, Any]:
-    """Verify and decode one Jupyter wire message (header, parent, content only)."""
+    """Verify and decode one Jupyter wire message (header, parent, content only).
+
+    Every str in the content encodes as UTF-8 (see ``_replace_surrogates``), so whatever the
+    cell printed, raised or displayed, the replies and events built from it can be sent.
+    """
     _, parts = session.feed_identities(frames)
     signature, header, parent, _metadata, content = parts[:5]
     if session.auth is not None and not hmac.compare_digest(signature, session.sign(parts[1:5])):
         raise ValueError("bad message signature")
     h = json.loads(header)
-    return {"msg_type": h.get("msg_type"), "parent_header": json.loads(parent), "content": json.loads(content)}
+    return {"msg_type": h.get("msg_type"), "parent_header": json.loads(parent), "content": _load_content(content)}
+
+
+def _load_content(raw: bytes) -> Any:
+    try:
+        # Our kernels write lone surrogates as 'surrogatepass' bytes (guestd.kernel.pack_message).
+        text = raw.decode("utf-8", "surrogatepass")
+    except UnicodeDecodeError:
+        text = raw.decode("utf-8", "replace")  # any other invalid UTF-8: U+FFFD, not a dropped message
+    content = json.loads(text)
+    # A lone surrogate can only come from the bytes ED A0..ED BF or a \uD800..\uDFFF escape;
+    # without either (a memchr-speed test) the walk is skipped.
+    if b"\xed" in raw or b"\\ud" in raw or b"\\uD" in raw:
+        content = _replace_surrogates(content)
+    return content
+
+
+_SURROGATE = re.compile("[\ud800-\udfff]")
+
+
+def _valid_str(text: str) -> str:
+    if text.isascii():  # O(1) in CPython
+        return text
+    try:
+        text.encode("utf-8")
+        return text
+    except UnicodeEncodeError:
+        return _SURROGATE.sub("\ufffd", text)
+
+
+def _replace_surrogates(value: Any) -> Any:
+    """Replace each lone surrogate in a decoded JSON value's strings (keys too) by U+FFFD.
+
+    Python str allows lone surrogates (``print('\\ud800')``, os.fsdecode of a non-UTF-8
+    name); UTF-8, and so msgpack str, does not. U+FFFD is what a UTF-8 reader shows for
+    bytes it cannot read; it keeps stream bytes valid UTF-8 (unlike 'surrogatepass', which
+    strict host decoders reject) and unambiguous (unlike 'backslashreplace', which reads
+    like text the cell printed). Byte counts stay exact: they count the bytes sent.
+    Iterative, so nesting as deep as json.loads accepts costs no recursion. In place.
+    """
+    if isinstance(value, str):
+        return _valid_str(value)
+    pending = [value]
+    while pending:
+        node = pending.pop()
+        if isinstance(node, list):
+            for i, item in enumerate(node):
+                if isinstance(item, str):
+                    node[i] = _valid_str(item)
+                elif isinstance(item, (list, dict)):
+                    pending.append(item)
+        elif isinstance(node, dict):
+            for key, item in node.items():
+                if isinstance(item, str):
+                    node[key] = _valid_str(item)  # same key: no resize while iterating
+                elif isinstance(item, (list, dict)):
+                    pending.append(item)
+            for key in [k for k in node if _valid_str(k) is not k]:
+                node[_valid_str(key)] = node.pop(key)
+    return value
 
 
 def _bundle(data: dict[str, Any]) -> dict[str, Any]:
