@@ -378,3 +378,25 @@ def test_kernel_json_with_lone_surrogates_or_invalid_utf8_decodes_to_valid_text(
         "ok": "\u00e9\U0001f600",  # a proper pair is one code point, kept
     }
     assert _load_content(b'{"t": "bad \x80 byte"}') == {"t": "bad \ufffd byte"}  # not dropped
+
+
+def test_json_integers_beyond_64_bits_arrive_as_floats(c: Client) -> None:
+    code = "from IPython.display import JSON, display\ndisplay(JSON({'a': 2**70, 'b': [1, -(10**400)]}))"
+    r = c.code_run(code, client_timeout=10)  # before: the reply could not be encoded and never came
+    assert r.status == "ok", r.error
+    assert r.results[0]["data"]["application/json"] == {"a": float(2**70), "b": [1, float("-inf")]}
+
+
+def test_forged_kernel_messages_cannot_make_the_reply_unsendable(c: Client) -> None:
+    # Code in the kernel holds its session key: it can send any content guestd will read.
+    code = (
+        "k = get_ipython().kernel\n"
+        "k.session.send(k.iopub_socket, 'error', {'ename': 2**70, 'evalue': None, 'traceback': [2**64, 'x']},"
+        " parent=k.get_parent('shell'), ident=b'error')\n"
+        "k.session.send(k.iopub_socket, 'execute_input', {'code': '', 'execution_count': 2**64},"
+        " parent=k.get_parent('shell'), ident=b'execute_input')\n"
+    )
+    r = c.code_run(code, client_timeout=10)
+    assert r.status == "error" and r.error is not None
+    assert (r.error.ename, r.error.evalue, r.error.traceback) == (str(2**70), "", [str(2**64), "x"])
+    assert r.execution_count is not None and r.execution_count < 2**63
