@@ -15,13 +15,17 @@ import base64
 import hmac
 import json
 import logging
+import math
 import os
 import re
 import signal
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
+
+import msgpack
 
 from guestd.capture import OutputCapture, capture_fields
 from guestd.proctree import ExitWatch
@@ -289,7 +293,7 @@ class RunState:
             text = content.get("text", "")
             if self.strip:
                 text = strip_ansi(text)
-            data = text.encode("utf-8", "replace")
+            data = text.encode("utf-8")  # cannot fail: _decode replaced lone surrogates
             name = "stderr" if content.get("name") == "stderr" else "stdout"
             cap = self.stderr if name == "stderr" else self.stdout
             if self.stream is not None:
@@ -313,13 +317,20 @@ class RunState:
                 self.results.append({"kind": kind, "data": bundle})
                 self.results_bytes += size
         elif mtype == "error":
-            tb = [strip_ansi(t) if self.strip else t for t in content.get("traceback", [])]
-            self.error = {"ename": content.get("ename", ""), "evalue": content.get("evalue", ""), "traceback": tb}
+            lines = content.get("traceback")
+            tb = [_as_str(t) for t in lines] if isinstance(lines, list) else []
+            if self.strip:
+                tb = [strip_ansi(t) for t in tb]
+            self.error = {
+                "ename": _as_str(content.get("ename")),
+                "evalue": _as_str(content.get("evalue")),
+                "traceback": tb,
+            }
             if self.stream is not None:
                 await self.stream.send_event({"ev": "error", **self.error})
         elif mtype == "execute_input":
             ec = content.get("execution_count")
-            if isinstance(ec, int):
+            if _is_count(ec):
                 self.execution_count = ec
         elif mtype == "status" and content.get("execution_state") == "idle":
             self.iopub_idle = True
@@ -330,7 +341,7 @@ class RunState:
         content = msg["content"]
         self.reply_status = content.get("status")
         ec = content.get("execution_count")
-        if isinstance(ec, int):
+        if _is_count(ec):
             self.execution_count = ec
         self.replied = True
         if self.iopub_idle:
@@ -349,13 +360,118 @@ class RunState:
 
 
 def _decode(session: Any, frames: list[bytes]) -> dict[str, Any]:
-    """Verify and decode one Jupyter wire message (header, parent, content only)."""
+    """Verify and decode one Jupyter wire message (header, parent, content only).
+
+    Every str in the content encodes as UTF-8 (see ``_replace_surrogates``), so whatever the
+    cell printed, raised or displayed, the replies and events built from it can be sent.
+    """
     _, parts = session.feed_identities(frames)
     signature, header, parent, _metadata, content = parts[:5]
     if session.auth is not None and not hmac.compare_digest(signature, session.sign(parts[1:5])):
         raise ValueError("bad message signature")
     h = json.loads(header)
-    return {"msg_type": h.get("msg_type"), "parent_header": json.loads(parent), "content": json.loads(content)}
+    return {"msg_type": h.get("msg_type"), "parent_header": json.loads(parent), "content": _load_content(content)}
+
+
+def _load_content(raw: bytes) -> Any:
+    try:
+        # Our kernels write lone surrogates as 'surrogatepass' bytes (guestd.kernel.pack_message).
+        text = raw.decode("utf-8", "surrogatepass")
+    except UnicodeDecodeError:
+        text = raw.decode("utf-8", "replace")  # any other invalid UTF-8: U+FFFD, not a dropped message
+    content = json.loads(text)
+    # A lone surrogate can only come from the bytes ED A0..ED BF or a \uD800..\uDFFF escape;
+    # without either (a memchr-speed test) the walk is skipped.
+    if b"\xed" in raw or b"\\ud" in raw or b"\\uD" in raw:
+        content = _replace_surrogates(content)
+    return content
+
+
+_SURROGATE = re.compile("[\ud800-\udfff]")
+
+
+def _valid_str(text: str) -> str:
+    if text.isascii():  # O(1) in CPython
+        return text
+    try:
+        text.encode("utf-8")
+        return text
+    except UnicodeEncodeError:
+        return _SURROGATE.sub("\ufffd", text)
+
+
+def _replace_surrogates(value: Any) -> Any:
+    """Replace each lone surrogate in a decoded JSON value's strings (keys too) by U+FFFD.
+
+    Python str allows lone surrogates (``print('\\ud800')``, os.fsdecode of a non-UTF-8
+    name); UTF-8, and so msgpack str, does not. U+FFFD is what a UTF-8 reader shows for
+    bytes it cannot read; it keeps stream bytes valid UTF-8 (unlike 'surrogatepass', which
+    strict host decoders reject) and unambiguous (unlike 'backslashreplace', which reads
+    like text the cell printed). Byte counts stay exact: they count the bytes sent.
+    Iterative, so nesting as deep as json.loads accepts costs no recursion. In place.
+    """
+    return _map_leaves(value, lambda v: _valid_str(v) if isinstance(v, str) else v)
+
+
+def _fit_msgpack_ints(value: Any) -> Any:
+    """Integers beyond msgpack's 64 bits (``JSON({'n': 2**70})``) as floats, the way a JSON
+    reader such as JSON.parse takes them; past the float range, +-inf. In place.
+
+    msgpack cannot encode them, and one in a result would make the whole reply unsendable.
+    Tried first with msgpack itself: C speed for the usual bundle, which has none.
+    """
+    try:
+        msgpack.packb(value)
+        return value
+    except OverflowError:
+        return _map_leaves(value, _int_as_float)
+
+
+def _int_as_float(value: Any) -> Any:
+    if not isinstance(value, int) or -(2**63) <= value < 2**64:
+        return value
+    try:
+        return float(value)
+    except OverflowError:
+        return math.inf if value > 0 else -math.inf
+
+
+def _map_leaves(value: Any, fix: Callable[[Any], Any]) -> Any:
+    """Apply ``fix`` to every str and number of a decoded JSON value, map keys too, in place.
+
+    Iterative, so nesting as deep as json.loads accepts costs no recursion.
+    """
+    if not isinstance(value, (list, dict)):
+        return fix(value)
+    pending: list[list[Any] | dict[Any, Any]] = [value]
+    while pending:
+        node = pending.pop()
+        if isinstance(node, list):
+            for i, item in enumerate(node):
+                if isinstance(item, (list, dict)):
+                    pending.append(item)
+                else:
+                    node[i] = fix(item)
+        else:
+            for key, item in node.items():
+                if isinstance(item, (list, dict)):
+                    pending.append(item)
+                else:
+                    node[key] = fix(item)  # same key: no resize while iterating
+            for key in [k for k in node if fix(k) is not k]:
+                node[fix(key)] = node.pop(key)
+    return value
+
+
+def _as_str(value: Any) -> str:
+    """A field the protocol types as str; real kernels send str, forged messages anything."""
+    if isinstance(value, str):
+        return value
+    return "" if value is None else _valid_str(str(value))
+
+
+def _is_count(value: Any) -> bool:
+    return isinstance(value, int) and 0 <= value < 2**63
 
 
 def _bundle(data: dict[str, Any]) -> dict[str, Any]:
@@ -370,7 +486,7 @@ def _bundle(data: dict[str, Any]) -> dict[str, Any]:
                 pass
         if isinstance(value, list) and all(isinstance(v, str) for v in value):
             value = "".join(value)
-        out[mime] = value
+        out[mime] = value if isinstance(value, str) else _fit_msgpack_ints(value)
     return out
 
 

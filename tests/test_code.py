@@ -293,3 +293,110 @@ def test_cancelled_run_is_interrupted_and_context_stays_usable(kg: Guestd) -> No
         await c.close()
 
     asyncio.run(go())
+
+
+# Python str allows lone surrogates (U+D800..U+DFFF), UTF-8 does not: guestd delivers each as
+# U+FFFD, in stream bytes and in str fields alike (PROTOCOL.md section 9).
+FFFD = "\ufffd".encode()
+
+
+def test_lone_surrogates_in_stdout_and_stderr_arrive_as_u_fffd_with_exact_counts(c: Client) -> None:
+    r = c.code_run("print('\\ud800')")
+    assert (r.status, r.stdout, r.stdout_bytes) == ("ok", FFFD + b"\n", len(FFFD) + 1)
+    r = c.code_run("print('a\\ud800b', 'c\\udcffd')")  # \udcff: a surrogateescape'd byte, as from os.fsdecode
+    expected = b"a" + FFFD + b"b c" + FFFD + b"d\n"
+    assert (r.stdout, r.stdout_bytes) == (expected, len(expected))
+    r = c.code_run("import sys\nprint('x\\udfff\\ud800y', file=sys.stderr)")
+    expected = b"x" + FFFD * 2 + b"y\n"
+    assert (r.status, r.stderr, r.stderr_bytes) == ("ok", expected, len(expected))
+
+
+def test_exception_with_a_lone_surrogate_is_an_error_not_a_restart(c: Client) -> None:
+    ctx = c.code_create()
+    c.code_run("kept = 7", context=ctx["id"])
+    r = c.code_run("raise ValueError('bad \\ud800 value')", context=ctx["id"], timeout=20, strip_ansi=True)
+    assert (r.status, r.timeout_action) == ("error", None) and r.duration_s < 10
+    assert r.error is not None and (r.error.ename, r.error.evalue) == ("ValueError", "bad \ufffd value")
+    assert any("bad \ufffd value" in line for line in r.error.traceback)
+    assert c.code_run("kept", context=ctx["id"]).text == "7"  # same kernel, state kept
+    assert c.code_list()[[x["id"] for x in c.code_list()].index(ctx["id"])]["restarts"] == 0
+    c.code_close(ctx["id"])
+
+
+SURROGATE_REPRS = (
+    "from IPython.display import display\n"
+    "class Odd:\n"
+    "    def __repr__(self): return 'odd \\ud800'\n"
+    "    def _repr_html_(self): return '<b>\\udcff</b>'\n"
+    "display(Odd())\n"
+)
+
+
+def test_display_bundle_with_lone_surrogates_keeps_its_text(c: Client) -> None:
+    r = c.code_run(SURROGATE_REPRS + "Odd()")
+    assert r.status == "ok", r.error
+    assert [x["kind"] for x in r.results] == ["display", "result"]
+    for x in r.results:
+        assert x["data"] == {"text/plain": "odd \ufffd", "text/html": "<b>\ufffd</b>"}
+
+
+def test_streaming_run_delivers_lone_surrogates_the_same_way(kg: Guestd) -> None:
+    async def go() -> None:
+        c = await AsyncClient.connect(kg.address)
+        s = c.code_run_stream(
+            "import sys\nprint('a\\ud800b', flush=True)\nprint('e\\udfff', file=sys.stderr, flush=True)\n"
+            + SURROGATE_REPRS
+            + "raise ValueError('v\\ud800')",
+            timeout=20,
+        )
+        events = [(kind, value) async for kind, value in s]
+        r = await s.result()
+        out = b"".join(v for k, v in events if k == "stdout")
+        err = b"".join(v for k, v in events if k == "stderr")
+        assert (out, r.stdout_bytes) == (b"a" + FFFD + b"b\n", len(out))
+        assert (err, r.stderr_bytes) == (b"e" + FFFD + b"\n", len(err))
+        bundles = [v for k, v in events if k == "display"]
+        assert bundles == [{"text/plain": "odd \ufffd", "text/html": "<b>\ufffd</b>"}]
+        errors = [v for k, v in events if k == "error"]
+        assert [(e["ename"], e["evalue"]) for e in errors] == [("ValueError", "v\ufffd")]
+        assert r.status == "error" and r.error is not None and r.error.evalue == "v\ufffd"
+        await c.close()
+
+    asyncio.run(go())
+
+
+def test_kernel_json_with_lone_surrogates_or_invalid_utf8_decodes_to_valid_text() -> None:
+    from guestd.contexts import _load_content
+
+    # As guestd.kernel.pack_message writes them ('surrogatepass' bytes), and as \u escapes.
+    assert _load_content('{"t": ["a\udcff"], "k\ud800": 1}'.encode("utf-8", "surrogatepass")) == {
+        "t": ["a\ufffd"],
+        "k\ufffd": 1,
+    }
+    assert _load_content(b'{"t": "\\uDFFF\\ud800 x", "ok": "\\u00e9\\ud83d\\ude00"}') == {
+        "t": "\ufffd\ufffd x",
+        "ok": "\u00e9\U0001f600",  # a proper pair is one code point, kept
+    }
+    assert _load_content(b'{"t": "bad \x80 byte"}') == {"t": "bad \ufffd byte"}  # not dropped
+
+
+def test_json_integers_beyond_64_bits_arrive_as_floats(c: Client) -> None:
+    code = "from IPython.display import JSON, display\ndisplay(JSON({'a': 2**70, 'b': [1, -(10**400)]}))"
+    r = c.code_run(code, client_timeout=10)  # before: the reply could not be encoded and never came
+    assert r.status == "ok", r.error
+    assert r.results[0]["data"]["application/json"] == {"a": float(2**70), "b": [1, float("-inf")]}
+
+
+def test_forged_kernel_messages_cannot_make_the_reply_unsendable(c: Client) -> None:
+    # Code in the kernel holds its session key: it can send any content guestd will read.
+    code = (
+        "k = get_ipython().kernel\n"
+        "k.session.send(k.iopub_socket, 'error', {'ename': 2**70, 'evalue': None, 'traceback': [2**64, 'x']},"
+        " parent=k.get_parent('shell'), ident=b'error')\n"
+        "k.session.send(k.iopub_socket, 'execute_input', {'code': '', 'execution_count': 2**64},"
+        " parent=k.get_parent('shell'), ident=b'execute_input')\n"
+    )
+    r = c.code_run(code, client_timeout=10)
+    assert r.status == "error" and r.error is not None
+    assert (r.error.ename, r.error.evalue, r.error.traceback) == (str(2**70), "", [str(2**64), "x"])
+    assert r.execution_count is not None and r.execution_count < 2**63
