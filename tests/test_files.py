@@ -358,3 +358,25 @@ def _remove_deep(top: str) -> None:
         if at == top:
             return
         at = os.path.dirname(at)
+
+
+def test_remove_recursive_of_a_tree_deeper_than_python_recursion(client: Client, tmp_path: object) -> None:
+    base = str(tmp_path)
+    deep = base
+    for _ in range(1500):  # os.makedirs recurses too
+        deep += "/r"
+        os.mkdir(deep)
+    outside = f"{base}/keep"
+    os.makedirs(outside)
+    with open(f"{outside}/precious", "w") as f:
+        f.write("x")
+    os.symlink(outside, f"{base}/r/r/link")  # a symlink inside the tree is removed, never followed
+    with open(f"{deep}/leaf", "w") as f:
+        f.write("leaf")
+    try:
+        removed = client.remove(base + "/r", recursive=True)  # was `internal` (RecursionError)
+        assert removed == 1500 + 2  # the directories, the leaf file and the symlink
+        assert not os.path.exists(base + "/r")
+        assert os.listdir(outside) == ["precious"]
+    finally:
+        _remove_deep(base + "/r")

@@ -324,18 +324,65 @@ def remove_path(path: str, recursive: bool) -> dict[str, Any]:
         if not recursive:
             os.rmdir(path)
             return {"removed": 1}
-        import shutil  # lazily: it imports the bz2/lzma/zlib modules at load time
-
-        count = 1
-        for _root, dirs, files in os.walk(path):
-            count += len(dirs) + len(files)
-        errors: list[OSError] = []
-        shutil.rmtree(path, onerror=lambda fn, p, exc: errors.append(exc[1]))  # type: ignore[arg-type]
-        if errors:
-            raise errors[0]
-        return {"removed": count}
+        return {"removed": remove_tree(path)}
     os.unlink(path)
     return {"removed": 1}
+
+
+_DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
+
+
+def remove_tree(path: str) -> int:
+    """Remove a directory tree of any depth; returns the entries removed, itself included.
+
+    Iterative (shutil.rmtree and os.walk recurse, and a workload can nest directories
+    deeper than Python's recursion limit) and holding one directory fd at a time (a
+    deep tree would otherwise exhaust fds). Every step is relative to that fd and never
+    follows a symlink; climbing back up through ".." is checked against the device and
+    inode recorded on the way down, so a directory moved mid-walk stops the removal
+    with EBUSY instead of leading it elsewhere.
+    """
+    removed = 0
+    fd = os.open(path, _DIR_FLAGS)
+    trail: list[tuple[str, int, int]] = []  # (name in parent, parent's st_dev, parent's st_ino)
+    try:
+        while True:
+            unlinked, child = _unlink_files_find_dir(fd)
+            removed += unlinked
+            if child is None:
+                if not trail:
+                    break
+                name, dev, ino = trail.pop()
+                parent = os.open("..", _DIR_FLAGS, dir_fd=fd)
+                os.close(fd)
+                fd = parent
+                here = os.fstat(fd)
+                if (here.st_dev, here.st_ino) != (dev, ino):
+                    raise OSError(errno.EBUSY, "directory tree changed during removal", path)
+                os.rmdir(name, dir_fd=fd)
+                removed += 1
+                continue
+            here = os.fstat(fd)
+            sub = os.open(child, _DIR_FLAGS, dir_fd=fd)
+            os.close(fd)
+            fd = sub
+            trail.append((child, here.st_dev, here.st_ino))
+    finally:
+        os.close(fd)
+    os.rmdir(path)
+    return removed + 1
+
+
+def _unlink_files_find_dir(fd: int) -> tuple[int, str | None]:
+    """Unlink non-directories in ``fd`` until a subdirectory turns up: (unlinked, its name or None)."""
+    unlinked = 0
+    with os.scandir(fd) as entries:
+        for entry in entries:
+            if entry.is_dir(follow_symlinks=False):
+                return unlinked, entry.name
+            os.unlink(entry.name, dir_fd=fd)
+            unlinked += 1
+    return unlinked, None
 
 
 _AT_FDCWD = -100
