@@ -321,3 +321,70 @@ def test_the_client_checks_event_shapes() -> None:
     c.data_to_send()
     (ev,) = c.receive_data(encode_frame(Kind.EVENT, rid, {"ev": "data", "data": "text, not bin"}))
     assert isinstance(ev, ConnectionFailed) and "malformed file.download event" in ev.error.message
+
+
+# ------------------------------------------------------------------ the schema's constraints
+
+
+class _Limits:
+    max_output = 1000
+    max_exec_timeout_s = 60.0
+    max_chunk = 4096
+    max_list_entries = 10
+    max_ring_bytes = 1 << 20
+
+
+def refusal(args: dict[str, Any], op: str = "exec") -> dict[str, Any]:
+    s = opened(limits=_Limits())
+    assert s.receive_data(request(1, op, args)) == []
+    ((kind, rid, body, _),) = frames(s.data_to_send())
+    assert (kind, rid) == (Kind.ERROR, 1)
+    return body
+
+
+def test_cross_field_rules_are_enforced_by_the_core() -> None:
+    both = refusal({"argv": ["true"], "shell": "true"})
+    assert (both["code"], both["details"]["field"]) == ("bad_request", "shell")
+    neither = refusal({})
+    assert (neither["code"], neither["details"]["field"]) == ("bad_request", "argv")
+    stdin_twice = refusal({"argv": ["cat"], "stdin": b"x", "stdin_stream": True})
+    assert stdin_twice["details"]["field"] == "stdin_stream"
+
+
+def test_ranges_and_lengths_are_enforced_by_the_core() -> None:
+    assert refusal({"argv": []})["details"] == {"field": "argv"}
+    assert refusal({"argv": ["true"], "timeout_s": 0})["details"] == {"field": "timeout_s"}
+    assert refusal({"argv": ["true"], "kill_grace_s": 61})["details"] == {"field": "kill_grace_s"}
+    assert refusal({"id": "p1", "rows": 0, "cols": 80}, "process.resize")["details"] == {"field": "rows"}
+    short = refusal({"generation": 2, "nonce": "n", "time_ns": 1, "entropy": b"short"}, "snapshot.restore")
+    assert short["details"] == {"field": "entropy"}
+
+
+def test_configured_limits_are_enforced_by_the_core_as_limit_errors() -> None:
+    body = refusal({"argv": ["true"], "max_output": 1001})
+    assert body["code"] == "limit"
+    assert body["details"] == {"limit": "max_output", "value": 1000, "field": "max_output"}
+    assert refusal({"argv": ["true"], "timeout_s": 61.0})["details"]["limit"] == "max_exec_timeout_s"
+    assert refusal({"path": "/", "chunk": 4097}, "file.download")["details"]["limit"] == "max_chunk"
+    assert refusal({"path": "/", "max_entries": 11}, "file.list")["details"]["limit"] == "max_list_entries"
+
+
+def test_values_within_every_constraint_are_admitted() -> None:
+    s = opened(limits=_Limits())
+    args = {"argv": ["true"], "timeout_s": 60.0, "max_output": 1000, "kill_grace_s": 0, "stdin": b""}
+    (ev,) = s.receive_data(request(1, "exec", args))
+    assert isinstance(ev, RequestReceived) and ev.args["timeout_s"] == 60.0
+
+
+def test_nested_results_are_typed_and_checked_by_the_client() -> None:
+    c, _ = pair()
+    rid = c.start("file.list", {"path": "/"})
+    c.data_to_send()
+    entry = {"name": "a", "type": "file", "size": -1, "mode": 0o644, "mtime_ns": 1}
+    (ev,) = c.receive_data(encode_frame(Kind.RESPONSE, rid, {"entries": [entry], "total": 1, "truncated": False}))
+    assert isinstance(ev, ErrorReceived) and ev.error.code == "protocol_error"
+    assert "'entries[0].size'" in ev.error.message
+    rid = c.start("file.list", {"path": "/"})
+    good = {**entry, "size": 3, "name": b"bad\xff"}
+    (ok,) = c.receive_data(encode_frame(Kind.RESPONSE, rid, {"entries": [good], "total": 1, "truncated": False}))
+    assert isinstance(ok, ResponseReceived) and ok.body["entries"][0]["name"] == b"bad\xff"

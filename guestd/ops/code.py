@@ -4,8 +4,6 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from guestd.wire.errors import GuestdError, limit_error
-
 if TYPE_CHECKING:
     from guestd.contexts import CodeContext, Contexts
     from guestd.server.connection import RequestContext
@@ -27,13 +25,6 @@ def register(daemon: Daemon) -> None:
         return {"id": c.id, "name": c.name, "pid": c.kernel.pid, "pooled": pooled, "existing": existing}
 
     async def op_run(ctx: RequestContext, a: dict[str, Any]) -> dict[str, Any]:
-        limits = daemon.config.limits
-        if a["max_output"] > limits.max_output:
-            raise limit_error("max_output", limits.max_output, f"max_output may be at most {limits.max_output} bytes")
-        for name in ("timeout_s", "interrupt_grace_s"):
-            v = a[name]
-            if v is not None and not 0 <= v <= limits.max_exec_timeout_s:
-                raise GuestdError("bad_request", f"{name} out of range", details={"field": name})
         c = await resolve(a["context"], create_default=True)
         return await c.run(a["code"], a, ctx)
 

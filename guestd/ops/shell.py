@@ -4,8 +4,6 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from guestd.wire.errors import ErrorCode, GuestdError, limit_error
-
 if TYPE_CHECKING:
     from guestd.server.connection import RequestContext
     from guestd.server.daemon import Daemon
@@ -13,8 +11,6 @@ if TYPE_CHECKING:
 
 
 def register(daemon: Daemon) -> None:
-    limits = daemon.config.limits
-
     def shells() -> Shells:
         return daemon.shells()
 
@@ -23,12 +19,6 @@ def register(daemon: Daemon) -> None:
         return {"id": s.id, "pid": s.pid}
 
     async def op_run(ctx: RequestContext, a: dict[str, Any]) -> dict[str, Any]:
-        if a["max_output"] > limits.max_output:
-            raise limit_error("max_output", limits.max_output, f"max_output may be at most {limits.max_output} bytes")
-        for name in ("timeout_s", "idle_timeout_s"):
-            v = a[name]
-            if v is not None and not 0 < v <= limits.max_exec_timeout_s:
-                raise GuestdError(ErrorCode.BAD_REQUEST, f"{name} out of range", details={"field": name})
         return await shells().get(a["id"]).run(a)
 
     async def op_list(ctx: RequestContext, a: dict[str, Any]) -> dict[str, Any]:

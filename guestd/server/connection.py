@@ -182,6 +182,7 @@ class Connection(asyncio.Protocol):
             max_frame=self.limits.max_frame,
             stream_window=self.limits.stream_window,
             max_inflight=self.limits.max_inflight,
+            limits=self.limits,
             serial=serial,
         )
         self.transport: asyncio.BaseTransport | None = None

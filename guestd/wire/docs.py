@@ -10,7 +10,7 @@ from __future__ import annotations
 import os
 import sys
 
-from guestd.wire.schema import OPS, F
+from guestd.wire.schema import OPS, RECORDS, F
 
 BEGIN = "<!-- BEGIN AUTO: op reference (python -m guestd.wire.docs) -->"
 END = "<!-- END AUTO -->"
@@ -32,13 +32,18 @@ def _cell(text: str) -> str:
     return text.replace("|", "\\|")  # a bare | would split a markdown table cell
 
 
+def _meaning(f: F) -> str:
+    rule = f.constraint_text()
+    return f"{f.doc} ({rule})" if rule and f.doc else (f.doc or rule)
+
+
 def _table(title: str, fields: tuple[F, ...], with_default: bool) -> list[str]:
     if not fields:
         return []
     out = [f"*{title}*", ""]
     if with_default:
         out += ["| field | type | default | meaning |", "|---|---|---|---|"]
-        out += [f"| `{f.name}` | `{_cell(f.type)}` | {_default(f)} | {_cell(f.doc)} |" for f in fields]
+        out += [f"| `{f.name}` | `{_cell(f.type)}` | {_default(f)} | {_cell(_meaning(f))} |" for f in fields]
     else:
         out += ["| field | type | meaning |", "|---|---|---|"]
         out += [
@@ -55,8 +60,15 @@ def op_reference() -> str:
         lines += _table("result (RESPONSE)", op.result, False) or ["*result*: empty map", ""]
         lines += _table("events (EVENT)", op.events, False)
         lines += _table("input (INPUT)", op.input, False)
+        for group in op.one_of:
+            lines += ["*exactly one of*: " + ", ".join(f"`{n}`" for n in group), ""]
+        for group in op.exclusive:
+            lines += ["*at most one of*: " + ", ".join(f"`{n}`" for n in group), ""]
         if op.errors:
             lines += ["*typical errors*: " + ", ".join(f"`{e}`" for e in op.errors), ""]
+    lines += ["### Records", "", "Named map types used by the fields above (`NAME` or `list<NAME>`).", ""]
+    for name, fields in RECORDS.items():
+        lines += _table(f"`{name}`", fields, False)
     return "\n".join(lines).rstrip() + "\n"
 
 

@@ -2,14 +2,19 @@
 
 This module is the single source of truth. ``protocol/schema/v1.json`` is a
 snapshot of :func:`schema_document` (regenerate with ``python -m guestd.wire.schema``;
-a test fails when the two differ), and the daemon validates every request's
-``args`` against these specs, so documentation and behaviour cannot drift.
+a test fails when the two differ). The session core validates every request's
+``args`` (constraints and cross-field rules included) and INPUT body on the server,
+and every RESPONSE and EVENT body on the client, against these specs, so
+documentation and behaviour cannot drift and handlers receive checked arguments.
 
 Field types: ``str``, ``int``, ``uint``, ``float`` (ints accepted), ``bool``,
 ``bin`` (msgpack bin), ``path`` (a file-system path or name: str when it is valid UTF-8,
 bin holding the raw bytes when it is not; see :mod:`guestd.wire.paths`), ``map<str,str>``,
-``list<str>``, ``list<uint>``, ``map`` (any map), ``enum(a|b)``, ``any``.
-A trailing ``?`` means nil is also allowed.
+``list<str>``, ``list<uint>``, ``map`` (any map), ``enum(a|b)``, ``any``, and the
+named records of :data:`RECORDS` (``NAME`` is one such map, ``list<NAME>`` a list of them).
+A trailing ``?`` means nil is also allowed. Constraints: ``gt``/``ge``/``le`` (numbers),
+``min_len`` (str, bin, list), ``le_limit`` (at most the named limit of the server's hello);
+per op, ``one_of`` (exactly one of a group given) and ``exclusive`` (at most one).
 Unknown fields are ignored by receivers (forward compatibility).
 """
 
@@ -20,7 +25,7 @@ import sys
 from dataclasses import dataclass, field
 from typing import Any
 
-from guestd.wire.errors import ErrorCode, GuestdError
+from guestd.wire.errors import ErrorCode, GuestdError, limit_error
 
 PROTOCOL_VERSION = 1
 SUPPORTED_VERSIONS = (1,)
@@ -30,19 +35,48 @@ _ENUM = re.compile(r"^enum\(([a-z0-9_|]+)\)$")
 
 @dataclass(frozen=True)
 class F:
-    """One field of a message."""
+    """One field of a message, with the constraints every receiver enforces.
+
+    ``gt``/``ge``/``le`` bound numbers (exclusive / inclusive), ``min_len`` bounds the
+    length of a str, bin or list, and ``le_limit`` names a configured limit (an attribute
+    of guestd's ``Limits``, reported in the hello) that the value may not exceed.
+    """
 
     name: str
     type: str
     doc: str
     required: bool = False
     default: Any = None
+    gt: float | None = None
+    ge: float | None = None
+    le: float | None = None
+    min_len: int | None = None
+    le_limit: str | None = None
 
     def to_json(self) -> dict[str, Any]:
         out: dict[str, Any] = {"type": self.type, "required": self.required, "doc": self.doc}
         if self.default is not None:
             out["default"] = self.default
+        for key in ("gt", "ge", "le", "min_len", "le_limit"):
+            value = getattr(self, key)
+            if value is not None:
+                out[key] = value
         return out
+
+    def constraint_text(self) -> str:
+        """The constraints in words, for the op reference."""
+        parts = []
+        if self.gt is not None:
+            parts.append(f"> {self.gt:g}")
+        if self.ge is not None:
+            parts.append(f">= {self.ge:g}")
+        if self.le is not None:
+            parts.append(f"<= {self.le:g}")
+        if self.le_limit is not None:
+            parts.append(f"<= limits.{self.le_limit}")
+        if self.min_len is not None:
+            parts.append(f"length >= {self.min_len}")
+        return ", ".join(parts)
 
 
 @dataclass(frozen=True)
@@ -55,6 +89,10 @@ class OpSpec:
     events: tuple[F, ...] = ()  # fields of EVENT frames, when the op streams
     input: tuple[F, ...] = ()  # fields of INPUT frames the op accepts
     errors: tuple[str, ...] = ()
+    # Cross-field rules on args: exactly one of each group given / at most one of each group given
+    # ("given" = not nil and not false).
+    one_of: tuple[tuple[str, ...], ...] = ()
+    exclusive: tuple[tuple[str, ...], ...] = ()
     fields_by_name: dict[str, F] = field(default_factory=dict, compare=False, repr=False)
 
     def __post_init__(self) -> None:
@@ -71,6 +109,10 @@ class OpSpec:
             out["events"] = {f.name: f.to_json() for f in self.events}
         if self.input:
             out["input"] = {f.name: f.to_json() for f in self.input}
+        if self.one_of:
+            out["one_of"] = [list(g) for g in self.one_of]
+        if self.exclusive:
+            out["exclusive"] = [list(g) for g in self.exclusive]
         if self.errors:
             out["errors"] = list(self.errors)
         return out
@@ -82,6 +124,29 @@ def _bad(name: str, want: str, got: Any) -> GuestdError:
         f"field {name!r} must be {want}, got {type(got).__name__}",
         details={"field": name},
     )
+
+
+# Named nested types: a field of type NAME is a map of these fields, list<NAME> a list of them.
+RECORDS: dict[str, tuple[F, ...]] = {}
+
+
+def _check_record(name: str, typ: str, record: tuple[F, ...], value: Any) -> Any:
+    items = value if typ.startswith("list<") else [value]
+    if not isinstance(items, list):
+        raise _bad(name, "a list", value)
+    checked = []
+    for i, item in enumerate(items):
+        where = f"{name}[{i}]" if typ.startswith("list<") else name
+        if not isinstance(item, dict):
+            raise _bad(where, "a map", item)
+        try:
+            checked.append(validate(record, item))
+        except GuestdError as err:
+            inner = err.details.get("field")
+            full = f"{where}.{inner}"
+            message = err.message.replace(repr(inner), repr(full))
+            raise GuestdError(err.code, message, details={**err.details, "field": full}) from None
+    return checked if typ.startswith("list<") else checked[0]
 
 
 def check_value(name: str, typ: str, value: Any) -> Any:
@@ -139,6 +204,9 @@ def check_value(name: str, typ: str, value: Any) -> Any:
         if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
             raise _bad(name, "a list of strings", value)
         return value
+    record = RECORDS.get(typ[5:-1] if typ.startswith("list<") else typ)
+    if record is not None:
+        return _check_record(name, typ, record, value)
     m = _ENUM.match(typ)
     if m:
         choices = m.group(1).split("|")
@@ -152,17 +220,65 @@ def check_value(name: str, typ: str, value: Any) -> Any:
     raise AssertionError(f"unknown schema type {typ}")
 
 
-def validate(fields: tuple[F, ...], body: dict[str, Any]) -> dict[str, Any]:
-    """Check required fields and types, fill defaults, drop unknown keys."""
+def validate(fields: tuple[F, ...], body: dict[str, Any], limits: object | None = None) -> dict[str, Any]:
+    """Check required fields, types and constraints, fill defaults, drop unknown keys.
+
+    ``limits`` (guestd's ``Limits``) enables the ``le_limit`` checks; without it they are skipped.
+    """
     out: dict[str, Any] = {}
     for f in fields:
         if f.name in body and not (body[f.name] is None and not f.type.endswith("?") and not f.required):
-            out[f.name] = check_value(f.name, f.type, body[f.name])
+            value = check_value(f.name, f.type, body[f.name])
+            if value is not None:
+                _check_constraints(f, value, limits)
+            out[f.name] = value
         elif f.required:
             raise GuestdError(ErrorCode.BAD_REQUEST, f"missing required field {f.name!r}", details={"field": f.name})
         else:
             out[f.name] = f.default
     return out
+
+
+def validate_args(spec: OpSpec, body: dict[str, Any], limits: object | None = None) -> dict[str, Any]:
+    """An op's args: :func:`validate`, then the op's cross-field rules."""
+    args = validate(spec.args, body, limits)
+    for group in spec.one_of:
+        given = [name for name in group if args.get(name) not in (None, False)]
+        if len(given) != 1:
+            raise GuestdError(
+                ErrorCode.BAD_REQUEST,
+                f"give exactly one of {' / '.join(repr(n) for n in group)}",
+                details={"field": given[1] if len(given) > 1 else group[0]},
+            )
+    for group in spec.exclusive:
+        given = [name for name in group if args.get(name) not in (None, False)]
+        if len(given) > 1:
+            raise GuestdError(
+                ErrorCode.BAD_REQUEST,
+                f"give at most one of {' / '.join(repr(n) for n in group)}",
+                details={"field": given[1]},
+            )
+    return args
+
+
+def _check_constraints(f: F, value: Any, limits: object | None) -> None:
+    def out_of_range(rule: str) -> GuestdError:
+        return GuestdError(ErrorCode.BAD_REQUEST, f"field {f.name!r} must be {rule}", details={"field": f.name})
+
+    if f.gt is not None and not value > f.gt:
+        raise out_of_range(f"> {f.gt:g}")
+    if f.ge is not None and not value >= f.ge:
+        raise out_of_range(f">= {f.ge:g}")
+    if f.le is not None and not value <= f.le:
+        raise out_of_range(f"<= {f.le:g}")
+    if f.min_len is not None and len(value) < f.min_len:
+        raise out_of_range(f"at least {f.min_len} long")
+    if f.le_limit is not None and limits is not None:
+        bound = getattr(limits, f.le_limit)
+        if value > bound:
+            err = limit_error(f.le_limit, bound, f"{f.name} may be at most {bound:g} (limits.{f.le_limit})")
+            err.details["field"] = f.name
+            raise err
 
 
 # --------------------------------------------------------------------------- messages
@@ -206,6 +322,71 @@ ERROR_BODY = (
 
 WINDOW_BODY = (F("bytes", "uint", "additional stream bytes the sender may now send", True),)
 CANCEL_BODY: tuple[F, ...] = ()
+
+# --------------------------------------------------------------------------- records
+
+RECORDS.update(
+    {
+        "dir_entry": (
+            F("name", "path", "entry name", True),
+            F(
+                "type",
+                "enum(file|dir|symlink|fifo|socket|char|block|other)",
+                "file type (not following symlinks)",
+                True,
+            ),
+            F("size", "uint", "st_size", True),
+            F("mode", "uint", "permission bits", True),
+            F("mtime_ns", "int", "modification time, ns since the epoch", True),
+        ),
+        "code_output": (
+            F("kind", "enum(result|display)", "the cell's value, or a display() call", True),
+            F("data", "map", "MIME bundle: type -> value; image/* values are bin, text types str", True),
+        ),
+        "code_error": (
+            F("ename", "str", "exception class name", True),
+            F("evalue", "str", "exception message", True),
+            F("traceback", "list<str>", "formatted traceback lines", True),
+        ),
+        "context_info": (
+            F("id", "str", "context id", True),
+            F("name", "str?", "context name"),
+            F("state", "enum(starting|idle|busy|dead)", "kernel state", True),
+            F("pid", "int?", "kernel pid"),
+            F("memory", "uint?", "kernel RSS, bytes"),
+            F("last_activity", "float?", "wall clock of the last run"),
+            F("execution_count", "int?", "the kernel's execution counter"),
+            F("queued", "uint", "runs waiting", True),
+            F("restarts", "uint", "kernel restarts", True),
+        ),
+        "process_info": (
+            F("id", "str", "process id", True),
+            F("pid", "int", "OS pid", True),
+            F("command", "str", "the command line", True),
+            F("state", "enum(running|exited)", "", True),
+            F("pty", "bool", "runs on a pty", True),
+            F("started_at", "float", "wall clock at start", True),
+            F("ended_at", "float?", "wall clock at exit"),
+            F("exit_code", "int?", "exit status"),
+            F("signal", "int?", "terminating signal"),
+            F("stdout_offset", "uint", "bytes written to stdout so far", True),
+            F("stderr_offset", "uint", "bytes written to stderr so far", True),
+            F("cpu_s", "float?", "CPU seconds (running only)"),
+            F("rss", "uint?", "resident memory, bytes (running only)"),
+        ),
+        "shell_info": (
+            F("id", "str", "session id", True),
+            F("name", "str?", "session name"),
+            F("pid", "int", "bash pid", True),
+            F("cwd", "path", "current directory", True),
+            F("busy", "bool", "a command is running", True),
+            F("alive", "bool", "bash is running", True),
+            F("commands", "uint", "commands run", True),
+            F("restarts", "uint", "bash restarts", True),
+            F("stray_bytes", "uint", "output between commands, discarded", True),
+        ),
+    }
+)
 
 # --------------------------------------------------------------------------- ops
 
@@ -273,20 +454,33 @@ OPS: tuple[OpSpec, ...] = (
         "whole process tree. Could-not-start failures (bad argv, bad cwd) are ERROR frames "
         "with details.stage; a process that ran and failed is a RESPONSE with its exit status.",
         args=(
-            F("argv", "list<str>?", "program and arguments (exactly one of argv / shell)"),
+            F("argv", "list<str>?", "program and arguments (exactly one of argv / shell)", min_len=1),
             F("shell", "str?", "command string run by /bin/sh -c"),
             F("cwd", "path?", "working directory (default: guestd's)"),
             F("env", "map<str,str>?", "environment variables"),
             F("env_mode", "enum(merge|replace)", "merge env into guestd's, or use env alone", default="merge"),
             F("stdin", "bin?", "bytes fed to stdin, then closed; nil means /dev/null"),
             F("stdin_stream", "bool", "stdin comes from INPUT frames (data / eof)", default=False),
-            F("timeout_s", "float?", "wall-clock timeout"),
-            F("idle_timeout_s", "float?", "timeout with no output on either stream"),
-            F("kill_grace_s", "float", "SIGTERM -> SIGKILL grace after a timeout", default=2.0),
-            F("max_output", "uint", "bytes kept per stream (<= limits.max_output)", default=65536),
+            F("timeout_s", "float?", "wall-clock timeout", gt=0, le_limit="max_exec_timeout_s"),
+            F(
+                "idle_timeout_s",
+                "float?",
+                "timeout with no output on either stream",
+                gt=0,
+                le_limit="max_exec_timeout_s",
+            ),
+            F("kill_grace_s", "float", "SIGTERM -> SIGKILL grace after a timeout", default=2.0, ge=0, le=60),
+            F("max_output", "uint", "bytes kept per stream", default=65536, le_limit="max_output"),
             F("capture", "enum(tail|head_tail)", "which bytes are kept when over max_output", default="tail"),
             F("stream", "bool", "send output as EVENT frames as it arrives", default=False),
-            F("linger_s", "float", "after exit, how long to wait for pipes held by leftover children", default=0.5),
+            F(
+                "linger_s",
+                "float",
+                "after exit, how long to wait for pipes held by leftover children",
+                default=0.5,
+                ge=0,
+                le=60,
+            ),
         ),
         result=_OUTPUT_RESULT,
         events=(
@@ -300,6 +494,8 @@ OPS: tuple[OpSpec, ...] = (
             F("signal", "str", "signal name (TERM, INT, KILL, HUP, USR1, ...) for the process group"),
         ),
         errors=("bad_request", "not_found", "permission_denied", "not_a_directory", "limit", "too_large", "cancelled"),
+        one_of=(("argv", "shell"),),
+        exclusive=(("stdin", "stdin_stream"),),
     ),
     OpSpec(
         "file.read",
@@ -365,7 +561,7 @@ OPS: tuple[OpSpec, ...] = (
             F("path", "path", "source path", True),
             F("offset", "uint", "first byte", default=0),
             F("length", "uint?", "bytes to send; nil sends to the end"),
-            F("chunk", "uint?", "most bytes per EVENT, 1..limits.max_chunk; default limits.max_chunk"),
+            F("chunk", "uint?", "most bytes per EVENT; default limits.max_chunk", ge=1, le_limit="max_chunk"),
         ),
         result=(F("bytes", "uint", "bytes sent", True), F("size", "uint", "file size at open", True)),
         events=(
@@ -398,10 +594,10 @@ OPS: tuple[OpSpec, ...] = (
         "(so a truncated listing is always the same prefix), with the total count.",
         args=(
             F("path", "path", "directory", True),
-            F("max_entries", "uint?", "cap (<= limits.max_list_entries)"),
+            F("max_entries", "uint?", "cap; default limits.max_list_entries", le_limit="max_list_entries"),
         ),
         result=(
-            F("entries", "any", "list of {name: path, type, size, mode, mtime_ns}, sorted by name bytes", True),
+            F("entries", "list<dir_entry>", "sorted by name bytes", True),
             F("total", "uint", "entries in the directory (without . and ..), returned or not", True),
             F("truncated", "bool", "true when more entries exist than were returned", True),
         ),
@@ -449,9 +645,9 @@ _CODE_RESULT = (
     F("timeout_action", "enum(interrupted|restarted)?", "after a timeout: the kernel was interrupted, or restarted"),
     F("exit_reason", "str?", "status died: how the kernel process ended"),
     *_captured("the cell (UTF-8)"),
-    F("results", "any", "list of {kind: result|display, data: MIME bundle}; image/* values are bin", True),
+    F("results", "list<code_output>", "the cell's value and displays, in order", True),
     F("results_dropped", "uint", "rich results not returned (count or size limit)", True),
-    F("error", "map?", "{ename, evalue, traceback: [str]} when the cell raised"),
+    F("error", "code_error?", "when the cell raised"),
     F("stdin_exhausted", "bool", "the cell asked for more input lines than were supplied", True),
     F("execution_count", "int?", "the kernel's execution counter for this cell"),
     F("duration_s", "float", "wall time of the run", True),
@@ -486,16 +682,18 @@ CODE_OPS: tuple[OpSpec, ...] = (
         args=(
             _CODE_REF,
             F("code", "str", "the cell", True),
-            F("timeout_s", "float?", "wall-clock timeout for the cell"),
+            F("timeout_s", "float?", "wall-clock timeout for the cell", ge=0, le_limit="max_exec_timeout_s"),
             F(
                 "interrupt_grace_s",
                 "float",
                 "after a timeout, how long the interrupt may take before a restart",
                 default=2.0,
+                ge=0,
+                le_limit="max_exec_timeout_s",
             ),
             F("input_lines", "list<str>?", "answers for input()/getpass(), in order"),
             F("strip_ansi", "bool", "remove ANSI colour codes from output and tracebacks", default=False),
-            F("max_output", "uint", "bytes kept per stream (<= limits.max_output)", default=65536),
+            F("max_output", "uint", "bytes kept per stream", default=65536, le_limit="max_output"),
             F("capture", "enum(tail|head_tail)", "which bytes are kept when over max_output", default="tail"),
             F("stream", "bool", "send output and results as EVENT frames as they arrive", default=False),
         ),
@@ -537,12 +735,7 @@ CODE_OPS: tuple[OpSpec, ...] = (
         "code",
         "Every context with its state.",
         result=(
-            F(
-                "contexts",
-                "any",
-                "list of {id, name, state, pid, memory, last_activity, execution_count, queued, restarts}",
-                True,
-            ),
+            F("contexts", "list<context_info>", "every context", True),
             F("pool_ready", "uint", "pre-started kernels ready in the pool", True),
         ),
     ),
@@ -562,7 +755,7 @@ PROCESS_OPS: tuple[OpSpec, ...] = (
         "Start a background process and return at once. It keeps running when the connection closes; "
         "its output is kept in per-stream rings addressed by absolute offsets.",
         args=(
-            F("argv", "list<str>?", "program and arguments (exactly one of argv / shell)"),
+            F("argv", "list<str>?", "program and arguments (exactly one of argv / shell)", min_len=1),
             F("shell", "str?", "command string run by /bin/sh -c"),
             F("cwd", "path?", "working directory"),
             F("env", "map<str,str>?", "environment variables"),
@@ -574,26 +767,19 @@ PROCESS_OPS: tuple[OpSpec, ...] = (
                 "run on a pseudo-terminal (output merged into stdout, input via process.write)",
                 default=False,
             ),
-            F("rows", "uint", "pty rows", default=24),
-            F("cols", "uint", "pty columns", default=80),
-            F("ring_bytes", "uint", "bytes kept per stream (<= limits.max_ring_bytes)", default=1024 * 1024),
+            F("rows", "uint", "pty rows", default=24, ge=1, le=9999),
+            F("cols", "uint", "pty columns", default=80, ge=1, le=9999),
+            F("ring_bytes", "uint", "bytes kept per stream", default=1024 * 1024, ge=1, le_limit="max_ring_bytes"),
         ),
         result=(F("id", "str", "process id", True), F("pid", "int", "OS pid", True)),
         errors=("not_found", "permission_denied", "not_a_directory", "limit", "bad_request"),
+        one_of=(("argv", "shell"),),
     ),
     OpSpec(
         "process.list",
         "process",
         "Every kept process.",
-        result=(
-            F(
-                "processes",
-                "any",
-                "list of {id, pid, command, state, pty, started_at, ended_at, exit_code, signal, "
-                "stdout_offset, stderr_offset, cpu_s, rss}",
-                True,
-            ),
-        ),
+        result=(F("processes", "list<process_info>", "every kept process", True),),
     ),
     OpSpec(
         "process.attach",
@@ -605,7 +791,7 @@ PROCESS_OPS: tuple[OpSpec, ...] = (
             F("stdout_from", "uint", "first stdout offset wanted", default=0),
             F("stderr_from", "uint", "first stderr offset wanted", default=0),
             F("follow", "bool", "keep streaming until the process exits", default=True),
-            F("chunk", "uint?", "bytes per event (<= limits.max_chunk)"),
+            F("chunk", "uint?", "most bytes per event; default limits.max_chunk", ge=1, le_limit="max_chunk"),
         ),
         result=(
             *_EXIT,
@@ -649,7 +835,7 @@ PROCESS_OPS: tuple[OpSpec, ...] = (
         "process.resize",
         "process",
         "Set the pty size (the foreground job gets SIGWINCH).",
-        args=(_PID, F("rows", "uint", "rows", True), F("cols", "uint", "columns", True)),
+        args=(_PID, F("rows", "uint", "rows", True, ge=1, le=9999), F("cols", "uint", "columns", True, ge=1, le=9999)),
         errors=("not_found", "bad_request"),
     ),
     OpSpec(
@@ -683,9 +869,15 @@ SHELL_OPS: tuple[OpSpec, ...] = (
             F("id", "str", "session id or name", True),
             F("command", "str", "bash command text (multi-line, heredocs allowed)", True),
             F("input", "bin?", "bytes for the command's stdin"),
-            F("timeout_s", "float?", "wall-clock timeout: SIGINT, then the command's processes are ended"),
-            F("idle_timeout_s", "float?", "timeout with no output"),
-            F("max_output", "uint", "bytes kept per stream (<= limits.max_output)", default=65536),
+            F(
+                "timeout_s",
+                "float?",
+                "wall-clock timeout: SIGINT, then the command's processes are ended",
+                gt=0,
+                le_limit="max_exec_timeout_s",
+            ),
+            F("idle_timeout_s", "float?", "timeout with no output", gt=0, le_limit="max_exec_timeout_s"),
+            F("max_output", "uint", "bytes kept per stream", default=65536, le_limit="max_output"),
             F("capture", "enum(tail|head_tail)", "which bytes are kept when over max_output", default="tail"),
         ),
         result=(
@@ -703,14 +895,7 @@ SHELL_OPS: tuple[OpSpec, ...] = (
         "shell.list",
         "shell",
         "Every session.",
-        result=(
-            F(
-                "sessions",
-                "any",
-                "list of {id, name, pid, cwd: path, busy, alive, commands, restarts, stray_bytes}",
-                True,
-            ),
-        ),
+        result=(F("sessions", "list<shell_info>", "every session", True),),
     ),
     OpSpec(
         "shell.close",
@@ -758,7 +943,7 @@ SNAPSHOT_OPS: tuple[OpSpec, ...] = (
             F("generation", "uint", "strictly increasing per restore of this VM lineage", True),
             F("nonce", "str", "unique per restore call; a replay with the same nonce changes nothing", True),
             F("time_ns", "int", "the host's wall clock, ns since the epoch", True),
-            F("entropy", "bin", "at least 32 bytes of host randomness", True),
+            F("entropy", "bin", "host randomness", True, min_len=32),
             F("identity", "map?", "{sandbox_id, hostname, env: {K: V} for future execs, token}"),
         ),
         result=(
@@ -816,6 +1001,7 @@ def schema_document() -> dict[str, Any]:
             "cancel": {},
         },
         "error_codes": [c.value for c in ErrorCode],
+        "records": {name: {f.name: f.to_json() for f in fields} for name, fields in RECORDS.items()},
         "ops": {op.name: op.to_json() for op in OPS},
     }
 

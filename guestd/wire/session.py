@@ -50,6 +50,7 @@ from guestd.wire.schema import (
     WINDOW_BODY,
     OpSpec,
     validate,
+    validate_args,
 )
 
 # Floors of the negotiated values: a hello reply alone is ~900 bytes, and a window
@@ -344,10 +345,12 @@ class ServerSession(Session):
         max_frame: int,
         stream_window: int,
         max_inflight: int,
+        limits: object | None = None,
         serial: bool = False,
     ) -> None:
         super().__init__(max_frame=max_frame, stream_window=stream_window)
         self.ops = ops
+        self.limits = limits  # guestd's Limits: what ``le_limit`` constraints compare against
         self.limit_max_frame = max_frame
         self.limit_stream_window = stream_window
         self.max_inflight = max_inflight
@@ -489,7 +492,7 @@ class ServerSession(Session):
             spec = self.ops.get(op)
             if spec is None:
                 raise GuestdError(ErrorCode.UNKNOWN_OP, f"unknown op {op!r}", details={"op": op})
-            args = validate(spec.args, raw_args)
+            args = validate_args(spec, raw_args, self.limits)
         except GuestdError as err:
             self._refuse_request(req_id, err)
             return
