@@ -31,6 +31,7 @@ from guestd.wire.session import (
     ResponseReceived,
     ServerSession,
     SessionReset,
+    Stream,
     data_overhead,
 )
 
@@ -76,9 +77,16 @@ def opened(**kw: Any) -> ServerSession:
     s = server(**kw)
     (ev,) = s.receive_data(hello(max_frame=MIN_MAX_FRAME, stream_window=WINDOW))
     assert isinstance(ev, HelloReceived)
-    s.accept_hello(ev.hello, reply_body)
+    s.accept_hello(reply_body)
+    assert s.resume() == []
     s.data_to_send()
     return s
+
+
+def admitted(s: ServerSession, req_id: int, op: str, args: dict[str, Any] | None = None) -> Stream:
+    (ev,) = s.receive_data(request(req_id, op, args))
+    assert isinstance(ev, RequestReceived)
+    return ev.stream
 
 
 def request(req_id: int, op: str, args: dict[str, Any] | None = None) -> bytes:
@@ -89,19 +97,20 @@ def test_nothing_in_a_hello_takes_effect_before_it_is_accepted() -> None:
     s = server()
     (ev,) = s.receive_data(hello(max_frame=70_000, stream_window=80_000, token="wrong", time_ns=1))
     assert isinstance(ev, HelloReceived) and ev.hello["time_ns"] == 1
-    assert s.phase is Phase.AWAIT_HELLO and s.peer_max_frame == 1 << 20 and s.version is None
+    assert s.phase is Phase.HELLO_PENDING and s.peer_max_frame == 1 << 20 and s.version is None
+    assert s.receive_data(request(1, "ping")) == []  # waits in the decoder while the hello is checked
     s.refuse(GuestdError("permission_denied", "bad token"))
     ((kind, rid, body, _),) = frames(s.data_to_send())
     assert (kind, rid, body["code"]) == (Kind.ERROR, 0, "permission_denied")
     assert s.phase.value == "closed"
-    assert s.receive_data(request(1, "ping")) == []  # a refused peer is not served
+    assert s.resume() == [] and s.data_to_send() == []  # a refused peer is not served
 
 
 def test_max_frame_and_window_have_a_documented_floor() -> None:
     s = server()
     (ev,) = s.receive_data(hello(max_frame=100, stream_window=10))
     assert isinstance(ev, HelloReceived)
-    s.accept_hello(ev.hello, reply_body)
+    s.accept_hello(reply_body)
     assert s.peer_max_frame == MIN_MAX_FRAME and s.stream_window == 64 * 1024
 
 
@@ -113,11 +122,13 @@ def test_refused_input_in_the_same_read_as_its_request_ends_it_with_one_final_fr
     ((kind, rid, body, _),) = frames(s.data_to_send())
     assert (kind, rid, body["code"], body["details"]["limit"]) == (Kind.ERROR, 7, "limit", "stream_window")
     # The handler's late answer is dropped: exactly one final frame.
-    assert not s.respond(7, {"size": 0}) and not s.fail(7, GuestdError("cancelled", "x"))
+    old = events[0].stream  # type: ignore[union-attr]
+    assert not s.respond(old, {"size": 0}) and not s.fail(old, GuestdError("cancelled", "x"))
     assert s.data_to_send() == []
-    # The id is free again.
-    (ev,) = s.receive_data(request(7, "ping"))
-    assert isinstance(ev, RequestReceived)
+    # The id is free again, and the old handle cannot touch the new request.
+    new = admitted(s, 7, "ping")
+    assert not s.fail(old, GuestdError("cancelled", "late")) and new.open
+    assert s.respond(new, {"t_ns": 1})
 
 
 def test_input_at_exactly_the_credit_is_accepted_one_byte_more_is_not() -> None:
@@ -149,9 +160,9 @@ def test_oversize_input_aborts_its_request_only() -> None:
 def test_cancel_and_window_for_requests_not_in_flight_are_ignored() -> None:
     s = opened()
     assert s.receive_data(encode_frame(Kind.CANCEL, 9, {}) + encode_frame(Kind.WINDOW, 9, {"bytes": 5})) == []
-    s.receive_data(request(9, "file.download", {"path": "/x"}))
+    stream = admitted(s, 9, "file.download", {"path": "/x"})
     events = s.receive_data(encode_frame(Kind.CANCEL, 9, {}) + encode_frame(Kind.WINDOW, 9, {"bytes": 5}))
-    assert events == [CancelRequested(9), CreditGranted(9, 5)]
+    assert events == [CancelRequested(stream), CreditGranted(stream, 5)]
 
 
 def test_request_id_zero_is_a_protocol_error() -> None:
@@ -164,40 +175,40 @@ def test_request_id_zero_is_a_protocol_error() -> None:
 
 def test_a_duplicate_id_is_refused_in_a_way_the_client_can_tell_from_the_original() -> None:
     s = opened()
-    s.receive_data(request(3, "file.download", {"path": "/x"}))
+    original = admitted(s, 3, "file.download", {"path": "/x"})
     assert s.receive_data(request(3, "ping")) == []
     ((kind, rid, body, _),) = frames(s.data_to_send())
     assert (kind, rid) == (Kind.ERROR, 3)
     assert body["details"] == {"field": "id", "reason": "in_flight"}
-    assert s.in_flight(3)  # the original goes on and gets its own final frame
-    assert s.respond(3, {"bytes": 0, "size": 0})
+    assert original.open  # the original goes on and gets its own final frame
+    assert s.respond(original, {"bytes": 0, "size": 0})
 
 
 def test_data_room_is_bounded_by_credit_and_the_peers_max_frame() -> None:
     s = opened()
-    s.receive_data(request(1, "file.download", {"path": "/x"}))
+    st = admitted(s, 1, "file.download", {"path": "/x"})
     fields = {"ev": "stdout", "offset": 123456789}
-    room = s.data_room(1, fields)
+    room = s.data_room(st, fields)
     assert room == min(WINDOW, MIN_MAX_FRAME - data_overhead(fields)) == s.frame_room(fields)
-    assert s.send_data(1, fields, b"q" * room)
+    assert s.send_data(st, fields, b"q" * room)
     ((_, _, _, length),) = frames(s.data_to_send())
     assert length <= MIN_MAX_FRAME
-    assert s.data_room(1, fields) == WINDOW - room  # the rest of the credit
-    s.send_data(1, fields, b"r" * (WINDOW - room))
-    assert s.data_room(1, fields) == 0  # credit spent: wait for WINDOW
+    assert s.data_room(st, fields) == WINDOW - room  # the rest of the credit
+    s.send_data(st, fields, b"r" * (WINDOW - room))
+    assert s.data_room(st, fields) == 0  # credit spent: wait for WINDOW
     with pytest.raises(AssertionError):
-        s.send_data(1, fields, b"q")
+        s.send_data(st, fields, b"q")
     s.receive_data(encode_frame(Kind.WINDOW, 1, {"bytes": 10}))
-    assert s.data_room(1, fields) == 10
+    assert s.data_room(st, fields) == 10
 
 
 def test_every_data_frame_fits_exactly_at_the_limit() -> None:
     s = opened()
-    s.receive_data(request(1, "file.download", {"path": "/x"}))
+    st = admitted(s, 1, "file.download", {"path": "/x"})
     s.receive_data(encode_frame(Kind.WINDOW, 1, {"bytes": 1 << 20}))
     fields = {"ev": "data"}
-    room = s.data_room(1, fields)
-    s.send_data(1, fields, b"z" * room)
+    room = s.data_room(st, fields)
+    s.send_data(st, fields, b"z" * room)
     ((_, _, body, length),) = frames(s.data_to_send())
     # Conservative by at most 2 bytes: the overhead assumes a bin32 header.
     assert MIN_MAX_FRAME - 2 <= length <= MIN_MAX_FRAME and len(body["data"]) == room
@@ -205,26 +216,26 @@ def test_every_data_frame_fits_exactly_at_the_limit() -> None:
 
 def test_an_unencodable_reply_becomes_a_typed_error() -> None:
     s = opened()
-    s.receive_data(request(1, "file.stat", {"path": "/x"}))
-    assert s.respond(1, {"path": "bad\udcff"})  # a surrogate-escaped name is not UTF-8
+    st = admitted(s, 1, "file.stat", {"path": "/x"})
+    assert s.respond(st, {"path": "bad\udcff"})  # a surrogate-escaped name is not UTF-8
     ((kind, rid, body, _),) = frames(s.data_to_send())
     assert (kind, rid, body["code"], body["details"]["stage"]) == (Kind.ERROR, 1, "internal", "encode")
 
 
 def test_a_reply_larger_than_the_clients_max_frame_is_too_large() -> None:
     s = opened()
-    s.receive_data(request(1, "file.read", {"path": "/x"}))
-    s.respond(1, {"data": b"x" * (MIN_MAX_FRAME + 1), "size": 1})
+    st = admitted(s, 1, "file.read", {"path": "/x"})
+    s.respond(st, {"data": b"x" * (MIN_MAX_FRAME + 1), "size": 1})
     ((kind, _, body, _),) = frames(s.data_to_send())
     assert (kind, body["code"]) == (Kind.ERROR, "too_large")
 
 
 def test_serial_sessions_start_over_on_a_new_hello() -> None:
     s = opened(serial=True)
-    s.receive_data(request(1, "file.download", {"path": "/x"}))
+    st = admitted(s, 1, "file.download", {"path": "/x"})
     events = s.receive_data(hello())
-    assert events[0] == SessionReset((1,)) and isinstance(events[1], HelloReceived)
-    assert not s.in_flight(1)
+    assert events[0] == SessionReset((st,)) and isinstance(events[1], HelloReceived)
+    assert not st.open
 
 
 def test_bad_framing_resyncs_on_serial_and_closes_otherwise() -> None:
@@ -245,7 +256,7 @@ def pair() -> tuple[ClientSession, ServerSession]:
     c.send_hello({"versions": [1], "max_frame": MIN_MAX_FRAME, "stream_window": WINDOW})
     (ev,) = s.receive_data(b"".join(c.data_to_send()))
     assert isinstance(ev, HelloReceived)
-    s.accept_hello(ev.hello, reply_body)
+    s.accept_hello(reply_body)
     (ack,) = c.receive_data(b"".join(s.data_to_send()))
     assert isinstance(ack, HelloAccepted)
     return c, s
@@ -253,27 +264,27 @@ def pair() -> tuple[ClientSession, ServerSession]:
 
 def test_a_stream_round_trip_within_credit_both_ways() -> None:
     c, s = pair()
-    rid = c.start("file.upload", {"path": "/x"})
-    assert rid != 0
+    cst = c.start("file.upload", {"path": "/x"})
+    assert cst.id != 0
     (req,) = s.receive_data(b"".join(c.data_to_send()))
     assert isinstance(req, RequestReceived) and req.op == "file.upload"
-    room = c.data_room(rid, {})
+    room = c.data_room(cst, {})
     assert room == WINDOW  # the server's frames are larger than the window here
-    c.send_input_data(rid, {}, b"u" * room)
-    assert c.data_room(rid, {}) == 0
+    c.send_input_data(cst, {}, b"u" * room)
+    assert c.data_room(cst, {}) == 0
     (inp,) = s.receive_data(b"".join(c.data_to_send()))
     assert isinstance(inp, InputReceived)
-    s.ack_input(rid, room)
+    s.ack_input(req.stream, room)
     (credit,) = c.receive_data(b"".join(s.data_to_send()))
-    assert credit == CreditGranted(rid, room)
-    s.respond(rid, {"size": room})
+    assert credit == CreditGranted(cst, room)
+    s.respond(req.stream, {"size": room})
     (done,) = c.receive_data(b"".join(s.data_to_send()))
-    assert done == ResponseReceived(rid, {"size": room})
+    assert done == ResponseReceived(cst.id, {"size": room})
 
 
 def test_the_client_refuses_stream_data_beyond_the_credit_it_granted() -> None:
     c, _ = pair()
-    rid = c.start("file.download", {"path": "/x"})
+    rid = c.start("file.download", {"path": "/x"}).id
     c.data_to_send()
     half = encode_frame(Kind.EVENT, rid, {"ev": "data", "data": b"d" * (WINDOW // 2 - 5)})
     events = c.receive_data(half + half)
@@ -284,7 +295,7 @@ def test_the_client_refuses_stream_data_beyond_the_credit_it_granted() -> None:
 
 def test_the_client_checks_reply_shapes_and_ignores_unknown_ids() -> None:
     c, _ = pair()
-    rid = c.start("ping", {})
+    rid = c.start("ping", {}).id
     c.data_to_send()
     assert c.receive_data(encode_frame(Kind.RESPONSE, rid + 5, {"t_ns": 1})) == []
     (ev,) = c.receive_data(encode_frame(Kind.RESPONSE, rid, {"t_ns": "nope"}))
@@ -294,8 +305,8 @@ def test_the_client_checks_reply_shapes_and_ignores_unknown_ids() -> None:
 def test_client_ids_skip_zero_and_ids_in_flight_when_they_wrap() -> None:
     c, _ = pair()
     c._next_id = 0xFFFFFFFF
-    first = c.start("ping", {})
-    second = c.start("ping", {})
+    first = c.start("ping", {}).id
+    second = c.start("ping", {}).id
     assert (first, second) == (0xFFFFFFFF, 1)
 
 
@@ -312,12 +323,16 @@ def test_byte_by_byte_feeding_gives_the_same_events() -> None:
     stream = request(1, "file.upload", {"path": "/x"}) + encode_frame(Kind.INPUT, 1, {"data": b"abc", "eof": True})
     whole = s1.receive_data(stream)
     pieces = [e for i in range(len(stream)) for e in s2.receive_data(stream[i : i + 1])]
-    assert whole == pieces and len(whole) == 2
+
+    def shape(events: list[Any]) -> list[tuple[Any, ...]]:
+        return [(type(e).__name__, e.stream.id, e.stream.op, getattr(e, "args", None) or e.body) for e in events]
+
+    assert shape(whole) == shape(pieces) and len(whole) == 2
 
 
 def test_the_client_checks_event_shapes() -> None:
     c, _ = pair()
-    rid = c.start("file.download", {"path": "/x"})
+    rid = c.start("file.download", {"path": "/x"}).id
     c.data_to_send()
     (ev,) = c.receive_data(encode_frame(Kind.EVENT, rid, {"ev": "data", "data": "text, not bin"}))
     assert isinstance(ev, ConnectionFailed) and "malformed file.download event" in ev.error.message
@@ -378,13 +393,13 @@ def test_values_within_every_constraint_are_admitted() -> None:
 
 def test_nested_results_are_typed_and_checked_by_the_client() -> None:
     c, _ = pair()
-    rid = c.start("file.list", {"path": "/"})
+    rid = c.start("file.list", {"path": "/"}).id
     c.data_to_send()
     entry = {"name": "a", "type": "file", "size": -1, "mode": 0o644, "mtime_ns": 1}
     (ev,) = c.receive_data(encode_frame(Kind.RESPONSE, rid, {"entries": [entry], "total": 1, "truncated": False}))
     assert isinstance(ev, ErrorReceived) and ev.error.code == "protocol_error"
     assert "'entries[0].size'" in ev.error.message
-    rid = c.start("file.list", {"path": "/"})
+    rid = c.start("file.list", {"path": "/"}).id
     good = {**entry, "size": 3, "name": b"bad\xff"}
     (ok,) = c.receive_data(encode_frame(Kind.RESPONSE, rid, {"entries": [good], "total": 1, "truncated": False}))
     assert isinstance(ok, ResponseReceived) and ok.body["entries"][0]["name"] == b"bad\xff"

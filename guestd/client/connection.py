@@ -30,10 +30,12 @@ from guestd.wire.session import (
     HelloAccepted,
     PeerViolation,
     ResponseReceived,
+    Stream,
 )
 
 DEFAULT_WINDOW = 4 * 1024 * 1024
 MAX_PENDING_EVENTS = 4096  # non-data events queued per stream before we call it abuse
+MAX_PENDING_EVENT_BYTES = 16 * 1024 * 1024  # and their payload bytes
 
 GuestProtocolError = PeerViolation  # the guest broke the protocol; the connection is closed
 
@@ -47,44 +49,64 @@ class Call:
     """One request in flight. Streams queue their events here within our credit.
 
     Plain requests (ping, stat, ...) only use ``future``; the event queue and the
-    input-credit waiter are made on first use, so the common path stays cheap.
+    waiters are made on first use, so the common path stays cheap. A consumer of
+    events and a sender of input wait on separate futures, so one never steals the
+    other's wake-up (a stdin writer and an output reader of one exec run together).
     """
 
-    __slots__ = ("_events", "_waiter", "conn", "future", "id", "op", "queued_small")
+    __slots__ = (
+        "_credit_waiter",
+        "_event_waiter",
+        "_events",
+        "conn",
+        "future",
+        "id",
+        "op",
+        "queued_bytes",
+        "queued_small",
+        "stream",
+    )
 
-    def __init__(self, conn: ClientConnection, req_id: int, op: str) -> None:
+    def __init__(self, conn: ClientConnection, stream: Stream) -> None:
         self.conn = conn
-        self.id = req_id
-        self.op = op
+        self.stream = stream
+        self.id = stream.id
+        self.op = stream.op
         self.future: asyncio.Future[dict[str, Any]] = conn.loop.create_future()
-        self._events: deque[dict[str, Any]] | None = None
-        self._waiter: asyncio.Future[None] | None = None  # a consumer or an input sender waits here
+        self._events: deque[tuple[dict[str, Any], int]] | None = None  # (body, payload bytes)
+        self._event_waiter: asyncio.Future[None] | None = None
+        self._credit_waiter: asyncio.Future[None] | None = None
         self.queued_small = 0
+        self.queued_bytes = 0
 
     def _wake(self) -> None:
-        w = self._waiter
-        if w is not None and not w.done():
-            w.set_result(None)
+        for w in (self._event_waiter, self._credit_waiter):
+            if w is not None and not w.done():
+                w.set_result(None)
 
-    async def _wait(self, timeout: float | None) -> None:
-        self._waiter = self.conn.loop.create_future()
+    async def _wait(self, which: str, timeout: float | None) -> None:
+        waiter = self.conn.loop.create_future()
+        setattr(self, which, waiter)
         try:
-            await asyncio.wait_for(self._waiter, timeout)
+            await asyncio.wait_for(waiter, timeout)
         except TimeoutError:
             raise GuestdError(ErrorCode.TIMEOUT, f"{self.op}: no progress within {timeout} s") from None
         finally:
-            self._waiter = None
+            setattr(self, which, None)
 
-    def on_event(self, body: dict[str, Any]) -> None:
-        # Data is bounded by the credit the session enforces; other events by count.
+    def on_event(self, body: dict[str, Any], size: int) -> None:
+        # Data is bounded by the credit the session enforces; other events by count and bytes.
         if not isinstance(body.get("data"), bytes):
             self.queued_small += 1
-            if self.queued_small > MAX_PENDING_EVENTS:
-                raise GuestProtocolError("guest flooded a stream with events")
+            self.queued_bytes += size
+            if self.queued_small > MAX_PENDING_EVENTS or self.queued_bytes > MAX_PENDING_EVENT_BYTES:
+                raise GuestProtocolError("guest flooded a stream with events nobody has read yet")
         if self._events is None:
             self._events = deque()
-        self._events.append(body)
-        self._wake()
+        self._events.append((body, size))
+        w = self._event_waiter
+        if w is not None and not w.done():
+            w.set_result(None)
 
     def finish(self, body: dict[str, Any] | None, err: BaseException | None) -> None:
         if not self.future.done():
@@ -100,14 +122,15 @@ class Call:
         while not self._events:
             if self.future.done():
                 return None
-            await self._wait(timeout)
-        body = self._events.popleft()
+            await self._wait("_event_waiter", timeout)
+        body, size = self._events.popleft()
         data = body.get("data")
         if isinstance(data, bytes):
             if data and not self.future.done():
-                self.conn.grant(self.id, len(data))
+                self.conn.grant(self.stream, len(data))
         else:
             self.queued_small -= 1
+            self.queued_bytes -= size
         return body
 
     async def iter_events(self, timeout: float | None = None) -> AsyncIterator[dict[str, Any]]:
@@ -118,37 +141,42 @@ class Call:
             yield ev
 
     def on_credit(self) -> None:
-        self._wake()
+        w = self._credit_waiter
+        if w is not None and not w.done():
+            w.set_result(None)
 
     async def send_input(self, body: dict[str, Any], timeout: float | None = None) -> None:
-        """Send INPUT; ``data`` is cut into frames within the guest's credit and max_frame."""
+        """Send INPUT; ``data`` is cut into frames within the guest's credit and max_frame.
+
+        ``timeout`` bounds each wait, for credit and for the transport alike.
+        """
         session = self.conn.session
         data = body.get("data")
         if not isinstance(data, bytes):
             if not self.future.done():
                 self.conn.check_open()
-                session.send_input(self.id, body)
+                session.send_input(self.stream, body)
                 self.conn.flush()
-                await self.conn.drain()
+                await self.conn.drain(timeout)
             return
         fields = {k: v for k, v in body.items() if k != "data"}
         view = memoryview(data)
         while view and not self.future.done():
             self.conn.check_open()
-            room = session.data_room(self.id, fields)
+            room = session.data_room(self.stream, fields)
             if room <= 0:
-                if self.id not in session.streams:
+                if not self.stream.open:
                     return
-                await self._wait(timeout)
+                await self._wait("_credit_waiter", timeout)
                 continue
             piece = data if room >= len(view) and len(view) == len(data) else bytes(view[:room])
-            session.send_input_data(self.id, fields, piece)
+            session.send_input_data(self.stream, fields, piece)
             self.conn.flush()
             view = view[len(piece) :]
-            await self.conn.drain()
+            await self.conn.drain(timeout)
 
     def cancel(self) -> None:
-        self.conn.session.cancel(self.id, forget=False)
+        self.conn.session.cancel(self.stream, forget=False)
         self.conn.flush()
 
 
@@ -229,7 +257,7 @@ class ClientConnection(asyncio.Protocol):
         if isinstance(event, EventReceived):
             call = self.calls.get(event.id)
             if call is not None:
-                call.on_event(event.body)
+                call.on_event(event.body, event.size)
         elif isinstance(event, ResponseReceived):
             call = self.calls.pop(event.id, None)
             if call is not None:
@@ -239,8 +267,8 @@ class ClientConnection(asyncio.Protocol):
             if call is not None:
                 call.finish(None, event.error)
         elif isinstance(event, CreditGranted):
-            call = self.calls.get(event.id)
-            if call is not None:
+            call = self.calls.get(event.stream.id)
+            if call is not None and call.stream is event.stream:
                 call.on_credit()
         elif isinstance(event, HelloAccepted):
             if not self._hello_future.done():
@@ -257,9 +285,16 @@ class ClientConnection(asyncio.Protocol):
     def resume_writing(self) -> None:
         self._gate.resume()
 
-    async def drain(self) -> None:
+    async def drain(self, timeout: float | None = None) -> None:
+        """Until the transport takes more; a guest that stops reading costs ``timeout``, not forever."""
         self.check_open()
-        await self._gate.wait()
+        if not self._gate.paused:
+            return
+        try:
+            await asyncio.wait_for(self._gate.wait(), timeout)
+        except TimeoutError:
+            raise GuestdError(ErrorCode.TIMEOUT, f"the guest read nothing for {timeout} s") from None
+        self.check_open()
 
     def check_open(self) -> None:
         if self._closed_exc is not None:
@@ -290,15 +325,14 @@ class ClientConnection(asyncio.Protocol):
         if out and self.transport is not None and self._closed_exc is None:
             self.transport.writelines(out)
 
-    def grant(self, req_id: int, nbytes: int) -> None:
-        self.session.grant(req_id, nbytes)
+    def grant(self, stream: Stream, nbytes: int) -> None:
+        self.session.grant(stream, nbytes)
         self.flush()
 
     def start(self, op: str, args: dict[str, Any]) -> Call:
         self.check_open()
-        req_id = self.session.start(op, args)
-        call = Call(self, req_id, op)
-        self.calls[req_id] = call
+        call = Call(self, self.session.start(op, args))
+        self.calls[call.id] = call
         self.flush()
         return call
 
@@ -327,7 +361,7 @@ class ClientConnection(asyncio.Protocol):
         if self.calls.get(call.id) is call:
             del self.calls[call.id]
             if self._closed_exc is None:
-                self.session.cancel(call.id, forget=True)
+                self.session.cancel(call.stream, forget=True)
                 self.flush()
 
     def _forget(self, call: Call) -> None:

@@ -433,7 +433,7 @@ def register(daemon: Daemon) -> None:
                 )
             else:
                 # Without streamed stdin, INPUT frames only carry signals: handle them inline.
-                ctx.input_handler = lambda body: _apply_signal(run, body["signal"]) if "signal" in body else None
+                ctx.handle_input(lambda body: _apply_signal(run, body["signal"]) if "signal" in body else None)
             return await run.wait()
         except asyncio.CancelledError:
             # Cancelled request or dropped connection: the work must really stop.

@@ -496,7 +496,7 @@ def register(daemon: Daemon) -> None:
                     break
             # Past eof the upload commits: a cancel arriving now must not answer "cancelled"
             # for a file that is then in place, so the reply reports what really happened.
-            ctx.cancel_shielded = True
+            ctx.commit()
             if a["size"] is not None and f.size != a["size"]:
                 raise GuestdError(
                     ErrorCode.BAD_REQUEST,
@@ -540,7 +540,7 @@ def register(daemon: Daemon) -> None:
         ("file.remove", op_remove),
         ("file.rename", op_rename),
     ):
-        daemon.dispatcher.add(name, fn)
+        daemon.dispatcher.add(name, fn, bulk_reply=name == "file.read")
 
 
 def _open_for_download(path: str) -> int:

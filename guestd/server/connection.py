@@ -34,6 +34,7 @@ from guestd.wire.session import (
     RequestReceived,
     ServerSession,
     SessionReset,
+    Stream,
 )
 
 if TYPE_CHECKING:
@@ -43,6 +44,7 @@ log = logging.getLogger("guestd.connection")
 
 SERIAL_STALL_S = 1.0
 WRITE_HIGH_WATER = 2 * 1024 * 1024  # unsent bytes per connection before we stop reading from it
+BULK_REPLIES = 4  # replies held whole in memory (file.read, <= limits.max_read each) built at once per connection
 
 
 class RequestContext:
@@ -57,13 +59,15 @@ class RequestContext:
         "id",
         "input_handler",
         "op",
+        "stream",
         "task",
     )
 
-    def __init__(self, conn: Connection, req_id: int, op: str) -> None:
+    def __init__(self, conn: Connection, stream: Stream) -> None:
         self.conn = conn
-        self.id = req_id
-        self.op = op
+        self.stream = stream  # the core's handle: identity, not the id, decides what it acts on
+        self.id = stream.id
+        self.op = stream.op
         self.task: asyncio.Task[None] | None = None
         self._credit_waiter: asyncio.Future[None] | None = None
         self._input: asyncio.Queue[dict[str, Any]] | None = None
@@ -77,7 +81,7 @@ class RequestContext:
     @property
     def active(self) -> bool:
         """False once the request's final frame went out (e.g. the core refused its input)."""
-        return self.conn.session.in_flight(self.id)
+        return self.stream.open
 
     # -- server -> client stream ------------------------------------------------------
     async def send_event(self, body: dict[str, Any]) -> None:
@@ -87,7 +91,7 @@ class RequestContext:
 
     def post_event(self, body: dict[str, Any]) -> None:
         """Queue one non-data EVENT without waiting for the transport."""
-        if self.conn.session.send_event(self.id, body):
+        if self.conn.session.send_event(self.stream, body):
             self.conn.flush()
 
     async def send_data_event(self, fields: Mapping[str, Any], data: bytes) -> None:
@@ -100,14 +104,14 @@ class RequestContext:
         fields = dict(fields)
         view = memoryview(data)
         while view:
-            room = session.data_room(self.id, fields)
+            room = session.data_room(self.stream, fields)
             if room <= 0:
                 if not self.active:
                     return
                 await self.wait_credit()
                 continue
             piece = data if room >= len(view) and len(view) == len(data) else bytes(view[:room])
-            session.send_data(self.id, fields, piece)
+            session.send_data(self.stream, fields, piece)
             self.conn.flush()
             view = view[len(piece) :]
             if "offset" in fields:
@@ -116,17 +120,16 @@ class RequestContext:
 
     def data_room(self, fields: Mapping[str, Any]) -> int:
         """Data bytes the next frame may carry now (0: out of credit, or the request ended)."""
-        return self.conn.session.data_room(self.id, fields)
+        return self.conn.session.data_room(self.stream, fields)
 
     def push_data(self, fields: Mapping[str, Any], data: bytes) -> None:
         """Queue one data EVENT of at most :meth:`data_room` bytes without waiting."""
-        if self.conn.session.send_data(self.id, fields, data):
+        if self.conn.session.send_data(self.stream, fields, data):
             self.conn.flush()
 
     async def wait_credit(self) -> None:
         """Until the client grants credit (or the request ends)."""
-        session = self.conn.session
-        while self.active and session.streams[self.id].send_credit <= 0:
+        while self.stream.open and self.stream.send_credit <= 0:
             self._credit_waiter = asyncio.get_running_loop().create_future()
             try:
                 await self._credit_waiter
@@ -151,10 +154,25 @@ class RequestContext:
         else:
             self.input.put_nowait(body)
 
+    def handle_input(self, handler: Callable[[dict[str, Any]], None]) -> None:
+        """React to INPUT synchronously from now on; input that arrived before (say a
+        signal in the same read as the request) is handed over first, not lost."""
+        self.input_handler = handler
+        queued = self._input
+        while queued is not None and not queued.empty():
+            handler(queued.get_nowait())
+
     def ack_input(self, nbytes: int) -> None:
         """Tell the client it may send ``nbytes`` more (after we consumed them)."""
-        self.conn.session.ack_input(self.id, nbytes)
+        self.conn.session.ack_input(self.stream, nbytes)
         self.conn.flush()
+
+    def commit(self) -> None:
+        """Past the point of no return (an upload's eof taken): a client cancel no longer
+        interrupts the request and later input is ignored, so the reply reports what
+        really happened."""
+        self.cancel_shielded = True
+        self.conn.session.close_input(self.stream)
 
     def cancel(self, reason: str) -> None:
         if self.task is not None and not self.task.done():
@@ -188,7 +206,8 @@ class Connection(asyncio.Protocol):
         self.transport: asyncio.BaseTransport | None = None
         self.peer = "?"
         self.opened_at = time.monotonic()
-        self.requests: dict[int, RequestContext] = {}
+        self.requests: dict[Stream, RequestContext] = {}
+        self._bulk_replies = asyncio.Semaphore(BULK_REPLIES)
         self._gate = WriteGate()
         self._closing = False
         self._last_fed = 0.0  # loop time of the last bytes, for serial stall detection
@@ -250,7 +269,7 @@ class Connection(asyncio.Protocol):
 
     def _cancel_all(self, reason: str) -> None:
         for ctx in list(self.requests.values()):
-            self.session.forget(ctx.id)
+            self.session.forget(ctx.stream)
             ctx.cancel(reason)
         self.requests.clear()
 
@@ -305,14 +324,7 @@ class Connection(asyncio.Protocol):
             self._last_fed = loop.time()
             if self._stall_handle is None:
                 self._stall_handle = loop.call_later(SERIAL_STALL_S, self._stall_check)
-        for event in self.session.receive_data(data):
-            try:
-                self._on_event(event)
-            except Exception:  # a bug must cost one request, never the daemon
-                log.exception("handling %s failed", type(event).__name__)
-                req_id = getattr(event, "id", None)
-                if isinstance(req_id, int):
-                    self.session.fail(req_id, GuestdError(ErrorCode.INTERNAL, "internal error handling frame"))
+        self._on_events(self.session.receive_data(data))
         self.flush()
 
     def eof_received(self) -> bool | None:
@@ -329,10 +341,19 @@ class Connection(asyncio.Protocol):
             write(chunk)
 
     def refuse(self, error: GuestdError) -> None:
-        """End the connection with a connection-level error (id 0)."""
+        """End the connection with a connection-level error (id 0).
+
+        A peer that does not read (output is still buffered after the error went to the
+        transport) is cut off at once rather than closed gracefully: a graceful close
+        waits for the buffer to drain, which would keep its slot, fd and buffer forever.
+        """
         self.session.refuse(error)
         self.flush()
+        transport = self.transport
+        unread = transport is not None and transport.get_write_buffer_size() > 0  # type: ignore[attr-defined]
         self.close()
+        if unread and transport is not None:
+            transport.abort()  # type: ignore[attr-defined]
 
     def close(self) -> None:
         if self.transport is not None and not self._closing:
@@ -341,39 +362,51 @@ class Connection(asyncio.Protocol):
             self.transport.close()
 
     # -- events from the session --------------------------------------------------------
+    def _on_events(self, events: list[Event]) -> None:
+        for event in events:
+            if self._closing:
+                return  # refused or closed: nothing after that may take effect
+            try:
+                self._on_event(event)
+            except Exception:  # a bug must cost one request, never the daemon
+                log.exception("handling %s failed", type(event).__name__)
+                if isinstance(event, RequestReceived):
+                    self.session.fail(event.stream, GuestdError(ErrorCode.INTERNAL, "internal error handling frame"))
+
     def _on_event(self, event: Event) -> None:
         if isinstance(event, RequestReceived):
             self._on_request(event)
         elif isinstance(event, InputReceived):
-            ctx = self.requests.get(event.id)
+            ctx = self.requests.get(event.stream)
             if ctx is not None:
                 ctx.push_input(event.body)
         elif isinstance(event, CreditGranted):
-            ctx = self.requests.get(event.id)
+            ctx = self.requests.get(event.stream)
             if ctx is not None:
                 ctx.on_credit()
         elif isinstance(event, CancelRequested):
-            ctx = self.requests.get(event.id)
+            ctx = self.requests.get(event.stream)
             if ctx is not None and not ctx.cancel_shielded:
                 ctx.cancel("cancel")
         elif isinstance(event, RequestAborted):
             # The core already sent the final ERROR; the handler only has to stop.
-            ctx = self.requests.pop(event.id, None)
+            ctx = self.requests.pop(event.stream, None)
             if ctx is not None:
                 ctx.cancel("aborted")
         elif isinstance(event, HelloReceived):
             self._on_hello(event.hello)
         elif isinstance(event, SessionReset):
             log.info("serial: new host session")
-            for req_id in event.dropped:
-                ctx = self.requests.pop(req_id, None)
+            for stream in event.dropped:
+                ctx = self.requests.pop(stream, None)
                 if ctx is not None:
                     ctx.cancel("connection lost")
         elif isinstance(event, ConnectionFailed):
             self.close()
 
     def _on_hello(self, hello: dict[str, Any]) -> None:
-        # Nothing in a hello takes effect before the token check passes.
+        # Nothing in a hello takes effect before the token check passes, and the frames
+        # after it wait in the session until then.
         refused = self.daemon.check_token(hello.get("token"))
         if refused is not None:
             self.refuse(GuestdError(ErrorCode.PERMISSION_DENIED, refused))
@@ -381,36 +414,51 @@ class Connection(asyncio.Protocol):
         if self._hello_timer is not None:
             self._hello_timer.cancel()
             self._hello_timer = None
-        self.session.accept_hello(hello, lambda _session: self.daemon.hello_body(self))
+        self.session.accept_hello(lambda _session: self.daemon.hello_body(self))
         self.daemon.snapshot.check_host_time(hello.get("time_ns"))
+        self._on_events(self.session.resume())
 
     def _on_request(self, event: RequestReceived) -> None:
-        req_id, op, args = event.id, event.op, event.args
+        stream, args = event.stream, event.args
         try:
-            self.daemon.config.policy.check_op(op)
+            self.daemon.config.policy.check_op(stream.op)
         except GuestdError as err:
-            self.session.fail(req_id, err)
+            self.session.fail(stream, err)
             return
-        route = self.daemon.dispatcher.lookup(op)
-        gate = self.daemon.snapshot.gate(op)
+        route = self.daemon.dispatcher.lookup(stream.op)
+        gate = self.daemon.snapshot.gate(stream.op)
         if route.inline is not None and gate is None:
             try:
-                self.session.respond(req_id, route.inline(args))
+                self.session.respond(stream, route.inline(args))
             except GuestdError as err:
-                self.session.fail(req_id, err)
+                self.session.fail(stream, err)
             return
         handler: Handler = route.handler if route.handler is not None else _as_handler(route.inline)
-        ctx = RequestContext(self, req_id, op)
-        self.requests[req_id] = ctx
-        ctx.task = asyncio.get_running_loop().create_task(self._run(ctx, handler, args, gate))
+        ctx = RequestContext(self, stream)
+        self.requests[stream] = ctx
+        ctx.task = asyncio.get_running_loop().create_task(self._run(ctx, handler, args, gate, route.bulk_reply))
         ctx.task.add_done_callback(lambda _task: self._task_done(ctx))
 
     async def _run(
-        self, ctx: RequestContext, handler: Handler, args: dict[str, Any], gate: asyncio.Event | None
+        self,
+        ctx: RequestContext,
+        handler: Handler,
+        args: dict[str, Any],
+        gate: asyncio.Event | None,
+        bulk_reply: bool,
     ) -> None:
         try:
             if gate is not None:
                 await gate.wait()  # a restore (or a quiescing prepare) is in progress
+            if bulk_reply:
+                # A reply held in memory in full (file.read): at most a few are built at
+                # once per connection, and none while the client is not reading.
+                async with self._bulk_replies:
+                    await self.drain()
+                    result = await handler(ctx, args)
+                    self.session.respond(ctx.stream, result)
+                    self.flush()
+                    return
             result = await handler(ctx, args)
         except asyncio.CancelledError:
             self._finish_cancelled(ctx)
@@ -418,28 +466,29 @@ class Connection(asyncio.Protocol):
                 raise
             return
         except GuestdError as err:
-            self.session.fail(ctx.id, err)
+            self.session.fail(ctx.stream, err)
         except OSError as exc:
-            self.session.fail(ctx.id, GuestdError.from_os_error(exc))
+            self.session.fail(ctx.stream, GuestdError.from_os_error(exc))
         except Exception as exc:
             log.exception("op %s failed", ctx.op)
-            self.session.fail(ctx.id, GuestdError(ErrorCode.INTERNAL, f"{type(exc).__name__}: {exc}"))
+            self.session.fail(ctx.stream, GuestdError(ErrorCode.INTERNAL, f"{type(exc).__name__}: {exc}"))
         else:
-            self.session.respond(ctx.id, result)
+            self.session.respond(ctx.stream, result)
         self.flush()
 
     def _finish_cancelled(self, ctx: RequestContext) -> None:
         reason = ctx.cancel_reason or "cancel"
         message = _CANCEL_ERRORS.get(reason, "request cancelled")
-        self.session.fail(ctx.id, GuestdError(ErrorCode.CANCELLED, message, details={"reason": reason}))
+        self.session.fail(ctx.stream, GuestdError(ErrorCode.CANCELLED, message, details={"reason": reason}))
         self.flush()
 
     def _task_done(self, ctx: RequestContext) -> None:
         # A task cancelled before it first ran never executes _run's handlers: the
-        # final frame is sent here, so every request ends with exactly one.
-        if self.requests.get(ctx.id) is ctx:
-            del self.requests[ctx.id]
-        if self.session.in_flight(ctx.id):
+        # final frame is sent here, so every request ends with exactly one. The handle
+        # is the request's own: a newer request that reuses the id is never touched.
+        if self.requests.get(ctx.stream) is ctx:
+            del self.requests[ctx.stream]
+        if ctx.stream.open:
             self._finish_cancelled(ctx)
 
 

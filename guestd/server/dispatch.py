@@ -24,6 +24,7 @@ class Route:
     spec: OpSpec
     handler: Handler | None = None
     inline: InlineHandler | None = None  # cheap, non-blocking: answered inside data_received
+    bulk_reply: bool = False  # the reply is built whole in memory (up to a limit): built a few at a time
 
 
 class Dispatcher:
@@ -31,7 +32,14 @@ class Dispatcher:
         self.routes: dict[str, Route] = {}
         self.specs: dict[str, OpSpec] = {}  # the ops served: what the session core admits
 
-    def add(self, op: str, handler: Handler | None = None, *, inline: InlineHandler | None = None) -> None:
+    def add(
+        self,
+        op: str,
+        handler: Handler | None = None,
+        *,
+        inline: InlineHandler | None = None,
+        bulk_reply: bool = False,
+    ) -> None:
         spec = OPS_BY_NAME[op]  # KeyError here is a programming error: ops must be in the schema
         if (handler is None) == (inline is None):
             raise ValueError("give exactly one of handler / inline")
@@ -39,7 +47,7 @@ class Dispatcher:
             handler = _with_os_paths(spec, handler)
         elif any(f.type.rstrip("?") == "path" for f in spec.args):
             raise ValueError(f"{op} takes paths: give it a handler, which gets them as os strs")
-        self.routes[op] = Route(spec, handler, inline)
+        self.routes[op] = Route(spec, handler, inline, bulk_reply)
         self.specs[op] = spec
 
     def lookup(self, op: str) -> Route:

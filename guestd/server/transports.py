@@ -232,7 +232,8 @@ class FdTransport(asyncio.Transport):
             self._loop.call_soon(self._finish_close, None)
 
     def abort(self) -> None:
-        self._force_close(None)
+        if self._fd >= 0:
+            self._force_close(None)
 
     def _force_close(self, exc: Exception | None) -> None:
         self._closing = True

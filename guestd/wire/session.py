@@ -72,8 +72,33 @@ def data_overhead(fields: Mapping[str, Any]) -> int:
 
 class Phase(Enum):
     AWAIT_HELLO = "await_hello"
+    HELLO_PENDING = "hello_pending"  # server: a hello is being checked; later frames wait in the decoder
     OPEN = "open"
     CLOSED = "closed"
+
+
+# ----------------------------------------------------------------------------- streams
+
+
+class Stream:
+    """One request in flight, as either end sees it; the handle every per-request call takes.
+
+    ``send_credit``: bytes of data this end may still send on the stream.
+    ``receive_allowance``: bytes of data the peer may still send before this end grants more.
+    ``open`` turns false once the request ended, so a handle kept by a late handler can
+    never act on a newer request that reuses the id.
+    """
+
+    __slots__ = ("accepts_input", "id", "op", "open", "receive_allowance", "send_credit", "spec")
+
+    def __init__(self, req_id: int, op: str, spec: OpSpec | None, send_credit: int, receive_allowance: int) -> None:
+        self.id = req_id
+        self.op = op
+        self.spec = spec
+        self.send_credit = send_credit
+        self.receive_allowance = receive_allowance
+        self.accepts_input = bool(spec is not None and spec.input)
+        self.open = True
 
 
 # ----------------------------------------------------------------------------- events
@@ -83,7 +108,8 @@ class Phase(Enum):
 @dataclass(frozen=True, slots=True)
 class HelloReceived:
     """Server: a well-formed client hello with a common version. Nothing has taken
-    effect yet: the adapter checks the token and peer, then calls ``accept_hello``."""
+    effect yet, and frames after it wait until the adapter, having checked the token
+    and peer, calls ``accept_hello`` (then ``resume``) or ``refuse``."""
 
     hello: dict[str, Any]
 
@@ -92,40 +118,47 @@ class HelloReceived:
 class SessionReset:
     """Server, serial links only: a new host sent a hello; every request of the old one is gone."""
 
-    dropped: tuple[int, ...]
+    dropped: tuple[Stream, ...]
 
 
 @dataclass(frozen=True, slots=True)
 class RequestReceived:
-    id: int
-    op: str
+    stream: Stream
     args: dict[str, Any]
+
+    @property
+    def id(self) -> int:
+        return self.stream.id
+
+    @property
+    def op(self) -> str:
+        return self.stream.op
 
 
 @dataclass(frozen=True, slots=True)
 class InputReceived:
-    id: int
+    stream: Stream
     body: dict[str, Any]
 
 
 @dataclass(frozen=True, slots=True)
 class CreditGranted:
-    """The peer granted ``nbytes`` more stream credit for request ``id``."""
+    """The peer granted ``nbytes`` more stream credit."""
 
-    id: int
+    stream: Stream
     nbytes: int
 
 
 @dataclass(frozen=True, slots=True)
 class CancelRequested:
-    id: int
+    stream: Stream
 
 
 @dataclass(frozen=True, slots=True)
 class RequestAborted:
-    """Server: the core already sent request ``id``'s final ERROR; its handler must stop."""
+    """Server: the core already sent the request's final ERROR; its handler must stop."""
 
-    id: int
+    stream: Stream
     error: GuestdError
 
 
@@ -152,6 +185,7 @@ class ErrorReceived:
 class EventReceived:
     id: int
     body: dict[str, Any]
+    size: int  # payload bytes, for the client's bound on queued events
 
 
 @dataclass(frozen=True, slots=True)
@@ -182,27 +216,6 @@ class PeerViolation(GuestdError):
 
     def __init__(self, message: str) -> None:
         super().__init__(ErrorCode.PROTOCOL_ERROR, message)
-
-
-# ----------------------------------------------------------------------------- streams
-
-
-class Stream:
-    """One request in flight, as either end sees it.
-
-    ``send_credit``: bytes of data this end may still send on the stream.
-    ``receive_allowance``: bytes of data the peer may still send before this end grants more.
-    """
-
-    __slots__ = ("accepts_input", "id", "op", "receive_allowance", "send_credit", "spec")
-
-    def __init__(self, req_id: int, op: str, spec: OpSpec | None, send_credit: int, receive_allowance: int) -> None:
-        self.id = req_id
-        self.op = op
-        self.spec = spec
-        self.send_credit = send_credit
-        self.receive_allowance = receive_allowance
-        self.accepts_input = bool(spec is not None and spec.input)
 
 
 # ----------------------------------------------------------------------------- shared core
@@ -245,6 +258,15 @@ class Session:
         self.phase = Phase.CLOSED
         self._events.append(ConnectionFailed(error))
 
+    def _end(self, stream: Stream) -> bool:
+        """Take ``stream`` out of the in-flight table; False when it had already ended."""
+        if not stream.open:
+            return False
+        stream.open = False
+        if self.streams.get(stream.id) is stream:
+            del self.streams[stream.id]
+        return True
+
     # -- input ---------------------------------------------------------------------------
     def receive_data(self, data: bytes) -> list[Event]:
         """Feed bytes from the peer; returns the events they complete, in order."""
@@ -254,8 +276,15 @@ class Session:
         events, self._events = self._events, []
         return events
 
+    def resume(self) -> list[Event]:
+        """Events of the frames that waited behind a hello under check."""
+        if self.phase is not Phase.CLOSED:
+            self._drain_frames()
+        events, self._events = self._events, []
+        return events
+
     def _drain_frames(self) -> None:
-        while self.phase is not Phase.CLOSED:
+        while self.phase not in (Phase.CLOSED, Phase.HELLO_PENDING):
             try:
                 frame = self.decoder.next_frame()
             except FramingError as exc:
@@ -278,10 +307,9 @@ class Session:
         raise NotImplementedError
 
     # -- data frames ---------------------------------------------------------------------
-    def data_room(self, req_id: int, fields: Mapping[str, Any]) -> int:
-        """How many data bytes the next data frame of ``req_id`` may carry (0: wait for credit)."""
-        stream = self.streams.get(req_id)
-        if stream is None:
+    def data_room(self, stream: Stream, fields: Mapping[str, Any]) -> int:
+        """How many data bytes the next data frame of ``stream`` may carry (0: wait for credit)."""
+        if not stream.open:
             return 0
         return max(0, min(stream.send_credit, self.peer_max_frame - data_overhead(fields)))
 
@@ -289,15 +317,14 @@ class Session:
         """Data bytes that fit in one frame after ``fields``, credit aside."""
         return self.peer_max_frame - data_overhead(fields)
 
-    def _send_data(self, kind: int, req_id: int, fields: Mapping[str, Any], data: bytes) -> bool:
-        """Queue one data frame within credit and frame size; False when ``req_id`` is not in flight."""
-        stream = self.streams.get(req_id)
-        if stream is None:
+    def _send_data(self, kind: int, stream: Stream, fields: Mapping[str, Any], data: bytes) -> bool:
+        """Queue one data frame within credit and frame size; False when the request ended."""
+        if not stream.open or self.phase is not Phase.OPEN:
             return False
         if len(data) > stream.send_credit or len(data) > self.peer_max_frame - data_overhead(fields):
             raise AssertionError(f"data frame of {len(data)} bytes exceeds data_room")
         stream.send_credit -= len(data)
-        head, body = encode_data_frame(kind, req_id, dict(fields), data)
+        head, body = encode_data_frame(kind, stream.id, dict(fields), data)
         self._queue(head)
         if body:
             self._queue(body)
@@ -311,13 +338,12 @@ class Session:
             return stream.receive_allowance >= 0
         return True
 
-    def grant(self, req_id: int, nbytes: int) -> None:
-        """Grant the peer ``nbytes`` more credit on ``req_id`` (after consuming that much)."""
-        stream = self.streams.get(req_id)
-        if stream is None or nbytes <= 0 or self.phase is not Phase.OPEN:
+    def grant(self, stream: Stream, nbytes: int) -> None:
+        """Grant the peer ``nbytes`` more credit on ``stream`` (after consuming that much)."""
+        if not stream.open or nbytes <= 0 or self.phase is not Phase.OPEN:
             return
         stream.receive_allowance += nbytes
-        self._send(Kind.WINDOW, req_id, {"bytes": nbytes})
+        self._send(Kind.WINDOW, stream.id, {"bytes": nbytes})
 
     def _on_window(self, frame: Frame) -> None:
         stream = self.streams.get(frame.id)
@@ -329,7 +355,7 @@ class Session:
             return
         if nbytes:
             stream.send_credit += nbytes
-            self._events.append(CreditGranted(frame.id, nbytes))
+            self._events.append(CreditGranted(stream, nbytes))
 
 
 # ----------------------------------------------------------------------------- server
@@ -356,10 +382,16 @@ class ServerSession(Session):
         self.max_inflight = max_inflight
         self.serial = serial  # serial links resync on bad framing and accept a new hello
         self.version: int | None = None
+        self._pending_hello: dict[str, Any] | None = None
 
     # -- handshake -----------------------------------------------------------------------
-    def accept_hello(self, hello: dict[str, Any], make_reply: Callable[[ServerSession], dict[str, Any]]) -> None:
-        """Put a received hello into effect (after the adapter's token and peer checks) and answer it."""
+    def accept_hello(self, make_reply: Callable[[ServerSession], dict[str, Any]]) -> None:
+        """Put the pending hello into effect (after the adapter's token and peer checks) and
+        answer it; then call :meth:`resume` for the frames that came after it."""
+        hello = self._pending_hello
+        if self.phase is not Phase.HELLO_PENDING or hello is None:
+            raise AssertionError("no hello is pending")
+        self._pending_hello = None
         self.version = max(v for v in hello["versions"] if v in SUPPORTED_VERSIONS)
         if hello["max_frame"] is not None:
             self.peer_max_frame = max(MIN_MAX_FRAME, min(hello["max_frame"], self.limit_max_frame))
@@ -373,6 +405,7 @@ class ServerSession(Session):
         if self.phase is not Phase.CLOSED:
             self._send(Kind.ERROR, 0, error.to_body())
             self.phase = Phase.CLOSED
+            self._pending_hello = None
 
     def _refuse(self, error: GuestdError) -> None:
         """The peer's frames ended the connection: refuse it and report it as an event."""
@@ -380,15 +413,17 @@ class ServerSession(Session):
             self.refuse(error)
             self._events.append(ConnectionFailed(error))
 
-    def reset_peer(self) -> tuple[int, ...]:
+    def reset_peer(self) -> tuple[Stream, ...]:
         """Serial links: the host went away; forget its requests and partial frame, await a new hello."""
         self.decoder.reset()
         return self._forget_host()
 
-    def _forget_host(self) -> tuple[int, ...]:
-        dropped = tuple(self.streams)
-        self.streams.clear()
+    def _forget_host(self) -> tuple[Stream, ...]:
+        dropped = tuple(self.streams.values())
+        for stream in dropped:
+            self._end(stream)
         self.phase = Phase.AWAIT_HELLO
+        self._pending_hello = None
         self.version = None
         self.peer_max_frame = self.limit_max_frame
         self.stream_window = self.limit_stream_window
@@ -415,6 +450,9 @@ class ServerSession(Session):
                 )
             )
             return
+        # Frames after the hello wait in the decoder until it is accepted or refused.
+        self.phase = Phase.HELLO_PENDING
+        self._pending_hello = hello
         self._events.append(HelloReceived(hello))
 
     # -- frames from the client ----------------------------------------------------------
@@ -431,10 +469,16 @@ class ServerSession(Session):
         if frame.kind == Kind.HELLO:
             self._refuse(err)
         elif frame.kind == Kind.REQUEST:
-            if self.phase is Phase.OPEN and frame.id not in self.streams and frame.id != 0:
+            if frame.id == 0:
+                self._refuse(_reserved_id_error())
+            elif self.phase is not Phase.OPEN:
+                self._send(Kind.ERROR, frame.id, _before_hello_error().to_body())
+            elif frame.id not in self.streams:
                 self._send(Kind.ERROR, frame.id, err.to_body())
         elif frame.kind == Kind.INPUT:
-            self._abort(frame.id, too_large("max_frame", frame.length, "an input frame exceeded max_frame"))
+            stream = self.streams.get(frame.id)
+            if stream is not None and stream.accepts_input:
+                self._abort(stream, too_large("max_frame", frame.length, "an input frame exceeded max_frame"))
 
     def _on_frame(self, frame: Frame) -> None:
         kind = frame.kind
@@ -445,8 +489,9 @@ class ServerSession(Session):
         elif kind == Kind.WINDOW:
             self._on_window(frame)
         elif kind == Kind.CANCEL:
-            if frame.id in self.streams:
-                self._events.append(CancelRequested(frame.id))
+            stream = self.streams.get(frame.id)
+            if stream is not None:
+                self._events.append(CancelRequested(stream))
         elif kind == Kind.HELLO:
             self._on_hello(frame)
         # Other kinds are ignored so that later protocol revisions can add them.
@@ -456,14 +501,10 @@ class ServerSession(Session):
         if req_id == 0:
             # Id 0 is the connection's own: an answer there would read as a fatal error,
             # so a request on it is one: the client has lost track of its ids.
-            self._refuse(
-                GuestdError(
-                    ErrorCode.PROTOCOL_ERROR, "request id 0 is reserved", details={"field": "id", "reason": "reserved"}
-                )
-            )
+            self._refuse(_reserved_id_error())
             return
         if self.phase is not Phase.OPEN:
-            self._refuse_request(req_id, GuestdError(ErrorCode.PROTOCOL_ERROR, "send hello before any request"))
+            self._send(Kind.ERROR, req_id, _before_hello_error().to_body())
             return
         if req_id in self.streams:
             # Not the original's final frame: that one still comes. details say which this is.
@@ -478,13 +519,14 @@ class ServerSession(Session):
             )
             return
         if len(self.streams) >= self.max_inflight:
-            self._refuse_request(
+            self._send(
+                Kind.ERROR,
                 req_id,
                 GuestdError(
                     ErrorCode.LIMIT,
                     f"more than {self.max_inflight} requests in flight",
                     details={"limit": "max_inflight", "value": self.max_inflight},
-                ),
+                ).to_body(),
             )
             return
         try:
@@ -494,32 +536,29 @@ class ServerSession(Session):
                 raise GuestdError(ErrorCode.UNKNOWN_OP, f"unknown op {op!r}", details={"op": op})
             args = validate_args(spec, raw_args, self.limits)
         except GuestdError as err:
-            self._refuse_request(req_id, err)
+            self._send(Kind.ERROR, req_id, err.to_body())
             return
         stream = Stream(req_id, op, spec, self.stream_window, 0)
         if stream.accepts_input:
             stream.receive_allowance = self.stream_window
         self.streams[req_id] = stream
-        self._events.append(RequestReceived(req_id, op, args))
-
-    def _refuse_request(self, req_id: int, err: GuestdError) -> None:
-        self._send(Kind.ERROR, req_id, err.to_body())
+        self._events.append(RequestReceived(stream, args))
 
     def _on_input(self, frame: Frame) -> None:
         stream = self.streams.get(frame.id)
         if stream is None or not stream.accepts_input:
-            return  # the request ended (or takes no input): late input is dropped by design
+            return  # the request ended (or takes no input, or no more): late input is dropped by design
         assert stream.spec is not None
         try:
             body = validate(stream.spec.input, decode_body(frame.payload))
         except GuestdError as err:
             self._abort(
-                frame.id, GuestdError(ErrorCode.BAD_REQUEST, f"bad input frame: {err.message}", details=err.details)
+                stream, GuestdError(ErrorCode.BAD_REQUEST, f"bad input frame: {err.message}", details=err.details)
             )
             return
         if not self._take_data(stream, body):
             self._abort(
-                frame.id,
+                stream,
                 GuestdError(
                     ErrorCode.LIMIT,
                     "client sent input beyond its credit",
@@ -527,77 +566,82 @@ class ServerSession(Session):
                 ),
             )
             return
-        self._events.append(InputReceived(frame.id, {k: v for k, v in body.items() if v is not None}))
+        self._events.append(InputReceived(stream, {k: v for k, v in body.items() if v is not None}))
 
-    def _abort(self, req_id: int, err: GuestdError) -> None:
-        if req_id in self.streams:
-            del self.streams[req_id]
-            self._send(Kind.ERROR, req_id, err.to_body())
-            self._events.append(RequestAborted(req_id, err))
+    def _abort(self, stream: Stream, err: GuestdError) -> None:
+        if self._end(stream):
+            self._send(Kind.ERROR, stream.id, err.to_body())
+            self._events.append(RequestAborted(stream, err))
 
     # -- what handlers send --------------------------------------------------------------
-    def in_flight(self, req_id: int) -> bool:
-        return req_id in self.streams
+    def close_input(self, stream: Stream) -> None:
+        """The handler is past its point of no return (an upload committing): input that
+        still arrives is ignored instead of failing a request whose outcome is decided."""
+        stream.accepts_input = False
 
-    def send_event(self, req_id: int, body: dict[str, Any]) -> bool:
+    def send_event(self, stream: Stream, body: dict[str, Any]) -> bool:
         """Queue a non-data EVENT; False when the request already ended (the event is dropped)."""
-        if req_id not in self.streams or self.phase is not Phase.OPEN:
+        if not stream.open or self.phase is not Phase.OPEN:
             return False
-        frame = encode_frame(Kind.EVENT, req_id, body)
+        frame = encode_frame(Kind.EVENT, stream.id, body)
         if len(frame) - HEADER_SIZE > self.peer_max_frame:
             raise too_large("max_frame", len(frame) - HEADER_SIZE, "event larger than the client's max_frame")
         self._queue(frame)
         return True
 
-    def send_data(self, req_id: int, fields: Mapping[str, Any], data: bytes) -> bool:
+    def send_data(self, stream: Stream, fields: Mapping[str, Any], data: bytes) -> bool:
         """Queue one data EVENT of at most ``data_room`` bytes; False when the request already ended."""
-        if self.phase is not Phase.OPEN:
-            return False
-        return self._send_data(Kind.EVENT, req_id, fields, data)
+        return self._send_data(Kind.EVENT, stream, fields, data)
 
-    def ack_input(self, req_id: int, nbytes: int) -> None:
+    def ack_input(self, stream: Stream, nbytes: int) -> None:
         """The handler consumed ``nbytes`` of input: the client may send that much more."""
-        self.grant(req_id, nbytes)
+        self.grant(stream, nbytes)
 
-    def respond(self, req_id: int, result: dict[str, Any]) -> bool:
-        """Send request ``req_id``'s final RESPONSE, once. A result that cannot be encoded
-        or does not fit the client's max_frame becomes a typed ERROR instead."""
-        if self.streams.pop(req_id, None) is None:
+    def respond(self, stream: Stream, result: dict[str, Any]) -> bool:
+        """Send the request's final RESPONSE, once. A result that cannot be encoded or does
+        not fit the client's max_frame becomes a typed ERROR instead."""
+        if not self._end(stream):
             return False
         if self.phase is not Phase.OPEN:
             return True
         try:
-            frame = encode_frame(Kind.RESPONSE, req_id, result)
+            frame = encode_frame(Kind.RESPONSE, stream.id, result)
         except (TypeError, ValueError, OverflowError) as exc:  # UnicodeEncodeError is a ValueError
             err = GuestdError(
                 ErrorCode.INTERNAL,
                 f"the reply could not be encoded: {type(exc).__name__}: {exc}",
                 details={"stage": "encode"},
             )
-            self._send(Kind.ERROR, req_id, err.to_body())
+            self._send(Kind.ERROR, stream.id, err.to_body())
             return True
         if len(frame) - HEADER_SIZE > self.peer_max_frame:
             err = too_large("max_frame", len(frame) - HEADER_SIZE, "reply larger than the client's max_frame")
-            self._send(Kind.ERROR, req_id, err.to_body())
+            self._send(Kind.ERROR, stream.id, err.to_body())
             return True
         self._queue(frame)
         return True
 
-    def fail(self, req_id: int, error: GuestdError) -> bool:
-        """Send request ``req_id``'s final ERROR, once; False when it already ended."""
-        if self.streams.pop(req_id, None) is None:
+    def fail(self, stream: Stream, error: GuestdError) -> bool:
+        """Send the request's final ERROR, once; False when it already ended."""
+        if not self._end(stream):
             return False
         if self.phase is Phase.OPEN:
-            self._send(Kind.ERROR, req_id, error.to_body())
+            self._send(Kind.ERROR, stream.id, error.to_body())
         return True
 
-    def respond_unchecked(self, req_id: int, result: dict[str, Any]) -> None:
-        """Answer a request that never entered the in-flight table (inline ops: ping)."""
-        self._queue(encode_frame(Kind.RESPONSE, req_id, result))
-
-    def forget(self, req_id: int) -> None:
+    def forget(self, stream: Stream) -> None:
         """Drop a request with no final frame (connection lost)."""
-        self.streams.pop(req_id, None)
+        self._end(stream)
+
+
+def _reserved_id_error() -> GuestdError:
+    return GuestdError(
+        ErrorCode.PROTOCOL_ERROR, "request id 0 is reserved", details={"field": "id", "reason": "reserved"}
+    )
+
+
+def _before_hello_error() -> GuestdError:
+    return GuestdError(ErrorCode.PROTOCOL_ERROR, "send hello before any request")
 
 
 # ----------------------------------------------------------------------------- client
@@ -610,14 +654,16 @@ class ClientSession(Session):
         super().__init__(max_frame=max_frame, stream_window=stream_window)
         self.ops = ops
         self.hello: dict[str, Any] | None = None
+        self._offered_versions: tuple[int, ...] = ()
         self._next_id = 1
 
     def send_hello(self, body: dict[str, Any]) -> None:
+        self._offered_versions = tuple(body["versions"])
         self._send(Kind.HELLO, 0, body)
 
     # -- requests ------------------------------------------------------------------------
-    def start(self, op: str, args: dict[str, Any]) -> int:
-        """Queue a REQUEST; returns its id (never 0, never one in flight)."""
+    def start(self, op: str, args: dict[str, Any]) -> Stream:
+        """Queue a REQUEST; returns its handle (its id is never 0, never one in flight)."""
         if self.phase is not Phase.OPEN:
             raise PeerViolation("the handshake has not completed")
         while True:
@@ -625,29 +671,28 @@ class ClientSession(Session):
             self._next_id = req_id + 1 if req_id < MAX_ID else 1
             if req_id not in self.streams:
                 break
-        self.streams[req_id] = Stream(req_id, op, self.ops.get(op), self.stream_window, self.stream_window)
+        stream = Stream(req_id, op, self.ops.get(op), self.stream_window, self.stream_window)
+        self.streams[req_id] = stream
         self._send(Kind.REQUEST, req_id, {"op": op, "args": args})
-        return req_id
+        return stream
 
-    def send_input(self, req_id: int, body: dict[str, Any]) -> bool:
+    def send_input(self, stream: Stream, body: dict[str, Any]) -> bool:
         """Queue a non-data INPUT (eof, signal); False when the request already ended."""
-        if req_id not in self.streams or self.phase is not Phase.OPEN:
+        if not stream.open or self.phase is not Phase.OPEN:
             return False
-        self._send(Kind.INPUT, req_id, body)
+        self._send(Kind.INPUT, stream.id, body)
         return True
 
-    def send_input_data(self, req_id: int, fields: Mapping[str, Any], data: bytes) -> bool:
+    def send_input_data(self, stream: Stream, fields: Mapping[str, Any], data: bytes) -> bool:
         """Queue one data INPUT of at most ``data_room`` bytes; False when the request already ended."""
-        if self.phase is not Phase.OPEN:
-            return False
-        return self._send_data(Kind.INPUT, req_id, fields, data)
+        return self._send_data(Kind.INPUT, stream, fields, data)
 
-    def cancel(self, req_id: int, *, forget: bool) -> None:
-        """Ask the server to cancel ``req_id``; with ``forget`` its later frames are ignored."""
-        if req_id in self.streams and self.phase is Phase.OPEN:
-            self._send(Kind.CANCEL, req_id, {})
+    def cancel(self, stream: Stream, *, forget: bool) -> None:
+        """Ask the server to cancel the request; with ``forget`` its later frames are ignored."""
+        if stream.open and self.phase is Phase.OPEN:
+            self._send(Kind.CANCEL, stream.id, {})
         if forget:
-            self.streams.pop(req_id, None)
+            self._end(stream)
 
     # -- frames from the server ----------------------------------------------------------
     def _on_oversize(self, frame: OversizeFrame) -> None:
@@ -670,34 +715,39 @@ class ClientSession(Session):
         if stream is None:
             return  # a late frame for a request we gave up on
         if kind == Kind.RESPONSE:
-            del self.streams[frame.id]
+            self._end(stream)
             if stream.spec is not None:
                 try:
                     body = validate(stream.spec.result, body)
                 except GuestdError as err:
-                    self._events.append(
-                        ErrorReceived(frame.id, PeerViolation(f"malformed {stream.op} reply: {err.message}"))
-                    )
+                    violation = PeerViolation(f"malformed {stream.op} reply: {err.message}")
+                    self._events.append(ErrorReceived(frame.id, violation))
                     return
             self._events.append(ResponseReceived(frame.id, body))
         elif kind == Kind.ERROR:
-            del self.streams[frame.id]
+            self._end(stream)
             self._events.append(ErrorReceived(frame.id, GuestdError.from_body(body)))
         elif kind == Kind.EVENT:
-            if stream.spec is not None and stream.spec.events:
-                try:
-                    validate(stream.spec.events, body)  # checked, not rewritten: unknown keys stay
-                except GuestdError as err:
-                    self._fail_connection(PeerViolation(f"malformed {stream.op} event: {err.message}"))
-                    return
-            if not self._take_data(stream, body):
-                self._fail_connection(
-                    PeerViolation(f"guest sent {-stream.receive_allowance} stream bytes beyond the granted credit")
-                )
-                return
-            self._events.append(EventReceived(frame.id, body))
+            self._on_event(stream, body, len(frame.payload))
         elif kind == Kind.WINDOW:
             self._on_window(frame)
+
+    def _on_event(self, stream: Stream, body: dict[str, Any], size: int) -> None:
+        if stream.spec is not None:
+            if not stream.spec.events:
+                self._fail_connection(PeerViolation(f"guest sent an event for {stream.op}, which has none"))
+                return
+            try:
+                validate(stream.spec.events, body)  # checked, not rewritten: unknown keys stay
+            except GuestdError as err:
+                self._fail_connection(PeerViolation(f"malformed {stream.op} event: {err.message}"))
+                return
+        if not self._take_data(stream, body):
+            self._fail_connection(
+                PeerViolation(f"guest sent {-stream.receive_allowance} stream bytes beyond the granted credit")
+            )
+            return
+        self._events.append(EventReceived(stream.id, body, size))
 
     def _on_hello(self, body: dict[str, Any]) -> None:
         if self.phase is not Phase.AWAIT_HELLO:
@@ -707,6 +757,9 @@ class ClientSession(Session):
             hello = validate(HELLO_SERVER, body)
         except GuestdError as err:
             self._fail_connection(PeerViolation(f"malformed hello: {err.message}"))
+            return
+        if hello["version"] not in self._offered_versions:
+            self._fail_connection(PeerViolation(f"guest chose protocol version {hello['version']}, never offered"))
             return
         # The server may lower, never raise, what we offered.
         self.stream_window = min(self.stream_window, hello["stream_window"])
