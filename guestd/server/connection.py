@@ -51,7 +51,7 @@ class RequestContext:
     """What a handler sees of its request: stream sending with credit, input, cancel."""
 
     __slots__ = (
-        "_credit_waiter",
+        "_credit_waiters",
         "_input",
         "cancel_reason",
         "cancel_shielded",
@@ -69,7 +69,7 @@ class RequestContext:
         self.id = stream.id
         self.op = stream.op
         self.task: asyncio.Task[None] | None = None
-        self._credit_waiter: asyncio.Future[None] | None = None
+        self._credit_waiters: list[asyncio.Future[None]] = []
         self._input: asyncio.Queue[dict[str, Any]] | None = None
         # Handlers that react to INPUT synchronously (exec signals) set this instead of reading ``input``.
         self.input_handler: Callable[[dict[str, Any]], None] | None = None
@@ -128,18 +128,22 @@ class RequestContext:
             self.conn.flush()
 
     async def wait_credit(self) -> None:
-        """Until the client grants credit (or the request ends)."""
+        """Until the client grants credit (or the request ends). Several tasks of one
+        request may wait at once (exec's reader and its final drain); each is woken."""
         while self.stream.open and self.stream.send_credit <= 0:
-            self._credit_waiter = asyncio.get_running_loop().create_future()
+            waiter = asyncio.get_running_loop().create_future()
+            self._credit_waiters.append(waiter)
             try:
-                await self._credit_waiter
+                await waiter
             finally:
-                self._credit_waiter = None
+                if waiter in self._credit_waiters:
+                    self._credit_waiters.remove(waiter)
 
     def on_credit(self) -> None:
-        w = self._credit_waiter
-        if w is not None and not w.done():
-            w.set_result(None)
+        waiters, self._credit_waiters = self._credit_waiters, []
+        for w in waiters:
+            if not w.done():
+                w.set_result(None)
 
     # -- client -> server input -------------------------------------------------------
     @property
