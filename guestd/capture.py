@@ -9,7 +9,7 @@ truncation is never silent.
 from __future__ import annotations
 
 from collections import deque
-from typing import Any
+from typing import TypedDict
 
 
 class OutputCapture:
@@ -70,18 +70,34 @@ class OutputCapture:
         return bytes(self._head) + b"".join(self._tail)
 
 
-def capture_fields(stdout: OutputCapture, stderr: OutputCapture, streamed: bool = False) -> dict[str, Any]:
+class CapturedFields(TypedDict):
+    """The result fields every output producer reports (the schema's captured-output fields)."""
+
+    stdout: bytes
+    stdout_bytes: int
+    stdout_dropped: int
+    stdout_gap_at: int | None
+    stderr: bytes
+    stderr_bytes: int
+    stderr_dropped: int
+    stderr_gap_at: int | None
+
+
+def capture_fields(stdout: OutputCapture, stderr: OutputCapture, streamed: bool = False) -> CapturedFields:
     """The result fields every output producer reports (exec, shell.run, code.run).
 
     When the output was streamed as events it is not repeated: empty data, nothing dropped.
     """
-    out: dict[str, Any] = {}
-    for name, cap in (("stdout", stdout), ("stderr", stderr)):
-        out[name] = b"" if streamed else cap.data()
-        out[f"{name}_bytes"] = cap.total
-        out[f"{name}_dropped"] = 0 if streamed else cap.dropped
-        out[f"{name}_gap_at"] = None if streamed else cap.gap_at
-    return out
+    return {
+        "stdout": b"" if streamed else stdout.data(),
+        "stdout_bytes": stdout.total,
+        "stdout_dropped": 0 if streamed else stdout.dropped,
+        "stdout_gap_at": None if streamed else stdout.gap_at,
+        "stderr": b"" if streamed else stderr.data(),
+        "stderr_bytes": stderr.total,
+        "stderr_dropped": 0 if streamed else stderr.dropped,
+        "stderr_gap_at": None if streamed else stderr.gap_at,
+    }
 
 
 class OutputRing:

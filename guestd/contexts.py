@@ -30,6 +30,17 @@ import msgpack
 from guestd.capture import OutputCapture, capture_fields
 from guestd.proctree import ExitWatch
 from guestd.wire.errors import ErrorCode, GuestdError, limit_error
+from guestd.wire.types import (
+    CodeErrorRecord,
+    CodeOutputKind,
+    CodeOutputRecord,
+    CodeRunArgs,
+    CodeRunReply,
+    CodeRunStatus,
+    CodeRunTimeoutAction,
+    ContextInfoRecord,
+    ContextInfoState,
+)
 
 if TYPE_CHECKING:
     from guestd.server.daemon import Daemon
@@ -275,10 +286,10 @@ class RunState:
     stream: Any  # RequestContext | None
     input_lines: list[str] | None
     limits: Any
-    results: list[dict[str, Any]] = field(default_factory=list)
+    results: list[CodeOutputRecord] = field(default_factory=list)
     results_dropped: int = 0
     results_bytes: int = 0
-    error: dict[str, Any] | None = None
+    error: CodeErrorRecord | None = None
     execution_count: int | None = None
     reply_status: str | None = None
     iopub_idle: bool = False
@@ -304,7 +315,7 @@ class RunState:
                 cap.feed(data)
         elif mtype in ("execute_result", "display_data"):
             bundle = _bundle(content.get("data", {}))
-            kind = "result" if mtype == "execute_result" else "display"
+            kind: CodeOutputKind = "result" if mtype == "execute_result" else "display"
             size = _bundle_size(bundle)
             if self.stream is not None:
                 if size <= self.limits.max_chunk:
@@ -516,14 +527,14 @@ class CodeContext:
         self._settler: asyncio.Task[None] | None = None
 
     @property
-    def state(self) -> str:
+    def state(self) -> ContextInfoState:
         if self.kernel is None:
             return "starting"
         if not self.kernel.alive:
             return "dead"
         return "busy" if self.busy else "idle"
 
-    def describe(self) -> dict[str, Any]:
+    def describe(self) -> ContextInfoRecord:
         k = self.kernel
         return {
             "id": self.id,
@@ -538,7 +549,7 @@ class CodeContext:
         }
 
     # -- running ----------------------------------------------------------------------
-    async def run(self, code: str, opts: dict[str, Any], ctx: Any) -> dict[str, Any]:
+    async def run(self, code: str, opts: CodeRunArgs, ctx: Any) -> CodeRunReply:
         limits = self.manager.daemon.config.limits
         if self.waiting >= limits.max_code_queue:
             raise limit_error("max_code_queue", limits.max_code_queue, f"context {self.id} has too many queued runs")
@@ -594,10 +605,10 @@ class CodeContext:
             f"    _gd_s.modules['numpy'].random.seed({int.from_bytes(seed[:4], 'big')})\n"
             "del _gd_r, _gd_s\n"
         )
-        await self._run_locked(code, {**_SETUP_OPTS, "silent": True}, None)
+        await self._run_locked(code, _SETUP_OPTS, None, silent=True)
 
-    async def _run_locked(self, code: str, opts: dict[str, Any], ctx: Any) -> dict[str, Any]:
-        if self.pending_seed is not None and not opts.get("silent"):
+    async def _run_locked(self, code: str, opts: CodeRunArgs, ctx: Any, *, silent: bool = False) -> CodeRunReply:
+        if self.pending_seed is not None and not silent:
             await self._reseed_locked()  # a restore happened while this context was busy
         kernel = self.kernel
         if kernel is None or not kernel.alive:
@@ -619,13 +630,12 @@ class CodeContext:
             list(lines) if lines is not None else None,
             self.manager.daemon.config.limits,
         )
-        silent = bool(opts.get("silent"))
         st.msg_id = kernel.kc.execute(
             code, silent=silent, store_history=not silent, allow_stdin=lines is not None, stop_on_error=True
         )
         kernel.current = st  # replies cannot arrive before we are back in the event loop
-        status = "ok"
-        timeout_action = None
+        status: CodeRunStatus = "ok"
+        timeout_action: CodeRunTimeoutAction | None = None
         exit_reason = None
         try:
             try:
@@ -650,14 +660,14 @@ class CodeContext:
                 status = "error" if (st.reply_status == "error" or st.error) else "ok"
                 if st.reply_status == "aborted":
                     status = "error"
-                if st.error and st.error.get("ename") == "KeyboardInterrupt" and self._interrupted:
+                if st.error and st.error["ename"] == "KeyboardInterrupt" and self._interrupted:
                     status = "interrupted"
                 if st.stdin_exhausted:
                     status = "error"
                     st.error = {
                         "ename": "EOFError",
                         "evalue": "input() was called but the request supplied no more input lines",
-                        "traceback": (st.error or {}).get("traceback", []),
+                        "traceback": st.error["traceback"] if st.error else [],
                     }
         finally:
             if self._abandoned is None:
@@ -724,10 +734,11 @@ class CodeContext:
                 setup += "del _o\n"
                 res = await self._run_locked(setup, _SETUP_OPTS, None)
                 if res["status"] != "ok":
-                    err = res["error"] or {}
+                    err = res.get("error")
+                    ename, evalue = (err["ename"], err["evalue"]) if err else (None, None)
                     raise GuestdError(
-                        ErrorCode.NOT_FOUND if err.get("ename") == "FileNotFoundError" else ErrorCode.BAD_REQUEST,
-                        f"cannot apply cwd/env: {err.get('ename')}: {err.get('evalue')}",
+                        ErrorCode.NOT_FOUND if ename == "FileNotFoundError" else ErrorCode.BAD_REQUEST,
+                        f"cannot apply cwd/env: {ename}: {evalue}",
                         details={"stage": "cwd"},
                     )
                 self.execution_count = 0
@@ -758,7 +769,10 @@ class CodeContext:
             await self.kernel.shutdown()
 
 
-_SETUP_OPTS = {
+# guestd's own cells (cwd/env set-up, re-seeding after a restore): quiet and bounded.
+_SETUP_OPTS: CodeRunArgs = {
+    "context": None,
+    "code": "",
     "max_output": 4096,
     "capture": "tail",
     "strip_ansi": True,

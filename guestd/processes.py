@@ -17,7 +17,7 @@ import subprocess
 import termios
 import time
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypedDict
 
 from guestd.capture import OutputRing
 from guestd.proctree import (
@@ -30,6 +30,15 @@ from guestd.proctree import (
     try_reap,
 )
 from guestd.wire.errors import ErrorCode, GuestdError, limit_error
+from guestd.wire.types import ProcessInfoRecord, ProcessStartArgs
+
+
+class ExitInfo(TypedDict):
+    """How a process ended, as every process reply reports it (nil while it runs)."""
+
+    exit_code: int | None
+    signal: int | None
+
 
 if TYPE_CHECKING:
     from guestd.server.daemon import Daemon
@@ -76,13 +85,13 @@ class ManagedProcess:
         self.proc: subprocess.Popen[bytes] | None = None
 
     # -- start ------------------------------------------------------------------------
-    def start(self, args: dict[str, Any]) -> None:
-        from guestd.ops.exec import as_user, build_env, check_cwd, preexec_failed
+    def start(self, args: ProcessStartArgs) -> None:
+        from guestd.ops.exec import as_user, build_env, check_cwd, command_argv, preexec_failed
 
         daemon = self.table.daemon
         creds = as_user(daemon.config.policy.workload_ids(), daemon.workload.popen_kwargs())
 
-        argv: list[str] = args["argv"] if args["argv"] is not None else ["/bin/sh", "-c", args["shell"]]
+        argv = command_argv(args["argv"], args["shell"])
         cwd = args["cwd"]
         check_cwd(cwd)
         env = build_env(args["env"], args["env_mode"])
@@ -209,7 +218,7 @@ class ManagedProcess:
     def running(self) -> bool:
         return self.status is None
 
-    def exit_info(self) -> dict[str, Any]:
+    def exit_info(self) -> ExitInfo:
         if self.status is None:
             return {"exit_code": None, "signal": None}
         code = os.waitstatus_to_exitcode(self.status)
@@ -262,8 +271,8 @@ class ManagedProcess:
             raise GuestdError(ErrorCode.BAD_REQUEST, f"process {self.id} has no pty", details={"process": self.id})
         set_winsize(self.pty_fd, rows, cols)  # the tty layer sends SIGWINCH to the foreground group
 
-    def describe(self) -> dict[str, Any]:
-        out: dict[str, Any] = {
+    def describe(self) -> ProcessInfoRecord:
+        out: ProcessInfoRecord = {
             "id": self.id,
             "pid": self.pid,
             "command": self.command,
@@ -324,7 +333,7 @@ class ProcessTable:
             raise GuestdError(ErrorCode.NOT_FOUND, f"no process {pid_id!r}", details={"process": pid_id})
         return p
 
-    def start(self, args: dict[str, Any], on_start: Callable[[ManagedProcess], None] | None = None) -> ManagedProcess:
+    def start(self, args: ProcessStartArgs, on_start: Callable[[ManagedProcess], None] | None = None) -> ManagedProcess:
         limits = self.daemon.config.limits
         self._expire()
         running = sum(1 for p in self.procs.values() if p.running)

@@ -26,7 +26,7 @@ import os
 import signal
 import subprocess
 import time
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Literal
 
 from guestd.capture import OutputCapture, capture_fields
 from guestd.proctree import (
@@ -40,6 +40,7 @@ from guestd.proctree import (
 )
 from guestd.wire.errors import ErrorCode, GuestdError, limit_error
 from guestd.wire.paths import path_to_wire
+from guestd.wire.types import ShellInfoRecord, ShellRunArgs, ShellRunReply, ShellRunTimedOut
 
 if TYPE_CHECKING:
     from guestd.server.daemon import Daemon
@@ -110,6 +111,7 @@ class Session:
             return
         await self._run_locked(
             {
+                "id": self.id,
                 "command": f"RANDOM={seed}",
                 "input": None,
                 "timeout_s": 10.0,
@@ -296,7 +298,7 @@ class Session:
         await self.start(replay_exports=True)
 
     # -- running -----------------------------------------------------------------------
-    async def run(self, args: dict[str, Any]) -> dict[str, Any]:
+    async def run(self, args: ShellRunArgs) -> ShellRunReply:
         async with self.lock:
             if not self.alive:
                 await self.restart()
@@ -304,7 +306,7 @@ class Session:
                 await self._reseed_locked()
             return await self._run_locked(args)
 
-    async def _run_locked(self, a: dict[str, Any], count: bool = True) -> dict[str, Any]:
+    async def _run_locked(self, a: ShellRunArgs, count: bool = True) -> ShellRunReply:
         loop = asyncio.get_running_loop()
         t0 = time.monotonic()
         self._drain_output()  # whatever background jobs wrote since the last command is not ours
@@ -329,7 +331,7 @@ class Session:
             f"__gd_cmd={ansi_c_quote(a['command'])}\n"
             f"if __gd_run < {src} {CTL_FD}>&-; then __gd_mark 0; else __gd_mark $?; fi\n"
         )
-        timed_out: str | None = None
+        timed_out: ShellRunTimedOut | None = None
         interrupted = False
         restarted = False
         result: tuple[int, str, str] | None = None
@@ -372,18 +374,17 @@ class Session:
         if result:
             self.cwd = result[1]
             self.exports = result[2]
-        out: dict[str, Any] = {
+        return {
             "exit_code": code,
             "timed_out": timed_out,
             "interrupted": interrupted,
             "session_restarted": restarted,
             "cwd": path_to_wire(self.cwd),
+            **capture_fields(caps[1], caps[2]),
             "duration_s": time.monotonic() - t0,
         }
-        out.update(capture_fields(caps[1], caps[2]))
-        return out
 
-    async def _wait(self, timeout: float | None, idle: float | None) -> str:
+    async def _wait(self, timeout: float | None, idle: float | None) -> Literal["done", "exited", "wall", "idle"]:
         """'done' (status arrived), 'exited' (bash died), 'wall' or 'idle' (a timeout)."""
         assert self._marker is not None and self._exited is not None
         loop = asyncio.get_running_loop()
@@ -406,7 +407,7 @@ class Session:
             waitset: set[asyncio.Future[Any]] = {self._marker, self._exited}
             await asyncio.wait(waitset, timeout=left, return_when=asyncio.FIRST_COMPLETED)
 
-    def describe(self) -> dict[str, Any]:
+    def describe(self) -> ShellInfoRecord:
         return {
             "id": self.id,
             "name": self.name,

@@ -25,9 +25,10 @@ from __future__ import annotations
 import asyncio
 import os
 import time
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 from guestd.wire.errors import ErrorCode, GuestdError
+from guestd.wire.types import SnapshotPrepareReply, SnapshotRestoreArgs, SnapshotRestoreReply
 
 if TYPE_CHECKING:
     from guestd.server.daemon import Daemon
@@ -116,7 +117,7 @@ class SnapshotState:
         self.daemon = daemon
         self.priv = Privileged(daemon.config.simulate_privileged)
         self.generation = 0
-        self.nonces: dict[str, dict[str, Any]] = {}  # nonce -> the report it produced (replays return it)
+        self.nonces: dict[str, SnapshotRestoreReply] = {}  # nonce -> the report it produced (replays return it)
         self.ready = asyncio.Event()  # cleared while quiesced or restoring: new work waits
         self.ready.set()
         self.quiesced = False
@@ -152,7 +153,7 @@ class SnapshotState:
             self._writes_idle.set()
 
     # -- prepare ------------------------------------------------------------------------
-    async def prepare(self, quiesce: bool, timeout_s: float) -> dict[str, Any]:
+    async def prepare(self, quiesce: bool, timeout_s: float) -> SnapshotPrepareReply:
         t0 = time.monotonic()
         if quiesce:
             self.quiesced = True
@@ -185,7 +186,7 @@ class SnapshotState:
         return {"processes": procs, "busy_contexts": busy, "busy_shells": shells}
 
     # -- restore ------------------------------------------------------------------------
-    async def restore(self, args: dict[str, Any], origin: Any) -> dict[str, Any]:
+    async def restore(self, args: SnapshotRestoreArgs, origin: Any) -> SnapshotRestoreReply:
         nonce = args["nonce"]
         if nonce in self.nonces:
             return {**self.nonces[nonce], "replayed": True}
@@ -211,7 +212,9 @@ class SnapshotState:
                 self.nonces.pop(next(iter(self.nonces)))
             return report
 
-    async def _restore_locked(self, args: dict[str, Any], origin: Any, entropy: bytes, gen: int) -> dict[str, Any]:
+    async def _restore_locked(
+        self, args: SnapshotRestoreArgs, origin: Any, entropy: bytes, gen: int
+    ) -> SnapshotRestoreReply:
         self.priv.recorded = []
         done: dict[str, Any] = {"generation": gen, "replayed": False}
         t = time.monotonic()
@@ -249,7 +252,8 @@ class SnapshotState:
         done["workloads_ms"] = (time.monotonic() - t) * 1000
         done["actions"] = list(self.priv.recorded)
         done["instance_id"] = self.instance_id
-        return done
+        # Assembled step by step as the restore proceeds; the schema's result fields name every key.
+        return cast(SnapshotRestoreReply, done)
 
     async def _reseed_workloads(self, entropy: bytes) -> dict[str, Any]:
         d = self.daemon

@@ -4,11 +4,13 @@ from __future__ import annotations
 
 import os
 from collections.abc import Callable
+from typing import cast
 
 import pytest
 
 from guestd.client import GuestdError
 from guestd.wire.frames import Kind, encode_frame
+from guestd.wire.types import ExecArgs
 from tests.conftest import Guestd
 from tests.rawwire import RawPeer
 
@@ -138,7 +140,7 @@ def test_the_cgroup_step_runs_as_root_before_the_drop_to_the_workload_user(tmp_p
         with open(marker, "w") as f:
             f.write(str(os.getuid()))
 
-    args = {"argv": ["id", "-u"], "shell": None, "cwd": "/", "env": None, "env_mode": "merge"}
+    args = cast(ExecArgs, {"argv": ["id", "-u"], "shell": None, "cwd": "/", "env": None, "env_mode": "merge"})
     proc = spawn(args, False, (65534, 65534), {"preexec_fn": join})
     out, _ = proc.communicate(timeout=30)
     assert out.strip() == b"65534"  # the process runs as the workload user ...

@@ -222,3 +222,10 @@ def test_ring_holds_exactly_the_last_bytes_by_offset(
         assert lost == max(0, start - offset)
         assert at == min(max(offset, start), len(full))
         assert data == full[at : at + limit]
+
+
+def test_generated_types_are_current() -> None:
+    from guestd.wire.codegen import render, types_path
+
+    with open(types_path()) as f:
+        assert f.read() == render(), "run: python -m guestd.wire.codegen"

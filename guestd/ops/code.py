@@ -2,7 +2,22 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
+
+from guestd.wire.types import (
+    CodeCloseArgs,
+    CodeCloseReply,
+    CodeCreateArgs,
+    CodeCreateReply,
+    CodeInterruptArgs,
+    CodeInterruptReply,
+    CodeListArgs,
+    CodeListReply,
+    CodeRestartArgs,
+    CodeRestartReply,
+    CodeRunArgs,
+    CodeRunReply,
+)
 
 if TYPE_CHECKING:
     from guestd.contexts import CodeContext, Contexts
@@ -19,29 +34,29 @@ def register(daemon: Daemon) -> None:
             return await contexts().get_or_create_default()
         return contexts().find(ref if ref is not None else "default")
 
-    async def op_create(ctx: RequestContext, a: dict[str, Any]) -> dict[str, Any]:
+    async def op_create(ctx: RequestContext, a: CodeCreateArgs) -> CodeCreateReply:
         c, pooled, existing = await contexts().create(a["cwd"], a["env"], a["name"])
         assert c.kernel is not None
         return {"id": c.id, "name": c.name, "pid": c.kernel.pid, "pooled": pooled, "existing": existing}
 
-    async def op_run(ctx: RequestContext, a: dict[str, Any]) -> dict[str, Any]:
+    async def op_run(ctx: RequestContext, a: CodeRunArgs) -> CodeRunReply:
         c = await resolve(a["context"], create_default=True)
         return await c.run(a["code"], a, ctx)
 
-    async def op_interrupt(ctx: RequestContext, a: dict[str, Any]) -> dict[str, Any]:
+    async def op_interrupt(ctx: RequestContext, a: CodeInterruptArgs) -> CodeInterruptReply:
         await (await resolve(a["context"])).interrupt()
         return {}
 
-    async def op_restart(ctx: RequestContext, a: dict[str, Any]) -> dict[str, Any]:
+    async def op_restart(ctx: RequestContext, a: CodeRestartArgs) -> CodeRestartReply:
         c = await resolve(a["context"])
         async with c.lock:  # never swap the kernel under a running cell
             return {"pid": await c.restart()}
 
-    async def op_close(ctx: RequestContext, a: dict[str, Any]) -> dict[str, Any]:
+    async def op_close(ctx: RequestContext, a: CodeCloseArgs) -> CodeCloseReply:
         await contexts().close((await resolve(a["context"])).id)
         return {}
 
-    async def op_list(ctx: RequestContext, a: dict[str, Any]) -> dict[str, Any]:
+    async def op_list(ctx: RequestContext, a: CodeListArgs) -> CodeListReply:
         if not daemon.has_contexts():
             return {"contexts": [], "pool_ready": 0}
         cs = contexts()

@@ -27,6 +27,7 @@ from guestd.proctree import (
     try_reap,
 )
 from guestd.wire.errors import ErrorCode, GuestdError
+from guestd.wire.types import ExecArgs, ExecReply, ExecTimedOut
 
 if TYPE_CHECKING:
     from guestd.server.connection import RequestContext
@@ -110,14 +111,22 @@ def preexec_failed(exc: subprocess.SubprocessError) -> GuestdError:
     )
 
 
+def command_argv(argv: list[str] | None, shell: str | None) -> list[str]:
+    """The argv to run: ``argv``, or ``shell`` under /bin/sh -c (the schema admits exactly one)."""
+    if argv is not None:
+        return argv
+    assert shell is not None
+    return ["/bin/sh", "-c", shell]
+
+
 def spawn(
-    args: dict[str, Any], stdin_pipe: bool, ids: tuple[int, int] | None = None, cgroup: dict[str, Any] | None = None
+    args: ExecArgs, stdin_pipe: bool, ids: tuple[int, int] | None = None, cgroup: dict[str, Any] | None = None
 ) -> subprocess.Popen[bytes]:
     """Start the process in its own session (so its group can be killed as a unit).
 
     Raises GuestdError with ``details.stage`` = ``cwd`` or ``spawn`` when it could not start.
     """
-    argv: list[str] = args["argv"] if args["argv"] is not None else ["/bin/sh", "-c", args["shell"]]
+    argv = command_argv(args["argv"], args["shell"])
     cwd = args["cwd"]
     check_cwd(cwd)
     try:
@@ -146,7 +155,7 @@ class ExecRun:
     """One running exec: pipes, exit, timeouts, streaming credit."""
 
     def __init__(
-        self, ctx: RequestContext, args: dict[str, Any], proc: subprocess.Popen[bytes], daemon: Daemon, t0: float
+        self, ctx: RequestContext, args: ExecArgs, proc: subprocess.Popen[bytes], daemon: Daemon, t0: float
     ) -> None:
         self.ctx = ctx
         self.reaper = daemon.reaper
@@ -165,7 +174,7 @@ class ExecRun:
         self.exited = asyncio.Event()
         self.pipes_done = asyncio.Event()
         self.status: int | None = None
-        self.timed_out: str | None = None
+        self.timed_out: ExecTimedOut | None = None
         self.last_output = self.t0
         self.kill_task: asyncio.Task[None] | None = None
         self.resume_task: asyncio.Task[None] | None = None
@@ -262,13 +271,14 @@ class ExecRun:
 
     def _check_idle(self) -> None:
         idle = self.args["idle_timeout_s"]
+        assert idle is not None  # only scheduled when there is one
         quiet = time.monotonic() - self.last_output
         if quiet >= idle:
             self._fire_timeout("idle")
         else:
             self.handles.append(self.loop.call_later(idle - quiet, self._check_idle))
 
-    def _fire_timeout(self, which: str) -> None:
+    def _fire_timeout(self, which: ExecTimedOut) -> None:
         if self.timed_out is not None or self.status is not None:
             return
         self.timed_out = which
@@ -283,7 +293,7 @@ class ExecRun:
         signal_group(self.pid, sig)
 
     # -- completion -------------------------------------------------------------------
-    async def wait(self) -> dict[str, Any]:
+    async def wait(self) -> ExecReply:
         await self.exited.wait()
         if self.kill_task is not None:
             await self.kill_task  # a timed-out tree is gone before we answer
@@ -328,18 +338,17 @@ class ExecRun:
             self.caps[which].total += len(data)
             self.ctx.push_data(fields, data)
 
-    def result(self) -> dict[str, Any]:
+    def result(self) -> ExecReply:
         status = self.status if self.status is not None else 0
         exit_code = os.waitstatus_to_exitcode(status)
-        out: dict[str, Any] = {
+        return {
             "exit_code": exit_code if exit_code >= 0 else None,
             "signal": -exit_code if exit_code < 0 else None,
             "timed_out": self.timed_out,
+            **capture_fields(self.caps[1], self.caps[2], streamed=self.stream),
             "duration_s": time.monotonic() - self.t0,
             "pid": self.pid,
         }
-        out.update(capture_fields(self.caps[1], self.caps[2], streamed=self.stream))
-        return out
 
     def close(self) -> None:
         for h in self.handles:
@@ -415,7 +424,7 @@ def _apply_signal(run: ExecRun, value: Any) -> None:
 
 
 def register(daemon: Daemon) -> None:
-    async def op_exec(ctx: RequestContext, args: dict[str, Any]) -> dict[str, Any]:
+    async def op_exec(ctx: RequestContext, args: ExecArgs) -> ExecReply:
         stdin_pipe = args["stdin"] is not None or args["stdin_stream"]
         t0 = time.monotonic()
         proc = spawn(args, stdin_pipe, daemon.config.policy.workload_ids(), daemon.workload.popen_kwargs())

@@ -14,11 +14,33 @@ import errno
 import heapq
 import os
 import stat as st
-from collections.abc import Iterator
-from typing import TYPE_CHECKING, Any
+from collections.abc import Callable, Iterator
+from typing import TYPE_CHECKING, Any, TypeVar, cast
 
 from guestd.wire.errors import ErrorCode, GuestdError, too_large
 from guestd.wire.paths import path_to_wire
+from guestd.wire.types import (
+    DirEntryRecord,
+    DirEntryType,
+    FileDownloadArgs,
+    FileDownloadReply,
+    FileListArgs,
+    FileListReply,
+    FileMkdirArgs,
+    FileMkdirReply,
+    FileReadArgs,
+    FileReadReply,
+    FileRemoveArgs,
+    FileRemoveReply,
+    FileRenameArgs,
+    FileRenameReply,
+    FileStatArgs,
+    FileStatReply,
+    FileUploadArgs,
+    FileUploadReply,
+    FileWriteArgs,
+    FileWriteReply,
+)
 
 if TYPE_CHECKING:
     from guestd.server.connection import RequestContext
@@ -76,8 +98,8 @@ def makedirs_owned(path: str, owner: Owner, mode: int = 0o777) -> bool:
     return created
 
 
-def _type_name(mode: int) -> str:
-    for test, name in (
+def _type_name(mode: int) -> DirEntryType:
+    kinds: tuple[tuple[Callable[[int], bool], DirEntryType], ...] = (
         (st.S_ISREG, "file"),
         (st.S_ISDIR, "dir"),
         (st.S_ISLNK, "symlink"),
@@ -85,10 +107,14 @@ def _type_name(mode: int) -> str:
         (st.S_ISSOCK, "socket"),
         (st.S_ISCHR, "char"),
         (st.S_ISBLK, "block"),
-    ):
+    )
+    for test, name in kinds:
         if test(mode):
             return name
     return "other"
+
+
+T = TypeVar("T")
 
 
 def _os_call(fn: Any, *args: Any) -> Any:
@@ -106,7 +132,7 @@ def _os_call(fn: Any, *args: Any) -> Any:
 # --------------------------------------------------------------------------- blocking helpers
 
 
-def read_range(path: str, offset: int, length: int | None, max_read: int) -> dict[str, Any]:
+def read_range(path: str, offset: int, length: int | None, max_read: int) -> FileReadReply:
     fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
     try:
         info = os.fstat(fd)
@@ -220,7 +246,7 @@ def _fsync_dir(path: str) -> None:
 
 def write_whole(
     path: str, data: bytes, flag: str, perm: int | None, parents: bool, new_owner: Owner = None
-) -> dict[str, Any]:
+) -> FileWriteReply:
     if flag == "append":
         if parents:
             makedirs_owned(os.path.dirname(os.path.abspath(path)), new_owner)
@@ -250,9 +276,9 @@ def write_whole(
         raise
 
 
-def stat_path(path: str, follow: bool) -> dict[str, Any]:
+def stat_path(path: str, follow: bool) -> FileStatReply:
     s = os.stat(path) if follow else os.lstat(path)
-    out: dict[str, Any] = {
+    out: FileStatReply = {
         "type": _type_name(s.st_mode),
         "size": s.st_size,
         "mode": st.S_IMODE(s.st_mode),
@@ -266,7 +292,7 @@ def stat_path(path: str, follow: bool) -> dict[str, Any]:
     return out
 
 
-def list_dir(path: str, cap: int) -> dict[str, Any]:
+def list_dir(path: str, cap: int) -> FileListReply:
     """The first ``cap`` entries in order of their names as bytes, and how many there are.
 
     Every name is read (the order is the names', not the directory's), but only ``cap``
@@ -284,7 +310,7 @@ def list_dir(path: str, cap: int) -> dict[str, Any]:
         first = heapq.nsmallest(cap, scanned, key=lambda e: e.name)
         for _ in scanned:  # nsmallest(0, ...) returns before the end: count the rest
             pass
-    entries: list[dict[str, Any]] = []
+    entries: list[DirEntryRecord] = []
     for e in first:
         try:
             s = e.stat(follow_symlinks=False)
@@ -302,7 +328,7 @@ def list_dir(path: str, cap: int) -> dict[str, Any]:
     return {"entries": entries, "total": total, "truncated": total > cap}
 
 
-def make_dir(path: str, parents: bool, perm: int, new_owner: Owner = None) -> dict[str, Any]:
+def make_dir(path: str, parents: bool, perm: int, new_owner: Owner = None) -> FileMkdirReply:
     if parents:
         if os.path.isdir(path):
             return {"created": False}
@@ -318,7 +344,7 @@ def make_dir(path: str, parents: bool, perm: int, new_owner: Owner = None) -> di
     return {"created": True}
 
 
-def remove_path(path: str, recursive: bool) -> dict[str, Any]:
+def remove_path(path: str, recursive: bool) -> FileRemoveReply:
     s = os.lstat(path)
     if st.S_ISDIR(s.st_mode):
         if not recursive:
@@ -404,7 +430,7 @@ def _rename_noreplace(src: str, dst: str) -> None:
     os.rename(src, dst)
 
 
-def rename_path(src: str, dst: str, overwrite: bool) -> dict[str, Any]:
+def rename_path(src: str, dst: str, overwrite: bool) -> FileRenameReply:
     if "\0" in src or "\0" in dst:
         raise ValueError("embedded null byte")
     if overwrite:
@@ -424,57 +450,58 @@ def open_atomic(path: str, flag: str, perm: int | None, parents: bool, owner: Wo
 def register(daemon: Daemon) -> None:
     limits = daemon.config.limits
     policy = daemon.config.policy
-    io = daemon.run_in_io
+
+    async def io(fn: Callable[..., T], *args: Any) -> T:
+        """``fn(*args)`` in an I/O thread, OS failures mapped to typed errors."""
+        return cast(T, await daemon.run_in_io(_os_call, fn, *args))
+
     try:
         ids = policy.workload_ids()
     except GuestdError:  # a missing workload user: exec and friends report it on use
         ids = None
     owner = WorkspaceOwner(daemon.config.workspace or "", ids)
 
-    async def op_read(ctx: RequestContext, a: dict[str, Any]) -> dict[str, Any]:
-        return await io(_os_call, read_range, a["path"], a["offset"], a["length"], limits.max_read)  # type: ignore[no-any-return]
+    async def op_read(ctx: RequestContext, a: FileReadArgs) -> FileReadReply:
+        return await io(read_range, a["path"], a["offset"], a["length"], limits.max_read)
 
-    async def op_write(ctx: RequestContext, a: dict[str, Any]) -> dict[str, Any]:
+    async def op_write(ctx: RequestContext, a: FileWriteArgs) -> FileWriteReply:
         policy.check_write(a["path"])
         daemon.snapshot.write_started()  # snapshot.prepare waits for these
         try:
-            return await io(  # type: ignore[no-any-return]
-                _os_call,
+            return await io(
                 lambda: write_whole(a["path"], a["data"], a["flag"], a["perm"], a["parents"], owner(a["path"])),
             )
         finally:
             daemon.snapshot.write_finished()
 
-    async def op_stat(ctx: RequestContext, a: dict[str, Any]) -> dict[str, Any]:
-        return await io(_os_call, stat_path, a["path"], a["follow"])  # type: ignore[no-any-return]
+    async def op_stat(ctx: RequestContext, a: FileStatArgs) -> FileStatReply:
+        return await io(stat_path, a["path"], a["follow"])
 
-    async def op_list(ctx: RequestContext, a: dict[str, Any]) -> dict[str, Any]:
+    async def op_list(ctx: RequestContext, a: FileListArgs) -> FileListReply:
         cap = a["max_entries"] if a["max_entries"] is not None else limits.max_list_entries
-        return await io(_os_call, list_dir, a["path"], cap)  # type: ignore[no-any-return]
+        return await io(list_dir, a["path"], cap)
 
-    async def op_mkdir(ctx: RequestContext, a: dict[str, Any]) -> dict[str, Any]:
+    async def op_mkdir(ctx: RequestContext, a: FileMkdirArgs) -> FileMkdirReply:
         policy.check_write(a["path"])
-        return await io(  # type: ignore[no-any-return]
-            _os_call, lambda: make_dir(a["path"], a["parents"], a["perm"], owner(a["path"]))
-        )
+        return await io(lambda: make_dir(a["path"], a["parents"], a["perm"], owner(a["path"])))
 
-    async def op_remove(ctx: RequestContext, a: dict[str, Any]) -> dict[str, Any]:
+    async def op_remove(ctx: RequestContext, a: FileRemoveArgs) -> FileRemoveReply:
         policy.check_write(a["path"])
-        return await io(_os_call, remove_path, a["path"], a["recursive"])  # type: ignore[no-any-return]
+        return await io(remove_path, a["path"], a["recursive"])
 
-    async def op_rename(ctx: RequestContext, a: dict[str, Any]) -> dict[str, Any]:
+    async def op_rename(ctx: RequestContext, a: FileRenameArgs) -> FileRenameReply:
         policy.check_write(a["src"])
         policy.check_write(a["dst"])
-        return await io(_os_call, rename_path, a["src"], a["dst"], a["overwrite"])  # type: ignore[no-any-return]
+        return await io(rename_path, a["src"], a["dst"], a["overwrite"])
 
-    async def op_upload(ctx: RequestContext, a: dict[str, Any]) -> dict[str, Any]:
+    async def op_upload(ctx: RequestContext, a: FileUploadArgs) -> FileUploadReply:
         daemon.snapshot.write_started()
         try:
             return await _upload(ctx, a)
         finally:
             daemon.snapshot.write_finished()
 
-    async def _upload(ctx: RequestContext, a: dict[str, Any]) -> dict[str, Any]:
+    async def _upload(ctx: RequestContext, a: FileUploadArgs) -> FileUploadReply:
         policy.check_write(a["path"])
         f: AtomicFile = await daemon.acquire_in_io(
             _os_call, AtomicFile.abort, open_atomic, a["path"], a["flag"], a["perm"], a["parents"], owner
@@ -490,7 +517,7 @@ def register(daemon: Daemon) -> None:
                             f"more data than the declared size {a['size']}",
                             details={"field": "size"},
                         )
-                    await io(_os_call, f.write, data)
+                    await io(f.write, data)
                     ctx.ack_input(len(data))
                 if body.get("eof"):
                     break
@@ -503,13 +530,13 @@ def register(daemon: Daemon) -> None:
                     f"upload ended at {f.size} bytes, declared {a['size']}; old file kept",
                     details={"field": "size"},
                 )
-            size = await io(_os_call, f.commit)
+            size = await io(f.commit)
             return {"size": size}
         except BaseException:
             f.abort()  # close + unlink of our own temp file: quick, and must happen even on cancel
             raise
 
-    async def op_download(ctx: RequestContext, a: dict[str, Any]) -> dict[str, Any]:
+    async def op_download(ctx: RequestContext, a: FileDownloadArgs) -> FileDownloadReply:
         chunk = a["chunk"] or limits.max_chunk
         fd: int = await daemon.acquire_in_io(_os_call, os.close, _open_for_download, a["path"])
         try:
@@ -519,7 +546,7 @@ def register(daemon: Daemon) -> None:
             await ctx.send_event({"ev": "start", "size": size})
             sent = 0
             while pos < end:
-                data: bytes = await io(_os_call, os.pread, fd, min(chunk, end - pos), pos)
+                data: bytes = await io(os.pread, fd, min(chunk, end - pos), pos)
                 if not data:
                     break  # file shrank while we read it
                 await ctx.send_data_event({"ev": "data"}, data)

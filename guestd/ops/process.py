@@ -4,10 +4,30 @@ from __future__ import annotations
 
 import asyncio
 import time
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from guestd.ops.exec import parse_signal
 from guestd.wire.errors import ErrorCode, GuestdError
+from guestd.wire.types import (
+    ProcessAttachArgs,
+    ProcessAttachReply,
+    ProcessCloseStdinArgs,
+    ProcessCloseStdinReply,
+    ProcessForgetArgs,
+    ProcessForgetReply,
+    ProcessListArgs,
+    ProcessListReply,
+    ProcessResizeArgs,
+    ProcessResizeReply,
+    ProcessSignalArgs,
+    ProcessSignalReply,
+    ProcessStartArgs,
+    ProcessStartReply,
+    ProcessWaitArgs,
+    ProcessWaitReply,
+    ProcessWriteArgs,
+    ProcessWriteReply,
+)
 
 if TYPE_CHECKING:
     from guestd.processes import ManagedProcess, ProcessTable
@@ -23,16 +43,16 @@ def register(daemon: Daemon) -> None:
     def table() -> ProcessTable:
         return daemon.processes()
 
-    async def op_start(ctx: RequestContext, a: dict[str, Any]) -> dict[str, Any]:
+    async def op_start(ctx: RequestContext, a: ProcessStartArgs) -> ProcessStartReply:
         p = table().start(a)
         return {"id": p.id, "pid": p.pid}
 
-    async def op_list(ctx: RequestContext, a: dict[str, Any]) -> dict[str, Any]:
+    async def op_list(ctx: RequestContext, a: ProcessListArgs) -> ProcessListReply:
         if not daemon.has_processes():
             return {"processes": []}
         return {"processes": [p.describe() for p in table().procs.values()]}
 
-    def final(p: ManagedProcess, offs: dict[str, int]) -> dict[str, Any]:
+    def final(p: ManagedProcess, offs: dict[str, int]) -> ProcessAttachReply:
         return {
             "state": "running" if p.running else "exited",
             **p.exit_info(),
@@ -40,7 +60,7 @@ def register(daemon: Daemon) -> None:
             "stderr_offset": offs["stderr"],
         }
 
-    async def op_attach(ctx: RequestContext, a: dict[str, Any]) -> dict[str, Any]:
+    async def op_attach(ctx: RequestContext, a: ProcessAttachArgs) -> ProcessAttachReply:
         p = table().get(a["id"])
         chunk = a["chunk"] or limits.max_chunk
         offs = {"stdout": a["stdout_from"], "stderr": a["stderr_from"]}
@@ -69,7 +89,7 @@ def register(daemon: Daemon) -> None:
                     return final(p, offs)
             await p.changed(timeout=0.1 if not p.running else EXIT_SETTLE_S)
 
-    async def op_wait(ctx: RequestContext, a: dict[str, Any]) -> dict[str, Any]:
+    async def op_wait(ctx: RequestContext, a: ProcessWaitArgs) -> ProcessWaitReply:
         p = table().get(a["id"])
         loop = asyncio.get_running_loop()
         deadline = None if a["timeout_s"] is None else loop.time() + a["timeout_s"]
@@ -80,25 +100,25 @@ def register(daemon: Daemon) -> None:
             await p.changed(timeout=left)
         return {"state": "exited", **p.exit_info(), "timed_out": False}
 
-    async def op_signal(ctx: RequestContext, a: dict[str, Any]) -> dict[str, Any]:
+    async def op_signal(ctx: RequestContext, a: ProcessSignalArgs) -> ProcessSignalReply:
         sig = parse_signal(a["signal"])
         if sig is None:
             raise GuestdError(ErrorCode.BAD_REQUEST, f"unknown signal {a['signal']!r}", details={"field": "signal"})
         table().get(a["id"]).send_signal(sig)
         return {}
 
-    async def op_write(ctx: RequestContext, a: dict[str, Any]) -> dict[str, Any]:
+    async def op_write(ctx: RequestContext, a: ProcessWriteArgs) -> ProcessWriteReply:
         return {"written": await table().get(a["id"]).write_stdin(a["data"])}
 
-    async def op_close_stdin(ctx: RequestContext, a: dict[str, Any]) -> dict[str, Any]:
+    async def op_close_stdin(ctx: RequestContext, a: ProcessCloseStdinArgs) -> ProcessCloseStdinReply:
         table().get(a["id"]).close_stdin()
         return {}
 
-    async def op_resize(ctx: RequestContext, a: dict[str, Any]) -> dict[str, Any]:
+    async def op_resize(ctx: RequestContext, a: ProcessResizeArgs) -> ProcessResizeReply:
         table().get(a["id"]).resize(a["rows"], a["cols"])
         return {}
 
-    async def op_forget(ctx: RequestContext, a: dict[str, Any]) -> dict[str, Any]:
+    async def op_forget(ctx: RequestContext, a: ProcessForgetArgs) -> ProcessForgetReply:
         table().forget(a["id"])
         return {}
 

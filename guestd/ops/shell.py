@@ -2,7 +2,18 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
+
+from guestd.wire.types import (
+    ShellCloseArgs,
+    ShellCloseReply,
+    ShellCreateArgs,
+    ShellCreateReply,
+    ShellListArgs,
+    ShellListReply,
+    ShellRunArgs,
+    ShellRunReply,
+)
 
 if TYPE_CHECKING:
     from guestd.server.connection import RequestContext
@@ -14,19 +25,19 @@ def register(daemon: Daemon) -> None:
     def shells() -> Shells:
         return daemon.shells()
 
-    async def op_create(ctx: RequestContext, a: dict[str, Any]) -> dict[str, Any]:
+    async def op_create(ctx: RequestContext, a: ShellCreateArgs) -> ShellCreateReply:
         s = await shells().create(a["cwd"], a["env"], a["name"])
         return {"id": s.id, "pid": s.pid}
 
-    async def op_run(ctx: RequestContext, a: dict[str, Any]) -> dict[str, Any]:
+    async def op_run(ctx: RequestContext, a: ShellRunArgs) -> ShellRunReply:
         return await shells().get(a["id"]).run(a)
 
-    async def op_list(ctx: RequestContext, a: dict[str, Any]) -> dict[str, Any]:
+    async def op_list(ctx: RequestContext, a: ShellListArgs) -> ShellListReply:
         if not daemon.has_shells():
             return {"sessions": []}
         return {"sessions": [s.describe() for s in shells().sessions.values()]}
 
-    async def op_close(ctx: RequestContext, a: dict[str, Any]) -> dict[str, Any]:
+    async def op_close(ctx: RequestContext, a: ShellCloseArgs) -> ShellCloseReply:
         await shells().close(a["id"])
         return {}
 

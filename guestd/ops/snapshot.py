@@ -2,7 +2,16 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
+
+from guestd.wire.types import (
+    SnapshotPrepareArgs,
+    SnapshotPrepareReply,
+    SnapshotRestoreArgs,
+    SnapshotRestoreReply,
+    SnapshotResumeArgs,
+    SnapshotResumeReply,
+)
 
 if TYPE_CHECKING:
     from guestd.server.connection import RequestContext
@@ -15,14 +24,14 @@ UNGATED_WHEN_QUIESCED = frozenset({"ping", "info", "snapshot.prepare", "snapshot
 def register(daemon: Daemon) -> None:
     state = daemon.snapshot
 
-    async def op_prepare(ctx: RequestContext, a: dict[str, Any]) -> dict[str, Any]:
+    async def op_prepare(ctx: RequestContext, a: SnapshotPrepareArgs) -> SnapshotPrepareReply:
         return await state.prepare(a["quiesce"], a["timeout_s"])
 
-    async def op_resume(ctx: RequestContext, a: dict[str, Any]) -> dict[str, Any]:
+    async def op_resume(ctx: RequestContext, a: SnapshotResumeArgs) -> SnapshotResumeReply:
         state.resume()
         return {}
 
-    async def op_restore(ctx: RequestContext, a: dict[str, Any]) -> dict[str, Any]:
+    async def op_restore(ctx: RequestContext, a: SnapshotRestoreArgs) -> SnapshotRestoreReply:
         return await state.restore(a, ctx.conn)
 
     daemon.dispatcher.add("snapshot.prepare", op_prepare)

@@ -17,7 +17,7 @@ import asyncio
 import logging
 import os
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Awaitable, Callable, Mapping
 from typing import TYPE_CHECKING, Any
 
 from guestd.flow import WriteGate
@@ -184,7 +184,7 @@ class RequestContext:
             self.task.cancel(msg=reason)
 
 
-Handler = Callable[[RequestContext, dict[str, Any]], Any]
+Handler = Callable[[RequestContext, Any], Awaitable[Mapping[str, Any]]]
 
 _CANCEL_ERRORS = {
     "cancel": "request cancelled",

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -13,10 +13,12 @@ from guestd.wire.schema import OPS_BY_NAME, OpSpec
 if TYPE_CHECKING:
     from guestd.server.connection import RequestContext
 
-Args = dict[str, Any]
-Result = dict[str, Any]
-Handler = Callable[["RequestContext", Args], Awaitable[Result]]
-InlineHandler = Callable[[Args], Result]
+# Each handler takes its op's generated ``<Op>Args`` and returns its ``<Op>Reply``
+# (guestd/wire/types.py, from the schema); here they meet as the maps the core checked.
+Args = Any
+Result = Mapping[str, Any]
+Handler = Callable[["RequestContext", Any], Awaitable[Result]]
+InlineHandler = Callable[[Any], Result]
 
 
 @dataclass(frozen=True)

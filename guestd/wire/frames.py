@@ -15,6 +15,7 @@ without decoding anything the limit says we must not buffer.
 from __future__ import annotations
 
 import struct
+from collections.abc import Mapping
 from dataclasses import dataclass
 from enum import IntEnum
 from typing import Any
@@ -65,11 +66,11 @@ class OversizeFrame:
     length: int
 
 
-def pack_body(body: dict[str, Any]) -> bytes:
+def pack_body(body: Mapping[str, Any]) -> bytes:
     return msgpack.packb(body, use_bin_type=True)  # type: ignore[no-any-return]
 
 
-def encode_frame(kind: int, req_id: int, body: dict[str, Any]) -> bytes:
+def encode_frame(kind: int, req_id: int, body: Mapping[str, Any]) -> bytes:
     payload = pack_body(body)
     return HEADER.pack(MAGIC, FRAME_VERSION, kind, len(payload), req_id) + payload
 

@@ -579,7 +579,7 @@ class ServerSession(Session):
         still arrives is ignored instead of failing a request whose outcome is decided."""
         stream.accepts_input = False
 
-    def send_event(self, stream: Stream, body: dict[str, Any]) -> bool:
+    def send_event(self, stream: Stream, body: Mapping[str, Any]) -> bool:
         """Queue a non-data EVENT; False when the request already ended (the event is dropped)."""
         if not stream.open or self.phase is not Phase.OPEN:
             return False
@@ -597,7 +597,7 @@ class ServerSession(Session):
         """The handler consumed ``nbytes`` of input: the client may send that much more."""
         self.grant(stream, nbytes)
 
-    def respond(self, stream: Stream, result: dict[str, Any]) -> bool:
+    def respond(self, stream: Stream, result: Mapping[str, Any]) -> bool:
         """Send the request's final RESPONSE, once. A result that cannot be encoded or does
         not fit the client's max_frame becomes a typed ERROR instead."""
         if not self._end(stream):
