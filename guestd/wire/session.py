@@ -232,22 +232,16 @@ class Session:
         self.phase = Phase.AWAIT_HELLO
         self.streams: dict[int, Stream] = {}
         self._out: list[bytes] = []
-        self._out_bytes = 0
         self._events: list[Event] = []
 
     # -- output --------------------------------------------------------------------------
     def data_to_send(self) -> list[bytes]:
         """Bytes queued since the last call, in order (write them with ``writelines``)."""
-        out, self._out, self._out_bytes = self._out, [], 0
+        out, self._out = self._out, []
         return out
-
-    @property
-    def bytes_to_send(self) -> int:
-        return self._out_bytes
 
     def _queue(self, data: bytes) -> None:
         self._out.append(data)
-        self._out_bytes += len(data)
 
     def _send(self, kind: int, req_id: int, body: dict[str, Any]) -> None:
         self._queue(encode_frame(kind, req_id, body))
