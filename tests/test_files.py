@@ -380,3 +380,26 @@ def test_remove_recursive_of_a_tree_deeper_than_python_recursion(client: Client,
         assert os.listdir(outside) == ["precious"]
     finally:
         _remove_deep(base + "/r")
+
+
+def test_a_write_queued_behind_an_abort_never_lands_in_a_file_that_reuses_the_fd(tmp_path: object) -> None:
+    # An upload cancelled while its write waits for an I/O thread: abort closes the temp
+    # file's fd, the next open (another upload) gets the same number, then the stale write
+    # runs. Before the fix it wrote into that other file (seen: 8192 bytes in a 4096-byte upload).
+    from guestd.ops.files import AtomicFile
+
+    first = AtomicFile(f"{tmp_path}/first", "overwrite", None, False)
+    stale_fd = first.fd
+    first.abort()
+    other = os.open(f"{tmp_path}/other", os.O_WRONLY | os.O_CREAT, 0o600)
+    try:
+        assert other == stale_fd  # the number was reused, as it is under load
+        with pytest.raises(GuestdError) as ei:
+            first.write(b"x" * 4096)
+        assert ei.value.code == "cancelled"
+        with pytest.raises(GuestdError):
+            first.commit()
+        assert os.path.getsize(f"{tmp_path}/other") == 0
+        assert not os.path.exists(f"{tmp_path}/first")
+    finally:
+        os.close(other)

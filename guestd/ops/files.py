@@ -14,6 +14,7 @@ import errno
 import heapq
 import os
 import stat as st
+import threading
 from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any, TypeVar, cast
 
@@ -198,15 +199,30 @@ class AtomicFile:
         self.tmp = os.path.join(self.dir, f".{name[:200]}{TMP_MARK}{os.urandom(6).hex()}")
         self.fd = os.open(self.tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
         self.size = 0
+        # Writes run in I/O threads; abort runs on the loop when a request is cancelled,
+        # possibly while a write is queued. Closing the fd then would let that write land
+        # in whatever file reuses the fd number next (another upload's). The lock orders
+        # them: a write in progress finishes first, a queued one finds the fd gone.
+        self._fd_lock = threading.Lock()
+        self.committed = False
 
     def write(self, data: bytes) -> None:
-        view = memoryview(data)
-        while view:
-            n = os.write(self.fd, view)
-            view = view[n:]
-        self.size += len(data)
+        with self._fd_lock:
+            if self.fd < 0:
+                raise GuestdError(ErrorCode.CANCELLED, "the upload was aborted", details={"path": self.path})
+            view = memoryview(data)
+            while view:
+                n = os.write(self.fd, view)
+                view = view[n:]
+            self.size += len(data)
 
     def commit(self) -> int:
+        with self._fd_lock:
+            return self._commit_locked()
+
+    def _commit_locked(self) -> int:
+        if self.fd < 0:
+            raise GuestdError(ErrorCode.CANCELLED, "the upload was aborted", details={"path": self.path})
         os.fchmod(self.fd, self.mode)
         if self.owner is not None and os.geteuid() == 0:
             os.fchown(self.fd, *self.owner)
@@ -218,17 +234,34 @@ class AtomicFile:
             os.unlink(self.tmp)
         else:
             os.rename(self.tmp, self.path)
+        self.committed = True
         _fsync_dir(self.dir)
         return self.size
 
     def abort(self) -> None:
-        if self.fd >= 0:
-            os.close(self.fd)
-            self.fd = -1
+        """Close and remove the temp file. Never blocks the caller: while a write or the
+        commit runs in an I/O thread, the abort waits for it on a thread of its own."""
+        if self._fd_lock.acquire(blocking=False):
+            self._abort_locked()
+        else:
+            threading.Thread(target=self._abort_when_free, name="guestd-abort", daemon=True).start()
+
+    def _abort_when_free(self) -> None:
+        self._fd_lock.acquire()
+        self._abort_locked()
+
+    def _abort_locked(self) -> None:
         try:
-            os.unlink(self.tmp)
-        except OSError:
-            pass
+            if self.fd >= 0:
+                os.close(self.fd)
+                self.fd = -1
+            if not self.committed:
+                try:
+                    os.unlink(self.tmp)
+                except OSError:
+                    pass
+        finally:
+            self._fd_lock.release()
 
 
 def _fsync_dir(path: str) -> None:
