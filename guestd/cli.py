@@ -211,7 +211,7 @@ async def _code(client: AsyncClient, ns: argparse.Namespace) -> int:
         return 0
     source = sys.stdin.read() if ns.code == "-" else ns.code
     res = await client.code_run(
-        source, context=ns.context, timeout=ns.timeout, input_lines=ns.input, strip_ansi=ns.no_color or ns.json
+        source, context=ns.context, timeout_s=ns.timeout, input_lines=ns.input, strip_ansi=ns.no_color or ns.json
     )
     saved = _save_images(res, ns.save_images) if ns.save_images else []
     if ns.json:
@@ -249,7 +249,7 @@ async def _start_process(client: AsyncClient, ns: argparse.Namespace, cmd: list[
     return await _attach_terminal(client, p["id"], detach_ok=ns.detach)
 
 
-async def _attach_terminal(client: AsyncClient, pid_id: str, detach_ok: bool) -> int:
+async def _attach_terminal(client: AsyncClient, process_id: str, detach_ok: bool) -> int:
     """Local terminal <-> remote pty: raw mode, keystrokes forwarded, window size followed."""
     import signal as _signal
     import termios
@@ -264,13 +264,13 @@ async def _attach_terminal(client: AsyncClient, pid_id: str, detach_ok: bool) ->
     def on_key() -> None:
         data = os.read(fd, 4096)
         if data:
-            pending.append(loop.create_task(client.process_write(pid_id, data)))
+            pending.append(loop.create_task(client.process_write(process_id, data)))
         else:
             loop.remove_reader(fd)
 
     def on_winch() -> None:
         size = os.get_terminal_size(sys.stdout.fileno())
-        pending.append(loop.create_task(client.process_resize(pid_id, size.lines, size.columns)))
+        pending.append(loop.create_task(client.process_resize(process_id, size.lines, size.columns)))
 
     pollable = True
     try:
@@ -281,7 +281,7 @@ async def _attach_terminal(client: AsyncClient, pid_id: str, detach_ok: bool) ->
             loop.add_reader(fd, on_key)
         except OSError:  # epoll refuses plain files and /dev/null: nothing to forward then
             pollable = False
-        a = client.attach(pid_id)
+        a = client.attach(process_id)
         async for _, _, data in a:
             sys.stdout.buffer.write(data)
             sys.stdout.flush()
@@ -319,7 +319,7 @@ async def _process(client: AsyncClient, ns: argparse.Namespace) -> int:
         await client.process_signal(ns.id, ns.signal)
         return 0
     if ns.cmd == "wait":
-        res = await client.process_wait(ns.id, ns.timeout)
+        res = await client.process_wait(ns.id, timeout_s=ns.timeout)
         if ns.json:
             _print_json(res)
         if res["timed_out"]:
@@ -369,7 +369,7 @@ async def _shell(client: AsyncClient, ns: argparse.Namespace) -> int:
         return 0
     stdin = sys.stdin.buffer.read() if ns.stdin else None
     res = await client.shell_run(
-        ns.id, ns.command, input=stdin, timeout=ns.timeout, idle_timeout=ns.idle_timeout, max_output=ns.max_output
+        ns.id, ns.command, input=stdin, timeout_s=ns.timeout, idle_timeout_s=ns.idle_timeout, max_output=ns.max_output
     )
     if ns.json:
         _print_json(res.to_json())
@@ -442,7 +442,7 @@ async def _cp(client: AsyncClient, ns: argparse.Namespace) -> dict[str, Any]:
 
 
 async def run(ns: argparse.Namespace) -> int:
-    client = await AsyncClient.connect(ns.connect, timeout=ns.connect_timeout, token=ns.token)
+    client = await AsyncClient.connect(ns.connect, connect_timeout=ns.connect_timeout, token=ns.token)
     try:
         if ns.cmd == "ping":
             loop = asyncio.get_running_loop()
@@ -476,8 +476,8 @@ async def run(ns: argparse.Namespace) -> int:
                 cwd=ns.cwd,
                 env=env or None,
                 stdin=stdin,
-                timeout=ns.timeout,
-                idle_timeout=ns.idle_timeout,
+                timeout_s=ns.timeout,
+                idle_timeout_s=ns.idle_timeout,
                 max_output=ns.max_output,
                 head_tail=ns.head_tail,
             )
