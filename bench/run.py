@@ -235,7 +235,7 @@ async def start_to_first_reply(tmp: str, n: int) -> list[float]:
         try:
             while True:
                 try:
-                    c = await AsyncClient.connect(f"unix:{sock}", timeout=5)
+                    c = await AsyncClient.connect(f"unix:{sock}", connect_timeout=5)
                     break
                 except (OSError, ConnectionError):
                     await asyncio.sleep(0.002)
@@ -553,7 +553,7 @@ async def measure_restore(tmp: str, counts: list[int], n: int) -> dict[str, Any]
         have = 0
         for want in counts:
             while have < want:
-                created = await c.code_create(timeout=120)
+                created = await c.code_create(deadline=120)
                 pin_all_threads(created["pid"])
                 have += 1
             rtt, total, daemon_part, contexts_part = [], [], [], []

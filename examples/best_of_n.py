@@ -76,11 +76,11 @@ class CandidateResult:
 def warm(c: Client, python: str = GUEST_PYTHON, repo: str = REPO) -> Warm:
     demo_repo.create(c, repo)
     env = demo_repo.ensure_pytest(c, python)
-    r = c.exec([python, "-m", "pytest", "-q", "-p", "no:cacheprovider"], cwd=repo, env=env, timeout=600)
+    r = c.exec([python, "-m", "pytest", "-q", "-p", "no:cacheprovider"], cwd=repo, env=env, timeout_s=600)
     if r.exit_code == 0:
         raise RuntimeError("the task's tests already pass before any candidate: nothing to choose")
-    ctx = c.code_create(cwd=repo, timeout=300)["id"]
-    c.code_run("import random", context=ctx, timeout=300)
+    ctx = c.code_create(cwd=repo, deadline=300)["id"]
+    c.code_run("import random", context=ctx, timeout_s=300)
     return Warm(env, ctx, r.stdout.decode(errors="replace").strip().splitlines()[-1])
 
 
@@ -90,15 +90,15 @@ def try_candidate(
     t0 = time.monotonic()
     tag = f"candidate-{index}"
     rep = c.restore(entropy=os.urandom(64), sandbox_id=f"best-of-n-{index}-{os.urandom(4).hex()}", hostname=tag)
-    draw = c.code_run("random.getrandbits(64)", context=w.context, timeout=300).text or ""
-    hostname = c.exec(["hostname"], timeout=60).stdout.decode().strip()
+    draw = c.code_run("random.getrandbits(64)", context=w.context, timeout_s=300).text or ""
+    hostname = c.exec(["hostname"], timeout_s=60).stdout.decode().strip()
     c.write_file("/tmp/candidate.patch", patch)
-    applied = c.exec(["git", "apply", "/tmp/candidate.patch"], cwd=repo, timeout=60)
+    applied = c.exec(["git", "apply", "/tmp/candidate.patch"], cwd=repo, timeout_s=60)
     if applied.exit_code != 0:
         summary = "patch does not apply: " + applied.stderr.decode(errors="replace").strip()
         return CandidateResult(name, tag, False, False, summary, hostname, rep["crng"], draw, time.monotonic() - t0)
     test = c.exec(
-        [python, "-m", "pytest", "-q", "-p", "no:cacheprovider"], cwd=repo, env=w.env, timeout=600, idle_timeout=300
+        [python, "-m", "pytest", "-q", "-p", "no:cacheprovider"], cwd=repo, env=w.env, timeout_s=600, idle_timeout_s=300
     )
     lines = test.stdout.decode(errors="replace").strip().splitlines()
     return CandidateResult(

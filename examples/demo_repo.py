@@ -92,7 +92,7 @@ def create(c: Client, repo: str, *, timeout: float = 120) -> None:
         c.write_file(f"{repo}/{name}", text, parents=True)
     git = shlex.join(["git", *GIT_ID])
     script = f"git init -q && {git} add -A && {git} commit -q -m 'textstats: word statistics'"
-    r = c.exec(["sh", "-c", script], cwd=repo, timeout=timeout)
+    r = c.exec(["sh", "-c", script], cwd=repo, timeout_s=timeout)
     if r.exit_code != 0:
         raise RuntimeError(f"creating the repository failed: {r.stderr.decode(errors='replace')}")
 
@@ -128,14 +128,14 @@ def ensure_pytest(c: Client, python: str, *, deps_dir: str = "/tmp/agent-deps", 
     """Make ``python -m pytest`` work in the guest: nothing to do when it already imports, else
     unpack this machine's pytest into ``deps_dir`` (as the workload: under /tmp by default, so it
     works when the workload runs as an unprivileged user). Returns the env the workload needs."""
-    if c.exec([python, "-c", "import pytest"], timeout=timeout).exit_code == 0:
+    if c.exec([python, "-c", "import pytest"], timeout_s=timeout).exit_code == 0:
         return {}
     c.upload(pytest_bundle(), "/tmp/agent-deps.tar.gz")
     d = shlex.quote(deps_dir)
-    r = c.exec(["sh", "-c", f"mkdir -p {d} && {python} -m tarfile -e /tmp/agent-deps.tar.gz {d}"], timeout=timeout)
+    r = c.exec(["sh", "-c", f"mkdir -p {d} && {python} -m tarfile -e /tmp/agent-deps.tar.gz {d}"], timeout_s=timeout)
     if r.exit_code != 0:
         raise RuntimeError(f"installing pytest in the guest failed: {r.stderr.decode(errors='replace')}")
     env = {"PYTHONPATH": deps_dir}
-    if c.exec([python, "-c", "import pytest"], env=env, timeout=timeout).exit_code != 0:
+    if c.exec([python, "-c", "import pytest"], env=env, timeout_s=timeout).exit_code != 0:
         raise RuntimeError("pytest does not import in the guest after unpacking it")
     return env

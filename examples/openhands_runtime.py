@@ -176,7 +176,7 @@ class GuestdRuntime:
     def connect(self) -> None:
         env = {"TERM": "dumb", "PAGER": "cat", "GIT_PAGER": "cat", **self.config.env}
         self.shell_id = self.client.shell_create(cwd=self.cwd, env=env)["id"]
-        self.context_id = self.client.code_create(cwd=self.cwd, env=self.config.env, timeout=300)["id"]
+        self.context_id = self.client.code_create(cwd=self.cwd, env=self.config.env, deadline=300)["id"]
 
     def __enter__(self) -> GuestdRuntime:
         return self
@@ -211,7 +211,7 @@ class GuestdRuntime:
         timeout = action.timeout or self.config.command_timeout_s
         limit = self.config.max_observation_bytes
         r = self.client.shell_run(
-            self.shell_id, action.command, timeout=timeout, max_output=limit, client_timeout=timeout + 60
+            self.shell_id, action.command, timeout_s=timeout, max_output=limit, deadline=timeout + 60
         )
         self.cwd = os.fsdecode(r.cwd)  # bytes when not UTF-8; the os str maps back to them
         out, dropped = tail_text(r.stdout, limit=limit, dropped_before=r.stdout_dropped)
@@ -236,10 +236,10 @@ class GuestdRuntime:
         r = self.client.code_run(
             action.code,
             context=self.context_id,
-            timeout=timeout,
+            timeout_s=timeout,
             strip_ansi=True,
             max_output=limit,
-            client_timeout=timeout + 120,
+            deadline=timeout + 120,
         )
         parts: list[bytes] = [r.stdout, r.stderr]
         images: list[bytes] = []
@@ -270,7 +270,7 @@ class GuestdRuntime:
         if st.type != "file":
             return ErrorObservation(f"{path} is a {st.type}, not a file", "not_a_file")
         data = self.client.read_file(
-            path, length=min(st.size, self.config.max_read_bytes), timeout=self.config.file_timeout_s
+            path, length=min(st.size, self.config.max_read_bytes), deadline=self.config.file_timeout_s
         )
         unread = st.size - len(data)
         lines = data.decode("utf-8", "replace").splitlines(keepends=True)
@@ -292,7 +292,7 @@ class GuestdRuntime:
 
     def write(self, action: FileWriteAction) -> FileWriteObservation:
         path = self.resolve(action.path)
-        n = self.client.write_file(path, action.content, parents=True, timeout=self.config.file_timeout_s)
+        n = self.client.write_file(path, action.content, parents=True, deadline=self.config.file_timeout_s)
         return FileWriteObservation(f"Wrote {n} bytes to {path}", path)
 
     # -- teardown
@@ -305,9 +305,9 @@ class GuestdRuntime:
         self.closed = True
         steps: list[Callable[[], object]] = []
         if self.context_id is not None:
-            steps.append(lambda: self.client.code_close(self.context_id or "", timeout=30))
+            steps.append(lambda: self.client.code_close(self.context_id or "", deadline=30))
         if self.shell_id is not None:
-            steps.append(lambda: self.client.shell_close(self.shell_id or "", timeout=30))
+            steps.append(lambda: self.client.shell_close(self.shell_id or "", deadline=30))
         steps += [self.client.close, self.guest.stop]
         for step in steps:
             try:

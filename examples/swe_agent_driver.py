@@ -91,7 +91,7 @@ class SweTools:
 
     def shell(self, command: str, timeout: float | None = None) -> str:
         t = timeout or self.timeout_s
-        r = self.client.shell_run(self.session, command, timeout=t, max_output=self.limit, client_timeout=t + 60)
+        r = self.client.shell_run(self.session, command, timeout_s=t, max_output=self.limit, deadline=t + 60)
         self.cwd = os.fsdecode(r.cwd)  # bytes when not UTF-8; the os str maps back to them
         out, _ = tail_text(r.stdout + r.stderr, limit=self.limit, dropped_before=r.stdout_dropped + r.stderr_dropped)
         if r.timed_out:
@@ -112,7 +112,7 @@ class SweTools:
             ["sh", "-c", f"git add -A && git diff --cached --output={out}"],
             cwd=self.repo,
             env=self.env,
-            timeout=self.timeout_s,
+            timeout_s=self.timeout_s,
         )
         try:
             if r.exit_code != 0:
@@ -143,7 +143,7 @@ class SweTools:
 
     def close(self) -> None:
         try:
-            self.client.shell_close(self.session, timeout=30)
+            self.client.shell_close(self.session, deadline=30)
         except GuestdError:
             pass
 

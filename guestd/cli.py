@@ -11,6 +11,9 @@
     guestctl ... shell new | shell run ID 'COMMAND' | shell ls | shell rm ID
 
 exec/sh exit with the remote exit code (124 when a timeout fired, 128+N when killed by signal N).
+--timeout/--idle-timeout are enforced in the guest (the ops' timeout_s/idle_timeout_s; for wait,
+how long the guest waits for the exit); guestctl's own wait for the reply is derived from them
+(the client's deadline). --connect-timeout bounds connecting and the handshake.
 """
 
 from __future__ import annotations
@@ -24,7 +27,7 @@ import stat
 import sys
 from typing import Any
 
-from guestd.client.aio import AsyncClient
+from guestd.client.aio import CONNECT_TIMEOUT, AsyncClient
 from guestd.client.results import CodeResult, ExecResult
 from guestd.wire.errors import GuestdError
 from guestd.wire.paths import printable_path
@@ -46,14 +49,14 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.add_argument("--token", default=os.environ.get("GUESTD_TOKEN"), help="access token (env GUESTD_TOKEN)")
-    p.add_argument("--connect-timeout", type=float, default=10.0)
+    p.add_argument("--connect-timeout", type=float, default=CONNECT_TIMEOUT, help="connect + handshake, seconds")
     sub = p.add_subparsers(dest="cmd", required=True)
     sub.add_parser("ping", help="round trip")
     sub.add_parser("info", help="guest and daemon facts")
     for name in ("exec", "sh"):
         e = sub.add_parser(name, help="run ARGV" if name == "exec" else "run a /bin/sh -c command")
-        e.add_argument("--timeout", type=float, default=None, help="wall-clock timeout, seconds")
-        e.add_argument("--idle-timeout", type=float, default=None, help="no-output timeout, seconds")
+        e.add_argument("--timeout", type=float, default=None, help="wall-clock timeout in the guest, seconds")
+        e.add_argument("--idle-timeout", type=float, default=None, help="no-output timeout in the guest, seconds")
         e.add_argument("--cwd", default=None)
         e.add_argument("--env", action="append", default=[], metavar="K=V")
         e.add_argument("--max-output", type=int, default=None, help="bytes kept per stream")
@@ -83,7 +86,7 @@ def build_parser() -> argparse.ArgumentParser:
     k.add_argument("signal", nargs="?", default="TERM")
     w = sub.add_parser("wait", help="wait for a background process to exit")
     w.add_argument("id")
-    w.add_argument("--timeout", type=float, default=None)
+    w.add_argument("--timeout", type=float, default=None, help="the guest answers timed out after this, seconds")
     shell = sub.add_parser("shell", help="persistent bash sessions").add_subparsers(dest="shell_cmd", required=True)
     snew = shell.add_parser("new", help="create a session; prints its id")
     snew.add_argument("--cwd", default=None)
@@ -92,8 +95,8 @@ def build_parser() -> argparse.ArgumentParser:
     srun = shell.add_parser("run", help="run COMMAND in session ID")
     srun.add_argument("id")
     srun.add_argument("command")
-    srun.add_argument("--timeout", type=float, default=None)
-    srun.add_argument("--idle-timeout", type=float, default=None)
+    srun.add_argument("--timeout", type=float, default=None, help="wall-clock timeout in the guest, seconds")
+    srun.add_argument("--idle-timeout", type=float, default=None, help="no-output timeout in the guest, seconds")
     srun.add_argument("--max-output", type=int, default=None)
     srun.add_argument("--stdin", action="store_true", help="send local stdin as the command's input")
     shell.add_parser("ls", help="list sessions")
@@ -118,7 +121,7 @@ def build_parser() -> argparse.ArgumentParser:
     cn.add_argument("--name", default=None)
     cr = code.add_parser("run", help="run CODE ('-' reads stdin) in a context (default: one made on first use)")
     cr.add_argument("--context", default=None, help="context id or name")
-    cr.add_argument("--timeout", type=float, default=None)
+    cr.add_argument("--timeout", type=float, default=None, help="the cell's timeout in the guest, seconds")
     cr.add_argument("--input", action="append", default=None, metavar="LINE", help="an answer for input()")
     cr.add_argument("--save-images", default=None, metavar="DIR", help="write image results to DIR")
     cr.add_argument("--no-color", action="store_true", help="strip ANSI colours")
@@ -211,7 +214,7 @@ async def _code(client: AsyncClient, ns: argparse.Namespace) -> int:
         return 0
     source = sys.stdin.read() if ns.code == "-" else ns.code
     res = await client.code_run(
-        source, context=ns.context, timeout=ns.timeout, input_lines=ns.input, strip_ansi=ns.no_color or ns.json
+        source, context=ns.context, timeout_s=ns.timeout, input_lines=ns.input, strip_ansi=ns.no_color or ns.json
     )
     saved = _save_images(res, ns.save_images) if ns.save_images else []
     if ns.json:
@@ -249,7 +252,7 @@ async def _start_process(client: AsyncClient, ns: argparse.Namespace, cmd: list[
     return await _attach_terminal(client, p["id"], detach_ok=ns.detach)
 
 
-async def _attach_terminal(client: AsyncClient, pid_id: str, detach_ok: bool) -> int:
+async def _attach_terminal(client: AsyncClient, process_id: str, detach_ok: bool) -> int:
     """Local terminal <-> remote pty: raw mode, keystrokes forwarded, window size followed."""
     import signal as _signal
     import termios
@@ -264,13 +267,13 @@ async def _attach_terminal(client: AsyncClient, pid_id: str, detach_ok: bool) ->
     def on_key() -> None:
         data = os.read(fd, 4096)
         if data:
-            pending.append(loop.create_task(client.process_write(pid_id, data)))
+            pending.append(loop.create_task(client.process_write(process_id, data)))
         else:
             loop.remove_reader(fd)
 
     def on_winch() -> None:
         size = os.get_terminal_size(sys.stdout.fileno())
-        pending.append(loop.create_task(client.process_resize(pid_id, size.lines, size.columns)))
+        pending.append(loop.create_task(client.process_resize(process_id, size.lines, size.columns)))
 
     pollable = True
     try:
@@ -281,7 +284,7 @@ async def _attach_terminal(client: AsyncClient, pid_id: str, detach_ok: bool) ->
             loop.add_reader(fd, on_key)
         except OSError:  # epoll refuses plain files and /dev/null: nothing to forward then
             pollable = False
-        a = client.attach(pid_id)
+        a = client.attach(process_id)
         async for _, _, data in a:
             sys.stdout.buffer.write(data)
             sys.stdout.flush()
@@ -319,7 +322,7 @@ async def _process(client: AsyncClient, ns: argparse.Namespace) -> int:
         await client.process_signal(ns.id, ns.signal)
         return 0
     if ns.cmd == "wait":
-        res = await client.process_wait(ns.id, ns.timeout)
+        res = await client.process_wait(ns.id, timeout_s=ns.timeout)
         if ns.json:
             _print_json(res)
         if res["timed_out"]:
@@ -369,7 +372,7 @@ async def _shell(client: AsyncClient, ns: argparse.Namespace) -> int:
         return 0
     stdin = sys.stdin.buffer.read() if ns.stdin else None
     res = await client.shell_run(
-        ns.id, ns.command, input=stdin, timeout=ns.timeout, idle_timeout=ns.idle_timeout, max_output=ns.max_output
+        ns.id, ns.command, input=stdin, timeout_s=ns.timeout, idle_timeout_s=ns.idle_timeout, max_output=ns.max_output
     )
     if ns.json:
         _print_json(res.to_json())
@@ -442,7 +445,7 @@ async def _cp(client: AsyncClient, ns: argparse.Namespace) -> dict[str, Any]:
 
 
 async def run(ns: argparse.Namespace) -> int:
-    client = await AsyncClient.connect(ns.connect, timeout=ns.connect_timeout, token=ns.token)
+    client = await AsyncClient.connect(ns.connect, connect_timeout=ns.connect_timeout, token=ns.token)
     try:
         if ns.cmd == "ping":
             loop = asyncio.get_running_loop()
@@ -476,8 +479,8 @@ async def run(ns: argparse.Namespace) -> int:
                 cwd=ns.cwd,
                 env=env or None,
                 stdin=stdin,
-                timeout=ns.timeout,
-                idle_timeout=ns.idle_timeout,
+                timeout_s=ns.timeout,
+                idle_timeout_s=ns.idle_timeout,
                 max_output=ns.max_output,
                 head_tail=ns.head_tail,
             )

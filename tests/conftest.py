@@ -16,6 +16,7 @@ import psutil
 import pytest
 
 from guestd.client import Client
+from guestd.client.aio import CONNECT_TIMEOUT
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -38,8 +39,8 @@ class Guestd:
     def pid(self) -> int:
         return self.proc.pid
 
-    def client(self, **kw: object) -> Client:
-        return Client(self.address, **kw)  # type: ignore[arg-type]
+    def client(self, *, connect_timeout: float = CONNECT_TIMEOUT, token: str | None = None) -> Client:
+        return Client(self.address, connect_timeout=connect_timeout, token=token)
 
     def raw_socket(self) -> socket.socket:
         s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)

@@ -163,14 +163,14 @@ def test_code_commands(tmp_path: object) -> None:
 def test_process_and_shell_commands(guestd: Guestd) -> None:
     r = guestctl(guestd, "exec", "--detach", "--", "sh", "-c", "echo one; echo two >&2; sleep 0.3; exit 4")
     assert r.returncode == 0
-    pid_id = r.stdout.decode().strip()
-    assert pid_id.startswith("p")
+    process_id = r.stdout.decode().strip()
+    assert process_id.startswith("p")
     ps = json.loads(guestctl(guestd, "--json", "ps").stdout)["processes"]
-    assert pid_id in [p["id"] for p in ps]
-    assert guestctl(guestd, "wait", pid_id).returncode == 4
-    r = guestctl(guestd, "attach", pid_id)
+    assert process_id in [p["id"] for p in ps]
+    assert guestctl(guestd, "wait", process_id).returncode == 4
+    r = guestctl(guestd, "attach", process_id)
     assert (r.returncode, r.stdout) == (4, b"one\n") and r.stderr.startswith(b"two\n")
-    r = guestctl(guestd, "attach", pid_id, "--from", "2")
+    r = guestctl(guestd, "attach", process_id, "--from", "2")
     assert r.stdout == b"e\n"
     r = guestctl(guestd, "exec", "--detach", "--", "sleep", "30")
     sid = r.stdout.decode().strip()

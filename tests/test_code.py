@@ -102,14 +102,14 @@ def test_output_truncation_counts_exact_bytes(c: Client) -> None:
 
 def test_timeout_interrupts_a_busy_loop_and_keeps_state_and_output(c: Client) -> None:
     c.code_run("keep = 'me'")
-    r = c.code_run("print('before', flush=True)\nwhile True: pass", timeout=0.5)
+    r = c.code_run("print('before', flush=True)\nwhile True: pass", timeout_s=0.5)
     assert (r.status, r.timeout_action) == ("timeout", "interrupted")
     assert r.stdout == b"before\n"
     assert c.code_run("keep").text == "'me'"
 
 
 def test_timeout_interrupts_a_c_level_sleep(c: Client) -> None:
-    r = c.code_run("import time\ntime.sleep(100)", timeout=0.5)
+    r = c.code_run("import time\ntime.sleep(100)", timeout_s=0.5)
     assert (r.status, r.timeout_action) == ("timeout", "interrupted")
 
 
@@ -117,7 +117,7 @@ def test_timeout_escalates_to_restart_when_sigint_is_ignored(c: Client) -> None:
     ctx = c.code_create()
     c.code_run("state = 1", context=ctx["id"])
     code = "import signal\nsignal.signal(signal.SIGINT, signal.SIG_IGN)\nwhile True: pass"
-    r = c.code_run(code, context=ctx["id"], timeout=0.5, interrupt_grace=0.5)
+    r = c.code_run(code, context=ctx["id"], timeout_s=0.5, interrupt_grace_s=0.5)
     assert (r.status, r.timeout_action) == ("timeout", "restarted")
     after = c.code_run("'state' in dir()", context=ctx["id"])
     assert after.text == "False"  # fresh kernel, same id
@@ -132,7 +132,7 @@ def test_input_fails_fast_unless_lines_are_given(c: Client) -> None:
     assert r.status == "error" and r.error is not None and r.error.ename == "StdinNotImplementedError"
     r = c.code_run("a = input('a? ')\nimport getpass\nb = getpass.getpass('b? ')\nprint(a, b)", input_lines=["x", "y"])
     assert r.status == "ok" and r.stdout.endswith(b"x y\n")
-    r = c.code_run("input(); input()", input_lines=["only one"], timeout=30)
+    r = c.code_run("input(); input()", input_lines=["only one"], timeout_s=30)
     assert r.status == "error" and r.stdin_exhausted and r.error is not None and r.error.ename == "EOFError"
     assert c.code_run("'still usable'").text == "'still usable'"
 
@@ -162,7 +162,7 @@ def test_contexts_run_in_parallel(kg: Guestd, tmp_path: object) -> None:
         wait = c.code_run(
             f"import os, time\nwhile not os.path.exists({flag!r}): time.sleep(0.01)\n'seen'",
             context=a["id"],
-            timeout=60,
+            timeout_s=60,
         )
         make = c.code_run(f"import time; time.sleep(0.2); open({flag!r}, 'w').close()", context=b["id"])
         ra, rb = await asyncio.gather(wait, make)
@@ -285,9 +285,9 @@ def test_cancelled_run_is_interrupted_and_context_stays_usable(kg: Guestd) -> No
         c = await AsyncClient.connect(kg.address)
         ctx = await c.code_create()
         with pytest.raises(GuestdError) as ei:
-            await c.code_run("import time\ntime.sleep(60)", context=ctx["id"], client_timeout=0.5)
+            await c.code_run("import time\ntime.sleep(60)", context=ctx["id"], deadline=0.5)
         assert ei.value.code == "timeout"
-        r = await c.code_run("'next'", context=ctx["id"], timeout=10)
+        r = await c.code_run("'next'", context=ctx["id"], timeout_s=10)
         assert r.status == "ok" and r.text == "'next'"
         await c.code_close(ctx["id"])
         await c.close()
@@ -314,7 +314,7 @@ def test_lone_surrogates_in_stdout_and_stderr_arrive_as_u_fffd_with_exact_counts
 def test_exception_with_a_lone_surrogate_is_an_error_not_a_restart(c: Client) -> None:
     ctx = c.code_create()
     c.code_run("kept = 7", context=ctx["id"])
-    r = c.code_run("raise ValueError('bad \\ud800 value')", context=ctx["id"], timeout=20, strip_ansi=True)
+    r = c.code_run("raise ValueError('bad \\ud800 value')", context=ctx["id"], timeout_s=20, strip_ansi=True)
     assert (r.status, r.timeout_action) == ("error", None) and r.duration_s < 10
     assert r.error is not None and (r.error.ename, r.error.evalue) == ("ValueError", "bad \ufffd value")
     assert any("bad \ufffd value" in line for line in r.error.traceback)
@@ -347,7 +347,7 @@ def test_streaming_run_delivers_lone_surrogates_the_same_way(kg: Guestd) -> None
             "import sys\nprint('a\\ud800b', flush=True)\nprint('e\\udfff', file=sys.stderr, flush=True)\n"
             + SURROGATE_REPRS
             + "raise ValueError('v\\ud800')",
-            timeout=20,
+            timeout_s=20,
         )
         events = [(kind, value) async for kind, value in s]
         r = await s.result()
@@ -382,7 +382,7 @@ def test_kernel_json_with_lone_surrogates_or_invalid_utf8_decodes_to_valid_text(
 
 def test_json_integers_beyond_64_bits_arrive_as_floats(c: Client) -> None:
     code = "from IPython.display import JSON, display\ndisplay(JSON({'a': 2**70, 'b': [1, -(10**400)]}))"
-    r = c.code_run(code, client_timeout=10)  # before: the reply could not be encoded and never came
+    r = c.code_run(code, deadline=10)  # before: the reply could not be encoded and never came
     assert r.status == "ok", r.error
     assert r.results[0]["data"]["application/json"] == {"a": float(2**70), "b": [1, float("-inf")]}
 
@@ -396,7 +396,7 @@ def test_forged_kernel_messages_cannot_make_the_reply_unsendable(c: Client) -> N
         "k.session.send(k.iopub_socket, 'execute_input', {'code': '', 'execution_count': 2**64},"
         " parent=k.get_parent('shell'), ident=b'execute_input')\n"
     )
-    r = c.code_run(code, client_timeout=10)
+    r = c.code_run(code, deadline=10)
     assert r.status == "error" and r.error is not None
     assert (r.error.ename, r.error.evalue, r.error.traceback) == (str(2**70), "", [str(2**64), "x"])
     assert r.execution_count is not None and r.execution_count < 2**63

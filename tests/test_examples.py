@@ -161,8 +161,8 @@ def test_swe_agent_driver_fixes_the_bug_and_submits_a_patch_that_applies() -> No
             origin = f"{guest.workspace}/origin.git"
             demo_repo.create(c, repo)
             setup = f"git init -q --bare {origin} && git remote add origin {origin} && git push -q origin HEAD:main"
-            assert c.exec(["sh", "-c", setup], cwd=repo, timeout=60).exit_code == 0
-            refs = c.exec(["git", "-C", origin, "for-each-ref"], timeout=60).stdout
+            assert c.exec(["sh", "-c", setup], cwd=repo, timeout_s=60).exit_code == 0
+            refs = c.exec(["git", "-C", origin, "for-each-ref"], timeout_s=60).stdout
 
             tools = SweTools(c, repo)
             traj = run_episode(ScriptedModel(swe_script(PY)), tools)
@@ -177,7 +177,7 @@ def test_swe_agent_driver_fixes_the_bug_and_submits_a_patch_that_applies() -> No
             sub = f"{guest.dir}/submitted.patch"
             c.write_file(sub, patch)
             check = f"git clone -q -b main {origin} fresh && cd fresh && git apply {sub} && {PY} -m pytest -q"
-            r = c.exec(["sh", "-c", check], cwd=guest.workspace, timeout=300)
+            r = c.exec(["sh", "-c", check], cwd=guest.workspace, timeout_s=300)
             assert r.exit_code == 0 and b"5 passed" in r.stdout, r
 
             # Nothing pushes: not the existing remote, not one the agent adds itself.
@@ -185,7 +185,7 @@ def test_swe_agent_driver_fixes_the_bug_and_submits_a_patch_that_applies() -> No
             assert "[exit code 0]" not in pushed and "no-push" in pushed
             pushed = tools.shell(f"git remote add mine {origin} && git push mine HEAD:refs/heads/x")
             assert "[exit code 0]" not in pushed
-            assert c.exec(["git", "-C", origin, "for-each-ref"], timeout=60).stdout == refs
+            assert c.exec(["git", "-C", origin, "for-each-ref"], timeout_s=60).stdout == refs
 
             assert "unknown tool" in tools.dispatch(ToolCall("rm_rf", {}))
             assert "needs the argument" in tools.dispatch(ToolCall("shell", {}))
@@ -218,7 +218,7 @@ def test_ensure_pytest_installs_it_for_a_python_that_lacks_it() -> None:
         with guest.connect() as c:
             env = demo_repo.ensure_pytest(c, bare, deps_dir=f"{guest.dir}/deps dir")
             assert env == {"PYTHONPATH": f"{guest.dir}/deps dir"}
-            r = c.exec([bare, "-m", "pytest", "--version"], env=env, timeout=60)
+            r = c.exec([bare, "-m", "pytest", "--version"], env=env, timeout_s=60)
             assert r.exit_code == 0 and b"pytest" in r.stdout + r.stderr, r
             assert demo_repo.ensure_pytest(c, sys.executable) == {}  # already there: nothing to do
     finally:

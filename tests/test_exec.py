@@ -42,7 +42,7 @@ def test_shell_string_cwd_env_and_stdin(client: Client, tmp_path: object) -> Non
 def test_env_replace_and_default_stdin_is_devnull(client: Client) -> None:
     r = client.exec(["/usr/bin/env"], env={"ONLY": "1"}, replace_env=True)
     assert r.stdout == b"ONLY=1\n"
-    r = client.exec(["cat"], timeout=5)  # would hang on a terminal; /dev/null gives EOF
+    r = client.exec(["cat"], timeout_s=5)  # would hang on a terminal; /dev/null gives EOF
     assert r.exit_code == 0 and r.stdout == b""
 
 
@@ -73,7 +73,7 @@ def test_could_not_start_is_an_error_not_an_exit_code(
 
 
 def test_bad_arguments(client: Client) -> None:
-    cases: list[dict[str, object]] = [{"cmd": []}, {"cmd": ["true"], "timeout": -1}, {"cmd": ["a\0b"]}]
+    cases: list[dict[str, object]] = [{"cmd": []}, {"cmd": ["true"], "timeout_s": -1}, {"cmd": ["a\0b"]}]
     for kwargs in cases:
         cmd = kwargs.pop("cmd")
         with pytest.raises(GuestdError) as ei:
@@ -86,7 +86,7 @@ def test_bad_arguments(client: Client) -> None:
 
 def test_wall_timeout_kills_whole_tree_and_keeps_output(client: Client) -> None:
     marker = f"sleep 1000{os.getpid() % 10}"
-    r = client.exec(f"echo started; {marker} & {marker}", timeout=0.5)
+    r = client.exec(f"echo started; {marker} & {marker}", timeout_s=0.5)
     assert r.timed_out == "wall"
     assert r.signal == signal.SIGTERM
     assert r.stdout == b"started\n"
@@ -97,16 +97,16 @@ def test_wall_timeout_kills_whole_tree_and_keeps_output(client: Client) -> None:
 def test_timeout_escalates_to_sigkill_and_catches_escaped_descendants(client: Client) -> None:
     # The child ignores SIGTERM and a grandchild escapes the process group with setsid.
     marker = "sleep 999.5"
-    r = client.exec(f"trap '' TERM; setsid {marker} & {marker}; echo never", timeout=0.5, kill_grace=0.5)
+    r = client.exec(f"trap '' TERM; setsid {marker} & {marker}; echo never", timeout_s=0.5, kill_grace_s=0.5)
     assert r.timed_out == "wall" and r.signal == signal.SIGKILL
     assert 0.9 < r.duration_s < 5
     assert live_procs_with(marker) == []
 
 
 def test_idle_timeout_fires_only_without_output(client: Client) -> None:
-    r = client.exec("for i in 1 2 3 4 5; do echo $i; sleep 0.1; done", idle_timeout=1.0)
+    r = client.exec("for i in 1 2 3 4 5; do echo $i; sleep 0.1; done", idle_timeout_s=1.0)
     assert r.timed_out is None and r.exit_code == 0
-    r = client.exec("echo one; sleep 30", idle_timeout=0.3)
+    r = client.exec("echo one; sleep 30", idle_timeout_s=0.3)
     assert r.timed_out == "idle" and r.stdout == b"one\n"
 
 
@@ -201,7 +201,7 @@ def test_hundred_concurrent_execs(guestd: Guestd) -> None:
 def test_client_deadline_cancels_the_guest_process(client: Client) -> None:
     marker = "sleep 998.25"
     with pytest.raises(GuestdError) as ei:
-        client.exec(marker, client_timeout=0.3)
+        client.exec(marker, deadline=0.3)
     assert ei.value.code == "timeout"
     deadline = time.monotonic() + 5
     while live_procs_with(marker) and time.monotonic() < deadline:
@@ -211,7 +211,7 @@ def test_client_deadline_cancels_the_guest_process(client: Client) -> None:
 
 
 def test_background_child_does_not_hold_exec_open(client: Client) -> None:
-    r = client.exec("sleep 5 & echo bg", timeout=20)
+    r = client.exec("sleep 5 & echo bg", timeout_s=20)
     assert r.exit_code == 0 and r.stdout == b"bg\n"
     assert r.duration_s < 4
 
@@ -232,7 +232,7 @@ def test_one_gigabyte_of_output_with_bounded_memory(guestd: Guestd) -> None:
         t = threading.Thread(target=sample)
         t.start()
         try:
-            r = c.exec("head -c 1000000000 /dev/zero; echo tail-marker", max_output=65536, timeout=240)
+            r = c.exec("head -c 1000000000 /dev/zero; echo tail-marker", max_output=65536, timeout_s=240)
         finally:
             stop.set()
             t.join()

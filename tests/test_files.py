@@ -248,36 +248,36 @@ def test_names_that_are_not_utf8_round_trip(client: Client, tmp_path: object) ->
     with open(d + b"/" + BAD, "wb") as f:
         f.write(b"made on the host")
     # The defect: the reply naming it could not be encoded, so none came (the client waited).
-    listing = client.listdir(str(tmp_path), timeout=10)
+    listing = client.listdir(str(tmp_path), deadline=10)
     assert [e.name for e in listing.entries] == [BAD]
     p = d + b"/" + BAD
-    assert client.stat(p, timeout=10).size == 16
-    assert client.stat(os.fsdecode(p), timeout=10).size == 16  # an os str names the same bytes
-    assert client.read_file(p, timeout=10) == b"made on the host"
-    assert client.write_file(p, b"written", timeout=10) == 7
-    assert client.upload(b"u" * 100_000, p, timeout=10) == 100_000
-    assert client.download(p, timeout=10) == b"u" * 100_000
+    assert client.stat(p, deadline=10).size == 16
+    assert client.stat(os.fsdecode(p), deadline=10).size == 16  # an os str names the same bytes
+    assert client.read_file(p, deadline=10) == b"made on the host"
+    assert client.write_file(p, b"written", deadline=10) == 7
+    assert client.upload(b"u" * 100_000, p, progress_timeout=10) == 100_000
+    assert client.download(p, progress_timeout=10) == b"u" * 100_000
     os.symlink(BAD, d + b"/link")
-    assert client.stat(d + b"/link", follow=False, timeout=10).target == BAD
+    assert client.stat(d + b"/link", follow=False, deadline=10).target == BAD
     sub = d + b"/dir\xfe"
-    assert client.mkdir(sub + b"/deeper\xfd", timeout=10) is True
-    assert client.stat(sub, timeout=10).type == "dir"
-    assert [e.name for e in client.listdir(sub, timeout=10).entries] == [b"deeper\xfd"]
-    client.rename(p, sub + b"/moved\xfc", timeout=10)
+    assert client.mkdir(sub + b"/deeper\xfd", deadline=10) is True
+    assert client.stat(sub, deadline=10).type == "dir"
+    assert [e.name for e in client.listdir(sub, deadline=10).entries] == [b"deeper\xfd"]
+    client.rename(p, sub + b"/moved\xfc", deadline=10)
     assert sorted(os.listdir(sub)) == [b"deeper\xfd", b"moved\xfc"]
     # Errors naming such a path are answered too: escaped in the message, exact in details.
     with pytest.raises(GuestdError) as ei:
-        client.read_file(sub, timeout=10)
+        client.read_file(sub, deadline=10)
     assert ei.value.code == "is_a_directory" and ei.value.details["path"] == sub
     assert "dir\\xfe" in ei.value.message
     with pytest.raises(GuestdError) as ei:
-        client.read_file(sub + b"/missing\xff", timeout=10)
+        client.read_file(sub + b"/missing\xff", deadline=10)
     assert ei.value.code == "not_found" and "missing\\xff" in ei.value.message
-    assert client.remove(sub, recursive=True, timeout=10) == 3
-    assert client.exec(["pwd"], cwd=d + b"/", client_timeout=10).stdout == d + b"\n"
+    assert client.remove(sub, recursive=True, deadline=10) == 3
+    assert client.exec(["pwd"], cwd=d + b"/", deadline=10).stdout == d + b"\n"
     os.mkdir(sub)
-    assert client.exec(["pwd"], cwd=sub, client_timeout=10).stdout == sub + b"\n"
-    proc = client.process_start(["pwd"], cwd=sub, timeout=10)
+    assert client.exec(["pwd"], cwd=sub, deadline=10).stdout == sub + b"\n"
+    proc = client.process_start(["pwd"], cwd=sub, deadline=10)
     assert client.process_output(proc["id"])[0] == sub + b"\n"
 
 

@@ -62,7 +62,7 @@ def test_oversize_frame_closes_the_connection(evil: Callable[..., str]) -> None:
         p.sock.recv(1)
 
     with Client(evil(script)) as c, pytest.raises(GuestProtocolError):
-        c.ping(timeout=10)
+        c.ping(deadline=10)
 
 
 def test_wrongly_typed_reply_is_a_protocol_error(evil: Callable[..., str]) -> None:
@@ -72,7 +72,7 @@ def test_wrongly_typed_reply_is_a_protocol_error(evil: Callable[..., str]) -> No
         p.sock.recv(1)
 
     with Client(evil(script)) as c, pytest.raises(GuestProtocolError):
-        c.ping(timeout=10)
+        c.ping(deadline=10)
 
 
 def test_stream_beyond_the_granted_window_is_refused(evil: Callable[..., str]) -> None:
@@ -98,7 +98,7 @@ def test_more_download_bytes_than_the_file_has(evil: Callable[..., str]) -> None
         p.sock.recv(1)
 
     with Client(evil(script)) as c, pytest.raises(GuestProtocolError):
-        c.download("/anything", timeout=10)
+        c.download("/anything", progress_timeout=10)
 
 
 def test_a_silent_guest_hits_the_client_deadline(evil: Callable[..., str]) -> None:
@@ -107,7 +107,7 @@ def test_a_silent_guest_hits_the_client_deadline(evil: Callable[..., str]) -> No
         p.sock.recv(1)  # never answers
 
     with Client(evil(script)) as c, pytest.raises(GuestdError) as ei:
-        c.ping(timeout=0.5)
+        c.ping(deadline=0.5)
     assert ei.value.code == "timeout"
 
 
@@ -125,7 +125,7 @@ def test_garbage_instead_of_a_hello(tmp_path: object) -> None:
 
     threading.Thread(target=serve, daemon=True).start()
     with pytest.raises(GuestdError):
-        Client(f"unix:{path}", timeout=5)
+        Client(f"unix:{path}", connect_timeout=5)
     srv.close()
 
 
@@ -140,4 +140,4 @@ def test_replies_to_ids_never_sent_are_ignored(evil: Callable[..., str]) -> None
         p.sock.recv(1)
 
     with Client(evil(script)) as c:
-        assert c.ping(timeout=10) == 42
+        assert c.ping(deadline=10) == 42

@@ -85,7 +85,7 @@ def test_workload_runs_as_the_configured_user(fresh_guestd: Callable[..., Guestd
         assert c.shell_run(sid, "id -u").stdout == b"65534\n"
         assert c.shell_run(sid, "cat", input=b"readable").stdout == b"readable"
         p = c.process_start(["id", "-u"], cwd="/")
-        c.process_wait(p["id"], timeout=10)
+        c.process_wait(p["id"], timeout_s=10)
         assert c.process_output(p["id"])[0] == b"65534\n"
         assert c.info().raw["pid"] and os.stat(f"/proc/{c.info().raw['pid']}").st_uid == 0  # guestd stays root
 
@@ -119,7 +119,7 @@ def test_files_the_host_creates_in_the_workspace_belong_to_the_workload_user(
                 assert os.stat(f"{top}/{path}").st_uid == 0, path
             # What the host wrote, the workload can change, next to it too.
             script = "echo 'y = 2' >> pkg/mod.py && touch pkg/new a/b/c up/more && echo two >> log.txt"
-            r = c.exec(["sh", "-c", script], timeout=30)
+            r = c.exec(["sh", "-c", script], timeout_s=30)
             assert r.exit_code == 0, r.stderr
     finally:
         import shutil

@@ -25,7 +25,7 @@ def test_start_returns_at_once_and_survives_its_connection(guestd: Guestd) -> No
     with guestd.client() as c:  # a new connection: the process is still there
         listed = {x["id"]: x for x in c.process_list()}
         assert listed[p["id"]]["state"] == "running" and listed[p["id"]]["pid"] == p["pid"]
-        assert c.process_wait(p["id"], timeout=10) == {
+        assert c.process_wait(p["id"], timeout_s=10) == {
             "state": "exited",
             "exit_code": 0,
             "signal": None,
@@ -73,7 +73,7 @@ def test_reattach_after_dropped_connection_gets_every_byte_once(guestd: Guestd) 
 def test_ring_overflow_is_reported_as_lost_bytes(guestd: Guestd) -> None:
     with guestd.client() as c:
         p = c.process_start(SEQ.format(n=5000), ring_bytes=7000)
-        c.process_wait(p["id"], timeout=30)
+        c.process_wait(p["id"], timeout_s=30)
 
         async def go() -> tuple[bytes, int]:
             a = c.aio.attach(p["id"])
@@ -99,7 +99,7 @@ def test_stalled_attacher_blocks_neither_process_nor_other_readers(guestd: Guest
         async for _, _, data in a:
             got += len(data)
         assert got == 5_000_004 and (await a.result())["exit_code"] == 0
-        assert (await fast.process_wait(p["id"], timeout=30))["state"] == "exited"
+        assert (await fast.process_wait(p["id"], timeout_s=30))["state"] == "exited"
         stalled.cancel()
         await slow.close()
         await fast.close()
@@ -119,7 +119,7 @@ def test_signals_reach_grandchildren_and_kill_sweeps_escapees(client: Client) ->
         time.sleep(0.05)
     assert sleeps() == 3  # a grandchild (via sh -c), a child, and one that left the group
     client.process_signal(p["id"], "KILL")
-    assert client.process_wait(p["id"], timeout=10)["signal"] == 9
+    assert client.process_wait(p["id"], timeout_s=10)["signal"] == 9
     deadline = time.monotonic() + 5
     while live_procs_with(marker) and time.monotonic() < deadline:
         time.sleep(0.05)
@@ -133,7 +133,7 @@ def test_term_to_the_group(client: Client) -> None:
         assert time.monotonic() < deadline
         time.sleep(0.05)
     client.process_signal(p["id"], "TERM")
-    res = client.process_wait(p["id"], timeout=10)
+    res = client.process_wait(p["id"], timeout_s=10)
     out, _, _ = client.process_output(p["id"])
     assert res["exit_code"] == 5 and out == b"ready\ngot-term\n"
     with pytest.raises(GuestdError):
@@ -147,7 +147,7 @@ def test_stdin_write_and_close(client: Client) -> None:
     p = client.process_start(["sh", "-c", 'while read l; do echo "<$l>"; done; echo eof'], stdin=True)
     client.process_write(p["id"], "a\nb\n")
     client.process_close_stdin(p["id"])
-    client.process_wait(p["id"], timeout=10)
+    client.process_wait(p["id"], timeout_s=10)
     assert client.process_output(p["id"])[0] == b"<a>\n<b>\neof\n"
     q = client.process_start(["true"])
     with pytest.raises(GuestdError) as ei:
@@ -163,7 +163,7 @@ def test_pty_size_resize_and_an_interactive_repl(client: Client) -> None:
         time.sleep(0.05)
     client.process_resize(p["id"], 40, 120)
     client.process_write(p["id"], "go\r")
-    client.process_wait(p["id"], timeout=10)
+    client.process_wait(p["id"], timeout_s=10)
     out = client.process_output(p["id"])[0]
     assert b"33 101" in out and b"40 120" in out
     repl = client.process_start(["python3", "-q", "-i", "-c", ""], pty=True)
@@ -178,7 +178,7 @@ def test_pty_size_resize_and_an_interactive_repl(client: Client) -> None:
         assert time.monotonic() < deadline
         time.sleep(0.05)
     client.process_write(repl["id"], "exit()\r")
-    assert client.process_wait(repl["id"], timeout=20)["exit_code"] == 0
+    assert client.process_wait(repl["id"], timeout_s=20)["exit_code"] == 0
 
 
 def test_pty_drives_a_pager_and_an_editor_stand_in(client: Client, tmp_path: object) -> None:
@@ -195,7 +195,7 @@ def test_pty_drives_a_pager_and_an_editor_stand_in(client: Client, tmp_path: obj
         assert time.monotonic() < deadline
         time.sleep(0.05)
     client.process_write(less["id"], "q")
-    assert client.process_wait(less["id"], timeout=10)["exit_code"] == 0
+    assert client.process_wait(less["id"], timeout_s=10)["exit_code"] == 0
     repo = f"{tmp_path}/repo"
     os.makedirs(repo)
     editor = f"{tmp_path}/editor.sh"
@@ -215,7 +215,7 @@ def test_pty_drives_a_pager_and_an_editor_stand_in(client: Client, tmp_path: obj
         assert time.monotonic() < deadline + 20
         time.sleep(0.05)
     client.process_write(reb["id"], "y\r")
-    assert client.process_wait(reb["id"], timeout=30)["exit_code"] == 0
+    assert client.process_wait(reb["id"], timeout_s=30)["exit_code"] == 0
     log = client.process_output(reb["id"])[0].split(b"squash?")[-1]
     subjects = [ln.strip() for ln in log.replace(b"\r", b"").split(b"\n") if ln.strip() in (b"c1", b"c2", b"c3")]
     assert subjects == [b"c2", b"c1"]  # c3 was squashed into c2 by the answer typed on the terminal
@@ -235,7 +235,7 @@ def test_limits_and_bad_input(fresh_guestd: object) -> None:
             c.process_forget(p["id"])
         assert ei.value.code == "bad_request"
         c.process_signal(p["id"], "KILL")
-        c.process_wait(p["id"], timeout=10)
+        c.process_wait(p["id"], timeout_s=10)
         c.process_forget(p["id"])
 
 
@@ -248,14 +248,14 @@ def test_kept_processes_are_bounded_and_expire(fresh_guestd: object) -> None:
             c.process_start(["true"])
         assert ei.value.code == "limit" and ei.value.details["limit"] == "max_processes"
         c.process_signal(a["id"], "KILL")
-        c.process_wait(a["id"], timeout=10)
+        c.process_wait(a["id"], timeout_s=10)
         done = [c.process_start(["true"])["id"]]
-        c.process_wait(done[0], timeout=10)
+        c.process_wait(done[0], timeout_s=10)
         # 3 kept (1 running, 2 finished): a new start drops the oldest finished one
         new = c.process_start(["true"])
         ids = {p["id"] for p in c.process_list()}
         assert a["id"] not in ids and done[0] in ids and new["id"] in ids
-        c.process_wait(new["id"], timeout=10)
+        c.process_wait(new["id"], timeout_s=10)
         time.sleep(1.2)  # past the 1 s retention
         c.process_start(["true"])  # retention is enforced on each start (and by a periodic sweep)
         assert done[0] not in {p["id"] for p in c.process_list()}

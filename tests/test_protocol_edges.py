@@ -155,8 +155,8 @@ def test_attach_events_fit_the_clients_max_frame(guestd: Guestd) -> None:
     p.request(1, "process.start", {"argv": ["head", "-c", "2000000", "/dev/zero"]})
     kind, body = p.recv_final(1)
     assert kind == Kind.RESPONSE, body
-    pid_id = body["id"]
-    p.request(2, "process.attach", {"id": pid_id, "follow": True})
+    process_id = body["id"]
+    p.request(2, "process.attach", {"id": process_id, "follow": True})
     r = Reader(p)
     kind, final, got = r.until_final(2)
     assert kind == Kind.RESPONSE and got == 2_000_000 == final["stdout_offset"]
@@ -196,7 +196,7 @@ def test_a_peer_that_never_reads_cannot_grow_guestd(fresh_guestd: StartGuestd) -
     assert grown < 64 * 1024 * 1024, f"guestd grew by {grown >> 20} MiB for a peer that never reads"
     s.close()
     with g.client() as c:
-        assert c.ping(timeout=10) > 0
+        assert c.ping(deadline=10) > 0
 
 
 def test_silent_peers_get_a_hello_deadline_and_cannot_lock_the_host_out(
@@ -206,8 +206,8 @@ def test_silent_peers_get_a_hello_deadline_and_cannot_lock_the_host_out(
     g = fresh_guestd("--config", cfg)
     silent = [g.raw_socket() for _ in range(4)]
     # Every slot is held by a peer that never says hello; the host's real connection still gets in.
-    with g.client(timeout=5) as c:
-        assert c.ping(timeout=5) > 0
+    with g.client(connect_timeout=5) as c:
+        assert c.ping(deadline=5) > 0
     # The evicted one was told why; the rest hit the deadline.
     reasons = []
     for s in silent:
@@ -241,7 +241,7 @@ def test_a_hello_with_a_wrong_token_changes_nothing(fresh_guestd: StartGuestd, t
     kind, rid, body = p.recv()
     assert (kind, rid, body["code"]) == (Kind.ERROR, 0, "permission_denied")
     with g.client(token="s3cret") as c:
-        assert c.call("info", {}, timeout=10)["snapshot"]["suspected_restore"] is False
+        assert c.call("info", {}, deadline=10)["snapshot"]["suspected_restore"] is False
 
 
 def test_request_id_zero_is_a_protocol_error(guestd: Guestd) -> None:
@@ -275,7 +275,7 @@ def test_many_unreading_peers_leave_ping_answering(guestd: Guestd) -> None:
 
     def ping() -> None:
         with guestd.client() as c:
-            c.ping(timeout=10)
+            c.ping(deadline=10)
         done.set()
 
     threading.Thread(target=ping, daemon=True).start()

@@ -164,7 +164,7 @@ def test_a_refused_hello_ends_the_connection_before_a_second_hello_takes_effect(
     assert (kind, rid, body["code"]) == (Kind.ERROR, 0, "permission_denied")
     assert p.closed()
     with g.client(token="s3cret") as c:
-        snap = c.call("info", {}, timeout=10)["snapshot"]
+        snap = c.call("info", {}, deadline=10)["snapshot"]
     assert snap["suspected_restore"] is False, "a hello on a refused connection reached the clock logic"
 
 
@@ -239,8 +239,8 @@ def test_hello_less_peers_that_never_read_cannot_lock_the_host_out(fresh_guestd:
     held = [stuff_unread(g, seconds=3) for _ in range(3)]
     time.sleep(2.5)  # well past the hello deadline of every one of them
     try:
-        with g.client(timeout=5) as c:
-            assert c.ping(timeout=5) > 0
+        with g.client(connect_timeout=5) as c:
+            assert c.ping(deadline=5) > 0
     except GuestdError as err:
         pytest.fail(f"the host is locked out by 3 hello-less peers past their deadline: {err}")
     finally:
@@ -315,7 +315,7 @@ def test_ping_on_another_connection_is_not_delayed_by_a_peer_that_never_reads(
         worst = 0.0
         for _ in range(20):
             t0 = time.monotonic()
-            c.ping(timeout=30)
+            c.ping(deadline=30)
             worst = max(worst, time.monotonic() - t0)
             time.sleep(0.1)
         s.close()
@@ -608,16 +608,16 @@ def run_with_deadline(fn: Callable[[], Any], seconds: float) -> tuple[bool, Any]
 def test_upload_to_a_guest_that_never_reads_honours_its_timeout(evil: Any) -> None:
     """aio.upload: "timeout bounds each chunk's wait". A guest that granted credit (its
     hello's 4 MiB window) and then never reads the socket stalls the client in
-    ClientConnection.drain() (WriteGate.wait, no deadline): upload(timeout=1) never returns."""
+    ClientConnection.drain() (WriteGate.wait, no deadline): upload(progress_timeout=1) never returns."""
 
     def script(p: RawPeer) -> None:
         p.sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
         time.sleep(30)  # never reads
 
-    c = Client(evil(script), timeout=5)
+    c = Client(evil(script), connect_timeout=5)
     try:
-        done, outcome = run_with_deadline(lambda: c.upload(b"x" * (8 * 1024 * 1024), "/f", timeout=1), 8)
-        assert done, "upload(timeout=1) still blocked after 8 s on a guest that does not read"
+        done, outcome = run_with_deadline(lambda: c.upload(b"x" * (8 * 1024 * 1024), "/f", progress_timeout=1), 8)
+        assert done, "upload(progress_timeout=1) still blocked after 8 s on a guest that does not read"
         assert isinstance(outcome, GuestdError) and outcome.code == "timeout", outcome
     finally:
         c._loop.call_soon_threadsafe(c._loop.stop)
@@ -635,7 +635,7 @@ def test_stdin_writer_and_output_reader_of_one_exec_stream_both_progress(guestd:
     async def main() -> bytes:
         ac = await AsyncClient.connect(guestd.address, stream_window=SMALL)
         try:
-            st = ac.exec_stream(["cat"], stdin_stream=True, client_timeout=30)
+            st = ac.exec_stream(["cat"], stdin_stream=True, deadline=30)
 
             async def writer() -> None:
                 await st.write_stdin(payload)
@@ -675,7 +675,7 @@ def test_unconsumed_events_cannot_pin_unbounded_client_memory(evil: Any) -> None
         p.send(Kind.RESPONSE, rid, {"t_ns": 1})
         time.sleep(5)
 
-    c = Client(evil(script), timeout=5)
+    c = Client(evil(script), connect_timeout=5)
 
     async def go() -> int:
         conn = c.aio._conn
@@ -698,7 +698,7 @@ def test_a_guest_hello_with_an_unoffered_version_is_refused(evil: Any) -> None:
     [1]; a guest that answers version 7 is accepted as if it spoke version 1."""
     url = evil(lambda p: time.sleep(5), {**EVIL_HELLO, "version": 7})
     with pytest.raises(GuestdError):
-        Client(url, timeout=3).close()
+        Client(url, connect_timeout=3).close()
 
 
 def test_max_inflight_plus_one_is_limit(fresh_guestd: StartGuestd) -> None:
@@ -717,6 +717,6 @@ def test_zz_shared_guestd_survived_the_attacks_without_tracebacks(guestd: Guestd
     """Runs last in this file: after everything above, the shared daemon still answers
     and logged no exception."""
     with guestd.client() as c:
-        assert c.ping(timeout=5) > 0
+        assert c.ping(deadline=5) > 0
     log = guestd.log()
     assert "Traceback" not in log, log[log.find("Traceback") - 200 :][:3000]

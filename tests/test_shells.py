@@ -69,7 +69,7 @@ def test_multiline_heredoc_exit_set_e_and_ps1(sh: tuple[Client, str]) -> None:
 
 def test_stdin_is_dev_null_unless_given(sh: tuple[Client, str]) -> None:
     c, sid = sh
-    r = c.shell_run(sid, 'read x; echo "got=[$x] rc=$?"', timeout=10)
+    r = c.shell_run(sid, 'read x; echo "got=[$x] rc=$?"', timeout_s=10)
     assert r.stdout == b"got=[] rc=1\n" and r.timed_out is None  # EOF at once, no wait
     r = c.shell_run(sid, 'read x; echo "got=[$x]"; cat', input=b"first\nrest\n")
     assert r.stdout == b"got=[first]\nrest\n"
@@ -77,7 +77,7 @@ def test_stdin_is_dev_null_unless_given(sh: tuple[Client, str]) -> None:
 
 def test_background_job_does_not_block_or_leak(sh: tuple[Client, str]) -> None:
     c, sid = sh
-    r = c.shell_run(sid, "(sleep 0.3; echo late) & echo now", timeout=10)
+    r = c.shell_run(sid, "(sleep 0.3; echo late) & echo now", timeout_s=10)
     assert r.stdout == b"now\n" and r.duration_s < 5
     time.sleep(0.6)
     assert c.shell_run(sid, "echo next").stdout == b"next\n"
@@ -87,24 +87,24 @@ def test_timeout_interrupts_and_session_stays_usable(sh: tuple[Client, str], tmp
     c, sid = sh
     c.shell_run(sid, "KEEP=yes")
     marker = "sleep 996.25"
-    r = c.shell_run(sid, f"echo started; {marker}", timeout=0.5)
+    r = c.shell_run(sid, f"echo started; {marker}", timeout_s=0.5)
     assert r.timed_out == "wall" and r.interrupted and not r.session_restarted
     assert r.stdout == b"started\n" and r.exit_code == 130
     assert live_procs_with(marker) == []
     assert c.shell_run(sid, "echo $KEEP").stdout == b"yes\n"
-    r = c.shell_run(sid, f"trap '' INT; {marker}", timeout=0.5)  # ignores SIGINT: escalation
+    r = c.shell_run(sid, f"trap '' INT; {marker}", timeout_s=0.5)  # ignores SIGINT: escalation
     assert r.timed_out == "wall" and not r.session_restarted
     assert c.shell_run(sid, "echo $KEEP").stdout == b"yes\n"
-    r = c.shell_run(sid, "echo quiet-soon; sleep 30", idle_timeout=0.4)
+    r = c.shell_run(sid, "echo quiet-soon; sleep 30", idle_timeout_s=0.4)
     assert r.timed_out == "idle" and r.stdout == b"quiet-soon\n"
 
 
 def test_unrecoverable_command_restarts_with_cwd_and_exports(sh: tuple[Client, str], tmp_path: object) -> None:
     c, sid = sh
     c.shell_run(sid, "mkdir -p d && cd d && export KEPT=1 && LOCAL=1")
-    r = c.shell_run(sid, "while true; do :; done", timeout=0.3)  # bash's own loop: the INT trap ends it
+    r = c.shell_run(sid, "while true; do :; done", timeout_s=0.3)  # bash's own loop: the INT trap ends it
     assert r.exit_code == 130 and not r.session_restarted
-    r = c.shell_run(sid, "trap '' INT; while true; do :; done", timeout=0.3)  # nothing can interrupt this
+    r = c.shell_run(sid, "trap '' INT; while true; do :; done", timeout_s=0.3)  # nothing can interrupt this
     assert r.session_restarted and r.timed_out == "wall" and r.exit_code is None
     r = c.shell_run(sid, 'pwd; echo "[$KEPT] [$LOCAL]"')
     assert r.stdout == f"{tmp_path}/d\n[1] []\n".encode()
@@ -168,15 +168,15 @@ def test_cd_into_a_directory_whose_name_is_not_utf8(sh: tuple[Client, str], tmp_
     bad = home + b"/bad\xff"
     os.mkdir(bad)
     # The defect: the result carrying this cwd could not be encoded; no answer ever came.
-    r = c.shell_run(sid, "cd $'bad\\xff' && echo in", client_timeout=10)
+    r = c.shell_run(sid, "cd $'bad\\xff' && echo in", deadline=10)
     assert (r.exit_code, r.stdout, r.cwd) == (0, b"in\n", bad)
-    [listed] = [s for s in c.shell_list(timeout=10) if s["id"] == sid]
+    [listed] = [s for s in c.shell_list(deadline=10) if s["id"] == sid]
     assert listed["cwd"] == bad
-    r = c.shell_run(sid, "pwd; cd ..", client_timeout=10)
+    r = c.shell_run(sid, "pwd; cd ..", deadline=10)
     assert (r.stdout, r.cwd) == (bad + b"\n", str(tmp_path))  # still works, and str again
-    started_there = c.shell_create(cwd=bad, timeout=10)["id"]
+    started_there = c.shell_create(cwd=bad, deadline=10)["id"]
     try:
-        r = c.shell_run(started_there, "pwd", client_timeout=10)
+        r = c.shell_run(started_there, "pwd", deadline=10)
         assert (r.stdout, r.cwd) == (bad + b"\n", bad)
     finally:
         c.shell_close(started_there)

@@ -115,7 +115,7 @@ def test_restore_drops_old_connections_and_requests_wait_for_it(sg: Guestd) -> N
             await running
         assert await me.ping() > 0
         c2 = await AsyncClient.connect(sg.address)
-        r = await c2.code_run("import random; random.random()", context=ctx, timeout=30)
+        r = await c2.code_run("import random; random.random()", context=ctx, timeout_s=30)
         assert r.status == "ok"
         await c2.close()
         await me.close()

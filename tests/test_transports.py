@@ -111,14 +111,14 @@ def test_hybrid_vsock_client_end_to_end(muxer: Callable[..., HybridVsockMuxer], 
 def test_hybrid_vsock_bad_replies_are_typed(muxer: Callable[..., HybridVsockMuxer], reply: bytes) -> None:
     m = muxer(reply=reply)
     with pytest.raises(GuestdError) as ei:
-        Client(f"fc:{m.path}:10700", timeout=3)
+        Client(f"fc:{m.path}:10700", connect_timeout=3)
     assert ei.value.code in ("protocol_error", "cancelled", "timeout")
 
 
 def test_hybrid_vsock_unknown_port(muxer: Callable[..., HybridVsockMuxer]) -> None:
     m = muxer()
     with pytest.raises(GuestdError) as ei:
-        Client(f"fc:{m.path}:999", timeout=3)
+        Client(f"fc:{m.path}:999", connect_timeout=3)
     assert ei.value.code == "protocol_error" and "port 999" in ei.value.message
 
 

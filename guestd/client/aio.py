@@ -1,4 +1,27 @@
-"""asyncio client: typed calls for every op, shaped like the sandbox SDKs agents use."""
+"""asyncio client: typed calls for every op, shaped like the sandbox SDKs agents use.
+
+Naming: every bound is named for what it bounds.
+
+- Bounds the guest enforces take the schema's own field names: ``timeout_s`` and
+  ``idle_timeout_s`` (the guest's clock for the work itself), ``kill_grace_s``,
+  ``interrupt_grace_s``, ``linger_s``; ``process_wait``'s and ``snapshot_prepare``'s
+  ``timeout_s`` are how long the guest waits before it answers.
+- ``deadline`` (seconds; None waits for ever) is how long this client waits for the reply
+  before it gives up with a ``timeout`` error and cancels the request in the guest. For
+  exec, shell and code runs it is derived from the guest's bounds when left at None.
+- ``progress_timeout`` bounds each wait for the next step of a long transfer or stream
+  (a chunk's credit, the next event), not the whole of it.
+- ``connect_timeout`` bounds connecting and the handshake.
+
+Arguments that map to an op argument default to None, meaning "omitted": the guest applies
+the schema's default (``guestd/wire/schema.py``, ``protocol/schema/v1.json``). Where the
+client needs such a default itself (to derive a deadline) it reads it from the schema.
+
+Every method that returns a value has a twin of the same signature on the blocking
+:class:`guestd.client.Client`. The streaming calls, :meth:`AsyncClient.exec_stream`,
+:meth:`AsyncClient.code_run_stream` and :meth:`AsyncClient.attach`, return stream objects to
+iterate and exist here only (``Client.process_output`` collects an attach).
+"""
 
 from __future__ import annotations
 
@@ -7,7 +30,7 @@ import os
 import socket
 import time
 from collections.abc import AsyncIterator, Callable
-from typing import Any
+from typing import Any, Literal
 
 from guestd.client.address import open_socket, parse_address
 from guestd.client.connection import DEFAULT_WINDOW, Call, ClientConnection, GuestProtocolError
@@ -15,12 +38,20 @@ from guestd.client.results import CodeResult, DirEntry, DirListing, ExecResult, 
 from guestd.wire.errors import ErrorCode, GuestdError
 from guestd.wire.frames import DEFAULT_MAX_FRAME
 from guestd.wire.paths import WirePath, path_to_wire
+from guestd.wire.schema import OPS_BY_NAME
 
-DEFAULT_TIMEOUT = 300.0  # any request without its own deadline
-EXEC_MARGIN = 30.0  # on top of an exec's own timeout + kill grace
+CONNECT_TIMEOUT = 10.0  # connect + handshake
+DEFAULT_DEADLINE = 300.0  # a request with no bound of its own in the guest
+UNBOUNDED_RUN_DEADLINE = DEFAULT_DEADLINE * 12  # a run with no guest timeout at all: one hour
+REPLY_MARGIN = 30.0  # on top of a guest-enforced bound: the guest's own clean-up and the trip back
+KERNEL_MARGIN = 120.0  # on top of a cell's timeout: a kernel start (default context) and a restart
+SHELL_STOP_S = 5.0  # a timed-out shell command: INT, TERM, KILL 1 s apart (guestd/shells.py), then a restart
+PREPARE_MARGIN = 90.0  # on top of snapshot.prepare's wait for writes: the filesystem sync after it
+DOWNLOAD_MEMORY_CAP = 256 * 1024 * 1024  # an in-memory download without max_bytes
 UPLOAD_CHUNK = 1024 * 1024
 
 Progress = Callable[[int], None]
+WriteFlag = Literal["overwrite", "create", "append"]
 
 
 def present(**fields: Any) -> dict[str, Any]:
@@ -28,28 +59,93 @@ def present(**fields: Any) -> dict[str, Any]:
     return {k: v for k, v in fields.items() if v is not None}
 
 
-class ExecStream:
-    """A streaming exec: iterate ``(stream, bytes)`` pairs, then await :meth:`result`."""
+def schema_default(op: str, field: str) -> Any:
+    """The default the guest applies to ``op``'s argument ``field`` when it is omitted."""
+    return OPS_BY_NAME[op].fields_by_name[field].default
 
-    def __init__(self, client: AsyncClient, call: Call, timeout: float | None) -> None:
+
+def _seconds(value: float | None) -> float | None:
+    return None if value is None else float(value)
+
+
+def _run_deadline(timeout_s: float | None, idle_timeout_s: float | None, stop_s: float) -> float | None:
+    """The client deadline of a run the guest bounds: its timeout, the time to stop it, a margin.
+
+    Without a wall-clock timeout: one hour, or no deadline when an idle timeout bounds it.
+    """
+    if timeout_s is None:
+        return None if idle_timeout_s is not None else UNBOUNDED_RUN_DEADLINE
+    return timeout_s + stop_s + REPLY_MARGIN
+
+
+def _exec_deadline(
+    timeout_s: float | None, idle_timeout_s: float | None, kill_grace_s: float | None, linger_s: float | None
+) -> float | None:
+    if kill_grace_s is None:
+        kill_grace_s = schema_default("exec", "kill_grace_s")
+    if linger_s is None:
+        linger_s = schema_default("exec", "linger_s")
+    return _run_deadline(timeout_s, idle_timeout_s, kill_grace_s + linger_s)
+
+
+def _code_deadline(timeout_s: float | None, interrupt_grace_s: float | None) -> float:
+    if timeout_s is None:
+        return UNBOUNDED_RUN_DEADLINE
+    if interrupt_grace_s is None:
+        interrupt_grace_s = schema_default("code.run", "interrupt_grace_s")
+    return timeout_s + interrupt_grace_s + KERNEL_MARGIN
+
+
+class _Clock:
+    """An overall ``deadline`` from now and a bound on each wait for progress (None: none)."""
+
+    def __init__(
+        self,
+        loop: asyncio.AbstractEventLoop,
+        what: str,
+        deadline: float | None,
+        progress_timeout: float | None = None,
+    ) -> None:
+        self._loop = loop
+        self._what = what
+        self._deadline = deadline
+        self._progress_timeout = progress_timeout
+        self._end = None if deadline is None else self._loop.time() + deadline
+
+    def wait_s(self) -> float | None:
+        """How long the next wait may take; raises ``timeout`` once the deadline has passed."""
+        if self._end is None:
+            return self._progress_timeout
+        left = self._end - self._loop.time()
+        if left <= 0:
+            raise GuestdError(ErrorCode.TIMEOUT, f"{self._what}: not done within the {self._deadline} s deadline")
+        return left if self._progress_timeout is None else min(left, self._progress_timeout)
+
+
+class ExecStream:
+    """A streaming exec: iterate ``(stream, bytes)`` pairs, then await :meth:`result`.
+
+    ``deadline`` (from the request) bounds the iteration and the result together.
+    """
+
+    def __init__(self, client: AsyncClient, call: Call, deadline: float | None) -> None:
         self._client = client
         self._call = call
-        self._timeout = timeout
+        self._clock = _Clock(call.conn.loop, "exec stream", deadline)
         self.pid: int | None = None
 
     def __aiter__(self) -> AsyncIterator[tuple[str, bytes]]:
         return self._iter()
 
     async def _iter(self) -> AsyncIterator[tuple[str, bytes]]:
-        loop = asyncio.get_running_loop()
-        deadline = None if self._timeout is None else loop.time() + self._timeout
         while True:
-            left = None if deadline is None else max(0.0, deadline - loop.time())
             try:
-                ev = await asyncio.wait_for(self._call.next_event(), left)
-            except TimeoutError:
-                self._client._conn._forget(self._call)
-                raise GuestdError(ErrorCode.TIMEOUT, "exec stream: no result before the client deadline") from None
+                ev = await self._call.next_event(self._clock.wait_s())
+            except GuestdError as e:
+                if e.code == ErrorCode.TIMEOUT.value:
+                    self._client._conn._forget(self._call)
+                    raise GuestdError(ErrorCode.TIMEOUT, "exec stream: no result before the client deadline") from None
+                raise
             if ev is None:
                 return
             kind = ev.get("ev")
@@ -73,27 +169,33 @@ class ExecStream:
         self._call.cancel()
 
     async def result(self) -> ExecResult:
-        return ExecResult.from_body(await self._client._conn.wait(self._call, self._timeout))
+        return ExecResult.from_body(await self._client._conn.wait(self._call, self._clock.wait_s()))
 
 
 class CodeStream:
     """A streaming code run: iterate events as they arrive, then await :meth:`result`.
 
     Events are ``("stdout"|"stderr", bytes)``, ``("result"|"display", bundle)`` and
-    ``("error", {"ename", "evalue", "traceback"})``.
+    ``("error", {"ename", "evalue", "traceback"})``. ``deadline`` (from the request) bounds
+    the iteration and the result together.
     """
 
-    def __init__(self, client: AsyncClient, call: Call, timeout: float | None) -> None:
+    def __init__(self, client: AsyncClient, call: Call, deadline: float | None) -> None:
         self._client = client
         self._call = call
-        self._timeout = timeout
+        self._clock = _Clock(call.conn.loop, "code stream", deadline)
 
     def __aiter__(self) -> AsyncIterator[tuple[str, Any]]:
         return self._iter()
 
     async def _iter(self) -> AsyncIterator[tuple[str, Any]]:
         while True:
-            ev = await self._call.next_event(self._timeout)
+            try:
+                ev = await self._call.next_event(self._clock.wait_s())
+            except GuestdError as e:
+                if e.code == ErrorCode.TIMEOUT.value:
+                    self._client._conn._forget(self._call)
+                raise
             if ev is None:
                 return
             kind = ev.get("ev")
@@ -105,7 +207,7 @@ class CodeStream:
                 yield kind, {k: ev.get(k) for k in ("ename", "evalue", "traceback")}
 
     async def result(self) -> CodeResult:
-        return CodeResult.from_body(await self._client._conn.wait(self._call, self._timeout))
+        return CodeResult.from_body(await self._client._conn.wait(self._call, self._clock.wait_s()))
 
 
 class Attach:
@@ -113,13 +215,14 @@ class Attach:
 
     A ``("lost", offset, b"")`` item says bytes before ``offset`` were overwritten in the
     ring (``lost_bytes`` keeps the count). After the loop, :meth:`result` gives the exit
-    status and the offsets to reattach from.
+    status and the offsets to reattach from. ``progress_timeout`` bounds each wait for the
+    next event (and for the final reply).
     """
 
-    def __init__(self, client: AsyncClient, call: Call, timeout: float | None) -> None:
+    def __init__(self, client: AsyncClient, call: Call, progress_timeout: float | None) -> None:
         self._client = client
         self._call = call
-        self._timeout = timeout
+        self._progress_timeout = progress_timeout
         self.lost_bytes = {"stdout": 0, "stderr": 0}
 
     def __aiter__(self) -> AsyncIterator[tuple[str, int, bytes]]:
@@ -127,7 +230,7 @@ class Attach:
 
     async def _iter(self) -> AsyncIterator[tuple[str, int, bytes]]:
         while True:
-            ev = await self._call.next_event(self._timeout)
+            ev = await self._call.next_event(self._progress_timeout)
             if ev is None:
                 return
             kind = ev.get("ev")
@@ -141,7 +244,7 @@ class Attach:
                 yield "lost", offset, b""
 
     async def result(self) -> dict[str, Any]:
-        return await self._client._conn.wait(self._call, self._timeout)
+        return await self._client._conn.wait(self._call, self._progress_timeout)
 
     def cancel(self) -> None:
         self._client._conn._forget(self._call)
@@ -159,22 +262,35 @@ class AsyncClient:
         cls,
         address: str,
         *,
-        timeout: float = 10.0,
+        connect_timeout: float = CONNECT_TIMEOUT,
         token: str | None = None,
         max_frame: int = DEFAULT_MAX_FRAME,
         stream_window: int = DEFAULT_WINDOW,
     ) -> AsyncClient:
-        sock = await open_socket(parse_address(address), timeout)
+        """``connect_timeout`` bounds connecting and the handshake, each."""
+        sock = await open_socket(parse_address(address), connect_timeout)
         conn = await ClientConnection.open(
-            sock, timeout=timeout, token=token, max_frame=max_frame, stream_window=stream_window
+            sock, handshake_timeout=connect_timeout, token=token, max_frame=max_frame, stream_window=stream_window
         )
         return cls(conn, address)
 
     @classmethod
-    async def from_socket(cls, sock: socket.socket, *, timeout: float = 10.0, token: str | None = None) -> AsyncClient:
-        """Speak the protocol over an already connected stream socket (e.g. a serial bridge)."""
+    async def from_socket(
+        cls,
+        sock: socket.socket,
+        *,
+        connect_timeout: float = CONNECT_TIMEOUT,
+        token: str | None = None,
+        max_frame: int = DEFAULT_MAX_FRAME,
+        stream_window: int = DEFAULT_WINDOW,
+    ) -> AsyncClient:
+        """Speak the protocol over an already connected stream socket (e.g. a serial bridge);
+        ``connect_timeout`` bounds the handshake."""
         sock.setblocking(False)
-        return cls(await ClientConnection.open(sock, timeout=timeout, token=token), f"socket:{sock.fileno()}")
+        conn = await ClientConnection.open(
+            sock, handshake_timeout=connect_timeout, token=token, max_frame=max_frame, stream_window=stream_window
+        )
+        return cls(conn, f"socket:{sock.fileno()}")
 
     async def __aenter__(self) -> AsyncClient:
         return self
@@ -196,17 +312,17 @@ class AsyncClient:
         return limits
 
     async def call(
-        self, op: str, args: dict[str, Any] | None = None, *, timeout: float | None = DEFAULT_TIMEOUT
+        self, op: str, args: dict[str, Any] | None = None, *, deadline: float | None = DEFAULT_DEADLINE
     ) -> dict[str, Any]:
         """Send any op (including ones this client version has no method for)."""
-        return await self._conn.request(op, args or {}, timeout)
+        return await self._conn.request(op, args or {}, deadline)
 
     # -- system ---------------------------------------------------------------------------
-    async def ping(self, *, timeout: float = 10.0) -> int:
-        return int((await self._conn.request("ping", {}, timeout))["t_ns"])
+    async def ping(self, *, deadline: float | None = 10.0) -> int:
+        return int((await self._conn.request("ping", {}, deadline))["t_ns"])
 
-    async def info(self, *, timeout: float = 10.0) -> Info:
-        b = await self._conn.request("info", {}, timeout)
+    async def info(self, *, deadline: float | None = 10.0) -> Info:
+        b = await self._conn.request("info", {}, deadline)
         return Info(b["version"], b["protocol_version"], b["capabilities"], b["boot_id"], b["uptime_s"], b)
 
     # -- exec -------------------------------------------------------------------------------
@@ -218,48 +334,33 @@ class AsyncClient:
         env: dict[str, str] | None,
         replace_env: bool,
         stdin: bytes | None,
-        timeout: float | None,
-        idle_timeout: float | None,
+        timeout_s: float | None,
+        idle_timeout_s: float | None,
         max_output: int | None,
         head_tail: bool,
-        kill_grace: float | None,
+        kill_grace_s: float | None,
+        linger_s: float | None,
         stream: bool,
-        stdin_stream: bool = False,
+        stdin_stream: bool | None = None,
     ) -> dict[str, Any]:
         args: dict[str, Any] = {"shell": cmd} if isinstance(cmd, str) else {"argv": list(cmd)}
-        if cwd is not None:
-            args["cwd"] = path_to_wire(cwd)
-        if env is not None:
-            args["env"] = env
-        if replace_env:
-            args["env_mode"] = "replace"
-        if stdin is not None:
-            args["stdin"] = stdin
-        if timeout is not None:
-            args["timeout_s"] = float(timeout)
-        if idle_timeout is not None:
-            args["idle_timeout_s"] = float(idle_timeout)
-        if max_output is not None:
-            args["max_output"] = max_output
-        if head_tail:
-            args["capture"] = "head_tail"
-        if kill_grace is not None:
-            args["kill_grace_s"] = float(kill_grace)
-        if stream:
-            args["stream"] = True
-        if stdin_stream:
-            args["stdin_stream"] = True
+        args.update(
+            present(
+                cwd=None if cwd is None else path_to_wire(cwd),
+                env=env,
+                env_mode="replace" if replace_env else None,
+                stdin=stdin,
+                timeout_s=_seconds(timeout_s),
+                idle_timeout_s=_seconds(idle_timeout_s),
+                max_output=max_output,
+                capture="head_tail" if head_tail else None,
+                kill_grace_s=_seconds(kill_grace_s),
+                linger_s=_seconds(linger_s),
+                stream=True if stream else None,
+                stdin_stream=stdin_stream,
+            )
+        )
         return args
-
-    @staticmethod
-    def _exec_deadline(
-        timeout: float | None, idle_timeout: float | None, kill_grace: float | None, client_timeout: float | None
-    ) -> float | None:
-        if client_timeout is not None:
-            return client_timeout
-        if timeout is None:
-            return None if idle_timeout is not None else DEFAULT_TIMEOUT * 12
-        return timeout + (kill_grace if kill_grace is not None else 2.0) + EXEC_MARGIN
 
     async def exec(
         self,
@@ -269,18 +370,21 @@ class AsyncClient:
         env: dict[str, str] | None = None,
         replace_env: bool = False,
         stdin: bytes | None = None,
-        timeout: float | None = None,
-        idle_timeout: float | None = None,
+        timeout_s: float | None = None,
+        idle_timeout_s: float | None = None,
         max_output: int | None = None,
         head_tail: bool = False,
-        kill_grace: float | None = None,
-        client_timeout: float | None = None,
+        kill_grace_s: float | None = None,
+        linger_s: float | None = None,
+        deadline: float | None = None,
     ) -> ExecResult:
         """Run ``cmd`` (argv list, or a string for ``/bin/sh -c``) to completion.
 
-        ``timeout``/``idle_timeout`` are enforced in the guest and end the whole
-        process tree. Without a guest timeout the client still gives up after
-        ``client_timeout`` (default: one hour) and cancels the command.
+        ``timeout_s``/``idle_timeout_s`` are enforced in the guest and end the whole
+        process tree (``kill_grace_s`` between TERM and KILL). ``deadline`` is how long the
+        client waits for the reply before it cancels the command; by default the guest's
+        timeout plus its grace, linger and a margin, one hour without a guest timeout,
+        none with only an idle timeout.
         """
         args = self._exec_args(
             cmd,
@@ -288,14 +392,16 @@ class AsyncClient:
             env=env,
             replace_env=replace_env,
             stdin=stdin,
-            timeout=timeout,
-            idle_timeout=idle_timeout,
+            timeout_s=timeout_s,
+            idle_timeout_s=idle_timeout_s,
             max_output=max_output,
             head_tail=head_tail,
-            kill_grace=kill_grace,
+            kill_grace_s=kill_grace_s,
+            linger_s=linger_s,
             stream=False,
         )
-        deadline = self._exec_deadline(timeout, idle_timeout, kill_grace, client_timeout)
+        if deadline is None:
+            deadline = _exec_deadline(timeout_s, idle_timeout_s, kill_grace_s, linger_s)
         return ExecResult.from_body(await self._conn.request("exec", args, deadline))
 
     def exec_stream(
@@ -304,38 +410,46 @@ class AsyncClient:
         *,
         cwd: WirePath | None = None,
         env: dict[str, str] | None = None,
+        replace_env: bool = False,
         stdin: bytes | None = None,
-        stdin_stream: bool = False,
-        timeout: float | None = None,
-        idle_timeout: float | None = None,
-        kill_grace: float | None = None,
-        client_timeout: float | None = None,
+        stdin_stream: bool | None = None,
+        timeout_s: float | None = None,
+        idle_timeout_s: float | None = None,
+        kill_grace_s: float | None = None,
+        linger_s: float | None = None,
+        deadline: float | None = None,
     ) -> ExecStream:
+        """Like :meth:`exec`, delivering output as it arrives (async only)."""
         args = self._exec_args(
             cmd,
             cwd=cwd,
             env=env,
-            replace_env=False,
+            replace_env=replace_env,
             stdin=stdin,
-            timeout=timeout,
-            idle_timeout=idle_timeout,
+            timeout_s=timeout_s,
+            idle_timeout_s=idle_timeout_s,
             max_output=None,
             head_tail=False,
-            kill_grace=kill_grace,
+            kill_grace_s=kill_grace_s,
+            linger_s=linger_s,
             stream=True,
             stdin_stream=stdin_stream,
         )
-        call = self._conn.start("exec", args)
-        return ExecStream(self, call, self._exec_deadline(timeout, idle_timeout, kill_grace, client_timeout))
+        if deadline is None:
+            deadline = _exec_deadline(timeout_s, idle_timeout_s, kill_grace_s, linger_s)
+        return ExecStream(self, self._conn.start("exec", args), deadline)
 
     # -- files ----------------------------------------------------------------------------
     async def read_file(
-        self, path: WirePath, *, offset: int = 0, length: int | None = None, timeout: float = DEFAULT_TIMEOUT
+        self,
+        path: WirePath,
+        *,
+        offset: int | None = None,
+        length: int | None = None,
+        deadline: float | None = DEFAULT_DEADLINE,
     ) -> bytes:
-        args: dict[str, Any] = {"path": path_to_wire(path), "offset": offset}
-        if length is not None:
-            args["length"] = length
-        data: bytes = (await self._conn.request("file.read", args, timeout))["data"]
+        args = present(path=path_to_wire(path), offset=offset, length=length)
+        data: bytes = (await self._conn.request("file.read", args, deadline))["data"]
         if length is not None and len(data) > length:
             raise GuestProtocolError("file.read returned more bytes than asked")
         return data
@@ -345,17 +459,15 @@ class AsyncClient:
         path: WirePath,
         data: bytes | str,
         *,
-        flag: str = "overwrite",
+        flag: WriteFlag | None = None,
         perm: int | None = None,
-        parents: bool = False,
-        timeout: float = DEFAULT_TIMEOUT,
+        parents: bool | None = None,
+        deadline: float | None = DEFAULT_DEADLINE,
     ) -> int:
         if isinstance(data, str):
             data = data.encode()
-        args: dict[str, Any] = {"path": path_to_wire(path), "data": data, "flag": flag, "parents": parents}
-        if perm is not None:
-            args["perm"] = perm
-        return int((await self._conn.request("file.write", args, timeout))["size"])
+        args = present(path=path_to_wire(path), data=data, flag=flag, perm=perm, parents=parents)
+        return int((await self._conn.request("file.write", args, deadline))["size"])
 
     async def upload(
         self,
@@ -363,13 +475,17 @@ class AsyncClient:
         dst: WirePath,
         *,
         perm: int | None = None,
-        parents: bool = False,
+        parents: bool | None = None,
         exclusive: bool = False,
         progress: Progress | None = None,
-        timeout: float = DEFAULT_TIMEOUT,
+        deadline: float | None = None,
+        progress_timeout: float | None = DEFAULT_DEADLINE,
     ) -> int:
-        """Stream a local file (path) or bytes to the guest path ``dst`` atomically. ``timeout`` bounds
-        each chunk's wait."""
+        """Stream a local file (path) or bytes to the guest path ``dst`` atomically.
+
+        ``deadline`` bounds the whole transfer (default: none), ``progress_timeout`` each
+        wait for the guest to take the next chunk and for its final reply.
+        """
         if isinstance(src, bytes):
             size = len(src)
             chunks: Any = (src[i : i + UPLOAD_CHUNK] for i in range(0, size, UPLOAD_CHUNK))
@@ -379,24 +495,24 @@ class AsyncClient:
             size = os.fstat(f.fileno()).st_size
             reader = f
             chunks = iter(lambda: reader.read(UPLOAD_CHUNK), b"")
-        args: dict[str, Any] = {
-            "path": path_to_wire(dst),
-            "parents": parents,
-            "size": size,
-            "flag": "create" if exclusive else "overwrite",
-        }
-        if perm is not None:
-            args["perm"] = perm
+        args = present(
+            path=path_to_wire(dst),
+            parents=parents,
+            size=size,
+            flag="create" if exclusive else None,
+            perm=perm,
+        )
         call = self._conn.start("file.upload", args)
+        clock = _Clock(self._conn.loop, "upload", deadline, progress_timeout)
         try:
             sent = 0
             for chunk in chunks:
-                await call.send_input({"data": chunk}, timeout)
+                await call.send_input({"data": chunk}, clock.wait_s())
                 sent += len(chunk)
                 if progress is not None:
                     progress(len(chunk))
-            await call.send_input({"eof": True})
-            result = await self._conn.wait(call, timeout)
+            await call.send_input({"eof": True}, clock.wait_s())
+            result = await self._conn.wait(call, clock.wait_s())
         except BaseException:
             self._conn._forget(call)
             raise
@@ -412,24 +528,26 @@ class AsyncClient:
         src: WirePath,
         dst: str | None = None,
         *,
-        offset: int = 0,
+        offset: int | None = None,
         length: int | None = None,
         max_bytes: int | None = None,
         progress: Progress | None = None,
-        timeout: float = DEFAULT_TIMEOUT,
         sink: Callable[[bytes], object] | None = None,
+        deadline: float | None = None,
+        progress_timeout: float | None = DEFAULT_DEADLINE,
     ) -> bytes | int:
         """Stream ``src`` to a local path or ``sink`` (returns bytes written) or into memory (returns bytes).
 
         In-memory downloads are capped by ``max_bytes`` (default 256 MiB) so a
-        hostile guest cannot exhaust host memory. ``timeout`` bounds each wait.
+        hostile guest cannot exhaust host memory. ``deadline`` bounds the whole transfer
+        (default: none), ``progress_timeout`` each wait for the next chunk.
         """
         to_memory = dst is None and sink is None
-        cap = max_bytes if max_bytes is not None else (256 * 1024 * 1024 if to_memory else None)
-        args: dict[str, Any] = {"path": path_to_wire(src), "offset": offset}
-        if length is not None:
-            args["length"] = length
+        cap = max_bytes if max_bytes is not None else (DOWNLOAD_MEMORY_CAP if to_memory else None)
+        first = offset if offset is not None else int(schema_default("file.download", "offset"))
+        args = present(path=path_to_wire(src), offset=offset, length=length)
         call = self._conn.start("file.download", args)
+        clock = _Clock(self._conn.loop, "download", deadline, progress_timeout)
         part = dst + ".part" if dst is not None else None
         out = open(part, "wb") if part is not None else None  # noqa: SIM115
         buf = bytearray()
@@ -437,11 +555,11 @@ class AsyncClient:
         expected: int | None = None
         try:
             while True:
-                ev = await call.next_event(timeout)
+                ev = await call.next_event(clock.wait_s())
                 if ev is None:
                     break
                 if ev.get("ev") == "start" and isinstance(ev.get("size"), int):
-                    expected = max(0, ev["size"] - offset)
+                    expected = max(0, ev["size"] - first)
                     if length is not None:
                         expected = min(expected, length)
                     continue
@@ -459,7 +577,7 @@ class AsyncClient:
                     buf += data
                 if progress is not None:
                     progress(len(data))
-            result = await self._conn.wait(call, timeout)
+            result = await self._conn.wait(call, clock.wait_s())
             if result["bytes"] != got:
                 raise GuestProtocolError(f"download: guest reports {result['bytes']} bytes, received {got}")
             if out is not None:
@@ -478,13 +596,16 @@ class AsyncClient:
                 out = None
             raise
 
-    async def stat(self, path: WirePath, *, follow: bool = True, timeout: float = DEFAULT_TIMEOUT) -> FileStat:
-        args = {"path": path_to_wire(path), "follow": follow}
-        return FileStat.from_body(await self._conn.request("file.stat", args, timeout))
+    async def stat(
+        self, path: WirePath, *, follow: bool | None = None, deadline: float | None = DEFAULT_DEADLINE
+    ) -> FileStat:
+        args = present(path=path_to_wire(path), follow=follow)
+        return FileStat.from_body(await self._conn.request("file.stat", args, deadline))
 
-    async def exists(self, path: WirePath) -> bool:
+    async def exists(self, path: WirePath, *, deadline: float | None = DEFAULT_DEADLINE) -> bool:
+        """Whether ``path`` exists (a dangling symlink does)."""
         try:
-            await self.stat(path, follow=False)
+            await self.stat(path, follow=False, deadline=deadline)
             return True
         except GuestdError as e:
             if e.code == ErrorCode.NOT_FOUND.value:
@@ -492,14 +613,12 @@ class AsyncClient:
             raise
 
     async def listdir(
-        self, path: WirePath, *, max_entries: int | None = None, timeout: float = DEFAULT_TIMEOUT
+        self, path: WirePath, *, max_entries: int | None = None, deadline: float | None = DEFAULT_DEADLINE
     ) -> DirListing:
         """The first entries in order of their names as bytes. A name is a str, or bytes when it
         is not UTF-8 (pass it back as it is to name that entry)."""
-        args: dict[str, Any] = {"path": path_to_wire(path)}
-        if max_entries is not None:
-            args["max_entries"] = max_entries
-        b = await self._conn.request("file.list", args, timeout)
+        args = present(path=path_to_wire(path), max_entries=max_entries)
+        b = await self._conn.request("file.list", args, deadline)
         entries = b["entries"]
         if not isinstance(entries, list):
             raise GuestProtocolError("file.list: entries is not a list")
@@ -515,20 +634,32 @@ class AsyncClient:
         return DirListing(out, bool(b["truncated"]), int(b["total"]))
 
     async def mkdir(
-        self, path: WirePath, *, parents: bool = True, perm: int = 0o755, timeout: float = DEFAULT_TIMEOUT
+        self,
+        path: WirePath,
+        *,
+        parents: bool | None = None,
+        perm: int | None = None,
+        deadline: float | None = DEFAULT_DEADLINE,
     ) -> bool:
-        args = {"path": path_to_wire(path), "parents": parents, "perm": perm}
-        return bool((await self._conn.request("file.mkdir", args, timeout))["created"])
+        args = present(path=path_to_wire(path), parents=parents, perm=perm)
+        return bool((await self._conn.request("file.mkdir", args, deadline))["created"])
 
-    async def remove(self, path: WirePath, *, recursive: bool = False, timeout: float = DEFAULT_TIMEOUT) -> int:
-        args = {"path": path_to_wire(path), "recursive": recursive}
-        return int((await self._conn.request("file.remove", args, timeout))["removed"])
+    async def remove(
+        self, path: WirePath, *, recursive: bool | None = None, deadline: float | None = DEFAULT_DEADLINE
+    ) -> int:
+        args = present(path=path_to_wire(path), recursive=recursive)
+        return int((await self._conn.request("file.remove", args, deadline))["removed"])
 
     async def rename(
-        self, src: WirePath, dst: WirePath, *, overwrite: bool = True, timeout: float = DEFAULT_TIMEOUT
+        self,
+        src: WirePath,
+        dst: WirePath,
+        *,
+        overwrite: bool | None = None,
+        deadline: float | None = DEFAULT_DEADLINE,
     ) -> None:
-        args = {"src": path_to_wire(src), "dst": path_to_wire(dst), "overwrite": overwrite}
-        await self._conn.request("file.rename", args, timeout)
+        args = present(src=path_to_wire(src), dst=path_to_wire(dst), overwrite=overwrite)
+        await self._conn.request("file.rename", args, deadline)
 
     # -- code contexts --------------------------------------------------------------------
     async def code_create(
@@ -537,139 +668,167 @@ class AsyncClient:
         cwd: WirePath | None = None,
         env: dict[str, str] | None = None,
         name: str | None = None,
-        timeout: float = 120.0,
+        deadline: float | None = 120.0,
     ) -> dict[str, Any]:
         """Create a Python context (returns ``{"id", "name", "pid", "pooled", "existing"}``)."""
         wire_cwd = None if cwd is None else path_to_wire(cwd)
-        return await self._conn.request("code.create", present(cwd=wire_cwd, env=env, name=name), timeout)
+        return await self._conn.request("code.create", present(cwd=wire_cwd, env=env, name=name), deadline)
 
     async def code_run(
         self,
         code: str,
         *,
         context: str | None = None,
-        timeout: float | None = None,
-        interrupt_grace: float | None = None,
+        timeout_s: float | None = None,
+        interrupt_grace_s: float | None = None,
         input_lines: list[str] | None = None,
-        strip_ansi: bool = False,
+        strip_ansi: bool | None = None,
         max_output: int | None = None,
-        client_timeout: float | None = None,
+        deadline: float | None = None,
     ) -> CodeResult:
-        """Run a cell; without ``context`` the daemon's "default" context (made on first use)."""
-        args: dict[str, Any] = {"code": code, "strip_ansi": strip_ansi}
-        if context is not None:
-            args["context"] = context
-        if timeout is not None:
-            args["timeout_s"] = float(timeout)
-        if interrupt_grace is not None:
-            args["interrupt_grace_s"] = float(interrupt_grace)
-        if input_lines is not None:
-            args["input_lines"] = input_lines
-        if max_output is not None:
-            args["max_output"] = max_output
-        if client_timeout is None:
-            # A kernel start (default context), the run, an interrupt grace and a restart.
-            client_timeout = (
-                (timeout + (interrupt_grace or 2.0) + 120.0) if timeout is not None else DEFAULT_TIMEOUT * 12
-            )
-        return CodeResult.from_body(await self._conn.request("code.run", args, client_timeout))
+        """Run a cell; without ``context`` the daemon's "default" context (made on first use).
+
+        ``timeout_s`` is enforced in the guest (an interrupt, then a restart after
+        ``interrupt_grace_s``). ``deadline`` defaults to that plus a kernel start and restart,
+        one hour without a guest timeout.
+        """
+        args = present(
+            code=code,
+            context=context,
+            timeout_s=_seconds(timeout_s),
+            interrupt_grace_s=_seconds(interrupt_grace_s),
+            input_lines=input_lines,
+            strip_ansi=strip_ansi,
+            max_output=max_output,
+        )
+        if deadline is None:
+            deadline = _code_deadline(timeout_s, interrupt_grace_s)
+        return CodeResult.from_body(await self._conn.request("code.run", args, deadline))
 
     def code_run_stream(
         self,
         code: str,
         *,
         context: str | None = None,
-        timeout: float | None = None,
-        strip_ansi: bool = False,
-        client_timeout: float | None = None,
+        timeout_s: float | None = None,
+        interrupt_grace_s: float | None = None,
+        strip_ansi: bool | None = None,
+        deadline: float | None = None,
     ) -> CodeStream:
-        """Like :meth:`code_run`, delivering output and rich results as they arrive."""
-        args: dict[str, Any] = {"code": code, "strip_ansi": strip_ansi, "stream": True}
-        if context is not None:
-            args["context"] = context
-        if timeout is not None:
-            args["timeout_s"] = float(timeout)
-        if client_timeout is None:
-            client_timeout = (timeout + 122.0) if timeout is not None else DEFAULT_TIMEOUT * 12
-        return CodeStream(self, self._conn.start("code.run", args), client_timeout)
+        """Like :meth:`code_run`, delivering output and rich results as they arrive (async only)."""
+        args = present(
+            code=code,
+            context=context,
+            timeout_s=_seconds(timeout_s),
+            interrupt_grace_s=_seconds(interrupt_grace_s),
+            strip_ansi=strip_ansi,
+            stream=True,
+        )
+        if deadline is None:
+            deadline = _code_deadline(timeout_s, interrupt_grace_s)
+        return CodeStream(self, self._conn.start("code.run", args), deadline)
 
-    async def code_interrupt(self, context: str, *, timeout: float = 30.0) -> None:
-        await self._conn.request("code.interrupt", {"context": context}, timeout)
+    async def code_interrupt(self, context: str, *, deadline: float | None = 30.0) -> None:
+        await self._conn.request("code.interrupt", {"context": context}, deadline)
 
-    async def code_restart(self, context: str, *, timeout: float = 120.0) -> int:
-        return int((await self._conn.request("code.restart", {"context": context}, timeout))["pid"])
+    async def code_restart(self, context: str, *, deadline: float | None = 120.0) -> int:
+        return int((await self._conn.request("code.restart", {"context": context}, deadline))["pid"])
 
-    async def code_close(self, context: str, *, timeout: float = 30.0) -> None:
-        await self._conn.request("code.close", {"context": context}, timeout)
+    async def code_close(self, context: str, *, deadline: float | None = 30.0) -> None:
+        await self._conn.request("code.close", {"context": context}, deadline)
 
-    async def code_list(self, *, timeout: float = 30.0) -> list[dict[str, Any]]:
-        contexts = (await self._conn.request("code.list", {}, timeout))["contexts"]
+    async def code_list(self, *, deadline: float | None = 30.0) -> list[dict[str, Any]]:
+        contexts = (await self._conn.request("code.list", {}, deadline))["contexts"]
         return [c for c in contexts if isinstance(c, dict)] if isinstance(contexts, list) else []
 
     # -- background processes ---------------------------------------------------------------
+    # ``process_id`` is guestd's id of a background process ("p1", ...), not the OS pid.
     async def process_start(
         self,
         cmd: list[str] | str,
         *,
         cwd: WirePath | None = None,
         env: dict[str, str] | None = None,
-        stdin: bool = False,
-        pty: bool = False,
-        rows: int = 24,
-        cols: int = 80,
+        stdin: bool | None = None,
+        pty: bool | None = None,
+        rows: int | None = None,
+        cols: int | None = None,
         ring_bytes: int | None = None,
-        timeout: float = DEFAULT_TIMEOUT,
+        deadline: float | None = DEFAULT_DEADLINE,
     ) -> dict[str, Any]:
-        """Start a detached process; returns ``{"id", "pid"}`` at once."""
+        """Start a detached process; returns ``{"id", "pid"}`` (its process id and OS pid) at once."""
         args: dict[str, Any] = {"shell": cmd} if isinstance(cmd, str) else {"argv": list(cmd)}
-        args.update({"stdin": stdin, "pty": pty, "rows": rows, "cols": cols})
-        if cwd is not None:
-            args["cwd"] = path_to_wire(cwd)
-        if env is not None:
-            args["env"] = env
-        if ring_bytes is not None:
-            args["ring_bytes"] = ring_bytes
-        return await self._conn.request("process.start", args, timeout)
+        wire_cwd = None if cwd is None else path_to_wire(cwd)
+        args.update(present(cwd=wire_cwd, env=env, stdin=stdin, pty=pty, rows=rows, cols=cols, ring_bytes=ring_bytes))
+        return await self._conn.request("process.start", args, deadline)
 
-    async def process_list(self, *, timeout: float = DEFAULT_TIMEOUT) -> list[dict[str, Any]]:
-        procs = (await self._conn.request("process.list", {}, timeout))["processes"]
+    async def process_list(self, *, deadline: float | None = DEFAULT_DEADLINE) -> list[dict[str, Any]]:
+        procs = (await self._conn.request("process.list", {}, deadline))["processes"]
         return [p for p in procs if isinstance(p, dict)] if isinstance(procs, list) else []
 
     def attach(
         self,
-        pid_id: str,
+        process_id: str,
         *,
-        stdout_from: int = 0,
-        stderr_from: int = 0,
-        follow: bool = True,
-        timeout: float | None = None,
+        stdout_from: int | None = None,
+        stderr_from: int | None = None,
+        follow: bool | None = None,
+        progress_timeout: float | None = None,
     ) -> Attach:
-        """Stream output from the given offsets (``timeout`` bounds each wait for the next event)."""
-        args = {"id": pid_id, "stdout_from": stdout_from, "stderr_from": stderr_from, "follow": follow}
-        return Attach(self, self._conn.start("process.attach", args), timeout)
+        """Stream output from the given offsets (async only; ``progress_timeout`` bounds each wait
+        for the next event)."""
+        args = present(id=process_id, stdout_from=stdout_from, stderr_from=stderr_from, follow=follow)
+        return Attach(self, self._conn.start("process.attach", args), progress_timeout)
 
-    async def process_wait(self, pid_id: str, timeout: float | None = None) -> dict[str, Any]:
-        args: dict[str, Any] = {"id": pid_id}
-        if timeout is not None:
-            args["timeout_s"] = float(timeout)
-        client_timeout = None if timeout is None else timeout + EXEC_MARGIN
-        return await self._conn.request("process.wait", args, client_timeout)
+    async def process_output(
+        self,
+        process_id: str,
+        *,
+        stdout_from: int | None = None,
+        stderr_from: int | None = None,
+        follow: bool | None = None,
+        progress_timeout: float | None = None,
+    ) -> tuple[bytes, bytes, dict[str, Any]]:
+        """Everything :meth:`attach` delivers (stdout, stderr, final status); follows until exit
+        by default."""
+        a = self.attach(
+            process_id,
+            stdout_from=stdout_from,
+            stderr_from=stderr_from,
+            follow=follow,
+            progress_timeout=progress_timeout,
+        )
+        out = {"stdout": bytearray(), "stderr": bytearray()}
+        async for name, _, data in a:
+            if name in out:
+                out[name] += data
+        return bytes(out["stdout"]), bytes(out["stderr"]), await a.result()
 
-    async def process_signal(self, pid_id: str, sig: str | int = "TERM", *, timeout: float = 30.0) -> None:
-        await self._conn.request("process.signal", {"id": pid_id, "signal": str(sig)}, timeout)
+    async def process_wait(
+        self, process_id: str, *, timeout_s: float | None = None, deadline: float | None = None
+    ) -> dict[str, Any]:
+        """Wait for exit; the guest answers ``timed_out: true`` after ``timeout_s``.
+        ``deadline`` defaults to that plus a margin, and to none without ``timeout_s``."""
+        args = present(id=process_id, timeout_s=_seconds(timeout_s))
+        if deadline is None and timeout_s is not None:
+            deadline = timeout_s + REPLY_MARGIN
+        return await self._conn.request("process.wait", args, deadline)
 
-    async def process_write(self, pid_id: str, data: bytes | str, *, timeout: float = 60.0) -> int:
+    async def process_signal(self, process_id: str, sig: str | int = "TERM", *, deadline: float | None = 30.0) -> None:
+        await self._conn.request("process.signal", {"id": process_id, "signal": str(sig)}, deadline)
+
+    async def process_write(self, process_id: str, data: bytes | str, *, deadline: float | None = 60.0) -> int:
         raw = data.encode() if isinstance(data, str) else data
-        return int((await self._conn.request("process.write", {"id": pid_id, "data": raw}, timeout))["written"])
+        return int((await self._conn.request("process.write", {"id": process_id, "data": raw}, deadline))["written"])
 
-    async def process_close_stdin(self, pid_id: str, *, timeout: float = 30.0) -> None:
-        await self._conn.request("process.close_stdin", {"id": pid_id}, timeout)
+    async def process_close_stdin(self, process_id: str, *, deadline: float | None = 30.0) -> None:
+        await self._conn.request("process.close_stdin", {"id": process_id}, deadline)
 
-    async def process_resize(self, pid_id: str, rows: int, cols: int, *, timeout: float = 30.0) -> None:
-        await self._conn.request("process.resize", {"id": pid_id, "rows": rows, "cols": cols}, timeout)
+    async def process_resize(self, process_id: str, rows: int, cols: int, *, deadline: float | None = 30.0) -> None:
+        await self._conn.request("process.resize", {"id": process_id, "rows": rows, "cols": cols}, deadline)
 
-    async def process_forget(self, pid_id: str, *, timeout: float = 30.0) -> None:
-        await self._conn.request("process.forget", {"id": pid_id}, timeout)
+    async def process_forget(self, process_id: str, *, deadline: float | None = 30.0) -> None:
+        await self._conn.request("process.forget", {"id": process_id}, deadline)
 
     # -- shell sessions -----------------------------------------------------------------------
     async def shell_create(
@@ -678,10 +837,10 @@ class AsyncClient:
         cwd: WirePath | None = None,
         env: dict[str, str] | None = None,
         name: str | None = None,
-        timeout: float = 60.0,
+        deadline: float | None = 60.0,
     ) -> dict[str, Any]:
         wire_cwd = None if cwd is None else path_to_wire(cwd)
-        return await self._conn.request("shell.create", present(cwd=wire_cwd, env=env, name=name), timeout)
+        return await self._conn.request("shell.create", present(cwd=wire_cwd, env=env, name=name), deadline)
 
     async def shell_run(
         self,
@@ -689,42 +848,50 @@ class AsyncClient:
         command: str,
         *,
         input: bytes | None = None,
-        timeout: float | None = None,
-        idle_timeout: float | None = None,
+        timeout_s: float | None = None,
+        idle_timeout_s: float | None = None,
         max_output: int | None = None,
         head_tail: bool = False,
-        client_timeout: float | None = None,
+        deadline: float | None = None,
     ) -> ShellResult:
-        """Run a command in a persistent bash session (cd, variables, venvs persist)."""
-        args: dict[str, Any] = {"id": session, "command": command}
-        if input is not None:
-            args["input"] = input
-        if timeout is not None:
-            args["timeout_s"] = float(timeout)
-        if idle_timeout is not None:
-            args["idle_timeout_s"] = float(idle_timeout)
-        if max_output is not None:
-            args["max_output"] = max_output
-        if head_tail:
-            args["capture"] = "head_tail"
-        if client_timeout is None:
-            client_timeout = self._exec_deadline(timeout, idle_timeout, 5.0, None)
-        return ShellResult.from_body(await self._conn.request("shell.run", args, client_timeout))
+        """Run a command in a persistent bash session (cd, variables, venvs persist).
 
-    async def shell_list(self, *, timeout: float = 30.0) -> list[dict[str, Any]]:
-        sessions = (await self._conn.request("shell.list", {}, timeout))["sessions"]
+        ``timeout_s``/``idle_timeout_s`` are enforced in the guest; ``deadline`` defaults
+        to the guest's timeout plus the time to stop the command and a margin."""
+        args = present(
+            id=session,
+            command=command,
+            input=input,
+            timeout_s=_seconds(timeout_s),
+            idle_timeout_s=_seconds(idle_timeout_s),
+            max_output=max_output,
+            capture="head_tail" if head_tail else None,
+        )
+        if deadline is None:
+            deadline = _run_deadline(timeout_s, idle_timeout_s, SHELL_STOP_S)
+        return ShellResult.from_body(await self._conn.request("shell.run", args, deadline))
+
+    async def shell_list(self, *, deadline: float | None = 30.0) -> list[dict[str, Any]]:
+        sessions = (await self._conn.request("shell.list", {}, deadline))["sessions"]
         return [s for s in sessions if isinstance(s, dict)] if isinstance(sessions, list) else []
 
-    async def shell_close(self, session: str, *, timeout: float = 30.0) -> None:
-        await self._conn.request("shell.close", {"id": session}, timeout)
+    async def shell_close(self, session: str, *, deadline: float | None = 30.0) -> None:
+        await self._conn.request("shell.close", {"id": session}, deadline)
 
     # -- snapshots ----------------------------------------------------------------------------
-    async def snapshot_prepare(self, *, quiesce: bool = False, timeout: float = 120.0) -> dict[str, Any]:
-        """Call before pausing/snapshotting the VM."""
-        return await self._conn.request("snapshot.prepare", {"quiesce": quiesce, "timeout_s": timeout / 2}, timeout)
+    async def snapshot_prepare(
+        self, *, quiesce: bool | None = None, timeout_s: float | None = None, deadline: float | None = None
+    ) -> dict[str, Any]:
+        """Call before pausing/snapshotting the VM. ``timeout_s`` is how long the guest waits
+        for in-flight writes; ``deadline`` defaults to that plus time for the sync after it."""
+        args = present(quiesce=quiesce, timeout_s=_seconds(timeout_s))
+        if deadline is None:
+            wait_s = timeout_s if timeout_s is not None else schema_default("snapshot.prepare", "timeout_s")
+            deadline = wait_s + PREPARE_MARGIN
+        return await self._conn.request("snapshot.prepare", args, deadline)
 
-    async def snapshot_resume(self, *, timeout: float = 30.0) -> None:
-        await self._conn.request("snapshot.resume", {}, timeout)
+    async def snapshot_resume(self, *, deadline: float | None = 30.0) -> None:
+        await self._conn.request("snapshot.resume", {}, deadline)
 
     async def restore(
         self,
@@ -737,16 +904,13 @@ class AsyncClient:
         hostname: str | None = None,
         env: dict[str, str] | None = None,
         token: str | None = None,
-        timeout: float = 120.0,
+        deadline: float | None = 120.0,
     ) -> dict[str, Any]:
         """Call first thing after every restore/clone. Defaults: the next generation, a fresh
         nonce, this host's clock and 64 bytes from os.urandom."""
         if generation is None:
             generation = int((await self.info()).raw["snapshot"]["generation"]) + 1
-        identity: dict[str, Any] = {}
-        for key, value in (("sandbox_id", sandbox_id), ("hostname", hostname), ("env", env), ("token", token)):
-            if value is not None:
-                identity[key] = value
+        identity = present(sandbox_id=sandbox_id, hostname=hostname, env=env, token=token)
         args: dict[str, Any] = {
             "generation": generation,
             "nonce": nonce or os.urandom(16).hex(),
@@ -755,4 +919,4 @@ class AsyncClient:
         }
         if identity:
             args["identity"] = identity
-        return await self._conn.request("snapshot.restore", args, timeout)
+        return await self._conn.request("snapshot.restore", args, deadline)

@@ -205,7 +205,7 @@ class ClientConnection(asyncio.Protocol):
         cls,
         sock: socket.socket,
         *,
-        timeout: float,
+        handshake_timeout: float,
         token: str | None = None,
         max_frame: int = DEFAULT_MAX_FRAME,
         stream_window: int = DEFAULT_WINDOW,
@@ -216,10 +216,10 @@ class ClientConnection(asyncio.Protocol):
         else:
             _, proto = await loop.create_connection(lambda: cls(max_frame, stream_window), sock=sock)
         try:
-            await asyncio.wait_for(proto._handshake(token), timeout)
+            await asyncio.wait_for(proto._handshake(token), handshake_timeout)
         except TimeoutError:
             proto.close()
-            raise GuestdError(ErrorCode.TIMEOUT, f"no handshake reply within {timeout} s") from None
+            raise GuestdError(ErrorCode.TIMEOUT, f"no handshake reply within {handshake_timeout} s") from None
         except BaseException:
             proto.close()
             raise
@@ -336,11 +336,11 @@ class ClientConnection(asyncio.Protocol):
         self.flush()
         return call
 
-    async def wait(self, call: Call, timeout: float | None) -> dict[str, Any]:
+    async def wait(self, call: Call, deadline: float | None) -> dict[str, Any]:
         """Await the final reply; on our deadline cancel the request in the guest too."""
         handle = None
-        if timeout is not None:
-            handle = asyncio.get_running_loop().call_later(timeout, self._expire, call, timeout)
+        if deadline is not None:
+            handle = asyncio.get_running_loop().call_later(deadline, self._expire, call, deadline)
         try:
             return await call.future
         except asyncio.CancelledError:
@@ -350,11 +350,13 @@ class ClientConnection(asyncio.Protocol):
             if handle is not None:
                 handle.cancel()
 
-    def _expire(self, call: Call, timeout: float) -> None:
+    def _expire(self, call: Call, deadline: float) -> None:
         if call.future.done():
             return
         self._drop(call)
-        call.finish(None, GuestdError(ErrorCode.TIMEOUT, f"{call.op}: no reply within {timeout} s (request cancelled)"))
+        call.finish(
+            None, GuestdError(ErrorCode.TIMEOUT, f"{call.op}: no reply within {deadline} s (request cancelled)")
+        )
 
     def _drop(self, call: Call) -> None:
         """Cancel ``call`` in the guest and ignore whatever it still sends."""
@@ -370,5 +372,5 @@ class ClientConnection(asyncio.Protocol):
             call.future.cancel()
             call._wake()
 
-    async def request(self, op: str, args: dict[str, Any], timeout: float | None) -> dict[str, Any]:
-        return await self.wait(self.start(op, args), timeout)
+    async def request(self, op: str, args: dict[str, Any], deadline: float | None) -> dict[str, Any]:
+        return await self.wait(self.start(op, args), deadline)

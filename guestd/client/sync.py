@@ -1,15 +1,25 @@
-"""Blocking client: the asyncio client driven on a private event-loop thread."""
+"""Blocking client: the asyncio client driven on a private event-loop thread.
+
+:class:`Client` has every value-returning method of :class:`~guestd.client.aio.AsyncClient`
+with the same name, parameters, defaults and return type (``tests/test_client_surface.py``
+holds them equal); see :mod:`guestd.client.aio` for how timeouts and deadlines are named and
+for defaults (None: the guest applies the schema's default). The streaming calls
+(``exec_stream``, ``code_run_stream``, ``attach``) are async only: use :attr:`Client.aio`
+from async code, or :meth:`Client.process_output` to collect what an attach delivers.
+"""
 
 from __future__ import annotations
 
 import asyncio
 import socket
 import threading
-from collections.abc import Coroutine
+from collections.abc import Callable, Coroutine
 from typing import Any, TypeVar
 
-from guestd.client.aio import AsyncClient
+from guestd.client.aio import CONNECT_TIMEOUT, DEFAULT_DEADLINE, AsyncClient, Progress, WriteFlag
+from guestd.client.connection import DEFAULT_WINDOW
 from guestd.client.results import CodeResult, DirListing, ExecResult, FileStat, Info, ShellResult
+from guestd.wire.frames import DEFAULT_MAX_FRAME
 from guestd.wire.paths import WirePath
 
 T = TypeVar("T")
@@ -19,18 +29,42 @@ class Client:
     """``with Client("unix:/run/guestd.sock") as c: c.exec(["ls"])``"""
 
     def __init__(
-        self, address: str, *, timeout: float = 10.0, token: str | None = None, sock: socket.socket | None = None
+        self,
+        address: str,
+        *,
+        connect_timeout: float = CONNECT_TIMEOUT,
+        token: str | None = None,
+        max_frame: int = DEFAULT_MAX_FRAME,
+        stream_window: int = DEFAULT_WINDOW,
+        sock: socket.socket | None = None,
     ) -> None:
         """Connect to ``address``; or, with ``sock``, speak over an already connected stream socket
-        (QEMU's chardev socket behind a virtio-serial port, for example)."""
+        (QEMU's chardev socket behind a virtio-serial port, for example). ``connect_timeout``
+        bounds connecting and the handshake."""
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, name="guestd-client", daemon=True)
         self._thread.start()
         try:
             if sock is not None:
-                self._aio: AsyncClient = self._run(AsyncClient.from_socket(sock, timeout=timeout, token=token))
+                self._aio: AsyncClient = self._run(
+                    AsyncClient.from_socket(
+                        sock,
+                        connect_timeout=connect_timeout,
+                        token=token,
+                        max_frame=max_frame,
+                        stream_window=stream_window,
+                    )
+                )
             else:
-                self._aio = self._run(AsyncClient.connect(address, timeout=timeout, token=token))
+                self._aio = self._run(
+                    AsyncClient.connect(
+                        address,
+                        connect_timeout=connect_timeout,
+                        token=token,
+                        max_frame=max_frame,
+                        stream_window=stream_window,
+                    )
+                )
         except BaseException:
             self._stop()
             raise
@@ -44,14 +78,6 @@ class Client:
         if not self._thread.is_alive():
             self._loop.close()
 
-    def close(self) -> None:
-        if self._loop.is_closed():
-            return
-        try:
-            self._run(self._aio.close())
-        finally:
-            self._stop()
-
     def __enter__(self) -> Client:
         return self
 
@@ -60,122 +86,361 @@ class Client:
 
     @property
     def aio(self) -> AsyncClient:
+        """The asyncio client underneath; its coroutines must run on this client's loop thread."""
         return self._aio
 
-    def call(self, op: str, args: dict[str, Any] | None = None, **kw: Any) -> dict[str, Any]:
-        return self._run(self._aio.call(op, args, **kw))
+    def close(self) -> None:
+        if self._loop.is_closed():
+            return
+        try:
+            self._run(self._aio.close())
+        finally:
+            self._stop()
 
-    def ping(self, **kw: Any) -> int:
-        return self._run(self._aio.ping(**kw))
+    def call(
+        self, op: str, args: dict[str, Any] | None = None, *, deadline: float | None = DEFAULT_DEADLINE
+    ) -> dict[str, Any]:
+        return self._run(self._aio.call(op, args, deadline=deadline))
 
-    def info(self, **kw: Any) -> Info:
-        return self._run(self._aio.info(**kw))
+    def ping(self, *, deadline: float | None = 10.0) -> int:
+        return self._run(self._aio.ping(deadline=deadline))
 
-    def exec(self, cmd: list[str] | str, **kw: Any) -> ExecResult:
-        return self._run(self._aio.exec(cmd, **kw))
+    def info(self, *, deadline: float | None = 10.0) -> Info:
+        return self._run(self._aio.info(deadline=deadline))
 
-    def read_file(self, path: WirePath, **kw: Any) -> bytes:
-        return self._run(self._aio.read_file(path, **kw))
+    def exec(
+        self,
+        cmd: list[str] | str,
+        *,
+        cwd: WirePath | None = None,
+        env: dict[str, str] | None = None,
+        replace_env: bool = False,
+        stdin: bytes | None = None,
+        timeout_s: float | None = None,
+        idle_timeout_s: float | None = None,
+        max_output: int | None = None,
+        head_tail: bool = False,
+        kill_grace_s: float | None = None,
+        linger_s: float | None = None,
+        deadline: float | None = None,
+    ) -> ExecResult:
+        return self._run(
+            self._aio.exec(
+                cmd,
+                cwd=cwd,
+                env=env,
+                replace_env=replace_env,
+                stdin=stdin,
+                timeout_s=timeout_s,
+                idle_timeout_s=idle_timeout_s,
+                max_output=max_output,
+                head_tail=head_tail,
+                kill_grace_s=kill_grace_s,
+                linger_s=linger_s,
+                deadline=deadline,
+            )
+        )
 
-    def write_file(self, path: WirePath, data: bytes | str, **kw: Any) -> int:
-        return self._run(self._aio.write_file(path, data, **kw))
+    def read_file(
+        self,
+        path: WirePath,
+        *,
+        offset: int | None = None,
+        length: int | None = None,
+        deadline: float | None = DEFAULT_DEADLINE,
+    ) -> bytes:
+        return self._run(self._aio.read_file(path, offset=offset, length=length, deadline=deadline))
 
-    def upload(self, src: str | bytes, dst: WirePath, **kw: Any) -> int:
-        return self._run(self._aio.upload(src, dst, **kw))
+    def write_file(
+        self,
+        path: WirePath,
+        data: bytes | str,
+        *,
+        flag: WriteFlag | None = None,
+        perm: int | None = None,
+        parents: bool | None = None,
+        deadline: float | None = DEFAULT_DEADLINE,
+    ) -> int:
+        return self._run(self._aio.write_file(path, data, flag=flag, perm=perm, parents=parents, deadline=deadline))
 
-    def download(self, src: WirePath, dst: str | None = None, **kw: Any) -> bytes | int:
-        return self._run(self._aio.download(src, dst, **kw))
+    def upload(
+        self,
+        src: str | bytes,
+        dst: WirePath,
+        *,
+        perm: int | None = None,
+        parents: bool | None = None,
+        exclusive: bool = False,
+        progress: Progress | None = None,
+        deadline: float | None = None,
+        progress_timeout: float | None = DEFAULT_DEADLINE,
+    ) -> int:
+        return self._run(
+            self._aio.upload(
+                src,
+                dst,
+                perm=perm,
+                parents=parents,
+                exclusive=exclusive,
+                progress=progress,
+                deadline=deadline,
+                progress_timeout=progress_timeout,
+            )
+        )
 
-    def stat(self, path: WirePath, **kw: Any) -> FileStat:
-        return self._run(self._aio.stat(path, **kw))
+    def download(
+        self,
+        src: WirePath,
+        dst: str | None = None,
+        *,
+        offset: int | None = None,
+        length: int | None = None,
+        max_bytes: int | None = None,
+        progress: Progress | None = None,
+        sink: Callable[[bytes], object] | None = None,
+        deadline: float | None = None,
+        progress_timeout: float | None = DEFAULT_DEADLINE,
+    ) -> bytes | int:
+        return self._run(
+            self._aio.download(
+                src,
+                dst,
+                offset=offset,
+                length=length,
+                max_bytes=max_bytes,
+                progress=progress,
+                sink=sink,
+                deadline=deadline,
+                progress_timeout=progress_timeout,
+            )
+        )
 
-    def exists(self, path: WirePath) -> bool:
-        return self._run(self._aio.exists(path))
+    def stat(
+        self, path: WirePath, *, follow: bool | None = None, deadline: float | None = DEFAULT_DEADLINE
+    ) -> FileStat:
+        return self._run(self._aio.stat(path, follow=follow, deadline=deadline))
 
-    def listdir(self, path: WirePath, **kw: Any) -> DirListing:
-        return self._run(self._aio.listdir(path, **kw))
+    def exists(self, path: WirePath, *, deadline: float | None = DEFAULT_DEADLINE) -> bool:
+        return self._run(self._aio.exists(path, deadline=deadline))
 
-    def mkdir(self, path: WirePath, **kw: Any) -> bool:
-        return self._run(self._aio.mkdir(path, **kw))
+    def listdir(
+        self, path: WirePath, *, max_entries: int | None = None, deadline: float | None = DEFAULT_DEADLINE
+    ) -> DirListing:
+        return self._run(self._aio.listdir(path, max_entries=max_entries, deadline=deadline))
 
-    def remove(self, path: WirePath, **kw: Any) -> int:
-        return self._run(self._aio.remove(path, **kw))
+    def mkdir(
+        self,
+        path: WirePath,
+        *,
+        parents: bool | None = None,
+        perm: int | None = None,
+        deadline: float | None = DEFAULT_DEADLINE,
+    ) -> bool:
+        return self._run(self._aio.mkdir(path, parents=parents, perm=perm, deadline=deadline))
 
-    def rename(self, src: WirePath, dst: WirePath, **kw: Any) -> None:
-        self._run(self._aio.rename(src, dst, **kw))
+    def remove(
+        self, path: WirePath, *, recursive: bool | None = None, deadline: float | None = DEFAULT_DEADLINE
+    ) -> int:
+        return self._run(self._aio.remove(path, recursive=recursive, deadline=deadline))
 
-    def code_create(self, **kw: Any) -> dict[str, Any]:
-        return self._run(self._aio.code_create(**kw))
+    def rename(
+        self,
+        src: WirePath,
+        dst: WirePath,
+        *,
+        overwrite: bool | None = None,
+        deadline: float | None = DEFAULT_DEADLINE,
+    ) -> None:
+        self._run(self._aio.rename(src, dst, overwrite=overwrite, deadline=deadline))
 
-    def code_run(self, code: str, **kw: Any) -> CodeResult:
-        return self._run(self._aio.code_run(code, **kw))
+    def code_create(
+        self,
+        *,
+        cwd: WirePath | None = None,
+        env: dict[str, str] | None = None,
+        name: str | None = None,
+        deadline: float | None = 120.0,
+    ) -> dict[str, Any]:
+        return self._run(self._aio.code_create(cwd=cwd, env=env, name=name, deadline=deadline))
 
-    def code_interrupt(self, context: str, **kw: Any) -> None:
-        self._run(self._aio.code_interrupt(context, **kw))
+    def code_run(
+        self,
+        code: str,
+        *,
+        context: str | None = None,
+        timeout_s: float | None = None,
+        interrupt_grace_s: float | None = None,
+        input_lines: list[str] | None = None,
+        strip_ansi: bool | None = None,
+        max_output: int | None = None,
+        deadline: float | None = None,
+    ) -> CodeResult:
+        return self._run(
+            self._aio.code_run(
+                code,
+                context=context,
+                timeout_s=timeout_s,
+                interrupt_grace_s=interrupt_grace_s,
+                input_lines=input_lines,
+                strip_ansi=strip_ansi,
+                max_output=max_output,
+                deadline=deadline,
+            )
+        )
 
-    def code_restart(self, context: str, **kw: Any) -> int:
-        return self._run(self._aio.code_restart(context, **kw))
+    def code_interrupt(self, context: str, *, deadline: float | None = 30.0) -> None:
+        self._run(self._aio.code_interrupt(context, deadline=deadline))
 
-    def code_close(self, context: str, **kw: Any) -> None:
-        self._run(self._aio.code_close(context, **kw))
+    def code_restart(self, context: str, *, deadline: float | None = 120.0) -> int:
+        return self._run(self._aio.code_restart(context, deadline=deadline))
 
-    def code_list(self, **kw: Any) -> list[dict[str, Any]]:
-        return self._run(self._aio.code_list(**kw))
+    def code_close(self, context: str, *, deadline: float | None = 30.0) -> None:
+        self._run(self._aio.code_close(context, deadline=deadline))
 
-    def process_start(self, cmd: list[str] | str, **kw: Any) -> dict[str, Any]:
-        return self._run(self._aio.process_start(cmd, **kw))
+    def code_list(self, *, deadline: float | None = 30.0) -> list[dict[str, Any]]:
+        return self._run(self._aio.code_list(deadline=deadline))
 
-    def process_list(self, **kw: Any) -> list[dict[str, Any]]:
-        return self._run(self._aio.process_list(**kw))
+    def process_start(
+        self,
+        cmd: list[str] | str,
+        *,
+        cwd: WirePath | None = None,
+        env: dict[str, str] | None = None,
+        stdin: bool | None = None,
+        pty: bool | None = None,
+        rows: int | None = None,
+        cols: int | None = None,
+        ring_bytes: int | None = None,
+        deadline: float | None = DEFAULT_DEADLINE,
+    ) -> dict[str, Any]:
+        return self._run(
+            self._aio.process_start(
+                cmd,
+                cwd=cwd,
+                env=env,
+                stdin=stdin,
+                pty=pty,
+                rows=rows,
+                cols=cols,
+                ring_bytes=ring_bytes,
+                deadline=deadline,
+            )
+        )
 
-    def process_output(self, pid_id: str, **kw: Any) -> tuple[bytes, bytes, dict[str, Any]]:
-        """Everything attach delivers (stdout, stderr, final status); follows until exit by default."""
+    def process_list(self, *, deadline: float | None = DEFAULT_DEADLINE) -> list[dict[str, Any]]:
+        return self._run(self._aio.process_list(deadline=deadline))
 
-        async def collect() -> tuple[bytes, bytes, dict[str, Any]]:
-            a = self._aio.attach(pid_id, **kw)
-            out = {"stdout": bytearray(), "stderr": bytearray()}
-            async for name, _, data in a:
-                if name in out:
-                    out[name] += data
-            return bytes(out["stdout"]), bytes(out["stderr"]), await a.result()
+    def process_output(
+        self,
+        process_id: str,
+        *,
+        stdout_from: int | None = None,
+        stderr_from: int | None = None,
+        follow: bool | None = None,
+        progress_timeout: float | None = None,
+    ) -> tuple[bytes, bytes, dict[str, Any]]:
+        return self._run(
+            self._aio.process_output(
+                process_id,
+                stdout_from=stdout_from,
+                stderr_from=stderr_from,
+                follow=follow,
+                progress_timeout=progress_timeout,
+            )
+        )
 
-        return self._run(collect())
+    def process_wait(
+        self, process_id: str, *, timeout_s: float | None = None, deadline: float | None = None
+    ) -> dict[str, Any]:
+        return self._run(self._aio.process_wait(process_id, timeout_s=timeout_s, deadline=deadline))
 
-    def process_wait(self, pid_id: str, timeout: float | None = None) -> dict[str, Any]:
-        return self._run(self._aio.process_wait(pid_id, timeout))
+    def process_signal(self, process_id: str, sig: str | int = "TERM", *, deadline: float | None = 30.0) -> None:
+        self._run(self._aio.process_signal(process_id, sig, deadline=deadline))
 
-    def process_signal(self, pid_id: str, sig: str | int = "TERM") -> None:
-        self._run(self._aio.process_signal(pid_id, sig))
+    def process_write(self, process_id: str, data: bytes | str, *, deadline: float | None = 60.0) -> int:
+        return self._run(self._aio.process_write(process_id, data, deadline=deadline))
 
-    def process_write(self, pid_id: str, data: bytes | str) -> int:
-        return self._run(self._aio.process_write(pid_id, data))
+    def process_close_stdin(self, process_id: str, *, deadline: float | None = 30.0) -> None:
+        self._run(self._aio.process_close_stdin(process_id, deadline=deadline))
 
-    def process_close_stdin(self, pid_id: str) -> None:
-        self._run(self._aio.process_close_stdin(pid_id))
+    def process_resize(self, process_id: str, rows: int, cols: int, *, deadline: float | None = 30.0) -> None:
+        self._run(self._aio.process_resize(process_id, rows, cols, deadline=deadline))
 
-    def process_resize(self, pid_id: str, rows: int, cols: int) -> None:
-        self._run(self._aio.process_resize(pid_id, rows, cols))
+    def process_forget(self, process_id: str, *, deadline: float | None = 30.0) -> None:
+        self._run(self._aio.process_forget(process_id, deadline=deadline))
 
-    def process_forget(self, pid_id: str) -> None:
-        self._run(self._aio.process_forget(pid_id))
+    def shell_create(
+        self,
+        *,
+        cwd: WirePath | None = None,
+        env: dict[str, str] | None = None,
+        name: str | None = None,
+        deadline: float | None = 60.0,
+    ) -> dict[str, Any]:
+        return self._run(self._aio.shell_create(cwd=cwd, env=env, name=name, deadline=deadline))
 
-    def shell_create(self, **kw: Any) -> dict[str, Any]:
-        return self._run(self._aio.shell_create(**kw))
+    def shell_run(
+        self,
+        session: str,
+        command: str,
+        *,
+        input: bytes | None = None,
+        timeout_s: float | None = None,
+        idle_timeout_s: float | None = None,
+        max_output: int | None = None,
+        head_tail: bool = False,
+        deadline: float | None = None,
+    ) -> ShellResult:
+        return self._run(
+            self._aio.shell_run(
+                session,
+                command,
+                input=input,
+                timeout_s=timeout_s,
+                idle_timeout_s=idle_timeout_s,
+                max_output=max_output,
+                head_tail=head_tail,
+                deadline=deadline,
+            )
+        )
 
-    def shell_run(self, session: str, command: str, **kw: Any) -> ShellResult:
-        return self._run(self._aio.shell_run(session, command, **kw))
+    def shell_list(self, *, deadline: float | None = 30.0) -> list[dict[str, Any]]:
+        return self._run(self._aio.shell_list(deadline=deadline))
 
-    def shell_list(self, **kw: Any) -> list[dict[str, Any]]:
-        return self._run(self._aio.shell_list(**kw))
+    def shell_close(self, session: str, *, deadline: float | None = 30.0) -> None:
+        self._run(self._aio.shell_close(session, deadline=deadline))
 
-    def shell_close(self, session: str, **kw: Any) -> None:
-        self._run(self._aio.shell_close(session, **kw))
+    def snapshot_prepare(
+        self, *, quiesce: bool | None = None, timeout_s: float | None = None, deadline: float | None = None
+    ) -> dict[str, Any]:
+        return self._run(self._aio.snapshot_prepare(quiesce=quiesce, timeout_s=timeout_s, deadline=deadline))
 
-    def snapshot_prepare(self, **kw: Any) -> dict[str, Any]:
-        return self._run(self._aio.snapshot_prepare(**kw))
+    def snapshot_resume(self, *, deadline: float | None = 30.0) -> None:
+        self._run(self._aio.snapshot_resume(deadline=deadline))
 
-    def snapshot_resume(self) -> None:
-        self._run(self._aio.snapshot_resume())
-
-    def restore(self, **kw: Any) -> dict[str, Any]:
-        return self._run(self._aio.restore(**kw))
+    def restore(
+        self,
+        *,
+        generation: int | None = None,
+        nonce: str | None = None,
+        time_ns: int | None = None,
+        entropy: bytes | None = None,
+        sandbox_id: str | None = None,
+        hostname: str | None = None,
+        env: dict[str, str] | None = None,
+        token: str | None = None,
+        deadline: float | None = 120.0,
+    ) -> dict[str, Any]:
+        return self._run(
+            self._aio.restore(
+                generation=generation,
+                nonce=nonce,
+                time_ns=time_ns,
+                entropy=entropy,
+                sandbox_id=sandbox_id,
+                hostname=hostname,
+                env=env,
+                token=token,
+                deadline=deadline,
+            )
+        )

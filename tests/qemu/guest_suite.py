@@ -28,7 +28,7 @@ def check(name: str) -> Callable[[Callable[[Client], None]], None]:
     def run(fn: Callable[[Client], None]) -> None:
         t0 = time.monotonic()
         try:
-            with Client(ADDR, timeout=60) as c:
+            with Client(ADDR, connect_timeout=60) as c:
                 fn(c)
             results.append({"name": name, "ok": True, "detail": f"{time.monotonic() - t0:.2f}s"})
         except BaseException:
@@ -83,7 +83,7 @@ def _(c: Client) -> None:
 
 @check("exec: timeout ends the whole tree")
 def _(c: Client) -> None:
-    r = c.exec("sleep 1000 & sleep 1000", timeout=2)
+    r = c.exec("sleep 1000 & sleep 1000", timeout_s=2)
     assert r.timed_out == "wall"
     left = c.exec(["sh", "-c", "ps -o comm= | grep -c '^sleep$' || true"])
     assert left.stdout.strip() == b"0", left.stdout
@@ -117,7 +117,7 @@ def _(c: Client) -> None:
 @check("processes: detach and reattach by offset")
 def _(c: Client) -> None:
     p = c.process_start("for i in $(seq 1 300); do echo $i; done")
-    c.process_wait(p["id"], timeout=60)
+    c.process_wait(p["id"], timeout_s=60)
     out, _, final = c.process_output(p["id"])
     assert out == "".join(f"{i}\n" for i in range(1, 301)).encode()
     tail, _, _ = c.process_output(p["id"], stdout_from=final["stdout_offset"] - 4)
@@ -136,8 +136,8 @@ def _(c: Client) -> None:
 @check("code context: state persists across cells")
 def _(c: Client) -> None:
     ctx = c.code_create()
-    assert c.code_run("x = 20", context=ctx["id"], timeout=120).status == "ok"
-    r = c.code_run("x * 2 + 2", context=ctx["id"], timeout=120)
+    assert c.code_run("x = 20", context=ctx["id"], timeout_s=120).status == "ok"
+    r = c.code_run("x * 2 + 2", context=ctx["id"], timeout_s=120)
     assert r.text == "42", r
     c.code_close(ctx["id"])
 

@@ -239,7 +239,7 @@ class GuestVM:
         while True:
             sock = self.connect_serial()
             try:
-                return Client("serial", sock=sock, timeout=3)
+                return Client("serial", sock=sock, connect_timeout=3)
             except GuestdError:
                 sock.close()
                 if time.monotonic() > deadline:

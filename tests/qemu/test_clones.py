@@ -33,8 +33,8 @@ def images() -> Iterator[tuple[str, str, str]]:
 
 def observe(c: Client, ctx: str, sid: str) -> dict[str, object]:
     return {
-        "random": c.code_run("random.random()", context=ctx, timeout=300).text,
-        "bash": c.shell_run(sid, "echo $RANDOM", timeout=60).stdout,
+        "random": c.code_run("random.random()", context=ctx, timeout_s=300).text,
+        "bash": c.shell_run(sid, "echo $RANDOM", timeout_s=60).stdout,
     }
 
 
@@ -46,15 +46,15 @@ def test_clones_diverge_only_after_restore(images: tuple[str, str, str], request
         src = GuestVM(work, vmlinux, initrd, qmp=True, tag="src", timeout_s=900)
         vms.append(src)
         with connect(src) as c:
-            ctx = c.code_create(timeout=300)["id"]
-            assert c.code_run("import random\nkept = 'state from before the snapshot'", context=ctx, timeout=300).ok
+            ctx = c.code_create(deadline=300)["id"]
+            assert c.code_run("import random\nkept = 'state from before the snapshot'", context=ctx, timeout_s=300).ok
             sid = c.shell_create()["id"]
             c.shell_run(sid, "cd /tmp && export BEFORE=1")
             proc = c.process_start("i=0; while :; do i=$((i+1)); echo $i; sleep 0.2; done")["id"]
             time.sleep(1.0)
             # Under TCG the guest clock keeps following the host's across the save, so make the
             # parent's clock an hour stale (inside the guest) to see restore fix it in each clone.
-            assert c.exec(["date", "-s", f"@{int(time.time()) - 3600}"], timeout=60).exit_code == 0
+            assert c.exec(["date", "-s", f"@{int(time.time()) - 3600}"], timeout_s=60).exit_code == 0
             prep = c.snapshot_prepare()
             assert prep["synced"] and proc in prep["running"]["processes"]
         src.save(snap)
@@ -77,10 +77,10 @@ def test_clones_diverge_only_after_restore(images: tuple[str, str, str], request
                 assert rep["crng"] == "done" and rep["contexts_reseeded"] == [ctx] and rep["shells_reseeded"] == [sid]
                 assert rep["clock"] in ("done", "kept") and abs(rep["clock_skew_s"]) < 5
                 after.append(observe(c, ctx, sid))
-                urandom.append(c.exec("head -c 32 /dev/urandom | od -An -tx1", timeout=60).stdout)
-                guest_now = float(c.code_run("import time; time.time()", context=ctx, timeout=300).text or "0")
+                urandom.append(c.exec("head -c 32 /dev/urandom | od -An -tx1", timeout_s=60).stdout)
+                guest_now = float(c.code_run("import time; time.time()", context=ctx, timeout_s=300).text or "0")
                 skew.append(abs(guest_now - time.time()))
-                assert c.code_run("kept", context=ctx, timeout=300).text == "'state from before the snapshot'"
+                assert c.code_run("kept", context=ctx, timeout_s=300).text == "'state from before the snapshot'"
                 assert c.shell_run(sid, "pwd; echo $BEFORE").stdout == b"/tmp\n1\n"
                 assert c.exec(["hostname"]).stdout == f"clone-{i}\n".encode()
                 listed = {p["id"]: p for p in c.process_list()}

@@ -95,7 +95,7 @@ def test_swe_agent_driver_in_a_guest(image: tuple[str, str, str], keep_logs: Non
     try:
         with guest.connect() as c:
             remote = "git remote add origin https://example.invalid/textstats.git"
-            assert c.exec(["sh", "-c", remote], cwd=REPO, timeout=60).exit_code == 0
+            assert c.exec(["sh", "-c", remote], cwd=REPO, timeout_s=60).exit_code == 0
             tools = SweTools(c, REPO, env=env, timeout_s=300)
             traj = run_episode(ScriptedModel(swe_script(PY)), tools)
             assert traj.exit_status == "submitted" and traj.patch is not None, traj.steps
@@ -107,7 +107,7 @@ def test_swe_agent_driver_in_a_guest(image: tuple[str, str, str], keep_logs: Non
                 "mkdir -p /tmp/fresh && git archive HEAD | tar -x -C /tmp/fresh && cd /tmp/fresh && "
                 f"git apply /tmp/submitted.patch && {PY} -m pytest -q -p no:cacheprovider"
             )
-            r = c.exec(["sh", "-c", check], cwd=REPO, env=env, timeout=600)
+            r = c.exec(["sh", "-c", check], cwd=REPO, env=env, timeout_s=600)
             assert r.exit_code == 0 and b"5 passed" in r.stdout, r
             assert tools.shell("git remote get-url --push origin").startswith(NO_PUSH)
             pushed = tools.shell("git push origin HEAD:main")

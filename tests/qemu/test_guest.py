@@ -39,7 +39,7 @@ def pings_while(c: Client, running: Callable[[], bool], seconds: float) -> tuple
     end = time.monotonic() + seconds
     while time.monotonic() < end and running():
         t = time.perf_counter()
-        c.ping(timeout=30)
+        c.ping(deadline=30)
         samples.append(time.perf_counter() - t)
     samples.sort()
     assert samples, "the fault ended before any ping"
@@ -51,7 +51,7 @@ PING_P99_S = 0.1  # the issue's bound; measured here under TCG, i.e. ~20x slower
 
 def test_host_exec_over_virtio_serial(vm: GuestVM) -> None:
     with connect(vm) as c:
-        r = c.exec("uname -r; cat /proc/1/cmdline | tr '\\0' ' '; ls /dev/virtio-ports", timeout=60)
+        r = c.exec("uname -r; cat /proc/1/cmdline | tr '\\0' ' '; ls /dev/virtio-ports", timeout_s=60)
         assert r.exit_code == 0, r
         lines = r.stdout.decode().split("\n")
         assert lines[0].endswith("-amd64")  # Debian's generic kernel, not this machine's
@@ -59,7 +59,7 @@ def test_host_exec_over_virtio_serial(vm: GuestVM) -> None:
         assert "org.guestd.0" in r.stdout.decode()
         info = c.info().raw
         assert info["pid"] != 1 and info["boot_id"] != open("/proc/sys/kernel/random/boot_id").read().strip()
-        r = c.exec(["sh", "-c", f"cat /proc/{info['pid']}/oom_score_adj /proc/self/oom_score_adj"], timeout=60)
+        r = c.exec(["sh", "-c", f"cat /proc/{info['pid']}/oom_score_adj /proc/self/oom_score_adj"], timeout_s=60)
         assert r.stdout.split() == [b"-1000", b"0"]  # guestd protected, the workload not
 
 
@@ -67,7 +67,7 @@ def test_host_file_round_trip_with_checksum(vm: GuestVM) -> None:
     data = os.urandom(4 << 20)
     with connect(vm) as c:
         c.upload(data, "/workspace/blob.bin")
-        r = c.exec(["sha256sum", "/workspace/blob.bin"], timeout=120)
+        r = c.exec(["sha256sum", "/workspace/blob.bin"], timeout_s=120)
         assert r.stdout.split()[0].decode() == hashlib.sha256(data).hexdigest()
         back = c.download("/workspace/blob.bin")
         assert back == data
@@ -75,9 +75,9 @@ def test_host_file_round_trip_with_checksum(vm: GuestVM) -> None:
 
 def test_host_code_context(vm: GuestVM) -> None:
     with connect(vm) as c:
-        ctx = c.code_create(timeout=300)
-        assert c.code_run("import sys; v = sys.version_info[:2]", context=ctx["id"], timeout=300).status == "ok"
-        r = c.code_run("v", context=ctx["id"], timeout=300)
+        ctx = c.code_create(deadline=300)
+        assert c.code_run("import sys; v = sys.version_info[:2]", context=ctx["id"], timeout_s=300).status == "ok"
+        r = c.code_run("v", context=ctx["id"], timeout_s=300)
         assert r.text == "(3, 11)"
         c.code_close(ctx["id"])
 
@@ -88,7 +88,7 @@ def test_guest_side_suite_over_real_vsock(vm: GuestVM) -> None:
     with connect(vm) as c:
         c.write_file("/tmp/guest_suite.py", suite)
         r = c.exec(
-            ["/usr/local/bin/guestd-python", "/tmp/guest_suite.py", "vsock:1:10700"], timeout=600, max_output=1 << 20
+            ["/usr/local/bin/guestd-python", "/tmp/guest_suite.py", "vsock:1:10700"], timeout_s=600, max_output=1 << 20
         )
         assert r.exit_code == 0, r.stderr.decode()[-3000:]
         results = json.loads(r.stdout)["results"]
@@ -102,22 +102,22 @@ def test_guestd_survives_and_init_restarts_it(vm: GuestVM) -> None:
         old = c.info().raw["pid"]
         # guestd dies while handling this, so no answer comes (a serial port gives no EOF either).
         with pytest.raises(GuestdError):
-            c.exec(["sh", "-c", f"kill -9 {old}"], client_timeout=5)
+            c.exec(["sh", "-c", f"kill -9 {old}"], deadline=5)
     with connect(vm, timeout_s=180) as c:  # guestd-init restarts it
         assert c.info().raw["pid"] != old
-        zombies = c.exec(["sh", "-c", "ps -o stat= | grep -c Z || true"], timeout=30).stdout.strip()
+        zombies = c.exec(["sh", "-c", "ps -o stat= | grep -c Z || true"], timeout_s=30).stdout.strip()
         assert zombies == b"0"
 
 
 def test_workload_cgroup_contains_a_memory_hog_and_a_fork_bomb(vm: GuestVM) -> None:
     with connect(vm) as c:
         assert c.info().raw["workload_cgroup"].startswith("active"), c.info().raw["workload_cgroup"]
-        assert b"guestd-workload" in c.exec(["cat", "/proc/self/cgroup"], timeout=60).stdout
+        assert b"guestd-workload" in c.exec(["cat", "/proc/self/cgroup"], timeout_s=60).stdout
         grow = "import time\nb = []\nwhile True:\n    b.append(bytearray(8 << 20))\n    time.sleep(0.02)\n"
         hog = c.process_start(["/usr/local/bin/guestd-python", "-c", grow])["id"]
-        p50, p99, n = pings_while(c, lambda: c.process_wait(hog, timeout=0.01)["state"] == "running", 60)
+        p50, p99, n = pings_while(c, lambda: c.process_wait(hog, timeout_s=0.01)["state"] == "running", 60)
         print(f"memory hog: {n} pings, p50 {p50 * 1000:.1f} ms, p99 {p99 * 1000:.1f} ms")
-        assert c.process_wait(hog, timeout=120)["signal"] == 9  # OOM-killed inside the cgroup (memory.max 256 MiB)
+        assert c.process_wait(hog, timeout_s=120)["signal"] == 9  # OOM-killed inside the cgroup (memory.max 256 MiB)
         assert p99 < PING_P99_S
         # A bomb that stays: forks CPU spinners until pids.max refuses, and keeps trying.
         bomb = c.process_start("while :; do (while :; do :; done) & done")["id"]
@@ -126,7 +126,7 @@ def test_workload_cgroup_contains_a_memory_hog_and_a_fork_bomb(vm: GuestVM) -> N
         end = time.monotonic() + 8
         while time.monotonic() < end:
             t = time.perf_counter()
-            c.ping(timeout=30)
+            c.ping(deadline=30)
             pings.append(time.perf_counter() - t)
         pids_now = int(c.read_file("/sys/fs/cgroup/guestd-workload/pids.current").strip())
         c.write_file("/sys/fs/cgroup/guestd-workload/cgroup.kill", b"1", flag="append")  # end the bomb
@@ -138,29 +138,29 @@ def test_workload_cgroup_contains_a_memory_hog_and_a_fork_bomb(vm: GuestVM) -> N
         )
         assert 50 <= pids_now <= 256  # the bomb is running (and can never pass pids.max)
         assert p99 < PING_P99_S
-        assert c.process_wait(bomb, timeout=60)["state"] == "exited"
-        assert c.exec(["echo", "alive"], timeout=60).stdout == b"alive\n"
+        assert c.process_wait(bomb, timeout_s=60)["state"] == "exited"
+        assert c.exec(["echo", "alive"], timeout_s=60).stdout == b"alive\n"
 
 
 def test_disk_full_and_fd_exhaustion_leave_guestd_answering(vm: GuestVM) -> None:
     with connect(vm) as c:
         assert (
             c.exec(
-                ["sh", "-c", "mkdir -p /mnt/small && mount -t tmpfs -o size=16m tmpfs /mnt/small"], timeout=60
+                ["sh", "-c", "mkdir -p /mnt/small && mount -t tmpfs -o size=16m tmpfs /mnt/small"], timeout_s=60
             ).exit_code
             == 0
         )
         # Slow enough (bs=16k into a 16 MiB tmpfs) that guestd is pinged while the disk fills.
         dd = c.process_start(["sh", "-c", "dd if=/dev/zero of=/mnt/small/fill bs=16k 2>&1"])["id"]
-        p50, p99, n = pings_while(c, lambda: c.process_wait(dd, timeout=0.01)["state"] == "running", 60)
-        c.process_wait(dd, timeout=120)
+        p50, p99, n = pings_while(c, lambda: c.process_wait(dd, timeout_s=0.01)["state"] == "running", 60)
+        c.process_wait(dd, timeout_s=120)
         assert b"No space left" in c.process_output(dd)[0]
         print(f"disk fill: {n} pings, p50 {p50 * 1000:.1f} ms, p99 {p99 * 1000:.1f} ms")
         assert p99 < PING_P99_S
         with pytest.raises(GuestdError) as ei:
             c.write_file("/mnt/small/more", b"x" * (1 << 20))
         assert ei.value.code == "no_space"
-        c.exec(["rm", "-f", "/mnt/small/fill"], timeout=60)
+        c.exec(["rm", "-f", "/mnt/small/fill"], timeout_s=60)
         code = (
             "import os, resource\n"
             "soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)\n"
@@ -174,13 +174,13 @@ def test_disk_full_and_fd_exhaustion_leave_guestd_answering(vm: GuestVM) -> None
             "import time; time.sleep(3)\n"  # hold them while guestd is pinged
         )
         fdp = c.process_start(["/usr/local/bin/guestd-python", "-c", code])["id"]
-        p50, p99, n = pings_while(c, lambda: c.process_wait(fdp, timeout=0.01)["state"] == "running", 60)
-        c.process_wait(fdp, timeout=120)
+        p50, p99, n = pings_while(c, lambda: c.process_wait(fdp, timeout_s=0.01)["state"] == "running", 60)
+        c.process_wait(fdp, timeout_s=120)
         opened, err = c.process_output(fdp)[0].split()
         assert int(opened) > 1000 and int(err) in (23, 24)  # ENFILE / EMFILE: the workload ran out, not guestd
         print(f"fd exhaustion: {n} pings, p50 {p50 * 1000:.1f} ms, p99 {p99 * 1000:.1f} ms")
         assert p99 < PING_P99_S
-        assert c.exec(["echo", "ok"], timeout=60).stdout == b"ok\n"
+        assert c.exec(["echo", "ok"], timeout_s=60).stdout == b"ok\n"
 
 
 G2_CHECK = """
@@ -188,7 +188,7 @@ import json, time
 from guestd.client import Client
 for _ in range(600):
     try:
-        c = Client("unix:/run/g2.sock", timeout=5)
+        c = Client("unix:/run/g2.sock", connect_timeout=5)
         break
     except Exception:
         time.sleep(0.2)
@@ -197,11 +197,11 @@ out = {"exec": c.exec(["sh", "-c", who], cwd="/").stdout.decode().strip()}
 sid = c.shell_create(cwd="/tmp")["id"]
 out["shell"] = c.shell_run(sid, who).stdout.decode().strip()
 p = c.process_start(who, pty=True)["id"]
-c.process_wait(p, timeout=120)
+c.process_wait(p, timeout_s=120)
 out["pty process"] = c.process_output(p, follow=False)[0].decode().strip()
-ctx = c.code_create(timeout=300)["id"]
+ctx = c.code_create(deadline=300)["id"]
 cell = "import os; print(os.getuid(), open('/proc/self/cgroup').read().strip())"
-out["kernel"] = c.code_run(cell, context=ctx, timeout=300).stdout.decode().strip()
+out["kernel"] = c.code_run(cell, context=ctx, timeout_s=300).stdout.decode().strip()
 c.close()
 print(json.dumps(out))
 """
@@ -221,10 +221,10 @@ def test_workload_user_and_cgroup_apply_to_exec_shells_processes_and_kernels(vm:
         c.write_file("/tmp/g2_check.py", G2_CHECK)
         g2 = c.process_start(["/usr/local/bin/guestd", "--config", "/tmp/g2.toml"])["id"]
         try:
-            r = c.exec(["/usr/local/bin/guestd-python", "/tmp/g2_check.py"], timeout=600)
+            r = c.exec(["/usr/local/bin/guestd-python", "/tmp/g2_check.py"], timeout_s=600)
             assert r.exit_code == 0, (r.stderr.decode()[-2000:], c.process_output(g2, follow=False)[0][-2000:])
             seen = json.loads(r.stdout)
             assert seen == dict.fromkeys(("exec", "shell", "pty process", "kernel"), "65534 0::/g2-workload"), seen
         finally:
             c.process_signal(g2, "TERM")
-            c.process_wait(g2, timeout=60)
+            c.process_wait(g2, timeout_s=60)

@@ -49,17 +49,17 @@ def test_the_shipped_unit_and_config_under_systemd(vm: GuestVM) -> None:
         for module in ("vsock", "vmw_vsock_virtio_transport", "virtio_console"):  # modules-load.d
             assert c.stat(f"/sys/module/{module}").type == "dir", module
         assert info["workload_cgroup"].startswith("active: /sys/fs/cgroup/guestd-workload")
-        r = c.exec(["sh", "-c", "id -un; cat /proc/self/oom_score_adj /proc/self/cgroup"], timeout=120)
+        r = c.exec(["sh", "-c", "id -un; cat /proc/self/oom_score_adj /proc/self/cgroup"], timeout_s=120)
         assert r.exit_code == 0, r
         assert r.stdout.decode().split() == ["sandbox", "0", "0::/guestd-workload"]
         sid = c.shell_create()["id"]
-        assert c.shell_run(sid, "cd /tmp && id -u && pwd", timeout=120).stdout == b"1000\n/tmp\n"
+        assert c.shell_run(sid, "cd /tmp && id -u && pwd", timeout_s=120).stdout == b"1000\n/tmp\n"
         # What the host writes into the workspace, the workload user can change and add to.
         c.write_file("/workspace/task/notes.txt", "v1\n", parents=True)
-        r = c.exec(["sh", "-c", "echo v2 >> task/notes.txt && touch task/more"], cwd="/workspace", timeout=120)
+        r = c.exec(["sh", "-c", "echo v2 >> task/notes.txt && touch task/more"], cwd="/workspace", timeout_s=120)
         assert r.exit_code == 0 and c.read_file("/workspace/task/notes.txt") == b"v1\nv2\n", r
-        ctx = c.code_create(timeout=300)["id"]
-        assert c.code_run("import os; os.getuid()", context=ctx, timeout=300).text == "1000"
+        ctx = c.code_create(deadline=300)["id"]
+        assert c.code_run("import os; os.getuid()", context=ctx, timeout_s=300).text == "1000"
         # Enabled by the image's own `systemctl enable` through the unit's [Install] section.
         unit = c.read_file("/etc/systemd/system/sysinit.target.wants/guestd.service")
         assert b"Restart=always" in unit and b"KillMode=process" in unit
@@ -68,10 +68,10 @@ def test_the_shipped_unit_and_config_under_systemd(vm: GuestVM) -> None:
     # Kill guestd the way the kernel would (its whole unit cgroup, at once): systemd restarts it
     # (Restart=always), and the workload, which lives in its own cgroup, is not touched.
     with vm.client(timeout_s=300) as c, pytest.raises(GuestdError):  # guestd dies while answering: no reply comes
-        c.write_file("/sys/fs/cgroup/system.slice/guestd.service/cgroup.kill", "1", flag="append", timeout=10)
+        c.write_file("/sys/fs/cgroup/system.slice/guestd.service/cgroup.kill", "1", flag="append", deadline=10)
     with vm.client(timeout_s=300) as c:
         new_pid = int(c.info().raw["pid"])
         assert new_pid != pid and not c.exists(f"/proc/{pid}")
         assert c.read_file(f"/proc/{new_pid}/cgroup") == b"0::/system.slice/guestd.service\n"
         assert c.read_file(f"/proc/{sleeper}/cmdline") == b"sleep\x00600\x00"  # the workload survived
-        assert c.exec(["id", "-un"], timeout=120).stdout == b"sandbox\n"
+        assert c.exec(["id", "-un"], timeout_s=120).stdout == b"sandbox\n"
