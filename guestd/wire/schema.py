@@ -682,7 +682,7 @@ CODE_OPS: tuple[OpSpec, ...] = (
         args=(
             _CODE_REF,
             F("code", "str", "the cell", True),
-            F("timeout_s", "float?", "wall-clock timeout for the cell", ge=0, le_limit="max_exec_timeout_s"),
+            F("timeout_s", "float?", "wall-clock timeout for the cell", gt=0, le_limit="max_exec_timeout_s"),
             F(
                 "interrupt_grace_s",
                 "float",
@@ -811,7 +811,10 @@ PROCESS_OPS: tuple[OpSpec, ...] = (
         "process.wait",
         "process",
         "Wait for exit, at most timeout_s.",
-        args=(_PID, F("timeout_s", "float?", "give up after this long (timed_out: true)")),
+        args=(
+            _PID,
+            F("timeout_s", "float?", "give up after this long (timed_out: true)", ge=0, le_limit="max_exec_timeout_s"),
+        ),
         result=(*_EXIT, F("timed_out", "bool", "the timeout passed first", True)),
         errors=("not_found",),
     ),
@@ -920,7 +923,7 @@ SNAPSHOT_OPS: tuple[OpSpec, ...] = (
                 "new requests wait until restore/resume (ping, info and snapshot ops still answer)",
                 default=False,
             ),
-            F("timeout_s", "float", "how long to wait for in-flight writes", default=30.0),
+            F("timeout_s", "float", "how long to wait for in-flight writes", default=30.0, ge=0, le=3600),
         ),
         result=(
             F("writes_settled", "bool", "no file write was in flight when it returned", True),
