@@ -9,6 +9,7 @@ import socket
 import subprocess
 import sys
 import tempfile
+import threading
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
@@ -150,3 +151,43 @@ def fsize_limit(nbytes: int) -> Callable[[], None]:
         resource.setrlimit(resource.RLIMIT_FSIZE, (nbytes, nbytes))
 
     return apply
+
+
+FakeGuest = Callable[..., str]
+
+
+@pytest.fixture
+def evil(tmp_path: object) -> Iterator[FakeGuest]:
+    """``evil(script, hello=None)``: a fake guest on a Unix socket that answers the client's
+    hello with ``hello`` (default FAKE_GUEST_HELLO) and then runs ``script`` on the
+    connection; returns the address to connect to."""
+    from guestd.wire.frames import Kind
+    from tests.rawwire import FAKE_GUEST_HELLO, RawPeer
+
+    servers: list[socket.socket] = []
+    conns: list[socket.socket] = []
+
+    def start(script: Callable[[RawPeer], None], hello: dict[str, object] | None = None) -> str:
+        path = f"{tmp_path}/evil{len(servers)}.sock"
+        srv = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        srv.bind(path)
+        srv.listen(1)
+        servers.append(srv)
+
+        def serve() -> None:
+            conn, _ = srv.accept()
+            conns.append(conn)
+            peer = RawPeer(conn)
+            peer.recv()  # the client's hello
+            peer.send(Kind.HELLO, 0, hello or FAKE_GUEST_HELLO)
+            try:
+                script(peer)
+            except (OSError, EOFError):
+                pass
+
+        threading.Thread(target=serve, daemon=True).start()
+        return f"unix:{path}"
+
+    yield start
+    for s in servers + conns:
+        s.close()

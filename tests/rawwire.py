@@ -61,3 +61,60 @@ class RawPeer:
             return False
         except ConnectionResetError:
             return True
+
+
+class FrameCounter:
+    """Reads every frame, checks its size against ``max_frame`` and its data against the
+    credit it granted (strictly), and grants the credit back unless told not to."""
+
+    def __init__(self, peer: RawPeer, max_frame: int, window: int, grant: bool = True) -> None:
+        self.peer = peer
+        self.max_frame = max_frame
+        self.window = window
+        self.grant = grant
+        self.credit: dict[int, int] = {}
+        self.largest = 0
+        self.violations: list[str] = []
+
+    def frame(self) -> tuple[int, int, dict[str, Any]]:
+        _, _, kind, length, rid = HEADER.unpack(self.peer._read(HEADER_SIZE))
+        self.largest = max(self.largest, length)
+        if length > self.max_frame:
+            self.violations.append(f"frame of {length} bytes > max_frame {self.max_frame}")
+        body = decode_body(self.peer._read(length))
+        data = body.get("data")
+        if kind == Kind.EVENT and isinstance(data, bytes) and data:
+            left = self.credit.setdefault(rid, self.window) - len(data)
+            self.credit[rid] = left
+            if left < 0:
+                self.violations.append(f"id {rid}: {-left} bytes beyond the credit")
+            if self.grant:
+                self.credit[rid] += len(data)
+                self.peer.send(Kind.WINDOW, rid, {"bytes": len(data)})
+        return kind, rid, body
+
+    def until_final(self, req_id: int) -> tuple[int, dict[str, Any], int]:
+        """(final kind, final body, data bytes received) of ``req_id``."""
+        got = 0
+        while True:
+            kind, rid, body = self.frame()
+            if rid != req_id:
+                continue
+            if kind == Kind.EVENT and isinstance(body.get("data"), bytes):
+                got += len(body["data"])
+            if kind in (Kind.RESPONSE, Kind.ERROR):
+                return kind, body, got
+
+
+# What a fake guest answers to a client's hello.
+FAKE_GUEST_HELLO: dict[str, Any] = {
+    "version": 1,
+    "server": "evil/1",
+    "capabilities": [],
+    "ops": [],
+    "limits": {"max_frame": 4 * 1024 * 1024},
+    "stream_window": 4 * 1024 * 1024,
+    "max_frame": 4 * 1024 * 1024,
+    "boot_id": "x",
+    "session": "y",
+}

@@ -4,55 +4,13 @@ from __future__ import annotations
 
 import socket
 import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 
 import pytest
 
 from guestd.client import Client, GuestdError, GuestProtocolError
 from guestd.wire.frames import HEADER, MAGIC, Kind, encode_frame
 from tests.rawwire import RawPeer
-
-HELLO = {
-    "version": 1,
-    "server": "evil/1",
-    "capabilities": [],
-    "ops": [],
-    "limits": {},
-    "stream_window": 65536,
-    "max_frame": 65536,
-    "boot_id": "x",
-    "session": "y",
-}
-
-
-@pytest.fixture
-def evil(tmp_path: object) -> Iterator[Callable[[Callable[[RawPeer], None]], str]]:
-    """Start a fake guest that handshakes, then runs ``script`` on the connection."""
-    servers: list[socket.socket] = []
-
-    def start(script: Callable[[RawPeer], None]) -> str:
-        path = f"{tmp_path}/evil{len(servers)}.sock"
-        srv = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        srv.bind(path)
-        srv.listen(1)
-        servers.append(srv)
-
-        def serve() -> None:
-            conn, _ = srv.accept()
-            peer = RawPeer(conn)
-            peer.recv()  # the client's hello
-            peer.send(Kind.HELLO, 0, HELLO)
-            try:
-                script(peer)
-            except OSError:
-                pass
-
-        threading.Thread(target=serve, daemon=True).start()
-        return f"unix:{path}"
-
-    yield start
-    for s in servers:
-        s.close()
 
 
 def test_oversize_frame_closes_the_connection(evil: Callable[..., str]) -> None:

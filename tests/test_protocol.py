@@ -235,6 +235,9 @@ def test_max_connections_is_a_typed_limit(fresh_guestd: object) -> None:
     assert (kind, rid, body["code"]) == (Kind.ERROR, 0, "limit")
     assert body["details"]["limit"] == "max_connections"
     assert extra.closed()
+    for p in held:  # handshaken peers keep their slots (only hello-less ones are evicted)
+        p.request(1, "ping")
+        assert p.recv_final(1)[0] == Kind.RESPONSE
     held[0].sock.close()
     time.sleep(0.2)
     again = RawPeer(g.raw_socket())

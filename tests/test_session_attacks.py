@@ -23,10 +23,9 @@ from typing import Any
 import pytest
 
 from guestd.client import Client, GuestdError, GuestProtocolError
-from guestd.wire.frames import HEADER, HEADER_SIZE, MAGIC, Kind, encode_frame
-from guestd.wire.messages import decode_body
+from guestd.wire.frames import HEADER, MAGIC, Kind, encode_frame
 from tests.conftest import Guestd
-from tests.rawwire import RawPeer
+from tests.rawwire import FAKE_GUEST_HELLO, FrameCounter, RawPeer
 
 SMALL = 64 * 1024
 
@@ -46,48 +45,6 @@ def hello_frame(**extra: Any) -> bytes:
 
 def req(req_id: int, op: str, args: dict[str, Any] | None = None) -> bytes:
     return encode_frame(Kind.REQUEST, req_id, {"op": op, "args": args or {}})
-
-
-class Counter:
-    """Reads every frame, checks its size against max_frame and data against the credit
-    it granted (strictly), and grants credit back only when asked to."""
-
-    def __init__(self, peer: RawPeer, max_frame: int, window: int, grant: bool = True) -> None:
-        self.peer = peer
-        self.max_frame = max_frame
-        self.window = window
-        self.grant = grant
-        self.credit: dict[int, int] = {}
-        self.largest = 0
-        self.violations: list[str] = []
-
-    def frame(self) -> tuple[int, int, dict[str, Any]]:
-        _, _, kind, length, rid = HEADER.unpack(self.peer._read(HEADER_SIZE))
-        self.largest = max(self.largest, length)
-        if length > self.max_frame:
-            self.violations.append(f"frame of {length} bytes > max_frame {self.max_frame}")
-        body = decode_body(self.peer._read(length))
-        data = body.get("data")
-        if kind == Kind.EVENT and isinstance(data, bytes) and data:
-            left = self.credit.setdefault(rid, self.window) - len(data)
-            self.credit[rid] = left
-            if left < 0:
-                self.violations.append(f"id {rid}: {-left} bytes beyond the credit")
-            if self.grant:
-                self.credit[rid] += len(data)
-                self.peer.send(Kind.WINDOW, rid, {"bytes": len(data)})
-        return kind, rid, body
-
-    def until_final(self, req_id: int) -> tuple[int, dict[str, Any], int]:
-        got = 0
-        while True:
-            kind, rid, body = self.frame()
-            if rid != req_id:
-                continue
-            if kind == Kind.EVENT and isinstance(body.get("data"), bytes):
-                got += len(body["data"])
-            if kind in (Kind.RESPONSE, Kind.ERROR):
-                return kind, body, got
 
 
 def frames_for(p: RawPeer, req_id: int, timeout: float) -> list[tuple[int, dict[str, Any]]]:
@@ -142,7 +99,7 @@ def test_two_hellos_in_one_write_do_not_raise_the_negotiated_max_frame(guestd: G
     big = 4 * 1024 * 1024
     p.send_bytes(hello_frame(max_frame=SMALL, stream_window=SMALL) + hello_frame(max_frame=big, stream_window=big))
     assert p.recv()[0] == Kind.HELLO  # the hello the client believes in: 64 KiB
-    c = Counter(p, SMALL, SMALL)
+    c = FrameCounter(p, SMALL, SMALL)
     p.request(1, "file.download", {"path": path})
     c.until_final(1)
     assert c.largest <= SMALL, f"guestd sent a {c.largest}-byte frame to a client that negotiated {SMALL}"
@@ -325,11 +282,11 @@ def test_ping_on_another_connection_is_not_delayed_by_a_peer_that_never_reads(
 # =================================================================== frame sizes and strict credit
 
 
-def small_counter(g: Guestd) -> tuple[RawPeer, Counter]:
+def small_counter(g: Guestd) -> tuple[RawPeer, FrameCounter]:
     p = RawPeer(g.raw_socket())
     hello = p.hello(max_frame=SMALL, stream_window=SMALL)
     assert hello["max_frame"] == SMALL and hello["stream_window"] == SMALL
-    return p, Counter(p, SMALL, SMALL)
+    return p, FrameCounter(p, SMALL, SMALL)
 
 
 @pytest.mark.parametrize("chunk", [None, 1000, 65535, 65536, 65537, 1024 * 1024])
@@ -544,50 +501,6 @@ def test_bad_input_after_an_uploads_eof_agrees_with_the_file_system(guestd: Gues
 
 # =================================================================== the client against a hostile guest
 
-EVIL_HELLO = {
-    "version": 1,
-    "server": "evil/1",
-    "capabilities": [],
-    "ops": [],
-    "limits": {"max_frame": 4 * 1024 * 1024},
-    "stream_window": 4 * 1024 * 1024,
-    "max_frame": 4 * 1024 * 1024,
-    "boot_id": "x",
-    "session": "y",
-}
-
-
-@pytest.fixture
-def evil(tmp_path: Any) -> Any:
-    """A fake guest: answers the hello with ``hello`` then runs ``script`` on the connection."""
-    servers: list[socket.socket] = []
-    conns: list[socket.socket] = []
-
-    def start(script: Callable[[RawPeer], None], hello: dict[str, Any] | None = None) -> str:
-        path = f"{tmp_path}/evil{len(servers)}.sock"
-        srv = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        srv.bind(path)
-        srv.listen(1)
-        servers.append(srv)
-
-        def serve() -> None:
-            conn, _ = srv.accept()
-            conns.append(conn)
-            peer = RawPeer(conn)
-            peer.recv()
-            peer.send(Kind.HELLO, 0, hello or EVIL_HELLO)
-            try:
-                script(peer)
-            except (OSError, EOFError):
-                pass
-
-        threading.Thread(target=serve, daemon=True).start()
-        return f"unix:{path}"
-
-    yield start
-    for s in servers + conns:
-        s.close()
-
 
 def run_with_deadline(fn: Callable[[], Any], seconds: float) -> tuple[bool, Any]:
     """(finished, result or exception) of ``fn`` run on a thread, waiting ``seconds``."""
@@ -696,7 +609,7 @@ def test_unconsumed_events_cannot_pin_unbounded_client_memory(evil: Any) -> None
 def test_a_guest_hello_with_an_unoffered_version_is_refused(evil: Any) -> None:
     """PROTOCOL.md 3: "version is the highest version in both lists". The client offers
     [1]; a guest that answers version 7 is accepted as if it spoke version 1."""
-    url = evil(lambda p: time.sleep(5), {**EVIL_HELLO, "version": 7})
+    url = evil(lambda p: time.sleep(5), {**FAKE_GUEST_HELLO, "version": 7})
     with pytest.raises(GuestdError):
         Client(url, connect_timeout=3).close()
 
