@@ -122,7 +122,8 @@ def test_exec_stream_events_fit_the_clients_max_frame(guestd: Guestd) -> None:
 
 def test_attach_events_fit_the_clients_max_frame(guestd: Guestd) -> None:
     p = small_peer(guestd)
-    p.request(1, "process.start", {"argv": ["head", "-c", "2000000", "/dev/zero"]})
+    # A ring larger than the output: attach may start after the process finished writing.
+    p.request(1, "process.start", {"argv": ["head", "-c", "2000000", "/dev/zero"], "ring_bytes": 4 << 20})
     kind, body = p.recv_final(1)
     assert kind == Kind.RESPONSE, body
     process_id = body["id"]
