@@ -30,20 +30,20 @@ import msgpack
 from guestd.capture import OutputCapture, capture_fields
 from guestd.proctree import ExitWatch
 from guestd.wire.errors import ErrorCode, GuestdError, limit_error
-from guestd.wire.types import (
-    CodeErrorRecord,
-    CodeOutputKind,
-    CodeOutputRecord,
-    CodeRunArgs,
-    CodeRunReply,
-    CodeRunStatus,
-    CodeRunTimeoutAction,
-    ContextInfoRecord,
-    ContextInfoState,
-)
 
-if TYPE_CHECKING:
+if TYPE_CHECKING:  # the generated message types: annotations only, never imported at run time
     from guestd.server.daemon import Daemon
+    from guestd.wire.types import (
+        CodeErrorRecord,
+        CodeOutputKind,
+        CodeOutputRecord,
+        CodeRunArgs,
+        CodeRunReply,
+        CodeRunStatus,
+        CodeRunTimeoutAction,
+        ContextInfoRecord,
+        ContextInfoState,
+    )
 
 log = logging.getLogger("guestd.code")
 

@@ -30,7 +30,6 @@ from guestd.proctree import (
     try_reap,
 )
 from guestd.wire.errors import ErrorCode, GuestdError, limit_error
-from guestd.wire.types import ProcessInfoRecord, ProcessStartArgs
 
 
 class ExitInfo(TypedDict):
@@ -40,8 +39,9 @@ class ExitInfo(TypedDict):
     signal: int | None
 
 
-if TYPE_CHECKING:
+if TYPE_CHECKING:  # the generated message types: annotations only, never imported at run time
     from guestd.server.daemon import Daemon
+    from guestd.wire.types import ProcessInfoRecord, ProcessStartArgs
 
 READ_SIZE = 256 * 1024
 

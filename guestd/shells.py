@@ -40,10 +40,10 @@ from guestd.proctree import (
 )
 from guestd.wire.errors import ErrorCode, GuestdError, limit_error
 from guestd.wire.paths import path_to_wire
-from guestd.wire.types import ShellInfoRecord, ShellRunArgs, ShellRunReply, ShellRunTimedOut
 
-if TYPE_CHECKING:
+if TYPE_CHECKING:  # the generated message types: annotations only, never imported at run time
     from guestd.server.daemon import Daemon
+    from guestd.wire.types import ShellInfoRecord, ShellRunArgs, ShellRunReply, ShellRunTimedOut
 
 CTL_FD = 63
 READ_SIZE = 256 * 1024

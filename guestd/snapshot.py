@@ -28,10 +28,10 @@ import time
 from typing import TYPE_CHECKING, Any, cast
 
 from guestd.wire.errors import ErrorCode, GuestdError
-from guestd.wire.types import SnapshotPrepareReply, SnapshotRestoreArgs, SnapshotRestoreReply
 
-if TYPE_CHECKING:
+if TYPE_CHECKING:  # the generated message types: annotations only, never imported at run time
     from guestd.server.daemon import Daemon
+    from guestd.wire.types import SnapshotPrepareReply, SnapshotRestoreArgs, SnapshotRestoreReply
 
 RNDADDENTROPY = 0x40085203
 RNDRESEEDCRNG = 0x5207
@@ -253,7 +253,7 @@ class SnapshotState:
         done["actions"] = list(self.priv.recorded)
         done["instance_id"] = self.instance_id
         # Assembled step by step as the restore proceeds; the schema's result fields name every key.
-        return cast(SnapshotRestoreReply, done)
+        return cast("SnapshotRestoreReply", done)
 
     async def _reseed_workloads(self, entropy: bytes) -> dict[str, Any]:
         d = self.daemon

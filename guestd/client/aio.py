@@ -30,7 +30,7 @@ import os
 import socket
 import time
 from collections.abc import AsyncIterator, Callable
-from typing import Any, Literal
+from typing import Any, Literal, TypeVar, cast
 
 from guestd.client.address import open_socket, parse_address
 from guestd.client.connection import DEFAULT_WINDOW, Call, ClientConnection, GuestProtocolError
@@ -39,6 +39,7 @@ from guestd.wire.errors import ErrorCode, GuestdError
 from guestd.wire.frames import DEFAULT_MAX_FRAME
 from guestd.wire.paths import WirePath, path_to_wire
 from guestd.wire.schema import OPS_BY_NAME
+from guestd.wire.types import CodeRunReply, ExecReply, FileListReply, FileStatReply, ShellRunReply
 
 CONNECT_TIMEOUT = 10.0  # connect + handshake
 DEFAULT_DEADLINE = 300.0  # a request with no bound of its own in the guest
@@ -52,6 +53,15 @@ UPLOAD_CHUNK = 1024 * 1024
 
 Progress = Callable[[int], None]
 WriteFlag = Literal["overwrite", "create", "append"]
+
+
+Reply = TypeVar("Reply")
+
+
+def checked(shape: type[Reply], body: dict[str, Any]) -> Reply:
+    """``body`` as its op's generated reply type: the session core has validated it against
+    the same schema entry the type is generated from (records and enums included)."""
+    return cast(Reply, body)
 
 
 def present(**fields: Any) -> dict[str, Any]:
@@ -169,7 +179,7 @@ class ExecStream:
         self._call.cancel()
 
     async def result(self) -> ExecResult:
-        return ExecResult.from_body(await self._client._conn.wait(self._call, self._clock.wait_s()))
+        return ExecResult.from_body(checked(ExecReply, await self._client._conn.wait(self._call, self._clock.wait_s())))
 
 
 class CodeStream:
@@ -207,7 +217,9 @@ class CodeStream:
                 yield kind, {k: ev.get(k) for k in ("ename", "evalue", "traceback")}
 
     async def result(self) -> CodeResult:
-        return CodeResult.from_body(await self._client._conn.wait(self._call, self._clock.wait_s()))
+        return CodeResult.from_body(
+            checked(CodeRunReply, await self._client._conn.wait(self._call, self._clock.wait_s()))
+        )
 
 
 class Attach:
@@ -402,7 +414,7 @@ class AsyncClient:
         )
         if deadline is None:
             deadline = _exec_deadline(timeout_s, idle_timeout_s, kill_grace_s, linger_s)
-        return ExecResult.from_body(await self._conn.request("exec", args, deadline))
+        return ExecResult.from_body(checked(ExecReply, await self._conn.request("exec", args, deadline)))
 
     def exec_stream(
         self,
@@ -600,7 +612,7 @@ class AsyncClient:
         self, path: WirePath, *, follow: bool | None = None, deadline: float | None = DEFAULT_DEADLINE
     ) -> FileStat:
         args = present(path=path_to_wire(path), follow=follow)
-        return FileStat.from_body(await self._conn.request("file.stat", args, deadline))
+        return FileStat.from_body(checked(FileStatReply, await self._conn.request("file.stat", args, deadline)))
 
     async def exists(self, path: WirePath, *, deadline: float | None = DEFAULT_DEADLINE) -> bool:
         """Whether ``path`` exists (a dangling symlink does)."""
@@ -618,20 +630,9 @@ class AsyncClient:
         """The first entries in order of their names as bytes. A name is a str, or bytes when it
         is not UTF-8 (pass it back as it is to name that entry)."""
         args = present(path=path_to_wire(path), max_entries=max_entries)
-        b = await self._conn.request("file.list", args, deadline)
-        entries = b["entries"]
-        if not isinstance(entries, list):
-            raise GuestProtocolError("file.list: entries is not a list")
-        out = []
-        for e in entries:
-            try:
-                name = e["name"]
-                if not isinstance(name, (str, bytes)):
-                    raise TypeError("name")
-                out.append(DirEntry(name, str(e["type"]), int(e["size"]), int(e["mode"]), int(e["mtime_ns"])))
-            except (KeyError, TypeError, ValueError):
-                raise GuestProtocolError("file.list: malformed entry") from None
-        return DirListing(out, bool(b["truncated"]), int(b["total"]))
+        b = checked(FileListReply, await self._conn.request("file.list", args, deadline))
+        entries = [DirEntry(e["name"], e["type"], e["size"], e["mode"], e["mtime_ns"]) for e in b["entries"]]
+        return DirListing(entries, b["truncated"], b["total"])
 
     async def mkdir(
         self,
@@ -703,7 +704,7 @@ class AsyncClient:
         )
         if deadline is None:
             deadline = _code_deadline(timeout_s, interrupt_grace_s)
-        return CodeResult.from_body(await self._conn.request("code.run", args, deadline))
+        return CodeResult.from_body(checked(CodeRunReply, await self._conn.request("code.run", args, deadline)))
 
     def code_run_stream(
         self,
@@ -869,7 +870,7 @@ class AsyncClient:
         )
         if deadline is None:
             deadline = _run_deadline(timeout_s, idle_timeout_s, SHELL_STOP_S)
-        return ShellResult.from_body(await self._conn.request("shell.run", args, deadline))
+        return ShellResult.from_body(checked(ShellRunReply, await self._conn.request("shell.run", args, deadline)))
 
     async def shell_list(self, *, deadline: float | None = 30.0) -> list[dict[str, Any]]:
         sessions = (await self._conn.request("shell.list", {}, deadline))["sessions"]

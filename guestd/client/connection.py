@@ -254,14 +254,14 @@ class ClientConnection(asyncio.Protocol):
         self.flush()
 
     def _on_event(self, event: object) -> None:
-        if isinstance(event, EventReceived):
-            call = self.calls.get(event.id)
-            if call is not None:
-                call.on_event(event.body, event.size)
-        elif isinstance(event, ResponseReceived):
+        if isinstance(event, ResponseReceived):
             call = self.calls.pop(event.id, None)
             if call is not None:
                 call.finish(event.body, None)
+        elif isinstance(event, EventReceived):
+            call = self.calls.get(event.id)
+            if call is not None:
+                call.on_event(event.body, event.size)
         elif isinstance(event, ErrorReceived):
             call = self.calls.pop(event.id, None)
             if call is not None:
@@ -321,9 +321,14 @@ class ClientConnection(asyncio.Protocol):
         self._abort(ConnectionClosed("closed by client"))
 
     def flush(self) -> None:
+        if not self.session.has_output:
+            return
         out = self.session.data_to_send()
-        if out and self.transport is not None and self._closed_exc is None:
-            self.transport.writelines(out)
+        if self.transport is not None and self._closed_exc is None:
+            if len(out) == 1:
+                self.transport.write(out[0])  # the common case (a request), without writelines' list walk
+            else:
+                self.transport.writelines(out)
 
     def grant(self, stream: Stream, nbytes: int) -> None:
         self.session.grant(stream, nbytes)

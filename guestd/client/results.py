@@ -4,9 +4,24 @@ from __future__ import annotations
 
 import base64
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from guestd.wire.paths import WirePath
+
+if TYPE_CHECKING:  # the schema's own types (guestd/wire/types.py, generated), for the fields below
+    from guestd.wire.types import (
+        CodeOutputRecord,
+        CodeRunReply,
+        CodeRunStatus,
+        CodeRunTimeoutAction,
+        DirEntryType,
+        ExecReply,
+        ExecTimedOut,
+        FileStatReply,
+        FileStatType,
+        ShellRunReply,
+        ShellRunTimedOut,
+    )
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -50,14 +65,15 @@ class CapturedOutput:
 class ExecResult(CapturedOutput):
     exit_code: int | None
     signal: int | None
-    timed_out: str | None  # "wall" | "idle" | None
+    timed_out: ExecTimedOut | None
     stdout_gap_at: int | None
     stderr_gap_at: int | None
     pid: int
 
     @classmethod
-    def from_body(cls, b: dict[str, Any]) -> ExecResult:
-        return cls(**{k: b[k] for k in cls.__dataclass_fields__})
+    def from_body(cls, b: ExecReply) -> ExecResult:
+        fields: dict[str, Any] = dict(b)
+        return cls(**{k: fields[k] for k in cls.__dataclass_fields__})
 
     @property
     def ok(self) -> bool:
@@ -74,7 +90,7 @@ class ExecResult(CapturedOutput):
 
 @dataclass(frozen=True)
 class FileStat:
-    type: str
+    type: FileStatType
     size: int
     mode: int
     uid: int
@@ -83,14 +99,14 @@ class FileStat:
     target: WirePath | None = None  # bytes when the link's target is not UTF-8
 
     @classmethod
-    def from_body(cls, b: dict[str, Any]) -> FileStat:
+    def from_body(cls, b: FileStatReply) -> FileStat:
         return cls(b["type"], b["size"], b["mode"], b["uid"], b["gid"], b["mtime_ns"], b.get("target"))
 
 
 @dataclass(frozen=True)
 class DirEntry:
     name: WirePath  # bytes when the name is not UTF-8
-    type: str
+    type: DirEntryType
     size: int
     mode: int
     mtime_ns: int
@@ -126,8 +142,8 @@ class CodeResult:
     (Not a CapturedOutput: its ``text`` is the cell's value, not its stdout.)"""
 
     context: str
-    status: str  # ok | error | timeout | interrupted | died
-    timeout_action: str | None
+    status: CodeRunStatus
+    timeout_action: CodeRunTimeoutAction | None
     exit_reason: str | None
     stdout: bytes
     stderr: bytes
@@ -135,7 +151,7 @@ class CodeResult:
     stderr_bytes: int
     stdout_dropped: int
     stderr_dropped: int
-    results: list[dict[str, Any]]
+    results: list[CodeOutputRecord]
     results_dropped: int
     error: CodeError | None
     stdin_exhausted: bool
@@ -143,9 +159,8 @@ class CodeResult:
     duration_s: float
 
     @classmethod
-    def from_body(cls, b: dict[str, Any]) -> CodeResult:
+    def from_body(cls, b: CodeRunReply) -> CodeResult:
         err = b.get("error")
-        results = b["results"] if isinstance(b["results"], list) else []
         return cls(
             context=b["context"],
             status=b["status"],
@@ -157,13 +172,9 @@ class CodeResult:
             stderr_bytes=b["stderr_bytes"],
             stdout_dropped=b["stdout_dropped"],
             stderr_dropped=b["stderr_dropped"],
-            results=[r for r in results if isinstance(r, dict) and isinstance(r.get("data"), dict)],
+            results=b["results"],
             results_dropped=b["results_dropped"],
-            error=CodeError(
-                str(err.get("ename", "")), str(err.get("evalue", "")), [str(t) for t in err.get("traceback", [])]
-            )
-            if isinstance(err, dict)
-            else None,
+            error=CodeError(err["ename"], err["evalue"], err["traceback"]) if err is not None else None,
             stdin_exhausted=b["stdin_exhausted"],
             execution_count=b.get("execution_count"),
             duration_s=b["duration_s"],
@@ -177,7 +188,7 @@ class CodeResult:
     def text(self) -> str | None:
         """``text/plain`` of the cell's value (its execute_result), if any."""
         for r in self.results:
-            if r.get("kind") == "result":
+            if r["kind"] == "result":
                 v = r["data"].get("text/plain")
                 return v if isinstance(v, str) else None
         return None
@@ -207,7 +218,7 @@ class CodeResult:
 @dataclass(frozen=True, kw_only=True)
 class ShellResult(CapturedOutput):
     exit_code: int | None
-    timed_out: str | None
+    timed_out: ShellRunTimedOut | None
     interrupted: bool
     session_restarted: bool
     cwd: WirePath  # bytes when the directory's path is not UTF-8
@@ -215,5 +226,6 @@ class ShellResult(CapturedOutput):
     stderr_gap_at: int | None
 
     @classmethod
-    def from_body(cls, b: dict[str, Any]) -> ShellResult:
-        return cls(**{k: b[k] for k in cls.__dataclass_fields__})
+    def from_body(cls, b: ShellRunReply) -> ShellResult:
+        fields: dict[str, Any] = dict(b)
+        return cls(**{k: fields[k] for k in cls.__dataclass_fields__})

@@ -4,25 +4,24 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from guestd.wire.types import (
-    CodeCloseArgs,
-    CodeCloseReply,
-    CodeCreateArgs,
-    CodeCreateReply,
-    CodeInterruptArgs,
-    CodeInterruptReply,
-    CodeListArgs,
-    CodeListReply,
-    CodeRestartArgs,
-    CodeRestartReply,
-    CodeRunArgs,
-    CodeRunReply,
-)
-
-if TYPE_CHECKING:
+if TYPE_CHECKING:  # the generated message types: annotations only, never imported at run time
     from guestd.contexts import CodeContext, Contexts
     from guestd.server.connection import RequestContext
     from guestd.server.daemon import Daemon
+    from guestd.wire.types import (
+        CodeCloseArgs,
+        CodeCloseReply,
+        CodeCreateArgs,
+        CodeCreateReply,
+        CodeInterruptArgs,
+        CodeInterruptReply,
+        CodeListArgs,
+        CodeListReply,
+        CodeRestartArgs,
+        CodeRestartReply,
+        CodeRunArgs,
+        CodeRunReply,
+    )
 
 
 def register(daemon: Daemon) -> None:

@@ -27,11 +27,11 @@ from guestd.proctree import (
     try_reap,
 )
 from guestd.wire.errors import ErrorCode, GuestdError
-from guestd.wire.types import ExecArgs, ExecReply, ExecTimedOut
 
-if TYPE_CHECKING:
+if TYPE_CHECKING:  # the generated message types: annotations only, never imported at run time
     from guestd.server.connection import RequestContext
     from guestd.server.daemon import Daemon
+    from guestd.wire.types import ExecArgs, ExecReply, ExecTimedOut
 
 READ_SIZE = 256 * 1024
 _STREAM_FIELDS = {1: {"ev": "stdout"}, 2: {"ev": "stderr"}}

@@ -20,32 +20,32 @@ from typing import TYPE_CHECKING, Any, TypeVar, cast
 
 from guestd.wire.errors import ErrorCode, GuestdError, too_large
 from guestd.wire.paths import path_to_wire
-from guestd.wire.types import (
-    DirEntryRecord,
-    DirEntryType,
-    FileDownloadArgs,
-    FileDownloadReply,
-    FileListArgs,
-    FileListReply,
-    FileMkdirArgs,
-    FileMkdirReply,
-    FileReadArgs,
-    FileReadReply,
-    FileRemoveArgs,
-    FileRemoveReply,
-    FileRenameArgs,
-    FileRenameReply,
-    FileStatArgs,
-    FileStatReply,
-    FileUploadArgs,
-    FileUploadReply,
-    FileWriteArgs,
-    FileWriteReply,
-)
 
-if TYPE_CHECKING:
+if TYPE_CHECKING:  # the generated message types: annotations only, never imported at run time
     from guestd.server.connection import RequestContext
     from guestd.server.daemon import Daemon
+    from guestd.wire.types import (
+        DirEntryRecord,
+        DirEntryType,
+        FileDownloadArgs,
+        FileDownloadReply,
+        FileListArgs,
+        FileListReply,
+        FileMkdirArgs,
+        FileMkdirReply,
+        FileReadArgs,
+        FileReadReply,
+        FileRemoveArgs,
+        FileRemoveReply,
+        FileRenameArgs,
+        FileRenameReply,
+        FileStatArgs,
+        FileStatReply,
+        FileUploadArgs,
+        FileUploadReply,
+        FileWriteArgs,
+        FileWriteReply,
+    )
 
 DEFAULT_PERM = 0o644
 TMP_MARK = ".guestd-tmp-"

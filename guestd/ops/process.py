@@ -8,31 +8,31 @@ from typing import TYPE_CHECKING
 
 from guestd.ops.exec import parse_signal
 from guestd.wire.errors import ErrorCode, GuestdError
-from guestd.wire.types import (
-    ProcessAttachArgs,
-    ProcessAttachReply,
-    ProcessCloseStdinArgs,
-    ProcessCloseStdinReply,
-    ProcessForgetArgs,
-    ProcessForgetReply,
-    ProcessListArgs,
-    ProcessListReply,
-    ProcessResizeArgs,
-    ProcessResizeReply,
-    ProcessSignalArgs,
-    ProcessSignalReply,
-    ProcessStartArgs,
-    ProcessStartReply,
-    ProcessWaitArgs,
-    ProcessWaitReply,
-    ProcessWriteArgs,
-    ProcessWriteReply,
-)
 
-if TYPE_CHECKING:
+if TYPE_CHECKING:  # the generated message types: annotations only, never imported at run time
     from guestd.processes import ManagedProcess, ProcessTable
     from guestd.server.connection import RequestContext
     from guestd.server.daemon import Daemon
+    from guestd.wire.types import (
+        ProcessAttachArgs,
+        ProcessAttachReply,
+        ProcessCloseStdinArgs,
+        ProcessCloseStdinReply,
+        ProcessForgetArgs,
+        ProcessForgetReply,
+        ProcessListArgs,
+        ProcessListReply,
+        ProcessResizeArgs,
+        ProcessResizeReply,
+        ProcessSignalArgs,
+        ProcessSignalReply,
+        ProcessStartArgs,
+        ProcessStartReply,
+        ProcessWaitArgs,
+        ProcessWaitReply,
+        ProcessWriteArgs,
+        ProcessWriteReply,
+    )
 
 EXIT_SETTLE_S = 0.5  # after exit, how long attach keeps reading output of leftover children
 

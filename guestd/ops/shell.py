@@ -4,21 +4,20 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from guestd.wire.types import (
-    ShellCloseArgs,
-    ShellCloseReply,
-    ShellCreateArgs,
-    ShellCreateReply,
-    ShellListArgs,
-    ShellListReply,
-    ShellRunArgs,
-    ShellRunReply,
-)
-
-if TYPE_CHECKING:
+if TYPE_CHECKING:  # the generated message types: annotations only, never imported at run time
     from guestd.server.connection import RequestContext
     from guestd.server.daemon import Daemon
     from guestd.shells import Shells
+    from guestd.wire.types import (
+        ShellCloseArgs,
+        ShellCloseReply,
+        ShellCreateArgs,
+        ShellCreateReply,
+        ShellListArgs,
+        ShellListReply,
+        ShellRunArgs,
+        ShellRunReply,
+    )
 
 
 def register(daemon: Daemon) -> None:

@@ -4,18 +4,17 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from guestd.wire.types import (
-    SnapshotPrepareArgs,
-    SnapshotPrepareReply,
-    SnapshotRestoreArgs,
-    SnapshotRestoreReply,
-    SnapshotResumeArgs,
-    SnapshotResumeReply,
-)
-
-if TYPE_CHECKING:
+if TYPE_CHECKING:  # the generated message types: annotations only, never imported at run time
     from guestd.server.connection import RequestContext
     from guestd.server.daemon import Daemon
+    from guestd.wire.types import (
+        SnapshotPrepareArgs,
+        SnapshotPrepareReply,
+        SnapshotRestoreArgs,
+        SnapshotRestoreReply,
+        SnapshotResumeArgs,
+        SnapshotResumeReply,
+    )
 
 # Ops that never wait behind a quiesce (health checks and the snapshot ops themselves).
 UNGATED_WHEN_QUIESCED = frozenset({"ping", "info", "snapshot.prepare", "snapshot.resume", "snapshot.restore"})

@@ -337,8 +337,10 @@ class Connection(asyncio.Protocol):
     # -- sending ------------------------------------------------------------------------
     def flush(self) -> None:
         """Hand what the session queued to the transport."""
+        if not self.session.has_output:
+            return
         out = self.session.data_to_send()
-        if not out or self.transport is None or self._closing:
+        if self.transport is None or self._closing:
             return
         write = self.transport.write  # type: ignore[attr-defined]
         for chunk in out:

@@ -240,6 +240,10 @@ class Session:
         out, self._out = self._out, []
         return out
 
+    @property
+    def has_output(self) -> bool:
+        return bool(self._out)
+
     def _queue(self, data: bytes) -> None:
         self._out.append(data)
 
