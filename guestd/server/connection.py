@@ -369,6 +369,8 @@ class Connection(asyncio.Protocol):
 
     # -- events from the session --------------------------------------------------------
     def _on_events(self, events: list[Event]) -> None:
+        if not events:
+            return
         for event in events:
             if self._closing:
                 return  # refused or closed: nothing after that may take effect
@@ -426,13 +428,14 @@ class Connection(asyncio.Protocol):
 
     def _on_request(self, event: RequestReceived) -> None:
         stream, args = event.stream, event.args
+        daemon = self.daemon
         try:
-            self.daemon.config.policy.check_op(stream.op)
+            daemon.config.policy.check_op(stream.op)
         except GuestdError as err:
             self.session.fail(stream, err)
             return
-        route = self.daemon.dispatcher.lookup(stream.op)
-        gate = self.daemon.snapshot.gate(stream.op)
+        route = daemon.dispatcher.routes[stream.op]  # the core admitted only ops that are served
+        gate = daemon.snapshot.gate(stream.op)
         if route.inline is not None and gate is None:
             try:
                 self.session.respond(stream, route.inline(args))

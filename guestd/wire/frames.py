@@ -15,6 +15,7 @@ without decoding anything the limit says we must not buffer.
 from __future__ import annotations
 
 import struct
+import threading
 from collections.abc import Mapping
 from dataclasses import dataclass
 from enum import IntEnum
@@ -66,8 +67,22 @@ class OversizeFrame:
     length: int
 
 
+_packers = threading.local()
+
+
+def pack(value: object) -> bytes:
+    """msgpack bytes of ``value`` (bin for bytes). One Packer per thread, reused: packb
+    builds a Packer per call, which was half the cost of encoding a small frame (0.67 vs
+    0.16 us). A Packer resets itself when packing fails, so a bad value costs nothing after."""
+    try:
+        packer = _packers.packer
+    except AttributeError:
+        packer = _packers.packer = msgpack.Packer(use_bin_type=True)
+    return packer.pack(value)  # type: ignore[no-any-return]
+
+
 def pack_body(body: Mapping[str, Any]) -> bytes:
-    return msgpack.packb(body, use_bin_type=True)  # type: ignore[no-any-return]
+    return pack(body)
 
 
 def encode_frame(kind: int, req_id: int, body: Mapping[str, Any]) -> bytes:
@@ -87,7 +102,7 @@ def encode_data_frame(kind: int, req_id: int, fields: dict[str, Any], data: byte
         raise ValueError("too many fields for a data frame")
     body_head = bytearray([0x80 | n])
     for k, v in fields.items():
-        body_head += msgpack.packb(k) + msgpack.packb(v, use_bin_type=True)
+        body_head += pack(k) + pack(v)
     body_head += b"\xa4data"
     dl = len(data)
     if dl < 256:
