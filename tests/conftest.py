@@ -107,6 +107,17 @@ def start_guestd(
     return Guestd(proc, sock_path, workdir, log_path, list(args))
 
 
+StartGuestd = Callable[..., Guestd]
+
+
+def limits_config(directory: str, **limits: object) -> str:
+    """A guestd config file in ``directory`` that sets only these ``[limits]``; returns its path."""
+    path = os.path.join(directory, "guestd.toml")
+    with open(path, "w") as f:
+        f.write("[limits]\n" + "".join(f"{k} = {v!r}\n" for k, v in limits.items()))
+    return path
+
+
 @pytest.fixture(scope="session")
 def guestd() -> Iterator[Guestd]:
     """One daemon shared by the tests that do not need special settings."""

@@ -8,23 +8,13 @@ import os
 import socket
 import threading
 import time
-from collections.abc import Callable
 from typing import Any
 
 from guestd.wire.frames import Kind, encode_frame
-from tests.conftest import Guestd
+from tests.conftest import Guestd, StartGuestd, limits_config
 from tests.rawwire import FrameCounter, RawPeer
 
 SMALL = 64 * 1024
-
-StartGuestd = Callable[..., Guestd]
-
-
-def config_file(tmp: str, **limits: object) -> str:
-    path = os.path.join(tmp, "guestd.toml")
-    with open(path, "w") as f:
-        f.write("[limits]\n" + "".join(f"{k} = {v!r}\n" for k, v in limits.items()))
-    return path
 
 
 def small_peer(g: Guestd) -> RawPeer:
@@ -173,7 +163,7 @@ def test_a_peer_that_never_reads_cannot_grow_guestd(fresh_guestd: StartGuestd) -
 def test_silent_peers_get_a_hello_deadline_and_cannot_lock_the_host_out(
     fresh_guestd: StartGuestd, tmp_path: Any
 ) -> None:
-    cfg = config_file(str(tmp_path), hello_timeout_s=1.0, max_connections=4)
+    cfg = limits_config(str(tmp_path), hello_timeout_s=1.0, max_connections=4)
     g = fresh_guestd("--config", cfg)
     silent = [g.raw_socket() for _ in range(4)]
     # Every slot is held by a peer that never says hello; the host's real connection still gets in.

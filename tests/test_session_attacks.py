@@ -24,19 +24,10 @@ import pytest
 
 from guestd.client import Client, GuestdError, GuestProtocolError
 from guestd.wire.frames import HEADER, MAGIC, Kind, encode_frame
-from tests.conftest import Guestd
+from tests.conftest import Guestd, StartGuestd, limits_config
 from tests.rawwire import FAKE_GUEST_HELLO, FrameCounter, RawPeer
 
 SMALL = 64 * 1024
-
-StartGuestd = Callable[..., Guestd]
-
-
-def config_file(tmp: str, **limits: object) -> str:
-    path = os.path.join(tmp, "guestd.toml")
-    with open(path, "w") as f:
-        f.write("[limits]\n" + "".join(f"{k} = {v!r}\n" for k, v in limits.items()))
-    return path
 
 
 def hello_frame(**extra: Any) -> bytes:
@@ -191,7 +182,7 @@ def test_hello_less_peers_that_never_read_cannot_lock_the_host_out(fresh_guestd:
     but transport.close() waits for the buffer to drain, which never happens: the
     connection keeps its slot forever (connection_lost is never called), and as it is no
     longer "awaiting hello" (phase CLOSED) it is never evicted either."""
-    cfg = config_file(str(tmp_path), hello_timeout_s=1.0, max_connections=3)
+    cfg = limits_config(str(tmp_path), hello_timeout_s=1.0, max_connections=3)
     g = fresh_guestd("--config", cfg)
     held = [stuff_unread(g, seconds=3) for _ in range(3)]
     time.sleep(2.5)  # well past the hello deadline of every one of them
@@ -211,7 +202,7 @@ def test_evicted_peers_that_never_read_do_not_pile_up_in_guestd(fresh_guestd: St
     peer is dropped from the daemon's table at once, but its transport (and the unsent
     bytes in it, plus its fd) stay until the peer reads: one peer can open connection
     after connection and grow guestd by ~2-4 MiB each, without bound."""
-    cfg = config_file(str(tmp_path), hello_timeout_s=60.0, max_connections=2)
+    cfg = limits_config(str(tmp_path), hello_timeout_s=60.0, max_connections=2)
     g = fresh_guestd("--config", cfg)
     socks = [stuff_unread(g, seconds=2)]
     before = g.rss()
