@@ -297,8 +297,8 @@ class SnapshotState:
             self.suspected_restore = True
             try:
                 self.priv.set_clock(host_time_ns)
-            except OSError:
-                pass
+            except (OSError, ValueError, OverflowError):
+                pass  # a clock we cannot set (or a value no clock holds) leaves ours as it is
 
     def describe(self) -> dict[str, Any]:
         return {

@@ -45,6 +45,14 @@ class ConnectionClosed(GuestdError):
         super().__init__(ErrorCode.CANCELLED, message)
 
 
+def _event_cost(body: dict[str, Any], size: int) -> tuple[int, int]:
+    """(events, bytes) a queued event counts against the client's bounds: its payload
+    beyond the data the credit covers, and one event unless it carries data."""
+    data = body.get("data")
+    data_len = len(data) if isinstance(data, bytes) else 0
+    return (0 if data_len else 1), size - data_len
+
+
 class Call:
     """One request in flight. Streams queue their events here within our credit.
 
@@ -95,12 +103,13 @@ class Call:
             setattr(self, which, None)
 
     def on_event(self, body: dict[str, Any], size: int) -> None:
-        # Data is bounded by the credit the session enforces; other events by count and bytes.
-        if not isinstance(body.get("data"), bytes):
-            self.queued_small += 1
-            self.queued_bytes += size
-            if self.queued_small > MAX_PENDING_EVENTS or self.queued_bytes > MAX_PENDING_EVENT_BYTES:
-                raise GuestProtocolError("guest flooded a stream with events nobody has read yet")
+        # Data bytes are bounded by the credit the session enforces; everything else an event
+        # carries (its other fields, an event with empty data) by count and bytes here.
+        count, extra = _event_cost(body, size)
+        self.queued_small += count
+        self.queued_bytes += extra
+        if self.queued_small > MAX_PENDING_EVENTS or self.queued_bytes > MAX_PENDING_EVENT_BYTES:
+            raise GuestProtocolError("guest flooded a stream with events nobody has read yet")
         if self._events is None:
             self._events = deque()
         self._events.append((body, size))
@@ -124,13 +133,12 @@ class Call:
                 return None
             await self._wait("_event_waiter", timeout)
         body, size = self._events.popleft()
+        count, extra = _event_cost(body, size)
+        self.queued_small -= count
+        self.queued_bytes -= extra
         data = body.get("data")
-        if isinstance(data, bytes):
-            if data and not self.future.done():
-                self.conn.grant(self.stream, len(data))
-        else:
-            self.queued_small -= 1
-            self.queued_bytes -= size
+        if isinstance(data, bytes) and data and not self.future.done():
+            self.conn.grant(self.stream, len(data))
         return body
 
     async def iter_events(self, timeout: float | None = None) -> AsyncIterator[dict[str, Any]]:

@@ -406,11 +406,10 @@ async def _feed_stdin(run: ExecRun, data: bytes | None) -> None:
                 ctx.ack_input(len(chunk))
             if body.get("eof"):
                 return
-            if "signal" in body:
-                _apply_signal(run, body["signal"])
     except (BrokenPipeError, ConnectionResetError):
         pass  # the process closed its stdin; nothing more to deliver
     finally:
+        ctx.stop_taking_data()  # signals still arrive (they never pass through here)
         try:
             proc.stdin.close()
         except OSError:
@@ -436,13 +435,14 @@ def register(daemon: Daemon) -> None:
             run.start()
             if run.stream:
                 ctx.post_event({"ev": "started", "pid": run.pid})
-            if stdin_pipe:
-                helpers.append(
-                    run.loop.create_task(_feed_stdin(run, args["stdin"] if not args["stdin_stream"] else None))
-                )
+            # Signals apply at once in every stdin mode, also after eof and behind unread stdin.
+            ctx.handle_signals(lambda value: _apply_signal(run, value))
+            if args["stdin_stream"]:
+                helpers.append(run.loop.create_task(_feed_stdin(run, None)))
             else:
-                # Without streamed stdin, INPUT frames only carry signals: handle them inline.
-                ctx.handle_input(lambda body: _apply_signal(run, body["signal"]) if "signal" in body else None)
+                ctx.stop_taking_data()  # INPUT data and eof mean nothing without stdin_stream
+                if args["stdin"] is not None:
+                    helpers.append(run.loop.create_task(_feed_stdin(run, args["stdin"])))
             return await run.wait()
         except asyncio.CancelledError:
             # Cancelled request or dropped connection: the work must really stop.

@@ -44,6 +44,7 @@ log = logging.getLogger("guestd.connection")
 
 SERIAL_STALL_S = 1.0
 WRITE_HIGH_WATER = 2 * 1024 * 1024  # unsent bytes per connection before we stop reading from it
+MAX_EARLY_SIGNALS = 16  # signals kept for a handler that has not started yet
 BULK_REPLIES = 4  # replies held whole in memory (file.read, <= limits.max_read each) built at once per connection
 
 
@@ -52,6 +53,7 @@ class RequestContext:
 
     __slots__ = (
         "_credit_waiters",
+        "_early_signals",
         "_input",
         "cancel_reason",
         "cancel_shielded",
@@ -59,7 +61,9 @@ class RequestContext:
         "id",
         "input_handler",
         "op",
+        "signal_handler",
         "stream",
+        "takes_data",
         "task",
     )
 
@@ -73,6 +77,9 @@ class RequestContext:
         self._input: asyncio.Queue[dict[str, Any]] | None = None
         # Handlers that react to INPUT synchronously (exec signals) set this instead of reading ``input``.
         self.input_handler: Callable[[dict[str, Any]], None] | None = None
+        self.signal_handler: Callable[[Any], None] | None = None
+        self._early_signals: list[Any] = []
+        self.takes_data = True
         # Set by a handler past its point of no return (an upload committing): a client
         # cancel then no longer interrupts it, and the reply says what really happened.
         self.cancel_shielded = False
@@ -153,18 +160,37 @@ class RequestContext:
         return self._input
 
     def push_input(self, body: dict[str, Any]) -> None:
+        # A signal never waits behind data (a process that does not read its stdin must
+        # still be interruptible), nor for the handler to start: it goes to the signal
+        # handler at once, or is kept for it.
+        signal = body.pop("signal", None)
+        if signal is not None:
+            if self.signal_handler is not None:
+                self.signal_handler(signal)
+            elif len(self._early_signals) < MAX_EARLY_SIGNALS:
+                self._early_signals.append(signal)
+        if not body or (body.get("data") == b"" and not body.get("eof")):
+            return  # nothing left to deliver (empty data frames cost no credit: never queue them)
         if self.input_handler is not None:
             self.input_handler(body)
-        else:
+        elif self.takes_data:
             self.input.put_nowait(body)
 
-    def handle_input(self, handler: Callable[[dict[str, Any]], None]) -> None:
-        """React to INPUT synchronously from now on; input that arrived before (say a
-        signal in the same read as the request) is handed over first, not lost."""
-        self.input_handler = handler
-        queued = self._input
-        while queued is not None and not queued.empty():
-            handler(queued.get_nowait())
+    def handle_signals(self, handler: Callable[[Any], None]) -> None:
+        """Apply INPUT signals with ``handler`` from now on; signals that arrived before
+        (in the same read as the request, say) are applied first, not lost."""
+        self.signal_handler = handler
+        early, self._early_signals = self._early_signals, []
+        for signal in early:
+            handler(signal)
+
+    def stop_taking_data(self) -> None:
+        """The handler reads no more data or eof (stdin given whole, or closed): later ones
+        are dropped instead of queued for nobody."""
+        self.takes_data = False
+        if self._input is not None:
+            while not self._input.empty():
+                self._input.get_nowait()
 
     def ack_input(self, nbytes: int) -> None:
         """Tell the client it may send ``nbytes`` more (after we consumed them)."""
@@ -217,6 +243,7 @@ class Connection(asyncio.Protocol):
         self._last_fed = 0.0  # loop time of the last bytes, for serial stall detection
         self._stall_handle: asyncio.TimerHandle | None = None
         self._hello_timer: asyncio.TimerHandle | None = None
+        self._hello_just_accepted = False
 
     # -- what the rest of the daemon reads -------------------------------------------------
     @property
@@ -369,17 +396,22 @@ class Connection(asyncio.Protocol):
 
     # -- events from the session --------------------------------------------------------
     def _on_events(self, events: list[Event]) -> None:
-        if not events:
-            return
-        for event in events:
-            if self._closing:
-                return  # refused or closed: nothing after that may take effect
-            try:
-                self._on_event(event)
-            except Exception:  # a bug must cost one request, never the daemon
-                log.exception("handling %s failed", type(event).__name__)
-                if isinstance(event, RequestReceived):
-                    self.session.fail(event.stream, GuestdError(ErrorCode.INTERNAL, "internal error handling frame"))
+        # A loop, not recursion: each accepted hello releases the frames behind it, which
+        # may hold another hello (a serial host starting over), and so on.
+        while events:
+            for event in events:
+                if self._closing:
+                    return  # refused or closed: nothing after that may take effect
+                try:
+                    self._on_event(event)
+                except Exception:  # a bug must cost one request, never the daemon
+                    log.exception("handling %s failed", type(event).__name__)
+                    if isinstance(event, RequestReceived):
+                        self.session.fail(
+                            event.stream, GuestdError(ErrorCode.INTERNAL, "internal error handling frame")
+                        )
+            events = self.session.resume() if self.session.phase is Phase.OPEN and self._hello_just_accepted else []
+            self._hello_just_accepted = False
 
     def _on_event(self, event: Event) -> None:
         if isinstance(event, RequestReceived):
@@ -423,8 +455,8 @@ class Connection(asyncio.Protocol):
             self._hello_timer.cancel()
             self._hello_timer = None
         self.session.accept_hello(lambda _session: self.daemon.hello_body(self))
+        self._hello_just_accepted = True  # _on_events then releases the frames behind the hello
         self.daemon.snapshot.check_host_time(hello.get("time_ns"))
-        self._on_events(self.session.resume())
 
     def _on_request(self, event: RequestReceived) -> None:
         stream, args = event.stream, event.args

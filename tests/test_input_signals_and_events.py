@@ -1,8 +1,6 @@
-"""Second red-team pass over the session core and its adapters (guestd/wire/session.py,
-guestd/server/connection.py, guestd/client/connection.py) after the first pass's fixes.
-
-Each test states a PROTOCOL.md claim (or a documented bound) and attacks it; each one
-failed against the code it was written for.
+"""A second red-team pass over the session core and its adapters, after the first pass's
+fixes: exec signals in every stdin mode, padded events against the client's bounds, and
+thousands of serial hellos in one write. Each test failed before its fix.
 
 Safety: all traffic is on Unix sockets; no test sends a hello with a far-off ``time_ns``.
 """
@@ -139,3 +137,49 @@ def test_padded_data_events_cannot_pin_unbounded_client_memory(evil: Any, data: 
     finally:
         c.close()
     assert held <= 16 * 1024 * 1024, f"one exec call holds {held >> 20} MiB of padded events the guest pushed"
+
+
+def test_thousands_of_hellos_in_one_serial_write_do_not_recurse() -> None:
+    """On a serial port every hello starts a new host session and releases the frames
+    behind it. 3000 in one write were handled by recursion (hello -> resume -> hello ...),
+    deeper than Python's limit; now a loop."""
+    import asyncio
+
+    from guestd.server.config import Config
+    from guestd.server.connection import Connection
+    from guestd.server.daemon import Daemon
+    from guestd.wire.frames import FrameDecoder
+
+    class Sink:
+        def __init__(self) -> None:
+            self.out = bytearray()
+
+        def write(self, data: bytes) -> None:
+            self.out += data
+
+        def get_extra_info(self, name: str, default: Any = None) -> Any:
+            return default
+
+        def get_write_buffer_size(self) -> int:
+            return 0
+
+        def close(self) -> None:
+            pass
+
+    async def serve() -> bytes:
+        cfg = Config()
+        cfg.simulate_privileged = True  # hellos without time_ns anyway: nothing touches the clock
+        conn = Connection(Daemon(cfg), "serial-test", serial=True)
+        sink = Sink()
+        conn.connection_made(sink)  # type: ignore[arg-type]
+        hello = encode_frame(Kind.HELLO, 0, {"versions": [1]})
+        conn.data_received(hello * 3000 + encode_frame(Kind.REQUEST, 7, {"op": "ping", "args": {}}))
+        return bytes(sink.out)
+
+    out = asyncio.run(serve())
+    dec = FrameDecoder(1 << 30)
+    dec.feed(out)
+    kinds = []
+    while (f := dec.next_frame()) is not None:
+        kinds.append((f.kind, f.id))
+    assert kinds.count((Kind.HELLO, 0)) == 3000 and kinds[-1] == (Kind.RESPONSE, 7)
