@@ -28,10 +28,10 @@ from typing import TYPE_CHECKING, Any
 import msgpack
 
 from guestd.capture import OutputCapture, capture_fields
-from guestd.proctree import ExitWatch
 from guestd.wire.errors import ErrorCode, GuestdError, limit_error
 
 if TYPE_CHECKING:  # the generated message types: annotations only, never imported at run time
+    from guestd.children import Child
     from guestd.server.daemon import Daemon
     from guestd.wire.types import (
         CodeErrorRecord,
@@ -79,23 +79,18 @@ class Kernel:
         self.km: Any = None
         self.kc: Any = None
         self.pid = 0
+        self.child: Child | None = None
         self.died: asyncio.Future[str] = asyncio.get_running_loop().create_future()
-        self._exit_watch: ExitWatch | None = None
         self.readers: list[asyncio.Future[None]] = []
         self.current: RunState | None = None  # the run whose messages the readers deliver
 
     async def start(self, cwd: str | None, env: dict[str, str] | None) -> None:
-        from jupyter_client.kernelspec import KernelSpec, KernelSpecManager
         from jupyter_client.manager import AsyncKernelManager
 
-        argv = [sys.executable, "-m", "guestd.kernel", "-f", "{connection_file}"]
-
-        class Specs(KernelSpecManager):
-            def get_kernel_spec(self, kernel_name: str) -> Any:
-                return KernelSpec(argv=argv, display_name="guestd python", language="python")
-
         kdir = self.daemon.kernel_dir()
-        km = AsyncKernelManager(kernel_name="guestd-python", kernel_spec_manager=Specs())
+        # jupyter_client writes the connection file, makes the client and cleans up; the process
+        # itself is a run of guestd.children (its own cgroup, the workload user), like any other.
+        km = AsyncKernelManager(kernel_name="guestd-python")
         km.transport = "ipc"  # Unix sockets in a 0700 directory: no ports, no network
         km.ip = os.path.join(kdir, self.kid)
         km.connection_file = os.path.join(kdir, f"{self.kid}.json")
@@ -108,7 +103,6 @@ class Kernel:
         kenv.setdefault("PYTHONUNBUFFERED", "1")
         kenv["MPLBACKEND"] = kenv.get("MPLBACKEND", "module://matplotlib_inline.backend_inline")
         self.km = km
-        launch: dict[str, Any] = {}
         ids = self.daemon.config.policy.workload_ids()
         if ids is not None:
             # The kernel runs as the workload user: it must read its connection file and bind its
@@ -121,20 +115,25 @@ class Kernel:
             os.chown(kdir, *ids)
             km.ip = os.path.join(kdir, self.kid)
             km.connection_file = os.path.join(kdir, f"{self.kid}.json")
-            km.write_connection_file()
-            os.chown(km.connection_file, *ids)
             kenv["IPYTHONDIR"] = os.path.join(kdir, "ipython")
             kenv["HOME"] = kdir  # guestd's HOME is not the workload user's to write
-            launch = {"user": ids[0], "group": ids[1], "extra_groups": []}
-        await asyncio.wait_for(km.start_kernel(cwd=cwd or os.getcwd(), env=kenv, **launch), KERNEL_START_TIMEOUT_S)
-        self.pid = km.provisioner.process.pid  # type: ignore[union-attr]
-        from guestd.proctree import reset_oom_score
+        km.write_connection_file()
+        if ids is not None:
+            os.chown(km.connection_file, *ids)
+        from guestd.children import DEVNULL
 
-        reset_oom_score(self.pid)
-        self.daemon.workload.adopt(self.pid)
-        self.daemon.reaper.tracked.add(self.pid)
+        self.child = await self.daemon.children.spawn(
+            [sys.executable, "-m", "guestd.kernel", "-f", km.connection_file],
+            kind="kernel",
+            env=kenv,
+            cwd=cwd or os.getcwd(),
+            stdin=DEVNULL,
+            stdout=1,  # what the kernel writes outside its cells goes where guestd's log goes
+            stderr=2,
+        )
+        self.pid = self.child.pid
         self._write_pidfile()
-        self._watch()
+        self.child.watch(self._on_exit, 0.2)
         kc = km.client()
         kc.start_channels(hb=False)  # liveness comes from the pidfd; no heartbeat thread
         self.kc = kc
@@ -191,30 +190,10 @@ class Kernel:
         except (OSError, ImportError, Exception):  # best effort: PDEATHSIG is the first line of defence
             log.debug("could not record kernel pid", exc_info=True)
 
-    def _watch(self) -> None:
-        if self._exit_watch is not None:
-            self._exit_watch.close()
-        self._exit_watch = ExitWatch(asyncio.get_running_loop(), self.pid, self._on_exit, 0.2)
-
     def _on_exit(self) -> None:
-        status: int | None = None
-        proc = self.km.provisioner.process if self.km and self.km.provisioner else None
-        try:
-            pid, st = os.waitpid(self.pid, os.WNOHANG)
-            if not pid:
-                return  # still running: a poll tick (no pidfd) found nothing
-            status = st
-            if proc is not None:
-                proc.returncode = os.waitstatus_to_exitcode(st)
-        except ChildProcessError:  # reaped already (by the subreaper sweep or jupyter_client)
-            rc = getattr(proc, "returncode", None)
-            if rc is not None:
-                status = (-rc & 0x7F) if rc < 0 else (rc << 8)
-        if self._exit_watch is not None:
-            self._exit_watch.close()
-        self.daemon.reaper.tracked.discard(self.pid)
+        assert self.child is not None
         if not self.died.done():
-            self.died.set_result(_exit_reason(status))
+            self.died.set_result(_exit_reason(self.child.status))
         self._remove_pidfile()
 
     def _remove_pidfile(self) -> None:
@@ -249,18 +228,15 @@ class Kernel:
                 self.kc.stop_channels()
             except Exception:
                 pass
-        if self.alive and self.pid:
-            try:
-                os.killpg(self.pid, signal.SIGKILL)
-            except OSError:
+        if self.child is not None:
+            # The whole run: what cells started in sessions of their own dies with the kernel.
+            self.child.kill_now()
+            if self.alive:
                 try:
-                    os.kill(self.pid, signal.SIGKILL)
-                except OSError:
-                    pass
-            try:
-                await asyncio.wait_for(asyncio.shield(self.died), 5.0)
-            except TimeoutError:
-                log.warning("kernel %s (pid %d) did not exit after SIGKILL", self.kid, self.pid)
+                    await asyncio.wait_for(asyncio.shield(self.died), 5.0)
+                except TimeoutError:
+                    log.warning("kernel %s (pid %d) did not exit after SIGKILL", self.kid, self.pid)
+            self.child.release()
         if self.km is not None:
             try:
                 await self.km.cleanup_resources(restart=False)  # connection file, ipc sockets

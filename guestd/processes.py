@@ -9,62 +9,23 @@ reattach after a dropped connection without gaps or duplicates.
 from __future__ import annotations
 
 import asyncio
-import fcntl
 import os
-import signal
-import struct
-import subprocess
-import termios
 import time
-from collections.abc import Callable
-from typing import TYPE_CHECKING, Any, TypedDict
+from typing import TYPE_CHECKING
 
 from guestd.capture import OutputRing
-from guestd.proctree import (
-    ExitWatch,
-    descendants,
-    read_chunk,
-    reset_oom_score,
-    signal_each,
-    signal_group,
-    try_reap,
-)
+from guestd.children import DEVNULL, PIPE, Child, ExitInfo, exit_info
+from guestd.children.tree import read_chunk, set_winsize, write_all
 from guestd.wire.errors import ErrorCode, GuestdError, limit_error
-
-
-class ExitInfo(TypedDict):
-    """How a process ended, as every process reply reports it (nil while it runs)."""
-
-    exit_code: int | None
-    signal: int | None
-
 
 if TYPE_CHECKING:  # the generated message types: annotations only, never imported at run time
     from guestd.server.daemon import Daemon
     from guestd.wire.types import ProcessInfoRecord, ProcessStartArgs
 
+__all__ = ["ExitInfo", "ManagedProcess", "ProcessTable"]
+
 READ_SIZE = 256 * 1024
-
-
-def set_winsize(fd: int, rows: int, cols: int) -> None:
-    fcntl.ioctl(fd, termios.TIOCSWINSZ, struct.pack("HHHH", rows, cols, 0, 0))
-
-
-def _chain(first: Any, second: Any) -> Any:
-    if first is None:
-        return second
-
-    def both() -> None:
-        first()
-        second()
-
-    return both
-
-
-def _take_controlling_tty() -> None:
-    # Runs in the child after setsid(): make the pty its controlling terminal, so ^C,
-    # ^Z and SIGWINCH work as on a real terminal.
-    fcntl.ioctl(0, termios.TIOCSCTTY, 0)
+SETTLE_S = 0.2  # after exit, how long leftover children may still write into the rings
 
 
 class ManagedProcess:
@@ -77,80 +38,41 @@ class ManagedProcess:
         self.ended_at: float | None = None
         self.status: int | None = None
         self.rings = {"stdout": OutputRing(ring_bytes), "stderr": OutputRing(ring_bytes)}
-        self.pty_fd: int | None = None
-        self.stdin_fd: int | None = None
-        self._fds: dict[str, int] = {}
-        self._exit_watch: ExitWatch | None = None
+        self.child: Child | None = None
+        self._fds: dict[str, int] = {}  # streams still being read
         self._waiters: list[asyncio.Future[None]] = []
-        self.proc: subprocess.Popen[bytes] | None = None
+
+    @property
+    def pty_fd(self) -> int | None:
+        return self.child.pty if self.child is not None else None
 
     # -- start ------------------------------------------------------------------------
-    def start(self, args: ProcessStartArgs) -> None:
-        from guestd.ops.exec import as_user, build_env, check_cwd, command_argv, preexec_failed
-
-        daemon = self.table.daemon
-        creds = as_user(daemon.config.policy.workload_ids(), daemon.workload.popen_kwargs())
+    async def start(self, args: ProcessStartArgs) -> None:
+        from guestd.ops.exec import build_env, check_cwd, command_argv
 
         argv = command_argv(args["argv"], args["shell"])
-        cwd = args["cwd"]
-        check_cwd(cwd)
+        check_cwd(args["cwd"])
         env = build_env(args["env"], args["env_mode"])
-        try:
-            if args["pty"]:
-                master, slave = os.openpty()
-                set_winsize(master, args["rows"], args["cols"])
-                if env is None:
-                    env = dict(os.environ)
-                env.setdefault("TERM", "xterm-256color")
-                try:
-                    self.proc = subprocess.Popen(
-                        argv,
-                        stdin=slave,
-                        stdout=slave,
-                        stderr=slave,
-                        cwd=cwd,
-                        env=env,
-                        start_new_session=True,
-                        close_fds=True,
-                        **{**creds, "preexec_fn": _chain(creds.get("preexec_fn"), _take_controlling_tty)},
-                    )
-                finally:
-                    os.close(slave)
-                os.set_blocking(master, False)
-                self.pty_fd = master
-                self._fds = {"stdout": master}
-            else:
-                self.proc = subprocess.Popen(
-                    argv,
-                    stdin=subprocess.PIPE if args["stdin"] else subprocess.DEVNULL,
-                    stdout=subprocess.PIPE,
-                    stderr=subprocess.PIPE,
-                    cwd=cwd,
-                    env=env,
-                    start_new_session=True,
-                    close_fds=True,
-                    **creds,
-                )
-                assert self.proc.stdout is not None and self.proc.stderr is not None
-                self._fds = {"stdout": self.proc.stdout.fileno(), "stderr": self.proc.stderr.fileno()}
-                if self.proc.stdin is not None:
-                    self.stdin_fd = self.proc.stdin.fileno()
-                    os.set_blocking(self.stdin_fd, False)
-        except OSError as exc:
-            stage = "cwd" if cwd is not None and exc.filename == cwd else "spawn"
-            raise GuestdError.from_os_error(exc, stage=stage, argv0=argv[0]) from None
-        except (ValueError, TypeError) as exc:
-            raise GuestdError(ErrorCode.BAD_REQUEST, f"cannot spawn: {exc}", details={"stage": "spawn"}) from None
-        except subprocess.SubprocessError as exc:
-            raise preexec_failed(exc) from None
-        self.pid = self.proc.pid
-        reset_oom_score(self.pid)
-        self.table.daemon.reaper.tracked.add(self.pid)
+        children = self.table.daemon.children
+        if args["pty"]:
+            if env is None:
+                env = dict(os.environ)
+            env.setdefault("TERM", "xterm-256color")
+            child = await children.spawn(argv, kind="proc", env=env, cwd=args["cwd"], pty=(args["rows"], args["cols"]))
+            assert child.pty is not None
+            self._fds = {"stdout": child.pty}
+        else:
+            child = await children.spawn(
+                argv, kind="proc", env=env, cwd=args["cwd"], stdin=PIPE if args["stdin"] else DEVNULL
+            )
+            assert child.stdout is not None and child.stderr is not None
+            self._fds = {"stdout": child.stdout, "stderr": child.stderr}
+        self.child = child
+        self.pid = child.pid
         loop = asyncio.get_running_loop()
         for name, fd in self._fds.items():
-            os.set_blocking(fd, False)
             loop.add_reader(fd, self._on_readable, name)
-        self._exit_watch = ExitWatch(loop, self.pid, self._check_exit, 0.05)
+        child.watch(self._on_exit, 0.05)
 
     # -- output -----------------------------------------------------------------------
     def _on_readable(self, name: str) -> None:
@@ -173,6 +95,12 @@ class ManagedProcess:
         self.rings[name].closed = True
         if name == "stdout" and self.pty_fd is not None:
             self.rings["stderr"].closed = True
+        self._release_if_done()
+
+    def _release_if_done(self) -> None:
+        """A finished process whose streams have ended holds no fd: its rings stay readable."""
+        if self.child is not None and not self.running and not self._fds:
+            self.child.release()
 
     def _notify(self) -> None:
         waiters, self._waiters = self._waiters, []
@@ -190,28 +118,21 @@ class ManagedProcess:
             pass
 
     # -- exit -------------------------------------------------------------------------
-    def _check_exit(self) -> None:
-        if self.status is not None:
-            return
-        st = try_reap(self.pid)
-        if st is None:
-            return
-        self.status = st
+    def _on_exit(self) -> None:
+        assert self.child is not None
+        self.status = self.child.status
         self.ended_at = time.time()
-        if self.proc is not None:
-            self.proc.returncode = os.waitstatus_to_exitcode(st)
-        loop = asyncio.get_running_loop()
-        if self._exit_watch is not None:
-            self._exit_watch.close()
-        self.table.daemon.reaper.tracked.discard(self.pid)
+        self.child.close_fd("stdin")
         # Leftover children may keep the pipes open; whatever they write still lands in the rings.
-        loop.call_later(0.2, self._finish_streams_if_idle)
+        asyncio.get_running_loop().call_later(SETTLE_S, self._finish_streams_if_idle)
         self._notify()
 
     def _finish_streams_if_idle(self) -> None:
         if self.pty_fd is not None and "stdout" in self._fds:
             # A pty master never reports EOF while other processes hold the slave; drain and stop.
             self._on_readable("stdout")
+            self._close_stream("stdout")
+        self._release_if_done()
         self._notify()
 
     @property
@@ -219,30 +140,22 @@ class ManagedProcess:
         return self.status is None
 
     def exit_info(self) -> ExitInfo:
-        if self.status is None:
-            return {"exit_code": None, "signal": None}
-        code = os.waitstatus_to_exitcode(self.status)
-        return {"exit_code": code if code >= 0 else None, "signal": -code if code < 0 else None}
+        return exit_info(self.status)
 
     # -- control ----------------------------------------------------------------------
     def send_signal(self, sig: int) -> None:
-        if not self.running:
+        if not self.running or self.child is None:
             raise GuestdError(ErrorCode.BAD_REQUEST, f"process {self.id} has exited", details={"process": self.id})
-        escaped = descendants(self.pid) if sig == signal.SIGKILL else []
-        signal_group(self.pid, sig)
-        if sig == signal.SIGKILL:
-            signal_each(escaped, signal.SIGKILL)  # children that left the group die too
+        self.child.signal(sig)  # KILL ends the whole run: everything in its cgroup
 
     async def write_stdin(self, data: bytes) -> int:
-        fd = self.pty_fd if self.pty_fd is not None else self.stdin_fd
+        fd = self.pty_fd if self.pty_fd is not None else (self.child.stdin if self.child is not None else None)
         if fd is None:
             raise GuestdError(
                 ErrorCode.BAD_REQUEST,
                 f"process {self.id} has no stdin (start it with stdin or pty)",
                 details={"process": self.id},
             )
-        from guestd.ops.exec import write_all
-
         try:
             await asyncio.wait_for(write_all(asyncio.get_running_loop(), fd, data), 30.0)
         except (BrokenPipeError, OSError) as exc:
@@ -262,9 +175,8 @@ class ManagedProcess:
             # A terminal has no half-close: send EOF the way a user would (^D at line start).
             os.write(self.pty_fd, b"\x04")
             return
-        if self.proc is not None and self.proc.stdin is not None:
-            self.proc.stdin.close()
-            self.stdin_fd = None
+        if self.child is not None:
+            self.child.close_fd("stdin")
 
     def resize(self, rows: int, cols: int) -> None:
         if self.pty_fd is None:
@@ -303,21 +215,8 @@ class ManagedProcess:
         """Drop every fd (after the process is gone or forgotten)."""
         for name in list(self._fds):
             self._close_stream(name)
-        if self._exit_watch is not None:
-            self._exit_watch.close()
-        if self.pty_fd is not None:
-            try:
-                os.close(self.pty_fd)
-            except OSError:
-                pass
-            self.pty_fd = None
-        if self.proc is not None:
-            for f in (self.proc.stdout, self.proc.stderr, self.proc.stdin):
-                if f is not None:
-                    try:
-                        f.close()
-                    except OSError:
-                        pass
+        if self.child is not None:
+            self.child.release()
         self._notify()
 
 
@@ -333,7 +232,7 @@ class ProcessTable:
             raise GuestdError(ErrorCode.NOT_FOUND, f"no process {pid_id!r}", details={"process": pid_id})
         return p
 
-    def start(self, args: ProcessStartArgs, on_start: Callable[[ManagedProcess], None] | None = None) -> ManagedProcess:
+    async def start(self, args: ProcessStartArgs) -> ManagedProcess:
         limits = self.daemon.config.limits
         self._expire()
         running = sum(1 for p in self.procs.values() if p.running)
@@ -347,8 +246,12 @@ class ProcessTable:
                 )
         command = args["shell"] if args["shell"] is not None else " ".join(args["argv"] or [])
         mp = ManagedProcess(self, "p" + os.urandom(6).hex(), command, args["ring_bytes"])
-        mp.start(args)
-        self.procs[mp.id] = mp
+        self.procs[mp.id] = mp  # reserved now: concurrent starts count against the limits
+        try:
+            await mp.start(args)
+        except BaseException:
+            del self.procs[mp.id]
+            raise
         if self._sweeper is None or self._sweeper.done():
             self._sweeper = asyncio.get_running_loop().create_task(self._sweep())
         return mp
@@ -382,17 +285,6 @@ class ProcessTable:
             self._expire()
 
     async def shutdown(self) -> None:
-        """guestd is stopping: end every process tree it started (escaped descendants too)."""
-        trees = {p.id: descendants(p.pid) for p in self.procs.values() if p.running}
+        """guestd is stopping: every run ends through guestd.children; drop the fds here."""
         for p in self.procs.values():
-            if p.running:
-                signal_group(p.pid, signal.SIGTERM)
-                signal_each(trees[p.id], signal.SIGTERM)
-        deadline = time.monotonic() + 2.0
-        while any(p.running for p in self.procs.values()) and time.monotonic() < deadline:
-            await asyncio.sleep(0.05)
-        for p in self.procs.values():
-            if p.id in trees:
-                signal_group(p.pid, signal.SIGKILL)
-                signal_each(trees[p.id], signal.SIGKILL)
             p.release()

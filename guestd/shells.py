@@ -4,19 +4,27 @@ How a command runs, without markers in the user's output:
 - bash reads guestd's script on its stdin; the user's command travels as an ANSI-C
   quoted string and runs through ``eval`` in the shell itself, with stdin from
   /dev/null (or a file holding the request's input) and the control fd closed;
-- when it ends, bash writes ``status NUL cwd NUL export -p NUL`` to a separate
-  control pipe (fd 63). Everything the command wrote to stdout/stderr was written
-  before that, so it is in the pipes when guestd sees the status: guestd drains
-  them and the command's output is complete, with nothing of the next command.
+- when it ends, bash writes ``nonce NUL status NUL cwd NUL export -p NUL`` to a separate
+  control pipe (fd 63). The nonce is fresh for every command and reaches bash in that
+  command's own script line, so nothing a command writes to the control pipe (bash's saved
+  copy of it is reachable from the command, which runs inside bash) can complete another
+  command: bytes without the expected nonce are discarded and counted. Everything the
+  command wrote to stdout/stderr was written before the marker, so guestd drains the pipes
+  and the output is complete, with nothing of the next command.
 - ``exit``/``logout`` are shell functions that return from the command, so
   ``exit 3`` gives status 3 and keeps the session. The command runs in an ``if``
   condition, so ``set -e`` cannot end the session (and has no effect inside it).
   ``builtin exit``, ``exec``, or a command that ignores SIGINT inside bash itself
   (``trap '' INT; while :; do :; done``) past its timeout end bash: the session is
   restarted with the last cwd and exported variables, and the result says so.
-- A timeout sends SIGINT to the session's process group (bash's INT trap returns
-  from the command), then ends the command's child processes, and as a last
-  resort restarts bash with the last known cwd and exported environment.
+- guestd's functions are defined by sourcing a file named ``bash``, and the command's
+  ``eval`` sits on that file's line 1: error messages and ``$LINENO`` read as they do
+  with ``bash -c`` (``bash: line 1: nosuchcmd: command not found``).
+- A timeout, or a cancelled request, sends SIGINT to the session's process group (bash's
+  INT trap returns from the command), then kills every process of the session's cgroup
+  but bash itself, and as a last resort restarts bash with the last known cwd and exported
+  environment. The session takes its next command only after that: a cancelled command
+  never completes the next one.
 """
 
 from __future__ import annotations
@@ -24,20 +32,12 @@ from __future__ import annotations
 import asyncio
 import os
 import signal
-import subprocess
 import time
 from typing import TYPE_CHECKING, Any, Literal
 
 from guestd.capture import OutputCapture, capture_fields
-from guestd.proctree import (
-    ExitWatch,
-    descendants,
-    read_chunk,
-    reset_oom_score,
-    signal_each,
-    signal_group,
-    try_reap,
-)
+from guestd.children import PIPE, Child
+from guestd.children.tree import descendants, read_chunk, signal_each, signal_group, write_all
 from guestd.wire.errors import ErrorCode, GuestdError, limit_error
 from guestd.wire.paths import path_to_wire
 
@@ -48,19 +48,42 @@ if TYPE_CHECKING:  # the generated message types: annotations only, never import
 CTL_FD = 63
 READ_SIZE = 256 * 1024
 GRACE_S = 1.0
+MAX_CTL_BYTES = 16 * 1024 * 1024  # a marker carries `export -p`; more than this is not one
 
-PRELUDE = rf"""
+# Sourced as a file named "bash" (see the module head). Line 1 must stay the eval.
+LIBRARY = rf"""__gd_run() {{ eval -- "$__gd_cmd"; }}
 __gd_trap() {{ trap 'return 130 2>/dev/null' INT; }}
 __gd_trap
 shopt -s expand_aliases
 exit() {{ builtin return "${{1:-$?}}"; }}
 logout() {{ builtin return "${{1:-$?}}"; }}
-__gd_run() {{ eval -- "$__gd_cmd"; }}
 __gd_mark() {{
   __gd_trap  # a command may have replaced the INT trap; timeouts rely on it
-  builtin printf '%s\0%s\0' "$1" "$PWD" >&{CTL_FD}; builtin export -p >&{CTL_FD}; builtin printf '\0' >&{CTL_FD}
+  builtin printf '%s\0%s\0%s\0' "$2" "$1" "$PWD" >&{CTL_FD}
+  builtin export -p >&{CTL_FD}; builtin printf '\0' >&{CTL_FD}
 }}
 """
+
+
+def library_dir(runtime_dir: str) -> str:
+    """A directory holding the library as ``bash``, readable by the workload user."""
+    d = os.path.join(runtime_dir, "shell-lib")
+    path = os.path.join(d, "bash")
+    try:
+        with open(path) as f:
+            if f.read() == LIBRARY:
+                return d
+    except OSError:
+        pass
+    os.makedirs(d, mode=0o755, exist_ok=True)
+    os.chmod(d, 0o755)
+    os.chmod(runtime_dir, 0o711)  # traversable, not listable
+    tmp = f"{path}.{os.getpid()}.tmp"
+    with open(tmp, "w") as f:
+        f.write(LIBRARY)
+    os.chmod(tmp, 0o644)
+    os.replace(tmp, path)
+    return d
 
 
 def ansi_c_quote(text: str) -> str:
@@ -86,20 +109,21 @@ class Session:
         self.cwd = cwd or os.getcwd()
         self.env = env
         self.exports = ""  # last `export -p`, replayed into a restarted bash
-        self.proc: subprocess.Popen[bytes] | None = None
+        self.child: Child | None = None
         self.ctl_fd = -1
         self.lock = asyncio.Lock()
         self.commands = 0
         self.restarts = 0
         self.stray_bytes = 0  # output written between commands (background jobs); not attributed
+        self.forged_bytes = 0  # control-pipe bytes without the expected nonce: discarded
         self._ctl = bytearray()
+        self._nonce: bytes | None = None  # the marker guestd waits for now
         self._marker: asyncio.Future[tuple[int, str, str]] | None = None
         self._caps: dict[int, OutputCapture] | None = None
         self._last_output = 0.0
         self._fds: dict[int, int] = {}
-        self._exited: asyncio.Future[None] | None = None
-        self._exit_watch: ExitWatch | None = None
         self.pending_seed: int | None = None  # set by a restore: a new $RANDOM seed for the next command
+        self._cancel_event: asyncio.Event | None = None  # set when the running command's request is gone
 
     async def apply_pending_seed(self) -> None:
         async with self.lock:
@@ -124,87 +148,85 @@ class Session:
 
     @property
     def pid(self) -> int:
-        return self.proc.pid if self.proc is not None else 0
+        return self.child.pid if self.child is not None else 0
 
     @property
     def alive(self) -> bool:
-        return self._exited is not None and not self._exited.done()
+        return self.child is not None and self.child.running
 
     # -- process -----------------------------------------------------------------------
     async def start(self, replay_exports: bool = False) -> None:
-        from guestd.ops.exec import as_user, check_cwd, preexec_failed
+        from guestd.ops.exec import check_cwd
 
+        daemon = self.table.daemon
         check_cwd(self.cwd)
         env = dict(os.environ)
         env.update(self.env or {})
         env.pop("BASH_ENV", None)
         env.pop("ENV", None)
-        r, w = os.pipe()
-        os.set_inheritable(w, True)
+        lib = library_dir(daemon.runtime_dir())
+        r, w = os.pipe2(os.O_CLOEXEC)
         try:
-            self.proc = subprocess.Popen(
+            child = await daemon.children.spawn(
                 ["/bin/bash", "--noprofile", "--norc", "-s"],
-                stdin=subprocess.PIPE,
-                stdout=subprocess.PIPE,
-                stderr=subprocess.PIPE,
-                cwd=self.cwd,
+                kind="shell",
                 env=env,
-                start_new_session=True,
-                pass_fds=(w,),
-                **as_user(self.table.daemon.config.policy.workload_ids(), self.table.daemon.workload.popen_kwargs()),
+                cwd=self.cwd,
+                stdin=PIPE,
+                extra_fds={CTL_FD: w},
             )
-        except OSError as exc:
+        except BaseException:
             os.close(r)
-            raise GuestdError.from_os_error(exc, stage="spawn", argv0="/bin/bash") from None
-        except subprocess.SubprocessError as exc:
-            os.close(r)
-            raise preexec_failed(exc) from None
+            raise
         finally:
             os.close(w)
+        self.child = child
         loop = asyncio.get_running_loop()
-        reset_oom_score(self.proc.pid)
         self.ctl_fd = r
+        self._ctl = bytearray()
         os.set_blocking(r, False)
         loop.add_reader(r, self._on_ctl)
-        assert self.proc.stdout is not None and self.proc.stderr is not None and self.proc.stdin is not None
-        self._fds = {1: self.proc.stdout.fileno(), 2: self.proc.stderr.fileno()}
+        assert child.stdout is not None and child.stderr is not None
+        self._fds = {1: child.stdout, 2: child.stderr}
         for which, fd in self._fds.items():
-            os.set_blocking(fd, False)
             loop.add_reader(fd, self._on_output, which)
-        os.set_blocking(self.proc.stdin.fileno(), False)
-        self.table.daemon.reaper.tracked.add(self.proc.pid)
-        self._exited = loop.create_future()
-        self._exit_watch = ExitWatch(loop, self.proc.pid, self._on_exit, 0.05)
-        # Move the control pipe to its fixed fd, out of the way of user redirections.
-        script = f"exec {CTL_FD}>&{w} {w}>&-\n" + PRELUDE
+        child.watch(self._on_exit, 0.05)
+        # Source the library as "bash" from its own directory (see the module head), then
+        # go back to the session's directory and leave OLDPWD as it was.
+        q = ansi_c_quote
+        script = (
+            f'__gd_o=${{OLDPWD-}}; builtin cd -- {q(lib)} && PATH= builtin . bash; builtin cd -- "$OLDPWD"\n'
+            'if [ -n "$__gd_o" ]; then OLDPWD=$__gd_o; else builtin unset OLDPWD; fi; builtin unset __gd_o\n'
+        )
         if replay_exports and self.exports:
             script += self.exports + "\n"  # a restarted session keeps its exported environment
-        script += "__gd_mark 0\n"
-        self._marker = loop.create_future()
+        nonce = self._expect()
+        script += f"__gd_mark 0 {nonce}\n"
         await self._send(script)
         try:
-            await asyncio.wait_for(asyncio.shield(self._marker), 30.0)
+            await asyncio.wait_for(asyncio.shield(self._marker_future()), 30.0)
         except TimeoutError:
             await self.kill()
             raise GuestdError(ErrorCode.UNAVAILABLE, "bash did not start within 30 s") from None
 
-    async def _send(self, text: str) -> None:
-        from guestd.ops.exec import write_all
+    def _expect(self) -> str:
+        """A fresh nonce for the next marker, and a fresh future for it."""
+        nonce = os.urandom(16).hex()
+        self._nonce = nonce.encode()
+        self._marker = asyncio.get_running_loop().create_future()
+        self._on_ctl_data()  # bytes that arrived before (none of them can carry the new nonce)
+        return nonce
 
-        assert self.proc is not None and self.proc.stdin is not None
-        await write_all(asyncio.get_running_loop(), self.proc.stdin.fileno(), text.encode("utf-8", "surrogateescape"))
+    def _marker_future(self) -> asyncio.Future[tuple[int, str, str]]:
+        assert self._marker is not None
+        return self._marker
+
+    async def _send(self, text: str) -> None:
+        assert self.child is not None and self.child.stdin is not None
+        await write_all(asyncio.get_running_loop(), self.child.stdin, text.encode("utf-8", "surrogateescape"))
 
     def _on_exit(self) -> None:
-        assert self.proc is not None
-        st = try_reap(self.proc.pid)
-        if st is None:
-            return
-        self.proc.returncode = os.waitstatus_to_exitcode(st)
-        if self._exit_watch is not None:
-            self._exit_watch.close()
-        self.table.daemon.reaper.tracked.discard(self.proc.pid)
-        if self._exited is not None and not self._exited.done():
-            self._exited.set_result(None)
+        pass  # `alive` reads the child; waiters watch child.exited
 
     def _on_output(self, which: int) -> None:
         self._read_once(which)
@@ -237,6 +259,8 @@ class Session:
                     break
 
     def _on_ctl(self) -> None:
+        if self.ctl_fd < 0:
+            return
         try:
             data = os.read(self.ctl_fd, 65536)
         except BlockingIOError:
@@ -247,30 +271,57 @@ class Session:
             asyncio.get_running_loop().remove_reader(self.ctl_fd)
             return
         self._ctl += data
-        if self._ctl.count(b"\0") >= 3:
-            code, cwd, exports, rest = bytes(self._ctl).split(b"\0", 3)
-            self._ctl = bytearray(rest)
-            if self._marker is not None and not self._marker.done():
-                self._marker.set_result(
-                    (
-                        int(code or b"0"),
-                        os.fsdecode(cwd),  # an os str: any bytes, as cd left them
-                        exports.decode("utf-8", "surrogateescape"),
-                    )
-                )
+        self._on_ctl_data()
+
+    def _on_ctl_data(self) -> None:
+        """Find the marker with the expected nonce; everything before it is not ours to believe."""
+        nonce = self._nonce
+        if nonce is None or self._marker is None or self._marker.done():
+            self.forged_bytes += len(self._ctl)
+            self._ctl = bytearray()
+            return
+        token = nonce + b"\0"
+        at = self._ctl.find(token)
+        if at < 0:
+            keep = len(token) - 1  # the token may be cut between two reads
+            if len(self._ctl) > keep:
+                self.forged_bytes += len(self._ctl) - keep
+                del self._ctl[:-keep]
+            return
+        if at:
+            self.forged_bytes += at
+            del self._ctl[:at]
+        fields = bytes(self._ctl[len(token) :]).split(b"\0", 3)
+        if len(fields) < 4:
+            if len(self._ctl) > MAX_CTL_BYTES:
+                self.forged_bytes += len(self._ctl)
+                self._ctl = bytearray()  # never completes: the command's timeout ends it
+            return
+        code, cwd, exports, rest = fields
+        self._ctl = bytearray(rest)
+        self._nonce = None
+        try:
+            status = int(code or b"0")
+        except ValueError:
+            status = 1
+        self._marker.set_result(
+            (
+                status,
+                os.fsdecode(cwd),  # an os str: any bytes, as cd left them
+                exports.decode("utf-8", "surrogateescape"),
+            )
+        )
 
     async def kill(self) -> None:
-        if self.proc is None:
+        """End bash and everything of the session, then drop its fds."""
+        child = self.child
+        if child is None:
             return
-        pid = self.proc.pid
-        escaped = descendants(pid)
-        signal_group(pid, signal.SIGKILL)
-        signal_each(escaped, signal.SIGKILL)
-        if self._exited is not None:
-            try:
-                await asyncio.wait_for(asyncio.shield(self._exited), 5.0)
-            except TimeoutError:
-                pass
+        child.kill_now()
+        try:
+            await asyncio.wait_for(asyncio.shield(child.exited), 5.0)
+        except TimeoutError:
+            pass
         self.release()
 
     def release(self) -> None:
@@ -282,15 +333,8 @@ class Session:
             loop.remove_reader(self.ctl_fd)
             os.close(self.ctl_fd)
             self.ctl_fd = -1
-        if self._exit_watch is not None:
-            self._exit_watch.close()
-        if self.proc is not None:
-            for f in (self.proc.stdin, self.proc.stdout, self.proc.stderr):
-                if f is not None:
-                    try:
-                        f.close()
-                    except OSError:
-                        pass
+        if self.child is not None:
+            self.child.release()
 
     async def restart(self) -> None:
         await self.kill()
@@ -299,15 +343,33 @@ class Session:
 
     # -- running -----------------------------------------------------------------------
     async def run(self, args: ShellRunArgs) -> ShellRunReply:
+        # The command runs in a task of its own that holds the session until the command has
+        # really ended: a cancelled request interrupts it (as a timeout does) and the session
+        # takes its next command only after that.
+        cancel = asyncio.Event()
+        task = asyncio.ensure_future(self._run_serialized(args, cancel))
+        try:
+            return await asyncio.shield(task)
+        except asyncio.CancelledError:
+            cancel.set()
+            task.add_done_callback(_consume)
+            raise
+
+    async def _run_serialized(self, args: ShellRunArgs, cancel: asyncio.Event) -> ShellRunReply:
         async with self.lock:
+            if cancel.is_set():
+                raise asyncio.CancelledError  # cancelled while waiting for the session: never ran
             if not self.alive:
                 await self.restart()
             if self.pending_seed is not None:
                 await self._reseed_locked()
-            return await self._run_locked(args)
+            self._cancel_event = cancel
+            try:
+                return await self._run_locked(args)
+            finally:
+                self._cancel_event = None
 
     async def _run_locked(self, a: ShellRunArgs, count: bool = True) -> ShellRunReply:
-        loop = asyncio.get_running_loop()
         t0 = time.monotonic()
         self._drain_output()  # whatever background jobs wrote since the last command is not ours
         self._caps = {1: OutputCapture(a["max_output"], a["capture"]), 2: OutputCapture(a["max_output"], a["capture"])}
@@ -325,11 +387,11 @@ class Session:
             with os.fdopen(fd, "wb") as f:
                 f.write(a["input"])
         src = ansi_c_quote(infile) if infile else "/dev/null"
-        self._marker = loop.create_future()
         self._last_output = time.monotonic()
+        nonce = self._expect()
         script = (
             f"__gd_cmd={ansi_c_quote(a['command'])}\n"
-            f"if __gd_run < {src} {CTL_FD}>&-; then __gd_mark 0; else __gd_mark $?; fi\n"
+            f"if __gd_run < {src} {CTL_FD}>&-; then __gd_mark 0 {nonce}; else __gd_mark $? {nonce}; fi\n"
         )
         timed_out: ShellRunTimedOut | None = None
         interrupted = False
@@ -338,26 +400,15 @@ class Session:
         try:
             await self._send(script)
             outcome = await self._wait(a["timeout_s"], a["idle_timeout_s"])
-            if outcome in ("wall", "idle"):
-                timed_out = outcome
+            if outcome in ("wall", "idle", "cancel"):
+                if outcome != "cancel":
+                    timed_out = outcome
                 interrupted = True
-                signal_group(self.pid, signal.SIGINT)  # the foreground job, and bash's trap returns
-                if await self._wait(GRACE_S, None) != "done":
-                    kids = descendants(self.pid)
-                    signal_each(kids, signal.SIGTERM)
-                    if await self._wait(GRACE_S, None) != "done":
-                        signal_each(descendants(self.pid), signal.SIGKILL)
-                        if await self._wait(GRACE_S, None) != "done":
-                            restarted = True
+                restarted = not await self._interrupt()
             elif outcome == "exited":
                 restarted = True
             if not restarted:
-                assert self._marker is not None
-                result = self._marker.result()
-        except asyncio.CancelledError:
-            # Nobody waits for the result: stop the command, keep the session for the next one.
-            signal_group(self.pid, signal.SIGINT)
-            raise
+                result = self._marker_future().result()
         finally:
             self._drain_output()
             caps, self._caps = self._caps, None
@@ -384,28 +435,62 @@ class Session:
             "duration_s": time.monotonic() - t0,
         }
 
-    async def _wait(self, timeout: float | None, idle: float | None) -> Literal["done", "exited", "wall", "idle"]:
-        """'done' (status arrived), 'exited' (bash died), 'wall' or 'idle' (a timeout)."""
-        assert self._marker is not None and self._exited is not None
+    async def _interrupt(self) -> bool:
+        """Stop the running command, escalating; True when bash is back at its prompt."""
+        child = self.child
+        assert child is not None
+        signal_group(self.pid, signal.SIGINT)  # the foreground job, and bash's trap returns
+        if await self._wait(GRACE_S, None, cancellable=False) == "done":
+            return True
+        # Everything of the session but bash itself: what the command started, wherever it went.
+        if child.cgroup is not None:
+            child.cgroup.kill_except(self.pid)
+        else:
+            signal_each(descendants(self.pid), signal.SIGTERM)
+            if await self._wait(GRACE_S, None, cancellable=False) == "done":
+                return True
+            signal_each(descendants(self.pid), signal.SIGKILL)
+        return await self._wait(GRACE_S, None, cancellable=False) == "done"
+
+    async def _wait(
+        self, timeout: float | None, idle: float | None, cancellable: bool = True
+    ) -> Literal["done", "exited", "wall", "idle", "cancel"]:
+        """'done' (status arrived), 'exited' (bash died), 'wall' or 'idle' (a timeout), or
+        'cancel' (the request went away)."""
+        marker = self._marker_future()
+        assert self.child is not None
+        exited = self.child.exited
+        cancel = self._cancel_event if cancellable else None
         loop = asyncio.get_running_loop()
         deadline = None if timeout is None else loop.time() + timeout
-        while True:
-            if self._marker.done():
-                return "done"
-            if self._exited.done():
-                # The status may still be in the control pipe.
-                self._on_ctl()
-                return "done" if self._marker.done() else "exited"
-            waits = [t for t in (None if deadline is None else deadline - loop.time(),) if t is not None]
-            if idle is not None:
-                waits.append(self._last_output + idle - time.monotonic())
-            left = min(waits) if waits else None
-            if left is not None and left <= 0:
-                if deadline is not None and loop.time() >= deadline:
-                    return "wall"
-                return "idle"
-            waitset: set[asyncio.Future[Any]] = {self._marker, self._exited}
-            await asyncio.wait(waitset, timeout=left, return_when=asyncio.FIRST_COMPLETED)
+        cancel_wait: asyncio.Task[Any] | None = None
+        try:
+            while True:
+                if marker.done():
+                    return "done"
+                if exited.done():
+                    # The status may still be in the control pipe.
+                    self._on_ctl()
+                    return "done" if marker.done() else "exited"
+                if cancel is not None and cancel.is_set():
+                    return "cancel"
+                waits = [t for t in (None if deadline is None else deadline - loop.time(),) if t is not None]
+                if idle is not None:
+                    waits.append(self._last_output + idle - time.monotonic())
+                left = min(waits) if waits else None
+                if left is not None and left <= 0:
+                    if deadline is not None and loop.time() >= deadline:
+                        return "wall"
+                    return "idle"
+                waitset: set[asyncio.Future[Any]] = {marker, exited}
+                if cancel is not None:
+                    if cancel_wait is None:
+                        cancel_wait = asyncio.ensure_future(cancel.wait())
+                    waitset.add(cancel_wait)
+                await asyncio.wait(waitset, timeout=left, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            if cancel_wait is not None:
+                cancel_wait.cancel()
 
     def describe(self) -> ShellInfoRecord:
         return {
@@ -419,6 +504,11 @@ class Session:
             "restarts": self.restarts,
             "stray_bytes": self.stray_bytes,
         }
+
+
+def _consume(task: asyncio.Future[Any]) -> None:
+    if not task.cancelled():
+        task.exception()  # a result nobody waits for any more; never "exception never retrieved"
 
 
 class Shells:
@@ -436,6 +526,14 @@ class Shells:
         return s
 
     async def create(self, cwd: str | None, env: dict[str, str] | None, name: str | None) -> Session:
+        if name is not None:
+            for other in self.sessions.values():
+                if other.name == name:
+                    raise GuestdError(
+                        ErrorCode.EXISTS,
+                        f"a shell session named {name!r} exists: {other.id}",
+                        details={"session": other.id, "field": "name"},
+                    )
         limits = self.daemon.config.limits
         if len(self.sessions) >= limits.max_shells:
             raise limit_error("max_shells", limits.max_shells, f"at most {limits.max_shells} shell sessions")

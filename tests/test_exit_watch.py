@@ -1,4 +1,4 @@
-"""proctree.ExitWatch, the one exit watcher of exec, processes, shells and code kernels:
+"""children.tree.ExitWatch, the one exit watcher of exec, processes, shells and code kernels:
 a pidfd where the kernel has one, polling where it does not (forced here), both with real children."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ import subprocess
 
 import pytest
 
-from guestd.proctree import ExitWatch, try_reap
+from guestd.children.tree import ExitWatch, try_reap
 
 
 async def watch_exit(argv: list[str]) -> tuple[int, int]:

@@ -4,13 +4,11 @@ from __future__ import annotations
 
 import os
 from collections.abc import Callable
-from typing import cast
 
 import pytest
 
 from guestd.client import GuestdError
 from guestd.wire.frames import Kind, encode_frame
-from guestd.wire.types import ExecArgs
 from tests.conftest import Guestd
 from tests.rawwire import RawPeer
 
@@ -125,32 +123,3 @@ def test_files_the_host_creates_in_the_workspace_belong_to_the_workload_user(
         import shutil
 
         shutil.rmtree(top, ignore_errors=True)
-
-
-@pytest.mark.skipif(os.geteuid() != 0, reason="dropping to another user needs root")
-def test_the_cgroup_step_runs_as_root_before_the_drop_to_the_workload_user(tmp_path: object) -> None:
-    # Popen applies user=/group= before preexec_fn, and only root may join the workload cgroup
-    # (the shipped config sets both). as_user() must join first, then drop. A stand-in join
-    # step records who ran it; the real cgroup join is covered in tests/qemu (shipped config).
-    from guestd.ops.exec import as_user, spawn
-
-    marker = f"{tmp_path}/joined"
-
-    def join() -> None:
-        with open(marker, "w") as f:
-            f.write(str(os.getuid()))
-
-    args = cast(ExecArgs, {"argv": ["id", "-u"], "shell": None, "cwd": "/", "env": None, "env_mode": "merge"})
-    proc = spawn(args, False, (65534, 65534), {"preexec_fn": join})
-    out, _ = proc.communicate(timeout=30)
-    assert out.strip() == b"65534"  # the process runs as the workload user ...
-    with open(marker) as f:
-        assert f.read() == "0"  # ... and the join step ran before the drop, as root
-
-    def refuse() -> None:
-        raise PermissionError("no")
-
-    with pytest.raises(GuestdError) as ei:
-        spawn(args, False, (65534, 65534), {"preexec_fn": refuse})
-    assert ei.value.code == "unavailable" and ei.value.details["stage"] == "spawn"
-    assert as_user(None, None) == {} and "preexec_fn" not in as_user((1, 1))

@@ -44,7 +44,7 @@ def register(daemon: Daemon) -> None:
         return daemon.processes()
 
     async def op_start(ctx: RequestContext, a: ProcessStartArgs) -> ProcessStartReply:
-        p = table().start(a)
+        p = await table().start(a)
         return {"id": p.id, "pid": p.pid}
 
     async def op_list(ctx: RequestContext, a: ProcessListArgs) -> ProcessListReply:

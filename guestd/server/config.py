@@ -5,8 +5,8 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field, fields
 from typing import Any
 
+from guestd.children.cgroups import WorkloadConfig
 from guestd.server.policy import Policy
-from guestd.server.workload import WorkloadConfig
 from guestd.wire.frames import DEFAULT_MAX_FRAME
 
 DEFAULT_VSOCK_PORT = 10_700  # documented in PROTOCOL.md; any free port works

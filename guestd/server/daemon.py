@@ -16,7 +16,6 @@ from guestd.memtune import tune_malloc
 from guestd.server.config import DEFAULT_VSOCK_PORT, Config, load_config_file
 from guestd.server.connection import Connection
 from guestd.server.dispatch import Dispatcher
-from guestd.server.reaper import Reaper
 from guestd.server.transports import Listener, listen, parse_listen
 from guestd.wire.errors import ErrorCode, GuestdError
 
@@ -60,7 +59,6 @@ class Daemon:
         self.dispatcher = Dispatcher()
         self.listeners: list[Listener] = []
         self._stopping: asyncio.Event | None = None
-        self.reaper = Reaper()
         self._sweeper: asyncio.Task[None] | None = None
 
         self._contexts: Contexts | None = None
@@ -69,9 +67,11 @@ class Daemon:
         from guestd.snapshot import SnapshotState
 
         self.snapshot = SnapshotState(self)
-        from guestd.server.workload import WorkloadCgroup
+        from guestd.children import Children
+        from guestd.children.cgroups import WorkloadCgroup
 
         self.workload = WorkloadCgroup(config.workload)
+        self.children = Children(self.workload, config.policy.workload_ids)
         self._kernel_dir: str | None = None
 
         from guestd.ops import code, files, process, shell, system
@@ -242,9 +242,10 @@ class Daemon:
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, self._stopping.set)
         loop.add_signal_handler(signal.SIGPIPE, lambda: None)
-        if self.reaper.enable():
-            # uvloop owns SIGCHLD, so orphans are swept on a timer and after every exec exit.
-            self._sweeper = loop.create_task(self.reaper.run_periodic())
+        self.children.reaper.enable()
+        # uvloop owns SIGCHLD, so orphans are swept on a timer and after every exit; emptied
+        # leaf cgroups of finished runs are removed on the same tick.
+        self._sweeper = loop.create_task(self.children.run_periodic())
         if ready_fd is not None:
             os.write(ready_fd, b"ready\n")
             os.close(ready_fd)
@@ -268,6 +269,7 @@ class Daemon:
             await asyncio.wait(tasks, timeout=5.0)
         for c in list(self.connections):
             c.close()
+        await self.children.shutdown()  # every run, and what finished runs left behind
         if self._contexts is not None:
             await self._contexts.shutdown()
         if self._processes is not None:

@@ -1,5 +1,5 @@
-"""Child processes: ending a whole tree (its group, then descendants that escaped it),
-watching for exit, reaping, and reading their pipes."""
+"""Process trees without a cgroup (its group, then descendants that escaped it), watching for
+exit, reaping, reading pipes and sizing terminals: the pieces under ``guestd.children``."""
 
 from __future__ import annotations
 
@@ -109,33 +109,6 @@ def _group_exists(pgid: int) -> bool:
     return False
 
 
-def _own_oom_score_adj() -> int:
-    try:
-        with open("/proc/self/oom_score_adj") as f:
-            return int(f.read())
-    except (OSError, ValueError):
-        return 0
-
-
-_CHILD_OOM = os.environ.get("GUESTD_CHILD_OOM_SCORE_ADJ")
-_RESET_OOM = _CHILD_OOM is not None or _own_oom_score_adj() < 0
-
-
-def reset_oom_score(pid: int) -> None:
-    """guestd runs with OOMScoreAdjust=-1000; what it starts must be killable like any process.
-
-    Children inherit the score, so each one is set back (to GUESTD_CHILD_OOM_SCORE_ADJ, default 0)
-    right after it starts. Raising a score needs no privilege.
-    """
-    if not _RESET_OOM:
-        return
-    try:
-        with open(f"/proc/{pid}/oom_score_adj", "w") as f:
-            f.write(_CHILD_OOM or "0")
-    except OSError:
-        pass
-
-
 def try_reap(pid: int) -> int | None:
     """The wait status of ``pid`` if it has exited (reaping it), else None.
 
@@ -153,14 +126,22 @@ class ExitWatch:
     or every ``poll_s`` where pidfds are missing (kernels before 5.3). Wake-ups can be spurious:
     the callback reaps with ``try_reap`` and calls ``close()`` once the child is gone."""
 
-    def __init__(self, loop: asyncio.AbstractEventLoop, pid: int, on_ready: Callable[[], None], poll_s: float) -> None:
+    def __init__(
+        self,
+        loop: asyncio.AbstractEventLoop,
+        pid: int,
+        on_ready: Callable[[], None],
+        poll_s: float,
+        pidfd: int | None = None,
+    ) -> None:
         self.loop = loop
         self.on_ready = on_ready
         self.poll_s = poll_s
         self.fd: int | None = None
+        self.owns_fd = pidfd is None  # a pidfd handed in (from clone3) stays its owner's to close
         self.timer: asyncio.TimerHandle | None = None
         try:
-            self.fd = os.pidfd_open(pid)
+            self.fd = os.pidfd_open(pid) if pidfd is None else pidfd
             loop.add_reader(self.fd, on_ready)
         except OSError:
             self.timer = loop.call_later(poll_s, self._poll)
@@ -173,7 +154,8 @@ class ExitWatch:
         """Stop watching; idempotent."""
         if self.fd is not None:
             self.loop.remove_reader(self.fd)
-            os.close(self.fd)
+            if self.owns_fd:
+                os.close(self.fd)
             self.fd = None
         if self.timer is not None:
             self.timer.cancel()
@@ -189,3 +171,34 @@ def read_chunk(fd: int, size: int) -> bytes | None:
         return None
     except OSError:
         return b""
+
+
+def set_winsize(fd: int, rows: int, cols: int) -> None:
+    import fcntl
+    import struct
+    import termios
+
+    fcntl.ioctl(fd, termios.TIOCSWINSZ, struct.pack("HHHH", rows, cols, 0, 0))
+
+
+def _set_if_pending(fut: asyncio.Future[None]) -> None:
+    if not fut.done():
+        fut.set_result(None)
+
+
+async def write_all(loop: asyncio.AbstractEventLoop, fd: int, data: bytes) -> None:
+    """Write all of ``data`` to a non-blocking pipe or pty, waiting for room as needed."""
+    view = memoryview(data)
+    while view:
+        try:
+            n = os.write(fd, view)
+            view = view[n:]
+            continue
+        except BlockingIOError:
+            pass
+        fut: asyncio.Future[None] = loop.create_future()
+        loop.add_writer(fd, _set_if_pending, fut)
+        try:
+            await fut
+        finally:
+            loop.remove_writer(fd)

@@ -1,0 +1,539 @@
+"""The child-process component: every workload process guestd starts is spawned, placed in
+its run's cgroup, watched, reaped and ended here (exec, background processes, shells, kernels).
+
+``Children.spawn`` starts a run: a leaf cgroup of its own (see ``cgroups``), the workload
+user, a new session, fresh pipes or a pty, a normal OOM score, and nothing of guestd's
+signal handlers or raised fd limit. The native path (``_clone``) creates the process inside
+its leaf with clone3, as vfork does, so no Python runs in a child of the daemon and nothing
+has to move between cgroups; it runs in a small thread pool so the event loop never waits
+for an exec. ``Child`` is the handle: exit watch, exit fields, signals, and ``end`` (TERM,
+grace, then ``cgroup.kill`` of the whole run).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import resource
+import signal
+import subprocess
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from typing import TYPE_CHECKING, Any, TypedDict
+
+from guestd.children.cgroups import RunCgroup, WorkloadCgroup, WorkloadConfig
+from guestd.children.reaper import Reaper
+from guestd.children.tree import ExitWatch, descendants, kill_tree, signal_each, signal_group, try_reap
+from guestd.wire.errors import ErrorCode, GuestdError
+
+if TYPE_CHECKING:
+    from types import ModuleType
+
+__all__ = ["DEVNULL", "PIPE", "STDOUT", "Child", "Children", "ExitInfo", "WorkloadConfig"]
+
+log = logging.getLogger("guestd.children")
+
+PIPE = -1  # a new pipe; guestd keeps the other end
+STDOUT = -2  # stderr only: the same pipe as stdout
+DEVNULL = -3
+
+# guestd raises its own soft fd limit to the hard one (it holds a pipe pair per run); what it
+# starts gets the limit guestd was given, since select()-based programs break above 1024.
+_NOFILE_AT_START = resource.getrlimit(resource.RLIMIT_NOFILE)
+
+
+def raise_fd_limit() -> None:
+    soft, hard = _NOFILE_AT_START
+    if soft != hard:
+        with contextlib.suppress(ValueError, OSError):
+            resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+
+
+def _own_oom_score_adj() -> int:
+    try:
+        with open("/proc/self/oom_score_adj") as f:
+            return int(f.read())
+    except (OSError, ValueError):
+        return 0
+
+
+# guestd runs with OOMScoreAdjust=-1000 and children inherit it: each is set back (to
+# GUESTD_CHILD_OOM_SCORE_ADJ, default 0) before it execs. Raising a score needs no privilege.
+_CHILD_OOM = os.environ.get("GUESTD_CHILD_OOM_SCORE_ADJ")
+_OOM_RESET: bytes | None = (_CHILD_OOM or "0").encode() if _CHILD_OOM is not None or _own_oom_score_adj() < 0 else None
+
+
+def _load_native() -> ModuleType | None:
+    if os.environ.get("GUESTD_NATIVE_SPAWN", "1") == "0":
+        return None
+    try:
+        from guestd.children import _clone  # type: ignore[attr-defined]
+    except ImportError:
+        return None
+    return _clone if _clone.AVAILABLE else None
+
+
+class ExitInfo(TypedDict):
+    """How a process ended, as every process reply reports it (nil while it runs)."""
+
+    exit_code: int | None
+    signal: int | None
+
+
+def exit_info(status: int | None) -> ExitInfo:
+    if status is None:
+        return {"exit_code": None, "signal": None}
+    code = os.waitstatus_to_exitcode(status)
+    return {"exit_code": code if code >= 0 else None, "signal": -code if code < 0 else None}
+
+
+class Child:
+    """One started run: its main process, its pipes (guestd's ends), its leaf cgroup."""
+
+    def __init__(
+        self,
+        owner: Children,
+        kind: str,
+        pid: int,
+        pidfd: int | None,
+        cgroup: RunCgroup | None,
+        fds: dict[str, int],
+        popen: subprocess.Popen[bytes] | None,
+    ) -> None:
+        self.owner = owner
+        self.kind = kind
+        self.pid = pid
+        self.cgroup = cgroup
+        self.stdin = fds.get("stdin")
+        self.stdout = fds.get("stdout")
+        self.stderr = fds.get("stderr")
+        self.pty = fds.get("pty")
+        self.status: int | None = None
+        self._pidfd = pidfd
+        self._popen = popen  # fallback spawn only: told the exit status so it never waits
+        self._exit_watch: ExitWatch | None = None
+        self._exit_callbacks: list[Callable[[], None]] = []
+        self.exited: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        self._ending: asyncio.Task[None] | None = None
+        self._known: list[Any] = []  # descendants seen before the leader died (no-cgroup mode)
+
+    # -- exit ---------------------------------------------------------------------------
+    def watch(self, on_exit: Callable[[], None] | None = None, poll_s: float = 0.05) -> None:
+        """Start the exit watch (once); ``on_exit`` runs on the loop after the reap."""
+        if on_exit is not None:
+            self._exit_callbacks.append(on_exit)
+        if self._exit_watch is None and self.status is None:
+            loop = asyncio.get_running_loop()
+            self._exit_watch = ExitWatch(loop, self.pid, self._on_exit_ready, poll_s, pidfd=self._pidfd)
+            self._on_exit_ready()
+
+    def _on_exit_ready(self) -> None:
+        if self.status is not None:
+            return
+        status = try_reap(self.pid)
+        if status is None:
+            return
+        self.status = status
+        if self._popen is not None:
+            self._popen.returncode = os.waitstatus_to_exitcode(status)
+        if self._exit_watch is not None:
+            self._exit_watch.close()
+        self.owner.reaped(self)
+        if not self.exited.done():
+            self.exited.set_result(None)
+        for cb in self._exit_callbacks:
+            cb()
+
+    @property
+    def running(self) -> bool:
+        return self.status is None
+
+    def exit_info(self) -> ExitInfo:
+        return exit_info(self.status)
+
+    # -- signals and ending ---------------------------------------------------------------
+    def signal(self, sig: int) -> None:
+        """``sig`` to the run's process group (its session leader's group)."""
+        if sig == signal.SIGKILL:
+            self.kill_now()
+            return
+        signal_group(self.pid, sig)
+
+    def kill_now(self) -> None:
+        """SIGKILL the whole run at once: the leaf cgroup, or the group plus known descendants."""
+        if self.cgroup is not None:
+            self.cgroup.kill()
+            return
+        escaped = descendants(self.pid) if self.running else []
+        signal_group(self.pid, signal.SIGKILL)
+        signal_each(escaped + self._known, signal.SIGKILL)
+
+    def end(self, grace_s: float) -> asyncio.Task[None]:
+        """TERM (and CONT) everything in the run, wait up to ``grace_s`` for it to be gone,
+        then kill what is left. Idempotent: the same task for every caller."""
+        if self._ending is None:
+            if self.cgroup is None:
+                self._known = descendants(self.pid) if self.running else []
+                self._ending = asyncio.get_running_loop().create_task(
+                    kill_tree(self.pid, self._known, grace_s, _event_of(self.exited))
+                )
+            else:
+                self._ending = asyncio.get_running_loop().create_task(self._end_cgroup(self.cgroup, grace_s))
+        return self._ending
+
+    async def _end_cgroup(self, cg: RunCgroup, grace_s: float) -> None:
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGCONT):  # a stopped process never handles TERM
+            signal_group(self.pid, sig)
+            cg.signal_all(sig)
+        deadline = loop.time() + grace_s
+        while cg.populated() and loop.time() < deadline:
+            await asyncio.sleep(min(0.02, max(0.0, deadline - loop.time())))
+        if cg.populated():
+            cg.kill()
+        for _ in range(250):  # SIGKILLed processes leave within milliseconds; bounded anyway
+            if not cg.populated():
+                break
+            await asyncio.sleep(0.02)
+
+    # -- release --------------------------------------------------------------------------
+    def close_fd(self, name: str) -> None:
+        fd = getattr(self, name)
+        if fd is not None:
+            setattr(self, name, None)
+            with contextlib.suppress(OSError):
+                os.close(fd)
+
+    def release(self) -> None:
+        """Close guestd's ends of the pipes and the exit watch. The leaf goes once it is empty."""
+        for name in ("stdin", "stdout", "stderr", "pty"):
+            self.close_fd(name)
+        if self._exit_watch is not None:
+            self._exit_watch.close()
+        if self.status is not None:
+            self._close_pidfd()
+        self.owner.retire(self)
+
+    def _close_pidfd(self) -> None:
+        if self._pidfd is not None:
+            with contextlib.suppress(OSError):
+                os.close(self._pidfd)
+            self._pidfd = None
+
+
+def _event_of(fut: asyncio.Future[None]) -> asyncio.Event:
+    ev = asyncio.Event()
+    if fut.done():
+        ev.set()
+    else:
+        fut.add_done_callback(lambda _f: ev.set())
+    return ev
+
+
+class Children:
+    """Spawns runs and owns them until their leaf is empty and removed."""
+
+    def __init__(self, workload: WorkloadCgroup, workload_ids: Callable[[], tuple[int, int] | None]) -> None:
+        self.workload = workload
+        self.workload_ids = workload_ids
+        self.reaper = Reaper()
+        self.native = _load_native()
+        self.live: set[Child] = set()
+        self.lingering: set[RunCgroup] = set()  # finished runs whose leaf still has processes
+        self._pool: ThreadPoolExecutor | None = None
+        self._null_fd: int | None = None
+        self._counter = 0
+
+    @property
+    def spawn_method(self) -> str:
+        return "clone3" if self.native is not None else "popen"
+
+    def _devnull(self) -> int:
+        if self._null_fd is None:
+            self._null_fd = os.open(os.devnull, os.O_RDWR | os.O_CLOEXEC)
+        return self._null_fd
+
+    async def spawn(
+        self,
+        argv: list[str],
+        *,
+        kind: str,
+        env: dict[str, str] | None = None,
+        cwd: str | None = None,
+        stdin: int = DEVNULL,
+        stdout: int = PIPE,
+        stderr: int = PIPE,
+        pty: tuple[int, int] | None = None,
+        extra_fds: dict[int, int] | None = None,
+        as_workload: bool = True,
+    ) -> Child:
+        """Start ``argv`` as a new run of ``kind``. Raises GuestdError (details.stage: cwd or spawn).
+
+        ``stdin``/``stdout``/``stderr``: PIPE, DEVNULL, STDOUT (stderr) or an fd to give the
+        child (the caller keeps it). ``pty=(rows, cols)``: all three on a new terminal that
+        becomes the child's controlling tty; guestd's end is ``Child.pty``. ``extra_fds``:
+        {target fd in the child: fd here}.
+        """
+        if self._pool is None:
+            # Two threads: a spawn blocks its thread until the child has exec'd, never the loop.
+            self._pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="guestd-spawn")
+        self._counter += 1
+        run_id = f"{self._counter}-{os.urandom(4).hex()}"
+        loop = asyncio.get_running_loop()
+        fut = loop.run_in_executor(
+            self._pool,
+            self._spawn_blocking,
+            argv,
+            kind,
+            run_id,
+            env,
+            cwd,
+            stdin,
+            stdout,
+            stderr,
+            pty,
+            extra_fds,
+            as_workload,
+        )
+        try:
+            pid, pidfd, cgroup, fds, popen = await asyncio.shield(fut)
+        except asyncio.CancelledError:
+            # The thread cannot be stopped: whatever it starts is ended at once.
+            def cleanup(done: asyncio.Future[Any]) -> None:
+                if not done.cancelled() and done.exception() is None:
+                    child = Child(self, kind, *done.result())
+                    self.live.add(child)
+                    child.kill_now()
+                    child.watch()
+                    child.release()
+
+            fut.add_done_callback(cleanup)
+            raise
+        child = Child(self, kind, pid, pidfd, cgroup, fds, popen)
+        self.live.add(child)
+        self.reaper.tracked.add(pid)
+        return child
+
+    # Runs in the spawn thread: pipes, the leaf, the process.
+    def _spawn_blocking(
+        self,
+        argv: list[str],
+        kind: str,
+        run_id: str,
+        env: dict[str, str] | None,
+        cwd: str | None,
+        stdin: int,
+        stdout: int,
+        stderr: int,
+        pty: tuple[int, int] | None,
+        extra_fds: dict[int, int] | None,
+        as_workload: bool,
+    ) -> tuple[int, int | None, RunCgroup | None, dict[str, int], subprocess.Popen[bytes] | None]:
+        ours: dict[str, int] = {}  # guestd's ends, returned
+        theirs: list[int] = []  # the child's ends, closed here after the spawn
+        child_fds: list[tuple[int, int]] = []
+        cgroup: RunCgroup | None = None
+        try:
+            if pty is not None:
+                from guestd.children.tree import set_winsize
+
+                master, slave = os.openpty()
+                os.set_inheritable(master, False)
+                set_winsize(master, pty[0], pty[1])
+                ours["pty"] = master
+                theirs.append(slave)
+                child_fds += [(slave, 0), (slave, 1), (slave, 2)]
+            else:
+                for target, name, how in ((0, "stdin", stdin), (1, "stdout", stdout), (2, "stderr", stderr)):
+                    if how == PIPE:
+                        r, w = os.pipe2(os.O_CLOEXEC)
+                        mine, its = (w, r) if target == 0 else (r, w)
+                        os.set_blocking(mine, False)
+                        ours[name] = mine
+                        theirs.append(its)
+                        child_fds.append((its, target))
+                    elif how == DEVNULL:
+                        child_fds.append((self._devnull(), target))
+                    elif how == STDOUT:
+                        child_fds.append((dict((t, s) for s, t in child_fds)[1], 2))
+                    else:
+                        child_fds.append((how, target))
+            for target, source in (extra_fds or {}).items():
+                child_fds.append((source, target))
+            cgroup = self.workload.new_run(kind, run_id)
+            ids = self.workload_ids() if as_workload else None
+            pid, pidfd, popen = self._start(argv, env, cwd, child_fds, ids, pty is not None, cgroup)
+        except BaseException:
+            for fd in list(ours.values()):
+                os.close(fd)
+            if cgroup is not None:
+                cgroup.remove()
+            raise
+        finally:
+            for fd in theirs:
+                os.close(fd)
+        return pid, pidfd, cgroup, ours, popen
+
+    def _start(
+        self,
+        argv: list[str],
+        env: dict[str, str] | None,
+        cwd: str | None,
+        child_fds: list[tuple[int, int]],
+        ids: tuple[int, int] | None,
+        ctty: bool,
+        cgroup: RunCgroup | None,
+    ) -> tuple[int, int | None, subprocess.Popen[bytes] | None]:
+        try:
+            if self.native is not None:
+                try:
+                    pid, pidfd = self.native.spawn(
+                        _exec_paths(argv[0], env),
+                        [os.fsencode(a) for a in argv],
+                        None if env is None else [os.fsencode(k) + b"=" + os.fsencode(v) for k, v in env.items()],
+                        None if cwd is None else os.fsencode(cwd),
+                        child_fds,
+                        ids[0] if ids else -1,
+                        ids[1] if ids else -1,
+                        True,
+                        ctty,
+                        cgroup.fd if cgroup is not None else -1,
+                        _OOM_RESET,
+                        _NOFILE_AT_START,
+                    )
+                    return pid, pidfd, None
+                except OSError as exc:
+                    if getattr(exc, "stage", None) != "clone" or exc.errno not in (38, 7, 22):  # ENOSYS/E2BIG/EINVAL
+                        raise
+                    log.warning("clone3 spawn unavailable (%s); using subprocess from now on", exc)
+                    self.native = None
+            popen = _popen_fallback(argv, env, cwd, child_fds, ids, ctty, cgroup, self.workload)
+            pidfd = None
+            with contextlib.suppress(OSError, AttributeError):
+                pidfd = os.pidfd_open(popen.pid)
+            return popen.pid, pidfd, popen
+        except OSError as exc:
+            stage = getattr(exc, "stage", None)
+            if stage == "cwd" or (stage is None and cwd is not None and exc.filename == cwd):
+                raise GuestdError.from_os_error(exc, stage="cwd", cwd=cwd) from None
+            if stage in (None, "exec"):
+                raise GuestdError.from_os_error(exc, stage="spawn", argv0=argv[0]) from None
+            raise GuestdError(
+                ErrorCode.UNAVAILABLE,
+                f"could not set up the child ({stage}): {exc}",
+                details={"stage": "spawn"},
+            ) from None
+        except (ValueError, TypeError) as exc:  # NUL bytes in argv, env or cwd
+            raise GuestdError(ErrorCode.BAD_REQUEST, f"cannot spawn: {exc}", details={"stage": "spawn"}) from None
+        except subprocess.SubprocessError as exc:
+            raise GuestdError(
+                ErrorCode.UNAVAILABLE,
+                f"could not set up the child (workload cgroup / workload user): {exc}",
+                details={"stage": "spawn"},
+            ) from None
+
+    # -- bookkeeping ------------------------------------------------------------------------
+    def reaped(self, child: Child) -> None:
+        self.reaper.tracked.discard(child.pid)
+        if self.reaper.enabled:
+            self.reaper.sweep()  # a sweep may have stopped at this child while it was unreaped
+
+    def retire(self, child: Child) -> None:
+        """The run is over for guestd: its leaf is removed now, or once its last process is gone."""
+        self.live.discard(child)
+        if child.status is None:
+            # Not reaped yet (released during a kill grace): the reaper sweep takes it.
+            self.reaper.tracked.discard(child.pid)
+        cg, child.cgroup = child.cgroup, None
+        if cg is not None and not cg.remove():
+            self.lingering.add(cg)
+
+    def sweep(self) -> None:
+        """Periodic: reap orphans, remove leaves that have emptied."""
+        if self.reaper.enabled:
+            self.reaper.sweep()
+        for cg in list(self.lingering):
+            if cg.remove():
+                self.lingering.discard(cg)
+
+    async def run_periodic(self, interval_s: float = 1.0) -> None:
+        while True:
+            await asyncio.sleep(interval_s)
+            self.sweep()
+
+    async def shutdown(self, grace_s: float = 2.0) -> None:
+        """guestd is stopping: end every run it started, leftovers of finished runs included."""
+        ends = [c.end(grace_s) for c in list(self.live)]
+        for cg in self.lingering:
+            cg.kill()
+        if ends:
+            await asyncio.wait(ends, timeout=grace_s + 3.0)
+        for c in list(self.live):
+            c.kill_now()
+        for _ in range(100):
+            self.sweep()
+            if not self.lingering:
+                break
+            await asyncio.sleep(0.02)
+        if self._pool is not None:
+            self._pool.shutdown(wait=False)
+
+
+def _exec_paths(exe: str, env: dict[str, str] | None) -> list[bytes]:
+    """Where to look for ``exe``, as execvpe would: as given when it has a slash, else PATH."""
+    if os.sep in exe:
+        return [os.fsencode(exe)]
+    return [os.fsencode(os.path.join(d, exe)) for d in os.get_exec_path(env)]
+
+
+def _popen_fallback(
+    argv: list[str],
+    env: dict[str, str] | None,
+    cwd: str | None,
+    child_fds: list[tuple[int, int]],
+    ids: tuple[int, int] | None,
+    ctty: bool,
+    cgroup: RunCgroup | None,
+    workload: WorkloadCgroup,
+) -> subprocess.Popen[bytes]:
+    """Where the native spawn is missing: fork + a Python preexec step (slower, see _clone.c)."""
+    by_target = dict((t, s) for s, t in child_fds)
+    procs = os.path.join(cgroup.path if cgroup is not None else (workload.path or ""), "cgroup.procs")
+    join = cgroup is not None or workload.path is not None
+
+    def preexec() -> None:
+        if join:
+            with open(procs, "w") as f:
+                f.write("0")
+        if ctty:
+            import fcntl
+            import termios
+
+            fcntl.ioctl(0, termios.TIOCSCTTY, 0)
+        if _OOM_RESET is not None:
+            with contextlib.suppress(OSError), open("/proc/self/oom_score_adj", "wb") as f:
+                f.write(_OOM_RESET)
+        resource.setrlimit(resource.RLIMIT_NOFILE, _NOFILE_AT_START)
+        for target, source in by_target.items():
+            if target > 2:
+                os.dup2(source, target, inheritable=True)
+        if ids is not None:
+            os.setgroups([])
+            os.setresgid(ids[1], ids[1], ids[1])
+            os.setresuid(ids[0], ids[0], ids[0])
+
+    return subprocess.Popen(
+        argv,
+        stdin=by_target.get(0),
+        stdout=by_target.get(1),
+        stderr=by_target.get(2),
+        cwd=cwd,
+        env=env,
+        start_new_session=True,
+        # Extra fds are dup'ed onto their numbers in preexec, which runs before close_fds would
+        # close them; every fd guestd opens is O_CLOEXEC (PEP 446), so nothing else leaks.
+        close_fds=False,
+        preexec_fn=preexec,
+    )

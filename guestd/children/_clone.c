@@ -1,0 +1,395 @@
+/* guestd.children._clone: start a workload process with clone3(CLONE_VM | CLONE_VFORK),
+ * directly inside its run's cgroup (CLONE_INTO_CGROUP), as the workload user, with no
+ * Python code running in the child.
+ *
+ * Why native code: CPython's subprocess uses vfork only when no user, group or preexec_fn
+ * is given; anything else forks the whole multi-threaded daemon and runs Python in the child
+ * (3.46 ms vs 1.30 ms per exec here, and 47 vs 10 ms under TCG where the per-spawn move into
+ * a cgroup costs 20-35 ms). clone3 places the child in its cgroup as it is created, so there
+ * is no move at all, and CLONE_VFORK shares the parent's memory until exec, like vfork.
+ *
+ * Rules for child_main (it runs on its own stack but in the daemon's memory, while other
+ * daemon threads go on): plain system calls only, no malloc, no locks, no Python. Credentials
+ * change through raw syscalls, because glibc's wrappers would broadcast the change to every
+ * thread of the daemon. Errors travel back through the shared plan (CLONE_VFORK makes the
+ * parent wait until the child has exec'd or exited, so it reads them after the call).
+ */
+#define PY_SSIZE_T_CLEAN
+#define _GNU_SOURCE
+#include <Python.h>
+
+#include <errno.h>
+#include <fcntl.h>
+#include <signal.h>
+#include <stdint.h>
+#include <string.h>
+#include <sys/ioctl.h>
+#include <sys/mman.h>
+#include <sys/resource.h>
+#include <sys/syscall.h>
+#include <sys/wait.h>
+#include <termios.h>
+#include <unistd.h>
+
+extern char **environ;
+
+#define GD_CLONE_VM 0x00000100ULL
+#define GD_CLONE_VFORK 0x00004000ULL
+#define GD_CLONE_PIDFD 0x00001000ULL
+#define GD_CLONE_INTO_CGROUP 0x200000000ULL
+#define GD_NR_CLONE3 435
+#define GD_NR_CLOSE_RANGE 436
+#define MAX_FDS 8
+#define CHILD_STACK (64 * 1024)
+
+/* Stages a failure is reported for; the Python side names them. */
+enum { STAGE_NONE = 0, STAGE_SIGNALS, STAGE_SETSID, STAGE_FDS, STAGE_CTTY, STAGE_CREDS, STAGE_CWD, STAGE_EXEC };
+
+struct gd_clone_args { /* the kernel's struct clone_args (v2, with cgroup) */
+    uint64_t flags, pidfd, child_tid, parent_tid, exit_signal, stack, stack_size, tls, set_tid, set_tid_size, cgroup;
+};
+
+typedef struct {
+    char **paths; /* executables to try in order (a PATH search done by the parent) */
+    Py_ssize_t npaths;
+    char **argv;
+    char **envp;
+    const char *cwd; /* NULL: inherit */
+    int fd_src[MAX_FDS], fd_dst[MAX_FDS], nfds;
+    long uid, gid; /* -1: keep */
+    int setsid, ctty;
+    const char *oom; /* written to /proc/self/oom_score_adj, or NULL */
+    Py_ssize_t oom_len;
+    int set_nofile;
+    struct rlimit nofile;
+    volatile int err, stage; /* out */
+} plan_t;
+
+#if defined(__x86_64__)
+#define HAVE_CLONE3_TRAMPOLINE 1
+/* long gd_clone3(struct gd_clone_args *args, size_t size, int (*fn)(void *), void *arg)
+ * Parent: returns the pid or -errno. Child: runs fn(arg) on the stack in args and exits. */
+long gd_clone3(struct gd_clone_args *args, size_t size, int (*fn)(void *), void *arg);
+__asm__(
+    ".text\n"
+    ".p2align 4\n"
+    ".type gd_clone3, @function\n"
+    "gd_clone3:\n"
+    "    mov %rdx, %r9\n" /* fn and arg survive the syscall in r9/r8 */
+    "    mov %rcx, %r8\n"
+    "    mov $435, %eax\n"
+    "    syscall\n"
+    "    test %rax, %rax\n"
+    "    jz 1f\n"
+    "    ret\n"
+    "1:\n"
+    "    xor %ebp, %ebp\n"
+    "    and $-16, %rsp\n"
+    "    mov %r8, %rdi\n"
+    "    call *%r9\n"
+    "    mov %eax, %edi\n"
+    "    mov $231, %eax\n" /* exit_group */
+    "    syscall\n"
+    "    hlt\n"
+    ".size gd_clone3, .-gd_clone3\n");
+#else
+#define HAVE_CLONE3_TRAMPOLINE 0
+#endif
+
+static void close_from(int lowest, const int *keep, int nkeep) {
+    /* Close every fd >= lowest except those in keep (small, unsorted). */
+    int start = lowest;
+    for (;;) {
+        int next_keep = -1;
+        for (int i = 0; i < nkeep; i++)
+            if (keep[i] >= start && (next_keep < 0 || keep[i] < next_keep)) next_keep = keep[i];
+        unsigned int last = next_keep < 0 ? ~0U : (unsigned int)next_keep - 1;
+        if (next_keep != start) {
+            if (syscall(GD_NR_CLOSE_RANGE, (unsigned int)start, last, 0) != 0) {
+                /* Kernels before 5.9: every fd is O_CLOEXEC in guestd, so exec closes them. */
+            }
+        }
+        if (next_keep < 0) return;
+        start = next_keep + 1;
+    }
+}
+
+static int child_main(void *arg) {
+    plan_t *p = (plan_t *)arg;
+    int saved = 0;
+
+    /* Signal handlers of the daemon must never run here: back to defaults, then unblock. */
+    p->stage = STAGE_SIGNALS;
+    for (int sig = 1; sig < NSIG; sig++) {
+        struct sigaction old;
+        if (sig == SIGKILL || sig == SIGSTOP) continue;
+        if (sigaction(sig, NULL, &old) != 0) continue; /* glibc-internal signals */
+        if (old.sa_handler != SIG_DFL) {
+            struct sigaction dfl;
+            memset(&dfl, 0, sizeof dfl);
+            dfl.sa_handler = SIG_DFL;
+            sigaction(sig, &dfl, NULL);
+        }
+    }
+    sigset_t none;
+    sigemptyset(&none);
+    sigprocmask(SIG_SETMASK, &none, NULL);
+
+    p->stage = STAGE_SETSID;
+    if (p->setsid && setsid() < 0) goto fail;
+
+    /* Move each source out of the way first, so a source that is another's target is not lost. */
+    p->stage = STAGE_FDS;
+    int tmp[MAX_FDS];
+    for (int i = 0; i < p->nfds; i++) {
+        tmp[i] = fcntl(p->fd_src[i], F_DUPFD_CLOEXEC, 256);
+        if (tmp[i] < 0) goto fail;
+    }
+    for (int i = 0; i < p->nfds; i++)
+        if (dup2(tmp[i], p->fd_dst[i]) < 0) goto fail; /* dup2 clears O_CLOEXEC on the target */
+    {
+        int keep[MAX_FDS + 3] = {0, 1, 2};
+        int nkeep = 3;
+        for (int i = 0; i < p->nfds; i++) keep[nkeep++] = p->fd_dst[i];
+        close_from(3, keep, nkeep);
+    }
+
+    p->stage = STAGE_CTTY;
+    if (p->ctty && ioctl(0, TIOCSCTTY, 0) < 0) goto fail;
+
+    if (p->oom != NULL) { /* guestd runs at -1000; what it starts must be killable (best effort) */
+        int fd = open("/proc/self/oom_score_adj", O_WRONLY | O_CLOEXEC);
+        if (fd >= 0) {
+            if (write(fd, p->oom, (size_t)p->oom_len) < 0) { /* keep going */
+            }
+            close(fd);
+        }
+    }
+    if (p->set_nofile) setrlimit(RLIMIT_NOFILE, &p->nofile);
+
+    p->stage = STAGE_CREDS;
+    if (p->uid >= 0) {
+        if (syscall(SYS_setgroups, 0, NULL) != 0) goto fail;
+        if (syscall(SYS_setresgid, (gid_t)p->gid, (gid_t)p->gid, (gid_t)p->gid) != 0) goto fail;
+        if (syscall(SYS_setresuid, (uid_t)p->uid, (uid_t)p->uid, (uid_t)p->uid) != 0) goto fail;
+    }
+
+    /* After the drop: the workload may only start in a directory it can enter itself. */
+    p->stage = STAGE_CWD;
+    if (p->cwd != NULL && chdir(p->cwd) != 0) goto fail;
+
+    p->stage = STAGE_EXEC;
+    for (Py_ssize_t i = 0; i < p->npaths; i++) {
+        execve(p->paths[i], p->argv, p->envp);
+        if (saved == 0 && errno != ENOENT && errno != ENOTDIR) saved = errno;
+    }
+    p->err = saved ? saved : errno;
+    return 127;
+fail:
+    p->err = errno;
+    return 127;
+}
+
+/* -- argument conversion ----------------------------------------------------------------- */
+
+static char **bytes_array(PyObject *seq, PyObject **keep, Py_ssize_t *count) {
+    /* A NULL-terminated char* array over a sequence of bytes; *keep holds the references. */
+    PyObject *fast = PySequence_Fast(seq, "expected a sequence of bytes");
+    if (fast == NULL) return NULL;
+    Py_ssize_t n = PySequence_Fast_GET_SIZE(fast);
+    char **out = PyMem_Calloc((size_t)n + 1, sizeof(char *));
+    if (out == NULL) {
+        Py_DECREF(fast);
+        PyErr_NoMemory();
+        return NULL;
+    }
+    for (Py_ssize_t i = 0; i < n; i++) {
+        PyObject *item = PySequence_Fast_GET_ITEM(fast, i);
+        if (!PyBytes_Check(item)) {
+            PyErr_SetString(PyExc_TypeError, "expected bytes");
+            goto bad;
+        }
+        if ((Py_ssize_t)strlen(PyBytes_AS_STRING(item)) != PyBytes_GET_SIZE(item)) {
+            PyErr_SetString(PyExc_ValueError, "embedded null byte");
+            goto bad;
+        }
+        out[i] = PyBytes_AS_STRING(item);
+    }
+    *keep = fast;
+    if (count) *count = n;
+    return out;
+bad:
+    PyMem_Free(out);
+    Py_DECREF(fast);
+    return NULL;
+}
+
+PyDoc_STRVAR(spawn_doc,
+             "spawn(paths, argv, envp, cwd, fds, uid, gid, setsid, ctty, cgroup_fd, oom, nofile) -> (pid, pidfd)\n\n"
+             "Start a process with clone3(CLONE_VM|CLONE_VFORK|CLONE_PIDFD[|CLONE_INTO_CGROUP]).\n"
+             "paths: executables to try; argv, envp: lists of bytes (envp None: inherit);\n"
+             "cwd: bytes or None; fds: list of (source, target); uid/gid: -1 to keep;\n"
+             "cgroup_fd: an O_PATH/O_DIRECTORY fd of a cgroup v2 directory, or -1;\n"
+             "oom: bytes for /proc/self/oom_score_adj or None; nofile: (soft, hard) or None.\n"
+             "Raises OSError with .stage (a str) when the child could not be started.");
+
+static const char *stage_name(int stage) {
+    switch (stage) {
+    case STAGE_SIGNALS: return "signals";
+    case STAGE_SETSID: return "setsid";
+    case STAGE_FDS: return "fds";
+    case STAGE_CTTY: return "ctty";
+    case STAGE_CREDS: return "creds";
+    case STAGE_CWD: return "cwd";
+    case STAGE_EXEC: return "exec";
+    default: return "clone";
+    }
+}
+
+static PyObject *raise_stage(int err, int stage, const char *filename) {
+    PyObject *exc = filename ? PyObject_CallFunction(PyExc_OSError, "iss", err, strerror(err), filename)
+                             : PyObject_CallFunction(PyExc_OSError, "is", err, strerror(err));
+    if (exc == NULL) return NULL;
+    PyObject *name = PyUnicode_FromString(stage_name(stage));
+    if (name == NULL || PyObject_SetAttrString(exc, "stage", name) != 0) {
+        Py_XDECREF(name);
+        Py_DECREF(exc);
+        return NULL;
+    }
+    Py_DECREF(name);
+    PyErr_SetObject((PyObject *)Py_TYPE(exc), exc);
+    Py_DECREF(exc);
+    return NULL;
+}
+
+static PyObject *gd_spawn(PyObject *self, PyObject *args) {
+    PyObject *paths_o, *argv_o, *envp_o, *cwd_o, *fds_o, *oom_o, *nofile_o;
+    long uid, gid;
+    int do_setsid, ctty, cgroup_fd;
+    if (!PyArg_ParseTuple(args, "OOOOOllppiOO", &paths_o, &argv_o, &envp_o, &cwd_o, &fds_o, &uid, &gid, &do_setsid,
+                          &ctty, &cgroup_fd, &oom_o, &nofile_o))
+        return NULL;
+#if !HAVE_CLONE3_TRAMPOLINE
+    PyErr_SetString(PyExc_NotImplementedError, "clone3 spawn is not built for this architecture");
+    return NULL;
+#else
+    plan_t plan;
+    memset(&plan, 0, sizeof plan);
+    PyObject *keep_paths = NULL, *keep_argv = NULL, *keep_envp = NULL, *fds_fast = NULL;
+    PyObject *result = NULL;
+    plan.uid = uid;
+    plan.gid = gid;
+    plan.setsid = do_setsid;
+    plan.ctty = ctty;
+    if ((plan.paths = bytes_array(paths_o, &keep_paths, &plan.npaths)) == NULL) goto done;
+    if ((plan.argv = bytes_array(argv_o, &keep_argv, NULL)) == NULL) goto done;
+    if (envp_o == Py_None) {
+        plan.envp = environ;
+    } else if ((plan.envp = bytes_array(envp_o, &keep_envp, NULL)) == NULL) {
+        goto done;
+    }
+    if (cwd_o != Py_None) {
+        if (!PyBytes_Check(cwd_o)) {
+            PyErr_SetString(PyExc_TypeError, "cwd must be bytes or None");
+            goto done;
+        }
+        plan.cwd = PyBytes_AS_STRING(cwd_o);
+    }
+    if ((fds_fast = PySequence_Fast(fds_o, "fds must be a sequence of (source, target)")) == NULL) goto done;
+    plan.nfds = (int)PySequence_Fast_GET_SIZE(fds_fast);
+    if (plan.nfds > MAX_FDS) {
+        PyErr_SetString(PyExc_ValueError, "too many fds");
+        goto done;
+    }
+    for (int i = 0; i < plan.nfds; i++) {
+        if (!PyArg_ParseTuple(PySequence_Fast_GET_ITEM(fds_fast, i), "ii", &plan.fd_src[i], &plan.fd_dst[i])) goto done;
+    }
+    if (oom_o != Py_None) {
+        if (!PyBytes_Check(oom_o)) {
+            PyErr_SetString(PyExc_TypeError, "oom must be bytes or None");
+            goto done;
+        }
+        plan.oom = PyBytes_AS_STRING(oom_o);
+        plan.oom_len = PyBytes_GET_SIZE(oom_o);
+    }
+    if (nofile_o != Py_None) {
+        unsigned long long soft, hard;
+        if (!PyArg_ParseTuple(nofile_o, "KK", &soft, &hard)) goto done;
+        plan.set_nofile = 1;
+        plan.nofile.rlim_cur = (rlim_t)soft;
+        plan.nofile.rlim_max = (rlim_t)hard;
+    }
+
+    void *stack = mmap(NULL, CHILD_STACK, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_STACK, -1, 0);
+    if (stack == MAP_FAILED) {
+        PyErr_SetFromErrno(PyExc_OSError);
+        goto done;
+    }
+    int pidfd = -1;
+    struct gd_clone_args ca;
+    memset(&ca, 0, sizeof ca);
+    ca.flags = GD_CLONE_VM | GD_CLONE_VFORK | GD_CLONE_PIDFD | (cgroup_fd >= 0 ? GD_CLONE_INTO_CGROUP : 0);
+    ca.pidfd = (uint64_t)(uintptr_t)&pidfd;
+    ca.exit_signal = SIGCHLD;
+    ca.stack = (uint64_t)(uintptr_t)stack;
+    ca.stack_size = CHILD_STACK;
+    ca.cgroup = cgroup_fd >= 0 ? (uint64_t)cgroup_fd : 0;
+
+    sigset_t all, old;
+    sigfillset(&all);
+    long ret;
+    Py_BEGIN_ALLOW_THREADS
+    /* Blocked here, so no daemon signal handler runs in the child before it resets them. */
+    pthread_sigmask(SIG_SETMASK, &all, &old);
+    ret = gd_clone3(&ca, sizeof ca, child_main, &plan);
+    pthread_sigmask(SIG_SETMASK, &old, NULL);
+    Py_END_ALLOW_THREADS
+    munmap(stack, CHILD_STACK);
+
+    if (ret < 0) {
+        errno = (int)-ret;
+        raise_stage((int)-ret, STAGE_NONE, NULL);
+        goto done;
+    }
+    if (plan.err != 0) { /* the child failed before exec and has exited: reap it here */
+        int status;
+        while (waitpid((pid_t)ret, &status, __WALL) < 0 && errno == EINTR) {
+        }
+        if (pidfd >= 0) close(pidfd);
+        const char *fname = NULL;
+        if (plan.stage == STAGE_CWD) fname = plan.cwd;
+        else if (plan.stage == STAGE_EXEC && plan.npaths > 0) fname = plan.argv[0];
+        raise_stage(plan.err, plan.stage, fname);
+        goto done;
+    }
+    result = Py_BuildValue("(li)", ret, pidfd);
+done:
+    PyMem_Free(plan.paths);
+    PyMem_Free(plan.argv);
+    if (keep_envp != NULL) PyMem_Free(plan.envp);
+    Py_XDECREF(keep_paths);
+    Py_XDECREF(keep_argv);
+    Py_XDECREF(keep_envp);
+    Py_XDECREF(fds_fast);
+    return result;
+#endif
+}
+
+static PyMethodDef methods[] = {
+    {"spawn", gd_spawn, METH_VARARGS, spawn_doc},
+    {NULL, NULL, 0, NULL},
+};
+
+static struct PyModuleDef module = {
+    PyModuleDef_HEAD_INIT, "guestd.children._clone", "clone3 spawn into a cgroup (see the C file's head)", -1, methods,
+};
+
+PyMODINIT_FUNC PyInit__clone(void) {
+    PyObject *m = PyModule_Create(&module);
+    if (m == NULL) return NULL;
+    if (PyModule_AddIntConstant(m, "AVAILABLE", HAVE_CLONE3_TRAMPOLINE) != 0) {
+        Py_DECREF(m);
+        return NULL;
+    }
+    return m;
+}

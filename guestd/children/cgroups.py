@@ -1,0 +1,231 @@
+"""The workload's cgroup v2, and one leaf cgroup per run inside it.
+
+The workload cgroup (default /sys/fs/cgroup/guestd-workload) carries the limits that keep
+guestd alive: a fork bomb hits pids.max, a memory hog meets the OOM killer inside it, a CPU
+spinner gets cpu.weight 1 against guestd's 100. Every run (an exec, a background process, a
+shell session, a code kernel) gets a leaf of its own below it, and its first process is
+created inside that leaf (clone3 CLONE_INTO_CGROUP), so nothing the run forks, double-forks
+or re-forks can leave it: ending the run is one write to the leaf's ``cgroup.kill``.
+
+Leaves are named ``<kind>-<id>``. A guestd that starts and finds leaves it did not make
+(a previous guestd was killed) ends their processes and removes them: see
+``WorkloadCgroup.end_leftovers``. Without cgroup v2, without root, or with
+``[workload] cgroup = ""``, there are no leaves and runs are ended by process group and
+descendants (best effort; SECURITY.md says what escapes then).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import logging
+import os
+import signal
+from dataclasses import dataclass
+
+log = logging.getLogger("guestd.cgroups")
+
+RUN_KINDS = ("exec", "proc", "shell", "kernel")
+
+
+@dataclass
+class WorkloadConfig:
+    cgroup: str = ""  # "" disables; e.g. "/sys/fs/cgroup/guestd-workload"
+    memory_max: str = "max"  # bytes, or "max"
+    pids_max: str = "max"
+    cpu_weight: int = 1  # 1..10000; guestd (in the parent) keeps the default 100
+
+
+def _write(path: str, value: str) -> None:
+    fd = os.open(path, os.O_WRONLY | os.O_CLOEXEC)
+    try:
+        os.write(fd, value.encode())
+    finally:
+        os.close(fd)
+
+
+def _read(path: str) -> str:
+    with open(path) as f:
+        return f.read()
+
+
+class RunCgroup:
+    """One run's leaf. ``fd`` (O_PATH) is what clone3 places the first process with."""
+
+    def __init__(self, path: str, fd: int) -> None:
+        self.path = path
+        self.fd = fd
+
+    @property
+    def name(self) -> str:
+        return os.path.basename(self.path)
+
+    def pids(self) -> list[int]:
+        try:
+            return [int(x) for x in _read(os.path.join(self.path, "cgroup.procs")).split()]
+        except (OSError, ValueError):
+            return []
+
+    def populated(self) -> bool:
+        try:
+            for line in _read(os.path.join(self.path, "cgroup.events")).splitlines():
+                key, _, value = line.partition(" ")
+                if key == "populated":
+                    return value.strip() != "0"
+        except OSError:
+            return False
+        return bool(self.pids())
+
+    def signal_all(self, sig: int) -> None:
+        """Send ``sig`` to every process in the leaf (those that fork meanwhile may miss it)."""
+        for pid in self.pids():
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.kill(pid, sig)
+
+    def kill(self) -> None:
+        """SIGKILL every process in the leaf at once, forkers included (cgroup.kill, Linux 5.14)."""
+        try:
+            _write(os.path.join(self.path, "cgroup.kill"), "1")
+            return
+        except FileNotFoundError:
+            if not os.path.isdir(self.path):
+                return
+        except OSError as exc:
+            if exc.errno == errno.ENOENT:
+                return
+        self.kill_except(None)  # older kernels: freeze, kill, thaw
+
+    def kill_except(self, keep: int | None, rounds: int = 50) -> None:
+        """SIGKILL every process of the leaf but ``keep`` (a shell's bash), race-free: frozen
+        processes cannot fork, and a fatal signal still ends them while frozen."""
+        freeze = os.path.join(self.path, "cgroup.freeze")
+        try:
+            _write(freeze, "1")
+        except OSError:
+            freeze = ""
+        try:
+            for _ in range(rounds):
+                victims = [p for p in self.pids() if p != keep]
+                if not victims:
+                    return
+                for pid in victims:
+                    with contextlib.suppress(ProcessLookupError, PermissionError):
+                        os.kill(pid, signal.SIGKILL)
+        finally:
+            if freeze:
+                with contextlib.suppress(OSError):
+                    _write(freeze, "0")
+
+    def close_fd(self) -> None:
+        if self.fd >= 0:
+            os.close(self.fd)
+            self.fd = -1
+
+    def remove(self) -> bool:
+        """rmdir the leaf; False while processes are still in it (retry later)."""
+        try:
+            os.rmdir(self.path)
+        except FileNotFoundError:
+            pass
+        except OSError as exc:
+            if exc.errno in (errno.EBUSY, errno.ENOTEMPTY):
+                return False
+            log.warning("cannot remove %s: %s", self.path, exc)
+        self.close_fd()
+        return True
+
+
+class WorkloadCgroup:
+    def __init__(self, cfg: WorkloadConfig) -> None:
+        self.cfg = cfg
+        self.path: str | None = None
+        self.status = "disabled"
+        self.ended_at_start = 0  # processes of a previous guestd's runs ended by setup()
+
+    def setup(self) -> None:
+        c = self.cfg
+        if not c.cgroup:
+            return
+        parent = os.path.dirname(c.cgroup)
+        if not os.path.exists(os.path.join(parent, "cgroup.controllers")):
+            self.status = "unavailable: no cgroup v2 at " + parent
+            log.warning("workload cgroup %s", self.status)
+            return
+        try:
+            os.makedirs(c.cgroup, exist_ok=True)
+            available = set(_read(os.path.join(parent, "cgroup.controllers")).split())
+            wanted = [n for n in ("memory", "pids", "cpu") if n in available]
+            if wanted:
+                _write(os.path.join(parent, "cgroup.subtree_control"), " ".join("+" + n for n in wanted))
+            limits = {"memory": ("memory.max", c.memory_max), "pids": ("pids.max", c.pids_max)}
+            limits["cpu"] = ("cpu.weight", str(c.cpu_weight))
+            for controller in wanted:
+                name, value = limits[controller]
+                _write(os.path.join(c.cgroup, name), str(value))
+        except OSError as exc:
+            self.status = f"unavailable: {exc}"
+            log.warning("workload cgroup %s", self.status)
+            return
+        self.path = c.cgroup
+        self.ended_at_start = self.end_leftovers()
+        missing = [n for n in ("memory", "pids", "cpu") if n not in wanted]
+        self.status = (
+            f"active: {c.cgroup} (memory.max={c.memory_max}, pids.max={c.pids_max}, cpu.weight={c.cpu_weight}"
+            + (f"; no {'/'.join(missing)} controller" if missing else "")
+            + "; a cgroup per run)"
+        )
+        if self.ended_at_start:
+            log.warning("ended %d process(es) of runs a previous guestd left", self.ended_at_start)
+        log.info("workload cgroup %s", self.status)
+
+    def new_run(self, kind: str, run_id: str) -> RunCgroup | None:
+        """Make the leaf for one run (None when there is no workload cgroup)."""
+        if self.path is None:
+            return None
+        path = os.path.join(self.path, f"{kind}-{run_id}")
+        os.mkdir(path)
+        try:
+            fd = os.open(path, os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC)
+        except OSError:
+            with contextlib.suppress(OSError):
+                os.rmdir(path)
+            raise
+        return RunCgroup(path, fd)
+
+    def adopt(self, pid: int) -> None:
+        """Move an already started process into the workload cgroup (fallback spawn only)."""
+        if self.path is None:
+            return
+        try:
+            _write(os.path.join(self.path, "cgroup.procs"), str(pid))
+        except OSError as exc:
+            log.warning("could not move pid %d into the workload cgroup: %s", pid, exc)
+
+    def end_leftovers(self) -> int:
+        """Kill and remove every leaf (and any process directly in the workload cgroup): at
+        start-up they belong to a guestd that is gone, whose pipes, timeouts and callers are
+        gone with it. Returns how many processes were ended."""
+        assert self.path is not None
+        ended = 0
+        for pid in RunCgroup(self.path, -1).pids():  # an older guestd placed runs here directly
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.kill(pid, signal.SIGKILL)
+                ended += 1
+        try:
+            names = sorted(os.listdir(self.path))
+        except OSError:
+            return ended
+        for name in names:
+            path = os.path.join(self.path, name)
+            if not os.path.isdir(path) or not os.path.exists(os.path.join(path, "cgroup.procs")):
+                continue
+            leaf = RunCgroup(path, -1)
+            ended += len(leaf.pids())
+            leaf.kill()
+            for _ in range(200):  # dying processes leave within milliseconds
+                if leaf.remove():
+                    break
+                import time
+
+                time.sleep(0.01)
+        return ended
