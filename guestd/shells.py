@@ -22,9 +22,10 @@ How a command runs, without markers in the user's output:
   with ``bash -c`` (``bash: line 1: nosuchcmd: command not found``).
 - A timeout, or a cancelled request, sends SIGINT to the session's process group (bash's
   INT trap returns from the command), then kills every process of the session's cgroup
-  but bash itself, and as a last resort restarts bash with the last known cwd and exported
-  environment. The session takes its next command only after that: a cancelled command
-  never completes the next one.
+  that the command started (all but bash and what was running when the command began),
+  setsid and double forks included, and as a last resort restarts bash with the last known
+  cwd and exported environment. The session takes its next command only after that: a
+  cancelled command never completes the next one.
 """
 
 from __future__ import annotations
@@ -124,6 +125,7 @@ class Session:
         self._fds: dict[int, int] = {}
         self.pending_seed: int | None = None  # set by a restore: a new $RANDOM seed for the next command
         self._cancel_event: asyncio.Event | None = None  # set when the running command's request is gone
+        self._before: set[int] = set()  # pids in the session's cgroup when the running command began
 
     async def apply_pending_seed(self) -> None:
         async with self.lock:
@@ -388,6 +390,10 @@ class Session:
                 f.write(a["input"])
         src = ansi_c_quote(infile) if infile else "/dev/null"
         self._last_output = time.monotonic()
+        assert self.child is not None
+        # What runs in the session now (bash, jobs of earlier commands): a timeout or cancel of
+        # this command ends everything else in the session's cgroup, wherever it went.
+        self._before = set(self.child.cgroup.pids()) if self.child.cgroup is not None else set()
         nonce = self._expect()
         script = (
             f"__gd_cmd={ansi_c_quote(a['command'])}\n"
@@ -405,6 +411,8 @@ class Session:
                     timed_out = outcome
                 interrupted = True
                 restarted = not await self._interrupt()
+                if not restarted and self.child.cgroup is not None:
+                    self.child.cgroup.kill_except(self._before | {self.pid})
             elif outcome == "exited":
                 restarted = True
             if not restarted:
@@ -442,9 +450,9 @@ class Session:
         signal_group(self.pid, signal.SIGINT)  # the foreground job, and bash's trap returns
         if await self._wait(GRACE_S, None, cancellable=False) == "done":
             return True
-        # Everything of the session but bash itself: what the command started, wherever it went.
+        # What the command started, wherever it went (session jobs of earlier commands stay).
         if child.cgroup is not None:
-            child.cgroup.kill_except(self.pid)
+            child.cgroup.kill_except(self._before | {self.pid})
         else:
             signal_each(descendants(self.pid), signal.SIGTERM)
             if await self._wait(GRACE_S, None, cancellable=False) == "done":

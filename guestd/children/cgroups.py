@@ -93,11 +93,12 @@ class RunCgroup:
         except OSError as exc:
             if exc.errno == errno.ENOENT:
                 return
-        self.kill_except(None)  # older kernels: freeze, kill, thaw
+        self.kill_except(set())  # older kernels: freeze, kill, thaw
 
-    def kill_except(self, keep: int | None, rounds: int = 50) -> None:
-        """SIGKILL every process of the leaf but ``keep`` (a shell's bash), race-free: frozen
-        processes cannot fork, and a fatal signal still ends them while frozen."""
+    def kill_except(self, keep: set[int], rounds: int = 50) -> None:
+        """SIGKILL every process of the leaf but ``keep`` (a shell's bash and the jobs earlier
+        commands left), race-free: frozen processes cannot fork, and a fatal signal still ends
+        them while frozen."""
         freeze = os.path.join(self.path, "cgroup.freeze")
         try:
             _write(freeze, "1")
@@ -105,7 +106,7 @@ class RunCgroup:
             freeze = ""
         try:
             for _ in range(rounds):
-                victims = [p for p in self.pids() if p != keep]
+                victims = [p for p in self.pids() if p not in keep]
                 if not victims:
                     return
                 for pid in victims:

@@ -45,6 +45,8 @@ def register(daemon: Daemon) -> None:
             "hostname": socket.gethostname(),
             "snapshot": daemon.snapshot.describe(),
             "workload_cgroup": daemon.workload.status,
+            "spawn": daemon.children.spawn_method,
+            "runs_ended_at_start": daemon.workload.ended_at_start,
         }
 
     daemon.dispatcher.add("ping", inline=ping)

@@ -445,6 +445,13 @@ OPS: tuple[OpSpec, ...] = (
             F("hostname", "str", "guest hostname", True),
             F("snapshot", "map", "generation, instance_id, sandbox_id, quiesced, suspected_restore, restored_at", True),
             F("workload_cgroup", "str", "disabled | unavailable: why | active: path and limits", True),
+            F("spawn", "str", "how runs start: clone3 (into their cgroup, like vfork) or popen (fallback)", True),
+            F(
+                "runs_ended_at_start",
+                "uint",
+                "processes of runs a previous guestd left in the workload cgroup, ended at start",
+                True,
+            ),
         ),
     ),
     OpSpec(

@@ -121,6 +121,8 @@ class InfoReply(TypedDict):
     hostname: str
     snapshot: dict[str, Any]
     workload_cgroup: str
+    spawn: str
+    runs_ended_at_start: int
 
 
 ExecTimedOut = Literal["wall", "idle"]

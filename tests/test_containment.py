@@ -1,0 +1,296 @@
+"""Containment: no workload process outlives its run (issue 14), with a real guestd whose
+workload cgroup is a scratch sub-tree of this host's cgroup v2 (removed afterwards).
+
+Each escape pattern leaves a process that appends to a heartbeat file every 50 ms: a setsid
+double fork, ``setsid -f``, and a chain whose every generation starts the next in a new
+session and exits (its pid never stays put). Each kill path must stop the heartbeat.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import shutil
+import signal
+import tempfile
+import threading
+import time
+from collections.abc import Callable, Iterator
+
+import pytest
+
+from guestd.client import AsyncClient
+from tests.conftest import Guestd, start_guestd
+
+UNIFIED = "/sys/fs/cgroup/unified"
+BEAT = "while :; do echo b >> {hb}; sleep 0.05; done"
+PATTERNS = {
+    "setsid-double-fork": "(setsid sh -c '" + BEAT + "' &)",
+    "setsid-f": "setsid -f sh -c '" + BEAT + "'",
+    # Every generation beats once, starts the next in a new session, and exits.
+    "fork-chain": "setsid -f sh {chain} {hb}",
+}
+CHAIN = 'echo b >> "$1"; sleep 0.05; setsid -f sh "$0" "$1"\n'
+
+
+def _cgroup_usable() -> bool:
+    return os.geteuid() == 0 and os.access(os.path.join(UNIFIED, "cgroup.procs"), os.W_OK)
+
+
+needs_cgroup = pytest.mark.skipif(not _cgroup_usable(), reason="needs root and cgroup v2 at " + UNIFIED)
+
+
+def _remove_tree(path: str) -> None:
+    """Kill and remove a scratch cgroup tree, deepest first (only ever one we made)."""
+    for root, dirs, _files in sorted(os.walk(path), key=lambda t: -t[0].count("/")):
+        for d in dirs:
+            _kill_and_rmdir(os.path.join(root, d))
+    _kill_and_rmdir(path)
+
+
+def _kill_and_rmdir(path: str) -> None:
+    with contextlib.suppress(OSError), open(os.path.join(path, "cgroup.kill"), "w") as f:
+        f.write("1")
+    for _ in range(200):
+        try:
+            os.rmdir(path)
+            return
+        except FileNotFoundError:
+            return
+        except OSError:
+            time.sleep(0.01)
+
+
+@pytest.fixture(scope="module")
+def scratch() -> Iterator[str]:
+    """A directory for heartbeats and a scratch cgroup parent, both removed afterwards."""
+    if not _cgroup_usable():
+        pytest.skip("needs root and cgroup v2 at " + UNIFIED)
+    cg = os.path.join(UNIFIED, f"guestd-test-{os.getpid()}-{os.urandom(3).hex()}")
+    os.mkdir(cg)
+    d = tempfile.mkdtemp(prefix="guestd-contain-")
+    os.chmod(d, 0o777)
+    try:
+        yield cg
+    finally:
+        _remove_tree(cg)
+        shutil.rmtree(d, ignore_errors=True)
+
+
+def contained_config(directory: str, cgroup: str) -> str:
+    """The shipped settings that matter here: a workload cgroup and a workload user."""
+    path = os.path.join(directory, "contained.toml")
+    with open(path, "w") as f:
+        f.write(f'[workload]\ncgroup = "{cgroup}"\n[policy]\nworkload_user = "nobody"\n')
+    return path
+
+
+def start_contained(scratch: str, name: str) -> Guestd:
+    d = tempfile.mkdtemp(prefix="guestd-contained-")
+    os.chmod(d, 0o755)
+    return start_guestd(d, "--config", contained_config(d, os.path.join(scratch, name)))
+
+
+@pytest.fixture(scope="module")
+def contained(scratch: str) -> Iterator[Guestd]:
+    g = start_contained(scratch, "workload")
+    yield g
+    g.stop()
+    shutil.rmtree(g.workdir, ignore_errors=True)
+
+
+class Heartbeat:
+    def __init__(self) -> None:
+        self.dir = tempfile.mkdtemp(prefix="guestd-hb-")
+        os.chmod(self.dir, 0o777)
+        self.path = os.path.join(self.dir, "hb")
+        self.chain = os.path.join(self.dir, "chain.sh")
+        with open(self.chain, "w") as f:
+            f.write(CHAIN)
+        os.chmod(self.chain, 0o755)
+
+    def command(self, pattern: str) -> str:
+        return PATTERNS[pattern].format(hb=self.path, chain=self.chain)
+
+    def size(self) -> int:
+        try:
+            return os.path.getsize(self.path)
+        except FileNotFoundError:
+            return 0
+
+    def wait_beating(self) -> None:
+        for _ in range(200):
+            if self.size() >= 4:
+                return
+            time.sleep(0.02)
+        raise AssertionError("the escapee never started beating")
+
+    def assert_stopped(self) -> None:
+        """No beat for 0.5 s, after allowing 0.3 s for the kill to land."""
+        time.sleep(0.3)
+        before = self.size()
+        time.sleep(0.5)
+        assert self.size() == before, f"still beating: {before} -> {self.size()} bytes"
+
+    def cleanup(self) -> None:
+        shutil.rmtree(self.dir, ignore_errors=True)
+
+
+@pytest.fixture
+def hb() -> Iterator[Heartbeat]:
+    h = Heartbeat()
+    yield h
+    h.cleanup()
+
+
+def _run_async(coro: Callable[[], object]) -> None:
+    asyncio.run(coro())  # type: ignore[arg-type]
+
+
+@needs_cgroup
+@pytest.mark.parametrize("pattern", list(PATTERNS))
+def test_exec_timeout_ends_escapees(contained: Guestd, hb: Heartbeat, pattern: str) -> None:
+    with contained.client() as c:
+        r = c.exec(["sh", "-c", f"{hb.command(pattern)}; sleep 0.3; sleep 100"], timeout_s=1.5, kill_grace_s=0.2)
+    assert r.timed_out == "wall"
+    hb.assert_stopped()
+
+
+@needs_cgroup
+@pytest.mark.parametrize("pattern", list(PATTERNS))
+def test_shell_timeout_ends_what_the_command_started(contained: Guestd, hb: Heartbeat, pattern: str) -> None:
+    with contained.client() as c:
+        sid = c.shell_create(cwd="/tmp")["id"]
+        try:
+            # A job of an earlier command is not this command's to end.
+            c.shell_run(sid, "sleep 1000 & echo $! > " + hb.dir + "/job")
+            r = c.shell_run(sid, f"{hb.command(pattern)}; sleep 100", timeout_s=1.5)
+            assert r.timed_out == "wall" and not r.session_restarted
+            hb.assert_stopped()
+            with open(hb.dir + "/job") as f:
+                job = int(f.read())
+            os.kill(job, 0)  # still there
+            assert c.shell_run(sid, "echo ok").stdout == b"ok\n"
+        finally:
+            c.shell_close(sid)
+
+
+@needs_cgroup
+@pytest.mark.parametrize("pattern", list(PATTERNS))
+def test_process_kill_ends_escapees(contained: Guestd, hb: Heartbeat, pattern: str) -> None:
+    with contained.client() as c:
+        p = c.process_start(f"{hb.command(pattern)}; sleep 100")
+        hb.wait_beating()
+        c.process_signal(p["id"], "KILL")
+        assert c.process_wait(p["id"], timeout_s=10)["signal"] == signal.SIGKILL
+    hb.assert_stopped()
+
+
+@needs_cgroup
+@pytest.mark.parametrize("pattern", list(PATTERNS))
+def test_cancel_ends_escapees(contained: Guestd, hb: Heartbeat, pattern: str) -> None:
+    async def main() -> None:
+        async with await AsyncClient.connect(contained.address) as c:
+            run = asyncio.ensure_future(c.exec(["sh", "-c", f"{hb.command(pattern)}; sleep 100"]))
+            await asyncio.get_running_loop().run_in_executor(None, hb.wait_beating)
+            run.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await run
+
+    _run_async(main)
+    hb.assert_stopped()
+
+
+@needs_cgroup
+@pytest.mark.parametrize("pattern", list(PATTERNS))
+def test_cancelled_shell_command_ends_escapees(contained: Guestd, hb: Heartbeat, pattern: str) -> None:
+    async def main() -> None:
+        async with await AsyncClient.connect(contained.address) as c:
+            sid = (await c.shell_create(cwd="/tmp"))["id"]
+            run = asyncio.ensure_future(c.shell_run(sid, f"{hb.command(pattern)}; sleep 100"))
+            await asyncio.get_running_loop().run_in_executor(None, hb.wait_beating)
+            run.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await run
+            r = await c.shell_run(sid, "echo mine")
+            assert r.stdout == b"mine\n" and r.exit_code == 0
+            await c.shell_close(sid)
+
+    _run_async(main)
+    hb.assert_stopped()
+
+
+@needs_cgroup
+@pytest.mark.parametrize("pattern", list(PATTERNS))
+def test_shutdown_ends_every_run_and_what_finished_runs_left(scratch: str, hb: Heartbeat, pattern: str) -> None:
+    g = start_contained(scratch, f"shutdown-{pattern}")
+    try:
+        with g.client() as c:
+            # A finished exec that left an escapee, and a background process that made one.
+            r = c.exec(["sh", "-c", hb.command(pattern)], linger_s=0.2)
+            assert r.exit_code == 0
+            c.process_start("sleep 1000")
+            hb.wait_beating()
+    finally:
+        g.stop()
+        shutil.rmtree(g.workdir, ignore_errors=True)
+    assert g.proc.returncode == 0
+    hb.assert_stopped()
+    assert not os.path.exists(os.path.join(scratch, f"shutdown-{pattern}", "proc-1")), "leaves are removed"
+
+
+@needs_cgroup
+def test_a_restarted_guestd_ends_the_runs_the_killed_one_left(scratch: str) -> None:
+    name = "restart"
+    beats = [Heartbeat(), Heartbeat()]
+    g = start_contained(scratch, name)
+    try:
+        with g.client() as c:
+            c.process_start(beats[0].command("setsid-double-fork") + "; sleep 1000")
+
+        def exec_with_timeout() -> None:  # its connection dies with guestd; the run must not live on
+            with contextlib.suppress(Exception), g.client() as c:
+                c.exec(["sh", "-c", "while :; do echo b >> " + beats[1].path + "; sleep 0.05; done"], timeout_s=2)
+
+        t = threading.Thread(target=exec_with_timeout)
+        t.start()
+        for b in beats:
+            b.wait_beating()
+        os.kill(g.pid, signal.SIGKILL)
+        g.proc.wait(10)
+        t.join(10)
+        leaves = sorted(n for n in os.listdir(os.path.join(scratch, name)) if "-" in n)
+        assert [n.split("-")[0] for n in leaves] == ["exec", "proc"]
+        time.sleep(2.5)  # past the exec's timeout: nobody enforces it while guestd is down
+        assert all(b.size() > 0 for b in beats)
+        g2 = start_guestd(g.workdir, "--config", contained_config(g.workdir, os.path.join(scratch, name)))
+        try:
+            for b in beats:
+                b.assert_stopped()
+            assert not [n for n in os.listdir(os.path.join(scratch, name)) if "-" in n], "leaves removed"
+            with g2.client() as c:
+                assert c.process_list() == []
+                info = c.info().raw
+            assert "a cgroup per run" in info["workload_cgroup"] and info["spawn"] == "clone3"
+            assert info["runs_ended_at_start"] >= 3  # the process, its escapee, the exec
+            assert "previous guestd" in g2.log()
+        finally:
+            g2.stop()
+    finally:
+        g.stop()
+        for b in beats:
+            b.cleanup()
+        shutil.rmtree(g.workdir, ignore_errors=True)
+
+
+@needs_cgroup
+def test_runs_start_in_their_own_leaf_as_the_workload_user(contained: Guestd) -> None:
+    with contained.client() as c:
+        r = c.exec(["sh", "-c", "id -u; cat /proc/self/cgroup | grep ^0::"])
+        uid, cg = r.stdout.decode().split()
+        assert uid == "65534"
+        assert cg.startswith("0::/") and "/workload/exec-" in cg
+        sid = c.shell_create(cwd="/tmp")["id"]
+        assert "/workload/shell-" in c.shell_run(sid, "cat /proc/self/cgroup").stdout.decode()
+        c.shell_close(sid)
