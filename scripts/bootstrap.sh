@@ -11,7 +11,11 @@ if [ ! -x .venv/bin/python ]; then
   "$PY" -m venv .venv || { echo "python3 -m venv failed; on Debian: apt-get install -y python3-venv" >&2; exit 1; }
 fi
 stamp=.venv/.guestd-installed
-if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ]; then
+newer=""
+for f in pyproject.toml setup.py guestd/children/_clone.c; do  # the native spawn is built at install
+  [ -f "$stamp" ] && [ "$f" -nt "$stamp" ] && newer=1
+done
+if [ ! -f "$stamp" ] || [ -n "$newer" ]; then
   log=.venv/install.log
   echo "installing guestd and its dependencies into .venv (log: $log)" >&2
   if ! { .venv/bin/python -m pip install --upgrade pip && .venv/bin/python -m pip install -e '.[dev]'; } >"$log" 2>&1; then

@@ -294,3 +294,36 @@ def test_runs_start_in_their_own_leaf_as_the_workload_user(contained: Guestd) ->
         sid = c.shell_create(cwd="/tmp")["id"]
         assert "/workload/shell-" in c.shell_run(sid, "cat /proc/self/cgroup").stdout.decode()
         c.shell_close(sid)
+
+
+def test_finished_kept_processes_hold_no_fds(fresh_guestd: Callable[..., Guestd], tmp_path: object) -> None:
+    from tests.conftest import limits_config
+
+    g = fresh_guestd("--config", limits_config(str(tmp_path), max_kept_processes=1100, max_processes=64))
+
+    def fds() -> int:
+        return len(os.listdir(f"/proc/{g.pid}/fd"))
+
+    async def main() -> None:
+        async with await AsyncClient.connect(g.address) as c:
+            await c.ping()
+            before = fds()
+            for _ in range(1000 // 50):
+                ids = [(await c.process_start(["true"]))["id"] for _ in range(50)]
+                for pid_id in ids:
+                    assert (await c.process_wait(pid_id, timeout_s=30))["exit_code"] == 0
+            for _ in range(100):  # each closes its pipes once both have ended (within ~0.2 s)
+                if fds() - before <= 8:
+                    break
+                await asyncio.sleep(0.05)
+            assert fds() - before <= 8, f"{fds() - before} fds more after 1000 finished processes"
+            kept = await c.process_list()
+            assert len(kept) == 1000 and all(p["state"] == "exited" for p in kept)
+            # Their output stays readable after the fds are gone.
+            out = await c.process_start(["echo", "kept"])
+            await c.process_wait(out["id"], timeout_s=30)
+            await asyncio.sleep(0.3)
+            stdout, _, _ = await c.process_output(out["id"])
+            assert stdout == b"kept\n"
+
+    asyncio.run(main())

@@ -44,11 +44,23 @@ DEVNULL = -3
 _NOFILE_AT_START = resource.getrlimit(resource.RLIMIT_NOFILE)
 
 
-def raise_fd_limit() -> None:
+def raise_fd_limit(wanted: int = 1 << 20) -> int:
+    """Raise guestd's own fd limit (as root up to ``wanted``, else to the hard limit); returns it."""
     soft, hard = _NOFILE_AT_START
-    if soft != hard:
-        with contextlib.suppress(ValueError, OSError):
-            resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+    target = hard
+    if os.geteuid() == 0:
+        try:
+            with open("/proc/sys/fs/nr_open") as f:
+                target = max(hard, min(wanted, int(f.read())))
+        except (OSError, ValueError):
+            pass
+    for limit in (target, hard):
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (limit, limit))
+            return limit
+        except (ValueError, OSError):
+            continue
+    return soft
 
 
 def _own_oom_score_adj() -> int:
@@ -245,6 +257,9 @@ class Children:
         self._pool: ThreadPoolExecutor | None = None
         self._null_fd: int | None = None
         self._counter = 0
+        # Spawns in flight: their pids are not tracked yet, so the orphan sweep must wait
+        # (it would reap them as orphans and their owners would see status 255).
+        self._spawning = 0
 
     @property
     def spawn_method(self) -> str:
@@ -282,6 +297,7 @@ class Children:
         self._counter += 1
         run_id = f"{self._counter}-{os.urandom(4).hex()}"
         loop = asyncio.get_running_loop()
+        self._spawning += 1
         fut = loop.run_in_executor(
             self._pool,
             self._spawn_blocking,
@@ -300,21 +316,28 @@ class Children:
         try:
             pid, pidfd, cgroup, fds, popen = await asyncio.shield(fut)
         except asyncio.CancelledError:
-            # The thread cannot be stopped: whatever it starts is ended at once.
+            # The thread cannot be stopped: whatever it starts is ended at once, and the orphan
+            # sweep reaps it.
             def cleanup(done: asyncio.Future[Any]) -> None:
+                self._spawned()
                 if not done.cancelled() and done.exception() is None:
                     child = Child(self, kind, *done.result())
-                    self.live.add(child)
                     child.kill_now()
-                    child.watch()
                     child.release()
 
             fut.add_done_callback(cleanup)
             raise
+        except BaseException:
+            self._spawned()
+            raise
         child = Child(self, kind, pid, pidfd, cgroup, fds, popen)
         self.live.add(child)
         self.reaper.tracked.add(pid)
+        self._spawned()
         return child
+
+    def _spawned(self) -> None:
+        self._spawning -= 1
 
     # Runs in the spawn thread: pipes, the leaf, the process.
     def _spawn_blocking(
@@ -437,7 +460,7 @@ class Children:
     # -- bookkeeping ------------------------------------------------------------------------
     def reaped(self, child: Child) -> None:
         self.reaper.tracked.discard(child.pid)
-        if self.reaper.enabled:
+        if self.reaper.enabled and not self._spawning:
             self.reaper.sweep()  # a sweep may have stopped at this child while it was unreaped
 
     def retire(self, child: Child) -> None:
@@ -452,7 +475,7 @@ class Children:
 
     def sweep(self) -> None:
         """Periodic: reap orphans, remove leaves that have emptied."""
-        if self.reaper.enabled:
+        if self.reaper.enabled and not self._spawning:
             self.reaper.sweep()
         for cg in list(self.lingering):
             if cg.remove():

@@ -392,6 +392,9 @@ def main(argv: list[str] | None = None) -> int:
         if created and ids is not None:
             os.chown(cfg.workspace, *ids)  # the workload user must be able to work in its workspace
         os.chdir(cfg.workspace)  # the default cwd of everything the workload runs
+    from guestd.children import raise_fd_limit
+
+    raise_fd_limit()  # two pipes per run and a socket per connection; children get the old limit back
     tune_malloc()  # bulk transfers reuse warm heap instead of page-faulting fresh mmaps
     daemon = Daemon(cfg)
     if cfg.token_file:

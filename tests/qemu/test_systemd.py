@@ -51,7 +51,9 @@ def test_the_shipped_unit_and_config_under_systemd(vm: GuestVM) -> None:
         assert info["workload_cgroup"].startswith("active: /sys/fs/cgroup/guestd-workload")
         r = c.exec(["sh", "-c", "id -un; cat /proc/self/oom_score_adj /proc/self/cgroup"], timeout_s=120)
         assert r.exit_code == 0, r
-        assert r.stdout.decode().split() == ["sandbox", "0", "0::/guestd-workload"]
+        user, oom, cgroup = r.stdout.decode().split()
+        assert (user, oom) == ("sandbox", "0") and cgroup.startswith("0::/guestd-workload/exec-")  # a leaf per run
+        assert info["spawn"] == "clone3"
         sid = c.shell_create()["id"]
         assert c.shell_run(sid, "cd /tmp && id -u && pwd", timeout_s=120).stdout == b"1000\n/tmp\n"
         # What the host writes into the workspace, the workload user can change and add to.
@@ -62,16 +64,24 @@ def test_the_shipped_unit_and_config_under_systemd(vm: GuestVM) -> None:
         assert c.code_run("import os; os.getuid()", context=ctx, timeout_s=300).text == "1000"
         # Enabled by the image's own `systemctl enable` through the unit's [Install] section.
         unit = c.read_file("/etc/systemd/system/sysinit.target.wants/guestd.service")
-        assert b"Restart=always" in unit and b"KillMode=process" in unit
+        assert b"Restart=always" in unit and b"KillMode=process" in unit and b"LimitNOFILE=1024:1048576" in unit
+        limits = c.read_file(f"/proc/{pid}/limits").decode()
+        assert [ln.split()[3:5] for ln in limits.splitlines() if ln.startswith("Max open files")] == [
+            ["1048576", "1048576"]
+        ]
+        r = c.exec(["sh", "-c", "ulimit -Sn; ulimit -Hn"], timeout_s=120)
+        assert r.stdout == b"1024\n1048576\n"  # what guestd starts gets the unit's soft limit
         sleeper = c.process_start(["sleep", "600"])["pid"]
 
     # Kill guestd the way the kernel would (its whole unit cgroup, at once): systemd restarts it
-    # (Restart=always), and the workload, which lives in its own cgroup, is not touched.
+    # (Restart=always), and the new guestd ends the runs the killed one left (their pipes and
+    # callers are gone; PROTOCOL.md, restart).
     with vm.client(timeout_s=300) as c, pytest.raises(GuestdError):  # guestd dies while answering: no reply comes
         c.write_file("/sys/fs/cgroup/system.slice/guestd.service/cgroup.kill", "1", flag="append", deadline=10)
     with vm.client(timeout_s=300) as c:
         new_pid = int(c.info().raw["pid"])
         assert new_pid != pid and not c.exists(f"/proc/{pid}")
         assert c.read_file(f"/proc/{new_pid}/cgroup") == b"0::/system.slice/guestd.service\n"
-        assert c.read_file(f"/proc/{sleeper}/cmdline") == b"sleep\x00600\x00"  # the workload survived
+        assert not c.exists(f"/proc/{sleeper}")  # ended by the new guestd
+        assert c.info().raw["runs_ended_at_start"] >= 1
         assert c.exec(["id", "-un"], timeout_s=120).stdout == b"sandbox\n"
