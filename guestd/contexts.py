@@ -134,7 +134,9 @@ class Kernel:
         self.pid = self.child.pid
         self._write_pidfile()
         self.child.watch(self._on_exit, 0.2)
-        kc = km.client()
+        # No parent: jupyter_client would ask the manager whether the kernel lives, and the manager
+        # did not start it (guestd.children did), so it would say no; self.died answers instead.
+        kc = km.client(parent=None)
         kc.start_channels(hb=False)  # liveness comes from the pidfd; no heartbeat thread
         self.kc = kc
         ready: asyncio.Future[Any] = asyncio.ensure_future(kc.wait_for_ready(timeout=KERNEL_START_TIMEOUT_S))
