@@ -48,7 +48,7 @@ def test_bake_writes_a_complete_tree_and_an_ext4_image(tmp_path: object) -> None
 
 
 def test_default_config_is_valid_and_every_key_documented() -> None:
-    from guestd.server.config import Config, load_config_file
+    from guestd.config import Config, load_config_file
 
     path = os.path.join(REPO, "rootfs-overlay", "etc", "guestd", "guestd.toml")
     cfg = load_config_file(path, Config())
@@ -63,7 +63,7 @@ def test_default_config_is_valid_and_every_key_documented() -> None:
 
 
 def test_bad_config_is_a_clear_error(tmp_path: object) -> None:
-    from guestd.server.config import Config, ConfigError, load_config_file
+    from guestd.config import Config, ConfigError, load_config_file
 
     for text in ('listen = "vsock:1"', "nonsense = 1", "[limits]\nmax_frame = 'big'", "[code]\npool = true"):
         p = f"{tmp_path}/bad.toml"

@@ -254,7 +254,7 @@ def test_close_and_shutdown_leave_no_kernel(tmp_path: object) -> None:
         deadline = time.monotonic() + 60
         while c.call("code.list")["pool_ready"] < 1 and time.monotonic() < deadline:
             time.sleep(0.2)
-        kernels = [p.pid for p in psutil.Process(g.pid).children() if "guestd.kernel" in " ".join(p.cmdline())]
+        kernels = [p.pid for p in psutil.Process(g.pid).children() if "guestd.code.kernel" in " ".join(p.cmdline())]
     g.stop()  # SIGTERM: a clean shutdown
     assert wait_gone(pids + kernels) == []
 
@@ -366,7 +366,7 @@ def test_streaming_run_delivers_lone_surrogates_the_same_way(kg: Guestd) -> None
 
 
 def test_kernel_json_with_lone_surrogates_or_invalid_utf8_decodes_to_valid_text() -> None:
-    from guestd.contexts import _load_content
+    from guestd.code.contexts import _load_content
 
     # As guestd.kernel.pack_message writes them ('surrogatepass' bytes), and as \u escapes.
     assert _load_content('{"t": ["a\udcff"], "k\ud800": 1}'.encode("utf-8", "surrogatepass")) == {

@@ -145,7 +145,7 @@ def test_thousands_of_hellos_in_one_serial_write_do_not_recurse() -> None:
     deeper than Python's limit; now a loop."""
     import asyncio
 
-    from guestd.server.config import Config
+    from guestd.config import Config
     from guestd.server.connection import Connection
     from guestd.server.daemon import Daemon
     from guestd.wire.frames import FrameDecoder

@@ -90,6 +90,18 @@ class RequestContext:
         """False once the request's final frame went out (e.g. the core refused its input)."""
         return self.stream.open
 
+    @property
+    def connection(self) -> Connection:
+        return self.conn
+
+    @property
+    def write_paused(self) -> bool:
+        """The connection's unsent output is over its mark: producers should wait (drain)."""
+        return self.conn.write_paused
+
+    async def drain(self) -> None:
+        await self.conn.drain()
+
     # -- server -> client stream ------------------------------------------------------
     async def send_event(self, body: dict[str, Any]) -> None:
         """Send one small, non-data EVENT (it needs no credit)."""

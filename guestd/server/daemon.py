@@ -12,32 +12,17 @@ import time
 from typing import TYPE_CHECKING, Any
 
 from guestd import __version__
+from guestd.config import DEFAULT_VSOCK_PORT, Config, load_config_file, take_private_env
 from guestd.memtune import tune_malloc
-from guestd.server.config import DEFAULT_VSOCK_PORT, Config, load_config_file
 from guestd.server.connection import Connection
 from guestd.server.dispatch import Dispatcher
 from guestd.server.transports import Listener, listen, parse_listen
 from guestd.wire.errors import ErrorCode, GuestdError
 
 if TYPE_CHECKING:
-    from concurrent.futures import ThreadPoolExecutor
-
-    from guestd.contexts import Contexts
-    from guestd.processes import ProcessTable
-    from guestd.shells import Shells
+    pass
 
 log = logging.getLogger("guestd")
-
-# Variables the launcher set for guestd's own interpreter (e.g. LD_LIBRARY_PATH of a baked
-# image's private Python). They are taken out of the environment the workload inherits and
-# handed only to processes that run guestd's Python (kernels).
-PRIVATE_ENV: dict[str, str] = {}
-
-
-def take_private_env() -> None:
-    for name in os.environ.pop("GUESTD_PRIVATE_ENV", "").split(","):
-        if name and name in os.environ:
-            PRIVATE_ENV[name] = os.environ.pop(name)
 
 
 def read_boot_id() -> str:
@@ -49,42 +34,38 @@ def read_boot_id() -> str:
 
 
 class Daemon:
+    """Transports, connections, lifecycle; the capabilities get a narrow Services of it."""
+
     def __init__(self, config: Config) -> None:
         self.config = config
         self.started_mono = time.monotonic()
         self.boot_id = read_boot_id()
         self.connections: set[Connection] = set()
-        self._io: ThreadPoolExecutor | None = None  # made on first file op
         self.token: str | None = None
         self.dispatcher = Dispatcher()
         self.listeners: list[Listener] = []
         self._stopping: asyncio.Event | None = None
         self._sweeper: asyncio.Task[None] | None = None
 
-        self._contexts: Contexts | None = None
-        self._processes: ProcessTable | None = None
-        self._shells: Shells | None = None
-        from guestd.snapshot import SnapshotState
-
-        self.snapshot = SnapshotState(self)
         from guestd.children import Children
         from guestd.children.cgroups import WorkloadCgroup
+        from guestd.services import Services
 
         self.workload = WorkloadCgroup(config.workload)
         self.children = Children(self.workload, config.policy.workload_ids)
-        self._kernel_dir: str | None = None
+        self.services = Services(config, self.children, self.workload, self.dispatcher, self)
 
-        from guestd.ops import code, files, process, shell, system
-        from guestd.ops import exec as exec_ops
-        from guestd.ops import snapshot as snapshot_ops
+        from guestd.code import handlers as code_ops
+        from guestd.exec import handlers as exec_ops
+        from guestd.files import handlers as file_ops
+        from guestd.processes import handlers as process_ops
+        from guestd.shells import handlers as shell_ops
+        from guestd.snapshot import handlers as snapshot_ops
+        from guestd.system import handlers as system_ops
 
-        system.register(self)
-        exec_ops.register(self)
-        files.register(self)
-        process.register(self)
-        shell.register(self)
-        code.register(self)
-        snapshot_ops.register(self)
+        for capability in (system_ops, exec_ops, file_ops, process_ops, shell_ops, code_ops):
+            capability.register(self.services)
+        self.snapshot = snapshot_ops.register(self.services)
 
     # -- connections ------------------------------------------------------------------
     def connection_opened(self, conn: Connection) -> bool:
@@ -109,7 +90,10 @@ class Daemon:
     def connection_closed(self, conn: Connection) -> None:
         self.connections.discard(conn)
 
-    def drop_connections(self, keep: Connection | None) -> int:
+    def connection_count(self) -> int:
+        return len(self.connections)
+
+    def drop_connections(self, keep: Any) -> int:
         """Close every connection but ``keep`` (after a restore: they are from before the snapshot)."""
         dropped = 0
         for c in list(self.connections):
@@ -141,86 +125,6 @@ class Daemon:
             "session": conn.session_id,
         }
 
-    async def run_in_io(self, fn: Any, *args: Any) -> Any:
-        """Run blocking file-system work off the event loop, so a slow disk never stalls ping."""
-        if self._io is None:
-            from concurrent.futures import ThreadPoolExecutor
-
-            self._io = ThreadPoolExecutor(max_workers=self.config.io_threads, thread_name_prefix="guestd-io")
-        return await asyncio.get_running_loop().run_in_executor(self._io, fn, *args)
-
-    # -- background processes -----------------------------------------------------------
-    def has_processes(self) -> bool:
-        return self._processes is not None
-
-    def processes(self) -> ProcessTable:
-        if self._processes is None:
-            from guestd.processes import ProcessTable
-
-            self._processes = ProcessTable(self)
-        return self._processes
-
-    def has_shells(self) -> bool:
-        return self._shells is not None
-
-    def shells(self) -> Shells:
-        if self._shells is None:
-            from guestd.shells import Shells
-
-            self._shells = Shells(self)
-        return self._shells
-
-    # -- code contexts ------------------------------------------------------------------
-    def has_contexts(self) -> bool:
-        return self._contexts is not None
-
-    def contexts(self) -> Contexts:
-        """The code-context manager; created (and jupyter_client imported) on first use."""
-        if self._contexts is None:
-            from guestd.contexts import Contexts
-
-            self._contexts = Contexts(self)
-            self._contexts.ensure_pool()
-        return self._contexts
-
-    def runtime_dir(self) -> str:
-        if not self.config.runtime_dir:
-            base = "/run/guestd" if os.geteuid() == 0 and os.path.isdir("/run") else None
-            if base is None:
-                import tempfile
-
-                base = os.path.join(tempfile.gettempdir(), f"guestd-{os.geteuid()}")
-            self.config.runtime_dir = base
-        os.makedirs(self.config.runtime_dir, mode=0o700, exist_ok=True)
-        return self.config.runtime_dir
-
-    def kernel_dir(self) -> str:
-        """Private (0700) home of kernel connection files and ipc sockets."""
-        if self._kernel_dir is None:
-            d = os.path.join(self.runtime_dir(), "kernels")
-            os.makedirs(d, mode=0o700, exist_ok=True)
-            os.chmod(d, 0o700)
-            self._kernel_dir = d
-        return self._kernel_dir
-
-    async def acquire_in_io(self, fn: Any, release: Any, *args: Any) -> Any:
-        """Like run_in_io for calls that create a resource (an fd, a temp file).
-
-        Cancelling the awaiting task cannot stop the thread, so if we are cancelled
-        while it runs, ``release`` is applied to whatever it produces afterwards.
-        """
-        fut = asyncio.ensure_future(self.run_in_io(fn, *args))
-        try:
-            return await asyncio.shield(fut)
-        except asyncio.CancelledError:
-
-            def cleanup(done: asyncio.Future[Any]) -> None:
-                if not done.cancelled() and done.exception() is None:
-                    release(done.result())
-
-            fut.add_done_callback(cleanup)
-            raise
-
     # -- lifecycle --------------------------------------------------------------------
     async def serve(self, ready_fd: int | None = None) -> None:
         loop = asyncio.get_running_loop()
@@ -230,15 +134,9 @@ class Daemon:
             self.listeners.append(listener)
             log.info("listening on %s", listener.address)
         if os.geteuid() == 0:
-            self.workload.setup()
-        if os.listdir(self.kernel_dir()):  # a previous guestd may have crashed and left kernels
-            from guestd.contexts import reap_orphan_kernels
-
-            orphans = reap_orphan_kernels(self.kernel_dir())
-            if orphans:
-                log.warning("killed %d kernel(s) left by a previous guestd", orphans)
-        if self.config.code_prewarm and self.config.code_pool > 0:
-            self.contexts()
+            self.workload.setup()  # ends what a previous guestd's runs left
+        for start in self.services.on_start:
+            start()
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, self._stopping.set)
         loop.add_signal_handler(signal.SIGPIPE, lambda: None)
@@ -270,14 +168,9 @@ class Daemon:
         for c in list(self.connections):
             c.close()
         await self.children.shutdown()  # every run, and what finished runs left behind
-        if self._contexts is not None:
-            await self._contexts.shutdown()
-        if self._processes is not None:
-            await self._processes.shutdown()
-        if self._shells is not None:
-            await self._shells.shutdown()
-        if self._io is not None:
-            self._io.shutdown(wait=False, cancel_futures=True)
+        for stop in self.services.on_shutdown:
+            await stop()
+        self.services.close_io()
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -21,7 +21,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from guestd.server.config import DEFAULT_VSOCK_PORT
+from guestd.config import DEFAULT_VSOCK_PORT
 from guestd.server.connection import Connection
 
 if TYPE_CHECKING:

@@ -20,7 +20,7 @@ from typing import Any
 import atheris
 
 with atheris.instrument_imports():
-    from guestd.server.config import Config
+    from guestd.config import Config
     from guestd.server.connection import Connection
     from guestd.server.daemon import Daemon
     from guestd.wire.frames import FrameDecoder, Kind, OversizeFrame, encode_frame

@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
+import os
 from dataclasses import asdict, dataclass, field, fields
 from typing import Any
 
 from guestd.children.cgroups import WorkloadConfig
-from guestd.server.policy import Policy
+from guestd.policy import Policy
 from guestd.wire.frames import DEFAULT_MAX_FRAME
 
 DEFAULT_VSOCK_PORT = 10_700  # documented in PROTOCOL.md; any free port works
@@ -140,3 +141,15 @@ def load_config_file(path: str, cfg: Config) -> Config:
         else:
             raise ConfigError(f"unknown config key {key!r}")
     return cfg
+
+
+# Variables the launcher set for guestd's own interpreter (e.g. LD_LIBRARY_PATH of a baked
+# image's private Python). They are taken out of the environment the workload inherits and
+# handed only to processes that run guestd's Python (kernels).
+PRIVATE_ENV: dict[str, str] = {}
+
+
+def take_private_env() -> None:
+    for name in os.environ.pop("GUESTD_PRIVATE_ENV", "").split(","):
+        if name and name in os.environ:
+            PRIVATE_ENV[name] = os.environ.pop(name)

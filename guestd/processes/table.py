@@ -15,11 +15,12 @@ from typing import TYPE_CHECKING
 
 from guestd.capture import OutputRing
 from guestd.children import DEVNULL, PIPE, Child, ExitInfo, exit_info
+from guestd.children.options import build_env, check_cwd, command_argv
 from guestd.children.tree import read_chunk, set_winsize, write_all
 from guestd.wire.errors import ErrorCode, GuestdError, limit_error
 
 if TYPE_CHECKING:  # the generated message types: annotations only, never imported at run time
-    from guestd.server.daemon import Daemon
+    from guestd.services import Services
     from guestd.wire.types import ProcessInfoRecord, ProcessStartArgs
 
 __all__ = ["ExitInfo", "ManagedProcess", "ProcessTable"]
@@ -48,12 +49,10 @@ class ManagedProcess:
 
     # -- start ------------------------------------------------------------------------
     async def start(self, args: ProcessStartArgs) -> None:
-        from guestd.ops.exec import build_env, check_cwd, command_argv
-
         argv = command_argv(args["argv"], args["shell"])
         check_cwd(args["cwd"])
         env = build_env(args["env"], args["env_mode"])
-        children = self.table.daemon.children
+        children = self.table.services.children
         if args["pty"]:
             if env is None:
                 env = dict(os.environ)
@@ -221,8 +220,8 @@ class ManagedProcess:
 
 
 class ProcessTable:
-    def __init__(self, daemon: Daemon) -> None:
-        self.daemon = daemon
+    def __init__(self, services: Services) -> None:
+        self.services = services
         self.procs: dict[str, ManagedProcess] = {}
         self._sweeper: asyncio.Task[None] | None = None
 
@@ -233,7 +232,7 @@ class ProcessTable:
         return p
 
     async def start(self, args: ProcessStartArgs) -> ManagedProcess:
-        limits = self.daemon.config.limits
+        limits = self.services.config.limits
         self._expire()
         running = sum(1 for p in self.procs.values() if p.running)
         if running >= limits.max_processes:
@@ -273,7 +272,7 @@ class ProcessTable:
             self.forget(done[0].id)
 
     def _expire(self) -> None:
-        keep = self.daemon.config.process_retention_s
+        keep = self.services.config.process_retention_s
         now = time.time()
         for p in list(self.procs.values()):
             if not p.running and p.ended_at is not None and now - p.ended_at > keep:
@@ -281,7 +280,7 @@ class ProcessTable:
 
     async def _sweep(self) -> None:
         while self.procs:
-            await asyncio.sleep(min(60.0, max(1.0, self.daemon.config.process_retention_s / 4)))
+            await asyncio.sleep(min(60.0, max(1.0, self.services.config.process_retention_s / 4)))
             self._expire()
 
     async def shutdown(self) -> None:

@@ -27,23 +27,17 @@ import os
 import time
 from typing import TYPE_CHECKING, Any, cast
 
+from guestd.services import derive
 from guestd.wire.errors import ErrorCode, GuestdError
 
 if TYPE_CHECKING:  # the generated message types: annotations only, never imported at run time
-    from guestd.server.daemon import Daemon
+    from guestd.services import Services
     from guestd.wire.types import SnapshotPrepareReply, SnapshotRestoreArgs, SnapshotRestoreReply
 
 RNDADDENTROPY = 0x40085203
 RNDRESEEDCRNG = 0x5207
 RANDOM_SEED_FILES = ("/var/lib/systemd/random-seed", "/var/lib/urandom/random-seed", "/var/lib/random-seed")
 CLOCK_THRESHOLD_S = 0.2  # the host's clock arrives a request latency late; below this, leave the clock alone
-
-
-def derive(entropy: bytes, label: str, n: int = 32) -> bytes:
-    """Per-consumer seed material: different for every context/session, all from the host's entropy."""
-    import hashlib  # lazily, like everything here: idle guestd memory should not pay for OpenSSL
-
-    return hashlib.blake2b(entropy, digest_size=n, person=b"guestd-restore", salt=label.encode()[:16]).digest()
 
 
 class Privileged:
@@ -112,10 +106,14 @@ class Privileged:
         return removed
 
 
+# Ops that never wait behind a quiesce (health checks and the snapshot ops themselves).
+UNGATED_WHEN_QUIESCED = frozenset({"ping", "info", "snapshot.prepare", "snapshot.resume", "snapshot.restore"})
+
+
 class SnapshotState:
-    def __init__(self, daemon: Daemon) -> None:
-        self.daemon = daemon
-        self.priv = Privileged(daemon.config.simulate_privileged)
+    def __init__(self, services: Services) -> None:
+        self.services = services
+        self.priv = Privileged(services.config.simulate_privileged)
         self.generation = 0
         self.nonces: dict[str, SnapshotRestoreReply] = {}  # nonce -> the report it produced (replays return it)
         self.ready = asyncio.Event()  # cleared while quiesced or restoring: new work waits
@@ -125,9 +123,6 @@ class SnapshotState:
         self.sandbox_id: str | None = None
         self.suspected_restore = False
         self.restored_at: float | None = None
-        self.writes = 0  # file writes in flight
-        self._writes_idle = asyncio.Event()
-        self._writes_idle.set()
         self.lock = asyncio.Lock()
 
     def gate(self, op: str) -> asyncio.Event | None:
@@ -138,19 +133,7 @@ class SnapshotState:
             return None
         if self.lock.locked():
             return None if op == "snapshot.restore" else self.ready
-        from guestd.ops.snapshot import UNGATED_WHEN_QUIESCED
-
         return None if op in UNGATED_WHEN_QUIESCED else self.ready
-
-    # -- writes in flight (prepare waits for them) --------------------------------------
-    def write_started(self) -> None:
-        self.writes += 1
-        self._writes_idle.clear()
-
-    def write_finished(self) -> None:
-        self.writes -= 1
-        if self.writes == 0:
-            self._writes_idle.set()
 
     # -- prepare ------------------------------------------------------------------------
     async def prepare(self, quiesce: bool, timeout_s: float) -> SnapshotPrepareReply:
@@ -159,11 +142,11 @@ class SnapshotState:
             self.quiesced = True
             self.ready.clear()  # new work waits for restore (or resume); in-flight work finishes
         try:
-            await asyncio.wait_for(self._writes_idle.wait(), timeout_s)
+            await asyncio.wait_for(self.services.writes.idle.wait(), timeout_s)
             writes_done = True
         except TimeoutError:
             writes_done = False
-        await self.daemon.run_in_io(os.sync)
+        await self.services.run_in_io(os.sync)
         removed = self.priv.remove_seed_files()
         return {
             "writes_settled": writes_done,
@@ -179,11 +162,10 @@ class SnapshotState:
         self.ready.set()
 
     def running_work(self) -> dict[str, Any]:
-        d = self.daemon
-        procs = [p.id for p in d.processes().procs.values() if p.running] if d.has_processes() else []
-        busy = [c.id for c in d.contexts().contexts.values() if c.busy] if d.has_contexts() else []
-        shells = [s.id for s in d.shells().sessions.values() if s.lock.locked()] if d.has_shells() else []
-        return {"processes": procs, "busy_contexts": busy, "busy_shells": shells}
+        work: dict[str, Any] = {}
+        for report in self.services.busy:
+            work.update(report())
+        return work
 
     # -- restore ------------------------------------------------------------------------
     async def restore(self, args: SnapshotRestoreArgs, origin: Any) -> SnapshotRestoreReply:
@@ -240,10 +222,10 @@ class SnapshotState:
             os.environ.update({str(k): str(v) for k, v in ident["env"].items()})
             applied.append("env")
         if ident.get("token"):
-            self.daemon.token = str(ident["token"])
+            self.services.host.token = str(ident["token"])
             applied.append("token")
         done["identity"] = applied
-        done["connections_dropped"] = self.daemon.drop_connections(keep=origin)
+        done["connections_dropped"] = self.services.host.drop_connections(keep=origin)
         self.generation = gen
         self.restored_at = time.time()
         self.suspected_restore = False
@@ -256,37 +238,21 @@ class SnapshotState:
         return cast("SnapshotRestoreReply", done)
 
     async def _reseed_workloads(self, entropy: bytes) -> dict[str, Any]:
-        d = self.daemon
-        reseeded: list[str] = []
-        pending: list[str] = []
-        jobs = []
-        if d.has_contexts():
-            for c in d.contexts().contexts.values():
-                c.pending_seed = derive(entropy, "ctx:" + c.id)
-                if c.lock.locked():
-                    pending.append(c.id)  # re-seeded before its next cell
-                else:
-                    jobs.append(c.apply_pending_seed())
-                    reseeded.append(c.id)
-        shells_done: list[str] = []
-        shells_pending: list[str] = []
-        if d.has_shells():
-            for s in d.shells().sessions.values():
-                s.pending_seed = int.from_bytes(derive(entropy, "sh:" + s.id, 4), "big") & 0x7FFF_FFFF
-                if s.lock.locked():
-                    shells_pending.append(s.id)
-                else:
-                    jobs.append(s.apply_pending_seed())
-                    shells_done.append(s.id)
-        results = await asyncio.gather(*jobs, return_exceptions=True)
-        failed = [repr(r) for r in results if isinstance(r, BaseException)]
-        return {
-            "contexts_reseeded": reseeded,
-            "contexts_pending": pending,
-            "shells_reseeded": shells_done,
-            "shells_pending": shells_pending,
-            "reseed_errors": failed,
+        report: dict[str, Any] = {
+            "contexts_reseeded": [],
+            "contexts_pending": [],
+            "shells_reseeded": [],
+            "shells_pending": [],
+            "reseed_errors": [],
         }
+        results = await asyncio.gather(*(hook(entropy) for hook in self.services.on_restore), return_exceptions=True)
+        for r in results:
+            if isinstance(r, BaseException):
+                report["reseed_errors"].append(repr(r))
+                continue
+            for key, values in r.items():
+                report[key] = report.get(key, []) + list(values)
+        return report
 
     def check_host_time(self, host_time_ns: int | None) -> None:
         """Fallback when the host forgot `restore`: a handshake's clock far from ours means we were paused."""

@@ -22,8 +22,7 @@ from guestd.wire.errors import ErrorCode, GuestdError, too_large
 from guestd.wire.paths import path_to_wire
 
 if TYPE_CHECKING:  # the generated message types: annotations only, never imported at run time
-    from guestd.server.connection import RequestContext
-    from guestd.server.daemon import Daemon
+    from guestd.services import Request, Services
     from guestd.wire.types import (
         DirEntryRecord,
         DirEntryType,
@@ -480,63 +479,63 @@ def open_atomic(path: str, flag: str, perm: int | None, parents: bool, owner: Wo
     return AtomicFile(path, flag, perm, parents, owner(path))
 
 
-def register(daemon: Daemon) -> None:
-    limits = daemon.config.limits
-    policy = daemon.config.policy
+def register(services: Services) -> None:
+    limits = services.config.limits
+    policy = services.config.policy
 
     async def io(fn: Callable[..., T], *args: Any) -> T:
         """``fn(*args)`` in an I/O thread, OS failures mapped to typed errors."""
-        return cast(T, await daemon.run_in_io(_os_call, fn, *args))
+        return cast(T, await services.run_in_io(_os_call, fn, *args))
 
     try:
         ids = policy.workload_ids()
     except GuestdError:  # a missing workload user: exec and friends report it on use
         ids = None
-    owner = WorkspaceOwner(daemon.config.workspace or "", ids)
+    owner = WorkspaceOwner(services.config.workspace or "", ids)
 
-    async def op_read(ctx: RequestContext, a: FileReadArgs) -> FileReadReply:
+    async def op_read(ctx: Request, a: FileReadArgs) -> FileReadReply:
         return await io(read_range, a["path"], a["offset"], a["length"], limits.max_read)
 
-    async def op_write(ctx: RequestContext, a: FileWriteArgs) -> FileWriteReply:
+    async def op_write(ctx: Request, a: FileWriteArgs) -> FileWriteReply:
         policy.check_write(a["path"])
-        daemon.snapshot.write_started()  # snapshot.prepare waits for these
+        services.writes.started()  # snapshot.prepare waits for these
         try:
             return await io(
                 lambda: write_whole(a["path"], a["data"], a["flag"], a["perm"], a["parents"], owner(a["path"])),
             )
         finally:
-            daemon.snapshot.write_finished()
+            services.writes.finished()
 
-    async def op_stat(ctx: RequestContext, a: FileStatArgs) -> FileStatReply:
+    async def op_stat(ctx: Request, a: FileStatArgs) -> FileStatReply:
         return await io(stat_path, a["path"], a["follow"])
 
-    async def op_list(ctx: RequestContext, a: FileListArgs) -> FileListReply:
+    async def op_list(ctx: Request, a: FileListArgs) -> FileListReply:
         cap = a["max_entries"] if a["max_entries"] is not None else limits.max_list_entries
         return await io(list_dir, a["path"], cap)
 
-    async def op_mkdir(ctx: RequestContext, a: FileMkdirArgs) -> FileMkdirReply:
+    async def op_mkdir(ctx: Request, a: FileMkdirArgs) -> FileMkdirReply:
         policy.check_write(a["path"])
         return await io(lambda: make_dir(a["path"], a["parents"], a["perm"], owner(a["path"])))
 
-    async def op_remove(ctx: RequestContext, a: FileRemoveArgs) -> FileRemoveReply:
+    async def op_remove(ctx: Request, a: FileRemoveArgs) -> FileRemoveReply:
         policy.check_write(a["path"])
         return await io(remove_path, a["path"], a["recursive"])
 
-    async def op_rename(ctx: RequestContext, a: FileRenameArgs) -> FileRenameReply:
+    async def op_rename(ctx: Request, a: FileRenameArgs) -> FileRenameReply:
         policy.check_write(a["src"])
         policy.check_write(a["dst"])
         return await io(rename_path, a["src"], a["dst"], a["overwrite"])
 
-    async def op_upload(ctx: RequestContext, a: FileUploadArgs) -> FileUploadReply:
-        daemon.snapshot.write_started()
+    async def op_upload(ctx: Request, a: FileUploadArgs) -> FileUploadReply:
+        services.writes.started()
         try:
             return await _upload(ctx, a)
         finally:
-            daemon.snapshot.write_finished()
+            services.writes.finished()
 
-    async def _upload(ctx: RequestContext, a: FileUploadArgs) -> FileUploadReply:
+    async def _upload(ctx: Request, a: FileUploadArgs) -> FileUploadReply:
         policy.check_write(a["path"])
-        f: AtomicFile = await daemon.acquire_in_io(
+        f: AtomicFile = await services.acquire_in_io(
             _os_call, AtomicFile.abort, open_atomic, a["path"], a["flag"], a["perm"], a["parents"], owner
         )
         try:
@@ -569,9 +568,9 @@ def register(daemon: Daemon) -> None:
             f.abort()  # close + unlink of our own temp file: quick, and must happen even on cancel
             raise
 
-    async def op_download(ctx: RequestContext, a: FileDownloadArgs) -> FileDownloadReply:
+    async def op_download(ctx: Request, a: FileDownloadArgs) -> FileDownloadReply:
         chunk = a["chunk"] or limits.max_chunk
-        fd: int = await daemon.acquire_in_io(_os_call, os.close, _open_for_download, a["path"])
+        fd: int = await services.acquire_in_io(_os_call, os.close, _open_for_download, a["path"])
         try:
             size = os.fstat(fd).st_size
             end = size if a["length"] is None else min(size, a["offset"] + a["length"])
@@ -600,7 +599,7 @@ def register(daemon: Daemon) -> None:
         ("file.remove", op_remove),
         ("file.rename", op_rename),
     ):
-        daemon.dispatcher.add(name, fn, bulk_reply=name == "file.read")
+        services.ops.add(name, fn, bulk_reply=name == "file.read")
 
 
 def _open_for_download(path: str) -> int:

@@ -1,4 +1,4 @@
-"""Entry point of a code-context kernel process: ``python -m guestd.kernel -f CONNECTION_FILE``.
+"""Entry point of a code-context kernel process: ``python -m guestd.code.kernel -f CONNECTION_FILE``.
 
 Runs inside the kernel, before ipykernel starts:
 - asks the Linux kernel to SIGKILL this process when guestd (its parent) dies, so
@@ -26,7 +26,7 @@ def pack_message(obj: Any) -> bytes:
     Python str allows lone surrogates (``print('\\ud800')``, or a non-UTF-8 file name from
     os.fsdecode) and UTF-8 does not: the stock packer raises, and the stream text, the
     error or the display is never sent. Here they go out as 'surrogatepass' bytes, which
-    json.loads in guestd reads back; guestd then replaces them (guestd.contexts).
+    json.loads in guestd reads back; guestd then replaces them (guestd.code.contexts).
     """
     from jupyter_client.jsonutil import json_clean, json_default
 
@@ -47,7 +47,7 @@ def main() -> None:
         sys.exit(1)  # guestd died before the prctl took effect: nobody owns us
     from ipykernel import kernelapp
 
-    kernelapp.launch_new_instance(argv=[*sys.argv[1:], "--Session.packer=guestd.kernel.pack_message"])
+    kernelapp.launch_new_instance(argv=[*sys.argv[1:], "--Session.packer=guestd.code.kernel.pack_message"])
 
 
 if __name__ == "__main__":

@@ -38,12 +38,14 @@ from typing import TYPE_CHECKING, Any, Literal
 
 from guestd.capture import OutputCapture, capture_fields
 from guestd.children import PIPE, Child
+from guestd.children.options import check_cwd
 from guestd.children.tree import descendants, read_chunk, signal_each, signal_group, write_all
+from guestd.services import derive
 from guestd.wire.errors import ErrorCode, GuestdError, limit_error
 from guestd.wire.paths import path_to_wire
 
 if TYPE_CHECKING:  # the generated message types: annotations only, never imported at run time
-    from guestd.server.daemon import Daemon
+    from guestd.services import Services
     from guestd.wire.types import ShellInfoRecord, ShellRunArgs, ShellRunReply, ShellRunTimedOut
 
 CTL_FD = 63
@@ -158,18 +160,16 @@ class Session:
 
     # -- process -----------------------------------------------------------------------
     async def start(self, replay_exports: bool = False) -> None:
-        from guestd.ops.exec import check_cwd
-
-        daemon = self.table.daemon
+        services = self.table.services
         check_cwd(self.cwd)
         env = dict(os.environ)
         env.update(self.env or {})
         env.pop("BASH_ENV", None)
         env.pop("ENV", None)
-        lib = library_dir(daemon.runtime_dir())
+        lib = library_dir(services.runtime_dir())
         r, w = os.pipe2(os.O_CLOEXEC)
         try:
-            child = await daemon.children.spawn(
+            child = await services.children.spawn(
                 ["/bin/bash", "--noprofile", "--norc", "-s"],
                 kind="shell",
                 env=env,
@@ -378,12 +378,12 @@ class Session:
         infile = None
         if a["input"] is not None:
             # 0711 directory: the workload user can open its own (unguessable) file, not list others.
-            indir = os.path.join(self.table.daemon.runtime_dir(), "shell-input")
+            indir = os.path.join(self.table.services.runtime_dir(), "shell-input")
             os.makedirs(indir, mode=0o711, exist_ok=True)
-            os.chmod(self.table.daemon.runtime_dir(), 0o711)
+            os.chmod(self.table.services.runtime_dir(), 0o711)
             infile = os.path.join(indir, f"in-{os.urandom(12).hex()}")
             fd = os.open(infile, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-            ids = self.table.daemon.config.policy.workload_ids()
+            ids = self.table.services.config.policy.workload_ids()
             if ids is not None:
                 os.fchown(fd, *ids)  # bash runs as the workload user and must be able to read it
             with os.fdopen(fd, "wb") as f:
@@ -520,8 +520,8 @@ def _consume(task: asyncio.Future[Any]) -> None:
 
 
 class Shells:
-    def __init__(self, daemon: Daemon) -> None:
-        self.daemon = daemon
+    def __init__(self, services: Services) -> None:
+        self.services = services
         self.sessions: dict[str, Session] = {}
 
     def get(self, ref: str) -> Session:
@@ -542,7 +542,7 @@ class Shells:
                         f"a shell session named {name!r} exists: {other.id}",
                         details={"session": other.id, "field": "name"},
                     )
-        limits = self.daemon.config.limits
+        limits = self.services.config.limits
         if len(self.sessions) >= limits.max_shells:
             raise limit_error("max_shells", limits.max_shells, f"at most {limits.max_shells} shell sessions")
         s = Session(self, "s" + os.urandom(6).hex(), name, cwd, env)
@@ -563,3 +563,25 @@ class Shells:
     async def shutdown(self) -> None:
         await asyncio.gather(*(s.kill() for s in self.sessions.values()), return_exceptions=True)
         self.sessions.clear()
+
+    def busy(self) -> dict[str, list[str]]:
+        return {"busy_shells": [s.id for s in self.sessions.values() if s.lock.locked()]}
+
+    async def reseed(self, entropy: bytes) -> dict[str, list[str]]:
+        """After a restore: a new $RANDOM seed in every session (busy ones before their next command)."""
+        done: list[str] = []
+        pending: list[str] = []
+        jobs = []
+        for s in self.sessions.values():
+            s.pending_seed = int.from_bytes(derive(entropy, "sh:" + s.id, 4), "big") & 0x7FFF_FFFF
+            if s.lock.locked():
+                pending.append(s.id)
+            else:
+                jobs.append(s.apply_pending_seed())
+                done.append(s.id)
+        results = await asyncio.gather(*jobs, return_exceptions=True)
+        return {
+            "shells_reseeded": done,
+            "shells_pending": pending,
+            "reseed_errors": [repr(r) for r in results if isinstance(r, BaseException)],
+        }

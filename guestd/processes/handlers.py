@@ -6,13 +6,12 @@ import asyncio
 import time
 from typing import TYPE_CHECKING
 
-from guestd.ops.exec import parse_signal
+from guestd.children.options import parse_signal
 from guestd.wire.errors import ErrorCode, GuestdError
 
 if TYPE_CHECKING:  # the generated message types: annotations only, never imported at run time
-    from guestd.processes import ManagedProcess, ProcessTable
-    from guestd.server.connection import RequestContext
-    from guestd.server.daemon import Daemon
+    from guestd.processes.table import ManagedProcess, ProcessTable
+    from guestd.services import Request, Services
     from guestd.wire.types import (
         ProcessAttachArgs,
         ProcessAttachReply,
@@ -37,18 +36,33 @@ if TYPE_CHECKING:  # the generated message types: annotations only, never import
 EXIT_SETTLE_S = 0.5  # after exit, how long attach keeps reading output of leftover children
 
 
-def register(daemon: Daemon) -> None:
-    limits = daemon.config.limits
+def register(services: Services) -> None:
+    limits = services.config.limits
+    tables: list[ProcessTable] = []  # made on first use
 
     def table() -> ProcessTable:
-        return daemon.processes()
+        if not tables:
+            from guestd.processes.table import ProcessTable
 
-    async def op_start(ctx: RequestContext, a: ProcessStartArgs) -> ProcessStartReply:
+            tables.append(ProcessTable(services))
+        return tables[0]
+
+    def busy() -> dict[str, list[str]]:
+        return {"processes": [p.id for p in tables[0].procs.values() if p.running] if tables else []}
+
+    async def shutdown() -> None:
+        if tables:
+            await tables[0].shutdown()
+
+    services.busy.append(busy)
+    services.on_shutdown.append(shutdown)
+
+    async def op_start(ctx: Request, a: ProcessStartArgs) -> ProcessStartReply:
         p = await table().start(a)
         return {"id": p.id, "pid": p.pid}
 
-    async def op_list(ctx: RequestContext, a: ProcessListArgs) -> ProcessListReply:
-        if not daemon.has_processes():
+    async def op_list(ctx: Request, a: ProcessListArgs) -> ProcessListReply:
+        if not tables:
             return {"processes": []}
         return {"processes": [p.describe() for p in table().procs.values()]}
 
@@ -60,7 +74,7 @@ def register(daemon: Daemon) -> None:
             "stderr_offset": offs["stderr"],
         }
 
-    async def op_attach(ctx: RequestContext, a: ProcessAttachArgs) -> ProcessAttachReply:
+    async def op_attach(ctx: Request, a: ProcessAttachArgs) -> ProcessAttachReply:
         p = table().get(a["id"])
         chunk = a["chunk"] or limits.max_chunk
         offs = {"stdout": a["stdout_from"], "stderr": a["stderr_from"]}
@@ -89,7 +103,7 @@ def register(daemon: Daemon) -> None:
                     return final(p, offs)
             await p.changed(timeout=0.1 if not p.running else EXIT_SETTLE_S)
 
-    async def op_wait(ctx: RequestContext, a: ProcessWaitArgs) -> ProcessWaitReply:
+    async def op_wait(ctx: Request, a: ProcessWaitArgs) -> ProcessWaitReply:
         p = table().get(a["id"])
         loop = asyncio.get_running_loop()
         deadline = None if a["timeout_s"] is None else loop.time() + a["timeout_s"]
@@ -100,25 +114,25 @@ def register(daemon: Daemon) -> None:
             await p.changed(timeout=left)
         return {"state": "exited", **p.exit_info(), "timed_out": False}
 
-    async def op_signal(ctx: RequestContext, a: ProcessSignalArgs) -> ProcessSignalReply:
+    async def op_signal(ctx: Request, a: ProcessSignalArgs) -> ProcessSignalReply:
         sig = parse_signal(a["signal"])
         if sig is None:
             raise GuestdError(ErrorCode.BAD_REQUEST, f"unknown signal {a['signal']!r}", details={"field": "signal"})
         table().get(a["id"]).send_signal(sig)
         return {}
 
-    async def op_write(ctx: RequestContext, a: ProcessWriteArgs) -> ProcessWriteReply:
+    async def op_write(ctx: Request, a: ProcessWriteArgs) -> ProcessWriteReply:
         return {"written": await table().get(a["id"]).write_stdin(a["data"])}
 
-    async def op_close_stdin(ctx: RequestContext, a: ProcessCloseStdinArgs) -> ProcessCloseStdinReply:
+    async def op_close_stdin(ctx: Request, a: ProcessCloseStdinArgs) -> ProcessCloseStdinReply:
         table().get(a["id"]).close_stdin()
         return {}
 
-    async def op_resize(ctx: RequestContext, a: ProcessResizeArgs) -> ProcessResizeReply:
+    async def op_resize(ctx: Request, a: ProcessResizeArgs) -> ProcessResizeReply:
         table().get(a["id"]).resize(a["rows"], a["cols"])
         return {}
 
-    async def op_forget(ctx: RequestContext, a: ProcessForgetArgs) -> ProcessForgetReply:
+    async def op_forget(ctx: Request, a: ProcessForgetArgs) -> ProcessForgetReply:
         table().forget(a["id"])
         return {}
 
@@ -133,4 +147,4 @@ def register(daemon: Daemon) -> None:
         ("process.resize", op_resize),
         ("process.forget", op_forget),
     ):
-        daemon.dispatcher.add(name, fn)
+        services.ops.add(name, fn)

@@ -1,4 +1,4 @@
-"""system capability: ping and info."""
+"""system handlers: ping and info."""
 
 from __future__ import annotations
 
@@ -11,10 +11,10 @@ from guestd import __version__
 from guestd.wire.schema import PROTOCOL_VERSION
 
 if TYPE_CHECKING:
-    from guestd.server.daemon import Daemon
+    from guestd.services import Services
 
 
-def register(daemon: Daemon) -> None:
+def register(services: Services) -> None:
     def ping(args: dict[str, Any]) -> dict[str, Any]:
         return {"t_ns": time.monotonic_ns()}
 
@@ -27,27 +27,29 @@ def register(daemon: Daemon) -> None:
             disk = {"total": du.total, "used": du.used, "free": du.free}
         except OSError:
             disk = {}
-        return {
+        reply: dict[str, Any] = {
             "version": __version__,
             "protocol_version": PROTOCOL_VERSION,
-            "capabilities": daemon.dispatcher.capabilities(),
-            "ops": daemon.dispatcher.ops(),
-            "limits": daemon.config.limits.as_dict(),
-            "boot_id": daemon.boot_id,
+            "capabilities": services.ops.capabilities(),
+            "ops": services.ops.ops(),
+            "limits": services.config.limits.as_dict(),
+            "boot_id": services.host.boot_id,
             "pid": os.getpid(),
-            "uptime_s": time.monotonic() - daemon.started_mono,
+            "uptime_s": time.monotonic() - services.host.started_mono,
             "host_uptime_s": time.time() - psutil.boot_time(),
             "load": list(os.getloadavg()),
             "memory": {"total": vm.total, "available": vm.available, "used": vm.used},
             "disk": disk,
             "cpu_count": os.cpu_count() or 1,
-            "connections": len(daemon.connections),
+            "connections": services.host.connection_count(),
             "hostname": socket.gethostname(),
-            "snapshot": daemon.snapshot.describe(),
-            "workload_cgroup": daemon.workload.status,
-            "spawn": daemon.children.spawn_method,
-            "runs_ended_at_start": daemon.workload.ended_at_start,
+            "workload_cgroup": services.workload.status,
+            "spawn": services.children.spawn_method,
+            "runs_ended_at_start": services.workload.ended_at_start,
         }
+        for contribute in services.info:  # what other capabilities report (snapshot state)
+            reply.update(contribute())
+        return reply
 
-    daemon.dispatcher.add("ping", inline=ping)
-    daemon.dispatcher.add("info", inline=info)
+    services.ops.add("ping", inline=ping)
+    services.ops.add("info", inline=info)

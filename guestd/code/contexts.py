@@ -28,11 +28,12 @@ from typing import TYPE_CHECKING, Any
 import msgpack
 
 from guestd.capture import OutputCapture, capture_fields
+from guestd.services import derive
 from guestd.wire.errors import ErrorCode, GuestdError, limit_error
 
 if TYPE_CHECKING:  # the generated message types: annotations only, never imported at run time
     from guestd.children import Child
-    from guestd.server.daemon import Daemon
+    from guestd.services import Services
     from guestd.wire.types import (
         CodeErrorRecord,
         CodeOutputKind,
@@ -73,8 +74,8 @@ def _exit_reason(status: int | None) -> str:
 class Kernel:
     """One kernel process and its client channels."""
 
-    def __init__(self, daemon: Daemon, kid: str) -> None:
-        self.daemon = daemon
+    def __init__(self, services: Services, kid: str) -> None:
+        self.services = services
         self.kid = kid
         self.km: Any = None
         self.kc: Any = None
@@ -87,7 +88,7 @@ class Kernel:
     async def start(self, cwd: str | None, env: dict[str, str] | None) -> None:
         from jupyter_client.manager import AsyncKernelManager
 
-        kdir = self.daemon.kernel_dir()
+        kdir = self.services.kernel_dir()
         # jupyter_client writes the connection file, makes the client and cleans up; the process
         # itself is a run of guestd.children (its own cgroup, the workload user), like any other.
         km = AsyncKernelManager(kernel_name="guestd-python")
@@ -97,18 +98,18 @@ class Kernel:
         kenv = dict(os.environ)
         kenv.update(env or {})
         kenv["GUESTD_PARENT_PID"] = str(os.getpid())
-        from guestd.server.daemon import PRIVATE_ENV
+        from guestd.config import PRIVATE_ENV
 
         kenv.update(PRIVATE_ENV)  # the kernel runs guestd's own Python
         kenv.setdefault("PYTHONUNBUFFERED", "1")
         kenv["MPLBACKEND"] = kenv.get("MPLBACKEND", "module://matplotlib_inline.backend_inline")
         self.km = km
-        ids = self.daemon.config.policy.workload_ids()
+        ids = self.services.config.policy.workload_ids()
         if ids is not None:
             # The kernel runs as the workload user: it must read its connection file and bind its
             # ipc sockets, so its files live in a directory of its own, owned by that user.
             # Parents must be traversable (not listable) by that user: 0711.
-            os.chmod(self.daemon.runtime_dir(), 0o711)
+            os.chmod(self.services.runtime_dir(), 0o711)
             os.chmod(kdir, 0o711)
             kdir = os.path.join(kdir, f"u{ids[0]}")
             os.makedirs(kdir, mode=0o700, exist_ok=True)
@@ -122,8 +123,8 @@ class Kernel:
             os.chown(km.connection_file, *ids)
         from guestd.children import DEVNULL
 
-        self.child = await self.daemon.children.spawn(
-            [sys.executable, "-m", "guestd.kernel", "-f", km.connection_file],
+        self.child = await self.services.children.spawn(
+            [sys.executable, "-m", "guestd.code.kernel", "-f", km.connection_file],
             kind="kernel",
             env=kenv,
             cwd=cwd or os.getcwd(),
@@ -180,7 +181,7 @@ class Kernel:
                 log.exception("kernel %s: handling a %s message failed", self.kid, channel)
 
     def _pidfile(self) -> str:
-        return os.path.join(self.daemon.kernel_dir(), f"{self.kid}.pid")
+        return os.path.join(self.services.kernel_dir(), f"{self.kid}.pid")
 
     def _write_pidfile(self) -> None:
         try:
@@ -364,7 +365,7 @@ def _decode(session: Any, frames: list[bytes]) -> dict[str, Any]:
 
 def _load_content(raw: bytes) -> Any:
     try:
-        # Our kernels write lone surrogates as 'surrogatepass' bytes (guestd.kernel.pack_message).
+        # Our kernels write lone surrogates as 'surrogatepass' bytes (guestd.code.kernel.pack_message).
         text = raw.decode("utf-8", "surrogatepass")
     except UnicodeDecodeError:
         text = raw.decode("utf-8", "replace")  # any other invalid UTF-8: U+FFFD, not a dropped message
@@ -528,7 +529,7 @@ class CodeContext:
 
     # -- running ----------------------------------------------------------------------
     async def run(self, code: str, opts: CodeRunArgs, ctx: Any) -> CodeRunReply:
-        limits = self.manager.daemon.config.limits
+        limits = self.manager.services.config.limits
         if self.waiting >= limits.max_code_queue:
             raise limit_error("max_code_queue", limits.max_code_queue, f"context {self.id} has too many queued runs")
         self.waiting += 1
@@ -606,7 +607,7 @@ class CodeContext:
             opts["strip_ansi"],
             ctx if opts["stream"] else None,
             list(lines) if lines is not None else None,
-            self.manager.daemon.config.limits,
+            self.manager.services.config.limits,
         )
         st.msg_id = kernel.kc.execute(
             code, silent=silent, store_history=not silent, allow_stdin=lines is not None, stop_on_error=True
@@ -721,7 +722,7 @@ class CodeContext:
                     )
                 self.execution_count = 0
             return True
-        k = Kernel(self.manager.daemon, self.manager.new_kernel_id())
+        k = Kernel(self.manager.services, self.manager.new_kernel_id())
         self.kernel = k
         try:
             await k.start(self.cwd, self.env)
@@ -764,8 +765,8 @@ _SETUP_OPTS: CodeRunArgs = {
 class Contexts:
     """All code contexts of the daemon, plus the warm kernel pool."""
 
-    def __init__(self, daemon: Daemon) -> None:
-        self.daemon = daemon
+    def __init__(self, services: Services) -> None:
+        self.services = services
         self.contexts: dict[str, CodeContext] = {}
         self.pool: list[Kernel] = []
         self._refill: asyncio.Task[None] | None = None
@@ -792,7 +793,7 @@ class Contexts:
             for ctx in self.contexts.values():
                 if ctx.name == name:
                     return ctx, False, True
-        limits = self.daemon.config.limits
+        limits = self.services.config.limits
         if len(self.contexts) >= limits.max_contexts:
             raise limit_error("max_contexts", limits.max_contexts, f"at most {limits.max_contexts} code contexts")
         if cwd is not None and not os.path.isdir(cwd):
@@ -834,15 +835,15 @@ class Contexts:
         return None
 
     def ensure_pool(self) -> None:
-        if self.daemon.config.code_pool <= 0:
+        if self.services.config.code_pool <= 0:
             return
         if self._refill is None or self._refill.done():
             self._refill = asyncio.get_running_loop().create_task(self._refill_pool())
 
     async def _refill_pool(self) -> None:
         # One kernel at a time: a start costs ~1 s of CPU, and the workload comes first.
-        while len(self.pool) < self.daemon.config.code_pool:
-            k = Kernel(self.daemon, self.new_kernel_id())
+        while len(self.pool) < self.services.config.code_pool:
+            k = Kernel(self.services, self.new_kernel_id())
             try:
                 await k.start(None, None)
             except asyncio.CancelledError:
@@ -854,6 +855,28 @@ class Contexts:
                 await asyncio.sleep(5)
                 continue
             self.pool.append(k)
+
+    def busy(self) -> dict[str, list[str]]:
+        return {"busy_contexts": [c.id for c in self.contexts.values() if c.busy]}
+
+    async def reseed(self, entropy: bytes) -> dict[str, list[str]]:
+        """After a restore: fresh random state in every kernel (busy ones before their next cell)."""
+        done: list[str] = []
+        pending: list[str] = []
+        jobs = []
+        for c in self.contexts.values():
+            c.pending_seed = derive(entropy, "ctx:" + c.id)
+            if c.lock.locked():
+                pending.append(c.id)
+            else:
+                jobs.append(c.apply_pending_seed())
+                done.append(c.id)
+        results = await asyncio.gather(*jobs, return_exceptions=True)
+        return {
+            "contexts_reseeded": done,
+            "contexts_pending": pending,
+            "reseed_errors": [repr(r) for r in results if isinstance(r, BaseException)],
+        }
 
     async def shutdown(self) -> None:
         if self._refill is not None:
@@ -909,7 +932,7 @@ def reap_orphan_kernels(kernel_dir: str) -> int:
                 import psutil
 
                 p = psutil.Process(pid)
-                if abs(p.create_time() - ctime) < 0.01 and "guestd.kernel" in " ".join(p.cmdline()):
+                if abs(p.create_time() - ctime) < 0.01 and "guestd.code.kernel" in " ".join(p.cmdline()):
                     try:
                         os.killpg(pid, signal.SIGKILL)
                     except OSError:

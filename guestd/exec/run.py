@@ -1,4 +1,4 @@
-"""exec capability: run a process to completion with bounded capture and real timeouts.
+"""One exec run: pipes, exit, timeouts, streaming credit, stdin.
 
 The process is a run of ``guestd.children`` (its own leaf cgroup, the workload user, clone3
 like vfork, in a spawn thread) instead of the loop's subprocess machinery, whose fork-based
@@ -9,82 +9,27 @@ exit is observed through a pidfd, so no SIGCHLD handler or child watcher thread 
 from __future__ import annotations
 
 import asyncio
-import errno
 import os
-import signal
 import time
 from typing import TYPE_CHECKING, Any
 
 from guestd.capture import OutputCapture, capture_fields
-from guestd.children import DEVNULL, PIPE, Child
+from guestd.children import Child
+from guestd.children.options import parse_signal
 from guestd.children.tree import read_chunk, write_all
-from guestd.wire.errors import ErrorCode, GuestdError
 
 if TYPE_CHECKING:  # the generated message types: annotations only, never imported at run time
-    from guestd.server.connection import RequestContext
-    from guestd.server.daemon import Daemon
+    from guestd.services import Request
     from guestd.wire.types import ExecArgs, ExecReply, ExecTimedOut
 
 READ_SIZE = 256 * 1024
 _STREAM_FIELDS = {1: {"ev": "stdout"}, 2: {"ev": "stderr"}}
 
 
-def parse_signal(value: Any) -> int | None:
-    if isinstance(value, int) and not isinstance(value, bool):
-        return value if 0 < value < signal.NSIG else None
-    if not isinstance(value, str):
-        return None
-    name = value.upper()
-    if name.isdigit():
-        return parse_signal(int(name))
-    if not name.startswith("SIG"):
-        name = "SIG" + name
-    sig = getattr(signal, name, None)
-    return int(sig) if isinstance(sig, signal.Signals) else None
-
-
-def build_env(env: dict[str, str] | None, mode: str) -> dict[str, str] | None:
-    """None means "inherit guestd's environment" (cheapest: Popen encodes nothing)."""
-    if mode == "replace":
-        return dict(env or {})
-    if not env:
-        return None
-    merged = dict(os.environ)
-    merged.update(env)
-    return merged
-
-
-def check_cwd(cwd: str | None) -> None:
-    """A missing or non-directory cwd is a could-not-start error with stage "cwd"."""
-    if cwd is None:
-        return
-    try:
-        st = os.stat(cwd)
-    except OSError as exc:
-        raise GuestdError.from_os_error(exc, stage="cwd", cwd=cwd) from None
-    except ValueError as exc:
-        raise GuestdError(ErrorCode.BAD_REQUEST, f"bad cwd: {exc}", details={"stage": "cwd"}) from None
-    if not os.path.isdir(cwd) or not st:
-        raise GuestdError(
-            ErrorCode.NOT_A_DIRECTORY,
-            f"cwd is not a directory: {cwd}",
-            errno=errno.ENOTDIR,
-            details={"stage": "cwd", "cwd": cwd},
-        )
-
-
-def command_argv(argv: list[str] | None, shell: str | None) -> list[str]:
-    """The argv to run: ``argv``, or ``shell`` under /bin/sh -c (the schema admits exactly one)."""
-    if argv is not None:
-        return argv
-    assert shell is not None
-    return ["/bin/sh", "-c", shell]
-
-
 class ExecRun:
     """One running exec: pipes, exit, timeouts, streaming credit."""
 
-    def __init__(self, ctx: RequestContext, args: ExecArgs, child: Child, t0: float) -> None:
+    def __init__(self, ctx: Request, args: ExecArgs, child: Child, t0: float) -> None:
         self.ctx = ctx
         self.args = args
         self.child = child
@@ -152,7 +97,7 @@ class ExecRun:
             return
         self.caps[which].total += len(data)  # streamed, not kept: only counted
         self.ctx.push_data(_STREAM_FIELDS[which], data)
-        if self.ctx.data_room(_STREAM_FIELDS[which]) <= 0 or self.ctx.conn.write_paused:
+        if self.ctx.data_room(_STREAM_FIELDS[which]) <= 0 or self.ctx.write_paused:
             self._wait_for_client()
 
     def _wait_for_client(self) -> None:
@@ -164,7 +109,7 @@ class ExecRun:
 
     async def _resume_when_ready(self) -> None:
         await self.ctx.wait_credit()
-        await self.ctx.conn.drain()
+        await self.ctx.drain()
         self._resume_reading()
 
     def _close_pipe(self, which: int) -> None:
@@ -265,7 +210,7 @@ class ExecRun:
         self.child.release()
 
 
-async def _feed_stdin(run: ExecRun, data: bytes | None) -> None:
+async def feed_stdin(run: ExecRun, data: bytes | None) -> None:
     """Write fixed stdin bytes, or relay INPUT frames; always close stdin at the end."""
     ctx, loop = run.ctx, run.loop
     fd = run.child.stdin
@@ -289,49 +234,7 @@ async def _feed_stdin(run: ExecRun, data: bytes | None) -> None:
         run.child.close_fd("stdin")
 
 
-def _apply_signal(run: ExecRun, value: Any) -> None:
+def apply_signal(run: ExecRun, value: Any) -> None:
     sig = parse_signal(value)
     if sig is not None:
         run.signal(sig)
-
-
-def register(daemon: Daemon) -> None:
-    async def op_exec(ctx: RequestContext, args: ExecArgs) -> ExecReply:
-        stdin_pipe = args["stdin"] is not None or args["stdin_stream"]
-        t0 = time.monotonic()
-        check_cwd(args["cwd"])
-        child = await daemon.children.spawn(
-            command_argv(args["argv"], args["shell"]),
-            kind="exec",
-            env=build_env(args["env"], args["env_mode"]),
-            cwd=args["cwd"],
-            stdin=PIPE if stdin_pipe else DEVNULL,
-        )
-        run = ExecRun(ctx, args, child, t0)
-        helpers: list[asyncio.Task[None]] = []
-        try:
-            run.start()
-            if run.stream:
-                ctx.post_event({"ev": "started", "pid": run.pid})
-            # Signals apply at once in every stdin mode, also after eof and behind unread stdin.
-            ctx.handle_signals(lambda value: _apply_signal(run, value))
-            if args["stdin_stream"]:
-                helpers.append(run.loop.create_task(_feed_stdin(run, None)))
-            else:
-                ctx.stop_taking_data()  # INPUT data and eof mean nothing without stdin_stream
-                if args["stdin"] is not None:
-                    helpers.append(run.loop.create_task(_feed_stdin(run, args["stdin"])))
-            return await run.wait()
-        except asyncio.CancelledError:
-            # Cancelled request or dropped connection: the work must really stop, including what
-            # the command left running after its main process exited (held pipes, setsid).
-            run.kill()
-            if run.kill_task is not None:
-                await asyncio.shield(run.kill_task)
-            raise
-        finally:
-            for t in helpers:
-                t.cancel()
-            run.close()
-
-    daemon.dispatcher.add("exec", op_exec)

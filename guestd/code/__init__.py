@@ -1,0 +1,1 @@
+"""code capability: persistent Python contexts (engine: contexts.py; kernel entry: kernel.py)."""

@@ -1,0 +1,1 @@
+"""exec capability: a command run to completion (engine: run.py; handler: handlers.py)."""

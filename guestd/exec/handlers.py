@@ -1,0 +1,57 @@
+"""exec handler: run a process to completion with bounded capture and real timeouts (see run.py)."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from typing import TYPE_CHECKING
+
+from guestd.children import DEVNULL, PIPE
+from guestd.children.options import build_env, check_cwd, command_argv
+from guestd.exec.run import ExecRun, apply_signal, feed_stdin
+
+if TYPE_CHECKING:  # the generated message types: annotations only, never imported at run time
+    from guestd.services import Request, Services
+    from guestd.wire.types import ExecArgs, ExecReply
+
+
+def register(services: Services) -> None:
+    async def op_exec(ctx: Request, args: ExecArgs) -> ExecReply:
+        stdin_pipe = args["stdin"] is not None or args["stdin_stream"]
+        t0 = time.monotonic()
+        check_cwd(args["cwd"])
+        child = await services.children.spawn(
+            command_argv(args["argv"], args["shell"]),
+            kind="exec",
+            env=build_env(args["env"], args["env_mode"]),
+            cwd=args["cwd"],
+            stdin=PIPE if stdin_pipe else DEVNULL,
+        )
+        run = ExecRun(ctx, args, child, t0)
+        helpers: list[asyncio.Task[None]] = []
+        try:
+            run.start()
+            if run.stream:
+                ctx.post_event({"ev": "started", "pid": run.pid})
+            # Signals apply at once in every stdin mode, also after eof and behind unread stdin.
+            ctx.handle_signals(lambda value: apply_signal(run, value))
+            if args["stdin_stream"]:
+                helpers.append(run.loop.create_task(feed_stdin(run, None)))
+            else:
+                ctx.stop_taking_data()  # INPUT data and eof mean nothing without stdin_stream
+                if args["stdin"] is not None:
+                    helpers.append(run.loop.create_task(feed_stdin(run, args["stdin"])))
+            return await run.wait()
+        except asyncio.CancelledError:
+            # Cancelled request or dropped connection: the work must really stop, including what
+            # the command left running after its main process exited (held pipes, setsid).
+            run.kill()
+            if run.kill_task is not None:
+                await asyncio.shield(run.kill_task)
+            raise
+        finally:
+            for t in helpers:
+                t.cancel()
+            run.close()
+
+    services.ops.add("exec", op_exec)

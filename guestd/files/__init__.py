@@ -1,0 +1,1 @@
+"""files capability: read, write, upload, download, stat, list, mkdir, remove, rename (handlers.py)."""

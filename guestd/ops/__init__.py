@@ -1,1 +1,0 @@
-"""Capabilities: one module per capability, each registering its ops with the dispatcher."""

@@ -1,0 +1,1 @@
+"""process capability: background processes, attach/reattach by offset, PTYs (engine: table.py)."""

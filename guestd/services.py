@@ -1,0 +1,191 @@
+"""What a capability package may use: the narrow services object, and the shape of a request.
+
+Each capability (``guestd.exec``, ``files``, ``processes``, ``shells``, ``code``, ``snapshot``,
+``system``) keeps its engine and its handlers together and gets one ``Services`` in its
+``register(services)``. It imports nothing above itself: not the daemon, not the server, not
+another capability. What capabilities need of each other goes through hooks registered here
+(a restore re-seeds shells and kernels; a snapshot lists busy work; shutdown ends managers).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+from collections.abc import Awaitable, Callable, Mapping
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Protocol
+
+if TYPE_CHECKING:
+    from concurrent.futures import ThreadPoolExecutor
+
+    from guestd.children import Children
+    from guestd.children.cgroups import WorkloadCgroup
+    from guestd.config import Config
+
+
+class Request(Protocol):
+    """One request in flight, as a handler sees it (guestd.server.connection implements it)."""
+
+    @property
+    def active(self) -> bool: ...
+
+    @property
+    def input(self) -> asyncio.Queue[dict[str, Any]]: ...
+
+    @property
+    def write_paused(self) -> bool: ...
+
+    async def drain(self) -> None: ...
+
+    async def send_event(self, body: dict[str, Any]) -> None: ...
+
+    def post_event(self, body: dict[str, Any]) -> None: ...
+
+    async def send_data_event(self, fields: Mapping[str, Any], data: bytes) -> None: ...
+
+    def push_data(self, fields: Mapping[str, Any], data: bytes) -> None: ...
+
+    def data_room(self, fields: Mapping[str, Any]) -> int: ...
+
+    async def wait_credit(self) -> None: ...
+
+    def handle_signals(self, handler: Callable[[Any], None]) -> None: ...
+
+    def stop_taking_data(self) -> None: ...
+
+    def ack_input(self, nbytes: int) -> None: ...
+
+    def commit(self) -> None: ...
+
+    @property
+    def connection(self) -> object:
+        """The connection the request came on (opaque: a restore keeps it open)."""
+        ...
+
+
+Handler = Callable[[Request, Any], Awaitable[Mapping[str, Any]]]
+InlineHandler = Callable[[Any], Mapping[str, Any]]
+
+
+class Registry(Protocol):
+    """Where a capability registers its ops (guestd.server.dispatch.Dispatcher)."""
+
+    def add(
+        self, op: str, handler: Handler | None = None, *, inline: InlineHandler | None = None, bulk_reply: bool = False
+    ) -> None: ...
+
+    def capabilities(self) -> list[str]: ...
+
+    def ops(self) -> list[str]: ...
+
+
+class Host(Protocol):
+    """The little of the daemon that system.info and snapshot.restore report or change."""
+
+    boot_id: str
+    started_mono: float
+    token: str | None
+
+    def connection_count(self) -> int: ...
+
+    def drop_connections(self, keep: Any) -> int: ...
+
+
+class Writes:
+    """File writes in flight: files count them, snapshot.prepare waits for them to settle."""
+
+    def __init__(self) -> None:
+        self.count = 0
+        self.idle = asyncio.Event()
+        self.idle.set()
+
+    def started(self) -> None:
+        self.count += 1
+        self.idle.clear()
+
+    def finished(self) -> None:
+        self.count -= 1
+        if self.count == 0:
+            self.idle.set()
+
+
+def derive(entropy: bytes, label: str, n: int = 32) -> bytes:
+    """Per-consumer seed material: different for every context/session, all from the host's entropy."""
+    import hashlib  # lazily, like everything here: idle guestd memory should not pay for OpenSSL
+
+    return hashlib.blake2b(entropy, digest_size=n, person=b"guestd-restore", salt=label.encode()[:16]).digest()
+
+
+# A restore hook gets the restore's entropy and returns what it did, as report fields.
+RestoreHook = Callable[[bytes], Awaitable[dict[str, list[str]]]]
+BusyReport = Callable[[], dict[str, list[str]]]
+ShutdownHook = Callable[[], Awaitable[None]]
+
+
+@dataclass
+class Services:
+    config: Config
+    children: Children
+    workload: WorkloadCgroup
+    ops: Registry
+    host: Host
+    writes: Writes = field(default_factory=Writes)
+    on_restore: list[RestoreHook] = field(default_factory=list)
+    busy: list[BusyReport] = field(default_factory=list)
+    on_shutdown: list[ShutdownHook] = field(default_factory=list)
+    on_start: list[Callable[[], None]] = field(default_factory=list)
+    info: list[Callable[[], dict[str, Any]]] = field(default_factory=list)  # fields for system.info
+    _io: ThreadPoolExecutor | None = None
+    _kernel_dir: str | None = None
+
+    def runtime_dir(self) -> str:
+        """guestd's private state directory (made on first use)."""
+        cfg = self.config
+        if not cfg.runtime_dir:
+            base = "/run/guestd" if os.geteuid() == 0 and os.path.isdir("/run") else None
+            if base is None:
+                import tempfile
+
+                base = os.path.join(tempfile.gettempdir(), f"guestd-{os.geteuid()}")
+            cfg.runtime_dir = base
+        os.makedirs(cfg.runtime_dir, mode=0o700, exist_ok=True)
+        return cfg.runtime_dir
+
+    def kernel_dir(self) -> str:
+        """Private (0700) home of kernel connection files and ipc sockets."""
+        if self._kernel_dir is None:
+            d = os.path.join(self.runtime_dir(), "kernels")
+            os.makedirs(d, mode=0o700, exist_ok=True)
+            os.chmod(d, 0o700)
+            self._kernel_dir = d
+        return self._kernel_dir
+
+    async def run_in_io(self, fn: Callable[..., Any], *args: Any) -> Any:
+        """Run blocking file-system work off the event loop, so a slow disk never stalls ping."""
+        if self._io is None:
+            from concurrent.futures import ThreadPoolExecutor
+
+            self._io = ThreadPoolExecutor(max_workers=self.config.io_threads, thread_name_prefix="guestd-io")
+        return await asyncio.get_running_loop().run_in_executor(self._io, fn, *args)
+
+    async def acquire_in_io(self, fn: Callable[..., Any], release: Callable[[Any], None], *args: Any) -> Any:
+        """Like run_in_io for calls that create a resource (an fd, a temp file).
+
+        Cancelling the awaiting task cannot stop the thread, so if we are cancelled
+        while it runs, ``release`` is applied to whatever it produces afterwards.
+        """
+        fut = asyncio.ensure_future(self.run_in_io(fn, *args))
+        try:
+            return await asyncio.shield(fut)
+        except asyncio.CancelledError:
+
+            def cleanup(done: asyncio.Future[Any]) -> None:
+                if not done.cancelled() and done.exception() is None:
+                    release(done.result())
+
+            fut.add_done_callback(cleanup)
+            raise
+
+    def close_io(self) -> None:
+        if self._io is not None:
+            self._io.shutdown(wait=False, cancel_futures=True)

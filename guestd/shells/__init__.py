@@ -1,0 +1,1 @@
+"""shell capability: persistent bash sessions (engine: session.py; handlers: handlers.py)."""

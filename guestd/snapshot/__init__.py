@@ -1,0 +1,1 @@
+"""snapshot capability: prepare, resume, restore (engine: state.py; handlers: handlers.py)."""

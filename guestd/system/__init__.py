@@ -1,0 +1,1 @@
+"""system capability: ping and info (handlers.py)."""
