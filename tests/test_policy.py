@@ -9,10 +9,10 @@ from typing import cast
 import pytest
 
 from guestd.client import GuestdError
+from guestd.testing import Guestd
+from guestd.testing.rawwire import RawPeer
 from guestd.wire.frames import Kind, encode_frame
 from guestd.wire.types import ExecArgs
-from tests.conftest import Guestd
-from tests.rawwire import RawPeer
 
 
 def with_config(fresh_guestd: Callable[..., Guestd], text: str) -> Guestd:
