@@ -9,7 +9,7 @@
    and every PRNG in the guest, so the clones stop sharing the parent's random state.
 4. In each clone: apply that clone's candidate patch (``git apply``), run the tests, report.
 
-On this machine the VMs are QEMU/TCG guests of the baked test image (tests/qemu/harness.py):
+On this machine the VMs are QEMU/TCG guests of the baked test image (guestd/testing/qemu.py):
 the snapshot is QMP ``stop`` + ``migrate`` to a file, each clone a new QEMU process with
 ``-incoming defer`` + ``migrate-incoming`` + ``cont``, and the host talks to guestd over
 virtio-serial.

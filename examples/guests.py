@@ -2,7 +2,7 @@
 
 - ``LocalGuest``: a real guestd process on a private Unix socket on this machine (the same
   daemon that runs in a VM, minus the VM). Used by the host tests and the default demos.
-- ``QemuGuest``: a QEMU/TCG microVM booted from the guestd-baked test image (tests/qemu),
+- ``QemuGuest``: a QEMU/TCG microVM booted from the guestd-baked test image (guestd/testing/qemu.py),
   reached over virtio-serial; it can be saved to a file and restored as clones.
 
 An agent runtime only needs ``connect()`` and ``stop()``; a production host daemon would
@@ -12,17 +12,13 @@ implement the same two against Firecracker (``fc:/path/to/v.sock:10700`` address
 from __future__ import annotations
 
 import os
-import select
 import shutil
-import subprocess
-import sys
 import tempfile
 from typing import Protocol
 
 from guestd.client import Client
-from tests.qemu.harness import GuestVM, bake_initramfs, ensure_kernel
-
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from guestd.testing import start_guestd
+from guestd.testing.qemu import GuestVM, bake_initramfs, ensure_kernel
 
 
 class Guest(Protocol):
@@ -34,66 +30,42 @@ class Guest(Protocol):
 
 
 class LocalGuest:
-    """guestd as a child process on ``unix:<tmpdir>/guestd.sock``; ``stop`` ends and reaps it."""
+    """guestd as a child process on ``unix:<tmpdir>/guestd.sock`` (``guestd.testing``);
+    ``stop`` ends and reaps it."""
 
     def __init__(self, *, workspace: str | None = None, ready_timeout_s: float = 30.0) -> None:
         self.dir = tempfile.mkdtemp(prefix="guestd-session-")
         self.workspace = workspace or os.path.join(self.dir, "workspace")
         os.makedirs(self.workspace, exist_ok=True)
-        self.address = f"unix:{self.dir}/guestd.sock"
-        self.log_path = os.path.join(self.dir, "guestd.log")
-        r, w = os.pipe()
-        argv = [sys.executable, "-m", "guestd", "--ready-fd", str(w), "--listen", self.address]
-        argv += ["--workspace", self.workspace, "--runtime-dir", os.path.join(self.dir, "run"), "--code-pool", "0"]
-        with open(self.log_path, "ab") as log:
-            self.proc = subprocess.Popen(
-                argv,
-                stdin=subprocess.DEVNULL,
-                stdout=log,
-                stderr=log,
-                pass_fds=(w,),
-                cwd=self.workspace,
-                env={**os.environ, "PYTHONPATH": REPO},
-            )
-        os.close(w)
         try:
-            # guestd writes "ready" once it listens; EOF first means it died while starting.
-            with os.fdopen(r, "rb") as ready:
-                if not select.select([ready], [], [], ready_timeout_s)[0]:
-                    raise RuntimeError(f"guestd did not start within {ready_timeout_s} s; its log:\n{self.log()}")
-                line = ready.readline()
-            if line != b"ready\n":
-                raise RuntimeError(f"guestd did not start; its log:\n{self.log()}")
+            self.guestd = start_guestd(
+                self.dir,
+                *("--workspace", self.workspace, "--runtime-dir", os.path.join(self.dir, "run"), "--code-pool", "0"),
+                cwd=self.workspace,
+                ready_timeout_s=ready_timeout_s,
+            )
         except BaseException:
-            self.stop()
+            shutil.rmtree(self.dir, ignore_errors=True)
             raise
+        self.address = self.guestd.address
+        self.proc = self.guestd.proc
 
     def log(self) -> str:
-        try:
-            with open(self.log_path, errors="replace") as f:
-                return f.read()
-        except OSError:
-            return ""
+        return self.guestd.log()
 
     def connect(self) -> Client:
-        return Client(self.address)
+        return self.guestd.client()
 
     def alive(self) -> bool:
-        return self.proc.poll() is None
+        return self.guestd.alive()
 
     def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.terminate()  # guestd ends its kernels, shells and processes on SIGTERM
-            try:
-                self.proc.wait(15)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(10)
+        self.guestd.stop(grace_s=15)  # guestd ends its kernels, shells and processes on SIGTERM
         shutil.rmtree(self.dir, ignore_errors=True)
 
 
 class QemuGuest:
-    """A microVM from the baked test image (needs qemu-system-x86_64; see tests/qemu/harness.py)."""
+    """A microVM from the baked test image (needs qemu-system-x86_64; see guestd/testing/qemu.py)."""
 
     workspace = "/workspace"
 

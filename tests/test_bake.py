@@ -9,7 +9,7 @@ import sys
 
 import pytest
 
-from tests.conftest import REPO
+from guestd.testing import REPO
 
 
 @pytest.mark.skipif(shutil.which("mkfs.ext4") is None, reason="needs mkfs.ext4")

@@ -8,7 +8,7 @@ import os
 import subprocess
 import sys
 
-from tests.conftest import REPO, Guestd
+from guestd.testing import REPO, Guestd
 
 
 def guestctl(g: Guestd, *args: str, stdin: bytes | None = None) -> subprocess.CompletedProcess[bytes]:
@@ -120,7 +120,7 @@ def test_unreachable_address_is_a_clean_error(tmp_path: object) -> None:
 def test_code_commands(tmp_path: object) -> None:
     import tempfile
 
-    from tests.conftest import start_guestd
+    from guestd.testing import start_guestd
 
     with tempfile.TemporaryDirectory(prefix="guestd-cli-code-") as d:
         g = start_guestd(d, "--runtime-dir", f"{d}/rt", "--code-pool", "0")

@@ -13,8 +13,8 @@ import pytest
 
 from guestd.client import AsyncClient, Client
 from guestd.client import aio as client_aio
+from guestd.testing import Guestd
 from guestd.wire.schema import OPS, OPS_BY_NAME
-from tests.conftest import Guestd
 
 # Async only: they return stream objects to iterate (Client.process_output collects an attach).
 STREAMING = {"exec_stream", "code_run_stream", "attach"}

@@ -15,7 +15,7 @@ import psutil
 import pytest
 
 from guestd.client import AsyncClient, Client, GuestdError
-from tests.conftest import Guestd, start_guestd
+from guestd.testing import Guestd, start_guestd
 
 
 @pytest.fixture(scope="module")

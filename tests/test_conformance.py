@@ -16,9 +16,9 @@ from typing import Any
 
 import pytest
 
+from guestd.testing import REPO, Guestd
+from guestd.testing.rawwire import RawPeer
 from guestd.wire.frames import Kind, encode_frame
-from tests.conftest import REPO, Guestd
-from tests.rawwire import RawPeer
 
 KIT = Path(REPO) / "protocol" / "conformance"
 TRANSCRIPTS = sorted((KIT / "transcripts").glob("*.json"))

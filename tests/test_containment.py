@@ -21,7 +21,7 @@ from collections.abc import Callable, Iterator
 import pytest
 
 from guestd.client import AsyncClient
-from tests.conftest import Guestd, start_guestd
+from guestd.testing import Guestd, limits_config, start_guestd
 
 UNIFIED = "/sys/fs/cgroup/unified"
 BEAT = "while :; do echo b >> {hb}; sleep 0.05; done"
@@ -297,8 +297,6 @@ def test_runs_start_in_their_own_leaf_as_the_workload_user(contained: Guestd) ->
 
 
 def test_finished_kept_processes_hold_no_fds(fresh_guestd: Callable[..., Guestd], tmp_path: object) -> None:
-    from tests.conftest import limits_config
-
     g = fresh_guestd("--config", limits_config(str(tmp_path), max_kept_processes=1100, max_processes=64))
 
     def fds() -> int:

@@ -8,22 +8,10 @@ import signal
 import threading
 import time
 
-import psutil
 import pytest
 
 from guestd.client import AsyncClient, Client, GuestdError
-from tests.conftest import Guestd
-
-
-def live_procs_with(marker: str) -> list[psutil.Process]:
-    out = []
-    for p in psutil.process_iter(["cmdline", "status"]):
-        try:
-            if p.info["status"] != psutil.STATUS_ZOMBIE and marker in " ".join(p.info["cmdline"] or []):
-                out.append(p)
-        except psutil.Error:
-            continue
-    return out
+from guestd.testing import Guestd, live_procs_with
 
 
 def test_exit_code_output_and_counts(client: Client) -> None:

@@ -14,7 +14,7 @@ from collections.abc import Callable
 import pytest
 
 from guestd.client import AsyncClient, Client, GuestdError
-from tests.conftest import NO_DAC, Guestd, fsize_limit
+from guestd.testing import NO_DAC, Guestd, fsize_limit
 
 
 def err_code(fn: Callable[[], object]) -> str:
@@ -198,8 +198,8 @@ def test_download_errors_are_typed(client: Client, tmp_path: object) -> None:
 
 
 def test_upload_abandoned_at_any_moment_leaves_no_temp_file(guestd: Guestd, tmp_path: object) -> None:
+    from guestd.testing.rawwire import RawPeer
     from guestd.wire.frames import Kind
-    from tests.rawwire import RawPeer
 
     target = f"{tmp_path}/raced"
     for i in range(40):
@@ -282,8 +282,8 @@ def test_names_that_are_not_utf8_round_trip(client: Client, tmp_path: object) ->
 
 
 def test_a_bin_path_in_a_raw_request(guestd: Guestd, tmp_path: object) -> None:
+    from guestd.testing.rawwire import RawPeer
     from guestd.wire.frames import Kind
-    from tests.rawwire import RawPeer
 
     d = os.fsencode(str(tmp_path))
     with open(d + b"/" + BAD, "wb") as f:

@@ -12,7 +12,7 @@ import sys
 
 import pytest
 
-from tests.conftest import REPO
+from guestd.testing import REPO
 
 pytest.importorskip("atheris")
 

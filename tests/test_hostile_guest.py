@@ -9,8 +9,8 @@ from collections.abc import Callable
 import pytest
 
 from guestd.client import Client, GuestdError, GuestProtocolError
+from guestd.testing.rawwire import RawPeer
 from guestd.wire.frames import HEADER, MAGIC, Kind, encode_frame
-from tests.rawwire import RawPeer
 
 
 def test_oversize_frame_closes_the_connection(evil: Callable[..., str]) -> None:

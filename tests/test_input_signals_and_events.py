@@ -13,9 +13,9 @@ from typing import Any
 import pytest
 
 from guestd.client import Client, GuestdError, GuestProtocolError
+from guestd.testing import Guestd
+from guestd.testing.rawwire import RawPeer
 from guestd.wire.frames import Kind, encode_frame
-from tests.conftest import Guestd
-from tests.rawwire import RawPeer
 
 SMALL = 64 * 1024
 

@@ -8,9 +8,9 @@ from collections.abc import Callable
 import pytest
 
 from guestd.client import GuestdError
+from guestd.testing import Guestd
+from guestd.testing.rawwire import RawPeer
 from guestd.wire.frames import Kind, encode_frame
-from tests.conftest import Guestd
-from tests.rawwire import RawPeer
 
 
 def with_config(fresh_guestd: Callable[..., Guestd], text: str) -> Guestd:

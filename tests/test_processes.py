@@ -9,8 +9,7 @@ import time
 import pytest
 
 from guestd.client import AsyncClient, Client, GuestdError
-from tests.conftest import Guestd
-from tests.test_exec import live_procs_with
+from guestd.testing import Guestd, live_procs_with
 
 SEQ = "for i in $(seq 1 {n}); do printf '%06d\\n' $i; done"
 

@@ -9,9 +9,9 @@ import time
 import msgpack
 import pytest
 
+from guestd.testing import Guestd
+from guestd.testing.rawwire import RawPeer
 from guestd.wire.frames import FRAME_VERSION, HEADER, MAGIC, Kind, encode_frame, encode_raw
-from tests.conftest import Guestd
-from tests.rawwire import RawPeer
 
 
 @pytest.fixture

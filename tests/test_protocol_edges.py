@@ -10,9 +10,9 @@ import threading
 import time
 from typing import Any
 
+from guestd.testing import Guestd, StartGuestd, limits_config
+from guestd.testing.rawwire import FrameCounter, RawPeer
 from guestd.wire.frames import Kind, encode_frame
-from tests.conftest import Guestd, StartGuestd, limits_config
-from tests.rawwire import FrameCounter, RawPeer
 
 SMALL = 64 * 1024
 

@@ -23,9 +23,9 @@ from typing import Any
 import pytest
 
 from guestd.client import Client, GuestdError, GuestProtocolError
+from guestd.testing import Guestd, StartGuestd, limits_config
+from guestd.testing.rawwire import FAKE_GUEST_HELLO, FrameCounter, RawPeer
 from guestd.wire.frames import HEADER, MAGIC, Kind, encode_frame
-from tests.conftest import Guestd, StartGuestd, limits_config
-from tests.rawwire import FAKE_GUEST_HELLO, FrameCounter, RawPeer
 
 SMALL = 64 * 1024
 

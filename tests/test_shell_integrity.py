@@ -10,7 +10,7 @@ import contextlib
 import pytest
 
 from guestd.client import AsyncClient, Client, GuestdError
-from tests.conftest import Guestd
+from guestd.testing import Guestd
 
 
 def test_a_cancelled_command_never_completes_the_next_one(guestd: Guestd) -> None:

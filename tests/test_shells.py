@@ -12,8 +12,7 @@ from collections.abc import Iterator
 import pytest
 
 from guestd.client import AsyncClient, Client, GuestdError
-from tests.conftest import Guestd
-from tests.test_exec import live_procs_with
+from guestd.testing import Guestd, live_procs_with
 
 
 @pytest.fixture

@@ -13,7 +13,7 @@ from collections.abc import Iterator
 import pytest
 
 from guestd.client import AsyncClient, Client, GuestdError
-from tests.conftest import Guestd, start_guestd
+from guestd.testing import Guestd, start_guestd
 
 
 @pytest.fixture(scope="module")
@@ -145,8 +145,8 @@ def test_quiesce_holds_new_work_until_restore(sg: Guestd) -> None:
 
 
 def test_handshake_clock_fallback_flags_a_suspected_restore(sg: Guestd) -> None:
+    from guestd.testing.rawwire import RawPeer
     from guestd.wire.frames import Kind
-    from tests.rawwire import RawPeer
 
     p = RawPeer(sg.raw_socket())
     p.send(Kind.HELLO, 0, {"versions": [1], "time_ns": time.time_ns() + 120 * 10**9})
@@ -162,7 +162,7 @@ def test_guestctl_snapshot_and_restore(sg: Guestd) -> None:
     import subprocess
     import sys
 
-    from tests.conftest import REPO
+    from guestd.testing import REPO
 
     def gc(*args: str) -> subprocess.CompletedProcess[bytes]:
         return subprocess.run(

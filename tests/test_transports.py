@@ -15,8 +15,8 @@ from collections.abc import Callable, Iterator
 import pytest
 
 from guestd.client import AsyncClient, Client, GuestdError
+from guestd.testing import Guestd
 from guestd.wire.frames import Kind, encode_frame
-from tests.conftest import Guestd
 
 
 class HybridVsockMuxer:

@@ -14,8 +14,8 @@ from collections.abc import Iterator
 import pytest
 
 from guestd.client import Client
-from tests.qemu.harness import ARTIFACTS, GuestVM, bake_initramfs, ensure_kernel, require_qemu
-from tests.qemu.test_guest import connect
+from guestd.testing.qemu import GuestVM, bake_initramfs, ensure_kernel
+from tests.qemu.harness import ARTIFACTS, require_qemu
 
 pytestmark = pytest.mark.qemu
 
@@ -45,7 +45,7 @@ def test_clones_diverge_only_after_restore(images: tuple[str, str, str], request
     try:
         src = GuestVM(work, vmlinux, initrd, qmp=True, tag="src", timeout_s=900)
         vms.append(src)
-        with connect(src) as c:
+        with src.client() as c:
             ctx = c.code_create(deadline=300)["id"]
             assert c.code_run("import random\nkept = 'state from before the snapshot'", context=ctx, timeout_s=300).ok
             sid = c.shell_create()["id"]
@@ -68,7 +68,7 @@ def test_clones_diverge_only_after_restore(images: tuple[str, str, str], request
 
         control, after, urandom, skew = [], [], [], []
         for i, vm in enumerate(clones):
-            with connect(vm) as c:
+            with vm.client() as c:
                 control.append(observe(c, ctx, sid))  # no restore yet: the parent's PRNG states
                 # The handshake carried the host's clock: guestd already fixed the hour-stale clock
                 # and flags a suspected restore (the fallback for hosts that forget `restore`).

@@ -16,7 +16,8 @@ from collections.abc import Callable, Iterator
 import pytest
 
 from guestd.client import Client, GuestdError
-from tests.qemu.harness import REPO, GuestVM, bake_initramfs, require_qemu, running_vm
+from guestd.testing.qemu import GuestVM, bake_initramfs
+from tests.qemu.harness import REPO, require_qemu, running_vm
 
 pytestmark = pytest.mark.qemu
 

@@ -11,13 +11,8 @@ from collections.abc import Iterator
 import pytest
 
 from guestd.client import GuestdError
-from tests.qemu.harness import (
-    SYSTEMD_CMDLINE,
-    GuestVM,
-    debian_systemd_initramfs,
-    require_qemu,
-    running_vm,
-)
+from guestd.testing.qemu import GuestVM
+from tests.qemu.harness import SYSTEMD_CMDLINE, debian_systemd_initramfs, require_qemu, running_vm
 
 pytestmark = [pytest.mark.qemu, pytest.mark.timeout(1200)]  # debootstrap on a cold cache
 

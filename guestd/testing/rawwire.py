@@ -1,4 +1,5 @@
-"""A blocking, deliberately dumb peer for speaking raw frames to a real guestd."""
+"""A blocking, deliberately dumb peer for speaking raw frames to a real guestd (and for playing a
+fake guest to a real client)."""
 
 from __future__ import annotations
 

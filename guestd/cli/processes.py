@@ -1,0 +1,143 @@
+"""guestctl ps | attach | kill | wait: background processes (started by ``exec --detach`` or
+``exec --pty``, whose start and terminal bridge live here too)."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import sys
+from typing import Any
+
+from guestd.cli.shared import Subcommands, add_command, exit_code_of, print_json
+from guestd.client.aio import AsyncClient
+
+
+def register(sub: Subcommands) -> None:
+    add_command(sub, "ps", list_processes, help="list background processes")
+    at = add_command(sub, "attach", attach, help="stream a background process's output")
+    at.add_argument("id")
+    at.add_argument("--from", dest="offset", type=int, default=0, help="stdout offset to start from")
+    at.add_argument("--stderr-from", type=int, default=0)
+    at.add_argument("--no-follow", action="store_true", help="print what is buffered and return")
+    k = add_command(sub, "kill", kill, help="signal a background process group")
+    k.add_argument("id")
+    k.add_argument("signal", nargs="?", default="TERM")
+    w = add_command(sub, "wait", wait, help="wait for a background process to exit")
+    w.add_argument("id")
+    w.add_argument("--timeout", type=float, default=None, help="the guest answers timed out after this, seconds")
+
+
+async def list_processes(client: AsyncClient, ns: argparse.Namespace) -> int:
+    procs = await client.process_list()
+    if ns.json:
+        print_json({"processes": procs})
+    else:
+        for p in procs:
+            status = (
+                p["state"]
+                if p["state"] == "running"
+                else f"exit {p['exit_code']}"
+                if p["signal"] is None
+                else f"signal {p['signal']}"
+            )
+            print(f"{p['id']}  pid {p['pid']:<8} {status:12} out {p['stdout_offset']:<10} {p['command'][:60]}")
+    return 0
+
+
+async def kill(client: AsyncClient, ns: argparse.Namespace) -> int:
+    await client.process_signal(ns.id, ns.signal)
+    return 0
+
+
+async def wait(client: AsyncClient, ns: argparse.Namespace) -> int:
+    res = await client.process_wait(ns.id, timeout_s=ns.timeout)
+    if ns.json:
+        print_json(res)
+    if res["timed_out"]:
+        return 124
+    return exit_code_of(res)
+
+
+async def attach(client: AsyncClient, ns: argparse.Namespace) -> int:
+    a = client.attach(ns.id, stdout_from=ns.offset, stderr_from=ns.stderr_from, follow=not ns.no_follow)
+    async for name, offset, data in a:
+        if name == "lost":
+            print(f"guestctl: output before offset {offset} was overwritten in the ring", file=sys.stderr)
+        elif name == "stderr":
+            sys.stderr.buffer.write(data)
+            sys.stderr.flush()
+        else:
+            sys.stdout.buffer.write(data)
+            sys.stdout.flush()
+    final = await a.result()
+    if ns.json:
+        print_json(final)
+    else:
+        print(
+            f"guestctl: {final['state']}; reattach with --from {final['stdout_offset']} "
+            f"--stderr-from {final['stderr_offset']}",
+            file=sys.stderr,
+        )
+    if final["state"] == "running":
+        return 0
+    return exit_code_of(final)
+
+
+async def start_process(client: AsyncClient, ns: argparse.Namespace, cmd: list[str] | str, env: dict[str, str]) -> int:
+    """``exec --detach`` (print the new process's id) or ``exec --pty`` (bridge this terminal to it)."""
+    if not ns.pty:
+        p = await client.process_start(cmd, cwd=ns.cwd, env=env or None, stdin=ns.stdin)
+        print_json(p) if ns.json else print(p["id"])
+        return 0
+    size = os.get_terminal_size(sys.stdout.fileno()) if sys.stdout.isatty() else os.terminal_size((80, 24))
+    p = await client.process_start(cmd, cwd=ns.cwd, env=env or None, pty=True, rows=size.lines, cols=size.columns)
+    return await attach_terminal(client, p["id"], detach_ok=ns.detach)
+
+
+async def attach_terminal(client: AsyncClient, process_id: str, detach_ok: bool) -> int:
+    """Local terminal <-> remote pty: raw mode, keystrokes forwarded, window size followed."""
+    import signal as _signal
+    import termios
+    import tty
+
+    loop = asyncio.get_running_loop()
+    fd = sys.stdin.fileno()
+    interactive = os.isatty(fd)
+    saved = termios.tcgetattr(fd) if interactive else None
+    pending: list[asyncio.Task[Any]] = []
+
+    def on_key() -> None:
+        data = os.read(fd, 4096)
+        if data:
+            pending.append(loop.create_task(client.process_write(process_id, data)))
+        else:
+            loop.remove_reader(fd)
+
+    def on_winch() -> None:
+        size = os.get_terminal_size(sys.stdout.fileno())
+        pending.append(loop.create_task(client.process_resize(process_id, size.lines, size.columns)))
+
+    pollable = True
+    try:
+        if interactive:
+            tty.setraw(fd)
+            loop.add_signal_handler(_signal.SIGWINCH, on_winch)
+        try:
+            loop.add_reader(fd, on_key)
+        except OSError:  # epoll refuses plain files and /dev/null: nothing to forward then
+            pollable = False
+        a = client.attach(process_id)
+        async for _, _, data in a:
+            sys.stdout.buffer.write(data)
+            sys.stdout.flush()
+        final = await a.result()
+    finally:
+        if pollable:
+            loop.remove_reader(fd)
+        if saved is not None:
+            termios.tcsetattr(fd, termios.TCSADRAIN, saved)
+            loop.remove_signal_handler(_signal.SIGWINCH)
+        for t in pending:
+            t.cancel()
+    return exit_code_of(final)

@@ -1,0 +1,60 @@
+"""What every guestctl command module uses: the handler contract, JSON printing, ``K=V`` and
+``:PATH`` arguments."""
+
+from __future__ import annotations
+
+import argparse
+import base64
+import json
+import sys
+from collections.abc import Awaitable, Callable
+from typing import Any, TypeAlias
+
+from guestd.client.aio import AsyncClient
+from guestd.wire.paths import printable_path
+
+# A command's handler: runs on a connected client, returns guestctl's exit code.
+Handler: TypeAlias = Callable[[AsyncClient, argparse.Namespace], Awaitable[int]]
+# What ``ArgumentParser.add_subparsers`` returns; a string because it is generic only in typeshed.
+Subcommands: TypeAlias = "argparse._SubParsersAction[argparse.ArgumentParser]"
+
+
+def add_command(sub: Subcommands, name: str, handler: Handler, **parser_kw: Any) -> argparse.ArgumentParser:
+    """A subcommand parser whose namespace carries ``handler`` (``run`` calls it once connected)."""
+    parser = sub.add_parser(name, **parser_kw)
+    parser.set_defaults(handler=handler)
+    return parser
+
+
+def print_json(obj: Any) -> None:
+    sys.stdout.write(json.dumps(obj, sort_keys=True) + "\n")
+
+
+def json_path(fields: dict[str, Any], key: str) -> dict[str, Any]:
+    """``fields`` with the path at ``key`` as JSON text: a name that is not UTF-8 becomes
+    its text with ``\\xff`` escapes plus ``<key>_base64`` holding the exact bytes."""
+    value = fields.get(key)
+    if not isinstance(value, bytes):
+        return fields
+    return {**fields, key: printable_path(value), f"{key}_base64": base64.b64encode(value).decode()}
+
+
+def parse_env(pairs: list[str]) -> dict[str, str]:
+    """``--env K=V`` arguments as a dict; anything else ends guestctl with a usage message."""
+    env = {}
+    for kv in pairs:
+        k, sep, v = kv.partition("=")
+        if not sep or not k:
+            raise SystemExit(f"guestctl: --env wants K=V, got {kv!r}")
+        env[k] = v
+    return env
+
+
+def guest_path(arg: str) -> str | None:
+    """The guest path of an argument written ``:PATH``; None for a local path."""
+    return arg[1:] if arg.startswith(":") else None
+
+
+def exit_code_of(status: dict[str, Any]) -> int:
+    """A finished process's status as a shell would report it: 128+N when killed by signal N."""
+    return 128 + int(status["signal"]) if status["signal"] is not None else int(status["exit_code"] or 0)

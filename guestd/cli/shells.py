@@ -1,0 +1,69 @@
+"""guestctl shell new | run | ls | rm: persistent bash sessions."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from guestd.cli.shared import Subcommands, add_command, json_path, parse_env, print_json
+from guestd.client.aio import AsyncClient
+from guestd.wire.paths import printable_path
+
+
+def register(sub: Subcommands) -> None:
+    shell = sub.add_parser("shell", help="persistent bash sessions").add_subparsers(dest="shell_cmd", required=True)
+    snew = add_command(shell, "new", create, help="create a session; prints its id")
+    snew.add_argument("--cwd", default=None)
+    snew.add_argument("--env", action="append", default=[], metavar="K=V")
+    snew.add_argument("--name", default=None)
+    srun = add_command(shell, "run", run_in_session, help="run COMMAND in session ID")
+    srun.add_argument("id")
+    srun.add_argument("command")
+    srun.add_argument("--timeout", type=float, default=None, help="wall-clock timeout in the guest, seconds")
+    srun.add_argument("--idle-timeout", type=float, default=None, help="no-output timeout in the guest, seconds")
+    srun.add_argument("--max-output", type=int, default=None)
+    srun.add_argument("--stdin", action="store_true", help="send local stdin as the command's input")
+    add_command(shell, "ls", list_sessions, help="list sessions")
+    add_command(shell, "rm", close, help="end a session").add_argument("id")
+
+
+async def create(client: AsyncClient, ns: argparse.Namespace) -> int:
+    s = await client.shell_create(cwd=ns.cwd, env=parse_env(ns.env) or None, name=ns.name)
+    print_json(s) if ns.json else print(s["id"])
+    return 0
+
+
+async def list_sessions(client: AsyncClient, ns: argparse.Namespace) -> int:
+    sessions = await client.shell_list()
+    if ns.json:
+        print_json({"sessions": [json_path(s, "cwd") for s in sessions]})
+    else:
+        for s in sessions:
+            cwd = printable_path(s["cwd"])
+            print(f"{s['id']}  {s.get('name') or '-':12} pid {s['pid']:<8} {cwd}  ({s['commands']} commands)")
+    return 0
+
+
+async def close(client: AsyncClient, ns: argparse.Namespace) -> int:
+    await client.shell_close(ns.id)
+    return 0
+
+
+async def run_in_session(client: AsyncClient, ns: argparse.Namespace) -> int:
+    stdin = sys.stdin.buffer.read() if ns.stdin else None
+    res = await client.shell_run(
+        ns.id, ns.command, input=stdin, timeout_s=ns.timeout, idle_timeout_s=ns.idle_timeout, max_output=ns.max_output
+    )
+    if ns.json:
+        print_json(res.to_json())
+    else:
+        sys.stdout.buffer.write(res.stdout)
+        sys.stdout.flush()
+        sys.stderr.buffer.write(res.stderr)
+        if res.timed_out:
+            print(f"guestctl: {res.timed_out} timeout fired; command interrupted", file=sys.stderr)
+        if res.session_restarted:
+            print("guestctl: the session had to be restarted (cwd and exported variables kept)", file=sys.stderr)
+    if res.timed_out:
+        return 124
+    return res.exit_code if res.exit_code is not None else 1

@@ -1,0 +1,156 @@
+"""A real guestd process on this machine, on a private Unix socket: what the host tests and
+the local examples run against (the same daemon a VM runs, minus the VM)."""
+
+from __future__ import annotations
+
+import os
+import resource
+import select
+import socket
+import subprocess
+import sys
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import psutil
+
+from guestd.client import Client
+from guestd.client.aio import CONNECT_TIMEOUT
+
+# The directory this guestd package was imported from (the checkout, in a checkout): put on a
+# started guestd's PYTHONPATH so it runs this same code, not whatever else is installed.
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+@dataclass
+class Guestd:
+    """A guestd process started by ``start_guestd``, listening on ``address``."""
+
+    proc: subprocess.Popen[bytes]
+    sock_path: str
+    workdir: str
+    log_path: str
+    extra: list[str] = field(default_factory=list)
+
+    @property
+    def address(self) -> str:
+        return f"unix:{self.sock_path}"
+
+    @property
+    def pid(self) -> int:
+        return self.proc.pid
+
+    def client(self, *, connect_timeout: float = CONNECT_TIMEOUT, token: str | None = None) -> Client:
+        return Client(self.address, connect_timeout=connect_timeout, token=token)
+
+    def raw_socket(self) -> socket.socket:
+        s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        s.settimeout(10)
+        s.connect(self.sock_path)
+        return s
+
+    def alive(self) -> bool:
+        return self.proc.poll() is None
+
+    def rss(self) -> int:
+        return int(psutil.Process(self.proc.pid).memory_info().rss)
+
+    def log(self) -> str:
+        try:
+            with open(self.log_path, errors="replace") as f:
+                return f.read()
+        except OSError:
+            return ""
+
+    def stop(self, grace_s: float = 10.0) -> None:
+        """SIGTERM (guestd then ends its kernels, shells and processes), SIGKILL after ``grace_s``."""
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(grace_s)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(5)
+
+
+def start_guestd(
+    workdir: str,
+    *args: str,
+    preexec: Callable[[], None] | None = None,
+    user: int | None = None,
+    listen: list[str] | None = None,
+    wrapper: list[str] | None = None,
+    cwd: str | None = None,
+    ready_timeout_s: float | None = None,
+) -> Guestd:
+    """Start ``python -m guestd ARGS`` with its socket and log in ``workdir``; returns once it
+    listens. ``listen`` replaces the default ``unix:<workdir>/guestd.sock``; ``wrapper`` is a
+    command prefix (e.g. NO_DAC); ``ready_timeout_s`` None waits as long as it takes."""
+    sock_path = os.path.join(workdir, "guestd.sock")
+    log_path = os.path.join(workdir, "guestd.log")
+    r, w = os.pipe()
+    cmd = [*(wrapper or []), sys.executable, "-m", "guestd", "--ready-fd", str(w), *args]
+    for addr in listen if listen is not None else [f"unix:{sock_path}"]:
+        cmd += ["--listen", addr]
+    with open(log_path, "ab") as log:
+        proc = subprocess.Popen(
+            cmd,
+            stdout=log,
+            stderr=log,
+            stdin=subprocess.DEVNULL,
+            pass_fds=(w,),
+            cwd=cwd or workdir,
+            preexec_fn=preexec,
+            user=user,
+            group=user,
+            extra_groups=[] if user is not None else None,
+            env={**os.environ, "PYTHONPATH": REPO},
+        )
+    os.close(w)
+    g = Guestd(proc, sock_path, workdir, log_path, list(args))
+    with os.fdopen(r, "rb") as ready:
+        if ready_timeout_s is not None and not select.select([ready], [], [], ready_timeout_s)[0]:
+            proc.kill()
+            proc.wait(5)
+            raise RuntimeError(f"guestd did not start within {ready_timeout_s} s:\n{g.log()}")
+        line = ready.readline()  # EOF without "ready" means it died during start-up
+    if line != b"ready\n":
+        proc.wait(5)
+        raise RuntimeError(f"guestd did not start:\n{g.log()}")
+    return g
+
+
+StartGuestd = Callable[..., Guestd]
+
+
+def limits_config(directory: str, **limits: object) -> str:
+    """A guestd config file in ``directory`` that sets only these ``[limits]``; returns its path."""
+    path = os.path.join(directory, "guestd.toml")
+    with open(path, "w") as f:
+        f.write("[limits]\n" + "".join(f"{k} = {v!r}\n" for k, v in limits.items()))
+    return path
+
+
+# Root without the capabilities that bypass file permissions: permission checks become real.
+NO_DAC = ["setpriv", "--bounding-set=-dac_override,-dac_read_search", "--inh-caps=-dac_override,-dac_read_search", "--"]
+
+
+def fsize_limit(nbytes: int) -> Callable[[], None]:
+    """preexec: cap file size (writes beyond it fail with EFBIG; Python ignores SIGXFSZ)."""
+
+    def apply() -> None:
+        resource.setrlimit(resource.RLIMIT_FSIZE, (nbytes, nbytes))
+
+    return apply
+
+
+def live_procs_with(marker: str) -> list[psutil.Process]:
+    """This machine's processes, zombies aside, whose command line contains ``marker``."""
+    out = []
+    for p in psutil.process_iter(["cmdline", "status"]):
+        try:
+            if p.info["status"] != psutil.STATUS_ZOMBIE and marker in " ".join(p.info["cmdline"] or []):
+                out.append(p)
+        except psutil.Error:
+            continue
+    return out

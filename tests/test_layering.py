@@ -1,0 +1,74 @@
+"""The house's layering, checked on the source: a capability package imports nothing above
+itself (the daemon, the server, the client, the CLI, test helpers) and no other capability;
+the layers below the capabilities import none of them. Type-only imports count too."""
+
+from __future__ import annotations
+
+import ast
+import os
+
+import pytest
+
+from guestd.testing import REPO
+
+CAPABILITIES = ("exec", "files", "processes", "shells", "code", "snapshot", "system")
+ABOVE = ("guestd.server", "guestd.client", "guestd.cli", "guestd.testing")
+BELOW = ("guestd/children", "guestd/wire", "guestd/services.py", "guestd/config.py", "guestd/policy.py")
+
+
+def imports_of(path: str) -> set[str]:
+    with open(path) as f:
+        tree = ast.parse(f.read(), path)
+    found: set[str] = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            found.update(a.name for a in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            found.add(node.module)
+            found.update(f"{node.module}.{a.name}" for a in node.names)
+    return {m for m in found if m.startswith("guestd")}
+
+
+def modules_under(rel: str) -> list[str]:
+    root = os.path.join(REPO, rel)
+    if root.endswith(".py"):
+        return [root]
+    return sorted(os.path.join(d, f) for d, _, files in os.walk(root) for f in files if f.endswith(".py"))
+
+
+def _within(module: str, package: str) -> bool:
+    return module == package or module.startswith(package + ".")
+
+
+@pytest.mark.parametrize("capability", CAPABILITIES)
+def test_a_capability_imports_nothing_above_it_and_no_other_capability(capability: str) -> None:
+    others = [f"guestd.{c}" for c in CAPABILITIES if c != capability]
+    bad = {
+        (os.path.relpath(path, REPO), m)
+        for path in modules_under(f"guestd/{capability}")
+        for m in imports_of(path)
+        if any(_within(m, p) for p in (*ABOVE, *others))
+    }
+    assert not bad, sorted(bad)
+
+
+def test_the_layers_below_import_no_capability_and_nothing_above() -> None:
+    forbidden = (*ABOVE, *(f"guestd.{c}" for c in CAPABILITIES))
+    bad = {
+        (os.path.relpath(path, REPO), m)
+        for rel in BELOW
+        for path in modules_under(rel)
+        for m in imports_of(path)
+        if any(_within(m, p) for p in forbidden)
+    }
+    assert not bad, sorted(bad)
+
+
+def test_the_daemon_does_not_load_test_helpers_or_the_cli() -> None:
+    bad = {
+        (os.path.relpath(path, REPO), m)
+        for path in modules_under("guestd/server")
+        for m in imports_of(path)
+        if any(_within(m, p) for p in ("guestd.testing", "guestd.cli", "guestd.client"))
+    }
+    assert not bad, sorted(bad)
