@@ -78,18 +78,20 @@ def scratch() -> Iterator[str]:
         shutil.rmtree(d, ignore_errors=True)
 
 
-def contained_config(directory: str, cgroup: str) -> str:
+def contained_config(directory: str, cgroup: str, user: str | None = "nobody") -> str:
     """The shipped settings that matter here: a workload cgroup and a workload user."""
     path = os.path.join(directory, "contained.toml")
     with open(path, "w") as f:
-        f.write(f'[workload]\ncgroup = "{cgroup}"\n[policy]\nworkload_user = "nobody"\n')
+        f.write(f'[workload]\ncgroup = "{cgroup}"\n')
+        if user is not None:
+            f.write(f'[policy]\nworkload_user = "{user}"\n')
     return path
 
 
-def start_contained(scratch: str, name: str) -> Guestd:
+def start_contained(scratch: str, name: str, user: str | None = "nobody") -> Guestd:
     d = tempfile.mkdtemp(prefix="guestd-contained-")
     os.chmod(d, 0o755)
-    return start_guestd(d, "--config", contained_config(d, os.path.join(scratch, name)))
+    return start_guestd(d, "--config", contained_config(d, os.path.join(scratch, name), user))
 
 
 @pytest.fixture(scope="module")
@@ -325,3 +327,40 @@ def test_finished_kept_processes_hold_no_fds(fresh_guestd: Callable[..., Guestd]
             assert stdout == b"kept\n"
 
     asyncio.run(main())
+
+
+@pytest.fixture(scope="module")
+def contained_as_root(scratch: str) -> Iterator[Guestd]:
+    """A workload cgroup without a workload user: this host's Python (the kernel's) is not
+    readable by nobody. The shipped config's kernels are covered in tests/qemu."""
+    g = start_contained(scratch, "workload-root", user=None)
+    yield g
+    g.stop()
+    shutil.rmtree(g.workdir, ignore_errors=True)
+
+
+@needs_cgroup
+@pytest.mark.parametrize("ending", ["close", "restart", "timeout-restart"])
+def test_what_a_cell_started_in_a_session_of_its_own_dies_with_its_kernel(
+    contained_as_root: Guestd, hb: Heartbeat, ending: str
+) -> None:
+    contained = contained_as_root
+    beat = BEAT.format(hb=hb.path)
+    cell = f"import subprocess\nsubprocess.Popen(['sh', '-c', {beat!r}], start_new_session=True)\n"
+    with contained.client() as c:
+        ctx = c.code_create(deadline=120)["id"]
+        try:
+            assert c.code_run(cell, context=ctx, timeout_s=60).status == "ok"
+            hb.wait_beating()
+            if ending == "close":
+                c.code_close(ctx)
+            elif ending == "restart":
+                c.code_restart(ctx)
+            else:  # a cell that ignores SIGINT: the timeout restarts the kernel
+                stuck = "import signal, time\nsignal.signal(signal.SIGINT, signal.SIG_IGN)\ntime.sleep(100)\n"
+                r = c.code_run(stuck, context=ctx, timeout_s=1, interrupt_grace_s=0.5)
+                assert r.status == "timeout", r
+            hb.assert_stopped()
+        finally:
+            if ending != "close":
+                c.code_close(ctx)

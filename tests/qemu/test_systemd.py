@@ -6,11 +6,12 @@ config; udev names the port, systemd-modules-load loads the vsock modules.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterator
 
 import pytest
 
-from guestd.client import GuestdError
+from guestd.client import Client, GuestdError
 from guestd.testing.qemu import GuestVM
 from tests.qemu.harness import SYSTEMD_CMDLINE, debian_systemd_initramfs, require_qemu, running_vm
 
@@ -80,3 +81,60 @@ def test_the_shipped_unit_and_config_under_systemd(vm: GuestVM) -> None:
         assert not c.exists(f"/proc/{sleeper}")  # ended by the new guestd
         assert c.info().raw["runs_ended_at_start"] >= 1
         assert c.exec(["id", "-un"], timeout_s=120).stdout == b"sandbox\n"
+
+
+BEAT = "while :; do echo b >> {hb}; sleep 0.1; done"
+ESCAPES = {
+    "setsid-double-fork": "(setsid sh -c '" + BEAT + "' &)",
+    "setsid-f": "setsid -f sh -c '" + BEAT + "'",
+    "fork-chain": "setsid -f sh /tmp/chain.sh {hb}",  # each generation beats, starts the next, exits
+}
+
+
+def test_no_escape_outlives_its_run_in_the_shipped_config(vm: GuestVM) -> None:
+    """Issue 14 in the shipped config (sandbox user, a leaf per run under guestd-workload): each
+    escape pattern against exec timeout, shell timeout, process KILL and a client deadline
+    (which cancels the request in the guest). A heartbeat file must stop growing."""
+
+    def size(c: Client, path: str) -> int:
+        return c.stat(path).size if c.exists(path) else 0
+
+    def wait_beating(c: Client, path: str) -> None:
+        deadline = time.monotonic() + 60
+        while size(c, path) < 4:
+            assert time.monotonic() < deadline, f"{path} never started beating"
+            time.sleep(0.2)
+
+    def assert_stopped(c: Client, path: str, what: str) -> None:
+        time.sleep(1.0)
+        before = size(c, path)
+        time.sleep(1.5)
+        assert size(c, path) == before, f"{what}: still beating"
+
+    with vm.client(timeout_s=300) as c:
+        c.write_file("/tmp/chain.sh", 'echo b >> "$1"; sleep 0.1; setsid -f sh "$0" "$1"\n')
+        sid = c.shell_create(cwd="/tmp")["id"]
+        for name, pattern in ESCAPES.items():
+            for path in ("exec-timeout", "shell-timeout", "process-kill", "client-deadline"):
+                hb = f"/tmp/hb-{name}-{path}"
+                cmd = pattern.format(hb=hb)
+                if path == "exec-timeout":
+                    r = c.exec(["sh", "-c", f"{cmd}; sleep 100"], timeout_s=3, kill_grace_s=0.5)
+                    assert r.timed_out == "wall"
+                elif path == "shell-timeout":
+                    sr = c.shell_run(sid, f"{cmd}; sleep 100", timeout_s=3)
+                    assert sr.timed_out == "wall" and not sr.session_restarted
+                elif path == "process-kill":
+                    p = c.process_start(f"{cmd}; sleep 100")["id"]
+                    wait_beating(c, hb)
+                    c.process_signal(p, "KILL")
+                else:
+                    with pytest.raises(GuestdError) as ei:  # the client gives up and cancels in the guest
+                        c.exec(["sh", "-c", f"{cmd}; sleep 100"], deadline=4)
+                    assert ei.value.code == "timeout"
+                assert size(c, hb) > 0, f"{name} / {path}: the escapee never ran"
+                assert_stopped(c, hb, f"{name} / {path}")
+        assert c.shell_run(sid, "echo still; id -un").stdout == b"still\nsandbox\n"
+        # Nothing of these runs is left in the workload cgroup but the session's bash.
+        r = c.exec(["sh", "-c", "cat /sys/fs/cgroup/guestd-workload/*/cgroup.procs | wc -l"], timeout_s=120)
+        assert int(r.stdout) == 2, r  # the session's bash, and this exec's own sh
