@@ -20,7 +20,7 @@ from collections.abc import Callable, Iterator
 
 import pytest
 
-from guestd.client import AsyncClient
+from guestd.client import AsyncClient, GuestdError
 from guestd.testing import Guestd, limits_config, start_guestd
 
 UNIFIED = "/sys/fs/cgroup/unified"
@@ -245,11 +245,13 @@ def test_shutdown_ends_every_run_and_what_finished_runs_left(scratch: str, hb: H
 @needs_cgroup
 def test_a_restarted_guestd_ends_the_runs_the_killed_one_left(scratch: str) -> None:
     name = "restart"
-    beats = [Heartbeat(), Heartbeat()]
+    beats = [Heartbeat(), Heartbeat(), Heartbeat()]
     g = start_contained(scratch, name)
     try:
         with g.client() as c:
             c.process_start(beats[0].command("setsid-double-fork") + "; sleep 1000")
+            sid = c.shell_create(cwd="/tmp")["id"]
+            c.shell_run(sid, beats[2].command("setsid-f"))  # a session's job that left it
 
         def exec_with_timeout() -> None:  # its connection dies with guestd; the run must not live on
             with contextlib.suppress(Exception), g.client() as c:
@@ -263,7 +265,7 @@ def test_a_restarted_guestd_ends_the_runs_the_killed_one_left(scratch: str) -> N
         g.proc.wait(10)
         t.join(10)
         leaves = sorted(n for n in os.listdir(os.path.join(scratch, name)) if "-" in n)
-        assert [n.split("-")[0] for n in leaves] == ["exec", "proc"]
+        assert [n.split("-")[0] for n in leaves] == ["exec", "proc", "shell"]
         time.sleep(2.5)  # past the exec's timeout: nobody enforces it while guestd is down
         assert all(b.size() > 0 for b in beats)
         g2 = start_guestd(g.workdir, "--config", contained_config(g.workdir, os.path.join(scratch, name)))
@@ -275,7 +277,7 @@ def test_a_restarted_guestd_ends_the_runs_the_killed_one_left(scratch: str) -> N
                 assert c.process_list() == []
                 info = c.info().raw
             assert "a cgroup per run" in info["workload_cgroup"] and info["spawn"] == "clone3"
-            assert info["runs_ended_at_start"] >= 3  # the process, its escapee, the exec
+            assert info["runs_ended_at_start"] >= 4  # the process, two escapees, the exec
             assert "previous guestd" in g2.log()
         finally:
             g2.stop()
@@ -364,3 +366,27 @@ def test_what_a_cell_started_in_a_session_of_its_own_dies_with_its_kernel(
         finally:
             if ending != "close":
                 c.code_close(ctx)
+
+
+@needs_cgroup
+def test_spawn_failures_are_typed_and_leave_no_leaf(contained: Guestd, scratch: str) -> None:
+    with contained.client() as c:
+        cases = [
+            # The workload user enters its cwd itself (after the drop): root's 0700 home is closed to it.
+            (dict(cwd="/root"), "permission_denied", "cwd"),
+            (dict(cwd="/nonexistent-dir"), "not_found", "cwd"),
+            (dict(), "not_found", "spawn"),
+        ]
+        for kw, code, stage in cases:
+            argv = ["true"] if kw else ["/no/such/program"]
+            with pytest.raises(GuestdError) as ei:
+                c.exec(argv, **kw)  # type: ignore[arg-type]
+            assert (ei.value.code, ei.value.details.get("stage")) == (code, stage), ei.value
+        assert c.exec(["true"]).exit_code == 0  # and nothing is left behind
+    leaves = [n for n in os.listdir(os.path.join(scratch, "workload")) if n.startswith("exec-")]
+    for _ in range(100):
+        if not leaves:
+            break
+        time.sleep(0.02)
+        leaves = [n for n in os.listdir(os.path.join(scratch, "workload")) if n.startswith("exec-")]
+    assert leaves == []

@@ -21,6 +21,7 @@ import signal
 import subprocess
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, TypedDict
 
 from guestd.children.cgroups import RunCgroup, WorkloadCgroup, WorkloadConfig
@@ -244,6 +245,27 @@ def _event_of(fut: asyncio.Future[None]) -> asyncio.Event:
     return ev
 
 
+@dataclass(frozen=True)
+class SpawnOrder:
+    """One spawn, as the spawn thread gets it (see Children.spawn for the meaning of each)."""
+
+    argv: list[str]
+    kind: str
+    run_id: str
+    env: dict[str, str] | None
+    cwd: str | None
+    stdin: int
+    stdout: int
+    stderr: int
+    pty: tuple[int, int] | None
+    extra_fds: dict[int, int] | None
+    as_workload: bool
+
+
+# pid, pidfd, leaf cgroup, guestd's ends of the pipes, and the Popen of the fallback spawn
+Spawned = tuple[int, "int | None", "RunCgroup | None", dict[str, int], "subprocess.Popen[bytes] | None"]
+
+
 class Children:
     """Spawns runs and owns them until their leaf is empty and removed."""
 
@@ -293,26 +315,15 @@ class Children:
         """
         if self._pool is None:
             # Two threads: a spawn blocks its thread until the child has exec'd, never the loop.
+            # They live as long as guestd: a kernel's PR_SET_PDEATHSIG follows the thread that
+            # created it, so a worker that exited would take its kernels with it.
             self._pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="guestd-spawn")
         self._counter += 1
         run_id = f"{self._counter}-{os.urandom(4).hex()}"
         loop = asyncio.get_running_loop()
         self._spawning += 1
-        fut = loop.run_in_executor(
-            self._pool,
-            self._spawn_blocking,
-            argv,
-            kind,
-            run_id,
-            env,
-            cwd,
-            stdin,
-            stdout,
-            stderr,
-            pty,
-            extra_fds,
-            as_workload,
-        )
+        order = SpawnOrder(argv, kind, run_id, env, cwd, stdin, stdout, stderr, pty, extra_fds, as_workload)
+        fut = loop.run_in_executor(self._pool, self._spawn_blocking, order)
         try:
             pid, pidfd, cgroup, fds, popen = await asyncio.shield(fut)
         except asyncio.CancelledError:
@@ -339,37 +350,30 @@ class Children:
     def _spawned(self) -> None:
         self._spawning -= 1
 
-    # Runs in the spawn thread: pipes, the leaf, the process.
-    def _spawn_blocking(
-        self,
-        argv: list[str],
-        kind: str,
-        run_id: str,
-        env: dict[str, str] | None,
-        cwd: str | None,
-        stdin: int,
-        stdout: int,
-        stderr: int,
-        pty: tuple[int, int] | None,
-        extra_fds: dict[int, int] | None,
-        as_workload: bool,
-    ) -> tuple[int, int | None, RunCgroup | None, dict[str, int], subprocess.Popen[bytes] | None]:
+    def _spawn_blocking(self, o: SpawnOrder) -> Spawned:
+        """Runs in a spawn thread: pipes, the leaf, the process."""
+        try:
+            return self._spawn_in_thread(o)
+        except OSError as exc:  # pipes or a pty: out of fds, most likely
+            raise GuestdError.from_os_error(exc, stage="spawn", argv0=o.argv[0]) from None
+
+    def _spawn_in_thread(self, o: SpawnOrder) -> Spawned:
         ours: dict[str, int] = {}  # guestd's ends, returned
         theirs: list[int] = []  # the child's ends, closed here after the spawn
         child_fds: list[tuple[int, int]] = []
         cgroup: RunCgroup | None = None
         try:
-            if pty is not None:
+            if o.pty is not None:
                 from guestd.children.tree import set_winsize
 
                 master, slave = os.openpty()
                 os.set_inheritable(master, False)
-                set_winsize(master, pty[0], pty[1])
+                set_winsize(master, o.pty[0], o.pty[1])
                 ours["pty"] = master
                 theirs.append(slave)
                 child_fds += [(slave, 0), (slave, 1), (slave, 2)]
             else:
-                for target, name, how in ((0, "stdin", stdin), (1, "stdout", stdout), (2, "stderr", stderr)):
+                for target, name, how in ((0, "stdin", o.stdin), (1, "stdout", o.stdout), (2, "stderr", o.stderr)):
                     if how == PIPE:
                         r, w = os.pipe2(os.O_CLOEXEC)
                         mine, its = (w, r) if target == 0 else (r, w)
@@ -383,11 +387,16 @@ class Children:
                         child_fds.append((dict((t, s) for s, t in child_fds)[1], 2))
                     else:
                         child_fds.append((how, target))
-            for target, source in (extra_fds or {}).items():
+            for target, source in (o.extra_fds or {}).items():
                 child_fds.append((source, target))
-            cgroup = self.workload.new_run(kind, run_id)
-            ids = self.workload_ids() if as_workload else None
-            pid, pidfd, popen = self._start(argv, env, cwd, child_fds, ids, pty is not None, cgroup)
+            try:
+                cgroup = self.workload.new_run(o.kind, o.run_id)
+            except OSError as exc:
+                raise GuestdError(
+                    ErrorCode.UNAVAILABLE, f"cannot make the run's cgroup: {exc}", details={"stage": "spawn"}
+                ) from None
+            ids = self.workload_ids() if o.as_workload else None
+            pid, pidfd, popen = self._start(o.argv, o.env, o.cwd, child_fds, ids, o.pty is not None, cgroup)
         except BaseException:
             for fd in list(ours.values()):
                 os.close(fd)
@@ -441,7 +450,7 @@ class Children:
             stage = getattr(exc, "stage", None)
             if stage == "cwd" or (stage is None and cwd is not None and exc.filename == cwd):
                 raise GuestdError.from_os_error(exc, stage="cwd", cwd=cwd) from None
-            if stage in (None, "exec"):
+            if stage in (None, "exec", "clone"):  # clone: e.g. EAGAIN at the workload's pids.max
                 raise GuestdError.from_os_error(exc, stage="spawn", argv0=argv[0]) from None
             raise GuestdError(
                 ErrorCode.UNAVAILABLE,
