@@ -28,7 +28,7 @@ from typing import TYPE_CHECKING, Any
 import msgpack
 
 from guestd.capture import OutputCapture, capture_fields
-from guestd.services import derive
+from guestd.services import derive, reseed_each
 from guestd.wire.errors import ErrorCode, GuestdError, limit_error
 
 if TYPE_CHECKING:  # the generated message types: annotations only, never imported at run time
@@ -861,22 +861,12 @@ class Contexts:
 
     async def reseed(self, entropy: bytes) -> dict[str, list[str]]:
         """After a restore: fresh random state in every kernel (busy ones before their next cell)."""
-        done: list[str] = []
-        pending: list[str] = []
-        jobs = []
-        for c in self.contexts.values():
+
+        def give(c: CodeContext) -> None:
             c.pending_seed = derive(entropy, "ctx:" + c.id)
-            if c.lock.locked():
-                pending.append(c.id)
-            else:
-                jobs.append(c.apply_pending_seed())
-                done.append(c.id)
-        results = await asyncio.gather(*jobs, return_exceptions=True)
-        return {
-            "contexts_reseeded": done,
-            "contexts_pending": pending,
-            "reseed_errors": [repr(r) for r in results if isinstance(r, BaseException)],
-        }
+
+        done, pending, errors = await reseed_each(list(self.contexts.values()), give)
+        return {"contexts_reseeded": done, "contexts_pending": pending, "reseed_errors": errors}
 
     async def shutdown(self) -> None:
         if self._refill is not None:

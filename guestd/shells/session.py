@@ -40,7 +40,7 @@ from guestd.capture import OutputCapture, capture_fields
 from guestd.children import PIPE, Child
 from guestd.children.options import check_cwd
 from guestd.children.tree import descendants, read_chunk, signal_each, signal_group, write_all
-from guestd.services import derive
+from guestd.services import derive, reseed_each
 from guestd.wire.errors import ErrorCode, GuestdError, limit_error
 from guestd.wire.paths import path_to_wire
 
@@ -569,19 +569,9 @@ class Shells:
 
     async def reseed(self, entropy: bytes) -> dict[str, list[str]]:
         """After a restore: a new $RANDOM seed in every session (busy ones before their next command)."""
-        done: list[str] = []
-        pending: list[str] = []
-        jobs = []
-        for s in self.sessions.values():
+
+        def give(s: Session) -> None:
             s.pending_seed = int.from_bytes(derive(entropy, "sh:" + s.id, 4), "big") & 0x7FFF_FFFF
-            if s.lock.locked():
-                pending.append(s.id)
-            else:
-                jobs.append(s.apply_pending_seed())
-                done.append(s.id)
-        results = await asyncio.gather(*jobs, return_exceptions=True)
-        return {
-            "shells_reseeded": done,
-            "shells_pending": pending,
-            "reseed_errors": [repr(r) for r in results if isinstance(r, BaseException)],
-        }
+
+        done, pending, errors = await reseed_each(list(self.sessions.values()), give)
+        return {"shells_reseeded": done, "shells_pending": pending, "reseed_errors": errors}
