@@ -6,11 +6,16 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import os
+import signal
+import subprocess
+import sys
+import time
 
 import pytest
 
 from guestd.client import AsyncClient, Client, GuestdError
-from guestd.testing import Guestd
+from guestd.testing import REPO, Guestd
 
 
 def test_a_cancelled_command_never_completes_the_next_one(guestd: Guestd) -> None:
@@ -99,3 +104,23 @@ def test_duplicate_session_names_are_refused(client: Client) -> None:
         assert [s["id"] for s in client.shell_list() if s["name"] == "work-dup"] == [sid]
     finally:
         client.shell_close(sid)
+
+
+def test_guestctl_shell_run_interrupted_with_ctrl_c_leaves_the_session_in_step(guestd: Guestd) -> None:
+    env = {**os.environ, "PYTHONPATH": REPO}
+    base = [sys.executable, "-m", "guestd.cli", "--connect", guestd.address]
+    sid = subprocess.run([*base, "shell", "new"], capture_output=True, env=env, timeout=60).stdout.decode().strip()
+    try:
+        for _ in range(2):
+            # INT is ignored (inherited by sleep): only the escalation ends the command.
+            run = subprocess.Popen([*base, "shell", "run", sid, "trap '' INT; sleep 4; echo late"], env=env)
+            time.sleep(0.8)
+            run.send_signal(signal.SIGINT)
+            run.wait(30)
+            for _ in range(4):
+                r = subprocess.run(
+                    [*base, "shell", "run", sid, "echo mine; (exit 5)"], capture_output=True, env=env, timeout=60
+                )
+                assert (r.returncode, r.stdout) == (5, b"mine\n"), r
+    finally:
+        subprocess.run([*base, "shell", "rm", sid], env=env, timeout=60)
