@@ -20,7 +20,6 @@ import resource
 import signal
 import subprocess
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, TypedDict
 
@@ -30,6 +29,7 @@ from guestd.children.tree import ExitWatch, descendants, kill_tree, signal_each,
 from guestd.wire.errors import ErrorCode, GuestdError
 
 if TYPE_CHECKING:
+    from concurrent.futures import ThreadPoolExecutor
     from types import ModuleType
 
 __all__ = ["DEVNULL", "PIPE", "STDOUT", "Child", "Children", "ExitInfo", "WorkloadConfig"]
@@ -317,6 +317,8 @@ class Children:
             # Two threads: a spawn blocks its thread until the child has exec'd, never the loop.
             # They live as long as guestd: a kernel's PR_SET_PDEATHSIG follows the thread that
             # created it, so a worker that exited would take its kernels with it.
+            from concurrent.futures import ThreadPoolExecutor  # on first spawn: idle memory
+
             self._pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="guestd-spawn")
         self._counter += 1
         run_id = f"{self._counter}-{os.urandom(4).hex()}"

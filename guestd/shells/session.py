@@ -192,7 +192,7 @@ class Session:
         self._fds = {1: child.stdout, 2: child.stderr}
         for which, fd in self._fds.items():
             loop.add_reader(fd, self._on_output, which)
-        child.watch(self._on_exit, 0.05)
+        child.watch(poll_s=0.05)  # `alive` reads the child; waits watch child.exited
         # Source the library as "bash" from its own directory (see the module head), then
         # go back to the session's directory and leave OLDPWD as it was.
         q = ansi_c_quote
@@ -226,9 +226,6 @@ class Session:
     async def _send(self, text: str) -> None:
         assert self.child is not None and self.child.stdin is not None
         await write_all(asyncio.get_running_loop(), self.child.stdin, text.encode("utf-8", "surrogateescape"))
-
-    def _on_exit(self) -> None:
-        pass  # `alive` reads the child; waiters watch child.exited
 
     def _on_output(self, which: int) -> None:
         self._read_once(which)
