@@ -32,6 +32,18 @@ import msgpack
 import psutil
 import uvloop
 
+from bench.shipped import (
+    EXEC_LOOPS,
+    WORKLOAD_USER,
+    cgroup_unusable,
+    detail_rows,
+    notes,
+    other_qemu_pids,
+    scratch_cgroup,
+    shared_dir,
+    shipped_config_text,
+    target_rows,
+)
 from guestd import __version__
 from guestd.client import AsyncClient
 from guestd.memtune import tune_malloc
@@ -294,12 +306,42 @@ def pin_servers() -> None:
 
 
 async def measure(tmp: str, rounds: int, n_ping: int, n_exec: int, big: bool) -> dict[str, Any]:
+    unusable = cgroup_unusable()
+    if unusable is not None:
+        return await measure_with(tmp, rounds, n_ping, n_exec, big, None, unusable)
+    with scratch_cgroup() as cgroup, shared_dir("guestd-bench-shipped-") as shared:
+        return await measure_with(tmp, rounds, n_ping, n_exec, big, (cgroup, shared), None)
+
+
+def start_shipped(tmp: str, cgroup: str, shared: str) -> Proc:
+    """guestd with the shipped ``[workload]`` table (its cgroup in the scratch sub-tree) and a
+    workload user; its workspace is one that user can enter."""
+    config = f"{tmp}/shipped.toml"
+    with open(config, "w") as f:
+        f.write(shipped_config_text(os.path.join(cgroup, "workload")))
+    argv = [*guestd_argv(f"{tmp}/shipped.sock"), "--config", config, "--runtime-dir", f"{tmp}/rt-shipped"]
+    return Proc([*argv, "--workspace", os.path.join(shared, "workspace")], ready_via_fd=True)
+
+
+async def measure_with(
+    tmp: str,
+    rounds: int,
+    n_ping: int,
+    n_exec: int,
+    big: bool,
+    shipped_at: tuple[str, str] | None,
+    skipped: str | None,
+) -> dict[str, Any]:
+    """``shipped_at``: (scratch cgroup, shared dir) for the shipped-config guestd, None to skip it."""
     floor_path = f"{tmp}/floor.sock"
     floor = Proc([sys.executable, os.path.join(HERE, "floor_server.py"), floor_path], ready_via_fd=False)
     gsock = f"{tmp}/guestd.sock"
     gd = Proc(guestd_argv(gsock), ready_via_fd=True)
+    sd = start_shipped(tmp, *shipped_at) if shipped_at is not None else None
     fl: dict[str, Any] = {}
     res: dict[str, Any] = {}
+    shipped: dict[str, Any] = {"skipped": skipped} if skipped else {}
+    res["shipped"] = shipped
     try:
         time.sleep(0.5)
         fl["idle_rss_MiB"], fl["idle_pss_MiB"] = floor.rss() / MiB, floor.pss() / MiB
@@ -307,20 +349,42 @@ async def measure(tmp: str, rounds: int, n_ping: int, n_exec: int, big: bool) ->
         loop = asyncio.get_running_loop()
         _, fc = await loop.create_unix_connection(FloorClient, floor_path)
         c = await AsyncClient.connect(f"unix:{gsock}")
-        # Interleave floor and guestd in rounds so drift on a shared machine hits both alike.
-        samples: dict[str, list[float]] = {"echo": [], "ping": [], "run": [], "exec": []}
+        res["spawn"] = (await c.info()).raw.get("spawn")
+        cs = await AsyncClient.connect(f"unix:{tmp}/shipped.sock") if sd is not None else None
+        if cs is not None:
+            info = (await cs.info()).raw
+            assert shipped_at is not None
+            shipped.update(
+                user=WORKLOAD_USER, cgroup=shipped_at[0], spawn=info["spawn"], workload_cgroup=info["workload_cgroup"]
+            )
+            # What a run sees: the workload user, and a leaf of its own under the scratch sub-tree.
+            seen = await cs.exec(["sh", "-c", "id -un; cat /proc/self/cgroup | grep '^0::'"])
+            shipped["child_sees"] = seen.stdout.decode().split()
+        # Interleave floor and guestd in rounds so drift on a shared machine hits both alike; the
+        # shipped-config guestd takes its exec turn in the same rounds as the root one.
+        samples: dict[str, list[float]] = {"echo": [], "ping": [], "run": [], "exec": [], "exec_shipped": []}
         await time_loop(lambda: fc.call({"op": "ping", "id": 1}), 0, 200)
         await time_loop(c.ping, 0, 200)
         await time_loop(lambda: c.exec(["true"]), 0, 20)
+        if cs is not None:
+            await time_loop(lambda: cs.exec(["true"]), 0, 20)
         for _ in range(rounds):
             samples["echo"] += await time_loop(lambda: fc.call({"op": "ping", "id": 1}), n_ping, 20)
             samples["ping"] += await time_loop(c.ping, n_ping, 20)
             samples["run"] += await time_loop(run_true, n_exec, 2)
             samples["exec"] += await time_loop(lambda: c.exec(["true"]), n_exec, 2)
+            if cs is not None:
+                samples["exec_shipped"] += await time_loop(lambda: cs.exec(["true"]), n_exec, 2)
         fl["echo_ping"] = summary_ms(samples["echo"])
         res["ping"] = summary_ms(samples["ping"])
         fl["subprocess_true"] = summary_ms(samples["run"])
         res["exec_true"] = summary_ms(samples["exec"])
+        if cs is not None:
+            shipped["exec_true"] = summary_ms(samples["exec_shipped"])
+            shipped["concurrency"] = await measure_concurrency(f"unix:{tmp}/shipped.sock", cs, EXEC_LOOPS)
+            await cs.close()
+        if sd is not None:
+            sd.stop()
         assert fc.transport is not None
         fc.transport.close()
         fl["socket_in_MBps"], fl["socket_out_MBps"] = await asyncio.to_thread(floor_stream, floor_path, 64 * MiB)
@@ -368,12 +432,14 @@ async def measure(tmp: str, rounds: int, n_ping: int, n_exec: int, big: bool) ->
             "lost": a.lost_bytes["stdout"],
         }
         await c.process_forget(p["id"])
-        res["concurrency"] = await measure_concurrency(f"unix:{gsock}", c, 64 if big else 16)
+        res["concurrency"] = await measure_concurrency(f"unix:{gsock}", c, EXEC_LOOPS)
         res["idle_rss_after_MiB"] = gd.rss() / MiB
         await c.close()
     finally:
         floor.stop()
         gd.stop()
+        if sd is not None:
+            sd.stop()
     res["start_to_first_reply"] = summary_ms(await start_to_first_reply(tmp, 5))
     return {"floor": fl, "guestd": res}
 
@@ -583,15 +649,8 @@ def verdict(ok: bool) -> str:
     return "met" if ok else "**missed**"
 
 
-def render(
-    floor: dict[str, Any],
-    g: dict[str, Any],
-    quick: bool,
-    cmd: str,
-    pinning: dict[str, Any],
-    code: dict[str, Any],
-    restore: dict[str, Any],
-) -> str:
+def render(res: dict[str, Any], quick: bool, cmd: str) -> str:
+    floor, g, pinning, code, restore = res["floor"], res["guestd"], res["pinning"], res["code"], res["restore"]
     f64 = g["files"][str(64 * MiB)]
     ping_ratio = g["ping"]["p50_ms"] / floor["echo_ping"]["p50_ms"]
     exec_ratio = g["exec_true"]["p50_ms"] / floor["subprocess_true"]["p50_ms"]
@@ -621,10 +680,12 @@ def render(
         "",
         "| target | guestd | floor | ratio | goal | verdict |",
         "|---|---|---|---|---|---|",
+        *target_rows(floor, g),
         f"| ping round trip p50 | {g['ping']['p50_ms']:.3f} ms "
         f"| {floor['echo_ping']['p50_ms']:.3f} ms (uvloop+msgpack echo) "
         f"| {ping_ratio:.2f}x | <= 1.5x | {verdict(ping_ratio <= 1.5)} |",
-        f"| exec `true` p50 | {g['exec_true']['p50_ms']:.3f} ms | {floor['subprocess_true']['p50_ms']:.3f} ms "
+        f"| exec `true` p50 (root, no workload settings) | {g['exec_true']['p50_ms']:.3f} ms "
+        f"| {floor['subprocess_true']['p50_ms']:.3f} ms "
         f"(`subprocess.run(['true'])`) | {exec_ratio:.2f}x | <= 1.3x | {verdict(exec_ratio <= 1.3)} |",
         f"| 64 MiB upload | {f64['upload_MBps']:.0f} MB/s | {floor['socket_in_MBps']:.0f} MB/s (raw socket in) "
         f"| {up_frac:.0%} | >= 50% | {verdict(up_frac >= 0.5)} |",
@@ -672,6 +733,7 @@ def render(
         f"| {floor['subprocess_true']['p99_ms']:.3f} | {floor['subprocess_true']['n']} |",
         f"| guestd: `exec ['true']` | {g['exec_true']['p50_ms']:.3f} | {g['exec_true']['p99_ms']:.3f} "
         f"| {g['exec_true']['n']} |",
+        *detail_rows(g),
         f"| guestd: `shell.run('/bin/true')` in a persistent bash | {g['shell_true']['p50_ms']:.3f} "
         f"| {g['shell_true']['p99_ms']:.3f} | {g['shell_true']['n']} |",
         f"| guestd: `exec ['/bin/true']` (same rounds) | {g['exec_bin_true']['p50_ms']:.3f} "
@@ -734,11 +796,12 @@ def render(
         "",
         "## Reading the misses",
         "",
+        *notes(res),
         "- **exec `true`**: the floor is a blocking `subprocess.run` in the client's own process. guestd adds a "
         "request/response round trip across cores, an event-loop task, pidfd + pipe wake-ups, and its child shares "
-        "the server's CPU. guestd already spawns through `subprocess.Popen` (vfork) rather than uvloop's fork-based "
-        "spawn (2.5x slower here), inherits its environment instead of re-encoding it, and keeps the default pipe "
-        "size (F_SETPIPE_SZ cost ~45 us per exec). "
+        "the server's CPU. guestd spawns with clone3 (CLONE_VM|CLONE_VFORK, into the run's leaf cgroup when it has "
+        "one) on a 2-thread spawn pool, so the event loop never waits for an exec; it inherits its environment "
+        "instead of re-encoding it, and keeps the default pipe size (F_SETPIPE_SZ cost ~45 us per exec). "
         "Across runs on this machine the ratio moved between ~1.2x and ~1.6x.",
         "- **64 MiB upload**: an upload is an atomic replace, so it writes and fsyncs the file; the line "
         '"upload vs the disk" compares it with a local write + fsync of the same size in the same run. '
@@ -917,40 +980,82 @@ async def amain(quick: bool) -> dict[str, Any]:
         return res
 
 
+RESULTS_JSON = os.path.join(HERE, "out", "results.json")
+
+
+def load_results() -> dict[str, Any]:
+    """The last run's results (bench/out/results.json), or {} when there is none."""
+    try:
+        with open(RESULTS_JSON) as f:
+            res: dict[str, Any] = json.load(f)
+            return res
+    except (OSError, ValueError):
+        return {}
+
+
+def report(res: dict[str, Any]) -> str:
+    """RESULTS.md: the host sections (when the host bench ran) and the QEMU guest section (when
+    ``--guest`` ran, at any time: each keeps its own date)."""
+    text = ""
+    if "guestd" in res:
+        text = render(res, res.get("quick", False), res.get("cmd", "python -m bench.run"))
+        text += render_peers(res)
+        text += render_extra(res)
+        if res.get("charts_python") and os.path.exists(res["charts_python"]):
+            r = subprocess.run(
+                [res["charts_python"], os.path.join(HERE, "charts.py"), RESULTS_JSON, os.path.join(HERE, "charts")],
+                capture_output=True,
+                text=True,
+                check=False,
+            )
+            if r.returncode == 0:
+                text += "\n" + r.stdout
+            else:
+                text += f"\n(charts failed: {r.stderr[-300:]})\n"
+    else:
+        text = "# guestd benchmark results\n\nThe host bench has not run here yet (`python -m bench.run`).\n"
+    if "qemu_guest" in res:
+        from bench.guest import render_guest
+
+        text += render_guest(res["qemu_guest"])
+    return text
+
+
 def main() -> None:
     tune_malloc()  # the host side of a bulk transfer benefits the same way guestd does
     ap = argparse.ArgumentParser()
     ap.add_argument("--quick", action="store_true", help="CI smoke: fewer samples, no 1 GiB transfer")
+    ap.add_argument(
+        "--guest",
+        action="store_true",
+        help="only the QEMU guest bench (boots the baked image); merged with the last host results",
+    )
     ap.add_argument("--out", default=os.path.join(HERE, "RESULTS.md"))
     ns = ap.parse_args()
-    res = uvloop.run(amain(ns.quick))
-    res["pinning"] = {"client_cpus": sorted(CLIENT_CPUS), "server_cpus": sorted(SERVER_CPUS)}
-    os.makedirs(os.path.join(HERE, "out"), exist_ok=True)
-    with open(os.path.join(HERE, "out", "results.json"), "w") as f:
+    earlier = load_results()
+    if ns.guest:
+        from bench.guest import measure_guest
+
+        res = earlier
+        res["qemu_guest"] = measure_guest(ns.quick)
+    else:
+        others = other_qemu_pids()
+        res = uvloop.run(amain(ns.quick))
+        res["pinning"] = {"client_cpus": sorted(CLIENT_CPUS), "server_cpus": sorted(SERVER_CPUS)}
+        res["other_qemu_pids"] = sorted(set(others) | set(other_qemu_pids()))
+        res["cmd"] = "python -m bench.run" + (" --quick" if ns.quick else "")
+        res["quick"] = ns.quick
+        if "qemu_guest" in earlier:  # a guest run is slow: keep the last one (it carries its own date)
+            res["qemu_guest"] = earlier["qemu_guest"]
+    os.makedirs(os.path.dirname(RESULTS_JSON), exist_ok=True)
+    with open(RESULTS_JSON, "w") as f:
         json.dump(res, f, indent=1)
-    cmd = "python -m bench.run" + (" --quick" if ns.quick else "")
-    text = render(res["floor"], res["guestd"], ns.quick, cmd, res["pinning"], res["code"], res["restore"])
-    text += render_peers(res)
-    text += render_extra(res)
-    if res.get("charts_python"):
-        r = subprocess.run(
-            [
-                res["charts_python"],
-                os.path.join(HERE, "charts.py"),
-                os.path.join(HERE, "out", "results.json"),
-                os.path.join(HERE, "charts"),
-            ],
-            capture_output=True,
-            text=True,
-            check=False,
-        )
-        if r.returncode == 0:
-            text += "\n" + r.stdout
-        else:
-            text += f"\n(charts failed: {r.stderr[-300:]})\n"
+    text = report(res)
     with open(ns.out, "w") as f:
         f.write(text)
     print(text)
+    if ns.guest:
+        print(json.dumps(res["qemu_guest"], indent=1))
 
 
 if __name__ == "__main__":
