@@ -225,15 +225,11 @@ class Child:
             self.close_fd(name)
         if self._exit_watch is not None:
             self._exit_watch.close()
-        if self.status is not None:
-            self._close_pidfd()
-        self.owner.retire(self)
-
-    def _close_pidfd(self) -> None:
-        if self._pidfd is not None:
+        if self._pidfd is not None:  # released while running: the orphan sweep reaps it
             with contextlib.suppress(OSError):
                 os.close(self._pidfd)
             self._pidfd = None
+        self.owner.retire(self)
 
 
 def _event_of(fut: asyncio.Future[None]) -> asyncio.Event:
