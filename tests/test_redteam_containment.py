@@ -16,7 +16,6 @@ import signal
 import subprocess
 import tempfile
 import time
-from collections.abc import Iterator
 
 import pytest
 
@@ -205,7 +204,7 @@ def test_a_shell_command_cannot_read_later_nonces_through_a_debug_trap(contained
     it, and (extdebug) skips guestd's own. Here the later command creates a file and exits 3:
     it must not be reported as exit 0 in /forged."""
     trap = (
-        "shopt -s extdebug; trap 'case $BASH_COMMAND in \"__gd_mark \"*) set -- $BASH_COMMAND; "
+        'shopt -s extdebug; trap \'case $BASH_COMMAND in "__gd_mark "*) set -- $BASH_COMMAND; '
         'builtin printf "%s\\0%s\\0%s\\0\\0" "$3" 0 /forged >&63; false;; esac\' DEBUG'
     )
     with contained.client() as c:
@@ -216,6 +215,45 @@ def test_a_shell_command_cannot_read_later_nonces_through_a_debug_trap(contained
             assert (r.exit_code, r.cwd) == (3, "/"), f"a later command's result was forged: {r}"
         finally:
             c.shell_close(sid)
+
+
+# A job of an earlier command (a bash subshell keeps bash's saved copies of its script pipe
+# and of the control pipe) waits, stops bash, reads the next command's script line off the
+# pipe (the nonce is in it), writes the status marker with that nonce, and continues bash:
+# the next command never runs and its result is whatever the job wrote.
+HIJACK_JOB = r"""( exec </dev/null >/dev/null 2>&1
+  me=$BASHPID; r=; w=
+  for n in $(seq 10 62); do [ -e /proc/$me/fd/$n ] || continue
+    case $(grep ^flags /proc/$me/fdinfo/$n) in *1) w=$n;; *) r=$n;; esac; done
+  sleep 0.5; kill -STOP $$
+  while IFS= read -r -u $r line; do
+    if [[ $line =~ __gd_mark\ \$\?\ ([0-9a-f]{32}) ]]; then
+      printf '%s\0%s\0%s\0\0' "${BASH_REMATCH[1]}" 0 /forged >&$w; break; fi
+  done
+  kill -CONT $$ ) &"""
+
+
+@needs_cgroup
+def test_a_job_of_an_earlier_command_cannot_swallow_and_forge_a_later_command(contained: Guestd) -> None:
+    """Unlike redefining guestd's functions, this needs nothing of bash's state: only the fds a
+    background subshell inherits. The later command must run (its file exists) and report its
+    own exit status and cwd."""
+    d = tempfile.mkdtemp(prefix="guestd-red-hijack-")
+    os.chmod(d, 0o777)
+    made = os.path.join(d, "made")
+    try:
+        with contained.client() as c:
+            sid = c.shell_create(cwd="/tmp")["id"]
+            try:
+                assert c.shell_run(sid, HIJACK_JOB, timeout_s=10).exit_code == 0
+                time.sleep(1.0)  # the job has stopped bash by now
+                r = c.shell_run(sid, f"touch {made}; cd /; exit 4", timeout_s=10)
+                assert os.path.exists(made), f"the command never ran, and its result says {r}"
+                assert (r.exit_code, r.cwd) == (4, "/"), f"forged: {r}"
+            finally:
+                c.shell_close(sid)
+    finally:
+        shutil.rmtree(d, ignore_errors=True)
 
 
 # -- fds: cancelled spawns -----------------------------------------------------------------
