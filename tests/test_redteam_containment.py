@@ -1,0 +1,330 @@
+"""Red-team pass on issue 14 (containment, the child-process component, shell integrity).
+
+Every test runs a real guestd with a scratch workload cgroup under /sys/fs/cgroup/unified and
+workload_user "nobody" (the fixtures of tests/test_containment.py), and attacks it as the
+workload (code running as nobody inside a run) or as a careless client would. A test that
+fails here names a defect; see each docstring for the attack.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import shutil
+import signal
+import subprocess
+import tempfile
+import time
+
+import pytest
+
+from guestd.client import AsyncClient, GuestdError
+from guestd.testing import Guestd, start_guestd
+from guestd.testing.rawwire import RawPeer
+from guestd.wire.frames import Kind, encode_frame
+from tests.test_containment import contained, contained_config, needs_cgroup, scratch, start_contained
+
+__all__ = ["contained", "scratch"]  # fixtures, re-used
+
+# -- the workload that stops children before they exec ------------------------------------
+
+# Runs as the workload user. It watches the pids the kernel hands out next; a new process of
+# this test's cgroup sub-tree gets SIGSTOP as soon as the kernel allows it, which is the moment
+# the clone3 child of guestd has dropped to the workload user and has not exec'd yet (a real
+# workload would simply spin on kill(-1, SIGSTOP): every process of the workload user is its
+# own). A child caught before exec (its cmdline is still guestd's) stays stopped and is logged;
+# one caught after exec is continued at once, so only the pre-exec stop has any effect.
+STOPPER = r"""
+import os, signal, sys, time
+mark, log, seconds = sys.argv[1], sys.argv[2], float(sys.argv[3])
+me = os.getpid()
+end = time.time() + seconds
+done = set()
+def ours(pid):
+    try:
+        with open(f"/proc/{pid}/cgroup") as f:
+            return mark in f.read()
+    except OSError:
+        return False
+while time.time() < end:
+    with open("/proc/sys/kernel/ns_last_pid") as f:
+        last = int(f.read())
+    for pid in range(last + 1, last + 4):
+        if pid == me or pid in done or not ours(pid):
+            continue
+        for _ in range(20000):
+            try:
+                os.kill(pid, signal.SIGSTOP)
+                break
+            except PermissionError:
+                continue  # still root: not yet dropped
+            except ProcessLookupError:
+                break
+        done.add(pid)
+        try:
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                before_exec = b"guestd" in f.read()
+        except OSError:
+            before_exec = False
+        if before_exec:
+            with open(log, "a") as f:
+                f.write(f"{pid}\n")
+        else:
+            with __import__("contextlib").suppress(OSError):
+                os.kill(pid, signal.SIGCONT)
+"""
+
+
+class Stopper:
+    def __init__(self, scratch_cg: str) -> None:
+        self.dir = tempfile.mkdtemp(prefix="guestd-red-stop-")
+        os.chmod(self.dir, 0o777)
+        self.script = os.path.join(self.dir, "stopper.py")
+        with open(self.script, "w") as f:
+            f.write(STOPPER)
+        os.chmod(self.script, 0o644)
+        self.log = os.path.join(self.dir, "stopped")
+        open(self.log, "w").close()
+        os.chmod(self.log, 0o666)
+        self.mark = os.path.basename(scratch_cg)
+
+    def argv(self, seconds: float) -> list[str]:
+        return ["python3", self.script, self.mark, self.log, str(seconds)]
+
+    def stopped(self) -> list[int]:
+        with open(self.log) as f:
+            return [int(x) for x in f.read().split()]
+
+    def cleanup(self) -> None:
+        """SIGKILL what it stopped (only processes of this test's cgroup sub-tree)."""
+        for pid in self.stopped():
+            with contextlib.suppress(OSError):
+                with open(f"/proc/{pid}/cgroup") as f:
+                    if self.mark not in f.read():
+                        continue
+                os.kill(pid, signal.SIGKILL)
+        shutil.rmtree(self.dir, ignore_errors=True)
+
+
+def _stop_guestd(g: Guestd) -> None:
+    g.stop(grace_s=3)
+    shutil.rmtree(g.workdir, ignore_errors=True)
+
+
+async def _exec_until_wedged(g: Guestd, st: Stopper, seconds: float) -> tuple[int, list[str]]:
+    """Three clients loop exec `true` while the stopper runs; returns (execs done, hangs)."""
+    hangs: list[str] = []
+    done = 0
+    t_end = time.monotonic() + seconds
+
+    async def loop() -> None:
+        nonlocal done
+        async with await AsyncClient.connect(g.address) as c:
+            while time.monotonic() < t_end and not hangs:
+                try:
+                    await c.exec(["true"], deadline=5)
+                    done += 1
+                except GuestdError as exc:
+                    if "no reply within" in str(exc):  # the client's deadline: guestd never answered
+                        hangs.append(f"exec hung after {done} execs (stopped before exec: {st.stopped()})")
+                    # a typed error from guestd itself is an acceptable answer
+
+    await asyncio.gather(loop(), loop(), loop())
+    return done, hangs
+
+
+@needs_cgroup
+def test_a_child_stopped_before_exec_does_not_wedge_spawning(scratch: str) -> None:
+    """The clone3 child runs as the workload user between setresuid and execve while the spawn
+    thread waits for it (CLONE_VFORK). The workload may signal its own user's processes, so a
+    SIGSTOP landing in that window parks the spawn thread for good; two of them wedge the
+    2-thread pool and no exec, process.start, shell.create or code kernel can start again.
+    Every exec must still get an answer."""
+    g = start_contained(scratch, "wedge")
+    st = Stopper(scratch)
+    try:
+        with g.client() as c:
+            c.process_start(st.argv(40))
+        time.sleep(0.3)
+        _done, hangs = asyncio.run(_exec_until_wedged(g, st, 20))
+        assert not hangs, hangs[0]
+        with g.client() as c:  # and a spawn still works afterwards
+            assert c.exec(["true"], deadline=10).exit_code == 0
+    finally:
+        st.cleanup()
+        _stop_guestd(g)
+
+
+@needs_cgroup
+def test_guestd_stops_on_sigterm_while_a_spawn_is_stopped(scratch: str) -> None:
+    """Same attack, then SIGTERM: guestd must still shut down (its spawn threads are parked in
+    clone3 and the stopped children belong to no run it knows, so nothing ends them)."""
+    g = start_contained(scratch, "wedge-term")
+    st = Stopper(scratch)
+    try:
+        with g.client() as c:
+            c.process_start(st.argv(30))
+        time.sleep(0.3)
+        asyncio.run(_exec_until_wedged(g, st, 15))
+        g.proc.terminate()
+        try:
+            g.proc.wait(10)
+        except subprocess.TimeoutExpired:
+            pytest.fail(f"guestd still running 10 s after SIGTERM (children stopped before exec: {st.stopped()})")
+    finally:
+        st.cleanup()
+        _stop_guestd(g)
+
+
+# -- shell sessions: a command deciding the results of later commands ----------------------
+
+
+@needs_cgroup
+def test_a_shell_command_cannot_forge_later_results_by_redefining_the_marker(contained: Guestd) -> None:
+    """guestd's status writer is a shell function in the same bash the command runs in: the
+    command can redefine it, and every later command of the session reports exit 0 and cwd
+    /forged, whatever it did (PROTOCOL.md 10: "nothing a command writes completes another
+    command; a command decides its own result only")."""
+    forge = "__gd_mark() { builtin printf '%s\\0%s\\0%s\\0' \"$2\" 0 /forged >&63; builtin printf '\\0' >&63; }"
+    with contained.client() as c:
+        sid = c.shell_create(cwd="/tmp")["id"]
+        try:
+            c.shell_run(sid, forge, timeout_s=10)
+            r = c.shell_run(sid, "cd /; exit 7", timeout_s=10)
+            assert (r.exit_code, r.cwd) == (7, "/"), f"a later command's result was forged: {r}"
+        finally:
+            c.shell_close(sid)
+
+
+@needs_cgroup
+def test_a_shell_command_cannot_read_later_nonces_through_a_debug_trap(contained: Guestd, tmp_path: object) -> None:
+    """The nonce of a command reaches bash in the script line after the command's eval; a DEBUG
+    trap installed by an earlier command sees it in $BASH_COMMAND, writes a forged marker with
+    it, and (extdebug) skips guestd's own. Here the later command creates a file and exits 3:
+    it must not be reported as exit 0 in /forged."""
+    trap = (
+        'shopt -s extdebug; trap \'case $BASH_COMMAND in "__gd_mark "*) set -- $BASH_COMMAND; '
+        'builtin printf "%s\\0%s\\0%s\\0\\0" "$3" 0 /forged >&63; false;; esac\' DEBUG'
+    )
+    with contained.client() as c:
+        sid = c.shell_create(cwd="/tmp")["id"]
+        try:
+            c.shell_run(sid, trap, timeout_s=10)
+            r = c.shell_run(sid, "cd /; exit 3", timeout_s=10)
+            assert (r.exit_code, r.cwd) == (3, "/"), f"a later command's result was forged: {r}"
+        finally:
+            c.shell_close(sid)
+
+
+# A job of an earlier command (a bash subshell keeps bash's saved copies of its script pipe
+# and of the control pipe) waits, stops bash, reads the next command's script line off the
+# pipe (the nonce is in it), writes the status marker with that nonce, and continues bash:
+# the next command never runs and its result is whatever the job wrote.
+HIJACK_JOB = r"""( exec </dev/null >/dev/null 2>&1
+  me=$BASHPID; r=; w=
+  for n in $(seq 10 62); do [ -e /proc/$me/fd/$n ] || continue
+    case $(grep ^flags /proc/$me/fdinfo/$n) in *1) w=$n;; *) r=$n;; esac; done
+  sleep 0.5; kill -STOP $$
+  while IFS= read -r -u $r line; do
+    if [[ $line =~ __gd_mark\ \$\?\ ([0-9a-f]{32}) ]]; then
+      printf '%s\0%s\0%s\0\0' "${BASH_REMATCH[1]}" 0 /forged >&$w; break; fi
+  done
+  kill -CONT $$ ) &"""
+
+
+@needs_cgroup
+def test_a_job_of_an_earlier_command_cannot_swallow_and_forge_a_later_command(contained: Guestd) -> None:
+    """Unlike redefining guestd's functions, this needs nothing of bash's state: only the fds a
+    background subshell inherits. The later command must run (its file exists) and report its
+    own exit status and cwd."""
+    d = tempfile.mkdtemp(prefix="guestd-red-hijack-")
+    os.chmod(d, 0o777)
+    made = os.path.join(d, "made")
+    try:
+        with contained.client() as c:
+            sid = c.shell_create(cwd="/tmp")["id"]
+            try:
+                assert c.shell_run(sid, HIJACK_JOB, timeout_s=10).exit_code == 0
+                time.sleep(1.0)  # the job has stopped bash by now
+                r = c.shell_run(sid, f"touch {made}; cd /; exit 4", timeout_s=10)
+                assert os.path.exists(made), f"the command never ran, and its result says {r}"
+                assert (r.exit_code, r.cwd) == (4, "/"), f"forged: {r}"
+            finally:
+                c.shell_close(sid)
+    finally:
+        shutil.rmtree(d, ignore_errors=True)
+
+
+# -- fds: cancelled spawns -----------------------------------------------------------------
+
+
+def _fd_kinds(pid: int) -> dict[str, int]:
+    out: dict[str, int] = {}
+    for fd in os.listdir(f"/proc/{pid}/fd"):
+        with contextlib.suppress(OSError):
+            link = os.readlink(f"/proc/{pid}/fd/{fd}")
+            kind = link.split(":")[0] if ":" in link else "file"
+            if link.startswith("anon_inode:"):
+                kind = link
+            out[kind] = out.get(kind, 0) + 1
+    return out
+
+
+@needs_cgroup
+def test_cancelled_spawns_leave_no_pidfds(contained: Guestd) -> None:
+    """A client cancels execs while they wait for the 2-thread spawn pool (or are in it): the
+    process is started anyway and killed by the cleanup, whose Child.release() keeps the pidfd
+    because the child was not reaped yet. 200 cancelled execs: guestd's pidfds must not grow."""
+    with contained.client() as c:
+        c.exec(["true"])
+    time.sleep(0.5)
+    before = _fd_kinds(contained.pid).get("anon_inode:[pidfd]", 0)
+    peer = RawPeer(contained.raw_socket())
+    peer.hello()
+    rid = 1
+    for _ in range(5):
+        ids = list(range(rid, rid + 40))
+        rid += 40
+        peer.send_bytes(
+            b"".join(encode_frame(Kind.REQUEST, i, {"op": "exec", "args": {"argv": ["sleep", "10"]}}) for i in ids)
+        )
+        time.sleep(0.002)
+        peer.send_bytes(b"".join(encode_frame(Kind.CANCEL, i, {}) for i in ids))
+        for i in ids:
+            peer.recv_final(i)
+    peer.sock.close()
+    after = before
+    for _ in range(60):  # every leaf empties and is removed within the sweep interval
+        time.sleep(0.1)
+        after = _fd_kinds(contained.pid).get("anon_inode:[pidfd]", 0)
+        if after - before <= 4:
+            break
+    assert after - before <= 4, f"{after - before} pidfds more after 200 cancelled execs"
+
+
+# -- the restart path ----------------------------------------------------------------------
+
+
+@needs_cgroup
+def test_a_second_guestd_on_the_same_workload_cgroup_spares_live_runs(scratch: str) -> None:
+    """A second guestd configured with the same workload cgroup (a test instance, a manual
+    start next to the unit) takes every leaf for a dead guestd's leftover and kills it: the
+    first guestd's running process dies with SIGKILL. Kernels' pid files already check that
+    their owner is gone (contexts._owner_alive); the cgroup leaves do not."""
+    g = start_contained(scratch, "shared")
+    d2 = tempfile.mkdtemp(prefix="guestd-red-second-")
+    os.chmod(d2, 0o755)
+    try:
+        with g.client() as c:
+            p = c.process_start(["sleep", "1000"])
+            g2 = start_guestd(d2, "--config", contained_config(d2, os.path.join(scratch, "shared")))
+            try:
+                time.sleep(0.5)
+                state = next(x for x in c.process_list() if x["id"] == p["id"])
+                assert state["state"] == "running", f"a live guestd's run was ended by another: {state}"
+            finally:
+                g2.stop()
+    finally:
+        _stop_guestd(g)
+        shutil.rmtree(d2, ignore_errors=True)
