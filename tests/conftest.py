@@ -85,3 +85,28 @@ def evil(tmp_path: object) -> Iterator[FakeGuest]:
     yield start
     for s in servers + conns:
         s.close()
+
+
+@pytest.fixture(scope="module")
+def scratch() -> Iterator[str]:
+    """A scratch cgroup v2 sub-tree for workload cgroups, removed (processes killed) afterwards."""
+    from guestd.testing.cgroups import UNIFIED, cgroup_usable, make_scratch, remove_tree
+
+    if not cgroup_usable():
+        pytest.skip("needs root and cgroup v2 at " + UNIFIED)
+    cg = make_scratch()
+    try:
+        yield cg
+    finally:
+        remove_tree(cg)
+
+
+@pytest.fixture(scope="module")
+def contained(scratch: str) -> Iterator[Guestd]:
+    """A guestd in the shipped configuration: workload user nobody, a workload cgroup in ``scratch``."""
+    from guestd.testing.cgroups import start_contained
+
+    g = start_contained(scratch, "workload")
+    yield g
+    g.stop()
+    shutil.rmtree(g.workdir, ignore_errors=True)

@@ -22,8 +22,8 @@ import pytest
 
 from guestd.client import AsyncClient, GuestdError
 from guestd.testing import Guestd, limits_config, start_guestd
+from guestd.testing.cgroups import UNIFIED, cgroup_usable, contained_config, start_contained
 
-UNIFIED = "/sys/fs/cgroup/unified"
 BEAT = "while :; do echo b >> {hb}; sleep 0.05; done"
 PATTERNS = {
     "setsid-double-fork": "(setsid sh -c '" + BEAT + "' &)",
@@ -34,72 +34,7 @@ PATTERNS = {
 CHAIN = 'echo b >> "$1"; sleep 0.05; setsid -f sh "$0" "$1"\n'
 
 
-def _cgroup_usable() -> bool:
-    return os.geteuid() == 0 and os.access(os.path.join(UNIFIED, "cgroup.procs"), os.W_OK)
-
-
-needs_cgroup = pytest.mark.skipif(not _cgroup_usable(), reason="needs root and cgroup v2 at " + UNIFIED)
-
-
-def _remove_tree(path: str) -> None:
-    """Kill and remove a scratch cgroup tree, deepest first (only ever one we made)."""
-    for root, dirs, _files in sorted(os.walk(path), key=lambda t: -t[0].count("/")):
-        for d in dirs:
-            _kill_and_rmdir(os.path.join(root, d))
-    _kill_and_rmdir(path)
-
-
-def _kill_and_rmdir(path: str) -> None:
-    with contextlib.suppress(OSError), open(os.path.join(path, "cgroup.kill"), "w") as f:
-        f.write("1")
-    for _ in range(200):
-        try:
-            os.rmdir(path)
-            return
-        except FileNotFoundError:
-            return
-        except OSError:
-            time.sleep(0.01)
-
-
-@pytest.fixture(scope="module")
-def scratch() -> Iterator[str]:
-    """A directory for heartbeats and a scratch cgroup parent, both removed afterwards."""
-    if not _cgroup_usable():
-        pytest.skip("needs root and cgroup v2 at " + UNIFIED)
-    cg = os.path.join(UNIFIED, f"guestd-test-{os.getpid()}-{os.urandom(3).hex()}")
-    os.mkdir(cg)
-    d = tempfile.mkdtemp(prefix="guestd-contain-")
-    os.chmod(d, 0o777)
-    try:
-        yield cg
-    finally:
-        _remove_tree(cg)
-        shutil.rmtree(d, ignore_errors=True)
-
-
-def contained_config(directory: str, cgroup: str, user: str | None = "nobody") -> str:
-    """The shipped settings that matter here: a workload cgroup and a workload user."""
-    path = os.path.join(directory, "contained.toml")
-    with open(path, "w") as f:
-        f.write(f'[workload]\ncgroup = "{cgroup}"\n')
-        if user is not None:
-            f.write(f'[policy]\nworkload_user = "{user}"\n')
-    return path
-
-
-def start_contained(scratch: str, name: str, user: str | None = "nobody") -> Guestd:
-    d = tempfile.mkdtemp(prefix="guestd-contained-")
-    os.chmod(d, 0o755)
-    return start_guestd(d, "--config", contained_config(d, os.path.join(scratch, name), user))
-
-
-@pytest.fixture(scope="module")
-def contained(scratch: str) -> Iterator[Guestd]:
-    g = start_contained(scratch, "workload")
-    yield g
-    g.stop()
-    shutil.rmtree(g.workdir, ignore_errors=True)
+needs_cgroup = pytest.mark.skipif(not cgroup_usable(), reason="needs root and cgroup v2 at " + UNIFIED)
 
 
 class Heartbeat:

@@ -39,6 +39,12 @@ log = logging.getLogger("guestd.children")
 PIPE = -1  # a new pipe; guestd keeps the other end
 STDOUT = -2  # stderr only: the same pipe as stdout
 DEVNULL = -3
+# A child stopped (SIGSTOP from the workload) between dropping to the workload user and exec
+# would hold its spawn thread forever (CLONE_VFORK). While spawns are in flight a watchdog
+# looks every WATCH_S: a child found stopped is killed, and any child not exec'd after
+# STUCK_SPAWN_S (a spawn takes milliseconds, even under TCG).
+WATCH_S = 0.05
+STUCK_SPAWN_S = 10.0
 
 # guestd raises its own soft fd limit to the hard one (it holds a pipe pair per run); what it
 # starts gets the limit guestd was given, since select()-based programs break above 1024.
@@ -278,6 +284,7 @@ class Children:
         # Spawns in flight: their pids are not tracked yet, so the orphan sweep must wait
         # (it would reap them as orphans and their owners would see status 255).
         self._spawning = 0
+        self._watchdog: asyncio.Task[None] | None = None
 
     @property
     def spawn_method(self) -> str:
@@ -310,16 +317,18 @@ class Children:
         {target fd in the child: fd here}.
         """
         if self._pool is None:
-            # Two threads: a spawn blocks its thread until the child has exec'd, never the loop.
+            # A spawn blocks its thread until the child has exec'd, never the loop.
             # They live as long as guestd: a kernel's PR_SET_PDEATHSIG follows the thread that
             # created it, so a worker that exited would take its kernels with it.
             from concurrent.futures import ThreadPoolExecutor  # on first spawn: idle memory
 
-            self._pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="guestd-spawn")
+            self._pool = ThreadPoolExecutor(max_workers=4, thread_name_prefix="guestd-spawn")
         self._counter += 1
         run_id = f"{self._counter}-{os.urandom(4).hex()}"
         loop = asyncio.get_running_loop()
         self._spawning += 1
+        if self._watchdog is None or self._watchdog.done():
+            self._watchdog = loop.create_task(self._watch_spawns())
         order = SpawnOrder(argv, kind, run_id, env, cwd, stdin, stdout, stderr, pty, extra_fds, as_workload)
         fut = loop.run_in_executor(self._pool, self._spawn_blocking, order)
         try:
@@ -450,6 +459,12 @@ class Children:
                 raise GuestdError.from_os_error(exc, stage="cwd", cwd=cwd) from None
             if stage in (None, "exec", "clone"):  # clone: e.g. EAGAIN at the workload's pids.max
                 raise GuestdError.from_os_error(exc, stage="spawn", argv0=argv[0]) from None
+            if stage == "stopped":
+                raise GuestdError(
+                    ErrorCode.UNAVAILABLE,
+                    "the process was stopped (by the workload?) before it could exec, and was killed",
+                    details={"stage": "spawn"},
+                ) from None
             raise GuestdError(
                 ErrorCode.UNAVAILABLE,
                 f"could not set up the child ({stage}): {exc}",
@@ -480,6 +495,17 @@ class Children:
         if cg is not None and not cg.remove():
             self.lingering.add(cg)
 
+    def kill_stuck_spawns(self, stopped_after_s: float = WATCH_S, older_than_s: float = STUCK_SPAWN_S) -> int:
+        if self.native is None or not self._spawning:
+            return 0
+        return int(self.native.kill_stuck(stopped_after_s, older_than_s))
+
+    async def _watch_spawns(self) -> None:
+        while self._spawning:
+            await asyncio.sleep(WATCH_S)
+            if self.kill_stuck_spawns():
+                log.warning("killed a child stopped before it could exec (the workload stops its own processes)")
+
     def sweep(self) -> None:
         """Periodic: reap orphans, remove leaves that have emptied."""
         if self.reaper.enabled and not self._spawning:
@@ -495,6 +521,7 @@ class Children:
 
     async def shutdown(self, grace_s: float = 2.0) -> None:
         """guestd is stopping: end every run it started, leftovers of finished runs included."""
+        self.kill_stuck_spawns(0.0, 0.0)
         ends = [c.end(grace_s) for c in list(self.live)]
         for cg in self.lingering:
             cg.kill()

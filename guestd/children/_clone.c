@@ -22,13 +22,16 @@
 #include <fcntl.h>
 #include <signal.h>
 #include <stdint.h>
+#include <stdio.h>
 #include <string.h>
 #include <sys/ioctl.h>
 #include <sys/mman.h>
+#include <sys/prctl.h>
 #include <sys/resource.h>
 #include <sys/syscall.h>
 #include <sys/wait.h>
 #include <termios.h>
+#include <time.h>
 #include <unistd.h>
 
 extern char **environ;
@@ -37,13 +40,29 @@ extern char **environ;
 #define GD_CLONE_VFORK 0x00004000ULL
 #define GD_CLONE_PIDFD 0x00001000ULL
 #define GD_CLONE_INTO_CGROUP 0x200000000ULL
+#define GD_CLONE_PARENT_SETTID 0x00100000ULL
 #define GD_NR_CLONE3 435
 #define GD_NR_CLOSE_RANGE 436
 #define MAX_FDS 8
 #define CHILD_STACK (64 * 1024)
 
 /* Stages a failure is reported for; the Python side names them. */
-enum { STAGE_NONE = 0, STAGE_SIGNALS, STAGE_SETSID, STAGE_FDS, STAGE_CTTY, STAGE_CREDS, STAGE_CWD, STAGE_EXEC };
+enum { STAGE_NONE = 0, STAGE_SIGNALS, STAGE_SETSID, STAGE_FDS, STAGE_CTTY, STAGE_CREDS, STAGE_CWD, STAGE_EXEC, STAGE_STOPPED };
+
+/* Spawns in flight, for the watchdog. Once the child runs as the workload user, the workload
+ * may SIGSTOP it before it execs, and CLONE_VFORK would then hold the spawning thread forever.
+ * The kernel writes each child's pid into its slot (CLONE_PARENT_SETTID) before the child runs;
+ * kill_stuck() SIGKILLs children that have not exec'd within a deadline. Slots are taken and
+ * freed with the GIL held; `returned` is set without it, as soon as clone3 comes back. */
+#define MAX_INFLIGHT 64
+typedef struct {
+    volatile pid_t pid;
+    int used;
+    volatile int returned;
+    volatile int killed;
+    struct timespec started;
+} slot_t;
+static slot_t slots[MAX_INFLIGHT];
 
 struct gd_clone_args { /* the kernel's struct clone_args (v2, with cgroup) */
     uint64_t flags, pidfd, child_tid, parent_tid, exit_signal, stack, stack_size, tls, set_tid, set_tid_size, cgroup;
@@ -169,6 +188,8 @@ static int child_main(void *arg) {
 
     p->stage = STAGE_CREDS;
     if (p->uid >= 0) {
+        /* This memory is the daemon's until exec: never let the workload user ptrace it. */
+        if (prctl(PR_SET_DUMPABLE, 0, 0, 0, 0) != 0) goto fail;
         if (syscall(SYS_setgroups, 0, NULL) != 0) goto fail;
         if (syscall(SYS_setresgid, (gid_t)p->gid, (gid_t)p->gid, (gid_t)p->gid) != 0) goto fail;
         if (syscall(SYS_setresuid, (uid_t)p->uid, (uid_t)p->uid, (uid_t)p->uid) != 0) goto fail;
@@ -242,6 +263,7 @@ static const char *stage_name(int stage) {
     case STAGE_CREDS: return "creds";
     case STAGE_CWD: return "cwd";
     case STAGE_EXEC: return "exec";
+    case STAGE_STOPPED: return "stopped";
     default: return "clone";
     }
 }
@@ -263,6 +285,7 @@ static PyObject *raise_stage(int err, int stage, const char *filename) {
 }
 
 static PyObject *gd_spawn(PyObject *self, PyObject *args) {
+    (void)self;
     PyObject *paths_o, *argv_o, *envp_o, *cwd_o, *fds_o, *oom_o, *nofile_o;
     long uid, gid;
     int do_setsid, ctty, cgroup_fd;
@@ -326,9 +349,24 @@ static PyObject *gd_spawn(PyObject *self, PyObject *args) {
         goto done;
     }
     int pidfd = -1;
+    slot_t *slot = NULL;
+    for (int i = 0; i < MAX_INFLIGHT && slot == NULL; i++) {
+        if (!slots[i].used) {
+            slot = &slots[i];
+            slot->used = 1;
+            slot->pid = 0;
+            slot->returned = 0;
+            slot->killed = 0;
+            clock_gettime(CLOCK_MONOTONIC, &slot->started);
+        }
+    }
     struct gd_clone_args ca;
     memset(&ca, 0, sizeof ca);
     ca.flags = GD_CLONE_VM | GD_CLONE_VFORK | GD_CLONE_PIDFD | (cgroup_fd >= 0 ? GD_CLONE_INTO_CGROUP : 0);
+    if (slot != NULL) {
+        ca.flags |= GD_CLONE_PARENT_SETTID;
+        ca.parent_tid = (uint64_t)(uintptr_t)&slot->pid;
+    }
     ca.pidfd = (uint64_t)(uintptr_t)&pidfd;
     ca.exit_signal = SIGCHLD;
     ca.stack = (uint64_t)(uintptr_t)stack;
@@ -342,10 +380,21 @@ static PyObject *gd_spawn(PyObject *self, PyObject *args) {
     /* Blocked here, so no daemon signal handler runs in the child before it resets them. */
     pthread_sigmask(SIG_SETMASK, &all, &old);
     ret = gd_clone3(&ca, sizeof ca, child_main, &plan);
+    if (slot != NULL) __atomic_store_n(&slot->returned, 1, __ATOMIC_SEQ_CST);
     pthread_sigmask(SIG_SETMASK, &old, NULL);
     Py_END_ALLOW_THREADS
     munmap(stack, CHILD_STACK);
+    int killed = slot != NULL && __atomic_load_n(&slot->killed, __ATOMIC_SEQ_CST);
+    if (slot != NULL) slot->used = 0;
 
+    if (ret > 0 && killed) { /* stopped before exec and ended by the watchdog */
+        int status;
+        while (waitpid((pid_t)ret, &status, __WALL) < 0 && errno == EINTR) {
+        }
+        if (pidfd >= 0) close(pidfd);
+        raise_stage(ETIMEDOUT, STAGE_STOPPED, NULL);
+        goto done;
+    }
     if (ret < 0) {
         errno = (int)-ret;
         raise_stage((int)-ret, STAGE_NONE, NULL);
@@ -375,8 +424,47 @@ done:
 #endif
 }
 
+PyDoc_STRVAR(kill_stuck_doc, "kill_stuck(stopped_after_s, older_than_s) -> int\n\n"
+                             "SIGKILL spawned children that have not exec'd: those found stopped after\n"
+                             "stopped_after_s, and any after older_than_s. Returns how many.");
+
+static int is_stopped(pid_t pid) {
+    char path[64], buf[512];
+    snprintf(path, sizeof path, "/proc/%d/stat", (int)pid);
+    int fd = open(path, O_RDONLY | O_CLOEXEC);
+    if (fd < 0) return 0;
+    ssize_t n = read(fd, buf, sizeof buf - 1);
+    close(fd);
+    if (n <= 0) return 0;
+    buf[n] = 0;
+    char *paren = strrchr(buf, ')'); /* the state follows the command name, which may hold spaces */
+    return paren != NULL && paren[1] == ' ' && (paren[2] == 'T' || paren[2] == 't');
+}
+
+static PyObject *gd_kill_stuck(PyObject *self, PyObject *args) {
+    double stopped_after, older_than;
+    (void)self;
+    if (!PyArg_ParseTuple(args, "dd", &stopped_after, &older_than)) return NULL;
+    struct timespec now;
+    clock_gettime(CLOCK_MONOTONIC, &now);
+    int n = 0;
+    for (int i = 0; i < MAX_INFLIGHT; i++) {
+        slot_t *s = &slots[i];
+        pid_t pid = __atomic_load_n(&s->pid, __ATOMIC_SEQ_CST);
+        if (!s->used || pid <= 0 || __atomic_load_n(&s->returned, __ATOMIC_SEQ_CST)) continue;
+        double age = (double)(now.tv_sec - s->started.tv_sec) + (double)(now.tv_nsec - s->started.tv_nsec) / 1e9;
+        if (age < older_than && !(age >= stopped_after && is_stopped(pid))) continue;
+        /* Marked first: once it is killed the spawning thread wakes and must see why. */
+        __atomic_store_n(&s->killed, 1, __ATOMIC_SEQ_CST);
+        kill(pid, SIGKILL); /* nobody but the spawning thread reaps it: the pid cannot be reused */
+        n++;
+    }
+    return PyLong_FromLong(n);
+}
+
 static PyMethodDef methods[] = {
     {"spawn", gd_spawn, METH_VARARGS, spawn_doc},
+    {"kill_stuck", gd_kill_stuck, METH_VARARGS, kill_stuck_doc},
     {NULL, NULL, 0, NULL},
 };
 

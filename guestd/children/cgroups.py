@@ -7,11 +7,11 @@ shell session, a code kernel) gets a leaf of its own below it, and its first pro
 created inside that leaf (clone3 CLONE_INTO_CGROUP), so nothing the run forks, double-forks
 or re-forks can leave it: ending the run is one write to the leaf's ``cgroup.kill``.
 
-Leaves are named ``<kind>-<id>``. A guestd that starts and finds leaves it did not make
-(a previous guestd was killed) ends their processes and removes them: see
-``WorkloadCgroup.end_leftovers``. Without cgroup v2, without root, or with
-``[workload] cgroup = ""``, there are no leaves and runs are ended by process group and
-descendants (best effort; SECURITY.md says what escapes then).
+Leaves are named ``<kind>-<guestd pid>-<id>``. A guestd that starts and finds leaves whose
+guestd is gone (it was killed) ends their processes and removes them: see
+``WorkloadCgroup.end_leftovers``; leaves of another running guestd are left alone. Without
+cgroup v2, without root, or with ``[workload] cgroup = ""``, there are no leaves and runs are
+ended by process group and descendants (best effort; SECURITY.md says what escapes then).
 """
 
 from __future__ import annotations
@@ -47,6 +47,21 @@ def _write(path: str, value: str) -> None:
 def _read(path: str) -> str:
     with open(path) as f:
         return f.read()
+
+
+def _owner_alive(leaf: str) -> bool:
+    """True when the leaf (``<kind>-<pid>-...``) belongs to another guestd that is running."""
+    parts = leaf.split("-")
+    if len(parts) < 3 or not parts[1].isdigit():
+        return False
+    owner = int(parts[1])
+    if owner == os.getpid():
+        return False  # an earlier guestd that had our pid: it is gone
+    try:
+        with open(f"/proc/{owner}/cmdline", "rb") as f:
+            return b"guestd" in f.read()
+    except OSError:
+        return False
 
 
 class RunCgroup:
@@ -183,7 +198,7 @@ class WorkloadCgroup:
         """Make the leaf for one run (None when there is no workload cgroup)."""
         if self.path is None:
             return None
-        path = os.path.join(self.path, f"{kind}-{run_id}")
+        path = os.path.join(self.path, f"{kind}-{os.getpid()}-{run_id}")  # the owner's pid: see end_leftovers
         os.mkdir(path)
         try:
             fd = os.open(path, os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC)
@@ -220,6 +235,8 @@ class WorkloadCgroup:
             path = os.path.join(self.path, name)
             if not os.path.isdir(path) or not os.path.exists(os.path.join(path, "cgroup.procs")):
                 continue
+            if _owner_alive(name):
+                continue  # another guestd on the same workload cgroup: its runs are its own
             leaf = RunCgroup(path, -1)
             ended += len(leaf.pids())
             leaf.kill()
