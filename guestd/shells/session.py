@@ -33,6 +33,8 @@ from __future__ import annotations
 import asyncio
 import os
 import signal
+import socket
+import struct
 import time
 from typing import TYPE_CHECKING, Any, Literal
 
@@ -49,13 +51,14 @@ if TYPE_CHECKING:  # the generated message types: annotations only, never import
     from guestd.wire.types import ShellInfoRecord, ShellRunArgs, ShellRunReply, ShellRunTimedOut
 
 CTL_FD = 63
+_CREDS_SPACE = socket.CMSG_SPACE(struct.calcsize("iII"))  # struct ucred: pid, uid, gid
 READ_SIZE = 256 * 1024
 GRACE_S = 1.0
 MAX_CTL_BYTES = 16 * 1024 * 1024  # a marker carries `export -p`; more than this is not one
 
 # Sourced as a file named "bash" (see the module head). Line 1 must stay the eval.
-LIBRARY = rf"""__gd_run() {{ eval -- "$__gd_cmd"; }}
-__gd_trap() {{ trap 'return 130 2>/dev/null' INT; }}
+LIBRARY = rf"""__gd_run() {{ eval -- "$__gd_cmd"; }}  # not `builtin eval`: set -e would end bash
+__gd_trap() {{ builtin trap 'return 130 2>/dev/null' INT; }}
 __gd_trap
 shopt -s expand_aliases
 exit() {{ builtin return "${{1:-$?}}"; }}
@@ -65,6 +68,7 @@ __gd_mark() {{
   builtin printf '%s\0%s\0%s\0' "$2" "$1" "$PWD" >&{CTL_FD}
   builtin export -p >&{CTL_FD}; builtin printf '\0' >&{CTL_FD}
 }}
+builtin readonly -f __gd_run __gd_trap __gd_mark
 """
 
 
@@ -87,6 +91,13 @@ def library_dir(runtime_dir: str) -> str:
     os.chmod(tmp, 0o644)
     os.replace(tmp, path)
     return d
+
+
+def _sender_pid(ancillary: list[tuple[int, int, bytes]]) -> int | None:
+    for level, kind, data in ancillary:
+        if level == socket.SOL_SOCKET and kind == socket.SCM_CREDENTIALS and len(data) >= 12:
+            return int(struct.unpack("iII", data[:12])[0])
+    return None
 
 
 def ansi_c_quote(text: str) -> str:
@@ -113,7 +124,7 @@ class Session:
         self.env = env
         self.exports = ""  # last `export -p`, replayed into a restarted bash
         self.child: Child | None = None
-        self.ctl_fd = -1
+        self.ctl: socket.socket | None = None  # guestd's end of the status channel
         self.lock = asyncio.Lock()
         self.commands = 0
         self.restarts = 0
@@ -167,27 +178,30 @@ class Session:
         env.pop("BASH_ENV", None)
         env.pop("ENV", None)
         lib = library_dir(services.runtime_dir())
-        r, w = os.pipe2(os.O_CLOEXEC)
+        # The status channel is a Unix socket that tells guestd who wrote each byte
+        # (SO_PASSCRED): only bash's own writes count, not those of processes it started.
+        ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
         try:
+            ours.setsockopt(socket.SOL_SOCKET, socket.SO_PASSCRED, 1)
+            ours.setblocking(False)
             child = await services.children.spawn(
                 ["/bin/bash", "--noprofile", "--norc", "-s"],
                 kind="shell",
                 env=env,
                 cwd=self.cwd,
                 stdin=PIPE,
-                extra_fds={CTL_FD: w},
+                extra_fds={CTL_FD: theirs.fileno()},
             )
         except BaseException:
-            os.close(r)
+            ours.close()
             raise
         finally:
-            os.close(w)
+            theirs.close()
         self.child = child
         loop = asyncio.get_running_loop()
-        self.ctl_fd = r
+        self.ctl = ours
         self._ctl = bytearray()
-        os.set_blocking(r, False)
-        loop.add_reader(r, self._on_ctl)
+        loop.add_reader(ours.fileno(), self._on_ctl)
         assert child.stdout is not None and child.stderr is not None
         self._fds = {1: child.stdout, 2: child.stderr}
         for which, fd in self._fds.items():
@@ -258,16 +272,19 @@ class Session:
                     break
 
     def _on_ctl(self) -> None:
-        if self.ctl_fd < 0:
+        if self.ctl is None:
             return
         try:
-            data = os.read(self.ctl_fd, 65536)
-        except BlockingIOError:
+            data, ancillary, _flags, _addr = self.ctl.recvmsg(65536, _CREDS_SPACE)
+        except (BlockingIOError, InterruptedError):
             return
         except OSError:
-            data = b""
+            data, ancillary = b"", []
         if not data:
-            asyncio.get_running_loop().remove_reader(self.ctl_fd)
+            asyncio.get_running_loop().remove_reader(self.ctl.fileno())
+            return
+        if _sender_pid(ancillary) != self.pid:
+            self.forged_bytes += len(data)  # a process the command started, not bash
             return
         self._ctl += data
         self._on_ctl_data()
@@ -328,10 +345,10 @@ class Session:
         for fd in list(self._fds.values()):
             loop.remove_reader(fd)
         self._fds = {}
-        if self.ctl_fd >= 0:
-            loop.remove_reader(self.ctl_fd)
-            os.close(self.ctl_fd)
-            self.ctl_fd = -1
+        if self.ctl is not None:
+            loop.remove_reader(self.ctl.fileno())
+            self.ctl.close()
+            self.ctl = None
         if self.child is not None:
             self.child.release()
 
