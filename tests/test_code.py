@@ -400,3 +400,12 @@ def test_forged_kernel_messages_cannot_make_the_reply_unsendable(c: Client) -> N
     assert r.status == "error" and r.error is not None
     assert (r.error.ename, r.error.evalue, r.error.traceback) == (str(2**70), "", [str(2**64), "x"])
     assert r.execution_count is not None and r.execution_count < 2**63
+
+
+def test_a_cell_cannot_write_into_guestds_log(c: Client, kg: Guestd) -> None:
+    # A kernel's own fds 1 and 2 are /dev/null, not guestd's: what a cell writes there below
+    # Python's sys.stdout (a forged log line included) never reaches guestd's log or journal.
+    line = "guestd[1] ERROR guestd: forged-log-line-31337"
+    r = c.code_run(f"import os, time\nos.write(1, b'{line}\\n')\nos.write(2, b'{line}\\n')\ntime.sleep(0.3)")
+    assert r.status == "ok"
+    assert "forged-log-line" not in kg.log()

@@ -174,20 +174,25 @@ class Child:
 
     # -- signals and ending ---------------------------------------------------------------
     def signal(self, sig: int) -> None:
-        """``sig`` to the run's process group (its session leader's group)."""
+        """``sig`` to the run's process group (its session leader's group); once the leader is
+        reaped its pid may be reused, so then to what is left in the run's cgroup instead."""
         if sig == signal.SIGKILL:
             self.kill_now()
-            return
-        signal_group(self.pid, sig)
+        elif self.running:
+            signal_group(self.pid, sig)
+        elif self.cgroup is not None:
+            self.cgroup.signal_all(sig)
 
     def kill_now(self) -> None:
         """SIGKILL the whole run at once: the leaf cgroup, or the group plus known descendants."""
         if self.cgroup is not None:
             self.cgroup.kill()
             return
-        escaped = descendants(self.pid) if self.running else []
-        signal_group(self.pid, signal.SIGKILL)
-        signal_each(escaped + self._known, signal.SIGKILL)
+        if self.running:
+            escaped = descendants(self.pid)
+            signal_group(self.pid, signal.SIGKILL)
+            signal_each(escaped, signal.SIGKILL)
+        signal_each(self._known, signal.SIGKILL)  # psutil handles: no pid-reuse mistakes
 
     def end(self, grace_s: float) -> asyncio.Task[None]:
         """TERM (and CONT) everything in the run, wait up to ``grace_s`` for it to be gone,
@@ -205,7 +210,8 @@ class Child:
     async def _end_cgroup(self, cg: RunCgroup, grace_s: float) -> None:
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGCONT):  # a stopped process never handles TERM
-            signal_group(self.pid, sig)
+            if self.running:  # once reaped, the leader's pid (and group id) may be reused
+                signal_group(self.pid, sig)
             cg.signal_all(sig)
         deadline = loop.time() + grace_s
         while cg.populated() and loop.time() < deadline:

@@ -128,9 +128,11 @@ class Kernel:
             kind="kernel",
             env=kenv,
             cwd=cwd or os.getcwd(),
+            # Not guestd's fds 1 and 2 (its log): the workload must not write into guestd's log.
+            # ipykernel forwards what cells write to these fds to the client anyway.
             stdin=DEVNULL,
-            stdout=1,  # what the kernel writes outside its cells goes where guestd's log goes
-            stderr=2,
+            stdout=DEVNULL,
+            stderr=DEVNULL,
         )
         self.pid = self.child.pid
         self._write_pidfile()

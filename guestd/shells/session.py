@@ -462,6 +462,7 @@ class Session:
         child = self.child
         assert child is not None
         signal_group(self.pid, signal.SIGINT)  # the foreground job, and bash's trap returns
+        signal_group(self.pid, signal.SIGCONT)  # a bash (or job) the workload stopped must wake for it
         if await self._wait(GRACE_S, None, cancellable=False) == "done":
             return True
         # What the command started, wherever it went (session jobs of earlier commands stay).
