@@ -15,15 +15,15 @@ import os
 import shutil
 import subprocess
 import tempfile
-import time
 import tomllib
 from collections.abc import Iterator
 from typing import Any
 
+from guestd.testing.cgroups import UNIFIED, make_scratch, remove_tree
+
 HERE = os.path.dirname(os.path.abspath(__file__))
 REPO = os.path.dirname(HERE)
 SHIPPED_CONFIG = os.path.join(REPO, "rootfs-overlay", "etc", "guestd", "guestd.toml")
-UNIFIED = "/sys/fs/cgroup/unified"
 WORKLOAD_USER = "nobody"  # 65534 exists everywhere; the image's "sandbox" (uid 1000) does not exist here
 EXEC_LOOPS = 64  # clients looping `exec true` while another one pings (issue 14's load)
 PING_UNDER_LOAD_GOAL_MS = 10.0
@@ -68,36 +68,14 @@ def cgroup_unusable() -> str | None:
     return None
 
 
-def remove_cgroup_tree(path: str) -> None:
-    """Kill and remove a cgroup tree this bench made, deepest leaves first."""
-    for root, dirs, _files in sorted(os.walk(path), key=lambda t: -t[0].count("/")):
-        for d in dirs:
-            _kill_and_rmdir(os.path.join(root, d))
-    _kill_and_rmdir(path)
-
-
-def _kill_and_rmdir(path: str) -> None:
-    with contextlib.suppress(OSError), open(os.path.join(path, "cgroup.kill"), "w") as f:
-        f.write("1")
-    for _ in range(300):  # cgroup.kill is asynchronous: rmdir says EBUSY until the last exit
-        try:
-            os.rmdir(path)
-            return
-        except FileNotFoundError:
-            return
-        except OSError:
-            time.sleep(0.01)
-
-
 @contextlib.contextmanager
 def scratch_cgroup() -> Iterator[str]:
     """A fresh sub-tree of the host's cgroup v2 for the shipped guestd, removed afterwards."""
-    path = os.path.join(UNIFIED, f"guestd-bench-{os.getpid()}")
-    os.mkdir(path)
+    path = make_scratch("guestd-bench")
     try:
         yield path
     finally:
-        remove_cgroup_tree(path)
+        remove_tree(path)
 
 
 @contextlib.contextmanager
