@@ -335,3 +335,127 @@ def test_a_second_guestd_on_the_same_workload_cgroup_spares_live_runs(scratch: s
     finally:
         _stop_guestd(g)
         shutil.rmtree(d2, ignore_errors=True)
+
+
+# -- second pass: a review of the fixes ---------------------------------------------------
+
+
+def _bash_children(pid: int) -> list[int]:
+    import psutil
+
+    return [p.pid for p in psutil.Process(pid).children() if p.name() == "bash"]
+
+
+@needs_cgroup
+def test_a_shell_command_whose_bash_stopped_reading_still_times_out(contained: Guestd) -> None:
+    """The script of a command went to bash before its deadline ran: a bash stopped by a job
+    (and a script bigger than the pipe) held the session, and its lock, for good."""
+    with contained.client() as c:
+        sid = c.shell_create(cwd="/tmp")["id"]
+        try:
+            c.shell_run(sid, "(sleep 0.3; kill -STOP $$) &", timeout_s=10)
+            time.sleep(0.6)
+            big = ": " + "x" * 200_000
+            r = c.shell_run(sid, big, timeout_s=2, deadline=20)
+            assert r.timed_out == "wall" or r.session_restarted, r
+            assert c.shell_run(sid, "echo hi", timeout_s=10, deadline=20).stdout == b"hi\n"
+        finally:
+            c.shell_close(sid)
+
+
+@needs_cgroup
+def test_closing_a_session_during_a_run_leaves_no_bash(scratch: str) -> None:
+    g = start_contained(scratch, "close-during-run")
+    try:
+
+        async def main() -> None:
+            async with await AsyncClient.connect(g.address) as c:
+                sid = (await c.shell_create(cwd="/tmp"))["id"]
+                run = asyncio.ensure_future(c.shell_run(sid, "sleep 5"))
+                await asyncio.sleep(0.3)
+                await c.shell_close(sid)
+                with contextlib.suppress(GuestdError):
+                    await run
+                assert await c.shell_list() == []
+
+        asyncio.run(main())
+        for _ in range(100):
+            if not _bash_children(g.pid):
+                break
+            time.sleep(0.05)
+        assert _bash_children(g.pid) == [], "a bash nobody owns"
+    finally:
+        _stop_guestd(g)
+
+
+@needs_cgroup
+def test_kill_after_exit_ends_what_a_process_left(contained: Guestd) -> None:
+    d = tempfile.mkdtemp(prefix="guestd-red-left-")
+    os.chmod(d, 0o777)
+    hb = os.path.join(d, "hb")
+    try:
+        with contained.client() as c:
+            p = c.process_start(f"(setsid sh -c 'while :; do echo b >> {hb}; sleep 0.05; done' &); exit 0")["id"]
+            assert c.process_wait(p, timeout_s=10)["exit_code"] == 0
+            time.sleep(0.3)
+            c.process_signal(p, "KILL")
+            time.sleep(0.3)
+            before = os.path.getsize(hb)
+            time.sleep(0.5)
+            assert os.path.getsize(hb) == before, "what the exited process left still runs"
+    finally:
+        shutil.rmtree(d, ignore_errors=True)
+
+
+@needs_cgroup
+def test_a_workload_cannot_keep_a_dead_guestds_runs_by_posing_as_their_owner(scratch: str) -> None:
+    """Leaves are named with their guestd's pid, and a starting guestd spares leaves whose owner
+    still runs. A workload process that gets the dead guestd's pid and calls itself guestd
+    must not pass for it (here: a leaf named after such a process)."""
+    name = "pose"
+    g = start_contained(scratch, name)
+    workload = os.path.join(scratch, name)
+    try:
+        with g.client() as c:
+            poser = c.process_start(["bash", "-c", "exec -a guestd-poser sleep 1000"])["pid"]
+            victim = c.process_start(["sleep", "1000"])["pid"]
+        os.kill(g.pid, signal.SIGKILL)
+        g.proc.wait(10)
+        # The poser outlives its own leaf (elsewhere in the scratch tree, still running as the
+        # workload user), and the victim's run is named as if the dead guestd had had its pid.
+        elsewhere = os.path.join(scratch, "elsewhere")
+        os.makedirs(elsewhere, exist_ok=True)
+        with open(os.path.join(elsewhere, "cgroup.procs"), "w") as f:
+            f.write(str(poser))
+        leaf = os.path.join(workload, f"proc-{poser}-1-0000")
+        os.mkdir(leaf)
+        with open(os.path.join(leaf, "cgroup.procs"), "w") as f:
+            f.write(str(victim))
+        g2 = start_guestd(g.workdir, "--config", contained_config(g.workdir, workload))
+        try:
+            for _ in range(100):
+                if not os.path.exists(f"/proc/{victim}"):
+                    break
+                time.sleep(0.05)
+            assert not os.path.exists(f"/proc/{victim}"), "the posed-for leaf was spared"
+        finally:
+            g2.stop()
+    finally:
+        g.stop()
+        shutil.rmtree(g.workdir, ignore_errors=True)
+
+
+@needs_cgroup
+def test_a_cwd_the_workload_cannot_enter_is_typed_even_when_its_name_is_not_utf8(contained: Guestd) -> None:
+    with contained.client() as c:
+        if c.info().raw["spawn"] != "clone3":
+            pytest.skip("the popen fallback enters cwd before the drop")
+        d = tempfile.mkdtemp(prefix="guestd-red-cwd-", dir="/root")  # /root: closed to nobody
+        bad = os.fsencode(d) + b"/\xff"
+        os.mkdir(bad)
+        try:
+            with pytest.raises(GuestdError) as ei:
+                c.exec(["true"], cwd=bad)
+            assert (ei.value.code, ei.value.details.get("stage")) == ("permission_denied", "cwd"), ei.value
+        finally:
+            shutil.rmtree(d, ignore_errors=True)

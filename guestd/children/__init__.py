@@ -14,18 +14,21 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import errno
+import fcntl
 import logging
 import os
 import resource
 import signal
 import subprocess
+import termios
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, TypedDict
 
 from guestd.children.cgroups import RunCgroup, WorkloadCgroup, WorkloadConfig
 from guestd.children.reaper import Reaper
-from guestd.children.tree import ExitWatch, descendants, kill_tree, signal_each, signal_group, try_reap
+from guestd.children.tree import ExitWatch, descendants, kill_tree, set_winsize, signal_each, signal_group, try_reap
 from guestd.wire.errors import ErrorCode, GuestdError
 
 if TYPE_CHECKING:
@@ -39,6 +42,7 @@ log = logging.getLogger("guestd.children")
 PIPE = -1  # a new pipe; guestd keeps the other end
 STDOUT = -2  # stderr only: the same pipe as stdout
 DEVNULL = -3
+_NO_CLONE3 = (errno.ENOSYS, errno.E2BIG, errno.EINVAL)
 # A child stopped (SIGSTOP from the workload) between dropping to the workload user and exec
 # would hold its spawn thread forever (CLONE_VFORK). While spawns are in flight a watchdog
 # looks every WATCH_S: a child found stopped is killed, and any child not exec'd after
@@ -267,7 +271,6 @@ class SpawnOrder:
     stderr: int
     pty: tuple[int, int] | None
     extra_fds: dict[int, int] | None
-    as_workload: bool
 
 
 # pid, pidfd, leaf cgroup, guestd's ends of the pipes, and the Popen of the fallback spawn
@@ -291,6 +294,8 @@ class Children:
         # (it would reap them as orphans and their owners would see status 255).
         self._spawning = 0
         self._watchdog: asyncio.Task[None] | None = None
+        self.closing = False
+        self._loop: asyncio.AbstractEventLoop | None = None
 
     @property
     def spawn_method(self) -> str:
@@ -313,7 +318,6 @@ class Children:
         stderr: int = PIPE,
         pty: tuple[int, int] | None = None,
         extra_fds: dict[int, int] | None = None,
-        as_workload: bool = True,
     ) -> Child:
         """Start ``argv`` as a new run of ``kind``. Raises GuestdError (details.stage: cwd or spawn).
 
@@ -322,6 +326,8 @@ class Children:
         becomes the child's controlling tty; guestd's end is ``Child.pty``. ``extra_fds``:
         {target fd in the child: fd here}.
         """
+        if self.closing:
+            raise GuestdError(ErrorCode.UNAVAILABLE, "guestd is stopping", details={"stage": "spawn"})
         if self._pool is None:
             # A spawn blocks its thread until the child has exec'd, never the loop.
             # They live as long as guestd: a kernel's PR_SET_PDEATHSIG follows the thread that
@@ -331,11 +337,11 @@ class Children:
             self._pool = ThreadPoolExecutor(max_workers=4, thread_name_prefix="guestd-spawn")
         self._counter += 1
         run_id = f"{self._counter}-{os.urandom(4).hex()}"
-        loop = asyncio.get_running_loop()
+        loop = self._loop = asyncio.get_running_loop()
         self._spawning += 1
         if self._watchdog is None or self._watchdog.done():
             self._watchdog = loop.create_task(self._watch_spawns())
-        order = SpawnOrder(argv, kind, run_id, env, cwd, stdin, stdout, stderr, pty, extra_fds, as_workload)
+        order = SpawnOrder(argv, kind, run_id, env, cwd, stdin, stdout, stderr, pty, extra_fds)
         fut = loop.run_in_executor(self._pool, self._spawn_blocking, order)
         try:
             pid, pidfd, cgroup, fds, popen = await asyncio.shield(fut)
@@ -377,8 +383,6 @@ class Children:
         cgroup: RunCgroup | None = None
         try:
             if o.pty is not None:
-                from guestd.children.tree import set_winsize
-
                 master, slave = os.openpty()
                 os.set_inheritable(master, False)
                 set_winsize(master, o.pty[0], o.pty[1])
@@ -408,13 +412,16 @@ class Children:
                 raise GuestdError(
                     ErrorCode.UNAVAILABLE, f"cannot make the run's cgroup: {exc}", details={"stage": "spawn"}
                 ) from None
-            ids = self.workload_ids() if o.as_workload else None
+            ids = self.workload_ids()
             pid, pidfd, popen = self._start(o.argv, o.env, o.cwd, child_fds, ids, o.pty is not None, cgroup)
         except BaseException:
             for fd in list(ours.values()):
                 os.close(fd)
-            if cgroup is not None:
-                cgroup.remove()
+            if cgroup is not None and not cgroup.remove():  # e.g. killed by the watchdog mid-exec
+                cgroup.kill()
+                cgroup.close_fd()
+                if self._loop is not None:
+                    self._loop.call_soon_threadsafe(self.lingering.add, cgroup)
             raise
         finally:
             for fd in theirs:
@@ -450,11 +457,13 @@ class Children:
                     )
                     return pid, pidfd, None
                 except OSError as exc:
-                    if getattr(exc, "stage", None) != "clone" or exc.errno not in (38, 7, 22):  # ENOSYS/E2BIG/EINVAL
+                    # Kernels before 5.3 (no clone3) or 5.7 (no CLONE_INTO_CGROUP) say so on the
+                    # first spawn; nothing else makes clone3 fail with these.
+                    if getattr(exc, "stage", None) != "clone" or exc.errno not in _NO_CLONE3:
                         raise
                     log.warning("clone3 spawn unavailable (%s); using subprocess from now on", exc)
                     self.native = None
-            popen = _popen_fallback(argv, env, cwd, child_fds, ids, ctty, cgroup, self.workload)
+            popen = _popen_fallback(argv, env, cwd, child_fds, ids, ctty, cgroup)
             pidfd = None
             with contextlib.suppress(OSError, AttributeError):
                 pidfd = os.pidfd_open(popen.pid)
@@ -498,8 +507,10 @@ class Children:
             # Not reaped yet (released during a kill grace): the reaper sweep takes it.
             self.reaper.tracked.discard(child.pid)
         cg, child.cgroup = child.cgroup, None
-        if cg is not None and not cg.remove():
-            self.lingering.add(cg)
+        if cg is not None:
+            cg.close_fd()  # nothing is spawned into a retired leaf
+            if not cg.remove():
+                self.lingering.add(cg)
 
     def kill_stuck_spawns(self, stopped_after_s: float = WATCH_S, older_than_s: float = STUCK_SPAWN_S) -> int:
         if self.native is None or not self._spawning:
@@ -527,7 +538,15 @@ class Children:
 
     async def shutdown(self, grace_s: float = 2.0) -> None:
         """guestd is stopping: end every run it started, leftovers of finished runs included."""
+        self.closing = True  # no new spawn starts: queued ones are cancelled, running ones end
+        if self._pool is not None:
+            self._pool.shutdown(wait=False, cancel_futures=True)
         self.kill_stuck_spawns(0.0, 0.0)
+        for _ in range(100):  # in-flight spawns return within a watchdog tick
+            if not self._spawning:
+                break
+            self.kill_stuck_spawns(0.0, 0.0)
+            await asyncio.sleep(0.02)
         ends = [c.end(grace_s) for c in list(self.live)]
         for cg in self.lingering:
             cg.kill()
@@ -540,8 +559,6 @@ class Children:
             if not self.lingering:
                 break
             await asyncio.sleep(0.02)
-        if self._pool is not None:
-            self._pool.shutdown(wait=False)
 
 
 def _exec_paths(exe: str, env: dict[str, str] | None) -> list[bytes]:
@@ -559,21 +576,16 @@ def _popen_fallback(
     ids: tuple[int, int] | None,
     ctty: bool,
     cgroup: RunCgroup | None,
-    workload: WorkloadCgroup,
 ) -> subprocess.Popen[bytes]:
     """Where the native spawn is missing: fork + a Python preexec step (slower, see _clone.c)."""
     by_target = dict((t, s) for s, t in child_fds)
-    procs = os.path.join(cgroup.path if cgroup is not None else (workload.path or ""), "cgroup.procs")
-    join = cgroup is not None or workload.path is not None
+    procs = os.path.join(cgroup.path, "cgroup.procs") if cgroup is not None else ""
 
     def preexec() -> None:
-        if join:
+        if procs:
             with open(procs, "w") as f:
                 f.write("0")
         if ctty:
-            import fcntl
-            import termios
-
             fcntl.ioctl(0, termios.TIOCSCTTY, 0)
         if _OOM_RESET is not None:
             with contextlib.suppress(OSError), open("/proc/self/oom_score_adj", "wb") as f:

@@ -41,7 +41,6 @@ extern char **environ;
 #define GD_CLONE_PIDFD 0x00001000ULL
 #define GD_CLONE_INTO_CGROUP 0x200000000ULL
 #define GD_CLONE_PARENT_SETTID 0x00100000ULL
-#define GD_NR_CLONE3 435
 #define GD_NR_CLOSE_RANGE 436
 #define MAX_FDS 8
 #define CHILD_STACK (64 * 1024)
@@ -115,6 +114,7 @@ __asm__(
 #define HAVE_CLONE3_TRAMPOLINE 0
 #endif
 
+#if HAVE_CLONE3_TRAMPOLINE /* the child side exists only where the trampoline does */
 static void close_from(int lowest, const int *keep, int nkeep) {
     /* Close every fd >= lowest except those in keep (small, unsorted). */
     int start = lowest;
@@ -188,7 +188,9 @@ static int child_main(void *arg) {
 
     p->stage = STAGE_CREDS;
     if (p->uid >= 0) {
-        /* This memory is the daemon's until exec: never let the workload user ptrace it. */
+        /* This memory is the daemon's until exec: never let the workload user ptrace it. The
+         * flag is the shared mm's, so guestd itself is non-dumpable from the first spawn on
+         * (setresuid would do the same); exec gives the workload program a fresh mm. */
         if (prctl(PR_SET_DUMPABLE, 0, 0, 0, 0) != 0) goto fail;
         if (syscall(SYS_setgroups, 0, NULL) != 0) goto fail;
         if (syscall(SYS_setresgid, (gid_t)p->gid, (gid_t)p->gid, (gid_t)p->gid) != 0) goto fail;
@@ -210,6 +212,7 @@ fail:
     p->err = errno;
     return 127;
 }
+#endif
 
 /* -- argument conversion ----------------------------------------------------------------- */
 
@@ -269,8 +272,11 @@ static const char *stage_name(int stage) {
 }
 
 static PyObject *raise_stage(int err, int stage, const char *filename) {
-    PyObject *exc = filename ? PyObject_CallFunction(PyExc_OSError, "iss", err, strerror(err), filename)
-                             : PyObject_CallFunction(PyExc_OSError, "is", err, strerror(err));
+    PyObject *name_o = filename ? PyUnicode_DecodeFSDefault(filename) : NULL; /* any bytes, as os does */
+    if (filename != NULL && name_o == NULL) return NULL;
+    PyObject *exc = name_o ? PyObject_CallFunction(PyExc_OSError, "isO", err, strerror(err), name_o)
+                           : PyObject_CallFunction(PyExc_OSError, "is", err, strerror(err));
+    Py_XDECREF(name_o);
     if (exc == NULL) return NULL;
     PyObject *name = PyUnicode_FromString(stage_name(stage));
     if (name == NULL || PyObject_SetAttrString(exc, "stage", name) != 0) {
@@ -299,6 +305,7 @@ static PyObject *gd_spawn(PyObject *self, PyObject *args) {
     plan_t plan;
     memset(&plan, 0, sizeof plan);
     PyObject *keep_paths = NULL, *keep_argv = NULL, *keep_envp = NULL, *fds_fast = NULL;
+    int own_envp = 0;
     PyObject *result = NULL;
     plan.uid = uid;
     plan.gid = gid;
@@ -307,7 +314,16 @@ static PyObject *gd_spawn(PyObject *self, PyObject *args) {
     if ((plan.paths = bytes_array(paths_o, &keep_paths, &plan.npaths)) == NULL) goto done;
     if ((plan.argv = bytes_array(argv_o, &keep_argv, NULL)) == NULL) goto done;
     if (envp_o == Py_None) {
-        plan.envp = environ;
+        /* A copy of the pointer array, made under the GIL: os.environ changes (setenv) may
+         * realloc and free glibc's array while the child reads it without the GIL. */
+        size_t n = 0;
+        while (environ[n] != NULL) n++;
+        if ((plan.envp = PyMem_Calloc(n + 1, sizeof(char *))) == NULL) {
+            PyErr_NoMemory();
+            goto done;
+        }
+        memcpy(plan.envp, environ, n * sizeof(char *));
+        own_envp = 1;
     } else if ((plan.envp = bytes_array(envp_o, &keep_envp, NULL)) == NULL) {
         goto done;
     }
@@ -415,7 +431,7 @@ static PyObject *gd_spawn(PyObject *self, PyObject *args) {
 done:
     PyMem_Free(plan.paths);
     PyMem_Free(plan.argv);
-    if (keep_envp != NULL) PyMem_Free(plan.envp);
+    if (keep_envp != NULL || own_envp) PyMem_Free(plan.envp);
     Py_XDECREF(keep_paths);
     Py_XDECREF(keep_argv);
     Py_XDECREF(keep_envp);
@@ -470,6 +486,7 @@ static PyMethodDef methods[] = {
 
 static struct PyModuleDef module = {
     PyModuleDef_HEAD_INIT, "guestd.children._clone", "clone3 spawn into a cgroup (see the C file's head)", -1, methods,
+    NULL, NULL, NULL, NULL,
 };
 
 PyMODINIT_FUNC PyInit__clone(void) {

@@ -21,11 +21,10 @@ import errno
 import logging
 import os
 import signal
+import time
 from dataclasses import dataclass
 
 log = logging.getLogger("guestd.cgroups")
-
-RUN_KINDS = ("exec", "proc", "shell", "kernel")
 
 
 @dataclass
@@ -49,8 +48,12 @@ def _read(path: str) -> str:
         return f.read()
 
 
-def _owner_alive(leaf: str) -> bool:
-    """True when the leaf (``<kind>-<pid>-...``) belongs to another guestd that is running."""
+def _owner_alive(leaf: str, workload_path: str) -> bool:
+    """True when the leaf (``<kind>-<pid>-...``) belongs to another guestd that is running.
+
+    A workload process could take the dead guestd's pid and put "guestd" in its argv to keep
+    its leaves alive: the owner must also run as guestd's user and live outside the workload
+    cgroup."""
     parts = leaf.split("-")
     if len(parts) < 3 or not parts[1].isdigit():
         return False
@@ -59,9 +62,20 @@ def _owner_alive(leaf: str) -> bool:
         return False  # an earlier guestd that had our pid: it is gone
     try:
         with open(f"/proc/{owner}/cmdline", "rb") as f:
-            return b"guestd" in f.read()
-    except OSError:
+            if b"guestd" not in f.read():
+                return False
+        with open(f"/proc/{owner}/status") as f:
+            uids = next((ln.split()[1:] for ln in f if ln.startswith("Uid:")), [])
+        if not uids or int(uids[0]) != os.geteuid():
+            return False
+    except (OSError, ValueError):
         return False
+    return not _in_tree(owner, workload_path)
+
+
+def _in_tree(pid: int, path: str) -> bool:
+    """Is ``pid`` in the cgroup at ``path`` or one of its children?"""
+    return any(pid in RunCgroup(d, -1).pids() for d, _dirs, _files in os.walk(path))
 
 
 class RunCgroup:
@@ -81,15 +95,20 @@ class RunCgroup:
         except (OSError, ValueError):
             return []
 
-    def populated(self) -> bool:
+    def _event(self, key: str) -> str | None:
+        """A field of cgroup.events ("populated", "frozen"), or None."""
         try:
             for line in _read(os.path.join(self.path, "cgroup.events")).splitlines():
-                key, _, value = line.partition(" ")
-                if key == "populated":
-                    return value.strip() != "0"
+                name, _, value = line.partition(" ")
+                if name == key:
+                    return value.strip()
         except OSError:
-            return False
-        return bool(self.pids())
+            pass
+        return None
+
+    def populated(self) -> bool:
+        value = self._event("populated")
+        return value != "0" if value is not None else bool(self.pids())
 
     def signal_all(self, sig: int) -> None:
         """Send ``sig`` to every process in the leaf (those that fork meanwhile may miss it)."""
@@ -120,6 +139,10 @@ class RunCgroup:
         except OSError:
             freeze = ""
         try:
+            for _ in range(100):  # the freeze settles asynchronously: up to ~100 ms
+                if not freeze or self._event("frozen") == "1":
+                    break
+                time.sleep(0.001)
             for _ in range(rounds):
                 victims = [p for p in self.pids() if p not in keep]
                 if not victims:
@@ -127,6 +150,7 @@ class RunCgroup:
                 for pid in victims:
                     with contextlib.suppress(ProcessLookupError, PermissionError):
                         os.kill(pid, signal.SIGKILL)
+                time.sleep(0.001)  # killed processes leave the list as they exit
         finally:
             if freeze:
                 with contextlib.suppress(OSError):
@@ -208,15 +232,6 @@ class WorkloadCgroup:
             raise
         return RunCgroup(path, fd)
 
-    def adopt(self, pid: int) -> None:
-        """Move an already started process into the workload cgroup (fallback spawn only)."""
-        if self.path is None:
-            return
-        try:
-            _write(os.path.join(self.path, "cgroup.procs"), str(pid))
-        except OSError as exc:
-            log.warning("could not move pid %d into the workload cgroup: %s", pid, exc)
-
     def end_leftovers(self) -> int:
         """Kill and remove every leaf (and any process directly in the workload cgroup): at
         start-up they belong to a guestd that is gone, whose pipes, timeouts and callers are
@@ -235,7 +250,7 @@ class WorkloadCgroup:
             path = os.path.join(self.path, name)
             if not os.path.isdir(path) or not os.path.exists(os.path.join(path, "cgroup.procs")):
                 continue
-            if _owner_alive(name):
+            if _owner_alive(name, self.path):
                 continue  # another guestd on the same workload cgroup: its runs are its own
             leaf = RunCgroup(path, -1)
             ended += len(leaf.pids())
@@ -243,7 +258,5 @@ class WorkloadCgroup:
             for _ in range(200):  # dying processes leave within milliseconds
                 if leaf.remove():
                     break
-                import time
-
-                time.sleep(0.01)
+                time.sleep(0.01)  # at start-up, before serving: nothing else waits
         return ended

@@ -1,4 +1,4 @@
-"""code capability: persistent Python contexts (see guestd.contexts)."""
+"""code capability: persistent Python contexts (engine: contexts.py)."""
 
 from __future__ import annotations
 

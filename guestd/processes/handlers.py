@@ -1,4 +1,4 @@
-"""process capability: background processes, attach/reattach by offset, PTYs (see guestd.processes)."""
+"""process capability: background processes, attach/reattach by offset, PTYs (engine: table.py)."""
 
 from __future__ import annotations
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import signal
 import time
 from typing import TYPE_CHECKING
 
@@ -20,6 +21,7 @@ from guestd.children.tree import read_chunk, set_winsize, write_all
 from guestd.wire.errors import ErrorCode, GuestdError, limit_error
 
 if TYPE_CHECKING:  # the generated message types: annotations only, never imported at run time
+    from guestd.children.cgroups import RunCgroup
     from guestd.services import Services
     from guestd.wire.types import ProcessInfoRecord, ProcessStartArgs
 
@@ -40,6 +42,7 @@ class ManagedProcess:
         self.status: int | None = None
         self.rings = {"stdout": OutputRing(ring_bytes), "stderr": OutputRing(ring_bytes)}
         self.child: Child | None = None
+        self.leaf: RunCgroup | None = None
         self._fds: dict[str, int] = {}  # streams still being read
         self._waiters: list[asyncio.Future[None]] = []
 
@@ -67,6 +70,7 @@ class ManagedProcess:
             assert child.stdout is not None and child.stderr is not None
             self._fds = {"stdout": child.stdout, "stderr": child.stderr}
         self.child = child
+        self.leaf = child.cgroup  # kept after exit: KILL still ends what the process left
         self.pid = child.pid
         loop = asyncio.get_running_loop()
         for name, fd in self._fds.items():
@@ -143,9 +147,13 @@ class ManagedProcess:
 
     # -- control ----------------------------------------------------------------------
     def send_signal(self, sig: int) -> None:
-        if not self.running or self.child is None:
-            raise GuestdError(ErrorCode.BAD_REQUEST, f"process {self.id} has exited", details={"process": self.id})
-        self.child.signal(sig)  # KILL ends the whole run: everything in its cgroup
+        if self.running and self.child is not None:
+            self.child.signal(sig)  # KILL ends the whole run: everything in its cgroup
+            return
+        if sig == signal.SIGKILL and self.leaf is not None:
+            self.leaf.kill()  # what the process left running when it exited
+            return
+        raise GuestdError(ErrorCode.BAD_REQUEST, f"process {self.id} has exited", details={"process": self.id})
 
     async def write_stdin(self, data: bytes) -> int:
         fd = self.pty_fd if self.pty_fd is not None else (self.child.stdin if self.child is not None else None)

@@ -9,7 +9,7 @@ import os
 import signal
 import sys
 import time
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from guestd import __version__
 from guestd.config import DEFAULT_VSOCK_PORT, Config, load_config_file, take_private_env
@@ -18,9 +18,6 @@ from guestd.server.connection import Connection
 from guestd.server.dispatch import Dispatcher
 from guestd.server.transports import Listener, listen, parse_listen
 from guestd.wire.errors import ErrorCode, GuestdError
-
-if TYPE_CHECKING:
-    pass
 
 log = logging.getLogger("guestd")
 
@@ -129,14 +126,15 @@ class Daemon:
     async def serve(self, ready_fd: int | None = None) -> None:
         loop = asyncio.get_running_loop()
         self._stopping = asyncio.Event()
-        for addr in self.config.listen:
-            listener = await listen(self, parse_listen(addr))
-            self.listeners.append(listener)
-            log.info("listening on %s", listener.address)
+        # Before any listener: no run may start before the workload cgroup (and its leaves) is set.
         if os.geteuid() == 0:
             self.workload.setup()  # ends what a previous guestd's runs left
         for start in self.services.on_start:
             start()
+        for addr in self.config.listen:
+            listener = await listen(self, parse_listen(addr))
+            self.listeners.append(listener)
+            log.info("listening on %s", listener.address)
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, self._stopping.set)
         loop.add_signal_handler(signal.SIGPIPE, lambda: None)

@@ -5,12 +5,13 @@ How a command runs, without markers in the user's output:
   quoted string and runs through ``eval`` in the shell itself, with stdin from
   /dev/null (or a file holding the request's input) and the control fd closed;
 - when it ends, bash writes ``nonce NUL status NUL cwd NUL export -p NUL`` to a separate
-  control pipe (fd 63). The nonce is fresh for every command and reaches bash in that
-  command's own script line, so nothing a command writes to the control pipe (bash's saved
-  copy of it is reachable from the command, which runs inside bash) can complete another
-  command: bytes without the expected nonce are discarded and counted. Everything the
-  command wrote to stdout/stderr was written before the marker, so guestd drains the pipes
-  and the output is complete, with nothing of the next command.
+  status socket (fd 63, a Unix socket with SO_PASSCRED): bytes written by any process but
+  bash itself (a job of the command, which inherits bash's copies of its fds) are discarded,
+  and so are bytes without the nonce, which is fresh for every command. guestd's functions
+  are read-only. Everything the command wrote to stdout/stderr was written before the
+  marker, so guestd drains the pipes and the output is complete, with nothing of the next
+  command. (A command can still reprogram bash itself, e.g. with a DEBUG trap, and with it
+  what later commands of its session do: PROTOCOL.md 10.)
 - ``exit``/``logout`` are shell functions that return from the command, so
   ``exit 3`` gives status 3 and keeps the session. The command runs in an ``if``
   condition, so ``set -e`` cannot end the session (and has no effect inside it).
@@ -47,6 +48,7 @@ from guestd.wire.errors import ErrorCode, GuestdError, limit_error
 from guestd.wire.paths import path_to_wire
 
 if TYPE_CHECKING:  # the generated message types: annotations only, never imported at run time
+    from guestd.children.cgroups import RunCgroup
     from guestd.services import Services
     from guestd.wire.types import ShellInfoRecord, ShellRunArgs, ShellRunReply, ShellRunTimedOut
 
@@ -139,6 +141,7 @@ class Session:
         self.pending_seed: int | None = None  # set by a restore: a new $RANDOM seed for the next command
         self._cancel_event: asyncio.Event | None = None  # set when the running command's request is gone
         self._before: set[int] = set()  # pids in the session's cgroup when the running command began
+        self.closed = False  # shell.close or shutdown: a run in progress must not restart bash
 
     async def apply_pending_seed(self) -> None:
         async with self.lock:
@@ -218,12 +221,15 @@ class Session:
             script += self.exports + "\n"  # a restarted session keeps its exported environment
         nonce = self._expect()
         script += f"__gd_mark 0 {nonce}\n"
-        await self._send(script)
         try:
+            await asyncio.wait_for(self._send(script), 30.0)
             await asyncio.wait_for(asyncio.shield(self._marker_future()), 30.0)
-        except TimeoutError:
+        except (TimeoutError, OSError):
             await self.kill()
             raise GuestdError(ErrorCode.UNAVAILABLE, "bash did not start within 30 s") from None
+        except BaseException:  # cancelled: the session is not made, so neither is its bash
+            await asyncio.shield(self.kill())
+            raise
 
     def _expect(self) -> str:
         """A fresh nonce for the next marker, and a fresh future for it."""
@@ -375,6 +381,10 @@ class Session:
         async with self.lock:
             if cancel.is_set():
                 raise asyncio.CancelledError  # cancelled while waiting for the session: never ran
+            if self.closed:
+                raise GuestdError(
+                    ErrorCode.NOT_FOUND, f"shell session {self.id} was closed", details={"session": self.id}
+                )
             if not self.alive:
                 await self.restart()
             if self.pending_seed is not None:
@@ -417,8 +427,10 @@ class Session:
         interrupted = False
         restarted = False
         result: tuple[int, str, str] | None = None
+        # The script goes in while the deadline runs: a bash that does not read (stopped by a
+        # job, busy) must not hold the session past the command's timeout.
+        send = asyncio.ensure_future(self._send(script))
         try:
-            await self._send(script)
             outcome = await self._wait(a["timeout_s"], a["idle_timeout_s"])
             if outcome in ("wall", "idle", "cancel"):
                 if outcome != "cancel":
@@ -426,12 +438,17 @@ class Session:
                 interrupted = True
                 restarted = not await self._interrupt()
                 if not restarted and self.child.cgroup is not None:
-                    self.child.cgroup.kill_except(self._before | {self.pid})
+                    await self._kill_command_processes(self.child.cgroup)
             elif outcome == "exited":
                 restarted = True
+            if not send.done() or send.cancelled() or send.exception() is not None:
+                restarted = True  # bash got part of the script at most: it cannot be trusted in step
             if not restarted:
                 result = self._marker_future().result()
         finally:
+            if not send.done():
+                send.cancel()
+            send.add_done_callback(_consume)
             self._drain_output()
             caps, self._caps = self._caps, None
             if infile:
@@ -439,7 +456,7 @@ class Session:
                     os.unlink(infile)
                 except OSError:
                     pass
-        if restarted:
+        if restarted and not self.closed:
             await self.restart()
         if count:
             self.commands += 1
@@ -467,13 +484,17 @@ class Session:
             return True
         # What the command started, wherever it went (session jobs of earlier commands stay).
         if child.cgroup is not None:
-            child.cgroup.kill_except(self._before | {self.pid})
+            await self._kill_command_processes(child.cgroup)
         else:
             signal_each(descendants(self.pid), signal.SIGTERM)
             if await self._wait(GRACE_S, None, cancellable=False) == "done":
                 return True
             signal_each(descendants(self.pid), signal.SIGKILL)
         return await self._wait(GRACE_S, None, cancellable=False) == "done"
+
+    async def _kill_command_processes(self, cg: RunCgroup) -> None:
+        """Freeze, kill, thaw (it waits for the freeze): off the event loop."""
+        await self.table.services.run_in_io(cg.kill_except, self._before | {self.pid})
 
     async def _wait(
         self, timeout: float | None, idle: float | None, cancellable: bool = True
@@ -563,19 +584,21 @@ class Shells:
         s = Session(self, "s" + os.urandom(6).hex(), name, cwd, env)
         self.sessions[s.id] = s
         try:
-            await s.start()
+            await s.start()  # ends its bash itself when it fails or is cancelled
         except BaseException:
             self.sessions.pop(s.id, None)
-            s.release()
             raise
         return s
 
     async def close(self, ref: str) -> None:
         s = self.get(ref)
         del self.sessions[s.id]
+        s.closed = True
         await s.kill()
 
     async def shutdown(self) -> None:
+        for s in self.sessions.values():
+            s.closed = True
         await asyncio.gather(*(s.kill() for s in self.sessions.values()), return_exceptions=True)
         self.sessions.clear()
 
