@@ -99,6 +99,14 @@ def install_packages(site: str) -> None:
     subprocess.run(cmd, check=True)
     pkg = os.path.join(REPO, "guestd")
     shutil.copytree(pkg, os.path.join(site, "guestd"), dirs_exist_ok=True, ignore=shutil.ignore_patterns("__pycache__"))
+    import glob
+
+    if not glob.glob(os.path.join(pkg, "children", "_clone*.so")):
+        # The image would work, but every spawn would go through the slower popen fallback.
+        log(
+            "WARNING: guestd/children/_clone was not built (pip install -e . with gcc builds it): "
+            "the image's guestd will spawn through subprocess (info.spawn = popen)"
+        )
 
 
 def needed_libs(paths: list[str]) -> set[str]:
