@@ -7,6 +7,7 @@ import errno
 import hashlib
 import os
 import random
+import subprocess
 import threading
 import time
 from collections.abc import Callable
@@ -216,11 +217,22 @@ def test_upload_abandoned_at_any_moment_leaves_no_temp_file(guestd: Guestd, tmp_
     assert not os.path.exists(target)
 
 
-def test_no_space_is_typed(client: Client) -> None:
-    # /dev/full fails every write with ENOSPC, like a full disk.
-    with pytest.raises(GuestdError) as ei:
-        client.write_file("/dev/full", b"x" * 100, flag="append")
-    assert ei.value.code == "no_space" and ei.value.errno == 28
+def test_no_space_is_typed(client: Client, tmp_path: object) -> None:
+    # A 16 KiB tmpfs is a full disk soon enough (/dev/full is a device, not a file: not_a_file).
+    d = os.path.join(str(tmp_path), "small")
+    os.mkdir(d)
+    if os.geteuid() != 0 or subprocess.run(["mount", "-t", "tmpfs", "-o", "size=16k", "tmpfs", d]).returncode:
+        pytest.skip("needs root to mount a small tmpfs")
+    try:
+        for flag in ("append", "overwrite"):
+            with pytest.raises(GuestdError) as ei:
+                client.write_file(f"{d}/big-{flag}", b"x" * 100_000, flag=flag)
+            assert ei.value.code == "no_space" and ei.value.errno == 28
+        with pytest.raises(GuestdError) as ei:
+            client.write_file("/dev/full", b"x", flag="append")
+        assert ei.value.code == "not_a_file"
+    finally:
+        subprocess.run(["umount", d], check=True)
 
 
 @pytest.mark.parametrize(

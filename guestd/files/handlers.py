@@ -18,6 +18,7 @@ import threading
 from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any, TypeVar, cast
 
+from guestd.files.fs import open_regular
 from guestd.wire.errors import ErrorCode, GuestdError, too_large
 from guestd.wire.paths import path_to_wire
 
@@ -133,12 +134,9 @@ def _os_call(fn: Any, *args: Any) -> Any:
 
 
 def read_range(path: str, offset: int, length: int | None, max_read: int) -> FileReadReply:
-    fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+    fd = open_regular(path)  # a FIFO the workload planted must not hold an I/O thread
     try:
-        info = os.fstat(fd)
-        if st.S_ISDIR(info.st_mode):
-            raise GuestdError(ErrorCode.IS_A_DIRECTORY, f"is a directory: {path}", details={"path": path})
-        size = info.st_size
+        size = os.fstat(fd).st_size
         if size == 0 and length is None:
             # /proc, /sys and the like report size 0: read to EOF, bounded by max_read.
             data = _read_to_eof(fd, offset, max_read + 1)
@@ -287,7 +285,7 @@ def write_whole(
             fd = os.open(path, flags | os.O_CREAT | os.O_EXCL, DEFAULT_PERM if perm is None else perm)
             created = True
         except FileExistsError:
-            fd = os.open(path, flags)
+            fd = open_regular(path, flags)  # never a FIFO's writer, waiting for a reader
             created = False
         try:
             if created and new_owner is not None:
@@ -603,8 +601,4 @@ def register(services: Services) -> None:
 
 
 def _open_for_download(path: str) -> int:
-    fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
-    if st.S_ISDIR(os.fstat(fd).st_mode):
-        os.close(fd)
-        raise GuestdError(ErrorCode.IS_A_DIRECTORY, f"is a directory: {path}", details={"path": path})
-    return fd
+    return open_regular(path)

@@ -22,6 +22,7 @@ class ErrorCode(StrEnum):
     EXISTS = "exists"
     IS_A_DIRECTORY = "is_a_directory"
     NOT_A_DIRECTORY = "not_a_directory"
+    NOT_A_FILE = "not_a_file"  # a FIFO, socket or device where a regular file is expected
     NOT_EMPTY = "not_empty"
     NO_SPACE = "no_space"
     READ_ONLY = "read_only"

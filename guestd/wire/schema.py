@@ -518,7 +518,7 @@ OPS: tuple[OpSpec, ...] = (
             F("size", "uint", "file size at the time of the read", True),
             F("eof", "bool", "true when data reaches the end of the file", True),
         ),
-        errors=("not_found", "is_a_directory", "permission_denied", "too_large"),
+        errors=("not_found", "is_a_directory", "not_a_file", "permission_denied", "too_large"),
     ),
     OpSpec(
         "file.write",
@@ -539,7 +539,15 @@ OPS: tuple[OpSpec, ...] = (
             F("parents", "bool", "create missing parent directories", default=False),
         ),
         result=(F("size", "uint", "file size after the write", True),),
-        errors=("not_found", "exists", "is_a_directory", "not_a_directory", "permission_denied", "no_space"),
+        errors=(
+            "not_found",
+            "exists",
+            "is_a_directory",
+            "not_a_directory",
+            "not_a_file",
+            "permission_denied",
+            "no_space",
+        ),
     ),
     OpSpec(
         "file.upload",
@@ -576,7 +584,7 @@ OPS: tuple[OpSpec, ...] = (
             F("size", "uint", "start: file size at open"),
             F("data", "bin", "data: next bytes"),
         ),
-        errors=("not_found", "is_a_directory", "permission_denied"),
+        errors=("not_found", "is_a_directory", "not_a_file", "permission_denied"),
     ),
     OpSpec(
         "file.stat",

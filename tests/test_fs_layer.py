@@ -1,0 +1,162 @@
+"""The file-system layer (guestd/files/fs.py) on the real kernel, and what a planted FIFO,
+socket or device does to file ops of a real guestd (issue 15, defect 5)."""
+
+from __future__ import annotations
+
+import errno
+import os
+import signal
+import socket
+import stat
+import threading
+import time
+from collections.abc import Callable
+
+import pytest
+
+from guestd.client import Client, GuestdError
+from guestd.files import fs
+from guestd.testing import Guestd
+
+Resolver = Callable[[int, bytes, int, int, int], int]
+RESOLVERS: dict[str, Resolver] = {
+    "openat2": lambda d, p, f, m, r: fs.openat2(d, p, f, m, r),
+    "walk": lambda d, p, f, m, r: fs._walk(d, p, f | os.O_CLOEXEC, m, r),  # kernels before 5.6
+}
+
+
+@pytest.fixture
+def tree(tmp_path: object) -> str:
+    """root/{a/b/file, up -> .., out -> /etc, rel -> a/b, loop -> loop}"""
+    root = os.path.join(str(tmp_path), "root")
+    os.makedirs(os.path.join(root, "a", "b"))
+    with open(os.path.join(root, "a", "b", "file"), "w") as f:
+        f.write("inside")
+    os.symlink("..", os.path.join(root, "up"))
+    os.symlink("/etc", os.path.join(root, "out"))
+    os.symlink("a/b", os.path.join(root, "rel"))
+    os.symlink("loop", os.path.join(root, "loop"))
+    return root
+
+
+def _read(fd: int) -> bytes:
+    try:
+        return os.read(fd, 100)
+    finally:
+        os.close(fd)
+
+
+@pytest.mark.parametrize("how", list(RESOLVERS))
+def test_beneath_keeps_every_path_inside_its_directory(tree: str, how: str) -> None:
+    resolve = RESOLVERS[how]
+    root = os.open(tree, os.O_PATH | os.O_DIRECTORY)
+    try:
+        assert _read(resolve(root, b"a/b/file", os.O_RDONLY, 0, fs.RESOLVE_BENEATH)) == b"inside"
+        assert _read(resolve(root, b"rel/file", os.O_RDONLY, 0, fs.RESOLVE_BENEATH)) == b"inside"
+        assert _read(resolve(root, b"a/../a/b/file", os.O_RDONLY, 0, fs.RESOLVE_BENEATH)) == b"inside"
+        for escape in (b"../x", b"a/../../x", b"up/x", b"out/passwd", b"/etc/passwd"):
+            with pytest.raises(OSError) as ei:
+                resolve(root, escape, os.O_RDONLY, 0, fs.RESOLVE_BENEATH)
+            assert ei.value.errno == errno.EXDEV, escape
+        with pytest.raises(OSError) as ei:
+            resolve(root, b"loop", os.O_RDONLY, 0, fs.RESOLVE_BENEATH)
+        assert ei.value.errno == errno.ELOOP
+        with pytest.raises(OSError) as ei:
+            resolve(root, b"rel/file", os.O_RDONLY, 0, fs.RESOLVE_BENEATH | fs.RESOLVE_NO_SYMLINKS)
+        assert ei.value.errno == errno.ELOOP
+        with pytest.raises(OSError) as ei:  # O_NOFOLLOW on the last component
+            resolve(root, b"rel", os.O_RDONLY | os.O_NOFOLLOW, 0, fs.RESOLVE_BENEATH)
+        assert ei.value.errno == errno.ELOOP
+        # Without BENEATH the kernel's usual rules: the symlink out is followed.
+        assert _read(resolve(root, b"out/hostname", os.O_RDONLY, 0, 0)) == open("/etc/hostname", "rb").read()[:100]
+        new = resolve(root, b"a/new", os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600, fs.RESOLVE_BENEATH)
+        os.close(new)
+        assert os.path.isfile(os.path.join(tree, "a", "new"))
+    finally:
+        os.close(root)
+
+
+def test_deep_and_long_paths_are_typed(tree: str) -> None:
+    root = os.open(tree, os.O_PATH | os.O_DIRECTORY)
+    try:
+        with pytest.raises(OSError) as ei:
+            fs.openat2(root, b"x/" * 3000 + b"f", os.O_RDONLY, 0, fs.RESOLVE_BENEATH)
+        assert ei.value.errno == errno.ENAMETOOLONG
+        with pytest.raises(ValueError):
+            fs.openat2(root, b"a\0b", os.O_RDONLY)
+    finally:
+        os.close(root)
+
+
+def test_open_regular_answers_special_files_at_once(tmp_path: object) -> None:
+    fifo = os.path.join(str(tmp_path), "fifo")
+    os.mkfifo(fifo)
+    sock_path = os.path.join(str(tmp_path), "sock")
+    srv = socket.socket(socket.AF_UNIX)
+    srv.bind(sock_path)
+    try:
+        for path, flags in ((fifo, os.O_RDONLY), (fifo, os.O_WRONLY | os.O_APPEND), (sock_path, os.O_RDONLY)):
+            t = time.monotonic()
+            with pytest.raises(GuestdError) as ei:
+                fs.open_regular(path, flags)
+            assert ei.value.code in ("not_a_file", "io_error") and time.monotonic() - t < 1, ei.value
+        with pytest.raises(GuestdError) as ei:
+            fs.open_regular("/dev/null")
+        assert ei.value.code == "not_a_file"
+        with pytest.raises(GuestdError) as ei:
+            fs.open_regular(str(tmp_path))
+        assert ei.value.code == "is_a_directory"
+        regular = os.path.join(str(tmp_path), "f")
+        with open(regular, "w") as f:
+            f.write("x")
+        fd = fs.open_regular(regular)
+        assert os.get_blocking(fd) and os.read(fd, 10) == b"x"
+        os.close(fd)
+    finally:
+        srv.close()
+
+
+def test_planted_fifos_wedge_no_file_op(client: Client, guestd: Guestd, tmp_path: object) -> None:
+    """Eight FIFOs where the host expects files: reads, downloads and appends answer at once,
+    and every other file op still works (before: each one held an I/O thread for good)."""
+    d = str(tmp_path)
+    fifos = []
+    for i in range(8):
+        p = os.path.join(d, f"fifo{i}")
+        os.mkfifo(p)
+        fifos.append(p)
+    for p in fifos:
+        with pytest.raises(GuestdError) as ei:
+            client.read_file(p, deadline=5)
+        assert ei.value.code == "not_a_file"
+        with pytest.raises(GuestdError) as ei:
+            client.write_file(p, b"x", flag="append", deadline=5)
+        assert ei.value.code == "not_a_file"
+        with pytest.raises(GuestdError) as ei:
+            client.download(p, os.path.join(d, "out"), deadline=5)
+        assert ei.value.code == "not_a_file"
+    assert client.stat(fifos[0], deadline=5).type == "fifo"
+    client.write_file(os.path.join(d, "ok"), b"fine", deadline=5)
+    assert client.read_file(os.path.join(d, "ok"), deadline=5) == b"fine"
+    assert {e.name for e in client.listdir(d, deadline=5).entries} >= {"fifo0", "ok"}
+    assert all(stat.S_ISFIFO(os.stat(p).st_mode) for p in fifos)  # nothing replaced them
+
+
+def test_a_planted_fifo_does_not_hold_up_shutdown(fresh_guestd: Callable[..., Guestd], tmp_path: object) -> None:
+    g = fresh_guestd()
+    fifo = os.path.join(str(tmp_path), "fifo")
+    os.mkfifo(fifo)
+    with g.client() as c:
+        hung = threading.Thread(target=lambda: _swallow(lambda: c.read_file(fifo, deadline=3)), daemon=True)
+        hung.start()
+        hung.join(10)
+    os.kill(g.pid, signal.SIGTERM)
+    g.proc.wait(10)
+    assert g.proc.returncode == 0
+
+
+def _swallow(fn: Callable[[], object]) -> None:
+    try:
+        fn()
+    except GuestdError:
+        pass
