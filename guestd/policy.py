@@ -52,22 +52,6 @@ class Policy:
                     details={"policy": "deny_ops", "op": op},
                 )
 
-    def check_write(self, path: str) -> None:
-        if self.write_roots is None:
-            return
-        # Resolve the parent (the target itself may not exist yet, or be a symlink we replace).
-        absolute = os.path.abspath(path)
-        real = os.path.join(os.path.realpath(os.path.dirname(absolute)), os.path.basename(absolute))
-        for root in self.write_roots:
-            r = os.path.realpath(root)
-            if real == r or real.startswith(r.rstrip("/") + "/"):
-                return
-        raise GuestdError(
-            ErrorCode.PERMISSION_DENIED,
-            f"writing {path} is outside policy.write_roots",
-            details={"policy": "write_roots", "path": path},
-        )
-
     def workload_ids(self) -> tuple[int, int] | None:
         """(uid, gid) to run the workload as, or None (not root, or no user configured)."""
         if self.workload_user is None or os.geteuid() != 0:

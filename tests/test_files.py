@@ -148,9 +148,14 @@ def test_upload_size_mismatch_and_drop_keep_old_file(guestd: Guestd, tmp_path: o
         await c.close()  # connection dropped mid-upload
 
     asyncio.run(go())
-    deadline = time.monotonic() + 10  # the daemon notices the dropped connection asynchronously
-    while [n for n in os.listdir(str(tmp_path)) if "guestd-tmp" in n] and time.monotonic() < deadline:
-        time.sleep(0.05)
+    # The daemon notices the dropped connection asynchronously, and may not even have made the
+    # temp file yet: wait until there has been none for 0.3 s.
+    deadline = time.monotonic() + 10
+    clear_since = time.monotonic()
+    while time.monotonic() < deadline and time.monotonic() - clear_since < 0.3:
+        if [n for n in os.listdir(str(tmp_path)) if "guestd-tmp" in n]:
+            clear_since = time.monotonic()
+        time.sleep(0.02)
     assert open(target, "rb").read() == b"original"
     assert [n for n in os.listdir(str(tmp_path)) if "guestd-tmp" in n] == []
 
@@ -398,12 +403,15 @@ def test_a_write_queued_behind_an_abort_never_lands_in_a_file_that_reuses_the_fd
     # An upload cancelled while its write waits for an I/O thread: abort closes the temp
     # file's fd, the next open (another upload) gets the same number, then the stale write
     # runs. Before the fix it wrote into that other file (seen: 8192 bytes in a 4096-byte upload).
+    from guestd.files.fs import FileSystem
     from guestd.files.handlers import AtomicFile
 
-    first = AtomicFile(f"{tmp_path}/first", "overwrite", None, False)
+    first = AtomicFile(FileSystem(None, "", None).place(f"{tmp_path}/first"), "overwrite", None)
     stale_fd = first.fd
-    first.abort()
+    first.abort()  # closes the temp file's fd and its directory's
+    spare = os.open(f"{tmp_path}/spare", os.O_WRONLY | os.O_CREAT, 0o600)  # takes the lower number
     other = os.open(f"{tmp_path}/other", os.O_WRONLY | os.O_CREAT, 0o600)
+    os.close(spare)
     try:
         assert other == stale_fd  # the number was reused, as it is under load
         with pytest.raises(GuestdError) as ei:

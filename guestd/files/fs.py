@@ -137,24 +137,27 @@ def describe_type(mode: int) -> str:
     return "not a regular file"
 
 
-def open_regular(path: str, flags: int = os.O_RDONLY, mode: int = 0o644) -> int:
+def open_regular(
+    path: str | bytes, flags: int = os.O_RDONLY, mode: int = 0o644, dir_fd: int | None = None, shown: str = ""
+) -> int:
     """Open a file the host expects to be a regular file, never blocking on what it really is.
 
     ``O_NONBLOCK`` first (a FIFO without a writer would block the open, one without a reader
     the writes), then ``fstat``: a directory answers ``is_a_directory``, a FIFO, socket or
     device ``not_a_file``; a regular file gets its normal blocking mode back."""
+    shown = shown or os.fsdecode(path)
     try:
-        fd = os.open(path, flags | os.O_NONBLOCK | os.O_CLOEXEC, mode)
+        fd = os.open(path, flags | os.O_NONBLOCK | os.O_CLOEXEC, mode, dir_fd=dir_fd)
     except OSError as exc:
         if exc.errno == errno.ENXIO:  # a FIFO (or socket) opened for writing with no reader
-            raise not_a_file(path, "a FIFO or socket") from None
+            raise not_a_file(shown, "a FIFO or socket") from None
         raise
     try:
         info = os.fstat(fd)
         if st.S_ISDIR(info.st_mode):
-            raise GuestdError(ErrorCode.IS_A_DIRECTORY, f"is a directory: {path}", details={"path": path})
+            raise GuestdError(ErrorCode.IS_A_DIRECTORY, f"is a directory: {shown}", details={"path": shown})
         if not st.S_ISREG(info.st_mode):
-            raise not_a_file(path, describe_type(info.st_mode))
+            raise not_a_file(shown, describe_type(info.st_mode))
         os.set_blocking(fd, True)
     except BaseException:
         os.close(fd)
@@ -164,3 +167,164 @@ def open_regular(path: str, flags: int = os.O_RDONLY, mode: int = 0o644) -> int:
 
 def not_a_file(path: str, what: str) -> GuestdError:
     return GuestdError(ErrorCode.NOT_A_FILE, f"not a regular file ({what}): {path}", details={"path": path})
+
+
+# --------------------------------------------------------------------------- where writes act
+
+AT_FDCWD = -100
+PATH_MAX = 4096  # Linux's, counting the terminating NUL
+_DIR_PATH = os.O_PATH | os.O_DIRECTORY
+Owner = tuple[int, int] | None  # (uid, gid) for new files and directories; None: guestd's own
+
+
+class Place:
+    """Where a write acts: a kernel-resolved parent directory (an fd) and a name in it. Every
+    call that acts is a ``*at`` call on that fd with that name, never a path again."""
+
+    def __init__(self, dirfd: int, name: bytes, path: str, owner: Owner) -> None:
+        self.dirfd = dirfd
+        self.name = name
+        self.path = path  # as the request gave it, for messages
+        self.owner = owner  # who a new entry here belongs to (decided from dirfd)
+
+    def close(self) -> None:
+        if self.dirfd >= 0:
+            os.close(self.dirfd)
+            self.dirfd = -1
+
+    def __enter__(self) -> Place:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+class FileSystem:
+    """Resolves the places writes act on: under ``write_roots`` (each a directory fd, opened once)
+    with ``RESOLVE_BENEATH``, so neither ``..`` nor a symlink leaves a root, or anywhere (the
+    kernel's usual rules, without /proc magic links). New entries under the workspace belong to
+    the workload user, decided from the resolved directory fd, not from a path string."""
+
+    def __init__(self, write_roots: list[str] | None, workspace: str, ids: tuple[int, int] | None) -> None:
+        self.roots: list[tuple[bytes, str]] | None = None
+        if write_roots is not None:
+            self.roots = []
+            for root in write_roots:
+                for spelling in {os.path.abspath(root), os.path.realpath(root)}:
+                    self.roots.append((os.fsencode(spelling).rstrip(b"/") or b"/", root))
+            self.roots.sort(key=lambda r: -len(r[0]))  # the longest (innermost) root first
+        self._root_fds: dict[str, int] = {}
+        self.workspace = os.fsencode(os.path.realpath(workspace)) if workspace and ids is not None else None
+        self.ids = ids
+
+    # -- resolution -----------------------------------------------------------------------
+    def place(self, path: str, *, parents: bool = False) -> Place:
+        """The parent of ``path``, resolved (and with ``parents``, created) by the kernel."""
+        raw = os.fsencode(path)
+        if b"\0" in raw:
+            raise GuestdError(ErrorCode.BAD_REQUEST, "embedded null byte in path", details={"field": "path"})
+        if len(raw) >= PATH_MAX:
+            raise OSError(errno.ENAMETOOLONG, os.strerror(errno.ENAMETOOLONG), path)
+        absolute = raw if raw.startswith(b"/") else os.fsencode(os.getcwd()).rstrip(b"/") + b"/" + raw
+        stripped = absolute.rstrip(b"/")
+        head, _, name = stripped.rpartition(b"/")
+        if name in (b"", b".", b".."):
+            raise GuestdError(
+                ErrorCode.BAD_REQUEST, f"the path names no entry to act on: {path}", details={"path": path}
+            )
+        base, rel, resolve = self._base(head or b"/", path)
+        try:
+            dirfd = self._makedirs(base, rel, resolve) if parents else openat2(base, rel, _DIR_PATH, 0, resolve)
+        except OSError as exc:
+            if exc.errno == errno.EXDEV:
+                raise outside_roots(path) from None
+            raise
+        return Place(dirfd, name, path, self.owner_in(dirfd))
+
+    def _base(self, head: bytes, path: str) -> tuple[int, bytes, int]:
+        """(directory fd, path relative to it, RESOLVE_* flags) for resolving ``head``."""
+        if self.roots is None:
+            return AT_FDCWD, head, RESOLVE_NO_MAGICLINKS
+        for prefix, root in self.roots:
+            if head == prefix or head.startswith(prefix + b"/") or prefix == b"/":
+                rel = head[len(prefix) :].lstrip(b"/") or b"."
+                return self._root_fd(root, path), rel, RESOLVE_BENEATH | RESOLVE_NO_MAGICLINKS
+        raise outside_roots(path)
+
+    def _root_fd(self, root: str, path: str) -> int:
+        fd = self._root_fds.get(root)
+        if fd is None:
+            try:
+                fd = os.open(root, _DIR_PATH | os.O_CLOEXEC)
+            except OSError as exc:
+                raise GuestdError.from_os_error(exc, policy="write_roots", path=path) from None
+            fd = self._root_fds.setdefault(root, fd)  # two threads may race here: keep one
+        return fd
+
+    def _makedirs(self, base: int, rel: bytes, resolve: int) -> int:
+        """Resolve ``rel`` under ``base``, making missing directories on the way: each with
+        mkdirat in its kernel-resolved parent, then opened O_NOFOLLOW and given to its owner
+        through that fd (a directory swapped for a symlink meanwhile is never followed)."""
+        lead = b"/" if rel.startswith(b"/") else b""  # an absolute path stays absolute
+
+        def joined(parts: list[bytes]) -> bytes:
+            return lead + b"/".join(parts) if parts else (lead or b".")
+
+        done: list[bytes] = []
+        for part in [p for p in rel.split(b"/") if p not in (b"", b".")]:
+            try:
+                os.close(openat2(base, joined([*done, part]), _DIR_PATH, 0, resolve))
+            except FileNotFoundError:
+                parent = openat2(base, joined(done), _DIR_PATH, 0, resolve)
+                try:
+                    self._mkdir_owned(parent, part, 0o777, self.owner_in(parent))
+                except FileExistsError:
+                    pass  # made meanwhile by someone else: resolved again on the next step
+                finally:
+                    os.close(parent)
+            done.append(part)
+        return openat2(base, joined(done), _DIR_PATH, 0, resolve)
+
+    @staticmethod
+    def _mkdir_owned(parent: int, name: bytes, mode: int, owner: Owner) -> None:
+        os.mkdir(name, mode, dir_fd=parent)
+        if owner is None:
+            return
+        try:
+            fd = os.open(name, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=parent)
+        except OSError:
+            return  # swapped for something else already: not ours to give away
+        try:
+            info = os.fstat(fd)
+            if info.st_uid == os.geteuid():  # the directory we made, not one put in its place
+                os.fchown(fd, *owner)
+        finally:
+            os.close(fd)
+
+    def mkdir(self, place: Place, mode: int) -> None:
+        self._mkdir_owned(place.dirfd, place.name, mode, place.owner)
+
+    def owner_in(self, dirfd: int) -> Owner:
+        """The owner of new entries in the directory ``dirfd``: the workload user under the
+        workspace, else None (guestd's). Read from the fd, so it is where the write acts."""
+        if self.workspace is None:
+            return None
+        try:
+            where = os.fsencode(os.readlink(f"/proc/self/fd/{dirfd}"))
+        except OSError:
+            return None
+        ws = self.workspace
+        return self.ids if where == ws or where.startswith(ws.rstrip(b"/") + b"/") else None
+
+    def close(self) -> None:
+        for fd in self._root_fds.values():
+            os.close(fd)
+        self._root_fds.clear()
+
+
+def outside_roots(path: str) -> GuestdError:
+    return GuestdError(
+        ErrorCode.PERMISSION_DENIED,
+        f"writing {path} is outside policy.write_roots",
+        details={"policy": "write_roots", "path": path},
+    )

@@ -18,7 +18,7 @@ import threading
 from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any, TypeVar, cast
 
-from guestd.files.fs import open_regular
+from guestd.files.fs import FileSystem, Owner, Place, open_regular
 from guestd.wire.errors import ErrorCode, GuestdError, too_large
 from guestd.wire.paths import path_to_wire
 
@@ -48,55 +48,7 @@ if TYPE_CHECKING:  # the generated message types: annotations only, never import
     )
 
 DEFAULT_PERM = 0o644
-TMP_MARK = ".guestd-tmp-"
-PATH_MAX = 4096  # Linux's, counting the terminating NUL
-Owner = tuple[int, int] | None  # (uid, gid) for new files and directories; None: guestd's own
-
-
-class WorkspaceOwner:
-    """Who new files and directories belong to: under the workspace, the workload user (when one
-    is configured and guestd is root), so what the host writes there the workload can change;
-    elsewhere guestd's own (root's), so the workload cannot rewrite files the host put in /etc
-    or /usr. Replaced files always keep their owner. Called in an I/O thread (realpath)."""
-
-    def __init__(self, workspace: str, ids: tuple[int, int] | None) -> None:
-        self.root = os.path.realpath(workspace) if workspace and ids is not None else None
-        self.ids = ids
-
-    def __call__(self, path: str) -> Owner:
-        if self.root is None:
-            return None
-        real = os.path.realpath(path)
-        return self.ids if real == self.root or real.startswith(self.root.rstrip("/") + "/") else None
-
-
-def makedirs_owned(path: str, owner: Owner, mode: int = 0o777) -> bool:
-    """``os.makedirs(path, exist_ok=True)`` that gives each directory it creates to ``owner``.
-    True when ``path`` itself was created. Iterative, so any depth the kernel accepts works
-    (a path longer than PATH_MAX fails with ENAMETOOLONG)."""
-    path = os.path.abspath(path)
-    if len(os.fsencode(path)) >= PATH_MAX:  # before any mkdir: no half-made tree is left behind
-        raise OSError(errno.ENAMETOOLONG, os.strerror(errno.ENAMETOOLONG), path)
-    missing: list[str] = []  # deepest first
-    at = path
-    while not os.path.isdir(at):
-        missing.append(at)
-        parent = os.path.dirname(at)
-        if parent == at:
-            break
-        at = parent
-    created = False
-    for d in reversed(missing):
-        try:
-            os.mkdir(d, mode)
-        except FileExistsError:
-            if os.path.isdir(d):
-                continue  # someone else made it meanwhile
-            raise
-        if owner is not None:
-            os.chown(d, *owner)
-        created = d == path
-    return created
+TMP_MARK = b".guestd-tmp-"
 
 
 def _type_name(mode: int) -> DirEntryType:
@@ -168,33 +120,33 @@ class AtomicFile:
     """A temp file beside the target, renamed over it only when complete.
 
     Readers see the old file or the new one, never a mix; a failure at any point
-    leaves the old file as it was and removes the temp file.
+    leaves the old file as it was and removes the temp file. Every step acts on the
+    kernel-resolved parent directory's fd (``Place``), never on a path again.
     """
 
-    def __init__(self, path: str, flag: str, perm: int | None, parents: bool, new_owner: Owner = None) -> None:
-        self.path = os.path.abspath(path)
+    def __init__(self, place: Place, flag: str, perm: int | None) -> None:
+        self.place = place  # owned: closed with the file
+        self.path = place.path
         self.flag = flag
-        self.dir = os.path.dirname(self.path)
-        if parents:
-            makedirs_owned(self.dir, new_owner)
         mode = DEFAULT_PERM if perm is None else perm
-        self.owner: Owner = new_owner  # a new file's; a replaced file keeps its old owner
+        self.owner: Owner = place.owner  # a new file's; a replaced file keeps its old owner
         try:
-            old = os.stat(self.path)
+            old = os.stat(place.name, dir_fd=place.dirfd, follow_symlinks=False)
         except FileNotFoundError:
             old = None
         if old is not None:
             if st.S_ISDIR(old.st_mode):
-                raise GuestdError(ErrorCode.IS_A_DIRECTORY, f"is a directory: {path}", details={"path": path})
+                raise GuestdError(ErrorCode.IS_A_DIRECTORY, f"is a directory: {self.path}", details={"path": self.path})
             if flag == "create":
-                raise GuestdError(ErrorCode.EXISTS, f"already exists: {path}", details={"path": path})
-            if perm is None:
-                mode = st.S_IMODE(old.st_mode)  # an overwrite keeps the file's permissions
-            self.owner = (old.st_uid, old.st_gid)
+                raise GuestdError(ErrorCode.EXISTS, f"already exists: {self.path}", details={"path": self.path})
+            if st.S_ISREG(old.st_mode):  # a symlink or FIFO in its place is replaced, not kept
+                if perm is None:
+                    mode = st.S_IMODE(old.st_mode)  # an overwrite keeps the file's permissions
+                self.owner = (old.st_uid, old.st_gid)
         self.mode = mode
-        name = os.path.basename(self.path)
-        self.tmp = os.path.join(self.dir, f".{name[:200]}{TMP_MARK}{os.urandom(6).hex()}")
-        self.fd = os.open(self.tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
+        self.tmp = b"." + place.name[:200] + TMP_MARK + os.urandom(6).hex().encode()
+        flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
+        self.fd = os.open(self.tmp, flags, 0o600, dir_fd=place.dirfd)
         self.size = 0
         # Writes run in I/O threads; abort runs on the loop when a request is cancelled,
         # possibly while a write is queued. Closing the fd then would let that write land
@@ -226,13 +178,16 @@ class AtomicFile:
         os.fsync(self.fd)
         os.close(self.fd)
         self.fd = -1
+        d = self.place.dirfd
         if self.flag == "create":
-            os.link(self.tmp, self.path)  # fails with EEXIST if someone raced us: no clobber
-            os.unlink(self.tmp)
+            # linkat fails with EEXIST if someone raced us: no clobber
+            os.link(self.tmp, self.place.name, src_dir_fd=d, dst_dir_fd=d, follow_symlinks=False)
+            os.unlink(self.tmp, dir_fd=d)
         else:
-            os.rename(self.tmp, self.path)
+            os.rename(self.tmp, self.place.name, src_dir_fd=d, dst_dir_fd=d)
         self.committed = True
-        _fsync_dir(self.dir)
+        _fsync_dirfd(d)
+        self.place.close()
         return self.size
 
     def abort(self) -> None:
@@ -252,18 +207,20 @@ class AtomicFile:
             if self.fd >= 0:
                 os.close(self.fd)
                 self.fd = -1
-            if not self.committed:
+            if not self.committed and self.place.dirfd >= 0:
                 try:
-                    os.unlink(self.tmp)
+                    os.unlink(self.tmp, dir_fd=self.place.dirfd)
                 except OSError:
                     pass
+            self.place.close()
         finally:
             self._fd_lock.release()
 
 
-def _fsync_dir(path: str) -> None:
+def _fsync_dirfd(dirfd: int) -> None:
+    """fsync a directory held as an O_PATH fd (which fsync refuses): through a real open of it."""
     try:
-        fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+        fd = os.open(".", os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC, dir_fd=dirfd)
     except OSError:
         return
     try:
@@ -274,36 +231,41 @@ def _fsync_dir(path: str) -> None:
         os.close(fd)
 
 
-def write_whole(
-    path: str, data: bytes, flag: str, perm: int | None, parents: bool, new_owner: Owner = None
-) -> FileWriteReply:
+def write_whole(fsys: FileSystem, path: str, data: bytes, flag: str, perm: int | None, parents: bool) -> FileWriteReply:
+    place = fsys.place(path, parents=parents)
     if flag == "append":
-        if parents:
-            makedirs_owned(os.path.dirname(os.path.abspath(path)), new_owner)
-        flags = os.O_WRONLY | os.O_APPEND | os.O_CLOEXEC
-        try:  # new (then it gets new_owner) or existing (it keeps its owner)?
-            fd = os.open(path, flags | os.O_CREAT | os.O_EXCL, DEFAULT_PERM if perm is None else perm)
-            created = True
-        except FileExistsError:
-            fd = open_regular(path, flags)  # never a FIFO's writer, waiting for a reader
-            created = False
-        try:
-            if created and new_owner is not None:
-                os.fchown(fd, *new_owner)
-            view = memoryview(data)
-            while view:
-                view = view[os.write(fd, view) :]
-            os.fsync(fd)
-            return {"size": os.fstat(fd).st_size}
-        finally:
-            os.close(fd)
-    f = AtomicFile(path, flag, perm, parents, new_owner)
+        with place:
+            return _append(place, data, perm)
+    f = AtomicFile(place, flag, perm)
     try:
         f.write(data)
         return {"size": f.commit()}
     except BaseException:
         f.abort()
         raise
+
+
+def _append(place: Place, data: bytes, perm: int | None) -> FileWriteReply:
+    # O_NOFOLLOW: an append never follows a symlink the workload put in the target's place.
+    flags = os.O_WRONLY | os.O_APPEND | os.O_NOFOLLOW | os.O_CLOEXEC
+    try:  # new (then it gets the place's owner) or existing (it keeps its owner)?
+        fd = os.open(
+            place.name, flags | os.O_CREAT | os.O_EXCL, DEFAULT_PERM if perm is None else perm, dir_fd=place.dirfd
+        )
+        created = True
+    except FileExistsError:
+        fd = open_regular(place.name, flags, dir_fd=place.dirfd, shown=place.path)
+        created = False
+    try:
+        if created and place.owner is not None:
+            os.fchown(fd, *place.owner)
+        view = memoryview(data)
+        while view:
+            view = view[os.write(fd, view) :]
+        os.fsync(fd)
+        return {"size": os.fstat(fd).st_size}
+    finally:
+        os.close(fd)
 
 
 def stat_path(path: str, follow: bool) -> FileStatReply:
@@ -358,38 +320,42 @@ def list_dir(path: str, cap: int) -> FileListReply:
     return {"entries": entries, "total": total, "truncated": total > cap}
 
 
-def make_dir(path: str, parents: bool, perm: int, new_owner: Owner = None) -> FileMkdirReply:
-    if parents:
-        if os.path.isdir(path):
-            return {"created": False}
-        makedirs_owned(os.path.dirname(os.path.abspath(path)), new_owner)
-    try:
-        os.mkdir(path, perm)
-    except FileExistsError:
-        if parents and os.path.isdir(path):
-            return {"created": False}
-        raise
-    if new_owner is not None:
-        os.chown(path, *new_owner)
+def make_dir(fsys: FileSystem, path: str, parents: bool, perm: int) -> FileMkdirReply:
+    with fsys.place(path, parents=parents) as place:
+        try:
+            fsys.mkdir(place, perm)
+        except FileExistsError:
+            if parents and _is_dir_at(place):
+                return {"created": False}
+            raise
     return {"created": True}
 
 
-def remove_path(path: str, recursive: bool) -> FileRemoveReply:
-    s = os.lstat(path)
-    if st.S_ISDIR(s.st_mode):
-        if not recursive:
-            os.rmdir(path)
-            return {"removed": 1}
-        return {"removed": remove_tree(path)}
-    os.unlink(path)
-    return {"removed": 1}
+def _is_dir_at(place: Place) -> bool:
+    try:
+        return st.S_ISDIR(os.stat(place.name, dir_fd=place.dirfd, follow_symlinks=False).st_mode)
+    except OSError:
+        return False
+
+
+def remove_path(fsys: FileSystem, path: str, recursive: bool) -> FileRemoveReply:
+    with fsys.place(path) as place:
+        s = os.stat(place.name, dir_fd=place.dirfd, follow_symlinks=False)
+        if st.S_ISDIR(s.st_mode):
+            if not recursive:
+                os.rmdir(place.name, dir_fd=place.dirfd)
+                return {"removed": 1}
+            return {"removed": remove_tree(place.dirfd, place.name, path)}
+        os.unlink(place.name, dir_fd=place.dirfd)
+        return {"removed": 1}
 
 
 _DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
 
 
-def remove_tree(path: str) -> int:
-    """Remove a directory tree of any depth; returns the entries removed, itself included.
+def remove_tree(parent: int, name: bytes, shown: str) -> int:
+    """Remove the directory tree ``name`` in ``parent`` at any depth; returns the entries removed,
+    itself included.
 
     Iterative (shutil.rmtree and os.walk recurse, and a workload can nest directories
     deeper than Python's recursion limit) and holding one directory fd at a time (a
@@ -399,7 +365,7 @@ def remove_tree(path: str) -> int:
     with EBUSY instead of leading it elsewhere.
     """
     removed = 0
-    fd = os.open(path, _DIR_FLAGS)
+    fd = os.open(name, _DIR_FLAGS, dir_fd=parent)
     trail: list[tuple[str, int, int]] = []  # (name in parent, parent's st_dev, parent's st_ino)
     try:
         while True:
@@ -408,24 +374,24 @@ def remove_tree(path: str) -> int:
             if child is None:
                 if not trail:
                     break
-                name, dev, ino = trail.pop()
-                parent = os.open("..", _DIR_FLAGS, dir_fd=fd)
+                sub, dev, ino = trail.pop()
+                up = os.open("..", _DIR_FLAGS, dir_fd=fd)
                 os.close(fd)
-                fd = parent
+                fd = up
                 here = os.fstat(fd)
                 if (here.st_dev, here.st_ino) != (dev, ino):
-                    raise OSError(errno.EBUSY, "directory tree changed during removal", path)
-                os.rmdir(name, dir_fd=fd)
+                    raise OSError(errno.EBUSY, "directory tree changed during removal", shown)
+                os.rmdir(sub, dir_fd=fd)
                 removed += 1
                 continue
             here = os.fstat(fd)
-            sub = os.open(child, _DIR_FLAGS, dir_fd=fd)
+            sub_fd = os.open(child, _DIR_FLAGS, dir_fd=fd)
             os.close(fd)
-            fd = sub
+            fd = sub_fd
             trail.append((child, here.st_dev, here.st_ino))
     finally:
         os.close(fd)
-    os.rmdir(path)
+    os.rmdir(name, dir_fd=parent)
     return removed + 1
 
 
@@ -441,40 +407,46 @@ def _unlink_files_find_dir(fd: int) -> tuple[int, str | None]:
     return unlinked, None
 
 
-_AT_FDCWD = -100
 _RENAME_NOREPLACE = 1
 
 
-def _rename_noreplace(src: str, dst: str) -> None:
+def _rename_noreplace(src: Place, dst: Place) -> None:
     """renameat2(RENAME_NOREPLACE): atomic, never clobbers. Falls back where unsupported."""
     libc = ctypes.CDLL(None, use_errno=True)
     fn = getattr(libc, "renameat2", None)
     if fn is not None:
-        if fn(_AT_FDCWD, os.fsencode(src), _AT_FDCWD, os.fsencode(dst), _RENAME_NOREPLACE) == 0:
+        if fn(src.dirfd, src.name, dst.dirfd, dst.name, _RENAME_NOREPLACE) == 0:
             return
         err = ctypes.get_errno()
         if err not in (errno.ENOSYS, errno.EINVAL):
-            raise OSError(err, os.strerror(err), dst if err == errno.EEXIST else src)
-    if os.path.lexists(dst):  # best effort on filesystems without RENAME_NOREPLACE
-        raise OSError(errno.EEXIST, os.strerror(errno.EEXIST), dst)
-    os.rename(src, dst)
+            raise OSError(err, os.strerror(err), dst.path if err == errno.EEXIST else src.path)
+    try:  # best effort on filesystems without RENAME_NOREPLACE
+        os.stat(dst.name, dir_fd=dst.dirfd, follow_symlinks=False)
+        raise OSError(errno.EEXIST, os.strerror(errno.EEXIST), dst.path)
+    except FileNotFoundError:
+        pass
+    os.rename(src.name, dst.name, src_dir_fd=src.dirfd, dst_dir_fd=dst.dirfd)
 
 
-def rename_path(src: str, dst: str, overwrite: bool) -> FileRenameReply:
-    if "\0" in src or "\0" in dst:
-        raise ValueError("embedded null byte")
-    if overwrite:
-        os.rename(src, dst)
-    else:
-        _rename_noreplace(src, dst)
+def rename_path(fsys: FileSystem, src: str, dst: str, overwrite: bool) -> FileRenameReply:
+    with fsys.place(src) as a, fsys.place(dst) as b:
+        if overwrite:
+            os.rename(a.name, b.name, src_dir_fd=a.dirfd, dst_dir_fd=b.dirfd)
+        else:
+            _rename_noreplace(a, b)
     return {}
 
 
 # --------------------------------------------------------------------------- registration
 
 
-def open_atomic(path: str, flag: str, perm: int | None, parents: bool, owner: WorkspaceOwner) -> AtomicFile:
-    return AtomicFile(path, flag, perm, parents, owner(path))
+def open_atomic(fsys: FileSystem, path: str, flag: str, perm: int | None, parents: bool) -> AtomicFile:
+    place = fsys.place(path, parents=parents)
+    try:
+        return AtomicFile(place, flag, perm)
+    except BaseException:
+        place.close()
+        raise
 
 
 def register(services: Services) -> None:
@@ -489,18 +461,15 @@ def register(services: Services) -> None:
         ids = policy.workload_ids()
     except GuestdError:  # a missing workload user: exec and friends report it on use
         ids = None
-    owner = WorkspaceOwner(services.config.workspace or "", ids)
+    fsys = FileSystem(policy.write_roots, services.config.workspace or "", ids)
 
     async def op_read(ctx: Request, a: FileReadArgs) -> FileReadReply:
         return await io(read_range, a["path"], a["offset"], a["length"], limits.max_read)
 
     async def op_write(ctx: Request, a: FileWriteArgs) -> FileWriteReply:
-        policy.check_write(a["path"])
         services.writes.started()  # snapshot.prepare waits for these
         try:
-            return await io(
-                lambda: write_whole(a["path"], a["data"], a["flag"], a["perm"], a["parents"], owner(a["path"])),
-            )
+            return await io(lambda: write_whole(fsys, a["path"], a["data"], a["flag"], a["perm"], a["parents"]))
         finally:
             services.writes.finished()
 
@@ -512,17 +481,13 @@ def register(services: Services) -> None:
         return await io(list_dir, a["path"], cap)
 
     async def op_mkdir(ctx: Request, a: FileMkdirArgs) -> FileMkdirReply:
-        policy.check_write(a["path"])
-        return await io(lambda: make_dir(a["path"], a["parents"], a["perm"], owner(a["path"])))
+        return await io(make_dir, fsys, a["path"], a["parents"], a["perm"])
 
     async def op_remove(ctx: Request, a: FileRemoveArgs) -> FileRemoveReply:
-        policy.check_write(a["path"])
-        return await io(remove_path, a["path"], a["recursive"])
+        return await io(remove_path, fsys, a["path"], a["recursive"])
 
     async def op_rename(ctx: Request, a: FileRenameArgs) -> FileRenameReply:
-        policy.check_write(a["src"])
-        policy.check_write(a["dst"])
-        return await io(rename_path, a["src"], a["dst"], a["overwrite"])
+        return await io(rename_path, fsys, a["src"], a["dst"], a["overwrite"])
 
     async def op_upload(ctx: Request, a: FileUploadArgs) -> FileUploadReply:
         services.writes.started()
@@ -532,9 +497,8 @@ def register(services: Services) -> None:
             services.writes.finished()
 
     async def _upload(ctx: Request, a: FileUploadArgs) -> FileUploadReply:
-        policy.check_write(a["path"])
         f: AtomicFile = await services.acquire_in_io(
-            _os_call, AtomicFile.abort, open_atomic, a["path"], a["flag"], a["perm"], a["parents"], owner
+            _os_call, AtomicFile.abort, open_atomic, fsys, a["path"], a["flag"], a["perm"], a["parents"]
         )
         try:
             while True:

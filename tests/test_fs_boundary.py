@@ -1,0 +1,210 @@
+"""Issue 15, defects 1-4: writes act where the kernel resolves them, in the call that acts, so
+a workload's symlinks, ``..`` and races cannot move a host write out of the workspace's
+ownership rule or out of ``write_roots``. Real guestd processes as root, a workload user
+(nobody) where ownership matters, and a racing workload process for the races."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable, Iterator
+
+import pytest
+
+from guestd.client import GuestdError
+from guestd.testing import Guestd
+
+root_only = pytest.mark.skipif(os.geteuid() != 0, reason="ownership and a workload user need root")
+
+
+@pytest.fixture
+def top() -> Iterator[str]:
+    d = tempfile.mkdtemp(prefix="guestd-boundary-")
+    os.chmod(d, 0o755)
+    os.makedirs(f"{d}/ws/a/b")
+    os.makedirs(f"{d}/outside")
+    for sub in ("ws", "ws/a", "ws/a/b"):
+        os.chown(f"{d}/{sub}", 65534, 65534)
+    yield d
+    shutil.rmtree(d, ignore_errors=True)
+
+
+def started(fresh_guestd: Callable[..., Guestd], top: str, config: str) -> Guestd:
+    path = f"{top}/guestd.toml"
+    with open(path, "w") as f:
+        f.write(config)
+    return fresh_guestd("--config", path)
+
+
+@root_only
+def test_a_symlink_plus_dotdot_cannot_carry_the_workload_owner_out_of_the_workspace(
+    fresh_guestd: Callable[..., Guestd], top: str
+) -> None:
+    """`ws/lnk/../../x` with `lnk -> ws/a/b`: the kernel resolves it to ws/x; read lexically it is
+    top/x, outside. The write must land where the kernel says, owned as the kernel's place is."""
+    os.symlink(f"{top}/ws/a/b", f"{top}/ws/lnk")
+    g = started(fresh_guestd, top, f'workspace = "{top}/ws"\n[policy]\nworkload_user = "nobody"\n')
+    with g.client() as c:
+        c.write_file(f"{top}/ws/lnk/../../hook.sh", b"echo hi\n")
+        c.write_file(f"{top}/ws/lnk/../../log.txt", b"x", flag="append")
+        c.upload(b"blob", f"{top}/ws/lnk/../../blob.bin")
+        c.mkdir(f"{top}/ws/lnk/../../made")
+        c.mkdir(f"{top}/ws/lnk/../../deep/er", parents=True)
+    for name in ("hook.sh", "log.txt", "blob.bin", "made", "deep"):
+        assert not os.path.lexists(f"{top}/{name}"), f"{name} landed outside the workspace"
+        assert os.stat(f"{top}/ws/{name}").st_uid == 65534, name  # inside: the workload's
+    # And through the same trick from the other side: outside stays root's.
+    os.symlink(f"{top}/outside", f"{top}/ws/out")
+    with g.client() as c:
+        c.write_file(f"{top}/ws/out/conf", b"k = v\n")
+        c.mkdir(f"{top}/ws/out/sub/deeper", parents=True)
+    assert os.stat(f"{top}/outside/conf").st_uid == 0
+    assert os.stat(f"{top}/outside/sub").st_uid == 0 and os.stat(f"{top}/outside/sub/deeper").st_uid == 0
+
+
+def test_write_roots_hold_against_symlinks_and_dotdot_for_every_write(
+    fresh_guestd: Callable[..., Guestd], top: str
+) -> None:
+    ws, outside = f"{top}/ws", f"{top}/outside"
+    os.symlink(outside, f"{ws}/lnk")
+    os.symlink(f"{outside}/target", f"{ws}/final")
+    with open(f"{outside}/target", "w") as f:
+        f.write("precious")
+    os.makedirs(f"{outside}/victim")
+    g = started(fresh_guestd, top, f'[policy]\nwrite_roots = ["{ws}"]\n')
+
+    def refused(fn: Callable[[], object]) -> str:
+        with pytest.raises(GuestdError) as ei:
+            fn()
+        return str(ei.value.code)
+
+    with g.client() as c:
+        assert refused(lambda: c.write_file(f"{ws}/final", b"x", flag="append")) in ("bad_request", "not_a_file")
+        assert refused(lambda: c.write_file(f"{ws}/lnk/new", b"x")) == "permission_denied"
+        assert refused(lambda: c.write_file(f"{ws}/a/../../outside/new", b"x")) == "permission_denied"
+        assert refused(lambda: c.mkdir(f"{ws}/lnk/dir")) == "permission_denied"
+        assert refused(lambda: c.mkdir(f"{ws}/lnk/x/y", parents=True)) == "permission_denied"
+        assert refused(lambda: c.remove(f"{ws}/lnk/victim", recursive=True)) == "permission_denied"
+        assert refused(lambda: c.rename(f"{ws}/a", f"{ws}/lnk/moved")) == "permission_denied"
+        assert refused(lambda: c.upload(b"x", f"{ws}/lnk/up")) == "permission_denied"
+        c.write_file(f"{ws}/final", b"replaced", flag="overwrite")  # the symlink itself is replaced
+        c.remove(f"{ws}/lnk")  # and a symlink in the root can be removed, not followed
+    assert open(f"{outside}/target").read() == "precious"
+    assert sorted(os.listdir(outside)) == ["target", "victim"]
+    assert open(f"{ws}/final").read() == "replaced" and not os.path.islink(f"{ws}/final")
+
+
+# A workload process that keeps swapping a name between a directory and a symlink out.
+SWAPPER = r"""
+import os, sys, time
+name, out, seconds = sys.argv[1], sys.argv[2], float(sys.argv[3])
+end = time.time() + seconds
+while time.time() < end:
+    try:
+        os.rmdir(name)
+    except OSError:
+        try:
+            os.unlink(name)
+        except OSError:
+            pass
+    try:
+        os.symlink(out, name)
+    except OSError:
+        pass
+    try:
+        os.unlink(name)
+        os.mkdir(name)
+    except OSError:
+        pass
+"""
+
+
+# The system's Python: the test's own may not be readable by the workload user.
+WORKLOAD_PYTHON = "/usr/bin/python3" if os.path.exists("/usr/bin/python3") else sys.executable
+
+
+def _swapper(name: str, out: str, seconds: float) -> subprocess.Popen[bytes]:
+    drop = ["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups"]
+    return subprocess.Popen([*drop, WORKLOAD_PYTHON, "-c", SWAPPER, name, out, str(seconds)])
+
+
+# A workload process that turns every fresh directory at ``name`` into a symlink to ``out``.
+SNATCHER = r"""
+import os, sys, time
+name, out, seconds = sys.argv[1], sys.argv[2], float(sys.argv[3])
+end = time.time() + seconds
+while time.time() < end:
+    try:
+        os.rmdir(name)
+        os.symlink(out, name)
+    except OSError:
+        pass
+    if os.path.islink(name):
+        try:
+            os.unlink(name)
+        except OSError:
+            pass
+"""
+
+
+@root_only
+def test_the_mkdir_chown_race_gives_nothing_outside_to_the_workload(
+    fresh_guestd: Callable[..., Guestd], top: str
+) -> None:
+    """mkdir then chown by name lost to a workload that swaps the new directory for a symlink to
+    a root-owned file: the file became the workload's. Now the chown goes to the fd opened
+    O_NOFOLLOW on what was made."""
+    precious = f"{top}/outside/precious"
+    with open(precious, "w") as f:
+        f.write("root's")
+    g = started(fresh_guestd, top, f'workspace = "{top}/ws"\n[policy]\nworkload_user = "nobody"\n')
+    drop = ["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups", WORKLOAD_PYTHON, "-c", SNATCHER]
+    racers = [subprocess.Popen([*drop, f"{top}/ws/d{i}", precious, "20"]) for i in range(2)]
+    try:
+        with g.client() as c:
+            for _ in range(400):
+                for i in range(2):
+                    try:
+                        c.mkdir(f"{top}/ws/d{i}")
+                    except GuestdError:
+                        pass  # losing a race to the workload is an error, never an escape
+                if os.stat(precious).st_uid != 0:
+                    break
+        for r in racers:
+            assert r.poll() is None, "the racing workload process did not run"
+    finally:
+        for r in racers:
+            r.kill()
+            r.wait()
+    assert os.stat(precious).st_uid == 0 and os.stat(f"{top}/outside").st_uid == 0
+
+
+def test_the_write_roots_check_then_use_race_never_lands_outside(fresh_guestd: Callable[..., Guestd], top: str) -> None:
+    ws, outside = f"{top}/ws", f"{top}/outside"
+    g = started(fresh_guestd, top, f'[policy]\nwrite_roots = ["{ws}"]\n')
+    racer = subprocess.Popen([sys.executable, "-c", SWAPPER, f"{ws}/d", outside, "8"])
+    try:
+        with g.client() as c:
+            t_end = time.monotonic() + 6
+            n = 0
+            while time.monotonic() < t_end and n < 800:
+                n += 1
+                ops: list[Callable[[], object]] = [
+                    lambda n=n: c.write_file(f"{ws}/d/f{n}", b"x"),  # type: ignore[misc]
+                    lambda n=n: c.write_file(f"{ws}/d/a{n}", b"x", flag="append"),  # type: ignore[misc]
+                    lambda n=n: c.mkdir(f"{ws}/d/m{n}"),  # type: ignore[misc]
+                ]
+                for op in ops:
+                    try:
+                        op()
+                    except GuestdError:
+                        pass
+        assert racer.poll() is None, "the racing process did not run"
+    finally:
+        racer.kill()
+        racer.wait()
+    assert os.listdir(outside) == [], f"{len(os.listdir(outside))} entries landed outside the roots"
