@@ -145,8 +145,17 @@ class AtomicFile:
                 self.owner = (old.st_uid, old.st_gid)
         self.mode = mode
         self.tmp = b"." + place.name[:200] + TMP_MARK + os.urandom(6).hex().encode()
-        flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
-        self.fd = os.open(self.tmp, flags, 0o600, dir_fd=place.dirfd)
+        try:
+            # An inode without a name until the commit links it in: a guestd killed mid-write
+            # (or a crash) leaves nothing behind, where a named temp file would stay forever.
+            self.fd = os.open(".", os.O_TMPFILE | os.O_WRONLY | os.O_CLOEXEC, 0o600, dir_fd=place.dirfd)
+            self.anonymous = True
+        except OSError as exc:
+            if exc.errno not in (errno.EOPNOTSUPP, errno.EISDIR, errno.EINVAL):
+                raise
+            flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
+            self.fd = os.open(self.tmp, flags, 0o600, dir_fd=place.dirfd)  # file systems without it
+            self.anonymous = False
         self.size = 0
         # Writes run in I/O threads; abort runs on the loop when a request is cancelled,
         # possibly while a write is queued. Closing the fd then would let that write land
@@ -176,15 +185,28 @@ class AtomicFile:
         if self.owner is not None and os.geteuid() == 0:
             os.fchown(self.fd, *self.owner)
         os.fsync(self.fd)
-        os.close(self.fd)
-        self.fd = -1
         d = self.place.dirfd
-        if self.flag == "create":
-            # linkat fails with EEXIST if someone raced us: no clobber
-            os.link(self.tmp, self.place.name, src_dir_fd=d, dst_dir_fd=d, follow_symlinks=False)
-            os.unlink(self.tmp, dir_fd=d)
+        if self.anonymous:
+            # linkat through /proc names the unnamed inode; "create" links it as the target
+            # itself (EEXIST if someone raced us: no clobber), an overwrite under a temp name
+            # that is renamed over the target at once.
+            inode = f"/proc/self/fd/{self.fd}"
+            if self.flag == "create":
+                os.link(inode, self.place.name, dst_dir_fd=d, follow_symlinks=True)
+            else:
+                os.link(inode, self.tmp, dst_dir_fd=d, follow_symlinks=True)
+                os.rename(self.tmp, self.place.name, src_dir_fd=d, dst_dir_fd=d)
+            os.close(self.fd)
+            self.fd = -1
         else:
-            os.rename(self.tmp, self.place.name, src_dir_fd=d, dst_dir_fd=d)
+            os.close(self.fd)
+            self.fd = -1
+            if self.flag == "create":
+                # linkat fails with EEXIST if someone raced us: no clobber
+                os.link(self.tmp, self.place.name, src_dir_fd=d, dst_dir_fd=d, follow_symlinks=False)
+                os.unlink(self.tmp, dir_fd=d)
+            else:
+                os.rename(self.tmp, self.place.name, src_dir_fd=d, dst_dir_fd=d)
         self.committed = True
         _fsync_dirfd(d)
         self.place.close()
@@ -207,7 +229,7 @@ class AtomicFile:
             if self.fd >= 0:
                 os.close(self.fd)
                 self.fd = -1
-            if not self.committed and self.place.dirfd >= 0:
+            if not self.committed and not self.anonymous and self.place.dirfd >= 0:
                 try:
                     os.unlink(self.tmp, dir_fd=self.place.dirfd)
                 except OSError:
