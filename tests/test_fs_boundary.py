@@ -127,11 +127,6 @@ while time.time() < end:
 WORKLOAD_PYTHON = "/usr/bin/python3" if os.path.exists("/usr/bin/python3") else sys.executable
 
 
-def _swapper(name: str, out: str, seconds: float) -> subprocess.Popen[bytes]:
-    drop = ["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups"]
-    return subprocess.Popen([*drop, WORKLOAD_PYTHON, "-c", SWAPPER, name, out, str(seconds)])
-
-
 # A workload process that turns every fresh directory at ``name`` into a symlink to ``out``.
 SNATCHER = r"""
 import os, sys, time
