@@ -614,12 +614,8 @@ def test_max_inflight_plus_one_is_limit(fresh_guestd: StartGuestd) -> None:
     )
     kind, body = p.recv_final(3)
     assert (kind, body["code"], body["details"]) == (Kind.ERROR, "limit", {"limit": "max_inflight", "value": 2})
-    finals: dict[int, int] = {}
-    while len(finals) < 2:  # the two execs start in parallel: either may answer first
-        kind, rid, _ = p.recv()
-        if kind in (Kind.RESPONSE, Kind.ERROR):
-            finals[rid] = kind
-    assert finals == {1: Kind.RESPONSE, 2: Kind.RESPONSE}
+    finals = p.recv_finals([1, 2])  # the two execs start in parallel: either may answer first
+    assert {rid: kind for rid, (kind, _) in finals.items()} == {1: Kind.RESPONSE, 2: Kind.RESPONSE}
 
 
 def test_zz_shared_guestd_survived_the_attacks_without_tracebacks(guestd: Guestd) -> None:

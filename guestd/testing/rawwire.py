@@ -51,6 +51,17 @@ class RawPeer:
             if rid == req_id and kind in (Kind.RESPONSE, Kind.ERROR):
                 return kind, body
 
+    def recv_finals(self, req_ids: list[int]) -> dict[int, tuple[int, dict[str, Any]]]:
+        """The final frames of all ``req_ids``, in whatever order they come (requests that run
+        in parallel answer in any order; ``recv_final`` one by one would skip the others')."""
+        wanted = set(req_ids)
+        finals: dict[int, tuple[int, dict[str, Any]]] = {}
+        while len(finals) < len(wanted):
+            kind, rid, body = self.recv()
+            if rid in wanted and kind in (Kind.RESPONSE, Kind.ERROR):
+                finals[rid] = (kind, body)
+        return finals
+
     def closed(self, timeout: float = 5.0) -> bool:
         """True when guestd closes the connection (after sending whatever it sends)."""
         self.sock.settimeout(timeout)
