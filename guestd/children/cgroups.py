@@ -49,28 +49,29 @@ def _read(path: str) -> str:
 
 
 def _owner_alive(leaf: str, workload_path: str) -> bool:
-    """True when the leaf (``<kind>-<pid>-...``) belongs to another guestd that is running.
-
-    A workload process could take the dead guestd's pid and put "guestd" in its argv to keep
-    its leaves alive: the owner must also run as guestd's user and live outside the workload
-    cgroup."""
+    """True when the leaf (``<kind>-<pid>-...``) belongs to another guestd that is running
+    (one that runs as guestd's user, outside the workload cgroup)."""
     parts = leaf.split("-")
     if len(parts) < 3 or not parts[1].isdigit():
         return False
     owner = int(parts[1])
     if owner == os.getpid():
         return False  # an earlier guestd that had our pid: it is gone
+    return guestd_running(owner) and not _in_tree(owner, workload_path)
+
+
+def guestd_running(pid: int) -> bool:
+    """Is ``pid`` a guestd running as this guestd's user? A workload process that took a dead
+    guestd's pid and calls itself guestd runs as another user."""
     try:
-        with open(f"/proc/{owner}/cmdline", "rb") as f:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
             if b"guestd" not in f.read():
                 return False
-        with open(f"/proc/{owner}/status") as f:
+        with open(f"/proc/{pid}/status") as f:
             uids = next((ln.split()[1:] for ln in f if ln.startswith("Uid:")), [])
-        if not uids or int(uids[0]) != os.geteuid():
-            return False
     except (OSError, ValueError):
         return False
-    return not _in_tree(owner, workload_path)
+    return bool(uids) and int(uids[0]) == os.geteuid()
 
 
 def _in_tree(pid: int, path: str) -> bool:

@@ -28,6 +28,7 @@ from typing import TYPE_CHECKING, Any
 import msgpack
 
 from guestd.capture import OutputCapture, capture_fields
+from guestd.children.cgroups import guestd_running
 from guestd.services import derive, reseed_each
 from guestd.wire.errors import ErrorCode, GuestdError, limit_error
 
@@ -886,19 +887,7 @@ def _owner_alive(name: str) -> bool:
     if not m:
         return False
     owner = int(m.group(1))
-    if owner == os.getpid():
-        return True
-    try:
-        os.kill(owner, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    try:
-        with open(f"/proc/{owner}/cmdline", "rb") as f:
-            return b"guestd" in f.read()
-    except OSError:
-        return False
+    return owner == os.getpid() or guestd_running(owner)
 
 
 def reap_orphan_kernels(kernel_dir: str) -> int:

@@ -74,13 +74,19 @@ builtin readonly -f __gd_run __gd_trap __gd_mark
 """
 
 
+_written: set[str] = set()  # library directories this guestd has written: no re-read per session
+
+
 def library_dir(runtime_dir: str) -> str:
     """A directory holding the library as ``bash``, readable by the workload user."""
     d = os.path.join(runtime_dir, "shell-lib")
+    if d in _written:
+        return d
     path = os.path.join(d, "bash")
     try:
         with open(path) as f:
             if f.read() == LIBRARY:
+                _written.add(d)
                 return d
     except OSError:
         pass
@@ -92,6 +98,7 @@ def library_dir(runtime_dir: str) -> str:
         f.write(LIBRARY)
     os.chmod(tmp, 0o644)
     os.replace(tmp, path)
+    _written.add(d)
     return d
 
 
