@@ -115,7 +115,7 @@ def load_config_file(path: str, cfg: Config) -> Config:
             for k, v in _want("policy", value, dict).items():
                 if k == "allowed_uids":
                     pol.allowed_uids = {_want("policy.allowed_uids[]", x, int) for x in _want(k, v, list)}
-                elif k in ("allow_ops", "deny_ops", "write_roots"):
+                elif k in ("allow_ops", "deny_ops", "write_roots", "read_roots"):
                     setattr(pol, k, [_want(f"policy.{k}[]", x, str) for x in _want(k, v, list)])
                 elif k == "workload_user":
                     pol.workload_user = str(_want(k, v, (str, int)))

@@ -23,6 +23,7 @@ class Policy:
     allow_ops: list[str] | None = None  # fnmatch patterns; None: every op
     deny_ops: list[str] = field(default_factory=list)
     write_roots: list[str] | None = None  # None: writes anywhere guestd may write
+    read_roots: list[str] | None = None  # None: reads anywhere guestd may read
     workload_user: str | None = None  # run exec/processes/shells as this user when guestd is root
 
     def peer_allowed(self, sock: Any) -> str | None:

@@ -406,7 +406,7 @@ def test_a_write_queued_behind_an_abort_never_lands_in_a_file_that_reuses_the_fd
     from guestd.files.fs import FileSystem
     from guestd.files.handlers import AtomicFile
 
-    first = AtomicFile(FileSystem(None, "", None).place(f"{tmp_path}/first"), "overwrite", None)
+    first = AtomicFile(FileSystem().place(f"{tmp_path}/first"), "overwrite", None)
     stale_fd = first.fd
     first.abort()  # closes the temp file's fd and its directory's
     spare = os.open(f"{tmp_path}/spare", os.O_WRONLY | os.O_CREAT, 0o600)  # takes the lower number

@@ -203,3 +203,53 @@ def test_the_write_roots_check_then_use_race_never_lands_outside(fresh_guestd: C
         racer.kill()
         racer.wait()
     assert os.listdir(outside) == [], f"{len(os.listdir(outside))} entries landed outside the roots"
+
+
+# --------------------------------------------------------------------------- reads
+
+
+def test_reads_never_follow_a_magic_link_into_guestd_itself(fresh_guestd: Callable[..., Guestd], top: str) -> None:
+    """A workload's symlink to ``/proc/<guestd>/fd/N`` (or ``/proc/<guestd>/cwd``) would hand the
+    host guestd's own open files and directories: the kernel refuses magic links in every read."""
+    g = started(fresh_guestd, top, f'workspace = "{top}/ws"\n')
+    os.symlink(f"/proc/{g.pid}/fd/2", f"{top}/ws/log")  # guestd's stderr: its log file
+    os.symlink(f"/proc/{g.pid}/cwd", f"{top}/ws/cwd")
+    with g.client() as c:
+        for read in (
+            lambda: c.read_file(f"{top}/ws/log"),
+            lambda: c.download(f"{top}/ws/log"),
+            lambda: c.stat(f"{top}/ws/log", follow=True),
+            lambda: c.listdir(f"{top}/ws/cwd"),
+            lambda: c.read_file(f"{top}/ws/cwd/guestd.toml"),
+        ):
+            with pytest.raises(GuestdError) as ei:
+                read()
+            assert ei.value.code == "bad_request" and "symbolic links" in str(ei.value), ei.value
+        assert c.stat(f"{top}/ws/log", follow=False).type == "symlink"  # described, not followed: fine
+
+
+def test_read_roots_hold_against_symlinks_and_dotdot_for_every_read(
+    fresh_guestd: Callable[..., Guestd], top: str
+) -> None:
+    """``policy.read_roots``: read, download, stat and list resolve beneath a root; a symlink or
+    ``..`` out is ``permission_denied`` and nothing outside is read."""
+    with open(f"{top}/outside/secret", "w") as f:
+        f.write("s3cret")
+    with open(f"{top}/ws/mine", "w") as f:
+        f.write("ok")
+    os.symlink(f"{top}/outside", f"{top}/ws/out")
+    os.symlink("../outside/secret", f"{top}/ws/rel")
+    g = started(fresh_guestd, top, f'[policy]\nread_roots = ["{top}/ws"]\n')
+    with g.client() as c:
+        assert c.read_file(f"{top}/ws/mine") == b"ok" and c.download(f"{top}/ws/mine") == b"ok"
+        assert {e.name for e in c.listdir(f"{top}/ws").entries} >= {"mine", "out", "rel"}
+        assert c.stat(f"{top}/ws/rel", follow=False).type == "symlink"  # the link itself is inside
+        for path in (f"{top}/ws/out/secret", f"{top}/ws/rel", f"{top}/ws/../outside/secret", f"{top}/outside/secret"):
+            reads: list[Callable[[str], object]] = [c.read_file, c.download, lambda p: c.stat(p, follow=True)]
+            if not path.endswith("/rel"):  # the directory of ws/rel is ws itself
+                reads.append(lambda p: c.listdir(os.path.dirname(p)))
+            for read in reads:
+                with pytest.raises(GuestdError) as ei:
+                    read(path)
+                assert ei.value.code == "permission_denied", (path, ei.value)
+                assert ei.value.details.get("policy") == "read_roots"

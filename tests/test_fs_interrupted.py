@@ -1,5 +1,6 @@
-"""Issue 15, defect 6: a guestd killed in the middle of writes and uploads leaves no temp file,
-and the target is always the complete old or the complete new content."""
+"""Issue 15, defect 6: a guestd killed in the middle of writes and uploads leaves no temp file
+(none at all where the file system has O_TMPFILE, none after the next start where it has
+not), and the target is always the complete old or the complete new content."""
 
 from __future__ import annotations
 
@@ -8,10 +9,17 @@ import os
 import random
 import shutil
 import signal
+import socket
+import subprocess
 import tempfile
+import time
+
+import pytest
 
 from guestd.client import AsyncClient
 from guestd.testing import Guestd, start_guestd
+from guestd.testing.rawwire import RawPeer
+from guestd.wire.frames import Kind
 
 OLD = b"old\n" * 1000
 NEW = b"N" * (4 << 20)
@@ -61,4 +69,87 @@ def test_sigkill_during_writes_and_uploads_leaves_no_temp_file_and_a_whole_targe
             restarted.stop()
             assert _temp_names(data) == []
     finally:
+        shutil.rmtree(work, ignore_errors=True)
+
+
+def _tmpfile_unsupported(directory: str) -> bool:
+    try:
+        os.close(os.open(directory, os.O_TMPFILE | os.O_WRONLY, 0o600))
+    except OSError:
+        return True
+    return False
+
+
+@pytest.mark.skipif(os.geteuid() != 0 or shutil.which("bindfs") is None, reason="needs root and bindfs (FUSE)")
+def test_named_temp_files_where_there_is_no_o_tmpfile_are_removed_by_the_next_guestd() -> None:
+    """FUSE (bindfs here), NFS and vfat have no O_TMPFILE: writes there use a named temp file,
+    recorded under the runtime dir first; a guestd SIGKILLed mid-write leaves it, and the next
+    guestd to start removes it. A live guestd's temp files are never touched."""
+    work = tempfile.mkdtemp(prefix="guestd-kill-fuse-")
+    backing, data = os.path.join(work, "backing"), os.path.join(work, "data")
+    os.mkdir(backing)
+    os.mkdir(data)
+    subprocess.run(["bindfs", backing, data], check=True)
+    rng = random.Random(1516)
+    left_then_removed = 0
+    try:
+        assert _tmpfile_unsupported(data), "bindfs grew O_TMPFILE: find another file system without it"
+        runtime = os.path.join(work, "runtime")  # shared by every guestd of the test, as /run/guestd is
+        for i in range(20):
+            targets = [os.path.join(data, f"t{k}") for k in range(3)]
+            for path in targets:
+                with open(path, "wb") as out:
+                    out.write(OLD)
+            g = start_guestd(tempfile.mkdtemp(prefix="run-", dir=work), "--runtime-dir", runtime)
+            asyncio.run(_write_and_kill(g, targets, rng.uniform(0.0, 0.15)))
+            g.proc.wait(10)
+            left = _temp_names(data)
+            assert _content(targets[0]) in (OLD, NEW) and _content(targets[1]) in (OLD, NEW), f"round {i}: torn"
+            assert _content(targets[2]) == OLD
+            restarted = start_guestd(g.workdir, "--runtime-dir", runtime)
+            try:
+                assert _temp_names(data) == [], f"round {i}: {left} left, still there after a restart"
+                left_then_removed += bool(left)
+            finally:
+                restarted.stop()
+        assert left_then_removed >= 3, "the kills never caught a write in progress: the test tested nothing"
+        assert os.listdir(runtime + "/pending-writes") == []
+    finally:
+        subprocess.run(["umount", data], check=False)
+        shutil.rmtree(work, ignore_errors=True)
+
+
+@pytest.mark.skipif(os.geteuid() != 0 or shutil.which("bindfs") is None, reason="needs root and bindfs (FUSE)")
+def test_a_starting_guestd_leaves_a_live_guestds_temp_files_alone() -> None:
+    work = tempfile.mkdtemp(prefix="guestd-live-fuse-")
+    backing, data = os.path.join(work, "backing"), os.path.join(work, "data")
+    os.mkdir(backing)
+    os.mkdir(data)
+    subprocess.run(["bindfs", backing, data], check=True)
+    runtime = os.path.join(work, "runtime")
+    try:
+        first = start_guestd(tempfile.mkdtemp(prefix="run-", dir=work), "--runtime-dir", runtime)
+        try:
+            sock = socket.socket(socket.AF_UNIX)
+            sock.connect(first.sock_path)
+            peer = RawPeer(sock)
+            peer.hello()
+            peer.request(5, "file.upload", {"path": f"{data}/held"})
+            peer.send(Kind.INPUT, 5, {"data": b"x" * 1000})  # and no eof: the write stays open
+            for _ in range(500):
+                if _temp_names(data):
+                    break
+                time.sleep(0.01)
+            assert _temp_names(data), "the upload's temp file never appeared"
+            os.mkdir(first.workdir + "-2")
+            start_guestd(first.workdir + "-2", "--runtime-dir", runtime).stop()
+            assert _temp_names(data), "a starting guestd removed a live guestd's temp file"
+            peer.send(Kind.CANCEL, 5, {})
+            assert peer.recv_final(5)[1]["code"] == "cancelled"
+            sock.close()
+        finally:
+            first.stop()
+        assert _temp_names(data) == []  # the aborted upload removed its own
+    finally:
+        subprocess.run(["umount", data], check=False)
         shutil.rmtree(work, ignore_errors=True)

@@ -1,4 +1,4 @@
-"""The file-system layer under every file op (issue 15, being built): paths are resolved by the
+"""The file-system layer under every file op (issue 15): paths are resolved by the
 kernel in the call that acts, relative to a directory fd, and nothing the workload planted
 (a FIFO, a socket, a device where a file is expected) can block an I/O thread.
 
@@ -16,6 +16,7 @@ import errno
 import os
 import stat as st
 import struct
+from collections.abc import Callable
 
 from guestd.wire.errors import ErrorCode, GuestdError
 
@@ -131,45 +132,47 @@ def describe_type(mode: int) -> str:
         (st.S_ISCHR, "a character device"),
         (st.S_ISBLK, "a block device"),
         (st.S_ISDIR, "a directory"),
+        (st.S_ISLNK, "a symlink"),
     ):
         if test(mode):
             return name
     return "not a regular file"
 
 
-def open_regular(
-    path: str | bytes, flags: int = os.O_RDONLY, mode: int = 0o644, dir_fd: int | None = None, shown: str = ""
-) -> int:
-    """Open a file the host expects to be a regular file, never blocking on what it really is.
+def reopen_regular(pathfd: int, flags: int, shown: str) -> int:
+    """Open for I/O the regular file that the ``O_PATH`` fd ``pathfd`` holds, or refuse.
 
-    ``O_NONBLOCK`` first (a FIFO without a writer would block the open, one without a reader
-    the writes), then ``fstat``: a directory answers ``is_a_directory``, a FIFO, socket or
-    device ``not_a_file``; a regular file gets its normal blocking mode back."""
-    shown = shown or os.fsdecode(path)
+    The type is checked on the inode already resolved, before anything is opened for I/O:
+    a FIFO is never opened (which would block), a device never opened (which can act, like
+    a watchdog or a tape), a directory is ``is_a_directory``, anything else ``not_a_file``.
+    The reopen goes through /proc/self/fd, so it is that same inode, whatever happened to
+    its name meanwhile."""
+    info = os.fstat(pathfd)
+    if st.S_ISDIR(info.st_mode):
+        raise GuestdError(ErrorCode.IS_A_DIRECTORY, f"is a directory: {shown}", details={"path": shown})
+    if st.S_ISLNK(info.st_mode):  # opened O_NOFOLLOW: the final component is a symlink
+        raise OSError(errno.ELOOP, os.strerror(errno.ELOOP), shown)
+    if not st.S_ISREG(info.st_mode):
+        raise not_a_file(shown, describe_type(info.st_mode))
+    # O_NOFOLLOW would refuse the /proc link itself; the inode is resolved already.
+    flags &= ~(os.O_NOFOLLOW | os.O_CREAT | os.O_EXCL)
+    return os.open(f"/proc/self/fd/{pathfd}", flags | os.O_NOCTTY | os.O_CLOEXEC)
+
+
+def open_regular(name: str | bytes, flags: int, dir_fd: int, shown: str) -> int:
+    """Open ``name`` in ``dir_fd`` (never following a final symlink) as a regular file."""
+    pathfd = os.open(name, os.O_PATH | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=dir_fd)
     try:
-        fd = os.open(path, flags | os.O_NONBLOCK | os.O_CLOEXEC, mode, dir_fd=dir_fd)
-    except OSError as exc:
-        if exc.errno == errno.ENXIO:  # a FIFO (or socket) opened for writing with no reader
-            raise not_a_file(shown, "a FIFO or socket") from None
-        raise
-    try:
-        info = os.fstat(fd)
-        if st.S_ISDIR(info.st_mode):
-            raise GuestdError(ErrorCode.IS_A_DIRECTORY, f"is a directory: {shown}", details={"path": shown})
-        if not st.S_ISREG(info.st_mode):
-            raise not_a_file(shown, describe_type(info.st_mode))
-        os.set_blocking(fd, True)
-    except BaseException:
-        os.close(fd)
-        raise
-    return fd
+        return reopen_regular(pathfd, flags, shown)
+    finally:
+        os.close(pathfd)
 
 
 def not_a_file(path: str, what: str) -> GuestdError:
     return GuestdError(ErrorCode.NOT_A_FILE, f"not a regular file ({what}): {path}", details={"path": path})
 
 
-# --------------------------------------------------------------------------- where writes act
+# --------------------------------------------------------------------------- where ops act
 
 AT_FDCWD = -100
 PATH_MAX = 4096  # Linux's, counting the terminating NUL
@@ -178,7 +181,7 @@ Owner = tuple[int, int] | None  # (uid, gid) for new files and directories; None
 
 
 class Place:
-    """Where a write acts: a kernel-resolved parent directory (an fd) and a name in it. Every
+    """Where an op acts: a kernel-resolved parent directory (an fd) and a name in it. Every
     call that acts is a ``*at`` call on that fd with that name, never a path again."""
 
     def __init__(self, dirfd: int, name: bytes, path: str, owner: Owner) -> None:
@@ -199,67 +202,125 @@ class Place:
         self.close()
 
 
-class FileSystem:
-    """Resolves the places writes act on: under ``write_roots`` (each a directory fd, opened once)
-    with ``RESOLVE_BENEATH``, so neither ``..`` nor a symlink leaves a root, or anywhere (the
-    kernel's usual rules, without /proc magic links). New entries under the workspace belong to
-    the workload user, decided from the resolved directory fd, not from a path string."""
+class Roots:
+    """The directories a kind of access is confined to (``policy.write_roots``,
+    ``policy.read_roots``), each an fd opened once and resolved beneath with
+    ``RESOLVE_BENEATH``: neither ``..`` nor a symlink leaves it. None: no confinement
+    (the kernel's usual rules, without /proc magic links)."""
 
-    def __init__(self, write_roots: list[str] | None, workspace: str, ids: tuple[int, int] | None) -> None:
-        self.roots: list[tuple[bytes, str]] | None = None
-        if write_roots is not None:
-            self.roots = []
-            for root in write_roots:
+    def __init__(self, roots: list[str] | None, policy: str, verb: str) -> None:
+        self.policy = policy
+        self.verb = verb
+        self.prefixes: list[tuple[bytes, str]] | None = None
+        if roots is not None:
+            self.prefixes = []
+            for root in roots:
                 for spelling in {os.path.abspath(root), os.path.realpath(root)}:
-                    self.roots.append((os.fsencode(spelling).rstrip(b"/") or b"/", root))
-            self.roots.sort(key=lambda r: -len(r[0]))  # the longest (innermost) root first
-        self._root_fds: dict[str, int] = {}
-        self.workspace = os.fsencode(os.path.realpath(workspace)) if workspace and ids is not None else None
-        self.ids = ids
+                    self.prefixes.append((os.fsencode(spelling).rstrip(b"/") or b"/", root))
+            self.prefixes.sort(key=lambda r: -len(r[0]))  # the longest (innermost) root first
+        self._fds: dict[str, int] = {}
 
-    # -- resolution -----------------------------------------------------------------------
-    def place(self, path: str, *, parents: bool = False) -> Place:
-        """The parent of ``path``, resolved (and with ``parents``, created) by the kernel."""
-        raw = os.fsencode(path)
-        if b"\0" in raw:
-            raise GuestdError(ErrorCode.BAD_REQUEST, "embedded null byte in path", details={"field": "path"})
-        if len(raw) >= PATH_MAX:
-            raise OSError(errno.ENAMETOOLONG, os.strerror(errno.ENAMETOOLONG), path)
-        absolute = raw if raw.startswith(b"/") else os.fsencode(os.getcwd()).rstrip(b"/") + b"/" + raw
-        stripped = absolute.rstrip(b"/")
-        head, _, name = stripped.rpartition(b"/")
-        if name in (b"", b".", b".."):
-            raise GuestdError(
-                ErrorCode.BAD_REQUEST, f"the path names no entry to act on: {path}", details={"path": path}
-            )
-        base, rel, resolve = self._base(head or b"/", path)
-        try:
-            dirfd = self._makedirs(base, rel, resolve) if parents else openat2(base, rel, _DIR_PATH, 0, resolve)
-        except OSError as exc:
-            if exc.errno == errno.EXDEV:
-                raise outside_roots(path) from None
-            raise
-        return Place(dirfd, name, path, self.owner_in(dirfd))
+    def base(self, absolute: bytes, path: str) -> tuple[int, bytes, int]:
+        """(directory fd, path relative to it, RESOLVE_* flags) to resolve ``absolute`` with."""
+        if self.prefixes is None:
+            return AT_FDCWD, absolute, RESOLVE_NO_MAGICLINKS
+        for prefix, root in self.prefixes:
+            if absolute == prefix or absolute.startswith(prefix + b"/") or prefix == b"/":
+                rel = absolute[len(prefix) :].lstrip(b"/") or b"."
+                return self._fd(root, path), rel, RESOLVE_BENEATH | RESOLVE_NO_MAGICLINKS
+        raise self.refused(path)
 
-    def _base(self, head: bytes, path: str) -> tuple[int, bytes, int]:
-        """(directory fd, path relative to it, RESOLVE_* flags) for resolving ``head``."""
-        if self.roots is None:
-            return AT_FDCWD, head, RESOLVE_NO_MAGICLINKS
-        for prefix, root in self.roots:
-            if head == prefix or head.startswith(prefix + b"/") or prefix == b"/":
-                rel = head[len(prefix) :].lstrip(b"/") or b"."
-                return self._root_fd(root, path), rel, RESOLVE_BENEATH | RESOLVE_NO_MAGICLINKS
-        raise outside_roots(path)
-
-    def _root_fd(self, root: str, path: str) -> int:
-        fd = self._root_fds.get(root)
+    def _fd(self, root: str, path: str) -> int:
+        fd = self._fds.get(root)
         if fd is None:
             try:
                 fd = os.open(root, _DIR_PATH | os.O_CLOEXEC)
             except OSError as exc:
-                raise GuestdError.from_os_error(exc, policy="write_roots", path=path) from None
-            fd = self._root_fds.setdefault(root, fd)  # two threads may race here: keep one
+                raise GuestdError.from_os_error(exc, policy=self.policy, path=path) from None
+            fd = self._fds.setdefault(root, fd)  # two threads may race here: keep one
         return fd
+
+    def refused(self, path: str) -> GuestdError:
+        return GuestdError(
+            ErrorCode.PERMISSION_DENIED,
+            f"{self.verb} {path} is outside policy.{self.policy}",
+            details={"policy": self.policy, "path": path},
+        )
+
+    def open(self, absolute: bytes, path: str, flags: int, mode: int = 0) -> int:
+        """openat2 of ``absolute`` under these roots; leaving them is ``refused``."""
+        base, rel, resolve = self.base(absolute, path)
+        try:
+            return openat2(base, rel, flags, mode, resolve)
+        except OSError as exc:
+            if exc.errno == errno.EXDEV:
+                raise self.refused(path) from None
+            raise
+
+    def close(self) -> None:
+        for fd in self._fds.values():
+            os.close(fd)
+        self._fds.clear()
+
+
+def absolute_path(path: str) -> bytes:
+    """``path`` as absolute bytes (relative paths start at guestd's working directory),
+    refusing what no system call could take."""
+    raw = os.fsencode(path)
+    if b"\0" in raw:
+        raise GuestdError(ErrorCode.BAD_REQUEST, "embedded null byte in path", details={"field": "path"})
+    if len(raw) >= PATH_MAX:
+        raise OSError(errno.ENAMETOOLONG, os.strerror(errno.ENAMETOOLONG), path)
+    return raw if raw.startswith(b"/") else os.fsencode(os.getcwd()).rstrip(b"/") + b"/" + raw
+
+
+def split_last(absolute: bytes) -> tuple[bytes, bytes]:
+    """(parent, last name) of an absolute path; the name is empty, ``.`` or ``..`` where the
+    path names no entry of its own (``/``, ``x/.``, ``x/..``)."""
+    head, _, name = absolute.rstrip(b"/").rpartition(b"/")
+    return head or b"/", name
+
+
+class FileSystem:
+    """The one file-system layer under every file op. Paths are resolved by the kernel, in
+    the I/O thread that then acts, on directory fds: writes under ``write_roots``, reads under
+    ``read_roots`` (see Roots). New entries under the workspace belong to the workload user,
+    decided from the resolved directory fd, not from a path string."""
+
+    def __init__(
+        self,
+        *,
+        write_roots: list[str] | None = None,
+        read_roots: list[str] | None = None,
+        workspace: str = "",
+        ids: tuple[int, int] | None = None,
+        pending: PendingTemps | None = None,
+    ) -> None:
+        self.writes = Roots(write_roots, "write_roots", "writing")
+        self.reads = Roots(read_roots, "read_roots", "reading")
+        self.workspace = os.fsencode(os.path.realpath(workspace)) if workspace and ids is not None else None
+        self.ids = ids
+        self.pending = pending
+
+    # -- writes ---------------------------------------------------------------------------
+    def place(self, path: str, *, parents: bool = False) -> Place:
+        """The parent of ``path``, resolved (and with ``parents``, created) under the write roots."""
+        head, name = split_last(absolute_path(path))
+        if name in (b"", b".", b".."):
+            raise GuestdError(
+                ErrorCode.BAD_REQUEST, f"the path names no entry to act on: {path}", details={"path": path}
+            )
+        if parents:
+            base, rel, resolve = self.writes.base(head, path)
+            try:
+                dirfd = self._makedirs(base, rel, resolve)
+            except OSError as exc:
+                if exc.errno == errno.EXDEV:
+                    raise self.writes.refused(path) from None
+                raise
+        else:
+            dirfd = self.writes.open(head, path, _DIR_PATH)
+        return Place(dirfd, name, path, self.owner_in(dirfd))
 
     def _makedirs(self, base: int, rel: bytes, resolve: int) -> int:
         """Resolve ``rel`` under ``base``, making missing directories on the way: each with
@@ -316,15 +377,113 @@ class FileSystem:
         ws = self.workspace
         return self.ids if where == ws or where.startswith(ws.rstrip(b"/") + b"/") else None
 
+    # -- reads ----------------------------------------------------------------------------
+    def open_file(self, path: str) -> int:
+        """A regular file opened for reading (symlinks followed, as the kernel resolves them
+        under the read roots); a FIFO, socket or device is ``not_a_file`` without being opened."""
+        pathfd = self.reads.open(absolute_path(path), path, os.O_PATH)
+        try:
+            return reopen_regular(pathfd, os.O_RDONLY, path)
+        finally:
+            os.close(pathfd)
+
+    def open_dir(self, path: str) -> int:
+        """A directory opened for listing."""
+        return self.reads.open(absolute_path(path), path, os.O_RDONLY | os.O_DIRECTORY)
+
+    def stat(self, path: str, follow: bool) -> tuple[os.stat_result, bytes | None]:
+        """(the entry's stat, a symlink's target) resolved under the read roots; without
+        ``follow`` a final symlink is described, not followed."""
+        absolute = absolute_path(path)
+        head, name = split_last(absolute)
+        if follow or name in (b"", b".", b".."):
+            fd = self.reads.open(absolute, path, os.O_PATH)
+            try:
+                return os.fstat(fd), None
+            finally:
+                os.close(fd)
+        dirfd = self.reads.open(head, path, _DIR_PATH)
+        try:
+            info = os.stat(name, dir_fd=dirfd, follow_symlinks=False)
+            target = os.readlink(name, dir_fd=dirfd) if st.S_ISLNK(info.st_mode) else None
+            return info, target
+        finally:
+            os.close(dirfd)
+
     def close(self) -> None:
-        for fd in self._root_fds.values():
+        self.writes.close()
+        self.reads.close()
+
+
+class PendingTemps:
+    """Named temp files of writes in progress, for file systems without ``O_TMPFILE`` (FUSE,
+    NFS, vfat): each is recorded under the runtime dir before it is made and forgotten when
+    its write commits or aborts, so a guestd killed mid-write has them removed by the next
+    guestd that starts. Records live in a directory per guestd pid: a second guestd sharing
+    the runtime dir leaves a live one's alone."""
+
+    def __init__(self, directory: str) -> None:
+        self.directory = directory
+        self.mine = os.path.join(directory, str(os.getpid()))
+
+    def record(self, place: Place, temp_name: bytes) -> str:
+        where = os.fsencode(os.readlink(f"/proc/self/fd/{place.dirfd}"))
+        os.makedirs(self.mine, mode=0o700, exist_ok=True)
+        record = os.path.join(self.mine, temp_name.hex()[-24:])
+        fd = os.open(record, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+        try:
+            os.write(fd, where + b"\0" + temp_name)
+        finally:
             os.close(fd)
-        self._root_fds.clear()
+        return record
+
+    @staticmethod
+    def forget(record: str) -> None:
+        try:
+            os.unlink(record)
+        except FileNotFoundError:
+            pass
+
+    def remove_left_behind(self, running: Callable[[int], bool]) -> int:
+        """Remove the temp files recorded by guestds that are gone; returns how many."""
+        removed = 0
+        try:
+            owners = os.listdir(self.directory)
+        except FileNotFoundError:
+            return 0
+        for owner in owners:
+            if not owner.isdigit() or int(owner) == os.getpid() or running(int(owner)):
+                continue
+            folder = os.path.join(self.directory, owner)
+            for entry in os.listdir(folder):
+                record = os.path.join(folder, entry)
+                with open(record, "rb") as f:
+                    where, _, name = f.read().partition(b"\0")
+                removed += _remove_temp(where, name)
+                os.unlink(record)
+            os.rmdir(folder)
+        return removed
 
 
-def outside_roots(path: str) -> GuestdError:
-    return GuestdError(
-        ErrorCode.PERMISSION_DENIED,
-        f"writing {path} is outside policy.write_roots",
-        details={"policy": "write_roots", "path": path},
-    )
+def _remove_temp(where: bytes, name: bytes) -> int:
+    """Unlink the temp file ``name`` in the directory ``where`` if it is still one of ours:
+    a regular file with our mark in a directory resolved without magic links, the name
+    unlinked in that fd (the directory may have been moved or replaced since)."""
+    if TEMP_MARK not in name or b"/" in name:
+        return 0
+    try:
+        dirfd = openat2(AT_FDCWD, where, _DIR_PATH, 0, RESOLVE_NO_MAGICLINKS)
+    except OSError:
+        return 0
+    try:
+        if not st.S_ISREG(os.stat(name, dir_fd=dirfd, follow_symlinks=False).st_mode):
+            return 0
+        os.unlink(name, dir_fd=dirfd)
+        return 1
+    except OSError:
+        return 0
+    finally:
+        os.close(dirfd)
+
+
+TEMP_MARK = b".guestd-tmp-"

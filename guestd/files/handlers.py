@@ -12,13 +12,15 @@ from __future__ import annotations
 import ctypes
 import errno
 import heapq
+import logging
 import os
 import stat as st
 import threading
 from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any, TypeVar, cast
 
-from guestd.files.fs import FileSystem, Owner, Place, open_regular
+from guestd.children.cgroups import guestd_running
+from guestd.files.fs import TEMP_MARK, FileSystem, Owner, PendingTemps, Place, open_regular
 from guestd.wire.errors import ErrorCode, GuestdError, too_large
 from guestd.wire.paths import path_to_wire
 
@@ -48,7 +50,7 @@ if TYPE_CHECKING:  # the generated message types: annotations only, never import
     )
 
 DEFAULT_PERM = 0o644
-TMP_MARK = b".guestd-tmp-"
+log = logging.getLogger("guestd.files")
 
 
 def _type_name(mode: int) -> DirEntryType:
@@ -85,8 +87,8 @@ def _os_call(fn: Any, *args: Any) -> Any:
 # --------------------------------------------------------------------------- blocking helpers
 
 
-def read_range(path: str, offset: int, length: int | None, max_read: int) -> FileReadReply:
-    fd = open_regular(path)  # a FIFO the workload planted must not hold an I/O thread
+def read_range(fsys: FileSystem, path: str, offset: int, length: int | None, max_read: int) -> FileReadReply:
+    fd = fsys.open_file(path)  # a FIFO the workload planted must not hold an I/O thread
     try:
         size = os.fstat(fd).st_size
         if size == 0 and length is None:
@@ -124,7 +126,7 @@ class AtomicFile:
     kernel-resolved parent directory's fd (``Place``), never on a path again.
     """
 
-    def __init__(self, place: Place, flag: str, perm: int | None) -> None:
+    def __init__(self, place: Place, flag: str, perm: int | None, pending: PendingTemps | None = None) -> None:
         self.place = place  # owned: closed with the file
         self.path = place.path
         self.flag = flag
@@ -144,7 +146,8 @@ class AtomicFile:
                     mode = st.S_IMODE(old.st_mode)  # an overwrite keeps the file's permissions
                 self.owner = (old.st_uid, old.st_gid)
         self.mode = mode
-        self.tmp = b"." + place.name[:200] + TMP_MARK + os.urandom(6).hex().encode()
+        self.tmp = b"." + place.name[:200] + TEMP_MARK + os.urandom(6).hex().encode()
+        self.record: str | None = None  # where a named temp file is recorded for cleanup
         try:
             # An inode without a name until the commit links it in: a guestd killed mid-write
             # (or a crash) leaves nothing behind, where a named temp file would stay forever.
@@ -153,8 +156,15 @@ class AtomicFile:
         except OSError as exc:
             if exc.errno not in (errno.EOPNOTSUPP, errno.EISDIR, errno.EINVAL):
                 raise
+            # File systems without it (FUSE, NFS, vfat): a named temp file, recorded first so
+            # that a guestd killed before the commit has it removed by its successor.
+            self.record = pending.record(place, self.tmp) if pending is not None else None
             flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
-            self.fd = os.open(self.tmp, flags, 0o600, dir_fd=place.dirfd)  # file systems without it
+            try:
+                self.fd = os.open(self.tmp, flags, 0o600, dir_fd=place.dirfd)
+            except BaseException:
+                self._forget_record()
+                raise
             self.anonymous = False
         self.size = 0
         # Writes run in I/O threads; abort runs on the loop when a request is cancelled,
@@ -207,6 +217,7 @@ class AtomicFile:
                 os.unlink(self.tmp, dir_fd=d)
             else:
                 os.rename(self.tmp, self.place.name, src_dir_fd=d, dst_dir_fd=d)
+            self._forget_record()
         self.committed = True
         _fsync_dirfd(d)
         self.place.close()
@@ -234,9 +245,15 @@ class AtomicFile:
                     os.unlink(self.tmp, dir_fd=self.place.dirfd)
                 except OSError:
                     pass
+                self._forget_record()
             self.place.close()
         finally:
             self._fd_lock.release()
+
+    def _forget_record(self) -> None:
+        if self.record is not None:
+            PendingTemps.forget(self.record)
+            self.record = None
 
 
 def _fsync_dirfd(dirfd: int) -> None:
@@ -258,7 +275,7 @@ def write_whole(fsys: FileSystem, path: str, data: bytes, flag: str, perm: int |
     if flag == "append":
         with place:
             return _append(place, data, perm)
-    f = AtomicFile(place, flag, perm)
+    f = AtomicFile(place, flag, perm, fsys.pending)
     try:
         f.write(data)
         return {"size": f.commit()}
@@ -276,7 +293,7 @@ def _append(place: Place, data: bytes, perm: int | None) -> FileWriteReply:
         )
         created = True
     except FileExistsError:
-        fd = open_regular(place.name, flags, dir_fd=place.dirfd, shown=place.path)
+        fd = open_regular(place.name, flags, place.dirfd, place.path)
         created = False
     try:
         if created and place.owner is not None:
@@ -290,8 +307,8 @@ def _append(place: Place, data: bytes, perm: int | None) -> FileWriteReply:
         os.close(fd)
 
 
-def stat_path(path: str, follow: bool) -> FileStatReply:
-    s = os.stat(path) if follow else os.lstat(path)
+def stat_path(fsys: FileSystem, path: str, follow: bool) -> FileStatReply:
+    s, target = fsys.stat(path, follow)
     out: FileStatReply = {
         "type": _type_name(s.st_mode),
         "size": s.st_size,
@@ -301,29 +318,38 @@ def stat_path(path: str, follow: bool) -> FileStatReply:
         "mtime_ns": s.st_mtime_ns,
         "target": None,
     }
-    if st.S_ISLNK(s.st_mode):
-        out["target"] = path_to_wire(os.readlink(path))
+    if target is not None:
+        out["target"] = path_to_wire(target)
     return out
 
 
-def list_dir(path: str, cap: int) -> FileListReply:
+def list_dir(fsys: FileSystem, path: str, cap: int) -> FileListReply:
     """The first ``cap`` entries in order of their names as bytes, and how many there are.
 
     Every name is read (the order is the names', not the directory's), but only ``cap``
     are kept: a bounded heap, so a huge directory costs a scan, not memory."""
     total = 0
 
-    def counted(it: Iterator[os.DirEntry[bytes]]) -> Iterator[os.DirEntry[bytes]]:
+    def counted(it: Iterator[os.DirEntry[str]]) -> Iterator[os.DirEntry[str]]:
         nonlocal total
         for e in it:
             total += 1
             yield e
 
-    with os.scandir(os.fsencode(path)) as it:
-        scanned = counted(it)
-        first = heapq.nsmallest(cap, scanned, key=lambda e: e.name)
-        for _ in scanned:  # nsmallest(0, ...) returns before the end: count the rest
-            pass
+    dirfd = fsys.open_dir(path)
+    try:
+        with os.scandir(dirfd) as it:  # names relative to the fd; stat below is fstatat on it
+            scanned = counted(it)
+            first = heapq.nsmallest(cap, scanned, key=lambda e: os.fsencode(e.name))
+            for _ in scanned:  # nsmallest(0, ...) returns before the end: count the rest
+                pass
+            entries = _records(first)
+    finally:
+        os.close(dirfd)
+    return {"entries": entries, "total": total, "truncated": total > cap}
+
+
+def _records(first: list[os.DirEntry[str]]) -> list[DirEntryRecord]:
     entries: list[DirEntryRecord] = []
     for e in first:
         try:
@@ -339,7 +365,7 @@ def list_dir(path: str, cap: int) -> FileListReply:
                 "mtime_ns": s.st_mtime_ns,
             }
         )
-    return {"entries": entries, "total": total, "truncated": total > cap}
+    return entries
 
 
 def make_dir(fsys: FileSystem, path: str, parents: bool, perm: int) -> FileMkdirReply:
@@ -465,7 +491,7 @@ def rename_path(fsys: FileSystem, src: str, dst: str, overwrite: bool) -> FileRe
 def open_atomic(fsys: FileSystem, path: str, flag: str, perm: int | None, parents: bool) -> AtomicFile:
     place = fsys.place(path, parents=parents)
     try:
-        return AtomicFile(place, flag, perm)
+        return AtomicFile(place, flag, perm, fsys.pending)
     except BaseException:
         place.close()
         raise
@@ -483,10 +509,24 @@ def register(services: Services) -> None:
         ids = policy.workload_ids()
     except GuestdError:  # a missing workload user: exec and friends report it on use
         ids = None
-    fsys = FileSystem(policy.write_roots, services.config.workspace or "", ids)
+    pending = PendingTemps(os.path.join(services.runtime_dir(), "pending-writes"))
+    fsys = FileSystem(
+        write_roots=policy.write_roots,
+        read_roots=policy.read_roots,
+        workspace=services.config.workspace or "",
+        ids=ids,
+        pending=pending,
+    )
+
+    def remove_temps_left_behind() -> None:
+        removed = pending.remove_left_behind(guestd_running)
+        if removed:
+            log.warning("removed %d temp files of writes a previous guestd did not finish", removed)
+
+    services.on_start.append(remove_temps_left_behind)
 
     async def op_read(ctx: Request, a: FileReadArgs) -> FileReadReply:
-        return await io(read_range, a["path"], a["offset"], a["length"], limits.max_read)
+        return await io(read_range, fsys, a["path"], a["offset"], a["length"], limits.max_read)
 
     async def op_write(ctx: Request, a: FileWriteArgs) -> FileWriteReply:
         services.writes.started()  # snapshot.prepare waits for these
@@ -496,11 +536,11 @@ def register(services: Services) -> None:
             services.writes.finished()
 
     async def op_stat(ctx: Request, a: FileStatArgs) -> FileStatReply:
-        return await io(stat_path, a["path"], a["follow"])
+        return await io(stat_path, fsys, a["path"], a["follow"])
 
     async def op_list(ctx: Request, a: FileListArgs) -> FileListReply:
         cap = a["max_entries"] if a["max_entries"] is not None else limits.max_list_entries
-        return await io(list_dir, a["path"], cap)
+        return await io(list_dir, fsys, a["path"], cap)
 
     async def op_mkdir(ctx: Request, a: FileMkdirArgs) -> FileMkdirReply:
         return await io(make_dir, fsys, a["path"], a["parents"], a["perm"])
@@ -554,7 +594,7 @@ def register(services: Services) -> None:
 
     async def op_download(ctx: Request, a: FileDownloadArgs) -> FileDownloadReply:
         chunk = a["chunk"] or limits.max_chunk
-        fd: int = await services.acquire_in_io(_os_call, os.close, _open_for_download, a["path"])
+        fd: int = await services.acquire_in_io(_os_call, os.close, fsys.open_file, a["path"])
         try:
             size = os.fstat(fd).st_size
             end = size if a["length"] is None else min(size, a["offset"] + a["length"])
@@ -584,7 +624,3 @@ def register(services: Services) -> None:
         ("file.rename", op_rename),
     ):
         services.ops.add(name, fn, bulk_reply=name == "file.read")
-
-
-def _open_for_download(path: str) -> int:
-    return open_regular(path)
