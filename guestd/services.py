@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import time
 from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol
@@ -207,3 +208,15 @@ class Services:
     def close_io(self) -> None:
         if self._io is not None:
             self._io.shutdown(wait=False, cancel_futures=True)
+
+    def io_threads_stuck(self, grace_s: float) -> int:
+        """After close_io: wait up to ``grace_s`` for the I/O threads to finish; how many did not.
+        A thread stuck in the kernel on a file system that stops answering (a hung FUSE or NFS
+        server) cannot be interrupted, and Python's exit would wait for it forever."""
+        if self._io is None:
+            return 0
+        end = time.monotonic() + grace_s
+        threads = list(self._io._threads)
+        for t in threads:
+            t.join(max(0.0, end - time.monotonic()))
+        return sum(t.is_alive() for t in threads)

@@ -5,9 +5,11 @@ from __future__ import annotations
 
 import errno
 import os
+import shutil
 import signal
 import socket
 import stat
+import subprocess
 import threading
 from collections.abc import Callable
 
@@ -168,3 +170,50 @@ def _swallow(fn: Callable[[], object]) -> None:
         fn()
     except GuestdError:
         pass
+
+
+@pytest.mark.skipif(os.geteuid() != 0 or shutil.which("bindfs") is None, reason="needs root and bindfs (FUSE)")
+def test_a_file_op_stuck_in_the_kernel_does_not_hold_up_shutdown(
+    fresh_guestd: Callable[..., Guestd], tmp_path: object
+) -> None:
+    """A file system that stops answering (here a FUSE server that is stopped) holds the I/O
+    thread that touched it in the kernel, where nothing can interrupt it: guestd still exits on
+    SIGTERM, within its grace, instead of waiting for that thread forever."""
+    backing, mnt = os.path.join(str(tmp_path), "backing"), os.path.join(str(tmp_path), "mnt")
+    os.mkdir(backing)
+    os.mkdir(mnt)
+    with open(os.path.join(backing, "f"), "w") as f:
+        f.write("x")
+    subprocess.run(["bindfs", backing, mnt], check=True)
+    server = _fuse_server_pid(mnt)
+    g = fresh_guestd()
+    try:
+        with g.client() as c:
+            assert c.read_file(f"{mnt}/f") == b"x"
+            os.kill(server, signal.SIGSTOP)
+            with pytest.raises(GuestdError) as ei:
+                c.read_file(f"{mnt}/f", deadline=1)
+            assert ei.value.code == "timeout"
+            assert c.ping() >= 0  # the rest of guestd is unaffected
+        os.kill(g.pid, signal.SIGTERM)
+        try:
+            g.proc.wait(20)
+        except subprocess.TimeoutExpired:
+            pytest.fail("guestd is still waiting for an I/O thread stuck in a hung file system")
+        assert g.proc.returncode == 0
+    finally:
+        os.kill(server, signal.SIGCONT)
+        subprocess.run(["umount", mnt], check=False)
+
+
+def _fuse_server_pid(mountpoint: str) -> int:
+    """The bindfs process serving ``mountpoint`` (found by its command line)."""
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                argv = f.read().split(b"\0")
+        except OSError:
+            continue
+        if argv and os.path.basename(argv[0]) == b"bindfs" and os.fsencode(mountpoint) in argv:
+            return int(pid)
+    raise AssertionError(f"no bindfs process serves {mountpoint}")

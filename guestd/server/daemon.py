@@ -302,6 +302,12 @@ def main(argv: list[str] | None = None) -> int:
     except OSError as exc:
         log.error("cannot serve: %s", exc)
         return 1
+    stuck = daemon.services.io_threads_stuck(grace_s=2.0)
+    if stuck:
+        # Python's exit joins every worker thread; one stuck in the kernel would hold it forever.
+        log.warning("exiting with %d file ops stuck in a file system that does not answer", stuck)
+        logging.shutdown()
+        os._exit(0)
     return 0
 
 

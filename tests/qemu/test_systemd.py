@@ -143,3 +143,82 @@ def test_no_escape_outlives_its_run_in_the_shipped_config(vm: GuestVM) -> None:
         )
         r = c.exec(["sh", "-c", others], timeout_s=120)
         assert r.stdout.split() == [str(c.shell_list()[0]["pid"]).encode()], r
+
+
+# A workload process that turns every fresh directory at ``name`` into a symlink to ``out``.
+SNATCHER = r"""
+import os, sys, time
+name, out, seconds = sys.argv[1], sys.argv[2], float(sys.argv[3])
+end = time.time() + seconds
+while time.time() < end:
+    try:
+        os.rmdir(name)
+        os.symlink(out, name)
+    except OSError:
+        pass
+    if os.path.islink(name):
+        try:
+            os.unlink(name)
+        except OSError:
+            pass
+"""
+
+
+def test_the_file_system_boundary_in_the_shipped_config(vm: GuestVM) -> None:
+    """Issue 15 in the shipped config (sandbox user, /workspace, guestd as root under systemd):
+    the workload's symlinks, `..`, races, FIFOs and magic links move no host write out of the
+    ownership rule and wedge no file op."""
+    with vm.client(timeout_s=300) as c:
+        pid = int(c.info().raw["pid"])
+        plant = (
+            "mkdir -p /workspace/fsb-a/b && ln -sfn /workspace/fsb-a/b /workspace/fsb-lnk"
+            " && ln -sfn /etc /workspace/fsb-out && mkfifo /workspace/fsb-fifo"
+            f" && ln -sfn /proc/{pid}/fd/0 /workspace/fsb-magic"
+        )
+        r = c.exec(["sh", "-c", plant], timeout_s=120)
+        assert r.exit_code == 0, r
+        # Symlink plus `..`: `fsb-lnk/../../x` is /workspace/x to the kernel (lexically /x).
+        c.write_file("/workspace/fsb-lnk/../../fsb-hook.sh", b"echo hi\n")
+        c.upload(b"blob", "/workspace/fsb-lnk/../../fsb-blob")
+        c.mkdir("/workspace/fsb-lnk/../../fsb-made/deeper", parents=True)
+        for name in ("fsb-hook.sh", "fsb-blob", "fsb-made"):
+            assert not c.exists(f"/{name}"), name
+            assert c.stat(f"/workspace/{name}").uid == 1000, name  # inside: the workload's
+        # Through a symlink out of the workspace, what the host creates stays root's.
+        c.write_file("/workspace/fsb-out/guestd-fsb.conf", b"k = v\n")
+        assert c.stat("/etc/guestd-fsb.conf").uid == 0
+        r = c.exec(["sh", "-c", "echo pwned >> /etc/guestd-fsb.conf"], timeout_s=120)
+        assert r.exit_code != 0 and c.read_file("/etc/guestd-fsb.conf") == b"k = v\n"
+        # A FIFO where a file is expected answers at once; a magic link into guestd is refused.
+        for read in (c.read_file, c.download):
+            with pytest.raises(GuestdError) as ei:
+                read("/workspace/fsb-fifo")
+            assert ei.value.code == "not_a_file"
+        with pytest.raises(GuestdError) as ei:
+            c.write_file("/workspace/fsb-fifo", b"x", flag="append")
+        assert ei.value.code == "not_a_file"
+        with pytest.raises(GuestdError) as ei:
+            c.read_file("/workspace/fsb-magic")
+        assert ei.value.code == "bad_request"
+        # mkdir then chown, raced by the workload swapping the new directory for a symlink to a
+        # root-owned file: nothing outside ever becomes the workload's.
+        c.write_file("/etc/guestd-fsb-precious", b"root's\n")
+        c.write_file("/tmp/fsb-snatcher.py", SNATCHER)
+        racers = [
+            c.process_start(
+                ["python3", "/tmp/fsb-snatcher.py", f"/workspace/fsb-d{i}", "/etc/guestd-fsb-precious", "60"]
+            )["id"]
+            for i in range(2)
+        ]
+        try:
+            for _ in range(150):
+                for i in range(2):
+                    try:
+                        c.mkdir(f"/workspace/fsb-d{i}")
+                    except GuestdError:
+                        pass  # losing a race to the workload is an error, never an escape
+            assert all(p["state"] == "running" for p in c.process_list() if p["id"] in racers)
+        finally:
+            for p in racers:
+                c.process_signal(p, "KILL")
+        assert c.stat("/etc/guestd-fsb-precious").uid == 0 and c.stat("/etc").uid == 0
