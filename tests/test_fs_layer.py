@@ -217,3 +217,76 @@ def _fuse_server_pid(mountpoint: str) -> int:
         if argv and os.path.basename(argv[0]) == b"bindfs" and os.fsencode(mountpoint) in argv:
             return int(pid)
     raise AssertionError(f"no bindfs process serves {mountpoint}")
+
+
+def _plant(kind: str, path: str) -> object:
+    if kind == "fifo":
+        os.mkfifo(path)
+        return None
+    if kind == "socket":
+        s = socket.socket(socket.AF_UNIX)
+        s.bind(path)
+        return s  # kept open (and listening) for the test's length
+    os.mknod(path, 0o666 | stat.S_IFCHR, os.makedev(1, 3))  # a /dev/null of our own
+    return None
+
+
+@pytest.mark.parametrize("kind", ["fifo", "socket", "chardev"])
+def test_every_file_op_on_a_special_file_answers_typed_and_at_once(client: Client, tmp_path: object, kind: str) -> None:
+    if kind == "chardev" and os.geteuid() != 0:
+        pytest.skip("mknod of a device needs root")
+    d = str(tmp_path)
+    path = os.path.join(d, kind)
+    keep = _plant(kind, path)
+    try:
+        for op in (
+            lambda: client.read_file(path, deadline=5),
+            lambda: client.download(path, deadline=5),
+            lambda: client.write_file(path, b"x", flag="append", deadline=5),
+        ):
+            with pytest.raises(GuestdError) as ei:
+                op()
+            assert ei.value.code == "not_a_file", ei.value
+        assert client.stat(path, deadline=5).type == {"fifo": "fifo", "socket": "socket", "chardev": "char"}[kind]
+        with pytest.raises(GuestdError) as ei:
+            client.listdir(path, deadline=5)
+        assert ei.value.code == "not_a_directory"
+        with pytest.raises(GuestdError) as ei:
+            client.mkdir(path, deadline=5)
+        assert ei.value.code == "exists"
+        with pytest.raises(GuestdError) as ei:
+            client.write_file(path, b"x", flag="create", deadline=5)
+        assert ei.value.code == "exists"
+        client.rename(path, path + ".moved", deadline=5)  # moved as an entry, never opened
+        client.rename(path + ".moved", path, deadline=5)
+        client.upload(b"replaced", path, deadline=5)  # an overwrite replaces the entry itself
+        assert stat.S_ISREG(os.lstat(path).st_mode) and client.read_file(path, deadline=5) == b"replaced"
+        client.remove(path, deadline=5)
+        assert not os.path.lexists(path)
+    finally:
+        if isinstance(keep, socket.socket):
+            keep.close()
+
+
+def test_symlink_loops_deep_chains_and_long_paths_are_typed_on_the_wire(client: Client, tmp_path: object) -> None:
+    d = str(tmp_path)
+    os.symlink("b", f"{d}/a")
+    os.symlink("a", f"{d}/b")
+    for i in range(45):  # deeper than the kernel's 40 hops
+        os.symlink(f"c{i + 1}", f"{d}/c{i}")
+    with open(f"{d}/c45", "w") as f:
+        f.write("end")
+    long = d + "/" + "x/" * 2100 + "f"
+    for path, eno in ((f"{d}/a", errno.ELOOP), (f"{d}/c0", errno.ELOOP), (long, errno.ENAMETOOLONG)):
+        for op in (
+            lambda p: client.read_file(p, deadline=5),
+            lambda p: client.download(p, deadline=5),
+            lambda p: client.stat(p, follow=True, deadline=5),
+            lambda p: client.listdir(p, deadline=5),
+            lambda p: client.write_file(p + "/f", b"x", deadline=5),
+            lambda p: client.mkdir(p + "/m", parents=True, deadline=5),
+        ):
+            with pytest.raises(GuestdError) as ei:
+                op(path)
+            assert ei.value.code == "bad_request" and ei.value.errno == eno, (path[:60], ei.value)
+    assert client.read_file(f"{d}/c5") == b"end"  # 40 hops are fine
