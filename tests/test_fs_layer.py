@@ -278,14 +278,15 @@ def test_symlink_loops_deep_chains_and_long_paths_are_typed_on_the_wire(client: 
         f.write("end")
     long = d + "/" + "x/" * 2100 + "f"
     for path, eno in ((f"{d}/a", errno.ELOOP), (f"{d}/c0", errno.ELOOP), (long, errno.ENAMETOOLONG)):
-        for op in (
+        ops: list[Callable[[str], object]] = [
             lambda p: client.read_file(p, deadline=5),
             lambda p: client.download(p, deadline=5),
             lambda p: client.stat(p, follow=True, deadline=5),
             lambda p: client.listdir(p, deadline=5),
             lambda p: client.write_file(p + "/f", b"x", deadline=5),
             lambda p: client.mkdir(p + "/m", parents=True, deadline=5),
-        ):
+        ]
+        for op in ops:
             with pytest.raises(GuestdError) as ei:
                 op(path)
             assert ei.value.code == "bad_request" and ei.value.errno == eno, (path[:60], ei.value)
