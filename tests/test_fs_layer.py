@@ -239,11 +239,12 @@ def test_every_file_op_on_a_special_file_answers_typed_and_at_once(client: Clien
     path = os.path.join(d, kind)
     keep = _plant(kind, path)
     try:
-        for op in (
+        ops: list[Callable[[], object]] = [
             lambda: client.read_file(path, deadline=5),
             lambda: client.download(path, deadline=5),
             lambda: client.write_file(path, b"x", flag="append", deadline=5),
-        ):
+        ]
+        for op in ops:
             with pytest.raises(GuestdError) as ei:
                 op()
             assert ei.value.code == "not_a_file", ei.value
