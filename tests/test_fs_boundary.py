@@ -17,6 +17,7 @@ import pytest
 
 from guestd.client import GuestdError
 from guestd.testing import Guestd
+from guestd.testing.races import SNATCHER, SWAPPER
 
 root_only = pytest.mark.skipif(os.geteuid() != 0, reason="ownership and a workload user need root")
 
@@ -98,52 +99,8 @@ def test_write_roots_hold_against_symlinks_and_dotdot_for_every_write(
     assert open(f"{ws}/final").read() == "replaced" and not os.path.islink(f"{ws}/final")
 
 
-# A workload process that keeps swapping a name between a directory and a symlink out.
-SWAPPER = r"""
-import os, sys, time
-name, out, seconds = sys.argv[1], sys.argv[2], float(sys.argv[3])
-end = time.time() + seconds
-while time.time() < end:
-    try:
-        os.rmdir(name)
-    except OSError:
-        try:
-            os.unlink(name)
-        except OSError:
-            pass
-    try:
-        os.symlink(out, name)
-    except OSError:
-        pass
-    try:
-        os.unlink(name)
-        os.mkdir(name)
-    except OSError:
-        pass
-"""
-
-
 # The system's Python: the test's own may not be readable by the workload user.
 WORKLOAD_PYTHON = "/usr/bin/python3" if os.path.exists("/usr/bin/python3") else sys.executable
-
-
-# A workload process that turns every fresh directory at ``name`` into a symlink to ``out``.
-SNATCHER = r"""
-import os, sys, time
-name, out, seconds = sys.argv[1], sys.argv[2], float(sys.argv[3])
-end = time.time() + seconds
-while time.time() < end:
-    try:
-        os.rmdir(name)
-        os.symlink(out, name)
-    except OSError:
-        pass
-    if os.path.islink(name):
-        try:
-            os.unlink(name)
-        except OSError:
-            pass
-"""
 
 
 @root_only

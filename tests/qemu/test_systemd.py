@@ -14,6 +14,7 @@ import pytest
 
 from guestd.client import Client, GuestdError
 from guestd.testing.qemu import GuestVM
+from guestd.testing.races import SNATCHER
 from tests.qemu.harness import SYSTEMD_CMDLINE, debian_systemd_initramfs, require_qemu, running_vm
 
 pytestmark = [pytest.mark.qemu, pytest.mark.timeout(1200)]  # debootstrap on a cold cache
@@ -144,25 +145,6 @@ def test_no_escape_outlives_its_run_in_the_shipped_config(vm: GuestVM) -> None:
         )
         r = c.exec(["sh", "-c", others], timeout_s=120)
         assert r.stdout.split() == [str(c.shell_list()[0]["pid"]).encode()], r
-
-
-# A workload process that turns every fresh directory at ``name`` into a symlink to ``out``.
-SNATCHER = r"""
-import os, sys, time
-name, out, seconds = sys.argv[1], sys.argv[2], float(sys.argv[3])
-end = time.time() + seconds
-while time.time() < end:
-    try:
-        os.rmdir(name)
-        os.symlink(out, name)
-    except OSError:
-        pass
-    if os.path.islink(name):
-        try:
-            os.unlink(name)
-        except OSError:
-            pass
-"""
 
 
 def test_the_file_system_boundary_in_the_shipped_config(vm: GuestVM) -> None:
