@@ -96,3 +96,96 @@ class FakeGuest:
             except OSError:
                 pass
             conn.close()
+
+
+# ----------------------------------------------------------------------------- reply builders
+# Well-formed replies a test starts from and then spoils.
+
+
+def exec_reply(stdout: bytes = b"", stderr: bytes = b"", exit_code: int = 0) -> dict[str, Any]:
+    return {
+        "exit_code": exit_code,
+        "signal": None,
+        "timed_out": None,
+        "stdout": stdout,
+        "stderr": stderr,
+        "stdout_bytes": len(stdout),
+        "stderr_bytes": len(stderr),
+        "stdout_dropped": 0,
+        "stderr_dropped": 0,
+        "duration_s": 0.01,
+        "pid": 4242,
+    }
+
+
+def code_reply(**fields: Any) -> dict[str, Any]:
+    body: dict[str, Any] = {
+        "context": "default",
+        "status": "ok",
+        "stdout": b"",
+        "stderr": b"",
+        "stdout_bytes": 0,
+        "stderr_bytes": 0,
+        "stdout_dropped": 0,
+        "stderr_dropped": 0,
+        "results": [],
+        "results_dropped": 0,
+        "stdin_exhausted": False,
+        "execution_count": 1,
+        "duration_s": 0.01,
+    }
+    body.update(fields)
+    return body
+
+
+def shell_reply(stdout: bytes = b"", cwd: str = "/w") -> dict[str, Any]:
+    return {**exec_reply(stdout), "interrupted": False, "session_restarted": False, "cwd": cwd}
+
+
+def info_reply(**fields: Any) -> dict[str, Any]:
+    body: dict[str, Any] = {
+        "version": "0",
+        "protocol_version": 1,
+        "capabilities": [],
+        "ops": [],
+        "limits": {},
+        "boot_id": "b",
+        "pid": 1,
+        "uptime_s": 1.0,
+        "host_uptime_s": 1.0,
+        "load": [0.0, 0.0, 0.0],
+        "memory": {},
+        "disk": {},
+        "cpu_count": 1,
+        "connections": 1,
+        "hostname": "h",
+        "snapshot": {"generation": 1},
+        "workload_cgroup": "disabled",
+        "spawn": "clone3",
+        "runs_ended_at_start": 0,
+    }
+    body.update(fields)
+    return body
+
+
+def stat_reply(size: int) -> dict[str, Any]:
+    return {"type": "file", "size": size, "mode": 0o644, "uid": 0, "gid": 0, "mtime_ns": 0}
+
+
+def send_download(peer: RawPeer, rid: int, data: bytes, announced: int | None = None, window: int = 4 << 20) -> None:
+    """Answer a file.download with ``data`` in 64 KiB events within the client's credit (reading
+    its window frames), after a start event announcing ``announced`` (default: the true size)."""
+    peer.send(Kind.EVENT, rid, {"ev": "start", "size": len(data) if announced is None else announced})
+    credit = window
+    for i in range(0, len(data), 65536):
+        piece = data[i : i + 65536]
+        while credit < len(piece):
+            kind, wid, body = peer.recv()
+            if kind == Kind.WINDOW and wid == rid:
+                credit += int(body["bytes"])
+            elif kind == Kind.CANCEL and wid == rid:
+                peer.send(Kind.ERROR, rid, {"code": "cancelled", "message": "cancelled"})
+                return
+        peer.send(Kind.EVENT, rid, {"ev": "data", "data": piece})
+        credit -= len(piece)
+    peer.send(Kind.RESPONSE, rid, {"bytes": len(data), "size": len(data) if announced is None else announced})
