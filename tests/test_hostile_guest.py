@@ -355,27 +355,32 @@ def test_a_trickle_of_events_does_not_extend_a_deadline(fake_guest: Callable[...
         async for _ in stream:
             pass
 
-    for make in (
-        lambda c: c.aio.code_run_stream("x", deadline=1.0),
-        lambda c: c.aio.exec_stream(["x"], deadline=1.0),
-        lambda c: c.aio.attach("p1", deadline=1.0),
-    ):
+    makers: list[Callable[[AsyncClient], AsyncIterator[object]]] = [
+        lambda a: aiter(a.code_run_stream("x", deadline=1.0)),
+        lambda a: aiter(a.exec_stream(["x"], deadline=1.0)),
+        lambda a: aiter(a.attach("p1", deadline=1.0)),
+    ]
+    for make in makers:
         with Client(fake_guest(trickle).address) as c:
             t0 = time.monotonic()
+
+            def run(c: Client = c, make: Callable[[AsyncClient], AsyncIterator[object]] = make) -> None:
+                c._run(drain(make(c.aio)))
+
             with pytest.raises(GuestdError) as ei:
-                within(10, lambda c=c, make=make: c._run(drain(make(c))))
+                within(10, run)
             assert ei.value.code == "timeout" and time.monotonic() - t0 < 5
 
 
 def test_download_enforces_the_announced_size(fake_guest: Callable[..., FakeGuest], tmp_path: Path) -> None:
     """Defect 6: data without a start event, more than announced, or more than max_bytes: an
     error, and no file (the partial one removed)."""
-    cases: list[tuple[Callable[[RawPeer, int], None], dict[str, int]]] = [
-        (lambda p, rid: p.send(Kind.EVENT, rid, {"ev": "data", "data": b"x" * 100}), {}),
-        (lambda p, rid: send_download(p, rid, b"y" * (1 * MiB), announced=10), {}),
-        (lambda p, rid: send_download(p, rid, b"z" * (1 * MiB)), {"max_bytes": 10}),
+    cases: list[tuple[Callable[[RawPeer, int], None], int | None]] = [
+        (lambda p, rid: p.send(Kind.EVENT, rid, {"ev": "data", "data": b"x" * 100}), None),
+        (lambda p, rid: send_download(p, rid, b"y" * (1 * MiB), announced=10), None),
+        (lambda p, rid: send_download(p, rid, b"z" * (1 * MiB)), 10),
     ]
-    for i, (send, kw) in enumerate(cases):
+    for i, (send, max_bytes) in enumerate(cases):
 
         def script(p: RawPeer, send: Callable[[RawPeer, int], None] = send) -> None:
             rid, _, _ = next_request(p)
@@ -385,7 +390,7 @@ def test_download_enforces_the_announced_size(fake_guest: Callable[..., FakeGues
         out = tmp_path / f"out{i}"
         out.mkdir()
         with Client(fake_guest(script).address) as c, pytest.raises(GuestProtocolError):
-            c.download("/f", str(out / "file"), progress_timeout=10, **kw)
+            c.download("/f", str(out / "file"), max_bytes=max_bytes, progress_timeout=10)
         assert os.listdir(out) == []
 
 

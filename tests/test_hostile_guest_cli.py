@@ -167,7 +167,7 @@ def test_openhands_runtime_never_raises(fake_guest: Callable[..., FakeGuest]) ->
         )
     )
     with Client(g.address) as c:
-        rt = GuestdRuntime(guest=SimpleNamespace(workspace="/w"), client=c)  # type: ignore[arg-type]
+        rt = GuestdRuntime(guest=SimpleNamespace(workspace="/w"), client=c)
         rt.shell_id, rt.context_id = "s1", "c1"
         for action in (CmdRunAction("ls"), IPythonRunCellAction("1"), FileReadAction("/f")):
             assert isinstance(rt.run_action(action), ErrorObservation)
