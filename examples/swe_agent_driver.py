@@ -120,8 +120,14 @@ class SweTools:
             size = self.client.stat(out).size
             if size > self.max_patch_bytes:
                 raise RuntimeError(f"the patch is {size} bytes, over the {self.max_patch_bytes}-byte bound")
-            data = self.client.download(out)
-            assert isinstance(data, bytes)
+            # stat is the guest's word: the download itself is capped at the bound (a byte more
+            # fails it), the same rule the library applies to every download.
+            try:
+                data = self.client.download(out, max_bytes=self.max_patch_bytes)
+            except GuestdError as e:
+                raise RuntimeError(f"the patch could not be read whole: {e.code}: {e.message}") from None
+            if not isinstance(data, bytes):
+                raise RuntimeError("the patch download returned no bytes")
             return data.decode("utf-8", "surrogateescape")
         finally:
             try:

@@ -12,7 +12,7 @@ from collections.abc import Callable, Iterator
 import pytest
 
 from guestd.client import Client
-from guestd.testing import Guestd, StartGuestd, start_guestd
+from guestd.testing import Guestd, StartGuestd, fakeguest, start_guestd
 from guestd.testing.rawwire import FAKE_GUEST_HELLO, RawPeer
 from guestd.wire.frames import Kind
 
@@ -85,6 +85,22 @@ def evil(tmp_path: object) -> Iterator[FakeGuest]:
     yield start
     for s in servers + conns:
         s.close()
+
+
+@pytest.fixture
+def fake_guest(tmp_path: object) -> Iterator[Callable[..., fakeguest.FakeGuest]]:
+    """``fake_guest(script, hello=None)``: a started :class:`FakeGuest` that runs ``script`` on
+    every connection (guestctl connects once per run); closed after the test."""
+    started: list[fakeguest.FakeGuest] = []
+
+    def start(script: fakeguest.Script, hello: dict[str, object] | None = None) -> fakeguest.FakeGuest:
+        g = fakeguest.FakeGuest(f"{tmp_path}/fake{len(started)}.sock", script, hello).start()
+        started.append(g)
+        return g
+
+    yield start
+    for g in started:
+        g.close()
 
 
 @pytest.fixture(scope="module")

@@ -11,6 +11,15 @@
     guestctl ... shell new | shell run ID 'COMMAND' | shell ls | shell rm ID
 
 exec/sh exit with the remote exit code (124 when a timeout fired, 128+N when killed by signal N).
+Exit codes of guestctl itself: 0 done; 1 any failure (an error from the guest, a broken or hostile
+guest, the connection, a local file), reported as one line on stderr (under --json, as one JSON
+object ``{"error": {"code", "message", ...}}`` on stdout); 2 a usage error; 130 interrupted.
+exec, sh, shell run, wait and attach otherwise exit with the remote command's code; code run with
+0 ok, 1 error, 124 timeout, 130 interrupted, 137 died.
+
+What the guest sends is printed through ``guestd.cli.terminal``: names and messages with their
+control characters escaped, workload output to a terminal with its control sequences neutralized
+(``--raw`` writes it as it came).
 --timeout/--idle-timeout are enforced in the guest (the ops' timeout_s/idle_timeout_s; for wait,
 how long the guest waits for the exit); guestctl's own wait for the reply is derived from them
 (the client's deadline). --connect-timeout bounds connecting and the handshake.
@@ -27,7 +36,7 @@ import asyncio
 import os
 import sys
 
-from guestd.cli import code, files, processes, shells, snapshot, system
+from guestd.cli import code, files, processes, shells, snapshot, system, terminal
 from guestd.cli import exec as exec_  # the module; plain "exec" would hide the builtin here
 from guestd.cli.shared import Handler, print_json
 from guestd.client.aio import CONNECT_TIMEOUT, AsyncClient
@@ -50,6 +59,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.add_argument("--token", default=os.environ.get("GUESTD_TOKEN"), help="access token (env GUESTD_TOKEN)")
     p.add_argument("--connect-timeout", type=float, default=CONNECT_TIMEOUT, help="connect + handshake, seconds")
+    p.add_argument(
+        "--raw",
+        action="store_true",
+        help="write workload output to a terminal as it came (default: control sequences neutralized)",
+    )
     sub = p.add_subparsers(dest="cmd", required=True)
     for module in COMMAND_MODULES:
         module.register(sub)
@@ -70,17 +84,23 @@ def main(argv: list[str] | None = None) -> int:
     ns = build_parser().parse_args(argv)
     try:
         return asyncio.run(run(ns))
-    except GuestdError as err:
-        if ns.json:
-            print_json({"error": err.to_body()})
-        else:
-            print(f"guestctl: error [{err.code}]: {err.message}", file=sys.stderr)
-        return 1
-    except (OSError, ValueError) as exc:
-        if ns.json:
-            print_json({"error": {"code": "client_error", "message": str(exc)}})
-        else:
-            print(f"guestctl: {exc}", file=sys.stderr)
-        return 1
     except KeyboardInterrupt:
         return 130
+    except GuestdError as err:
+        report_failure(ns, err.to_body())
+    except (OSError, ValueError) as exc:
+        report_failure(ns, {"code": "client_error", "message": str(exc)})
+    except Exception as exc:  # a bug here, not the guest's doing; still one line, never a traceback
+        report_failure(ns, {"code": "internal", "message": f"{type(exc).__name__}: {exc}"})
+    return 1
+
+
+def report_failure(ns: argparse.Namespace, error: dict[str, object]) -> None:
+    """One line on stderr, or one JSON object on stdout under --json; guest text escaped."""
+    if ns.json:
+        print_json({"error": error})
+        return
+    code, message = error.get("code"), error.get("message")
+    prefix = "guestctl: error" if code != "client_error" else "guestctl"
+    tag = f" [{terminal.field(code)}]" if code != "client_error" else ""
+    print(f"{prefix}{tag}: {terminal.field(message)}", file=sys.stderr)

@@ -4,15 +4,20 @@ from __future__ import annotations
 
 import argparse
 import os
+import re
 import sys
 
+from guestd.cli import terminal
 from guestd.cli.shared import Subcommands, add_command, parse_env, print_json
+from guestd.cli.terminal import field
 from guestd.client.aio import AsyncClient
 from guestd.client.results import CodeResult
 
+_SAFE_NAME = re.compile(r"[^A-Za-z0-9_.-]")
 # A run's status as an exit code, after the shell's conventions (124 timeout, 130 SIGINT, 137 SIGKILL).
 CODE_EXIT = {"ok": 0, "error": 1, "timeout": 124, "interrupted": 130, "died": 137}
 IMAGE_EXT = {"image/png": "png", "image/jpeg": "jpg", "image/gif": "gif", "image/svg+xml": "svg"}
+MAX_SAVED_IMAGES = 64  # one reply of 4 MiB could otherwise name ~280,000 files
 
 
 def register(sub: Subcommands) -> None:
@@ -28,6 +33,10 @@ def register(sub: Subcommands) -> None:
     cr.add_argument("--timeout", type=float, default=None, help="the cell's timeout in the guest, seconds")
     cr.add_argument("--input", action="append", default=None, metavar="LINE", help="an answer for input()")
     cr.add_argument("--save-images", default=None, metavar="DIR", help="write image results to DIR")
+    cr.add_argument(
+        "--max-images", type=int, default=MAX_SAVED_IMAGES, help="save at most this many images (default 64)"
+    )
+    cr.add_argument("--overwrite-images", action="store_true", help="replace images of the same name in DIR")
     cr.add_argument("--no-color", action="store_true", help="strip ANSI colours")
     cr.add_argument("code")
     add_command(code, "ls", list_contexts, help="list contexts")
@@ -38,7 +47,7 @@ def register(sub: Subcommands) -> None:
 async def create(client: AsyncClient, ns: argparse.Namespace) -> int:
     env = parse_env(ns.env)
     out = await client.code_create(cwd=ns.cwd, env=env or None, name=ns.name)
-    print_json(out) if ns.json else print(out["id"])
+    print_json(out) if ns.json else print(field(out["id"]))
     return 0
 
 
@@ -48,9 +57,8 @@ async def list_contexts(client: AsyncClient, ns: argparse.Namespace) -> int:
         print_json({"contexts": contexts})
     else:
         for c in contexts:
-            print(
-                f"{c['id']}  {c.get('name') or '-':12} {c['state']:8} pid {c.get('pid')}  runs {c['execution_count']}"
-            )
+            name = field(c.get("name") or "-")
+            print(f"{field(c['id'])}  {name:12} {c['state']:8} pid {c.get('pid')}  runs {c['execution_count']}")
     return 0
 
 
@@ -74,43 +82,82 @@ async def run_code(client: AsyncClient, ns: argparse.Namespace) -> int:
     res = await client.code_run(
         source, context=ns.context, timeout_s=ns.timeout, input_lines=ns.input, strip_ansi=ns.no_color or ns.json
     )
-    saved = save_images(res, ns.save_images) if ns.save_images else []
+    saved, skipped = (
+        save_images(res, ns.save_images, ns.context, ns.max_images, ns.overwrite_images) if ns.save_images else ([], 0)
+    )
     if ns.json:
         out = res.to_json()
         out["saved_images"] = saved
+        out["images_not_saved"] = skipped
         print_json(out)
         return CODE_EXIT.get(res.status, 1)
-    sys.stdout.buffer.write(res.stdout)
+    out_stream = terminal.stdout(ns.raw)
+    out_stream.write(res.stdout)
+    out_stream.close()
     for r in res.results:
-        text = r["data"].get("text/plain")
+        value = r["data"].get("text/plain")
         images = [m for m in r["data"] if m in IMAGE_EXT]
         if images and not ns.save_images:
             print(f"[{', '.join(images)} result: use --save-images DIR]")
-        elif isinstance(text, str) and not images:
-            print(text)
+        elif isinstance(value, str) and not images:
+            print(terminal.text(value))
     for path in saved:
-        print(f"[saved {path}]")
+        print(f"[saved {field(path)}]")
+    if skipped:
+        print(f"guestctl: {skipped} images not saved (--max-images {ns.max_images})", file=sys.stderr)
     sys.stdout.flush()
-    sys.stderr.buffer.write(res.stderr)
+    err_stream = terminal.stderr(ns.raw)
+    err_stream.write(res.stderr)
+    err_stream.close()
     if res.error is not None:
-        print("\n".join(res.error.traceback) or f"{res.error.ename}: {res.error.evalue}", file=sys.stderr)
+        tb = "\n".join(res.error.traceback) or f"{res.error.ename}: {res.error.evalue}"
+        print(terminal.text(tb) if not ns.raw else tb, file=sys.stderr)
     if res.status not in ("ok", "error"):
-        extra = res.timeout_action or res.exit_reason or ""
+        extra = res.timeout_action or field(res.exit_reason or "")
         print(f"guestctl: run {res.status}" + (f" ({extra})" if extra else ""), file=sys.stderr)
     return CODE_EXIT.get(res.status, 1)
 
 
-def save_images(res: CodeResult, directory: str) -> list[str]:
-    """Write the run's image results to ``directory`` as <context>-<count>-<index>.<ext>; their paths."""
+def save_images(
+    res: CodeResult, directory: str, context: str | None, limit: int, overwrite: bool
+) -> tuple[list[str], int]:
+    """Write the run's image results into ``directory``; (their paths, images not saved).
+
+    Names come from the host: ``<context>-<count>-<index>.<ext>``, the context as given on the
+    command line with anything but ``[A-Za-z0-9_.-]`` replaced (nothing the guest sends names a
+    file). Files are made inside the directory's fd, never through a symlink, and never replace
+    an existing file unless ``overwrite`` (then a new file is renamed over the name). At most
+    ``limit`` are written; the reply's size (max_frame) bounds their bytes."""
     os.makedirs(directory, exist_ok=True)
+    prefix = _SAFE_NAME.sub("_", context or "default")[:64]
+    count = res.execution_count if res.execution_count is not None and res.execution_count >= 0 else 0
+    images = [
+        (i, ext, r["data"][mime])
+        for i, r in enumerate(res.results)
+        for mime, ext in IMAGE_EXT.items()
+        if mime in r["data"]
+    ]
     saved = []
-    for i, r in enumerate(res.results):
-        for mime, ext in IMAGE_EXT.items():
-            value = r["data"].get(mime)
-            if value is None:
-                continue
-            path = os.path.join(directory, f"{res.context}-{res.execution_count or 0}-{i}.{ext}")
-            with open(path, "wb") as f:
-                f.write(value if isinstance(value, bytes) else str(value).encode())
-            saved.append(path)
-    return saved
+    dir_fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    try:
+        for i, ext, value in images[: max(0, limit)]:
+            name = f"{prefix}-{count}-{i}.{ext}"
+            data = value if isinstance(value, bytes) else str(value).encode()
+            _write_new(dir_fd, name, data, overwrite)
+            saved.append(os.path.join(directory, name))
+    finally:
+        os.close(dir_fd)
+    return saved, len(images) - len(saved)
+
+
+def _write_new(dir_fd: int, name: str, data: bytes, overwrite: bool) -> None:
+    flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
+    target = name if not overwrite else f".{name}.{os.getpid()}.tmp"
+    fd = os.open(target, flags, 0o644, dir_fd=dir_fd)  # EEXIST: an existing name is never replaced
+    try:
+        with os.fdopen(fd, "wb", closefd=False) as f:
+            f.write(data)
+    finally:
+        os.close(fd)
+    if overwrite:
+        os.rename(target, name, src_dir_fd=dir_fd, dst_dir_fd=dir_fd)  # replaces a link, never follows it

@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import sys
 
+from guestd.cli import terminal
 from guestd.cli.processes import start_process
 from guestd.cli.shared import Subcommands, add_command, parse_env, print_json
 from guestd.client.aio import AsyncClient
@@ -55,15 +56,13 @@ async def run_command(client: AsyncClient, ns: argparse.Namespace) -> int:
     if ns.json:
         print_json(res.to_json())
     else:
-        print_exec_result(res)
+        print_exec_result(res, ns.raw)
     return res.shell_exit_code()
 
 
-def print_exec_result(res: ExecResult) -> None:
+def print_exec_result(res: ExecResult, raw: bool) -> None:
     """The output as the command wrote it, then guestctl's notes on truncation and timeouts."""
-    sys.stdout.buffer.write(res.stdout)
-    sys.stdout.flush()
-    sys.stderr.buffer.write(res.stderr)
+    terminal.write_output(res.stdout, res.stderr, raw)
     for name, dropped in (("stdout", res.stdout_dropped), ("stderr", res.stderr_dropped)):
         if dropped:
             print(

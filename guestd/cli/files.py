@@ -3,17 +3,24 @@
 from __future__ import annotations
 
 import argparse
+import codecs
+import json
 import os
 import stat
 import sys
+import tempfile
 from typing import Any
 
+from guestd.cli import terminal
 from guestd.cli.shared import Subcommands, add_command, guest_path, json_path, print_json
+from guestd.cli.terminal import field
 from guestd.client.aio import AsyncClient
 from guestd.wire.errors import GuestdError
 from guestd.wire.paths import printable_path
 
 PROGRESS_MIN = 1024 * 1024  # smaller copies finish before a progress bar would tell anything
+CAT_SPOOL_MEMORY = 1024 * 1024  # cat --json: kept in memory up to this, then in a temp file
+CAT_JSON_CHUNK = 64 * 1024
 
 
 def register(sub: Subcommands) -> None:
@@ -37,14 +44,26 @@ def guest_path_argument(ns: argparse.Namespace) -> str:
 
 
 async def cat(client: AsyncClient, ns: argparse.Namespace) -> int:
+    """The file's bytes (neutralized on a terminal unless --raw); under --json one object whose
+    ``data`` is streamed out of a spooled copy, so memory stays at one chunk and a failed
+    download still prints nothing but the error."""
     path = guest_path_argument(ns)
-    if ns.json:
-        data = await client.download(path)
-        assert isinstance(data, bytes)
-        print_json({"path": path, "data": data.decode("utf-8", "replace"), "bytes": len(data)})
-    else:
-        await client.download(path, sink=sys.stdout.buffer.write)
-        sys.stdout.flush()
+    if not ns.json:
+        out = terminal.stdout(ns.raw)
+        try:
+            await client.download(path, sink=out.write)
+        finally:
+            out.close()
+        return 0
+    with tempfile.SpooledTemporaryFile(max_size=CAT_SPOOL_MEMORY) as spool:
+        size = await client.download(path, sink=spool.write)
+        spool.seek(0)
+        decoder = codecs.getincrementaldecoder("utf-8")("replace")
+        write = sys.stdout.write
+        write(json.dumps({"bytes": size, "path": path})[:-1] + ', "data": "')
+        for chunk in iter(lambda: spool.read(CAT_JSON_CHUNK), b""):
+            write(json.dumps(decoder.decode(chunk))[1:-1])
+        write(json.dumps(decoder.decode(b"", final=True))[1:-1] + '"}\n')
     return 0
 
 
@@ -56,7 +75,7 @@ async def list_directory(client: AsyncClient, ns: argparse.Namespace) -> int:
         print_json({"entries": entries, "truncated": listing.truncated, "total": listing.total})
     else:
         for e in listing.entries:
-            print(f"{e.type:7} {e.mode:04o} {e.size:>12} {printable_path(e.name)}")
+            print(f"{e.type:7} {e.mode:04o} {e.size:>12} {field(printable_path(e.name))}")
         if listing.truncated:
             print(f"guestctl: listing truncated: {len(listing.entries)} of {listing.total}", file=sys.stderr)
     return 0
@@ -75,7 +94,7 @@ async def copy(client: AsyncClient, ns: argparse.Namespace) -> int:
     if ns.json:
         print_json(out)
     else:
-        src, dst = printable_path(out["src"]), printable_path(out["dst"])
+        src, dst = field(printable_path(out["src"])), field(printable_path(out["dst"]))
         print(f"{src} -> {dst}: {out['bytes']} bytes ({out['direction']}, size verified)")
     return 0
 
@@ -107,14 +126,17 @@ async def _transfer(client: AsyncClient, ns: argparse.Namespace) -> dict[str, An
     if os.path.isdir(local):
         local = os.path.join(local, os.path.basename(rsrc))
     size = (await client.stat(rsrc)).size
-    bar = _progress(size, os.path.basename(rsrc), ns.no_progress)
+    bar = _progress(size, field(os.path.basename(rsrc)), ns.no_progress)
     try:
-        got = await client.download(rsrc, local, progress=bar.update if bar else None)
+        # Never more than stat announced: the download fails (and its partial file is removed)
+        # at the first byte beyond it.
+        got = await client.download(rsrc, local, max_bytes=size, progress=bar.update if bar else None)
     finally:
         if bar:
             bar.close()
-    if os.path.getsize(local) != got:
-        raise GuestdError("io_error", f"size check failed: received {got!r}, wrote {os.path.getsize(local)}")
+    wrote = os.path.getsize(local)
+    if got != size or wrote != got:
+        raise GuestdError("io_error", f"size check failed: stat said {size}, received {got!r}, wrote {wrote}")
     return {"direction": "download", "src": rsrc, "dst": local, "bytes": got}
 
 

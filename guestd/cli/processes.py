@@ -9,7 +9,9 @@ import os
 import sys
 from typing import Any
 
+from guestd.cli import terminal
 from guestd.cli.shared import Subcommands, add_command, exit_code_of, print_json
+from guestd.cli.terminal import field
 from guestd.client.aio import AsyncClient
 
 
@@ -41,7 +43,8 @@ async def list_processes(client: AsyncClient, ns: argparse.Namespace) -> int:
                 if p["signal"] is None
                 else f"signal {p['signal']}"
             )
-            print(f"{p['id']}  pid {p['pid']:<8} {status:12} out {p['stdout_offset']:<10} {p['command'][:60]}")
+            command = field(p["command"][:60])
+            print(f"{field(p['id'])}  pid {p['pid']:<8} {status:12} out {p['stdout_offset']:<10} {command}")
     return 0
 
 
@@ -60,16 +63,20 @@ async def wait(client: AsyncClient, ns: argparse.Namespace) -> int:
 
 
 async def attach(client: AsyncClient, ns: argparse.Namespace) -> int:
-    a = client.attach(ns.id, stdout_from=ns.offset, stderr_from=ns.stderr_from, follow=not ns.no_follow)
-    async for name, offset, data in a:
-        if name == "lost":
-            print(f"guestctl: output before offset {offset} was overwritten in the ring", file=sys.stderr)
-        elif name == "stderr":
-            sys.stderr.buffer.write(data)
-            sys.stderr.flush()
-        else:
-            sys.stdout.buffer.write(data)
-            sys.stdout.flush()
+    # A person or a script follows a process for as long as it runs: no overall deadline.
+    a = client.attach(ns.id, stdout_from=ns.offset, stderr_from=ns.stderr_from, follow=not ns.no_follow, deadline=None)
+    out, err = terminal.stdout(ns.raw), terminal.stderr(ns.raw)
+    try:
+        async for name, offset, data in a:
+            if name == "lost":
+                print(f"guestctl: output before offset {offset} was overwritten in the ring", file=sys.stderr)
+            elif name == "stderr":
+                err.write(data)
+            else:
+                out.write(data)
+    finally:
+        out.close()
+        err.close()
     final = await a.result()
     if ns.json:
         print_json(final)
@@ -88,15 +95,19 @@ async def start_process(client: AsyncClient, ns: argparse.Namespace, cmd: list[s
     """``exec --detach`` (print the new process's id) or ``exec --pty`` (bridge this terminal to it)."""
     if not ns.pty:
         p = await client.process_start(cmd, cwd=ns.cwd, env=env or None, stdin=ns.stdin)
-        print_json(p) if ns.json else print(p["id"])
+        print_json(p) if ns.json else print(field(p["id"]))
         return 0
     size = os.get_terminal_size(sys.stdout.fileno()) if sys.stdout.isatty() else os.terminal_size((80, 24))
     p = await client.process_start(cmd, cwd=ns.cwd, env=env or None, pty=True, rows=size.lines, cols=size.columns)
-    return await attach_terminal(client, p["id"], detach_ok=ns.detach)
+    return await attach_terminal(client, p["id"], detach_ok=ns.detach, raw=ns.raw)
 
 
-async def attach_terminal(client: AsyncClient, process_id: str, detach_ok: bool) -> int:
-    """Local terminal <-> remote pty: raw mode, keystrokes forwarded, window size followed."""
+async def attach_terminal(client: AsyncClient, process_id: str, detach_ok: bool, raw: bool = False) -> int:
+    """Local terminal <-> remote pty: raw mode, keystrokes forwarded, window size followed.
+
+    What the remote program writes goes through the pty filter of ``guestd.cli.terminal``
+    (unless ``raw``), and the terminal's modes are put back when the session ends, however
+    it ends: the tty settings, and the screen modes the program may have left on."""
     import signal as _signal
     import termios
     import tty
@@ -119,6 +130,7 @@ async def attach_terminal(client: AsyncClient, process_id: str, detach_ok: bool)
         pending.append(loop.create_task(client.process_resize(process_id, size.lines, size.columns)))
 
     pollable = True
+    out = terminal.stdout(raw, pty=True)
     try:
         if interactive:
             tty.setraw(fd)
@@ -127,14 +139,17 @@ async def attach_terminal(client: AsyncClient, process_id: str, detach_ok: bool)
             loop.add_reader(fd, on_key)
         except OSError:  # epoll refuses plain files and /dev/null: nothing to forward then
             pollable = False
-        a = client.attach(process_id)
+        a = client.attach(process_id, deadline=None)  # a person is at the terminal
         async for _, _, data in a:
-            sys.stdout.buffer.write(data)
-            sys.stdout.flush()
+            out.write(data)
         final = await a.result()
     finally:
+        out.close()
         if pollable:
             loop.remove_reader(fd)
+        if sys.stdout.isatty():
+            sys.stdout.buffer.write(terminal.RESET_MODES)
+            sys.stdout.flush()
         if saved is not None:
             termios.tcsetattr(fd, termios.TCSADRAIN, saved)
             loop.remove_signal_handler(_signal.SIGWINCH)

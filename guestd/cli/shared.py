@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import base64
 import json
+import math
 import sys
 from collections.abc import Awaitable, Callable
 from typing import Any, TypeAlias
@@ -27,7 +28,24 @@ def add_command(sub: Subcommands, name: str, handler: Handler, **parser_kw: Any)
 
 
 def print_json(obj: Any) -> None:
-    sys.stdout.write(json.dumps(obj, sort_keys=True) + "\n")
+    """One JSON object on a line; control characters escaped by json.dumps (ensure_ascii)."""
+    sys.stdout.write(json.dumps(jsonable(obj), sort_keys=True) + "\n")
+
+
+def jsonable(value: Any) -> Any:
+    """``value`` with what JSON cannot carry made text: bytes as ``{"base64": ...}``, map keys
+    as str, anything else that is not a JSON type as its repr (the guest chooses these values)."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return repr(value)
+    if value is None or isinstance(value, (str, bool, int, float)):
+        return value
+    if isinstance(value, bytes):
+        return {"base64": base64.b64encode(value).decode()}
+    if isinstance(value, dict):
+        return {k if isinstance(k, str) else repr(k): jsonable(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [jsonable(v) for v in value]
+    return repr(value)
 
 
 def json_path(fields: dict[str, Any], key: str) -> dict[str, Any]:

@@ -6,6 +6,7 @@ import argparse
 import sys
 
 from guestd.cli.shared import Subcommands, add_command, json_path, parse_env, print_json
+from guestd.cli.terminal import field, write_output
 from guestd.client.aio import AsyncClient
 from guestd.wire.paths import printable_path
 
@@ -29,7 +30,7 @@ def register(sub: Subcommands) -> None:
 
 async def create(client: AsyncClient, ns: argparse.Namespace) -> int:
     s = await client.shell_create(cwd=ns.cwd, env=parse_env(ns.env) or None, name=ns.name)
-    print_json(s) if ns.json else print(s["id"])
+    print_json(s) if ns.json else print(field(s["id"]))
     return 0
 
 
@@ -39,8 +40,9 @@ async def list_sessions(client: AsyncClient, ns: argparse.Namespace) -> int:
         print_json({"sessions": [json_path(s, "cwd") for s in sessions]})
     else:
         for s in sessions:
-            cwd = printable_path(s["cwd"])
-            print(f"{s['id']}  {s.get('name') or '-':12} pid {s['pid']:<8} {cwd}  ({s['commands']} commands)")
+            cwd = field(printable_path(s["cwd"]))
+            name = field(s.get("name") or "-")
+            print(f"{field(s['id'])}  {name:12} pid {s['pid']:<8} {cwd}  ({s['commands']} commands)")
     return 0
 
 
@@ -57,9 +59,7 @@ async def run_in_session(client: AsyncClient, ns: argparse.Namespace) -> int:
     if ns.json:
         print_json(res.to_json())
     else:
-        sys.stdout.buffer.write(res.stdout)
-        sys.stdout.flush()
-        sys.stderr.buffer.write(res.stderr)
+        write_output(res.stdout, res.stderr, ns.raw)
         if res.timed_out:
             print(f"guestctl: {res.timed_out} timeout fired; command interrupted", file=sys.stderr)
         if res.session_restarted:

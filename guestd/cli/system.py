@@ -6,6 +6,7 @@ import argparse
 import asyncio
 
 from guestd.cli.shared import Subcommands, add_command, print_json
+from guestd.cli.terminal import field
 from guestd.client.aio import AsyncClient
 
 
@@ -29,5 +30,5 @@ async def info(client: AsyncClient, ns: argparse.Namespace) -> int:
         print_json(facts.raw)
     else:
         for k, v in sorted(facts.raw.items()):
-            print(f"{k}: {v}")
+            print(f"{field(k)}: {field(v)}")
     return 0

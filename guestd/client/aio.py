@@ -49,6 +49,7 @@ KERNEL_MARGIN = 120.0  # on top of a cell's timeout: a kernel start (default con
 SHELL_STOP_S = 5.0  # a timed-out shell command: INT, TERM, KILL 1 s apart (guestd/shells.py), then a restart
 PREPARE_MARGIN = 90.0  # on top of snapshot.prepare's wait for writes: the filesystem sync after it
 DOWNLOAD_MEMORY_CAP = 256 * 1024 * 1024  # an in-memory download without max_bytes
+TRANSFER_DEADLINE = UNBOUNDED_RUN_DEADLINE  # an upload or download without a deadline: one hour
 UPLOAD_CHUNK = 1024 * 1024
 
 Progress = Callable[[int], None]
@@ -78,19 +79,20 @@ def _seconds(value: float | None) -> float | None:
     return None if value is None else float(value)
 
 
-def _run_deadline(timeout_s: float | None, idle_timeout_s: float | None, stop_s: float) -> float | None:
+def _run_deadline(timeout_s: float | None, idle_timeout_s: float | None, stop_s: float) -> float:
     """The client deadline of a run the guest bounds: its timeout, the time to stop it, a margin.
 
-    Without a wall-clock timeout: one hour, or no deadline when an idle timeout bounds it.
+    Without a wall-clock timeout: one hour (an idle timeout alone bounds nothing a guest that
+    trickles output, or a silent one that never enforces it, cannot extend).
     """
     if timeout_s is None:
-        return None if idle_timeout_s is not None else UNBOUNDED_RUN_DEADLINE
+        return UNBOUNDED_RUN_DEADLINE
     return timeout_s + stop_s + REPLY_MARGIN
 
 
 def _exec_deadline(
     timeout_s: float | None, idle_timeout_s: float | None, kill_grace_s: float | None, linger_s: float | None
-) -> float | None:
+) -> float:
     if kill_grace_s is None:
         kill_grace_s = schema_default("exec", "kill_grace_s")
     if linger_s is None:
@@ -231,10 +233,10 @@ class Attach:
     next event (and for the final reply).
     """
 
-    def __init__(self, client: AsyncClient, call: Call, progress_timeout: float | None) -> None:
+    def __init__(self, client: AsyncClient, call: Call, deadline: float | None, progress_timeout: float | None) -> None:
         self._client = client
         self._call = call
-        self._progress_timeout = progress_timeout
+        self._clock = _Clock(call.conn.loop, "attach", deadline, progress_timeout)
         self.lost_bytes = {"stdout": 0, "stderr": 0}
 
     def __aiter__(self) -> AsyncIterator[tuple[str, int, bytes]]:
@@ -242,7 +244,11 @@ class Attach:
 
     async def _iter(self) -> AsyncIterator[tuple[str, int, bytes]]:
         while True:
-            ev = await self._call.next_event(self._progress_timeout)
+            try:
+                ev = await self._call.next_event(self._clock.wait_s())
+            except GuestdError:
+                self._client._conn._forget(self._call)
+                raise
             if ev is None:
                 return
             kind = ev.get("ev")
@@ -256,7 +262,7 @@ class Attach:
                 yield "lost", offset, b""
 
     async def result(self) -> dict[str, Any]:
-        return await self._client._conn.wait(self._call, self._progress_timeout)
+        return await self._client._conn.wait(self._call, self._clock.wait_s())
 
     def cancel(self) -> None:
         self._client._conn._forget(self._call)
@@ -495,7 +501,7 @@ class AsyncClient:
     ) -> int:
         """Stream a local file (path) or bytes to the guest path ``dst`` atomically.
 
-        ``deadline`` bounds the whole transfer (default: none), ``progress_timeout`` each
+        ``deadline`` bounds the whole transfer (default: one hour), ``progress_timeout`` each
         wait for the guest to take the next chunk and for its final reply.
         """
         if isinstance(src, bytes):
@@ -515,7 +521,8 @@ class AsyncClient:
             perm=perm,
         )
         call = self._conn.start("file.upload", args)
-        clock = _Clock(self._conn.loop, "upload", deadline, progress_timeout)
+        overall = TRANSFER_DEADLINE if deadline is None else deadline
+        clock = _Clock(self._conn.loop, "upload", overall, progress_timeout)
         try:
             sent = 0
             for chunk in chunks:
@@ -550,34 +557,42 @@ class AsyncClient:
     ) -> bytes | int:
         """Stream ``src`` to a local path or ``sink`` (returns bytes written) or into memory (returns bytes).
 
-        In-memory downloads are capped by ``max_bytes`` (default 256 MiB) so a
-        hostile guest cannot exhaust host memory. ``deadline`` bounds the whole transfer
-        (default: none), ``progress_timeout`` each wait for the next chunk.
+        The guest announces the file's size first; a byte more than that (or than ``length``, or
+        ``max_bytes``) ends the download with ``GuestProtocolError`` and the partial local file
+        is removed. In-memory downloads are capped by ``max_bytes`` (default 256 MiB) so a
+        hostile guest cannot exhaust host memory; give ``max_bytes`` for the other two as well
+        when you know the size you expect. ``deadline`` bounds the whole transfer (default: one
+        hour), ``progress_timeout`` each wait for the next chunk.
         """
         to_memory = dst is None and sink is None
         cap = max_bytes if max_bytes is not None else (DOWNLOAD_MEMORY_CAP if to_memory else None)
         first = offset if offset is not None else int(schema_default("file.download", "offset"))
         args = present(path=path_to_wire(src), offset=offset, length=length)
         call = self._conn.start("file.download", args)
-        clock = _Clock(self._conn.loop, "download", deadline, progress_timeout)
+        overall = TRANSFER_DEADLINE if deadline is None else deadline
+        clock = _Clock(self._conn.loop, "download", overall, progress_timeout)
         part = dst + ".part" if dst is not None else None
         out = open(part, "wb") if part is not None else None  # noqa: SIM115
         buf = bytearray()
         got = 0
         expected: int | None = None
+        announced = 0
         try:
             while True:
                 ev = await call.next_event(clock.wait_s())
                 if ev is None:
                     break
-                if ev.get("ev") == "start" and isinstance(ev.get("size"), int):
-                    expected = max(0, ev["size"] - first)
+                if ev.get("ev") == "start" and isinstance(ev.get("size"), int) and expected is None:
+                    announced = ev["size"]
+                    expected = max(0, announced - first)
                     if length is not None:
                         expected = min(expected, length)
                     continue
                 data = ev.get("data")
                 if not isinstance(data, bytes):
                     continue
+                if expected is None:
+                    raise GuestProtocolError("download: data before the guest announced the file's size")
                 got += len(data)
                 if (expected is not None and got > expected) or (cap is not None and got > cap):
                     raise GuestProtocolError(f"download: guest sent {got} bytes, more than expected/allowed")
@@ -590,7 +605,7 @@ class AsyncClient:
                 if progress is not None:
                     progress(len(data))
             result = await self._conn.wait(call, clock.wait_s())
-            if result["bytes"] != got:
+            if result["bytes"] != got or (expected is not None and result["size"] != announced):
                 raise GuestProtocolError(f"download: guest reports {result['bytes']} bytes, received {got}")
             if out is not None:
                 out.close()
@@ -774,12 +789,14 @@ class AsyncClient:
         stdout_from: int | None = None,
         stderr_from: int | None = None,
         follow: bool | None = None,
+        deadline: float | None = UNBOUNDED_RUN_DEADLINE,
         progress_timeout: float | None = None,
     ) -> Attach:
-        """Stream output from the given offsets (async only; ``progress_timeout`` bounds each wait
-        for the next event)."""
+        """Stream output from the given offsets (async only). ``deadline`` bounds the whole
+        attach (one hour by default; None: none, for a person at a terminal),
+        ``progress_timeout`` each wait for the next event."""
         args = present(id=process_id, stdout_from=stdout_from, stderr_from=stderr_from, follow=follow)
-        return Attach(self, self._conn.start("process.attach", args), progress_timeout)
+        return Attach(self, self._conn.start("process.attach", args), deadline, progress_timeout)
 
     async def process_output(
         self,
@@ -788,6 +805,7 @@ class AsyncClient:
         stdout_from: int | None = None,
         stderr_from: int | None = None,
         follow: bool | None = None,
+        deadline: float | None = UNBOUNDED_RUN_DEADLINE,
         progress_timeout: float | None = None,
     ) -> tuple[bytes, bytes, dict[str, Any]]:
         """Everything :meth:`attach` delivers (stdout, stderr, final status); follows until exit
@@ -797,6 +815,7 @@ class AsyncClient:
             stdout_from=stdout_from,
             stderr_from=stderr_from,
             follow=follow,
+            deadline=deadline,
             progress_timeout=progress_timeout,
         )
         out = {"stdout": bytearray(), "stderr": bytearray()}
@@ -809,10 +828,10 @@ class AsyncClient:
         self, process_id: str, *, timeout_s: float | None = None, deadline: float | None = None
     ) -> dict[str, Any]:
         """Wait for exit; the guest answers ``timed_out: true`` after ``timeout_s``.
-        ``deadline`` defaults to that plus a margin, and to none without ``timeout_s``."""
+        ``deadline`` defaults to that plus a margin, and to one hour without ``timeout_s``."""
         args = present(id=process_id, timeout_s=_seconds(timeout_s))
-        if deadline is None and timeout_s is not None:
-            deadline = timeout_s + REPLY_MARGIN
+        if deadline is None:
+            deadline = UNBOUNDED_RUN_DEADLINE if timeout_s is None else timeout_s + REPLY_MARGIN
         return await self._conn.request("process.wait", args, deadline)
 
     async def process_signal(self, process_id: str, sig: str | int = "TERM", *, deadline: float | None = 30.0) -> None:
@@ -910,7 +929,10 @@ class AsyncClient:
         """Call first thing after every restore/clone. Defaults: the next generation, a fresh
         nonce, this host's clock and 64 bytes from os.urandom."""
         if generation is None:
-            generation = int((await self.info()).raw["snapshot"]["generation"]) + 1
+            current = (await self.info()).raw["snapshot"].get("generation")  # a map, by the schema
+            if not isinstance(current, int) or isinstance(current, bool) or current < 0:
+                raise GuestProtocolError(f"info: snapshot.generation is {type(current).__name__}, not a count")
+            generation = current + 1
         identity = present(sandbox_id=sandbox_id, hostname=hostname, env=env, token=token)
         args: dict[str, Any] = {
             "generation": generation,

@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from guestd.wire.paths import WirePath
+from guestd.wire.session import PeerViolation
 
 if TYPE_CHECKING:  # the schema's own types (guestd/wire/types.py, generated), for the fields below
     from guestd.wire.types import (
@@ -22,6 +23,34 @@ if TYPE_CHECKING:  # the schema's own types (guestd/wire/types.py, generated), f
         ShellRunReply,
         ShellRunTimedOut,
     )
+
+
+def check_bundle(data: dict[Any, Any], where: str) -> None:
+    """A MIME bundle as the README promises it: str MIME types, ``image/*`` values bytes (or the
+    kernel's text when it was not valid base64; ``image/svg+xml`` text), ``text/*`` values str,
+    others of JSON types. Anything else is the guest breaking the protocol."""
+    for mime, value in data.items():
+        if not isinstance(mime, str):
+            raise PeerViolation(f"code.run: {where} has a key that is not a MIME type string")
+        if mime.startswith("image/") and mime != "image/svg+xml":
+            ok = isinstance(value, (bytes, str))
+        elif mime.startswith("text/") or mime == "image/svg+xml":
+            ok = isinstance(value, str)
+        else:
+            ok = _json_like(value)
+        if not ok:
+            raise PeerViolation(f"code.run: {where}[{mime!r}] is a {type(value).__name__}, not what the MIME type says")
+
+
+def _json_like(value: Any) -> bool:
+    """Made of JSON types only (str keys); depth is bounded by the session core (MAX_DEPTH)."""
+    if value is None or isinstance(value, (str, bool, int, float)):
+        return True
+    if isinstance(value, list):
+        return all(_json_like(v) for v in value)
+    if isinstance(value, dict):
+        return all(isinstance(k, str) and _json_like(v) for k, v in value.items())
+    return False
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -160,6 +189,8 @@ class CodeResult:
 
     @classmethod
     def from_body(cls, b: CodeRunReply) -> CodeResult:
+        for i, r in enumerate(b["results"]):
+            check_bundle(r["data"], f"results[{i}].data")
         err = b.get("error")
         return cls(
             context=b["context"],

@@ -16,7 +16,14 @@ import threading
 from collections.abc import Callable, Coroutine
 from typing import Any, TypeVar
 
-from guestd.client.aio import CONNECT_TIMEOUT, DEFAULT_DEADLINE, AsyncClient, Progress, WriteFlag
+from guestd.client.aio import (
+    CONNECT_TIMEOUT,
+    DEFAULT_DEADLINE,
+    UNBOUNDED_RUN_DEADLINE,
+    AsyncClient,
+    Progress,
+    WriteFlag,
+)
 from guestd.client.connection import DEFAULT_WINDOW
 from guestd.client.results import CodeResult, DirListing, ExecResult, FileStat, Info, ShellResult
 from guestd.wire.frames import DEFAULT_MAX_FRAME
@@ -337,6 +344,7 @@ class Client:
         stdout_from: int | None = None,
         stderr_from: int | None = None,
         follow: bool | None = None,
+        deadline: float | None = UNBOUNDED_RUN_DEADLINE,
         progress_timeout: float | None = None,
     ) -> tuple[bytes, bytes, dict[str, Any]]:
         return self._run(
@@ -345,6 +353,7 @@ class Client:
                 stdout_from=stdout_from,
                 stderr_from=stderr_from,
                 follow=follow,
+                deadline=deadline,
                 progress_timeout=progress_timeout,
             )
         )

@@ -40,7 +40,7 @@ from guestd.wire.frames import (
     encode_frame,
     pack,
 )
-from guestd.wire.messages import decode_body, split_request
+from guestd.wire.messages import decode_body, decoded_size, split_request
 from guestd.wire.schema import (
     HELLO_CLIENT,
     HELLO_SERVER,
@@ -102,7 +102,7 @@ class Stream:
     never act on a newer request that reuses the id.
     """
 
-    __slots__ = ("accepts_input", "id", "op", "open", "receive_allowance", "send_credit", "spec")
+    __slots__ = ("accepts_input", "expects_events", "id", "op", "open", "receive_allowance", "send_credit", "spec")
 
     def __init__(self, req_id: int, op: str, spec: OpSpec | None, send_credit: int, receive_allowance: int) -> None:
         self.id = req_id
@@ -111,6 +111,7 @@ class Stream:
         self.send_credit = send_credit
         self.receive_allowance = receive_allowance
         self.accepts_input = bool(spec is not None and spec.input)
+        self.expects_events = bool(spec is None or spec.events)  # the client narrows it per request
         self.open = True
 
 
@@ -650,14 +651,47 @@ def _before_hello_error() -> GuestdError:
 
 
 class ClientSession(Session):
-    """The client's half: allocates ids, checks every reply, enforces the credit it granted."""
+    """The client's half: allocates ids, checks every reply, enforces the credit it granted.
 
-    def __init__(self, *, ops: Mapping[str, OpSpec], max_frame: int, stream_window: int) -> None:
+    Everything the guest sends is hostile, and this is the one place that bounds what it can
+    make the host hold or compute (SECURITY.md, "host side"):
+
+    * A frame is decoded only when it belongs to a request in flight that may receive it; its
+      decoded size is measured on its headers first (:func:`decoded_size`) and may not pass
+      ``max_decoded`` (a final reply) or ``max_event_decoded`` (an event).
+    * Frames for a request the client gave up on are skipped undecoded, counted against the
+      credit that request still had plus ``GAVE_UP_SLACK``; frames for ids never sent (or
+      already answered), and kinds a guest never sends, are skipped undecoded too, and
+      ``MAX_STRAY_FRAMES`` of them end the connection.
+    * An event for a request that asked for no stream (an op without events, or ``stream``
+      false) ends the connection, undecoded.
+    """
+
+    MAX_STRAY_FRAMES = 16
+    GAVE_UP_SLACK = 1024 * 1024  # non-data frames (started, start, final) of a cancelled request
+    MAX_GAVE_UP = 4096  # cancelled requests remembered; older ones count as strays
+    MAX_WINDOW_PAYLOAD = 32  # {"bytes": u64} is 15 bytes
+
+    def __init__(
+        self,
+        *,
+        ops: Mapping[str, OpSpec],
+        max_frame: int,
+        stream_window: int,
+        max_decoded: int | None = None,
+        max_event_decoded: int | None = None,
+    ) -> None:
         super().__init__(max_frame=max_frame, stream_window=stream_window)
         self.ops = ops
         self.hello: dict[str, Any] | None = None
         self._offered_versions: tuple[int, ...] = ()
         self._next_id = 1
+        # A final reply may decode to several times its frame (a 20,000-entry file.list is 14 MiB
+        # for 1.3 MiB on the wire); an event at most to what a queue of events may hold.
+        self.max_decoded = max_decoded if max_decoded is not None else 8 * max_frame
+        self.max_event_decoded = max_event_decoded if max_event_decoded is not None else 4 * max_frame
+        self.strays = 0
+        self._gave_up: dict[int, int] = {}  # id -> payload bytes it may still send
 
     def send_hello(self, body: dict[str, Any]) -> None:
         self._offered_versions = tuple(body["versions"])
@@ -665,7 +699,10 @@ class ClientSession(Session):
 
     # -- requests ------------------------------------------------------------------------
     def start(self, op: str, args: dict[str, Any]) -> Stream:
-        """Queue a REQUEST; returns its handle (its id is never 0, never one in flight)."""
+        """Queue a REQUEST; returns its handle (its id is never 0, never one in flight).
+
+        The request expects events when its op declares some and, for an op with a
+        ``stream`` argument (exec, code.run), when that argument is true."""
         if self.phase is not _OPEN:
             raise PeerViolation("the handshake has not completed")
         while True:
@@ -673,8 +710,12 @@ class ClientSession(Session):
             self._next_id = req_id + 1 if req_id < MAX_ID else 1
             if req_id not in self.streams:
                 break
-        stream = Stream(req_id, op, self.ops.get(op), self.stream_window, self.stream_window)
+        spec = self.ops.get(op)
+        stream = Stream(req_id, op, spec, self.stream_window, self.stream_window)
+        if spec is not None and "stream" in spec.fields_by_name:
+            stream.expects_events = bool(spec.events) and args.get("stream") is True
         self.streams[req_id] = stream
+        self._gave_up.pop(req_id, None)
         self._send(_REQUEST, req_id, {"op": op, "args": args})
         return stream
 
@@ -693,29 +734,49 @@ class ClientSession(Session):
         """Ask the server to cancel the request; with ``forget`` its later frames are ignored."""
         if stream.open and self.phase is _OPEN:
             self._send(_CANCEL, stream.id, {})
-        if forget:
-            self._end(stream)
+        if forget and self._end(stream):
+            # Its late frames are skipped unread, within what it could still send.
+            if len(self._gave_up) >= self.MAX_GAVE_UP:
+                del self._gave_up[next(iter(self._gave_up))]
+            self._gave_up[stream.id] = max(0, stream.receive_allowance) + self.GAVE_UP_SLACK
 
     # -- frames from the server ----------------------------------------------------------
     def _on_oversize(self, frame: OversizeFrame) -> None:
         self._fail_connection(PeerViolation(f"guest sent a {frame.length}-byte frame (max {self.max_frame})"))
 
     def _on_frame(self, frame: Frame) -> None:
+        kind = frame.kind
+        if kind == _HELLO or (kind == _ERROR and frame.id == 0):
+            body = self._decode(frame, self.max_decoded)
+            if body is None:
+                return
+            if kind == _HELLO:
+                self._on_hello(body)
+            else:
+                self._fail_connection(GuestdError.from_body(body))
+            return
+        stream = self.streams.get(frame.id)
+        if stream is None or kind not in (_RESPONSE, _ERROR, _EVENT, _WINDOW):
+            self._on_stray(frame)
+            return
+        if kind == _WINDOW:
+            if len(frame.payload) > self.MAX_WINDOW_PAYLOAD:
+                self._fail_connection(PeerViolation(f"guest sent a {len(frame.payload)}-byte window frame"))
+                return
+            self._on_window(frame)
+            return
+        if kind == _EVENT and not stream.expects_events:
+            why = "which has none" if stream.spec is not None and not stream.spec.events else "which asked for none"
+            self._fail_connection(PeerViolation(f"guest sent an event for {stream.op}, {why}"))
+            return
+        size = self._measure(frame, self.max_event_decoded if kind == _EVENT else self.max_decoded)
+        if size is None:
+            return
         try:
             body = decode_body(frame.payload)
         except GuestdError as err:
             self._fail_connection(PeerViolation(err.message))
             return
-        kind = frame.kind
-        if kind == _HELLO:
-            self._on_hello(body)
-            return
-        if kind == _ERROR and frame.id == 0:
-            self._fail_connection(GuestdError.from_body(body))
-            return
-        stream = self.streams.get(frame.id)
-        if stream is None:
-            return  # a late frame for a request we gave up on
         if kind == _RESPONSE:
             self._end(stream)
             if stream.spec is not None:
@@ -729,10 +790,41 @@ class ClientSession(Session):
         elif kind == _ERROR:
             self._end(stream)
             self._events.append(ErrorReceived(frame.id, GuestdError.from_body(body)))
-        elif kind == _EVENT:
-            self._on_event(stream, body, len(frame.payload))
-        elif kind == _WINDOW:
-            self._on_window(frame)
+        else:
+            self._on_event(stream, body, size)
+
+    def _measure(self, frame: Frame, limit: int) -> int | None:
+        """The frame's decoded size, or None after failing the connection when it is too big."""
+        try:
+            return decoded_size(frame.payload, limit)
+        except GuestdError as err:
+            self._fail_connection(PeerViolation(f"guest sent a frame of kind {frame.kind}: {err.message}"))
+            return None
+
+    def _decode(self, frame: Frame, limit: int) -> dict[str, Any] | None:
+        if self._measure(frame, limit) is None:
+            return None
+        try:
+            return decode_body(frame.payload)
+        except GuestdError as err:
+            self._fail_connection(PeerViolation(err.message))
+            return None
+
+    def _on_stray(self, frame: Frame) -> None:
+        """A frame for no request in flight, skipped without decoding it."""
+        left = self._gave_up.get(frame.id)
+        if left is not None and frame.kind in (_RESPONSE, _ERROR, _EVENT, _WINDOW):
+            left -= len(frame.payload)
+            if frame.kind in (_RESPONSE, _ERROR):
+                del self._gave_up[frame.id]  # its final frame: anything after it is a stray
+                return
+            if left >= 0:
+                self._gave_up[frame.id] = left
+                return
+            del self._gave_up[frame.id]
+        self.strays += 1
+        if self.strays > self.MAX_STRAY_FRAMES:
+            self._fail_connection(PeerViolation(f"guest sent {self.strays} frames for requests that are not in flight"))
 
     def _on_event(self, stream: Stream, body: dict[str, Any], size: int) -> None:
         if stream.spec is not None:
