@@ -9,7 +9,7 @@ What lands in ROOT:
   guestd never mixes with the workload's packages;
 - the shared libraries those binaries need that ROOT lacks (from this machine);
 - /usr/local/bin/{guestd,guestctl,guestd-python} and /sbin/guestd-init wrappers;
-- rootfs-overlay/ (systemd unit, default config, modules-load list);
+- rootfs-overlay/ (systemd unit, default config, modules-load list, sysctl.d link protections);
 - with --busybox, a static busybox as /bin/sh and friends when ROOT has no /bin/sh;
 - with --kernel-modules, the virtio/vsock modules of that kernel tree plus
   /etc/guestd/modules.list (load order for guestd-init);

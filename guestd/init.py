@@ -56,6 +56,25 @@ def mount_basics() -> None:
         mount("cgroup2", "/sys/fs/cgroup", "cgroup2")
 
 
+# The kernel's defaults (0) let the workload hard-link a root file where the host will write
+# and plant FIFOs or files for root to open in sticky directories; systemd sets these too.
+LINK_PROTECTIONS = {
+    "protected_hardlinks": "1",
+    "protected_symlinks": "1",
+    "protected_fifos": "1",
+    "protected_regular": "1",
+}
+
+
+def protect_links() -> None:
+    for name, value in LINK_PROTECTIONS.items():
+        try:
+            with open(f"/proc/sys/fs/{name}", "w") as f:
+                f.write(value)
+        except OSError as exc:
+            log(f"fs.{name}: {exc}")
+
+
 def load_modules() -> None:
     names: list[str] = []
     if os.path.exists(MODULE_LIST):
@@ -201,6 +220,7 @@ def main() -> None:
         os.environ["PATH"] = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
         os.environ.setdefault("HOME", "/root")
         mount_basics()
+        protect_links()
         load_modules()
         link_virtio_ports()
         set_hostname()

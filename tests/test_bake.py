@@ -30,6 +30,7 @@ def test_bake_writes_a_complete_tree_and_an_ext4_image(tmp_path: object) -> None
         "/etc/guestd/guestd.toml",
         "/etc/systemd/system/guestd.service",
         "/etc/modules-load.d/guestd.conf",
+        "/etc/sysctl.d/50-guestd.conf",
         "/opt/guestd/python/bin/python3",
     ):
         assert os.path.exists(root + path), path

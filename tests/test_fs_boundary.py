@@ -210,3 +210,86 @@ def test_read_roots_hold_against_symlinks_and_dotdot_for_every_read(
                     read(path)
                 assert ei.value.code == "permission_denied", (path, ei.value)
                 assert ei.value.details.get("policy") == "read_roots"
+
+
+# --------------------------------------------------------------------------- renames out
+
+
+@root_only
+def test_a_rename_out_of_the_workspace_carries_nothing_the_workload_can_change(
+    fresh_guestd: Callable[..., Guestd], top: str
+) -> None:
+    """Into a directory outside the workspace a rename may move only what the workload cannot
+    change: a root-owned file goes, a workload-owned file, a world-writable file and a root
+    directory holding a workload-owned file deep inside are refused and stay where they were."""
+    ws, out = f"{top}/ws", f"{top}/outside"
+    g = started(fresh_guestd, top, f'workspace = "{ws}"\n[policy]\nworkload_user = "nobody"\n')
+    with open(f"{ws}/roots.txt", "w") as f:
+        f.write("root's")
+    with open(f"{ws}/open.txt", "w") as f:
+        f.write("anyone's")
+    os.chmod(f"{ws}/open.txt", 0o666)
+    os.makedirs(f"{ws}/pkg/lib/deep")
+    with open(f"{ws}/pkg/lib/deep/hook.py", "w") as f:
+        f.write("x = 1\n")
+    os.chown(f"{ws}/pkg/lib/deep/hook.py", 65534, 65534)
+    with g.client() as c:
+        c.write_file(f"{ws}/job.sh", b"echo host\n")  # the host's file in the workspace: the workload's
+        c.rename(f"{ws}/roots.txt", f"{out}/roots.txt")
+        for name in ("job.sh", "open.txt", "pkg"):
+            with pytest.raises(GuestdError) as ei:
+                c.rename(f"{ws}/{name}", f"{out}/{name}")
+            assert ei.value.code == "permission_denied" and ei.value.details["reason"] == "workload_owned", name
+            assert os.path.lexists(f"{ws}/{name}") and not os.path.lexists(f"{out}/{name}"), name
+        c.rename(f"{ws}/job.sh", f"{ws}/pkg/job.sh")  # inside the workspace nothing changes
+    assert sorted(os.listdir(out)) == ["roots.txt"] and os.stat(f"{out}/roots.txt").st_uid == 0
+
+
+# A workload process that keeps putting a file of its own where a root-owned one was.
+SOURCE_SWAPPER = r"""
+import os, sys, time
+name, seconds = sys.argv[1], float(sys.argv[2])
+end = time.time() + seconds
+while time.time() < end:
+    try:
+        os.rename(name, name + ".was")
+        with open(name, "w") as f:
+            f.write("workload's")
+        os.unlink(name + ".was")
+    except OSError:
+        pass
+"""
+
+
+@root_only
+def test_a_rename_racing_a_swapped_source_never_leaves_the_workloads_entry_outside(
+    fresh_guestd: Callable[..., Guestd], top: str
+) -> None:
+    """Between the check and the rename the workload swaps a root-owned source for a file of its
+    own: whatever arrives outside is verified after the rename and moved back if it is not the
+    entry that was checked. A regression guard: with the verification removed it did not lose
+    here within 4,000 tries (the window is a few microseconds)."""
+    ws, out = f"{top}/ws", f"{top}/outside"
+    g = started(fresh_guestd, top, f'workspace = "{ws}"\n[policy]\nworkload_user = "nobody"\n')
+    drop = ["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups", WORKLOAD_PYTHON, "-c"]
+    racer = subprocess.Popen([*drop, SOURCE_SWAPPER, f"{ws}/src", "30"])
+    moved = refused = 0
+    try:
+        with g.client() as c:
+            for _ in range(300):
+                if not os.path.lexists(f"{ws}/src"):
+                    with open(f"{ws}/src", "w") as f:
+                        f.write("root's")
+                try:
+                    c.rename(f"{ws}/src", f"{out}/dst")
+                    moved += 1
+                except GuestdError:
+                    refused += 1
+                if os.path.lexists(f"{out}/dst"):
+                    assert os.lstat(f"{out}/dst").st_uid == 0, "the workload's file arrived outside"
+                    os.unlink(f"{out}/dst")
+        assert racer.poll() is None, "the racing workload process did not run"
+    finally:
+        racer.kill()
+        racer.wait()
+    assert moved and refused, (moved, refused)  # both outcomes seen: the race was real

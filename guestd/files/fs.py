@@ -94,7 +94,7 @@ def _walk(dirfd: int, path: bytes, flags: int, mode: int, resolve: int) -> int:
                     return fd
                 raise
             if st.S_ISLNK(s.st_mode) and not (last and flags & os.O_NOFOLLOW):
-                if resolve & RESOLVE_NO_SYMLINKS:
+                if resolve & RESOLVE_NO_SYMLINKS or (resolve & RESOLVE_NO_MAGICLINKS and _in_proc_below_top(here)):
                     raise OSError(errno.ELOOP, os.strerror(errno.ELOOP), os.fsdecode(path))
                 hops += 1
                 if hops > _MAX_SYMLINKS:
@@ -125,6 +125,18 @@ def _walk(dirfd: int, path: bytes, flags: int, mode: int, resolve: int) -> int:
             os.close(fd)
 
 
+def _in_proc_below_top(dirfd: int) -> bool:
+    """Is ``dirfd`` a procfs directory other than /proc itself? Every symlink there is a magic
+    link (fd/N, cwd, root, exe, ns/*, map_files/*); the only ordinary ones (self, thread-self,
+    mounts, net) sit in /proc's top directory. The walk's stand-in for RESOLVE_NO_MAGICLINKS."""
+    try:
+        proc = os.stat("/proc")
+    except OSError:
+        return False
+    here = os.fstat(dirfd)
+    return here.st_dev == proc.st_dev and here.st_ino != proc.st_ino
+
+
 def describe_type(mode: int) -> str:
     for test, name in (
         (st.S_ISFIFO, "a FIFO"),
@@ -139,7 +151,7 @@ def describe_type(mode: int) -> str:
     return "not a regular file"
 
 
-def reopen_regular(pathfd: int, flags: int, shown: str) -> int:
+def reopen_regular(pathfd: int, flags: int, shown: str, *, single_link: bool = False) -> int:
     """Open for I/O the regular file that the ``O_PATH`` fd ``pathfd`` holds, or refuse.
 
     The type is checked on the inode already resolved, before anything is opened for I/O:
@@ -154,16 +166,25 @@ def reopen_regular(pathfd: int, flags: int, shown: str) -> int:
         raise OSError(errno.ELOOP, os.strerror(errno.ELOOP), shown)
     if not st.S_ISREG(info.st_mode):
         raise not_a_file(shown, describe_type(info.st_mode))
+    if single_link and info.st_nlink > 1:
+        # A hard link the workload made to a file elsewhere (outside the roots, or a root
+        # file under fs.protected_hardlinks=0): writing in place would write that file.
+        raise GuestdError(
+            ErrorCode.PERMISSION_DENIED,
+            f"{shown} has {info.st_nlink} hard links: written in place it would change the other names too",
+            details={"path": shown, "reason": "hard_links"},
+        )
     # O_NOFOLLOW would refuse the /proc link itself; the inode is resolved already.
     flags &= ~(os.O_NOFOLLOW | os.O_CREAT | os.O_EXCL)
     return os.open(f"/proc/self/fd/{pathfd}", flags | os.O_NOCTTY | os.O_CLOEXEC)
 
 
-def open_regular(name: str | bytes, flags: int, dir_fd: int, shown: str) -> int:
-    """Open ``name`` in ``dir_fd`` (never following a final symlink) as a regular file."""
+def open_to_write_in_place(name: str | bytes, flags: int, dir_fd: int, shown: str) -> int:
+    """Open ``name`` in ``dir_fd`` to write it in place (an append): never following a final
+    symlink, a regular file with no other hard link."""
     pathfd = os.open(name, os.O_PATH | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=dir_fd)
     try:
-        return reopen_regular(pathfd, flags, shown)
+        return reopen_regular(pathfd, flags, shown, single_link=True)
     finally:
         os.close(pathfd)
 
@@ -219,6 +240,13 @@ class Roots:
                     self.prefixes.append((os.fsencode(spelling).rstrip(b"/") or b"/", root))
             self.prefixes.sort(key=lambda r: -len(r[0]))  # the longest (innermost) root first
         self._fds: dict[str, int] = {}
+        for root in roots or []:
+            # Opened now, at start, as the config names them: from here on a root is this
+            # directory, whatever the workload later puts at its path.
+            try:
+                self._fds[root] = os.open(root, _DIR_PATH | os.O_CLOEXEC)
+            except OSError:
+                pass  # made later: opened on first use, without following any symlink
 
     def base(self, absolute: bytes, path: str) -> tuple[int, bytes, int]:
         """(directory fd, path relative to it, RESOLVE_* flags) to resolve ``absolute`` with."""
@@ -233,8 +261,8 @@ class Roots:
     def _fd(self, root: str, path: str) -> int:
         fd = self._fds.get(root)
         if fd is None:
-            try:
-                fd = os.open(root, _DIR_PATH | os.O_CLOEXEC)
+            try:  # a root missing at start: a symlink on its path now could be the workload's
+                fd = openat2(AT_FDCWD, os.path.abspath(root), _DIR_PATH, 0, RESOLVE_NO_SYMLINKS)
             except OSError as exc:
                 raise GuestdError.from_os_error(exc, policy=self.policy, path=path) from None
             fd = self._fds.setdefault(root, fd)  # two threads may race here: keep one
@@ -362,6 +390,72 @@ class FileSystem:
         finally:
             os.close(fd)
 
+    def check_move(self, src: Place, dst: Place) -> os.stat_result | None:
+        """A rename into a directory outside the workspace must not carry there anything the
+        workload can change (a script for /etc/profile.d that it could then rewrite, or a
+        directory it could plant files in): refused, ``permission_denied`` with details.reason
+        ``workload_owned``; a copy (write or upload) is the way. Returns the entry checked,
+        for verify_moved, or None where the rule does not apply (no workload user, or a
+        destination in the workspace)."""
+        if self.ids is None or dst.owner is not None:
+            return None
+        info = os.stat(src.name, dir_fd=src.dirfd, follow_symlinks=False)
+        if self._workload_can_change(info) or (st.S_ISDIR(info.st_mode) and self._tree_has_changeable(src)):
+            raise _move_refused(src, dst)
+        return info
+
+    def verify_moved(self, src: Place, dst: Place, checked: os.stat_result) -> None:
+        """The workload may swap the source between check_move and the rename: what arrived
+        must be the entry checked. Anything else is moved back out and the rename refused."""
+        try:
+            now = os.stat(dst.name, dir_fd=dst.dirfd, follow_symlinks=False)
+        except FileNotFoundError:
+            return  # moved on by someone else already: nothing is left where we put it
+        if (now.st_dev, now.st_ino) == (checked.st_dev, checked.st_ino) and not self._workload_can_change(now):
+            return
+        back = Place(src.dirfd, src.name, src.path, None)
+        try:
+            rename_noreplace(dst, back)
+        except OSError:  # the source's name is taken meanwhile: a name of guestd's beside it
+            aside = Place(src.dirfd, b".guestd-refused-" + os.urandom(6).hex().encode(), src.path, None)
+            rename_noreplace(dst, aside)
+        raise _move_refused(src, dst)
+
+    def _workload_can_change(self, info: os.stat_result) -> bool:
+        assert self.ids is not None
+        uid, gid = self.ids
+        if info.st_uid == uid:
+            return True
+        if st.S_ISLNK(info.st_mode):
+            return False  # a link's target is fixed; only its owner could replace it
+        return bool(info.st_mode & 0o002) or (info.st_gid == gid and bool(info.st_mode & 0o020))
+
+    def _tree_has_changeable(self, top: Place, limit: int = 10_000) -> bool:
+        """Does the directory ``top`` hold anything the workload can change, at any depth?
+        Walked through fds without following links; a tree of more than ``limit`` entries
+        counts as yes (the rename is refused rather than the check left unfinished)."""
+        seen = 0
+        pending = [os.open(top.name, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=top.dirfd)]
+        try:
+            while pending:
+                fd = pending.pop()
+                try:
+                    with os.scandir(fd) as entries:
+                        for entry in entries:
+                            seen += 1
+                            info = entry.stat(follow_symlinks=False)
+                            if seen > limit or self._workload_can_change(info):
+                                return True
+                            if st.S_ISDIR(info.st_mode):
+                                flags = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
+                                pending.append(os.open(entry.name, flags, dir_fd=fd))
+                finally:
+                    os.close(fd)
+        finally:
+            for fd in pending:
+                os.close(fd)
+        return False
+
     def mkdir(self, place: Place, mode: int) -> None:
         self._mkdir_owned(place.dirfd, place.name, mode, place.owner)
 
@@ -379,11 +473,14 @@ class FileSystem:
 
     # -- reads ----------------------------------------------------------------------------
     def open_file(self, path: str) -> int:
-        """A regular file opened for reading (symlinks followed, as the kernel resolves them
-        under the read roots); a FIFO, socket or device is ``not_a_file`` without being opened."""
+        """A regular file opened for reading, non-blocking (symlinks followed, as the kernel
+        resolves them under the read roots); a FIFO, socket or device is ``not_a_file`` without
+        being opened."""
         pathfd = self.reads.open(absolute_path(path), path, os.O_PATH)
         try:
-            return reopen_regular(pathfd, os.O_RDONLY, path)
+            # O_NONBLOCK: a regular file whose read waits for the kernel (/proc/kmsg, a tracing
+            # pipe) answers at once instead of holding an I/O thread; files on disk ignore it.
+            return reopen_regular(pathfd, os.O_RDONLY | os.O_NONBLOCK, path)
         finally:
             os.close(pathfd)
 
@@ -413,6 +510,35 @@ class FileSystem:
     def close(self) -> None:
         self.writes.close()
         self.reads.close()
+
+
+def _move_refused(src: Place, dst: Place) -> GuestdError:
+    return GuestdError(
+        ErrorCode.PERMISSION_DENIED,
+        f"renaming {src.path} to {dst.path} would put what the workload can change outside the workspace;"
+        " write a copy instead",
+        details={"path": dst.path, "reason": "workload_owned"},
+    )
+
+
+_RENAME_NOREPLACE = 1
+
+
+def rename_noreplace(src: Place, dst: Place) -> None:
+    """renameat2(RENAME_NOREPLACE): atomic, never clobbers. Falls back where unsupported."""
+    fn = getattr(_libc, "renameat2", None)
+    if fn is not None:
+        if fn(src.dirfd, src.name, dst.dirfd, dst.name, _RENAME_NOREPLACE) == 0:
+            return
+        err = ctypes.get_errno()
+        if err not in (errno.ENOSYS, errno.EINVAL):
+            raise OSError(err, os.strerror(err), dst.path if err == errno.EEXIST else src.path)
+    try:  # best effort on file systems without RENAME_NOREPLACE
+        os.stat(dst.name, dir_fd=dst.dirfd, follow_symlinks=False)
+        raise OSError(errno.EEXIST, os.strerror(errno.EEXIST), dst.path)
+    except FileNotFoundError:
+        pass
+    os.rename(src.name, dst.name, src_dir_fd=src.dirfd, dst_dir_fd=dst.dirfd)
 
 
 class PendingTemps:

@@ -9,7 +9,6 @@ guestd.wire.paths); names that go back out pass through ``path_to_wire``.
 
 from __future__ import annotations
 
-import ctypes
 import errno
 import heapq
 import logging
@@ -20,7 +19,15 @@ from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any, TypeVar, cast
 
 from guestd.children.cgroups import guestd_running
-from guestd.files.fs import TEMP_MARK, FileSystem, Owner, PendingTemps, Place, open_regular
+from guestd.files.fs import (
+    TEMP_MARK,
+    FileSystem,
+    Owner,
+    PendingTemps,
+    Place,
+    open_to_write_in_place,
+    rename_noreplace,
+)
 from guestd.wire.errors import ErrorCode, GuestdError, too_large
 from guestd.wire.paths import path_to_wire
 
@@ -111,7 +118,10 @@ def _read_to_eof(fd: int, offset: int, limit: int) -> bytes:
         os.lseek(fd, offset, os.SEEK_SET)
     out = bytearray()
     while len(out) < limit:
-        chunk = os.read(fd, min(65536, limit - len(out)))
+        try:
+            chunk = os.read(fd, min(65536, limit - len(out)))
+        except BlockingIOError:
+            break  # a kernel stream (/proc/kmsg) with nothing more now: reads never wait for data
         if not chunk:
             break
         out += chunk
@@ -205,7 +215,7 @@ class AtomicFile:
                 os.link(inode, self.place.name, dst_dir_fd=d, follow_symlinks=True)
             else:
                 os.link(inode, self.tmp, dst_dir_fd=d, follow_symlinks=True)
-                os.rename(self.tmp, self.place.name, src_dir_fd=d, dst_dir_fd=d)
+                self._rename_temp_over_target()
             os.close(self.fd)
             self.fd = -1
         else:
@@ -216,12 +226,25 @@ class AtomicFile:
                 os.link(self.tmp, self.place.name, src_dir_fd=d, dst_dir_fd=d, follow_symlinks=False)
                 os.unlink(self.tmp, dir_fd=d)
             else:
-                os.rename(self.tmp, self.place.name, src_dir_fd=d, dst_dir_fd=d)
+                self._rename_temp_over_target()
             self._forget_record()
         self.committed = True
         _fsync_dirfd(d)
         self.place.close()
         return self.size
+
+    def _rename_temp_over_target(self) -> None:
+        """The named temp file replaces the target; if it cannot (the workload put a directory
+        there meanwhile), the temp file goes and the error names the target."""
+        d = self.place.dirfd
+        try:
+            os.rename(self.tmp, self.place.name, src_dir_fd=d, dst_dir_fd=d)
+        except OSError as exc:
+            try:
+                os.unlink(self.tmp, dir_fd=d)
+            except OSError:
+                pass
+            raise OSError(exc.errno, exc.strerror, self.path) from None
 
     def abort(self) -> None:
         """Close and remove the temp file. Never blocks the caller: while a write or the
@@ -275,7 +298,11 @@ def write_whole(fsys: FileSystem, path: str, data: bytes, flag: str, perm: int |
     if flag == "append":
         with place:
             return _append(place, data, perm)
-    f = AtomicFile(place, flag, perm, fsys.pending)
+    try:
+        f = AtomicFile(place, flag, perm, fsys.pending)
+    except BaseException:
+        place.close()
+        raise
     try:
         f.write(data)
         return {"size": f.commit()}
@@ -293,7 +320,7 @@ def _append(place: Place, data: bytes, perm: int | None) -> FileWriteReply:
         )
         created = True
     except FileExistsError:
-        fd = open_regular(place.name, flags, place.dirfd, place.path)
+        fd = open_to_write_in_place(place.name, flags, place.dirfd, place.path)
         created = False
     try:
         if created and place.owner is not None:
@@ -455,33 +482,15 @@ def _unlink_files_find_dir(fd: int) -> tuple[int, str | None]:
     return unlinked, None
 
 
-_RENAME_NOREPLACE = 1
-
-
-def _rename_noreplace(src: Place, dst: Place) -> None:
-    """renameat2(RENAME_NOREPLACE): atomic, never clobbers. Falls back where unsupported."""
-    libc = ctypes.CDLL(None, use_errno=True)
-    fn = getattr(libc, "renameat2", None)
-    if fn is not None:
-        if fn(src.dirfd, src.name, dst.dirfd, dst.name, _RENAME_NOREPLACE) == 0:
-            return
-        err = ctypes.get_errno()
-        if err not in (errno.ENOSYS, errno.EINVAL):
-            raise OSError(err, os.strerror(err), dst.path if err == errno.EEXIST else src.path)
-    try:  # best effort on filesystems without RENAME_NOREPLACE
-        os.stat(dst.name, dir_fd=dst.dirfd, follow_symlinks=False)
-        raise OSError(errno.EEXIST, os.strerror(errno.EEXIST), dst.path)
-    except FileNotFoundError:
-        pass
-    os.rename(src.name, dst.name, src_dir_fd=src.dirfd, dst_dir_fd=dst.dirfd)
-
-
 def rename_path(fsys: FileSystem, src: str, dst: str, overwrite: bool) -> FileRenameReply:
     with fsys.place(src) as a, fsys.place(dst) as b:
+        moved = fsys.check_move(a, b)
         if overwrite:
             os.rename(a.name, b.name, src_dir_fd=a.dirfd, dst_dir_fd=b.dirfd)
         else:
-            _rename_noreplace(a, b)
+            rename_noreplace(a, b)
+        if moved is not None:
+            fsys.verify_moved(a, b, moved)
     return {}
 
 

@@ -62,6 +62,8 @@ def test_host_exec_over_virtio_serial(vm: GuestVM) -> None:
         assert info["pid"] != 1 and info["boot_id"] != open("/proc/sys/kernel/random/boot_id").read().strip()
         r = c.exec(["sh", "-c", f"cat /proc/{info['pid']}/oom_score_adj /proc/self/oom_score_adj"], timeout_s=60)
         assert r.stdout.split() == [b"-1000", b"0"]  # guestd protected, the workload not
+        for name in ("protected_hardlinks", "protected_symlinks", "protected_fifos", "protected_regular"):
+            assert c.read_file(f"/proc/sys/fs/{name}") == b"1\n", name  # set by guestd-init
 
 
 def test_host_file_round_trip_with_checksum(vm: GuestVM) -> None:

@@ -52,6 +52,8 @@ def test_the_shipped_unit_and_config_under_systemd(vm: GuestVM) -> None:
         user, oom, cgroup = r.stdout.decode().split()
         assert (user, oom) == ("sandbox", "0") and cgroup.startswith("0::/guestd-workload/exec-")  # a leaf per run
         assert info["spawn"] == "clone3"
+        for name in ("protected_hardlinks", "protected_symlinks", "protected_fifos", "protected_regular"):
+            assert c.read_file(f"/proc/sys/fs/{name}") == b"1\n", name  # the overlay's sysctl.d
         sid = c.shell_create()["id"]
         assert c.shell_run(sid, "cd /tmp && id -u && pwd", timeout_s=120).stdout == b"1000\n/tmp\n"
         # What the host writes into the workspace, the workload user can change and add to.
