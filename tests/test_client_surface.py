@@ -120,7 +120,9 @@ def ops_sent_by_methods() -> dict[str, set[str]]:
     ``.start(`` / ``open_relay(``: AsyncClient's methods, and every function of the ports
     module (its methods and the forwards they start)."""
     aio_tree = ast.parse(Path(client_aio.__file__ or "").read_text())
-    functions = list(next(n for n in aio_tree.body if isinstance(n, ast.ClassDef) and n.name == "AsyncClient").body)
+    functions: list[ast.AST] = list(
+        next(n for n in aio_tree.body if isinstance(n, ast.ClassDef) and n.name == "AsyncClient").body
+    )
     functions += ast.walk(ast.parse(Path(client_ports.__file__ or "").read_text()))
     sent: dict[str, set[str]] = {}
     for fn in functions:

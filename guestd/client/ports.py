@@ -69,6 +69,8 @@ class RelayCall(Call):
 
     def finish(self, body: dict[str, Any] | None, err: BaseException | None) -> None:
         super().finish(body, err)
+        if not self.future.cancelled():
+            self.future.exception()  # nobody awaits it: the relay reports the outcome to its protocol
         if self.relay is not None:
             self.relay.on_finish(err)
 
@@ -107,6 +109,7 @@ class RelayTransport(asyncio.Transport):
             if self.connected.done():
                 raise GuestProtocolError("guest sent connected twice")
             self.connected.set_result(None)
+            self.start()  # now, not when the opener resumes: data may follow in this same read
             return
         if not self.connected.done():
             raise GuestProtocolError(f"guest sent {ev!r} before connected")
@@ -145,6 +148,7 @@ class RelayTransport(asyncio.Transport):
 
     def _lose(self, exc: Exception | None) -> None:
         self._closing = True
+        self._eof_wanted = True
         if self._made:
             self._made = False
             self._loop.call_soon(self._protocol.connection_lost, exc)
@@ -259,7 +263,8 @@ class RelayTransport(asyncio.Transport):
 
     def close(self) -> None:
         """Send what is buffered, then eof; the guest side gets ``CLOSE_GRACE_S`` to end too
-        (what it still sends is dropped), then it is reset."""
+        (what it still sends is dropped), then it is reset. The protocol's ``connection_lost``
+        comes when the stream has ended."""
         if self._closing:
             return
         self._closing = True
@@ -267,7 +272,8 @@ class RelayTransport(asyncio.Transport):
         self._wake.set()
         if self.connected.done() and not self._finished:
             self._grace = self._loop.call_later(CLOSE_GRACE_S, self.abort)
-        self._lose(None)
+        else:
+            self._lose(None)
 
     def abort(self) -> None:
         """Reset the guest side now (a cancel: guestd closes the guest socket with RST)."""
@@ -293,8 +299,8 @@ async def open_relay(
     peer: tuple[str, int],
     deadline: float,
 ) -> RelayTransport:
-    """Start a relay request and return its transport once the guest side is connected;
-    then ``protocol.connection_made`` has been called."""
+    """Start a relay request and return its transport once the guest side is connected
+    (``protocol.connection_made`` is called at that moment, before any data arrives)."""
     conn.check_open()
     call = RelayCall(conn, conn.session.start(op, args))
     conn.calls[call.id] = call
@@ -308,7 +314,6 @@ async def open_relay(
     except asyncio.CancelledError:
         transport.abort()
         raise
-    transport.start()
     return transport
 
 
@@ -333,38 +338,48 @@ class Splice(asyncio.Protocol):
         if self._on_made is not None:
             self._on_made(self)
 
+    def _peer(self) -> Any:
+        """The other end's transport while it is open, else None."""
+        peer = self.peer
+        if peer is None or peer.lost or peer.transport is None:
+            return None
+        return peer.transport
+
     def data_received(self, data: bytes) -> None:
-        if self.peer is not None and not self.peer.lost:
-            self.peer.transport.write(data)
+        peer = self._peer()
+        if peer is not None:
+            peer.write(data)
 
     def eof_received(self) -> bool:
         self.eof = True
-        peer = self.peer
-        if peer is not None and not peer.lost:
-            peer.transport.write_eof()
-            if peer.eof:
+        peer = self._peer()
+        if peer is not None:
+            peer.write_eof()
+            if self.peer is not None and self.peer.eof:
                 self.transport.close()
-                peer.transport.close()
+                peer.close()
         return True
 
     def pause_writing(self) -> None:
-        if self.peer is not None and not self.peer.lost:
-            self.peer.transport.pause_reading()
+        peer = self._peer()
+        if peer is not None:
+            peer.pause_reading()
 
     def resume_writing(self) -> None:
-        if self.peer is not None and not self.peer.lost:
-            self.peer.transport.resume_reading()
+        peer = self._peer()
+        if peer is not None:
+            peer.resume_reading()
 
     def connection_lost(self, exc: Exception | None) -> None:
         self.lost = True
         if not self.closed.done():
             self.closed.set_result(None)
-        peer = self.peer
-        if peer is not None and not peer.lost:
+        peer = self._peer()
+        if peer is not None:
             if exc is not None:
-                peer.transport.abort()
+                peer.abort()
             else:
-                peer.transport.close()
+                peer.close()
 
     def abort(self) -> None:
         if not self.lost and self.transport is not None:
@@ -414,6 +429,7 @@ class PortForward:
 
     async def _relay(self, host: Splice) -> None:
         guest = Splice()
+        link(host, guest)  # before the relay opens: guest bytes may arrive with its connected event
         try:
             await open_relay(
                 "port.connect", self._conn, dict(self._args), guest, ("guest", self.guest_port), self._deadline
@@ -422,7 +438,6 @@ class PortForward:
             self.errors = [*self.errors[-15:], err]
             host.abort()
             return
-        link(host, guest)
         self._open.add(guest)
         guest.closed.add_done_callback(lambda _: self._open.discard(guest))
         if host.lost:
@@ -516,6 +531,7 @@ class ReverseForward:
             return
         host.transport.pause_reading()
         guest = Splice()
+        link(host, guest)
         self._active.add(host)
         try:
             await open_relay(
@@ -532,7 +548,6 @@ class ReverseForward:
             host.transport.abort()
             return
         self.relayed += 1
-        link(host, guest)
         if host.lost:
             guest.abort()
         else:
