@@ -10,8 +10,10 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import json
 import os
 import shutil
+import signal
 import socket
 import subprocess
 import sys
@@ -25,7 +27,7 @@ from typing import Any
 import pytest
 
 from guestd.client import AsyncClient, Client, GuestdError, GuestProtocolError
-from guestd.testing import Guestd, StartGuestd, limits_config, start_guestd
+from guestd.testing import REPO, Guestd, StartGuestd, limits_config, start_guestd
 from guestd.testing.rawwire import RawPeer
 from guestd.wire.frames import Kind
 from tests.port_servers import ws_accept, ws_frame, ws_read_frame
@@ -551,4 +553,62 @@ def test_one_connection_cannot_claim_another_connections_reverse_connection(gues
                 intruder.call("port.accept", {"forward": fwd.forward.forward_id, "conn": 1})
             assert ei.value.code == "not_found"
     finally:
+        service.close()
+
+
+# --------------------------------------------------------------------------- guestctl
+
+
+def guestctl(g: Guestd, *args: str, timeout: float = 30) -> subprocess.CompletedProcess[bytes]:
+    env = {**os.environ, "PYTHONPATH": REPO}
+    return subprocess.run(
+        [sys.executable, "-m", "guestd.cli", "--connect", g.address, *args],
+        capture_output=True,
+        env=env,
+        timeout=timeout,
+    )
+
+
+def guestctl_running(g: Guestd, *args: str) -> tuple[subprocess.Popen[bytes], str]:
+    """A long-running guestctl and the first line it printed."""
+    env = {**os.environ, "PYTHONPATH": REPO}
+    p = subprocess.Popen(
+        [sys.executable, "-m", "guestd.cli", "--connect", g.address, *args],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        env=env,
+    )
+    assert p.stdout is not None
+    return p, p.stdout.readline().decode()
+
+
+def test_guestctl_ports_port_wait_and_both_forwards(guest: Guestd, gc: Client) -> None:
+    listed = json.loads(guestctl(guest, "--json", "ports").stdout)["listeners"]
+    assert any(x["port"] == HTTP and "port_servers.py" in x["command"] for x in listed)
+    assert f"127.0.0.1:{HTTP}" in guestctl(guest, "ports").stdout.decode()
+
+    assert guestctl(guest, "port-wait", str(HTTP), "--http", "--timeout", "5").returncode == 0
+    slow = guestctl(guest, "--json", "port-wait", "18097", "--timeout", "0.3")
+    assert slow.returncode == 124 and json.loads(slow.stdout)["ready"] is False
+
+    p, first = guestctl_running(guest, "port-forward", f"0:{HTTP}")
+    try:
+        assert first.startswith("Forwarding from 127.0.0.1:"), first + (p.stderr.read().decode() if p.stderr else "")
+        local = int(first.split()[2].rsplit(":", 1)[1])
+        with urllib.request.urlopen(f"http://127.0.0.1:{local}/index.html", timeout=10) as r:
+            assert r.read() == PAGE
+    finally:
+        p.send_signal(signal.SIGINT)
+        assert p.wait(10) == 0
+
+    service = HostService()
+    p, first = guestctl_running(guest, "port-forward", "--reverse", f"0:127.0.0.1:{service.port}")
+    try:
+        assert first.startswith("Forwarding guest 127.0.0.1:"), first
+        guest_port = first.split()[2].rsplit(":", 1)[1]
+        done = gc.exec([sys.executable, "-c", GUEST_CALL, guest_port], timeout_s=20)
+        assert done.stdout == b"host:from the guest\n"
+    finally:
+        p.send_signal(signal.SIGINT)
+        assert p.wait(10) == 0
         service.close()
