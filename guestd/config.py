@@ -7,7 +7,7 @@ from dataclasses import asdict, dataclass, field, fields
 from typing import Any
 
 from guestd.children.cgroups import WorkloadConfig
-from guestd.policy import Policy
+from guestd.policy import Policy, PortPolicy
 from guestd.wire.frames import DEFAULT_MAX_FRAME
 
 DEFAULT_VSOCK_PORT = 10_700  # documented in PROTOCOL.md; any free port works
@@ -32,6 +32,9 @@ class Limits:
     max_ring_bytes: int = 16 * 1024 * 1024  # output ring per stream of a background process
     max_shells: int = 16  # persistent shell sessions
     max_code_queue: int = 16  # runs waiting per context
+    max_port_streams: int = 256  # relay streams (port.connect, port.accept) open per connection
+    max_port_forwards: int = 16  # port.reverse listeners per connection
+    max_port_pending: int = 64  # connections per reverse forward waiting for the host's port.accept
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -52,6 +55,7 @@ class Config:
     token_file: str = ""
     log_level: str = "INFO"
     policy: Policy = field(default_factory=Policy)
+    ports: PortPolicy = field(default_factory=PortPolicy)
     workload: WorkloadConfig = field(default_factory=WorkloadConfig)
     simulate_privileged: bool = False  # record CRNG/clock/hostname/machine-id changes instead of making them
 
@@ -121,6 +125,18 @@ def load_config_file(path: str, cfg: Config) -> Config:
                     pol.workload_user = str(_want(k, v, (str, int)))
                 else:
                     raise ConfigError(f"unknown config key policy.{k}")
+        elif key == "ports":
+            for k, v in _want("ports", value, dict).items():
+                if k == "allow":
+                    cfg.ports.allow = [_want("ports.allow[]", x, str) for x in _want(k, v, list)]
+                    try:
+                        cfg.ports.check_syntax()
+                    except ValueError as exc:
+                        raise ConfigError(str(exc)) from None
+                elif k == "reverse":
+                    cfg.ports.reverse = _want("ports.reverse", v, bool)
+                else:
+                    raise ConfigError(f"unknown config key ports.{k}")
         elif key == "workload":
             wl = cfg.workload
             for k, v in _want("workload", value, dict).items():

@@ -130,6 +130,24 @@ def set_hostname() -> None:
         _libc.sethostname(name.encode(), len(name.encode()))
 
 
+def loopback_up() -> None:
+    """Bring ``lo`` up: a guest with no network device still serves on 127.0.0.1 (what the port
+    relay reaches), and the kernel leaves ``lo`` down until someone raises it (systemd does)."""
+    import fcntl
+    import socket
+    import struct
+
+    siocgifflags, siocsifflags, iff_up = 0x8913, 0x8914, 0x1
+    try:
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+            req = struct.pack("16sH14x", b"lo", 0)
+            flags = struct.unpack("16sH14x", fcntl.ioctl(s, siocgifflags, req))[1]
+            if not flags & iff_up:
+                fcntl.ioctl(s, siocsifflags, struct.pack("16sH14x", b"lo", flags | iff_up))
+    except OSError as exc:
+        log(f"loopback: {exc}")
+
+
 class Supervisor:
     def __init__(self, argv: list[str]) -> None:
         self.argv = argv
@@ -224,6 +242,7 @@ def main() -> None:
         load_modules()
         link_virtio_ports()
         set_hostname()
+        loopback_up()
     sup = Supervisor([GUESTD, "--config", CONFIG] if os.path.exists(CONFIG) else [GUESTD])
     action = sup.run()
     sup.stop()

@@ -70,3 +70,39 @@ class Policy:
                 ErrorCode.BAD_REQUEST, f"policy.workload_user {self.workload_user!r} does not exist"
             ) from None
         return pw.pw_uid, pw.pw_gid
+
+
+@dataclass
+class PortPolicy:
+    """What the relay may reach (``[ports]``): the guest ports port.connect and port.wait may
+    open, and whether the guest may reach the host at all (port.reverse, off by default)."""
+
+    allow: list[str] | None = None  # "8080" or "3000-3999"; None: every port
+    reverse: bool = False
+
+    def check_syntax(self) -> None:
+        for rule in self.allow or []:
+            lo, _, hi = rule.partition("-")
+            if not (lo.isdigit() and (not hi or hi.isdigit())):
+                raise ValueError(f"ports.allow entry {rule!r} is not PORT or LOW-HIGH")
+
+    def check_port(self, port: int) -> None:
+        if self.allow is None:
+            return
+        for rule in self.allow:
+            lo, _, hi = rule.partition("-")
+            if int(lo) <= port <= int(hi or lo):
+                return
+        raise GuestdError(
+            ErrorCode.PERMISSION_DENIED,
+            f"guest port {port} is not in ports.allow",
+            details={"policy": "ports.allow", "port": port},
+        )
+
+    def check_reverse(self) -> None:
+        if not self.reverse:
+            raise GuestdError(
+                ErrorCode.PERMISSION_DENIED,
+                "reverse forwards are off (ports.reverse = false)",
+                details={"policy": "ports.reverse"},
+            )

@@ -3,16 +3,18 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/bootstrap.sh
-# The QEMU guest suite (tests/qemu) needs these, and the file-system tests a FUSE file system
-# without O_TMPFILE (bindfs); as root on Debian they are installed here.
+# The QEMU guest suite (tests/qemu) needs these, the file-system tests a FUSE file system
+# without O_TMPFILE (bindfs), the port tests a headless browser (chromium); as root on Debian
+# they are installed here (a test that needs one that could not be installed skips).
 need=""
-for t in qemu-system-x86_64:qemu-system-x86 busybox:busybox-static cpio:cpio modprobe:kmod debootstrap:debootstrap bindfs:bindfs; do
+for t in qemu-system-x86_64:qemu-system-x86 busybox:busybox-static cpio:cpio modprobe:kmod debootstrap:debootstrap bindfs:bindfs chromium:chromium; do
   command -v "${t%%:*}" >/dev/null 2>&1 || need="$need ${t#*:}"
 done
 if [ -n "$need" ]; then
   if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
-    echo "== installing$need (for the QEMU guest suite and the file-system tests)"
-    apt-get install -y -q $need >/dev/null 2>&1 || { apt-get update -q >/dev/null 2>&1 && apt-get install -y -q $need >/dev/null; }
+    echo "== installing$need (for the QEMU guest suite, the file-system and the port tests)"
+    apt-get install -y -q $need >/dev/null 2>&1 || { apt-get update -q >/dev/null 2>&1 && apt-get install -y -q $need >/dev/null; } \
+      || echo "== could not install some of$need: the tests that need them skip"
   else
     echo "== QEMU guest suite will be skipped: missing$need (install them as root)"
   fi

@@ -9,8 +9,12 @@
     guestctl ... exec --detach -- ARGV... | exec --pty -- ARGV...
     guestctl ... ps | attach ID [--from OFFSET] | kill ID [SIGNAL] | wait ID
     guestctl ... shell new | shell run ID 'COMMAND' | shell ls | shell rm ID
+    guestctl ... port-forward [--address ADDR] LOCAL:GUEST | port-forward --reverse GUEST_PORT:HOST:HOSTPORT
+    guestctl ... ports | port-wait GUEST_PORT [--timeout S] [--http] [--path P]
 
-exec/sh exit with the remote exit code (124 when a timeout fired, 128+N when killed by signal N).
+exec/sh exit with the remote exit code (124 when a timeout fired, 128+N when killed by signal N);
+port-wait exits 0 once the port answers, 124 when it did not in time. port-forward runs until
+SIGINT/SIGTERM and prints the address it listens on first.
 Exit codes of guestctl itself: 0 done; 1 any failure (an error from the guest, a broken or hostile
 guest, the connection, a local file), reported as one line on stderr (under --json, as one JSON
 object ``{"error": {"code", "message", ...}}`` on stdout); 2 a usage error; 130 interrupted.
@@ -24,7 +28,7 @@ control characters escaped, workload output to a terminal with its control seque
 how long the guest waits for the exit); guestctl's own wait for the reply is derived from them
 (the client's deadline). --connect-timeout bounds connecting and the handshake.
 
-One module per capability (system, exec, files, processes, shells, snapshot, code), mirroring the
+One module per capability (system, exec, files, processes, shells, snapshot, code, ports), mirroring the
 daemon's; each registers its subcommands with their handlers, so a new command touches one module.
 This one holds the connection options and ``main``.
 """
@@ -36,7 +40,7 @@ import asyncio
 import os
 import sys
 
-from guestd.cli import code, files, processes, shells, snapshot, system, terminal
+from guestd.cli import code, files, ports, processes, shells, snapshot, system, terminal
 from guestd.cli import exec as exec_  # the module; plain "exec" would hide the builtin here
 from guestd.cli.shared import Handler, print_json
 from guestd.client.aio import CONNECT_TIMEOUT, AsyncClient
@@ -46,7 +50,7 @@ __all__ = ["build_parser", "main", "run"]
 
 DEFAULT_CONNECT = "unix:/run/guestd/guestd.sock"
 # The order of ``guestctl --help``.
-COMMAND_MODULES = (system, exec_, files, processes, shells, snapshot, code)
+COMMAND_MODULES = (system, exec_, files, processes, shells, snapshot, code, ports)
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -2,6 +2,8 @@
 
 from guestd.client.aio import AsyncClient, ExecStream
 from guestd.client.connection import ConnectionClosed, GuestProtocolError
+from guestd.client.ports import Listener, PortForward, PortWait, ReverseForward
+from guestd.client.ports_sync import PortForwarder, ReverseForwarder
 from guestd.client.results import (
     CodeError,
     CodeResult,
@@ -31,6 +33,12 @@ __all__ = [
     "GuestProtocolError",
     "GuestdError",
     "Info",
+    "Listener",
+    "PortForward",
+    "PortForwarder",
+    "PortWait",
+    "ReverseForward",
+    "ReverseForwarder",
     "ShellResult",
     "tune_malloc",
 ]

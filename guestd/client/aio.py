@@ -34,6 +34,7 @@ from typing import Any, Literal, TypeVar, cast
 
 from guestd.client.address import open_socket, parse_address
 from guestd.client.connection import DEFAULT_WINDOW, Call, ClientConnection, GuestProtocolError
+from guestd.client.ports import PortsAPI
 from guestd.client.results import CodeResult, DirEntry, DirListing, ExecResult, FileStat, Info, ShellResult
 from guestd.wire.errors import ErrorCode, GuestdError
 from guestd.wire.frames import DEFAULT_MAX_FRAME
@@ -268,7 +269,7 @@ class Attach:
         self._client._conn._forget(self._call)
 
 
-class AsyncClient:
+class AsyncClient(PortsAPI):
     """Connect with ``await AsyncClient.connect("unix:/run/guestd.sock")``."""
 
     def __init__(self, conn: ClientConnection, address: str) -> None:

@@ -25,6 +25,7 @@ from guestd.client.aio import (
     WriteFlag,
 )
 from guestd.client.connection import DEFAULT_WINDOW
+from guestd.client.ports_sync import SyncPortsAPI
 from guestd.client.results import CodeResult, DirListing, ExecResult, FileStat, Info, ShellResult
 from guestd.wire.frames import DEFAULT_MAX_FRAME
 from guestd.wire.paths import WirePath
@@ -32,7 +33,7 @@ from guestd.wire.paths import WirePath
 T = TypeVar("T")
 
 
-class Client:
+class Client(SyncPortsAPI):
     """``with Client("unix:/run/guestd.sock") as c: c.exec(["ls"])``"""
 
     def __init__(

@@ -374,6 +374,13 @@ RECORDS.update(
             F("cpu_s", "float?", "CPU seconds (running only)"),
             F("rss", "uint?", "resident memory, bytes (running only)"),
         ),
+        "listener": (
+            F("port", "uint", "TCP port", True),
+            F("address", "str", "bound address (0.0.0.0 or :: for every address)", True),
+            F("family", "enum(ipv4|ipv6)", "address family", True),
+            F("pid", "int?", "pid of a process holding the socket, when guestd may see it"),
+            F("command", "str?", "that process's command line (at most 256 characters)"),
+        ),
         "shell_info": (
             F("id", "str", "session id", True),
             F("name", "str?", "session name"),
@@ -989,7 +996,143 @@ SNAPSHOT_OPS: tuple[OpSpec, ...] = (
     ),
 )
 
-OPS = OPS + CODE_OPS + PROCESS_OPS + SHELL_OPS + SNAPSHOT_OPS
+# A relay stream (port.connect, port.accept): TCP bytes both ways under the request's credit.
+_RELAY_EVENTS = (
+    F(
+        "ev",
+        "enum(connected|data|eof)",
+        "connected: the TCP connection is up; data: bytes from it; eof: it sent FIN",
+        True,
+    ),
+    F("data", "bin", "data: the next bytes the guest socket delivered (counts against the credit)"),
+)
+_RELAY_INPUT = (
+    F("data", "bin", "bytes to write to the guest socket (counts against the credit)"),
+    F("eof", "bool", "half-close: shut down the guest socket's write side after the data before it"),
+)
+_RELAY_RESULT = (
+    F("sent", "uint", "bytes written to the guest socket", True),
+    F("received", "uint", "bytes read from the guest socket", True),
+)
+_RELAY_CHUNK = F("chunk", "uint?", "most bytes per data event; default limits.max_chunk", ge=1, le_limit="max_chunk")
+_GUEST_ADDRESS = F(
+    "address",
+    "str",
+    "an IP literal of the guest's own (127.0.0.1, ::1, an address of one of its interfaces)",
+    default="127.0.0.1",
+)
+
+PORT_OPS: tuple[OpSpec, ...] = (
+    OpSpec(
+        "port.connect",
+        "port",
+        "Open a TCP connection to a port in the guest and relay its bytes: INPUT data is written to it, "
+        "its bytes come back as data events, both under the request's credit; eof half-closes either way. "
+        "Ends with a RESPONSE once both directions have ended (section 5.1).",
+        args=(
+            F("port", "uint", "guest TCP port", True, ge=1, le=65535),
+            _GUEST_ADDRESS,
+            F("connect_timeout_s", "float", "give up connecting after this long (timeout)", default=10.0, gt=0, le=300),
+            _RELAY_CHUNK,
+        ),
+        result=_RELAY_RESULT,
+        events=_RELAY_EVENTS,
+        input=_RELAY_INPUT,
+        errors=("unavailable", "timeout", "permission_denied", "limit", "io_error", "bad_request"),
+    ),
+    OpSpec(
+        "port.reverse",
+        "port",
+        "Guest -> host forward (off unless the config enables it): listen on a guest port; each connection "
+        "to it is announced with an accepted event and waits (at most accept_timeout_s, at most "
+        "limits.max_port_pending at once) for the host to claim it with port.accept. input eof stops listening.",
+        args=(
+            F("port", "uint", "guest TCP port to listen on; 0 picks a free one", True, le=65535),
+            F("address", "str", "guest address to listen on", default="127.0.0.1"),
+            F(
+                "accept_timeout_s",
+                "float",
+                "how long an announced connection waits to be claimed",
+                default=10.0,
+                gt=0,
+                le=300,
+            ),
+        ),
+        result=(F("accepted", "uint", "connections announced", True),),
+        events=(
+            F(
+                "ev",
+                "enum(listening|accepted)",
+                "listening: the guest port is open; accepted: a connection waits",
+                True,
+            ),
+            F("forward", "str", "listening: the forward's id, for port.accept"),
+            F("port", "uint", "listening: the guest port"),
+            F("conn", "uint", "accepted: the connection's number, for port.accept"),
+        ),
+        input=(F("eof", "bool", "stop listening; the request then answers"),),
+        errors=("permission_denied", "limit", "exists", "io_error", "bad_request"),
+    ),
+    OpSpec(
+        "port.accept",
+        "port",
+        "Claim a connection a port.reverse of this connection announced and relay it exactly like port.connect "
+        "(connected event first); refuse resets it instead.",
+        args=(
+            F("forward", "str", "the forward's id (its listening event)", True),
+            F("conn", "uint", "the connection's number (its accepted event)", True),
+            F("refuse", "bool", "reset the guest connection (the host could not reach its destination)", default=False),
+            _RELAY_CHUNK,
+        ),
+        result=_RELAY_RESULT,
+        events=_RELAY_EVENTS,
+        input=_RELAY_INPUT,
+        errors=("not_found", "limit", "io_error"),
+    ),
+    OpSpec(
+        "port.list",
+        "port",
+        "The guest's listening TCP sockets (IPv4 and IPv6), with the process holding each.",
+        result=(F("listeners", "list<listener>", "listening sockets, by port", True),),
+    ),
+    OpSpec(
+        "port.watch",
+        "port",
+        "Long poll: answer as soon as the set of listening sockets differs from the one the digest names "
+        "(at once without a digest), or after timeout_s with changed false.",
+        args=(
+            F("digest", "str?", "the digest of the last reply; nil answers at once"),
+            F("timeout_s", "float", "longest wait for a change", default=30.0, ge=0, le=3600),
+            F("interval_s", "float", "how often the guest looks", default=0.25, ge=0.02, le=60),
+        ),
+        result=(
+            F("digest", "str", "names this set of listeners", True),
+            F("changed", "bool", "the set differs from the digest sent", True),
+            F("listeners", "list<listener>", "listening sockets now", True),
+        ),
+    ),
+    OpSpec(
+        "port.wait",
+        "port",
+        "Wait until a guest port accepts connections (with http, until GET path answers 2xx or 3xx), "
+        "at most timeout_s.",
+        args=(
+            F("port", "uint", "guest TCP port", True, ge=1, le=65535),
+            _GUEST_ADDRESS,
+            F("timeout_s", "float", "deadline", default=30.0, ge=0, le_limit="max_exec_timeout_s"),
+            F("http", "bool", "also require an HTTP GET to answer 2xx or 3xx", default=False),
+            F("path", "str", "the GET's path", default="/"),
+        ),
+        result=(
+            F("ready", "bool", "the port accepted (and answered) before the deadline", True),
+            F("elapsed_s", "float", "time waited", True),
+            F("http_status", "int?", "status of the last GET, when http"),
+        ),
+        errors=("permission_denied", "bad_request"),
+    ),
+)
+
+OPS = OPS + CODE_OPS + PROCESS_OPS + SHELL_OPS + SNAPSHOT_OPS + PORT_OPS
 OPS_BY_NAME = {op.name: op for op in OPS}
 
 

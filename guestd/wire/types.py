@@ -73,6 +73,19 @@ class ProcessInfoRecord(TypedDict):
     rss: NotRequired[int | None]
 
 
+ListenerFamily = Literal["ipv4", "ipv6"]
+
+
+class ListenerRecord(TypedDict):
+    """record `listener`"""
+
+    port: int
+    address: str
+    family: Literal["ipv4", "ipv6"]
+    pid: NotRequired[int | None]
+    command: NotRequired[str | None]
+
+
 class ShellInfoRecord(TypedDict):
     """record `shell_info`"""
 
@@ -718,3 +731,136 @@ class SnapshotRestoreReply(TypedDict):
     crng_ms: float
     workloads_ms: float
     duration_s: float
+
+
+class PortConnectArgs(TypedDict):
+    """`port.connect` args, as validated"""
+
+    port: int
+    address: str
+    connect_timeout_s: float
+    chunk: int | None
+
+
+class PortConnectReply(TypedDict):
+    """`port.connect` result"""
+
+    sent: int
+    received: int
+
+
+class PortConnectEvent(TypedDict):
+    """`port.connect` EVENT body"""
+
+    ev: Literal["connected", "data", "eof"]
+    data: NotRequired[bytes]
+
+
+class PortConnectInput(TypedDict):
+    """`port.connect` INPUT body"""
+
+    data: NotRequired[bytes]
+    eof: NotRequired[bool]
+
+
+class PortReverseArgs(TypedDict):
+    """`port.reverse` args, as validated"""
+
+    port: int
+    address: str
+    accept_timeout_s: float
+
+
+class PortReverseReply(TypedDict):
+    """`port.reverse` result"""
+
+    accepted: int
+
+
+class PortReverseEvent(TypedDict):
+    """`port.reverse` EVENT body"""
+
+    ev: Literal["listening", "accepted"]
+    forward: NotRequired[str]
+    port: NotRequired[int]
+    conn: NotRequired[int]
+
+
+class PortReverseInput(TypedDict):
+    """`port.reverse` INPUT body"""
+
+    eof: NotRequired[bool]
+
+
+class PortAcceptArgs(TypedDict):
+    """`port.accept` args, as validated"""
+
+    forward: str
+    conn: int
+    refuse: bool
+    chunk: int | None
+
+
+class PortAcceptReply(TypedDict):
+    """`port.accept` result"""
+
+    sent: int
+    received: int
+
+
+class PortAcceptEvent(TypedDict):
+    """`port.accept` EVENT body"""
+
+    ev: Literal["connected", "data", "eof"]
+    data: NotRequired[bytes]
+
+
+class PortAcceptInput(TypedDict):
+    """`port.accept` INPUT body"""
+
+    data: NotRequired[bytes]
+    eof: NotRequired[bool]
+
+
+class PortListArgs(TypedDict):
+    """`port.list` args, as validated"""
+
+
+class PortListReply(TypedDict):
+    """`port.list` result"""
+
+    listeners: list[ListenerRecord]
+
+
+class PortWatchArgs(TypedDict):
+    """`port.watch` args, as validated"""
+
+    digest: str | None
+    timeout_s: float
+    interval_s: float
+
+
+class PortWatchReply(TypedDict):
+    """`port.watch` result"""
+
+    digest: str
+    changed: bool
+    listeners: list[ListenerRecord]
+
+
+class PortWaitArgs(TypedDict):
+    """`port.wait` args, as validated"""
+
+    port: int
+    address: str
+    timeout_s: float
+    http: bool
+    path: str
+
+
+class PortWaitReply(TypedDict):
+    """`port.wait` result"""
+
+    ready: bool
+    elapsed_s: float
+    http_status: NotRequired[int | None]

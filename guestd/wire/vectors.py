@@ -233,6 +233,42 @@ VECTORS: list[dict[str, Any]] = [
             "details": {"field": "id", "reason": "reserved"},
         },
     },
+    {
+        "name": "port_connect_request",
+        "dir": "c2s",
+        "kind": "request",
+        "id": 12,
+        "body": {"op": "port.connect", "args": {"port": 8080}},
+    },
+    {"name": "port_connected_event", "dir": "s2c", "kind": "event", "id": 12, "body": {"ev": "connected"}},
+    {
+        "name": "port_input_data_and_eof",
+        "dir": "c2s",
+        "kind": "input",
+        "id": 12,
+        "body": {"data": b"GET /", "eof": True},
+    },
+    {
+        "name": "port_data_event",
+        "dir": "s2c",
+        "kind": "event",
+        "id": 12,
+        "body": {"ev": "data", "data": b"HTTP/1.0 200"},
+    },
+    {"name": "port_eof_event", "dir": "s2c", "kind": "event", "id": 12, "body": {"ev": "eof"}},
+    {"name": "port_relay_response", "dir": "s2c", "kind": "response", "id": 12, "body": {"sent": 5, "received": 12}},
+    {
+        "name": "port_refused_error",
+        "dir": "s2c",
+        "kind": "error",
+        "id": 13,
+        "body": {
+            "code": "unavailable",
+            "message": "nothing listens on 127.0.0.1:8081 in the guest (connection refused)",
+            "errno": 111,
+            "details": {"stage": "connect", "reason": "refused"},
+        },
+    },
     {"name": "id_at_maximum", "dir": "c2s", "kind": "request", "id": 0xFFFFFFFF, "body": {"op": "ping", "args": {}}},
 ]
 

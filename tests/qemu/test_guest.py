@@ -234,3 +234,24 @@ def test_workload_user_and_cgroup_apply_to_exec_shells_processes_and_kernels(vm:
         finally:
             c.process_signal(g2, "TERM")
             c.process_wait(g2, timeout_s=60)
+
+
+def test_a_guest_without_a_nic_serves_http_to_the_host_through_the_relay(vm: GuestVM) -> None:
+    """No network device at all (-nodefaults, no -netdev): a server on the guest's loopback is
+    reached from the host through guestd's relay over virtio-serial, and found by port.list."""
+    import urllib.request
+
+    with connect(vm) as c:
+        links = c.exec(["sh", "-c", "ls /sys/class/net"]).stdout.split()
+        assert links == [b"lo"], links
+        c.write_file("/tmp/site/index.html", b"<p>from a guest without a NIC</p>" * 100, parents=True)
+        server = c.process_start(["busybox", "httpd", "-f", "-p", "127.0.0.1:8000", "-h", "/tmp/site"])
+        try:
+            assert c.port_wait(8000, http=True, path="/index.html", timeout_s=120).ready
+            assert any(x.port == 8000 for x in c.port_list())
+            with c.port_forward(8000) as fwd:
+                url = f"http://127.0.0.1:{fwd.local_port}/index.html"
+                with urllib.request.urlopen(url, timeout=60) as r:
+                    assert r.read() == b"<p>from a guest without a NIC</p>" * 100
+        finally:
+            c.process_signal(server["id"], "KILL")

@@ -1,0 +1,245 @@
+"""The TCP relay (issue 17) against floors measured in the same run.
+
+    .venv/bin/python -m bench.relay [--quick]
+
+- 64 MiB through ``open_port`` each way (host -> guest socket, guest socket -> host), as a
+  ratio to the same transfer over a plain loopback socket to the same server (target >= 50%);
+- connect latency: ``open_port`` until connected vs a direct loopback ``connect``;
+- many concurrent HTTP requests through one ``port_forward`` vs straight to the server.
+
+The servers run in their own process (bench/relay_servers.py), guestd in another, the client
+here; processes are pinned as in bench/run.py. Writes bench/RELAY.md and bench/out/relay.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from typing import Any
+
+from guestd.client import AsyncClient
+from guestd.testing import start_guestd
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+MiB = 1024 * 1024
+BLOCK = 1 << 20
+_CPUS = sorted(os.sched_getaffinity(0))
+CLIENT_CPUS = {_CPUS[0]} if len(_CPUS) >= 2 else set()
+SERVER_CPUS = {_CPUS[1]} if len(_CPUS) >= 2 else set()
+
+
+def pin_servers() -> None:
+    if SERVER_CPUS:
+        os.sched_setaffinity(0, SERVER_CPUS)
+
+
+def p50_ms(xs: list[float]) -> float:
+    return statistics.median(xs) * 1000
+
+
+# --------------------------------------------------------------------------- floors (plain sockets)
+
+
+def direct_upload(port: int, nbytes: int) -> float:
+    """Seconds to send ``nbytes`` to the sink and read its count back."""
+    block = b"u" * BLOCK
+    t0 = time.perf_counter()
+    with socket.create_connection(("127.0.0.1", port)) as s:
+        for _ in range(nbytes // BLOCK):
+            s.sendall(block)
+        s.shutdown(socket.SHUT_WR)
+        assert int(s.makefile("rb").read()) == nbytes
+    return time.perf_counter() - t0
+
+
+def direct_download(port: int, nbytes: int) -> float:
+    t0 = time.perf_counter()
+    got = 0
+    with socket.create_connection(("127.0.0.1", port)) as s:
+        while chunk := s.recv(BLOCK):
+            got += len(chunk)
+    assert got == nbytes
+    return time.perf_counter() - t0
+
+
+def direct_connects(port: int, n: int) -> list[float]:
+    out = []
+    for _ in range(n):
+        t0 = time.perf_counter()
+        s = socket.create_connection(("127.0.0.1", port))
+        out.append(time.perf_counter() - t0)
+        s.close()
+    return out
+
+
+# --------------------------------------------------------------------------- through the relay
+
+
+async def relay_upload(c: AsyncClient, port: int, nbytes: int) -> float:
+    block = b"u" * BLOCK
+    t0 = time.perf_counter()
+    r, w = await c.open_port(port)
+    for _ in range(nbytes // BLOCK):
+        w.write(block)
+        await w.drain()
+    w.write_eof()
+    assert int(await r.read()) == nbytes
+    w.close()
+    return time.perf_counter() - t0
+
+
+async def relay_download(c: AsyncClient, port: int, nbytes: int) -> float:
+    t0 = time.perf_counter()
+    r, w = await c.open_port(port)
+    got = 0
+    while chunk := await r.read(BLOCK):
+        got += len(chunk)
+    assert got == nbytes
+    w.close()
+    return time.perf_counter() - t0
+
+
+async def relay_connects(c: AsyncClient, port: int, n: int) -> list[float]:
+    out = []
+    for _ in range(n):
+        t0 = time.perf_counter()
+        _, w = await c.open_port(port)
+        out.append(time.perf_counter() - t0)
+        w.transport.abort()
+    return out
+
+
+async def http_burst(port: int, total: int, concurrency: int) -> float:
+    """Requests per second: ``total`` HTTP/1.0 GETs, ``concurrency`` at a time."""
+    sem = asyncio.Semaphore(concurrency)
+
+    async def one() -> None:
+        async with sem:
+            r, w = await asyncio.open_connection("127.0.0.1", port)
+            w.write(b"GET / HTTP/1.0\r\nHost: x\r\n\r\n")
+            body = await r.read()
+            assert body.startswith(b"HTTP/1.0 200"), body[:80]
+            w.close()
+
+    t0 = time.perf_counter()
+    await asyncio.gather(*(one() for _ in range(total)))
+    return total / (time.perf_counter() - t0)
+
+
+# --------------------------------------------------------------------------- the run
+
+
+async def measure(address: str, ports: dict[str, int], quick: bool) -> dict[str, Any]:
+    nbytes = 64 * MiB
+    rounds = 2 if quick else 3
+    n_connect = 100 if quick else 300
+    http_total, http_conc = (200, 20) if quick else (1000, 50)
+    res: dict[str, Any] = {"bytes": nbytes, "rounds": rounds}
+    c = await AsyncClient.connect(address)
+    try:
+        up_floor, up_relay, down_floor, down_relay = [], [], [], []
+        for _ in range(rounds):  # interleaved, so drift on a shared machine hits both alike
+            up_floor.append(await asyncio.to_thread(direct_upload, ports["sink"], nbytes))
+            up_relay.append(await relay_upload(c, ports["sink"], nbytes))
+            down_floor.append(await asyncio.to_thread(direct_download, ports["source"], nbytes))
+            down_relay.append(await relay_download(c, ports["source"], nbytes))
+        best = min
+        res["to_guest"] = {
+            "floor_MBps": nbytes / best(up_floor) / 1e6,
+            "relay_MBps": nbytes / best(up_relay) / 1e6,
+        }
+        res["from_guest"] = {
+            "floor_MBps": nbytes / best(down_floor) / 1e6,
+            "relay_MBps": nbytes / best(down_relay) / 1e6,
+        }
+        for k in ("to_guest", "from_guest"):
+            res[k]["ratio"] = res[k]["relay_MBps"] / res[k]["floor_MBps"]
+        direct = await asyncio.to_thread(direct_connects, ports["accept"], n_connect)
+        relayed = await relay_connects(c, ports["accept"], n_connect)
+        res["connect"] = {"direct_p50_ms": p50_ms(direct), "relay_p50_ms": p50_ms(relayed), "n": n_connect}
+        async with await c.port_forward(ports["http"]) as fwd:
+            via = await http_burst(fwd.local_port, http_total, http_conc)
+        straight = await http_burst(ports["http"], http_total, http_conc)
+        res["http"] = {
+            "requests": http_total,
+            "concurrency": http_conc,
+            "direct_rps": straight,
+            "forward_rps": via,
+            "ratio": via / straight,
+        }
+        info = await c.info()
+        res["guestd_version"] = info.version
+    finally:
+        await c.close()
+    return res
+
+
+def report(res: dict[str, Any]) -> str:
+    tg, fg, cn, ht = res["to_guest"], res["from_guest"], res["connect"], res["http"]
+    verdict = "meets" if min(tg["ratio"], fg["ratio"]) >= 0.5 else "BELOW"
+    return "\n".join(
+        [
+            "# Relay benchmark (bench/relay.py)",
+            "",
+            "guestd, the client and the servers in three processes on this machine (client and servers",
+            "pinned to different CPUs). Floors: the same transfer or connect over a plain loopback socket,",
+            f"in the same run, interleaved; best of {res['rounds']} rounds of {res['bytes'] // MiB} MiB.",
+            "",
+            "| measure | floor | through the relay | ratio | goal |",
+            "|---|---|---|---|---|",
+            f"| 64 MiB host -> guest socket | {tg['floor_MBps']:.0f} MB/s | {tg['relay_MBps']:.0f} MB/s | "
+            f"{tg['ratio']:.0%} | >= 50% ({verdict}) |",
+            f"| 64 MiB guest socket -> host | {fg['floor_MBps']:.0f} MB/s | {fg['relay_MBps']:.0f} MB/s | "
+            f"{fg['ratio']:.0%} | >= 50% |",
+            f"| connect, p50 of {cn['n']} | {cn['direct_p50_ms']:.3f} ms | {cn['relay_p50_ms']:.3f} ms | "
+            f"{cn['relay_p50_ms'] / cn['direct_p50_ms']:.1f}x | |",
+            f"| {ht['requests']} HTTP GETs, {ht['concurrency']} at once, one forward | {ht['direct_rps']:.0f} req/s | "
+            f"{ht['forward_rps']:.0f} req/s | {ht['ratio']:.0%} | |",
+            "",
+        ]
+    )
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--quick", action="store_true")
+    ns = ap.parse_args()
+    if CLIENT_CPUS:
+        os.sched_setaffinity(0, CLIENT_CPUS)
+    with tempfile.TemporaryDirectory(prefix="guestd-relay-bench-") as tmp:
+        servers = subprocess.Popen(
+            [sys.executable, os.path.join(HERE, "relay_servers.py"), str(64 * MiB)],
+            stdout=subprocess.PIPE,
+            preexec_fn=pin_servers,
+        )
+        assert servers.stdout is not None
+        ports = json.loads(servers.stdout.readline())
+        g = start_guestd(tmp, preexec=pin_servers)
+        try:
+            res = asyncio.run(measure(g.address, ports, ns.quick))
+        finally:
+            g.stop()
+            servers.kill()
+            servers.wait()
+    text = report(res)
+    print(text)
+    os.makedirs(os.path.join(HERE, "out"), exist_ok=True)
+    with open(os.path.join(HERE, "out", "relay.json"), "w") as f:
+        json.dump(res, f, indent=2)
+    if not ns.quick:
+        with open(os.path.join(HERE, "RELAY.md"), "w") as f:
+            f.write(text)
+
+
+if __name__ == "__main__":
+    threading.excepthook = lambda args: None  # a server thread's broken pipe at exit is not a result
+    main()

@@ -1,0 +1,208 @@
+"""port handlers: port.connect / port.accept (relay streams), port.reverse, port.list,
+port.watch and port.wait. Per connection, at most ``limits.max_port_streams`` relay streams
+and ``limits.max_port_forwards`` reverse forwards are open; every one belongs to its request,
+which the connection owns: a dropped connection resets them all."""
+
+from __future__ import annotations
+
+import asyncio
+import errno
+import itertools
+import socket
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import TYPE_CHECKING, Any
+
+from guestd.ports.listeners import WAIT_INTERVALS_S, describe, digest, probe, scan
+from guestd.ports.relay import Relay, check_address, check_local, connect_error
+from guestd.ports.reverse import Forward, reset
+from guestd.wire.errors import ErrorCode, GuestdError, limit_error
+
+if TYPE_CHECKING:
+    from guestd.services import Request, Services
+    from guestd.wire.types import (
+        PortAcceptArgs,
+        PortAcceptReply,
+        PortConnectArgs,
+        PortConnectReply,
+        PortListArgs,
+        PortListReply,
+        PortReverseArgs,
+        PortReverseReply,
+        PortWaitArgs,
+        PortWaitReply,
+        PortWatchArgs,
+        PortWatchReply,
+    )
+
+
+def register(services: Services) -> None:
+    limits = services.config.limits
+    policy = services.config.ports
+    streams: dict[object, int] = {}  # connection -> open relay streams
+    forwards: dict[str, Forward] = {}
+    forward_counts: dict[object, int] = {}  # connection -> open reverse forwards
+    forward_ids = itertools.count(1)
+
+    @contextmanager
+    def counted(table: dict[object, int], owner: object, limit: int, name: str) -> Iterator[None]:
+        if table.get(owner, 0) >= limit:
+            raise limit_error(name, limit, f"more than {limit} open on this connection (limits.{name})")
+        table[owner] = table.get(owner, 0) + 1
+        try:
+            yield
+        finally:
+            table[owner] -= 1
+            if not table[owner]:
+                del table[owner]
+
+    async def relay(ctx: Request, chunk: int | None, open_socket: Any) -> dict[str, Any]:
+        with counted(streams, ctx.connection, limits.max_port_streams, "max_port_streams"):
+            r = Relay(ctx, min(chunk or limits.max_chunk, limits.max_chunk))
+            await open_socket(r)
+            ok = False
+            try:
+                result = await r.run()
+                ok = True
+                return result
+            finally:
+                r.close(reset=not ok)
+
+    async def op_connect(ctx: Request, a: PortConnectArgs) -> PortConnectReply:
+        address, port, timeout_s = a["address"], a["port"], a["connect_timeout_s"]
+        check_local(address)
+        policy.check_port(port)
+
+        async def open_socket(r: Relay) -> None:
+            loop = asyncio.get_running_loop()
+            try:
+                await asyncio.wait_for(loop.create_connection(r.protocol, host=address, port=port), timeout_s)
+            except (OSError, TimeoutError) as exc:
+                raise connect_error(exc, address, port, timeout_s) from None
+
+        return await relay(ctx, a["chunk"], open_socket)  # type: ignore[return-value]
+
+    async def op_accept(ctx: Request, a: PortAcceptArgs) -> PortAcceptReply:
+        fwd = forwards.get(a["forward"])
+        sock = fwd.claim(a["conn"]) if fwd is not None and fwd.owner is ctx.connection else None
+        if sock is None:
+            raise GuestdError(
+                ErrorCode.NOT_FOUND,
+                f"no connection {a['conn']} waits on forward {a['forward']!r} of this connection",
+                details={"field": "conn"},
+            )
+        if a["refuse"]:
+            reset(sock)
+            return {"sent": 0, "received": 0}
+
+        async def open_socket(r: Relay) -> None:
+            try:
+                await asyncio.get_running_loop().connect_accepted_socket(r.protocol, sock)
+            except BaseException:
+                reset(sock)
+                raise
+
+        try:
+            return await relay(ctx, a["chunk"], open_socket)  # type: ignore[return-value]
+        except GuestdError as err:
+            if err.details.get("limit") == "max_port_streams":
+                reset(sock)
+            raise
+
+    async def op_reverse(ctx: Request, a: PortReverseArgs) -> PortReverseReply:
+        policy.check_reverse()
+        family, loopback = check_address(a["address"])
+        if not loopback:
+            raise GuestdError(
+                ErrorCode.PERMISSION_DENIED,
+                "a reverse forward listens on a guest loopback address only",
+                details={"policy": "ports.reverse", "field": "address"},
+            )
+        owner = ctx.connection
+        with counted(forward_counts, owner, limits.max_port_forwards, "max_port_forwards"):
+            listener = socket.socket(family, socket.SOCK_STREAM)
+            try:
+                listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+                listener.bind((a["address"], a["port"]))
+                listener.listen(128)
+                listener.setblocking(False)
+            except OSError as exc:
+                listener.close()
+                if exc.errno == errno.EADDRINUSE:
+                    raise GuestdError(
+                        ErrorCode.EXISTS,
+                        f"guest port {a['port']} is in use",
+                        errno=exc.errno,
+                        details={"field": "port"},
+                    ) from None
+                raise GuestdError.from_os_error(exc, stage="listen") from None
+            fwd = Forward(f"r{next(forward_ids)}", owner, listener, limits.max_port_pending, a["accept_timeout_s"])
+            forwards[fwd.id] = fwd
+            tasks: list[asyncio.Future[None]] = []
+            try:
+                await ctx.send_event({"ev": "listening", "forward": fwd.id, "port": fwd.port})
+                server = asyncio.ensure_future(fwd.serve(ctx))
+                tasks += [server, asyncio.ensure_future(_until_eof(ctx))]
+                done, _ = await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)
+                if server in done:
+                    server.result()  # the listener failed: say why
+                return {"accepted": fwd.accepted}
+            finally:
+                for t in tasks:
+                    t.cancel()
+                del forwards[fwd.id]
+                fwd.close()
+
+    async def op_list(ctx: Request, a: PortListArgs) -> PortListReply:
+        return {"listeners": await services.run_in_io(lambda: describe(scan()))}
+
+    async def op_watch(ctx: Request, a: PortWatchArgs) -> PortWatchReply:
+        loop = asyncio.get_running_loop()
+        end = loop.time() + a["timeout_s"]
+        while True:
+            sockets = await services.run_in_io(scan)
+            now = digest(sockets)
+            changed = now != a["digest"]
+            if changed or loop.time() >= end:
+                listeners = await services.run_in_io(describe, sockets)
+                return {"digest": now, "changed": changed, "listeners": listeners}
+            await asyncio.sleep(min(a["interval_s"], max(0.0, end - loop.time())))
+
+    async def op_wait(ctx: Request, a: PortWaitArgs) -> PortWaitReply:
+        address, port = a["address"], a["port"]
+        path = a["path"] if a["http"] else None
+        if path is not None and (not path.startswith("/") or any(c in path for c in " \r\n\t")):
+            raise GuestdError(
+                ErrorCode.BAD_REQUEST, "path must start with / and hold no spaces", details={"field": "path"}
+            )
+        check_local(address)
+        policy.check_port(port)
+        loop = asyncio.get_running_loop()
+        start = time.monotonic()
+        end = loop.time() + a["timeout_s"]
+        status: int | None = None
+        for attempt in itertools.count():
+            left = end - loop.time()
+            ready, seen = await probe(address, port, max(0.05, min(2.0, left)), path)
+            status = seen if seen is not None else status
+            if ready or loop.time() >= end:
+                reply: PortWaitReply = {"ready": ready, "elapsed_s": time.monotonic() - start}
+                if path is not None:
+                    reply["http_status"] = status
+                return reply
+            interval = WAIT_INTERVALS_S[min(attempt, len(WAIT_INTERVALS_S) - 1)]
+            await asyncio.sleep(min(interval, max(0.0, end - loop.time())))
+        raise AssertionError("unreachable")
+
+    services.ops.add("port.connect", op_connect)
+    services.ops.add("port.accept", op_accept)
+    services.ops.add("port.reverse", op_reverse)
+    services.ops.add("port.list", op_list)
+    services.ops.add("port.watch", op_watch)
+    services.ops.add("port.wait", op_wait)
+
+
+async def _until_eof(ctx: Request) -> None:
+    while not (await ctx.input.get()).get("eof"):
+        pass
