@@ -387,6 +387,23 @@ def test_json_integers_beyond_64_bits_arrive_as_floats(c: Client) -> None:
     assert r.results[0]["data"]["application/json"] == {"a": float(2**70), "b": [1, float("-inf")]}
 
 
+def test_a_display_with_a_huge_integer_arrives_streamed_and_not(kg: Guestd) -> None:
+    # Issue 21, defect 2 (fixed in a082b53, kept here): display(JSON({'n': 10**30})) left no reply.
+    async def go() -> None:
+        c = await AsyncClient.connect(kg.address)
+        code = "from IPython.display import JSON, display\ndisplay(JSON({'n': 10**30}))\nprint('after')"
+        r = await c.code_run(code, deadline=30)
+        assert (r.status, r.stdout) == ("ok", b"after\n")
+        assert r.results[0]["data"]["application/json"] == {"n": 1e30}
+        s = c.code_run_stream(code, deadline=30)
+        events = [(kind, value) async for kind, value in s]
+        assert (await s.result()).status == "ok"
+        assert [v["application/json"] for k, v in events if k == "display"] == [{"n": 1e30}]
+        await c.close()
+
+    asyncio.run(go())
+
+
 def test_forged_kernel_messages_cannot_make_the_reply_unsendable(c: Client) -> None:
     # Code in the kernel holds its session key: it can send any content guestd will read.
     code = (
@@ -409,3 +426,36 @@ def test_a_cell_cannot_write_into_guestds_log(c: Client, kg: Guestd) -> None:
     r = c.code_run(f"import os, time\nos.write(1, b'{line}\\n')\nos.write(2, b'{line}\\n')\ntime.sleep(0.3)")
     assert r.status == "ok"
     assert "forged-log-line" not in kg.log()
+
+
+def test_a_queued_run_counts_its_wait_against_its_timeout_and_the_default_wait_is_bounded(
+    tmp_path: object,
+) -> None:
+    d = str(tmp_path)
+    with open(f"{d}/guestd.toml", "w") as f:
+        f.write("[code]\npool = 0\nqueue_wait_s = 1.5\n")
+    g = start_guestd(d, "--runtime-dir", f"{d}/rt", "--config", f"{d}/guestd.toml")
+
+    async def go() -> None:
+        c = await AsyncClient.connect(g.address)
+        ctx = (await c.code_create())["id"]
+        busy = asyncio.ensure_future(c.code_run("import time\ntime.sleep(60)", context=ctx))
+        for _ in range(500):  # until the long cell holds the context
+            if (await c.code_list())[0]["state"] == "busy":
+                break
+        for timeout_s, bound in ((1.0, 1.0), (None, 1.5)):  # before: ran after the long cell, or never
+            t0 = time.monotonic()
+            with pytest.raises(GuestdError) as ei:
+                await c.code_run("'late'", context=ctx, timeout_s=timeout_s, deadline=30)
+            assert ei.value.code == "timeout" and ei.value.details["stage"] == "queue", ei.value
+            assert bound <= time.monotonic() - t0 < bound + 5
+        await c.code_interrupt(ctx)
+        assert (await busy).status == "interrupted"
+        r = await c.code_run("'next'", context=ctx, timeout_s=10)  # the context still works
+        assert (r.status, r.text) == ("ok", "'next'")
+        await c.close()
+
+    try:
+        asyncio.run(go())
+    finally:
+        g.stop()

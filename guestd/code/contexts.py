@@ -535,13 +535,25 @@ class CodeContext:
         limits = self.manager.services.config.limits
         if self.waiting >= limits.max_code_queue:
             raise limit_error("max_code_queue", limits.max_code_queue, f"context {self.id} has too many queued runs")
+        # The timeout covers the wait in the queue; without one the wait has its own bound
+        # (config code.queue_wait_s). A run that never got the context fails as 'timeout'.
+        loop = asyncio.get_running_loop()
+        queued_at = loop.time()
+        budget = opts["timeout_s"] if opts["timeout_s"] is not None else self.manager.services.config.code_queue_wait_s
         self.waiting += 1
         try:
-            await self.lock.acquire()
+            await asyncio.wait_for(self.lock.acquire(), budget)
+        except TimeoutError:
+            raise self._queue_timeout(budget) from None
         finally:
             self.waiting -= 1
         handed_off = False
         try:
+            if opts["timeout_s"] is not None:
+                left = opts["timeout_s"] - (loop.time() - queued_at)
+                if left <= 0:
+                    raise self._queue_timeout(budget)
+                opts = {**opts, "timeout_s": left}
             self.busy = True
             return await self._run_locked(code, opts, ctx)
         except asyncio.CancelledError:
@@ -556,6 +568,13 @@ class CodeContext:
                 self.busy = False
                 self.last_activity = time.time()
                 self.lock.release()
+
+    def _queue_timeout(self, waited: float) -> GuestdError:
+        return GuestdError(
+            ErrorCode.TIMEOUT,
+            f"context {self.id} stayed busy for {waited:g} s; the cell was not run",
+            details={"stage": "queue", "context": self.id, "waited_s": waited},
+        )
 
     async def _settle(self, st: RunState, kernel: Kernel, grace: float) -> None:
         try:

@@ -697,7 +697,15 @@ CODE_OPS: tuple[OpSpec, ...] = (
         args=(
             _CODE_REF,
             F("code", "str", "the cell", True),
-            F("timeout_s", "float?", "wall-clock timeout for the cell", gt=0, le_limit="max_exec_timeout_s"),
+            F(
+                "timeout_s",
+                "float?",
+                "wall-clock timeout for the cell, the wait in the context's queue included (a run still queued "
+                "when it expires fails as timeout, details.stage queue); nil: the cell has none and the queue "
+                "wait is bounded by the config's code.queue_wait_s",
+                gt=0,
+                le_limit="max_exec_timeout_s",
+            ),
             F(
                 "interrupt_grace_s",
                 "float",
@@ -721,7 +729,7 @@ CODE_OPS: tuple[OpSpec, ...] = (
             F("evalue", "str", "error: message"),
             F("traceback", "list<str>", "error: formatted traceback lines"),
         ),
-        errors=("not_found", "unavailable", "limit", "bad_request"),
+        errors=("not_found", "unavailable", "limit", "bad_request", "timeout"),
     ),
     OpSpec(
         "code.interrupt",
