@@ -49,6 +49,7 @@ class Config:
     code_prewarm: bool = False  # fill the pool at start-up instead of on first use
     code_queue_wait_s: float = 600.0  # how long a code.run without timeout_s may wait for its context
     process_retention_s: float = 3600.0  # how long a finished background process stays attachable
+    process_stdin_timeout_s: float = 30.0  # a process.write not taken by the process by then fails
     workspace: str = ""  # guestd's working directory: the default cwd of exec, shells, processes, code
     token_file: str = ""
     log_level: str = "INFO"
@@ -113,6 +114,10 @@ def load_config_file(path: str, cfg: Config) -> Config:
             for k, v in _want("processes", value, dict).items():
                 if k == "retention_s":
                     cfg.process_retention_s = float(_want("processes.retention_s", v, (int, float)))
+                elif k == "stdin_timeout_s":
+                    cfg.process_stdin_timeout_s = float(_want("processes.stdin_timeout_s", v, (int, float)))
+                    if not cfg.process_stdin_timeout_s > 0:
+                        raise ConfigError("processes.stdin_timeout_s must be > 0")
                 else:
                     raise ConfigError(f"unknown config key processes.{k}")
         elif key == "policy":

@@ -851,10 +851,14 @@ PROCESS_OPS: tuple[OpSpec, ...] = (
     OpSpec(
         "process.write",
         "process",
-        "Write bytes to the process's stdin (or pty).",
+        "Write bytes to the process's stdin (or pty). Writes to one process go in whole and in arrival "
+        "order, one at a time (a paste sent as concurrent chunks arrives as sent). A write the process has "
+        "not taken within the config's processes.stdin_timeout_s (default 30 s, counted from arrival) fails "
+        "as timeout; every error carries details.written (bytes that went in), and writes queued behind a "
+        "failed one fail unsent (details.stage queue). A write to a process that has exited is bad_request.",
         args=(_PID, F("data", "bin", "bytes", True)),
         result=(F("written", "uint", "bytes written", True),),
-        errors=("not_found", "bad_request", "timeout"),
+        errors=("not_found", "bad_request", "timeout", "io_error"),
     ),
     OpSpec("process.close_stdin", "process", "Close stdin (a pty gets ^D).", args=(_PID,), errors=("not_found",)),
     OpSpec(
