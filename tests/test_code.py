@@ -459,3 +459,45 @@ def test_a_queued_run_counts_its_wait_against_its_timeout_and_the_default_wait_i
         asyncio.run(go())
     finally:
         g.stop()
+
+
+def _peak_rss(pid: int) -> int:
+    with open(f"/proc/{pid}/status") as f:
+        return next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmHWM:"))
+
+
+def test_large_output_is_held_in_bounded_memory_and_bundles_that_do_not_fit_are_counted(tmp_path: object) -> None:
+    # Issue 21, defect 1. Before: JSON bundles counted as 256 bytes each, 4 x 8 MB -> too_large
+    # (status and stdout lost) with guestd 39 -> 154 MiB; a 100 MB print peaked at 328 MiB.
+    d = str(tmp_path)
+    g = start_guestd(d, "--runtime-dir", f"{d}/rt", "--code-pool", "0")
+    try:
+        with g.client() as c:
+            c.code_run("from IPython.display import JSON, display", deadline=60)
+            base = _peak_rss(g.pid)
+            r = c.code_run(
+                "big = {'k': ['y' * 1000] * 8000}\nfor _ in range(4):\n    display(JSON(big))\n"
+                "display(JSON({'small': 1}))\nprint('status and stdout arrive')",
+                timeout_s=60,
+            )
+            assert (r.status, r.stdout) == ("ok", b"status and stdout arrive\n")
+            assert r.results_dropped == 4 and [x["data"]["application/json"] for x in r.results] == [{"small": 1}]
+            r = c.code_run("print('x' * 40_000_000)", timeout_s=60)
+            assert (r.status, r.stdout_bytes) == ("ok", 40_000_001)
+            grew = (_peak_rss(g.pid) - base) / 2**20
+            assert grew < 24, f"guestd's peak RSS grew {grew:.0f} MiB"  # before: > 100 MiB
+    finally:
+        g.stop()
+
+
+def test_results_that_do_not_fit_the_clients_frame_are_dropped_with_counts(kg: Guestd) -> None:
+    async def go() -> None:
+        c = await AsyncClient.connect(kg.address, max_frame=256 * 1024)
+        code = "from IPython.display import HTML, display\nfor i in range(6):\n    display(HTML('h' * 60_000))\n"
+        code += "print('end')"
+        r = await c.code_run(code, timeout_s=30)  # before: too_large, nothing of the run arrived
+        assert (r.status, r.stdout) == ("ok", b"end\n")
+        assert 1 <= len(r.results) < 6 and len(r.results) + r.results_dropped == 6
+        await c.close()
+
+    asyncio.run(go())

@@ -55,6 +55,60 @@ MAX_RESULTS = 64
 DEFAULT_CONTEXT = "default"
 
 
+DROPPED_MIME = "application/vnd.guestd.dropped+json"  # guestd.code.kernel: a bundle it did not send
+REPLY_SLACK = 1024  # bytes of a reply's frame beyond its measured fields
+
+
+def kernel_content_cap(limits: Any) -> int:
+    """Bytes of one message content a kernel sends as is (guestd.code.kernel makes larger ones
+    small): twice a run's result budget (JSON carries images as base64), and room for a
+    stream piece (256 Ki characters) or an echoed cell."""
+    return 2 * int(limits.max_output) + 2 * 1024 * 1024
+
+
+def kernel_max_message(limits: Any) -> int:
+    """ZMQ_MAXMSGSIZE of guestd's kernel sockets: a message part larger than this (only a
+    forged one can be) is refused by libzmq before guestd holds it; its connection resets."""
+    return max(kernel_content_cap(limits), int(limits.max_frame)) + 1024 * 1024
+
+
+KERNEL_RCVHWM = 8
+_zmq_contexts: dict[int, Any] = {}
+
+
+def _zmq_context(limits: Any) -> Any:
+    """One zmq context for every kernel client, its sockets capped at kernel_max_message."""
+    cap = kernel_max_message(limits)
+    ctx = _zmq_contexts.get(cap)
+    if ctx is None:
+        import zmq
+        import zmq.asyncio
+
+        ctx = zmq.asyncio.Context()
+        ctx.setsockopt(zmq.MAXMSGSIZE, cap)
+        # At most this many messages wait in guestd per socket; the kernel's iopub then waits
+        # (XPUB_NODROP, guestd.code.kernel) instead of guestd buffering a fast cell's output.
+        ctx.setsockopt(zmq.RCVHWM, KERNEL_RCVHWM)
+        _zmq_contexts[cap] = ctx
+    return ctx
+
+
+def encoded_size(value: Any) -> int | None:
+    """Bytes ``value`` takes in a msgpack frame; None when msgpack cannot carry it at all."""
+    try:
+        return len(msgpack.packb(value, use_bin_type=True))
+    except (TypeError, ValueError, OverflowError):
+        return None
+
+
+def cap_text(text: str, limit: int) -> str:
+    """At most ``limit`` UTF-8 bytes of ``text`` (its start), cut at a character boundary."""
+    if len(text) <= limit // 4:
+        return text
+    data = text.encode("utf-8")
+    return text if len(data) <= limit else data[:limit].decode("utf-8", "ignore")
+
+
 def strip_ansi(text: str) -> str:
     return ANSI.sub("", text)
 
@@ -102,6 +156,7 @@ class Kernel:
         from guestd.config import PRIVATE_ENV
 
         kenv.update(PRIVATE_ENV)  # the kernel runs guestd's own Python
+        kenv["GUESTD_KERNEL_MAX_CONTENT"] = str(kernel_content_cap(self.services.config.limits))
         kenv.setdefault("PYTHONUNBUFFERED", "1")
         kenv["MPLBACKEND"] = kenv.get("MPLBACKEND", "module://matplotlib_inline.backend_inline")
         self.km = km
@@ -140,7 +195,7 @@ class Kernel:
         self.child.watch(self._on_exit, 0.2)
         # No parent: jupyter_client would ask the manager whether the kernel lives, and the manager
         # did not start it (guestd.children did), so it would say no; self.died answers instead.
-        kc = km.client(parent=None)
+        kc = km.client(parent=None, context=_zmq_context(self.services.config.limits))
         kc.start_channels(hb=False)  # liveness comes from the pidfd; no heartbeat thread
         self.kc = kc
         ready: asyncio.Future[Any] = asyncio.ensure_future(kc.wait_for_ready(timeout=KERNEL_START_TIMEOUT_S))
@@ -163,6 +218,7 @@ class Kernel:
         session = self.kc.session
         while True:
             frames = await sock.recv_multipart()
+            await asyncio.sleep(0)  # a fast cell's messages must not hold the loop (pings, other runs)
             try:
                 msg = _decode(session, frames)
             except Exception:
@@ -269,6 +325,7 @@ class RunState:
     input_lines: list[str] | None
     limits: Any
     results: list[CodeOutputRecord] = field(default_factory=list)
+    result_sizes: list[int] = field(default_factory=list)  # encoded bytes of each kept result
     results_dropped: int = 0
     results_bytes: int = 0
     error: CodeErrorRecord | None = None
@@ -278,6 +335,7 @@ class RunState:
     replied: bool = False
     done: asyncio.Event = field(default_factory=asyncio.Event)
     stdin_exhausted: bool = False
+    max_frame: int = 1 << 62  # the client's: the reply and every event must fit it
 
     async def on_iopub(self, msg: dict[str, Any]) -> None:
         mtype = msg["msg_type"]
@@ -296,11 +354,17 @@ class RunState:
             else:
                 cap.feed(data)
         elif mtype in ("execute_result", "display_data"):
-            bundle = _bundle(content.get("data", {}))
+            data = content.get("data")
+            if not isinstance(data, dict) or DROPPED_MIME in data:
+                self.results_dropped += 1  # the kernel sent only its size: too large to carry
+                return
+            bundle = _bundle(data)
             kind: CodeOutputKind = "result" if mtype == "execute_result" else "display"
-            size = _bundle_size(bundle)
-            if self.stream is not None:
-                if size <= self.limits.max_chunk:
+            size = encoded_size(bundle)  # what it really takes in the reply, not a guess
+            if size is None:
+                self.results_dropped += 1  # nothing msgpack can carry (guestd converts what it can)
+            elif self.stream is not None:
+                if size + REPLY_SLACK <= min(self.limits.max_chunk, self.max_frame):
                     await self.stream.send_event({"ev": kind, "bundle": bundle})
                 else:
                     self.results_dropped += 1
@@ -308,15 +372,19 @@ class RunState:
                 self.results_dropped += 1
             else:
                 self.results.append({"kind": kind, "data": bundle})
+                self.result_sizes.append(size)
                 self.results_bytes += size
         elif mtype == "error":
             lines = content.get("traceback")
             tb = [_as_str(t) for t in lines] if isinstance(lines, list) else []
             if self.strip:
                 tb = [strip_ansi(t) for t in tb]
+            room = self.limits.max_output // 4  # an error never crowds out the status and the streams
+            while tb and sum(len(t) for t in tb) > room:
+                tb.pop(0)  # the last lines (where it was raised) are kept
             self.error = {
-                "ename": _as_str(content.get("ename")),
-                "evalue": _as_str(content.get("evalue")),
+                "ename": cap_text(_as_str(content.get("ename")), 1024),
+                "evalue": cap_text(_as_str(content.get("evalue")), room),
                 "traceback": tb,
             }
             if self.stream is not None:
@@ -483,8 +551,22 @@ def _bundle(data: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
-def _bundle_size(b: dict[str, Any]) -> int:
-    return sum(len(v) if isinstance(v, (str, bytes)) else 256 for v in b.values())
+def _fit_reply(reply: CodeRunReply, st: RunState) -> CodeRunReply:
+    """Keep the results, in order, that fit the client's max_frame beside everything else; the
+    rest are dropped and counted, so the status and the streams always arrive."""
+    if not reply["results"]:
+        return reply
+    rest = encoded_size({**reply, "results": []})
+    room = st.max_frame - (rest if rest is not None else st.max_frame) - REPLY_SLACK
+    kept: list[CodeOutputRecord] = []
+    for record, size in zip(st.results, st.result_sizes, strict=True):
+        if size + 16 > room:  # 16: the record's own keys
+            break
+        kept.append(record)
+        room -= size + 16
+    reply["results_dropped"] += len(st.results) - len(kept)
+    reply["results"] = kept
+    return reply
 
 
 class CodeContext:
@@ -631,6 +713,9 @@ class CodeContext:
             list(lines) if lines is not None else None,
             self.manager.services.config.limits,
         )
+        max_frame = getattr(ctx, "max_frame", None)
+        if isinstance(max_frame, int):
+            st.max_frame = max_frame
         st.msg_id = kernel.kc.execute(
             code, silent=silent, store_history=not silent, allow_stdin=lines is not None, stop_on_error=True
         )
@@ -676,7 +761,7 @@ class CodeContext:
             self._interrupted = False
         if st.execution_count is not None:
             self.execution_count = st.execution_count
-        return {
+        reply: CodeRunReply = {
             "context": self.id,
             "status": status,
             "timeout_action": timeout_action,
@@ -689,6 +774,7 @@ class CodeContext:
             "execution_count": st.execution_count,
             "duration_s": time.monotonic() - t0,
         }
+        return _fit_reply(reply, st)
 
     async def _wait_done(self, st: RunState, kernel: Kernel, timeout: float | None) -> str:
         if st.done.is_set():

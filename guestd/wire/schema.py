@@ -661,7 +661,13 @@ _CODE_RESULT = (
     F("exit_reason", "str?", "status died: how the kernel process ended"),
     *_captured("the cell (UTF-8)"),
     F("results", "list<code_output>", "the cell's value and displays, in order", True),
-    F("results_dropped", "uint", "rich results not returned (count or size limit)", True),
+    F(
+        "results_dropped",
+        "uint",
+        "rich results not returned: over 64, over limits.max_output or the client's max_frame (measured "
+        "encoded), or not encodable",
+        True,
+    ),
     F("error", "code_error?", "when the cell raised"),
     F("stdin_exhausted", "bool", "the cell asked for more input lines than were supplied", True),
     F("execution_count", "int?", "the kernel's execution counter for this cell"),
