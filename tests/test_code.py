@@ -501,3 +501,40 @@ def test_results_that_do_not_fit_the_clients_frame_are_dropped_with_counts(kg: G
         await c.close()
 
     asyncio.run(go())
+
+
+def test_new_restarted_and_pooled_kernels_start_from_guestds_state(
+    tmp_path: object, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Issue 21, defect 4: a startup file in an IPython directory the workload can write ran in
+    # every new and restarted kernel (PLANTED=42 in a new context), and connection files (the
+    # kernels' keys) stayed on disk for any workload process to read.
+    d = str(tmp_path)
+    startup = f"{d}/planted/profile_default/startup"
+    os.makedirs(startup)
+    with open(f"{startup}/00-planted.py", "w") as f:
+        f.write("PLANTED = 42\n")
+    monkeypatch.setenv("IPYTHONDIR", f"{d}/planted")  # what the kernels inherited
+    g = start_guestd(d, "--runtime-dir", f"{d}/rt", "--code-pool", "1")
+    try:
+        with g.client() as c:
+            ctx = c.code_create()
+            assert c.code_run("'PLANTED' in dir()", context=ctx["id"]).text == "False"
+            c.code_restart(ctx["id"])
+            assert c.code_run("'PLANTED' in dir()", context=ctx["id"]).text == "False"
+
+            def pool_ready() -> None:
+                for _ in range(600):  # the pool refills in the background
+                    if c.call("code.list")["pool_ready"] >= 1:
+                        return
+                    time.sleep(0.1)
+
+            pool_ready()
+            pooled = c.code_create()
+            assert pooled["pooled"]
+            assert c.code_run("'PLANTED' in dir()", context=pooled["id"]).text == "False"
+            pool_ready()
+            keys = [n for _, _, names in os.walk(f"{d}/rt/kernels") for n in names if n.endswith(".json")]
+            assert keys == [], keys  # three ready kernels, no key on disk
+    finally:
+        g.stop()

@@ -5,7 +5,14 @@ guestd that never runs code does not pay for it in memory or start-up time.
 
 Every wait on a kernel is bounded: runs have a deadline (interrupt, then restart
 after a grace), kernel death is seen at once through a pidfd, and start-up has
-its own timeout.
+its own timeout (then ``unavailable``).
+
+Trust between contexts (SECURITY.md, "code contexts"): every kernel runs as the one
+workload user, so contexts are one trust domain with each other and with every workload
+process: isolation between them is not promised (that needs separate users or VMs). What
+guestd does promise is that a new, restarted or pooled kernel starts from guestd's state,
+not the workload's: an IPython directory only guestd writes, no user site-packages, and
+no key left on disk once the kernel is ready (the connection file is removed).
 """
 
 from __future__ import annotations
@@ -50,7 +57,7 @@ if TYPE_CHECKING:  # the generated message types: annotations only, never import
 log = logging.getLogger("guestd.code")
 
 ANSI = re.compile(r"\x1b\[[0-9;?]*[ -/]*[@-~]")
-KERNEL_START_TIMEOUT_S = 60.0
+KERNEL_START_TIMEOUT_S = 30.0  # then code.create (or the restart) fails as unavailable
 MAX_RESULTS = 64
 DEFAULT_CONTEXT = "default"
 
@@ -113,6 +120,18 @@ def strip_ansi(text: str) -> str:
     return ANSI.sub("", text)
 
 
+def _ipython_dir(runtime_dir: str) -> str:
+    """guestd's IPython directory for every kernel: made by guestd, 0755, with an empty
+    profile. A kernel running as the workload user cannot write it (IPython then keeps its
+    history in a temporary directory of its own)."""
+    d = os.path.join(runtime_dir, "ipython")
+    startup = os.path.join(d, "profile_default", "startup")
+    os.makedirs(startup, mode=0o755, exist_ok=True)
+    for path in (d, os.path.dirname(startup), startup):
+        os.chmod(path, 0o755)
+    return d
+
+
 def _exit_reason(status: int | None) -> str:
     if status is None:
         return "kernel process ended (status unknown)"
@@ -172,8 +191,12 @@ class Kernel:
             os.chown(kdir, *ids)
             km.ip = os.path.join(kdir, self.kid)
             km.connection_file = os.path.join(kdir, f"{self.kid}.json")
-            kenv["IPYTHONDIR"] = os.path.join(kdir, "ipython")
             kenv["HOME"] = kdir  # guestd's HOME is not the workload user's to write
+        # A fresh kernel starts from guestd's state, not the workload's: an IPython directory
+        # guestd made (the workload user cannot write it: no startup files, no profile config)
+        # and no user site-packages (usercustomize). See SECURITY.md, "code contexts".
+        kenv["IPYTHONDIR"] = _ipython_dir(self.services.runtime_dir())
+        kenv["PYTHONNOUSERSITE"] = "1"
         km.write_connection_file()
         if ids is not None:
             os.chown(km.connection_file, *ids)
@@ -200,11 +223,23 @@ class Kernel:
         self.kc = kc
         ready: asyncio.Future[Any] = asyncio.ensure_future(kc.wait_for_ready(timeout=KERNEL_START_TIMEOUT_S))
         waitset: set[asyncio.Future[Any]] = {ready, self.died}
-        done, _ = await asyncio.wait(waitset, return_when=asyncio.FIRST_COMPLETED)
+        done, _ = await asyncio.wait(waitset, timeout=KERNEL_START_TIMEOUT_S + 1, return_when=asyncio.FIRST_COMPLETED)
         if ready not in done:
             ready.cancel()
-            raise GuestdError(ErrorCode.UNAVAILABLE, f"kernel failed to start: {self.died.result()}")
-        ready.result()
+            why = self.died.result() if self.died.done() else f"not ready within {KERNEL_START_TIMEOUT_S:g} s"
+            raise GuestdError(ErrorCode.UNAVAILABLE, f"kernel failed to start: {why}", details={"stage": "start"})
+        try:
+            ready.result()
+        except Exception as exc:  # jupyter_client's own timeout (RuntimeError) or a dead kernel
+            raise GuestdError(
+                ErrorCode.UNAVAILABLE, f"kernel failed to start: {exc}", details={"stage": "start"}
+            ) from None
+        # The kernel has read its connection file and guestd is connected: the key leaves the
+        # disk, so no process that starts later can find it there.
+        try:
+            os.unlink(km.connection_file)
+        except OSError:
+            pass
         # From here on guestd reads the channels itself: one long-lived reader per socket that
         # hands each message to the run in progress, with a lean decode (no date parsing, no
         # protocol adaptation) instead of jupyter_client's per-call poll + deserialize.
