@@ -50,7 +50,9 @@ class Config:
     runtime_dir: str = ""  # private state (kernel connection files); default /run/guestd or a temp dir
     code_pool: int = 1  # pre-started kernels kept ready; 0 disables
     code_prewarm: bool = False  # fill the pool at start-up instead of on first use
+    code_queue_wait_s: float = 600.0  # how long a code.run without timeout_s may wait for its context
     process_retention_s: float = 3600.0  # how long a finished background process stays attachable
+    process_stdin_timeout_s: float = 30.0  # a process.write not taken by the process by then fails
     workspace: str = ""  # guestd's working directory: the default cwd of exec, shells, processes, code
     token_file: str = ""
     log_level: str = "INFO"
@@ -106,12 +108,20 @@ def load_config_file(path: str, cfg: Config) -> Config:
                     cfg.code_pool = _want("code.pool", v, int)
                 elif k == "prewarm":
                     cfg.code_prewarm = _want("code.prewarm", v, bool)
+                elif k == "queue_wait_s":
+                    cfg.code_queue_wait_s = float(_want("code.queue_wait_s", v, (int, float)))
+                    if not cfg.code_queue_wait_s > 0:
+                        raise ConfigError("code.queue_wait_s must be > 0")
                 else:
                     raise ConfigError(f"unknown config key code.{k}")
         elif key == "processes":
             for k, v in _want("processes", value, dict).items():
                 if k == "retention_s":
                     cfg.process_retention_s = float(_want("processes.retention_s", v, (int, float)))
+                elif k == "stdin_timeout_s":
+                    cfg.process_stdin_timeout_s = float(_want("processes.stdin_timeout_s", v, (int, float)))
+                    if not cfg.process_stdin_timeout_s > 0:
+                        raise ConfigError("processes.stdin_timeout_s must be > 0")
                 else:
                     raise ConfigError(f"unknown config key processes.{k}")
         elif key == "policy":

@@ -387,6 +387,23 @@ def test_json_integers_beyond_64_bits_arrive_as_floats(c: Client) -> None:
     assert r.results[0]["data"]["application/json"] == {"a": float(2**70), "b": [1, float("-inf")]}
 
 
+def test_a_display_with_a_huge_integer_arrives_streamed_and_not(kg: Guestd) -> None:
+    # Issue 21, defect 2 (fixed in a082b53, kept here): display(JSON({'n': 10**30})) left no reply.
+    async def go() -> None:
+        c = await AsyncClient.connect(kg.address)
+        code = "from IPython.display import JSON, display\ndisplay(JSON({'n': 10**30}))\nprint('after')"
+        r = await c.code_run(code, deadline=30)
+        assert (r.status, r.stdout) == ("ok", b"after\n")
+        assert r.results[0]["data"]["application/json"] == {"n": 1e30}
+        s = c.code_run_stream(code, deadline=30)
+        events = [(kind, value) async for kind, value in s]
+        assert (await s.result()).status == "ok"
+        assert [v["application/json"] for k, v in events if k == "display"] == [{"n": 1e30}]
+        await c.close()
+
+    asyncio.run(go())
+
+
 def test_forged_kernel_messages_cannot_make_the_reply_unsendable(c: Client) -> None:
     # Code in the kernel holds its session key: it can send any content guestd will read.
     code = (
@@ -409,3 +426,115 @@ def test_a_cell_cannot_write_into_guestds_log(c: Client, kg: Guestd) -> None:
     r = c.code_run(f"import os, time\nos.write(1, b'{line}\\n')\nos.write(2, b'{line}\\n')\ntime.sleep(0.3)")
     assert r.status == "ok"
     assert "forged-log-line" not in kg.log()
+
+
+def test_a_queued_run_counts_its_wait_against_its_timeout_and_the_default_wait_is_bounded(
+    tmp_path: object,
+) -> None:
+    d = str(tmp_path)
+    with open(f"{d}/guestd.toml", "w") as f:
+        f.write("[code]\npool = 0\nqueue_wait_s = 1.5\n")
+    g = start_guestd(d, "--runtime-dir", f"{d}/rt", "--config", f"{d}/guestd.toml")
+
+    async def go() -> None:
+        c = await AsyncClient.connect(g.address)
+        ctx = (await c.code_create())["id"]
+        busy = asyncio.ensure_future(c.code_run("import time\ntime.sleep(60)", context=ctx))
+        for _ in range(500):  # until the long cell holds the context
+            if (await c.code_list())[0]["state"] == "busy":
+                break
+        for timeout_s, bound in ((1.0, 1.0), (None, 1.5)):  # before: ran after the long cell, or never
+            t0 = time.monotonic()
+            with pytest.raises(GuestdError) as ei:
+                await c.code_run("'late'", context=ctx, timeout_s=timeout_s, deadline=30)
+            assert ei.value.code == "timeout" and ei.value.details["stage"] == "queue", ei.value
+            assert bound <= time.monotonic() - t0 < bound + 5
+        await c.code_interrupt(ctx)
+        assert (await busy).status == "interrupted"
+        r = await c.code_run("'next'", context=ctx, timeout_s=10)  # the context still works
+        assert (r.status, r.text) == ("ok", "'next'")
+        await c.close()
+
+    try:
+        asyncio.run(go())
+    finally:
+        g.stop()
+
+
+def _peak_rss(pid: int) -> int:
+    with open(f"/proc/{pid}/status") as f:
+        return next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmHWM:"))
+
+
+def test_large_output_is_held_in_bounded_memory_and_bundles_that_do_not_fit_are_counted(tmp_path: object) -> None:
+    # Issue 21, defect 1. Before: JSON bundles counted as 256 bytes each, 4 x 8 MB -> too_large
+    # (status and stdout lost) with guestd 39 -> 154 MiB; a 100 MB print peaked at 328 MiB.
+    d = str(tmp_path)
+    g = start_guestd(d, "--runtime-dir", f"{d}/rt", "--code-pool", "0")
+    try:
+        with g.client() as c:
+            c.code_run("from IPython.display import JSON, display", deadline=60)
+            base = _peak_rss(g.pid)
+            r = c.code_run(
+                "big = {'k': ['y' * 1000] * 8000}\nfor _ in range(4):\n    display(JSON(big))\n"
+                "display(JSON({'small': 1}))\nprint('status and stdout arrive')",
+                timeout_s=60,
+            )
+            assert (r.status, r.stdout) == ("ok", b"status and stdout arrive\n")
+            assert r.results_dropped == 4 and [x["data"]["application/json"] for x in r.results] == [{"small": 1}]
+            r = c.code_run("print('x' * 40_000_000)", timeout_s=60)
+            assert (r.status, r.stdout_bytes) == ("ok", 40_000_001)
+            grew = (_peak_rss(g.pid) - base) / 2**20
+            assert grew < 24, f"guestd's peak RSS grew {grew:.0f} MiB"  # before: > 100 MiB
+    finally:
+        g.stop()
+
+
+def test_results_that_do_not_fit_the_clients_frame_are_dropped_with_counts(kg: Guestd) -> None:
+    async def go() -> None:
+        c = await AsyncClient.connect(kg.address, max_frame=256 * 1024)
+        code = "from IPython.display import HTML, display\nfor i in range(6):\n    display(HTML('h' * 60_000))\n"
+        code += "print('end')"
+        r = await c.code_run(code, timeout_s=30)  # before: too_large, nothing of the run arrived
+        assert (r.status, r.stdout) == ("ok", b"end\n")
+        assert 1 <= len(r.results) < 6 and len(r.results) + r.results_dropped == 6
+        await c.close()
+
+    asyncio.run(go())
+
+
+def test_new_restarted_and_pooled_kernels_start_from_guestds_state(
+    tmp_path: object, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Issue 21, defect 4: a startup file in an IPython directory the workload can write ran in
+    # every new and restarted kernel (PLANTED=42 in a new context), and connection files (the
+    # kernels' keys) stayed on disk for any workload process to read.
+    d = str(tmp_path)
+    startup = f"{d}/planted/profile_default/startup"
+    os.makedirs(startup)
+    with open(f"{startup}/00-planted.py", "w") as f:
+        f.write("PLANTED = 42\n")
+    monkeypatch.setenv("IPYTHONDIR", f"{d}/planted")  # what the kernels inherited
+    g = start_guestd(d, "--runtime-dir", f"{d}/rt", "--code-pool", "1")
+    try:
+        with g.client() as c:
+            ctx = c.code_create()
+            assert c.code_run("'PLANTED' in dir()", context=ctx["id"]).text == "False"
+            c.code_restart(ctx["id"])
+            assert c.code_run("'PLANTED' in dir()", context=ctx["id"]).text == "False"
+
+            def pool_ready() -> None:
+                for _ in range(600):  # the pool refills in the background
+                    if c.call("code.list")["pool_ready"] >= 1:
+                        return
+                    time.sleep(0.1)
+
+            pool_ready()
+            pooled = c.code_create()
+            assert pooled["pooled"]
+            assert c.code_run("'PLANTED' in dir()", context=pooled["id"]).text == "False"
+            pool_ready()
+            keys = [n for _, _, names in os.walk(f"{d}/rt/kernels") for n in names if n.endswith(".json")]
+            assert keys == [], keys  # three ready kernels, no key on disk
+    finally:
+        g.stop()

@@ -258,3 +258,58 @@ def test_kept_processes_are_bounded_and_expire(fresh_guestd: object) -> None:
         time.sleep(1.2)  # past the 1 s retention
         c.process_start(["true"])  # retention is enforced on each start (and by a periodic sweep)
         assert done[0] not in {p["id"] for p in c.process_list()}
+
+
+def test_concurrent_stdin_writes_arrive_whole_and_in_order(guestd: Guestd) -> None:
+    # Issue 21, defect 6: a second write in flight replaced the first's writer (2 x 200,000
+    # bytes sent, 265,536 received out of order, the first write failing after 30 s).
+    import hashlib
+
+    chunks = [bytes([65 + i]) * 200_000 for i in range(2)] + [bytes([67 + i]) * 4096 for i in range(16)]
+
+    async def go() -> None:
+        c = await AsyncClient.connect(guestd.address)
+        p = await c.process_start(["sha256sum"], stdin=True)
+        written = await asyncio.gather(*(c.process_write(p["id"], ch, deadline=30) for ch in chunks))
+        assert written == [len(ch) for ch in chunks]
+        await c.process_close_stdin(p["id"])
+        assert (await c.process_wait(p["id"], timeout_s=10))["exit_code"] == 0
+        out, _, _ = await c.process_output(p["id"])
+        assert out.split()[0].decode() == hashlib.sha256(b"".join(chunks)).hexdigest()
+        await c.close()
+
+    asyncio.run(go())
+
+
+def test_a_stdin_write_the_process_does_not_take_is_a_typed_timeout(fresh_guestd: object, tmp_path: object) -> None:
+    # Before: io_error with an empty message (TimeoutError is an OSError in Python 3.11).
+    conf = f"{tmp_path}/guestd.toml"
+    with open(conf, "w") as f:
+        f.write("[processes]\nstdin_timeout_s = 1\n")
+    g = fresh_guestd("--config", conf)  # type: ignore[operator]
+
+    async def go() -> None:
+        c = await AsyncClient.connect(g.address)
+        p = await c.process_start(["sleep", "60"], stdin=True)  # never reads
+        first, queued = await asyncio.gather(
+            c.process_write(p["id"], b"x" * 1_000_000, deadline=30),
+            c.process_write(p["id"], b"y", deadline=30),
+            return_exceptions=True,
+        )
+        assert isinstance(first, GuestdError) and first.code == "timeout", first
+        assert 0 < first.details["written"] < 1_000_000 and first.message
+        assert isinstance(queued, GuestdError) and queued.code == "timeout", queued
+        assert queued.details == {"process": p["id"], "written": 0, "stage": "queue"}
+        await c.process_signal(p["id"], "KILL")
+        await c.close()
+
+    asyncio.run(go())
+
+
+def test_a_write_to_an_exited_process_says_it_exited(client: Client) -> None:
+    for kw in ({"pty": True}, {"stdin": True}):
+        p = client.process_start(["true"], **kw)  # type: ignore[arg-type]
+        client.process_wait(p["id"], timeout_s=10)
+        with pytest.raises(GuestdError) as ei:
+            client.process_write(p["id"], "late\r")
+        assert ei.value.code == "bad_request" and "exited" in ei.value.message, (kw, ei.value)

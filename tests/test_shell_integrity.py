@@ -124,3 +124,37 @@ def test_guestctl_shell_run_interrupted_with_ctrl_c_leaves_the_session_in_step(g
                 assert (r.returncode, r.stdout) == (5, b"mine\n"), r
     finally:
         subprocess.run([*base, "shell", "rm", sid], env=env, timeout=60)
+
+
+@pytest.mark.parametrize(
+    "setup",
+    [
+        "IFS=0123456789",  # before: false, exit 3 and (exit 42) all reported 0 (or the run hung)
+        "alias __gd_mark=true __gd_run=true builtin=echo printf=echo",  # before: no status, a timeout
+        "trap false DEBUG; trap true RETURN; set -o functrace",
+    ],
+)
+def test_what_a_command_sets_does_not_change_how_results_are_read(client: Client, setup: str) -> None:
+    sid = client.shell_create()["id"]
+    try:
+        assert client.shell_run(sid, setup, timeout_s=10).exit_code == 0
+        for cmd, code in (("false", 1), ("exit 3", 3), ("(exit 42)", 42), ("echo out", 0)):
+            r = client.shell_run(sid, cmd, timeout_s=10)
+            assert (r.exit_code, r.timed_out, r.session_restarted) == (code, None, False), (cmd, r)
+        assert client.shell_run(sid, "echo still", timeout_s=10).stdout == b"still\n"
+    finally:
+        client.shell_close(sid)
+
+
+def test_exit_under_posix_mode_reports_its_status(client: Client) -> None:
+    # Under `set -o posix` the exit builtin comes before guestd's exit function and ends bash:
+    # the status is bash's exit status (before: none), and the session is restarted.
+    sid = client.shell_create()["id"]
+    try:
+        client.shell_run(sid, "set -o posix; export KEPT=1", timeout_s=10)
+        r = client.shell_run(sid, "exit 3", timeout_s=10)
+        assert (r.exit_code, r.session_restarted) == (3, True), r
+        r = client.shell_run(sid, 'echo "$KEPT"; false', timeout_s=10)
+        assert (r.stdout, r.exit_code) == (b"1\n", 1)
+    finally:
+        client.shell_close(sid)

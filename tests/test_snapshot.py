@@ -175,3 +175,52 @@ def test_guestctl_snapshot_and_restore(sg: Guestd) -> None:
     assert json.loads(gc("snapshot", "prepare").stdout)["synced"]
     rep = json.loads(gc("restore", "--id", "cli-box", "--hostname", "h1", "--entropy-hex", "ab" * 32).stdout)
     assert rep["identity"] == ["sandbox_id", "hostname"] and rep["crng"] == "simulated"
+
+
+@pytest.mark.parametrize(
+    "identity, field",
+    [
+        ({"sandbox_id": "sbx-half", "env": {"A=B": "x"}}, "identity.env.A=B"),  # before: half applied, internal
+        ({"sandbox_id": "sbx-half", "env": {"NUL\0": "x"}}, "identity.env.NUL\0"),
+        ({"sandbox_id": "sbx-half", "env": {"OK": "x\0y"}}, "identity.env.OK"),
+        ({"sandbox_id": "sbx-half", "hostname": "bad host/name"}, "identity.hostname"),
+        ({"sandbox_id": 7}, "identity.sandbox_id"),
+        ({"sandbox_id": "sbx-half", "colour": "red"}, "identity.colour"),
+    ],
+)
+def test_a_restore_with_bad_input_applies_nothing(sg: Guestd, identity: dict[str, object], field: str) -> None:
+    with sg.client() as c:
+        before = c.info().raw["snapshot"]
+        args = {
+            "generation": before["generation"] + 1,
+            "nonce": os.urandom(8).hex(),
+            "time_ns": time.time_ns(),
+            "entropy": os.urandom(32),
+            "identity": identity,
+        }
+        with pytest.raises(GuestdError) as ei:
+            c.call("snapshot.restore", args)
+        assert ei.value.code == "bad_request" and ei.value.details["field"] == field, ei.value
+        assert c.info().raw["snapshot"] == before  # instance id, sandbox id, generation: unchanged
+        assert c.ping() > 0  # this connection was not dropped
+        with pytest.raises(GuestdError) as ei:
+            c.call("snapshot.restore", {**args, "identity": None, "time_ns": -1})
+        assert ei.value.code == "bad_request" and ei.value.details["field"] == "time_ns"
+        assert c.info().raw["snapshot"] == before
+
+
+def test_a_retry_during_the_restore_gets_the_first_report(sg: Guestd) -> None:
+    async def go() -> None:
+        c = await AsyncClient.connect(sg.address)
+        sid = (await c.shell_create())["id"]  # re-seeding it keeps the first restore running a while
+        gen = (await c.info()).raw["snapshot"]["generation"] + 1
+        first, retry = await asyncio.gather(
+            c.restore(generation=gen, nonce="retried", entropy=b"R" * 32),
+            c.restore(generation=gen, nonce="retried", entropy=b"R" * 32),
+        )  # before: the retry was 'stale'
+        assert (first["replayed"], retry["replayed"]) == (False, True)
+        assert retry["instance_id"] == first["instance_id"] and sid in retry["shells_reseeded"]
+        await c.shell_close(sid)
+        await c.close()
+
+    asyncio.run(go())

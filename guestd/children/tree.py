@@ -186,13 +186,16 @@ def _set_if_pending(fut: asyncio.Future[None]) -> None:
         fut.set_result(None)
 
 
-async def write_all(loop: asyncio.AbstractEventLoop, fd: int, data: bytes) -> None:
-    """Write all of ``data`` to a non-blocking pipe or pty, waiting for room as needed."""
+async def write_all(loop: asyncio.AbstractEventLoop, fd: int, data: bytes, sent: list[int] | None = None) -> None:
+    """Write all of ``data`` to a non-blocking pipe or pty, waiting for room as needed.
+    ``sent[0]`` counts the bytes written so far (what went in, should it fail midway)."""
     view = memoryview(data)
     while view:
         try:
             n = os.write(fd, view)
             view = view[n:]
+            if sent is not None:
+                sent[0] += n
             continue
         except BlockingIOError:
             pass

@@ -5,7 +5,14 @@ guestd that never runs code does not pay for it in memory or start-up time.
 
 Every wait on a kernel is bounded: runs have a deadline (interrupt, then restart
 after a grace), kernel death is seen at once through a pidfd, and start-up has
-its own timeout.
+its own timeout (then ``unavailable``).
+
+Trust between contexts (SECURITY.md, "code contexts"): every kernel runs as the one
+workload user, so contexts are one trust domain with each other and with every workload
+process: isolation between them is not promised (that needs separate users or VMs). What
+guestd does promise is that a new, restarted or pooled kernel starts from guestd's state,
+not the workload's: an IPython directory only guestd writes, no user site-packages, and
+no key left on disk once the kernel is ready (the connection file is removed).
 """
 
 from __future__ import annotations
@@ -50,13 +57,79 @@ if TYPE_CHECKING:  # the generated message types: annotations only, never import
 log = logging.getLogger("guestd.code")
 
 ANSI = re.compile(r"\x1b\[[0-9;?]*[ -/]*[@-~]")
-KERNEL_START_TIMEOUT_S = 60.0
+KERNEL_START_TIMEOUT_S = 30.0  # then code.create (or the restart) fails as unavailable
 MAX_RESULTS = 64
 DEFAULT_CONTEXT = "default"
 
 
+DROPPED_MIME = "application/vnd.guestd.dropped+json"  # guestd.code.kernel: a bundle it did not send
+REPLY_SLACK = 1024  # bytes of a reply's frame beyond its measured fields
+
+
+def kernel_content_cap(limits: Any) -> int:
+    """Bytes of one message content a kernel sends as is (guestd.code.kernel makes larger ones
+    small): twice a run's result budget (JSON carries images as base64), and room for a
+    stream piece (256 Ki characters) or an echoed cell."""
+    return 2 * int(limits.max_output) + 2 * 1024 * 1024
+
+
+def kernel_max_message(limits: Any) -> int:
+    """ZMQ_MAXMSGSIZE of guestd's kernel sockets: a message part larger than this (only a
+    forged one can be) is refused by libzmq before guestd holds it; its connection resets."""
+    return max(kernel_content_cap(limits), int(limits.max_frame)) + 1024 * 1024
+
+
+KERNEL_RCVHWM = 8
+_zmq_contexts: dict[int, Any] = {}
+
+
+def _zmq_context(limits: Any) -> Any:
+    """One zmq context for every kernel client, its sockets capped at kernel_max_message."""
+    cap = kernel_max_message(limits)
+    ctx = _zmq_contexts.get(cap)
+    if ctx is None:
+        import zmq
+        import zmq.asyncio
+
+        ctx = zmq.asyncio.Context()
+        ctx.setsockopt(zmq.MAXMSGSIZE, cap)
+        # At most this many messages wait in guestd per socket; the kernel's iopub then waits
+        # (XPUB_NODROP, guestd.code.kernel) instead of guestd buffering a fast cell's output.
+        ctx.setsockopt(zmq.RCVHWM, KERNEL_RCVHWM)
+        _zmq_contexts[cap] = ctx
+    return ctx
+
+
+def encoded_size(value: Any) -> int | None:
+    """Bytes ``value`` takes in a msgpack frame; None when msgpack cannot carry it at all."""
+    try:
+        return len(msgpack.packb(value, use_bin_type=True))
+    except (TypeError, ValueError, OverflowError):
+        return None
+
+
+def cap_text(text: str, limit: int) -> str:
+    """At most ``limit`` UTF-8 bytes of ``text`` (its start), cut at a character boundary."""
+    if len(text) <= limit // 4:
+        return text
+    data = text.encode("utf-8")
+    return text if len(data) <= limit else data[:limit].decode("utf-8", "ignore")
+
+
 def strip_ansi(text: str) -> str:
     return ANSI.sub("", text)
+
+
+def _ipython_dir(runtime_dir: str) -> str:
+    """guestd's IPython directory for every kernel: made by guestd, 0755, with an empty
+    profile. A kernel running as the workload user cannot write it (IPython then keeps its
+    history in a temporary directory of its own)."""
+    d = os.path.join(runtime_dir, "ipython")
+    startup = os.path.join(d, "profile_default", "startup")
+    os.makedirs(startup, mode=0o755, exist_ok=True)
+    for path in (d, os.path.dirname(startup), startup):
+        os.chmod(path, 0o755)
+    return d
 
 
 def _exit_reason(status: int | None) -> str:
@@ -102,6 +175,7 @@ class Kernel:
         from guestd.config import PRIVATE_ENV
 
         kenv.update(PRIVATE_ENV)  # the kernel runs guestd's own Python
+        kenv["GUESTD_KERNEL_MAX_CONTENT"] = str(kernel_content_cap(self.services.config.limits))
         kenv.setdefault("PYTHONUNBUFFERED", "1")
         kenv["MPLBACKEND"] = kenv.get("MPLBACKEND", "module://matplotlib_inline.backend_inline")
         self.km = km
@@ -117,8 +191,12 @@ class Kernel:
             os.chown(kdir, *ids)
             km.ip = os.path.join(kdir, self.kid)
             km.connection_file = os.path.join(kdir, f"{self.kid}.json")
-            kenv["IPYTHONDIR"] = os.path.join(kdir, "ipython")
             kenv["HOME"] = kdir  # guestd's HOME is not the workload user's to write
+        # A fresh kernel starts from guestd's state, not the workload's: an IPython directory
+        # guestd made (the workload user cannot write it: no startup files, no profile config)
+        # and no user site-packages (usercustomize). See SECURITY.md, "code contexts".
+        kenv["IPYTHONDIR"] = _ipython_dir(self.services.runtime_dir())
+        kenv["PYTHONNOUSERSITE"] = "1"
         km.write_connection_file()
         if ids is not None:
             os.chown(km.connection_file, *ids)
@@ -140,16 +218,28 @@ class Kernel:
         self.child.watch(self._on_exit, 0.2)
         # No parent: jupyter_client would ask the manager whether the kernel lives, and the manager
         # did not start it (guestd.children did), so it would say no; self.died answers instead.
-        kc = km.client(parent=None)
+        kc = km.client(parent=None, context=_zmq_context(self.services.config.limits))
         kc.start_channels(hb=False)  # liveness comes from the pidfd; no heartbeat thread
         self.kc = kc
         ready: asyncio.Future[Any] = asyncio.ensure_future(kc.wait_for_ready(timeout=KERNEL_START_TIMEOUT_S))
         waitset: set[asyncio.Future[Any]] = {ready, self.died}
-        done, _ = await asyncio.wait(waitset, return_when=asyncio.FIRST_COMPLETED)
+        done, _ = await asyncio.wait(waitset, timeout=KERNEL_START_TIMEOUT_S + 1, return_when=asyncio.FIRST_COMPLETED)
         if ready not in done:
             ready.cancel()
-            raise GuestdError(ErrorCode.UNAVAILABLE, f"kernel failed to start: {self.died.result()}")
-        ready.result()
+            why = self.died.result() if self.died.done() else f"not ready within {KERNEL_START_TIMEOUT_S:g} s"
+            raise GuestdError(ErrorCode.UNAVAILABLE, f"kernel failed to start: {why}", details={"stage": "start"})
+        try:
+            ready.result()
+        except Exception as exc:  # jupyter_client's own timeout (RuntimeError) or a dead kernel
+            raise GuestdError(
+                ErrorCode.UNAVAILABLE, f"kernel failed to start: {exc}", details={"stage": "start"}
+            ) from None
+        # The kernel has read its connection file and guestd is connected: the key leaves the
+        # disk, so no process that starts later can find it there.
+        try:
+            os.unlink(km.connection_file)
+        except OSError:
+            pass
         # From here on guestd reads the channels itself: one long-lived reader per socket that
         # hands each message to the run in progress, with a lean decode (no date parsing, no
         # protocol adaptation) instead of jupyter_client's per-call poll + deserialize.
@@ -163,6 +253,7 @@ class Kernel:
         session = self.kc.session
         while True:
             frames = await sock.recv_multipart()
+            await asyncio.sleep(0)  # a fast cell's messages must not hold the loop (pings, other runs)
             try:
                 msg = _decode(session, frames)
             except Exception:
@@ -269,6 +360,7 @@ class RunState:
     input_lines: list[str] | None
     limits: Any
     results: list[CodeOutputRecord] = field(default_factory=list)
+    result_sizes: list[int] = field(default_factory=list)  # encoded bytes of each kept result
     results_dropped: int = 0
     results_bytes: int = 0
     error: CodeErrorRecord | None = None
@@ -278,6 +370,7 @@ class RunState:
     replied: bool = False
     done: asyncio.Event = field(default_factory=asyncio.Event)
     stdin_exhausted: bool = False
+    max_frame: int = 1 << 62  # the client's: the reply and every event must fit it
 
     async def on_iopub(self, msg: dict[str, Any]) -> None:
         mtype = msg["msg_type"]
@@ -296,11 +389,17 @@ class RunState:
             else:
                 cap.feed(data)
         elif mtype in ("execute_result", "display_data"):
-            bundle = _bundle(content.get("data", {}))
+            data = content.get("data")
+            if not isinstance(data, dict) or DROPPED_MIME in data:
+                self.results_dropped += 1  # the kernel sent only its size: too large to carry
+                return
+            bundle = _bundle(data)
             kind: CodeOutputKind = "result" if mtype == "execute_result" else "display"
-            size = _bundle_size(bundle)
-            if self.stream is not None:
-                if size <= self.limits.max_chunk:
+            size = encoded_size(bundle)  # what it really takes in the reply, not a guess
+            if size is None:
+                self.results_dropped += 1  # nothing msgpack can carry (guestd converts what it can)
+            elif self.stream is not None:
+                if size + REPLY_SLACK <= min(self.limits.max_chunk, self.max_frame):
                     await self.stream.send_event({"ev": kind, "bundle": bundle})
                 else:
                     self.results_dropped += 1
@@ -308,15 +407,19 @@ class RunState:
                 self.results_dropped += 1
             else:
                 self.results.append({"kind": kind, "data": bundle})
+                self.result_sizes.append(size)
                 self.results_bytes += size
         elif mtype == "error":
             lines = content.get("traceback")
             tb = [_as_str(t) for t in lines] if isinstance(lines, list) else []
             if self.strip:
                 tb = [strip_ansi(t) for t in tb]
+            room = self.limits.max_output // 4  # an error never crowds out the status and the streams
+            while tb and sum(len(t) for t in tb) > room:
+                tb.pop(0)  # the last lines (where it was raised) are kept
             self.error = {
-                "ename": _as_str(content.get("ename")),
-                "evalue": _as_str(content.get("evalue")),
+                "ename": cap_text(_as_str(content.get("ename")), 1024),
+                "evalue": cap_text(_as_str(content.get("evalue")), room),
                 "traceback": tb,
             }
             if self.stream is not None:
@@ -483,8 +586,22 @@ def _bundle(data: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
-def _bundle_size(b: dict[str, Any]) -> int:
-    return sum(len(v) if isinstance(v, (str, bytes)) else 256 for v in b.values())
+def _fit_reply(reply: CodeRunReply, st: RunState) -> CodeRunReply:
+    """Keep the results, in order, that fit the client's max_frame beside everything else; the
+    rest are dropped and counted, so the status and the streams always arrive."""
+    if not reply["results"]:
+        return reply
+    rest = encoded_size({**reply, "results": []})
+    room = st.max_frame - (rest if rest is not None else st.max_frame) - REPLY_SLACK
+    kept: list[CodeOutputRecord] = []
+    for record, size in zip(st.results, st.result_sizes, strict=True):
+        if size + 16 > room:  # 16: the record's own keys
+            break
+        kept.append(record)
+        room -= size + 16
+    reply["results_dropped"] += len(st.results) - len(kept)
+    reply["results"] = kept
+    return reply
 
 
 class CodeContext:
@@ -535,13 +652,25 @@ class CodeContext:
         limits = self.manager.services.config.limits
         if self.waiting >= limits.max_code_queue:
             raise limit_error("max_code_queue", limits.max_code_queue, f"context {self.id} has too many queued runs")
+        # The timeout covers the wait in the queue; without one the wait has its own bound
+        # (config code.queue_wait_s). A run that never got the context fails as 'timeout'.
+        loop = asyncio.get_running_loop()
+        queued_at = loop.time()
+        budget = opts["timeout_s"] if opts["timeout_s"] is not None else self.manager.services.config.code_queue_wait_s
         self.waiting += 1
         try:
-            await self.lock.acquire()
+            await asyncio.wait_for(self.lock.acquire(), budget)
+        except TimeoutError:
+            raise self._queue_timeout(budget) from None
         finally:
             self.waiting -= 1
         handed_off = False
         try:
+            if opts["timeout_s"] is not None:
+                left = opts["timeout_s"] - (loop.time() - queued_at)
+                if left <= 0:
+                    raise self._queue_timeout(budget)
+                opts = {**opts, "timeout_s": left}
             self.busy = True
             return await self._run_locked(code, opts, ctx)
         except asyncio.CancelledError:
@@ -556,6 +685,13 @@ class CodeContext:
                 self.busy = False
                 self.last_activity = time.time()
                 self.lock.release()
+
+    def _queue_timeout(self, waited: float) -> GuestdError:
+        return GuestdError(
+            ErrorCode.TIMEOUT,
+            f"context {self.id} stayed busy for {waited:g} s; the cell was not run",
+            details={"stage": "queue", "context": self.id, "waited_s": waited},
+        )
 
     async def _settle(self, st: RunState, kernel: Kernel, grace: float) -> None:
         try:
@@ -612,6 +748,9 @@ class CodeContext:
             list(lines) if lines is not None else None,
             self.manager.services.config.limits,
         )
+        max_frame = getattr(ctx, "max_frame", None)
+        if isinstance(max_frame, int):
+            st.max_frame = max_frame
         st.msg_id = kernel.kc.execute(
             code, silent=silent, store_history=not silent, allow_stdin=lines is not None, stop_on_error=True
         )
@@ -657,7 +796,7 @@ class CodeContext:
             self._interrupted = False
         if st.execution_count is not None:
             self.execution_count = st.execution_count
-        return {
+        reply: CodeRunReply = {
             "context": self.id,
             "status": status,
             "timeout_action": timeout_action,
@@ -670,6 +809,7 @@ class CodeContext:
             "execution_count": st.execution_count,
             "duration_s": time.monotonic() - t0,
         }
+        return _fit_reply(reply, st)
 
     async def _wait_done(self, st: RunState, kernel: Kernel, timeout: float | None) -> str:
         if st.done.is_set():

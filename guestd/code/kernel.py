@@ -4,7 +4,8 @@ Runs inside the kernel, before ipykernel starts:
 - asks the Linux kernel to SIGKILL this process when guestd (its parent) dies, so
   a crashed guestd never leaves orphan kernels behind (start-up reaping covers the rest);
 - packs its messages with ``pack_message`` (below), so that text holding lone surrogates
-  still reaches guestd;
+  still reaches guestd, and a content larger than guestd takes is made small here (a bundle
+  becomes a note of its size); long stream writes go out in pieces;
 - then hands over to ipykernel's normal launcher.
 """
 
@@ -18,6 +19,11 @@ import sys
 from typing import Any
 
 PR_SET_PDEATHSIG = 1
+
+
+STREAM_PIECE = 256 * 1024  # characters of stream text per message (a 100 MB print: 400 messages)
+DROPPED_MIME = "application/vnd.guestd.dropped+json"  # a bundle too large to send: its size instead
+_max_content = 0  # bytes of one message's content; 0: no cap (set by main from GUESTD_KERNEL_MAX_CONTENT)
 
 
 def pack_message(obj: Any) -> bytes:
@@ -34,7 +40,76 @@ def pack_message(obj: Any) -> bytes:
         text = json.dumps(obj, default=json_default, ensure_ascii=False, allow_nan=False)
     except (TypeError, ValueError):  # not JSON as it stands: clean it, like the stock packer
         text = json.dumps(json_clean(obj), default=json_default, ensure_ascii=False, allow_nan=False)
-    return text.encode("utf-8", "surrogatepass")
+    out = text.encode("utf-8", "surrogatepass")
+    if _max_content and len(out) > _max_content and isinstance(obj, dict):
+        return _capped(obj, len(out)) or out
+    return out
+
+
+def _capped(content: dict[str, Any], size: int) -> bytes | None:
+    """A message content over the cap, made small: guestd would drop it anyway, and must never
+    hold it whole. A bundle (display, result) becomes a note of its size, which guestd counts
+    in ``results_dropped``; an error keeps the ends of its text."""
+    if isinstance(content.get("data"), dict):
+        small = {**content, "data": {DROPPED_MIME: {"bytes": size}}, "metadata": {}}
+    elif "traceback" in content or "evalue" in content:
+        room = _max_content // 4
+        lines = content.get("traceback")
+        tb = [str(t)[-room:] for t in lines[-32:]] if isinstance(lines, list) else []
+        while tb and sum(len(t) for t in tb) > room:
+            tb.pop(0)
+        small = {**content, "evalue": str(content.get("evalue", ""))[:room], "traceback": tb}
+    elif isinstance(content.get("code"), str):  # execute_input echoes the cell; guestd reads only the count
+        small = {**content, "code": ""}
+    else:
+        return None  # nothing honest is this large; guestd's socket refuses what exceeds its limit
+    return json.dumps(small, ensure_ascii=True, default=str).encode()
+
+
+def _split_long_streams() -> None:
+    """Send a long stream write as pieces of STREAM_PIECE characters: what guestd holds while it
+    decodes one message stays bounded (one 100 MB print was one 100 MB message)."""
+    from jupyter_client.session import Session
+
+    original = Session.send
+
+    def send(self: Session, stream: Any, msg_or_type: Any, *args: Any, **kw: Any) -> Any:
+        if isinstance(msg_or_type, dict) and msg_or_type.get("msg_type") == "stream":
+            content = msg_or_type.get("content") or {}
+            text = content.get("text")
+            if isinstance(text, str) and len(text) > STREAM_PIECE:
+                sent = None
+                for i in range(0, len(text), STREAM_PIECE):
+                    piece = self.msg(
+                        "stream",
+                        {**content, "text": text[i : i + STREAM_PIECE]},
+                        parent=msg_or_type.get("parent_header"),
+                    )
+                    sent = original(self, stream, piece, *args, **kw)
+                return sent
+        return original(self, stream, msg_or_type, *args, **kw)
+
+    Session.send = send  # type: ignore[method-assign]
+
+
+def _iopub_waits_instead_of_dropping() -> None:
+    """XPUB_NODROP on the iopub socket: when guestd reads slower than a cell writes, the kernel's
+    output thread waits (and the cell's writes queue in the kernel, the workload's memory)
+    instead of dropping messages. guestd keeps only a few messages queued (RCVHWM), so what
+    it holds stays bounded and nothing is lost."""
+    import zmq
+    from ipykernel.kernelapp import IPKernelApp
+
+    original = IPKernelApp.init_iopub
+
+    def init_iopub(self: IPKernelApp, context: zmq.Context[Any]) -> None:
+        context.setsockopt(zmq.XPUB_NODROP, 1)  # applies to the sockets made next: iopub's
+        try:
+            original(self, context)  # type: ignore[no-untyped-call]
+        finally:
+            context.sockopts.pop(zmq.XPUB_NODROP, None)
+
+    IPKernelApp.init_iopub = init_iopub  # type: ignore[method-assign]
 
 
 def main() -> None:
@@ -45,6 +120,12 @@ def main() -> None:
     expected = os.environ.pop("GUESTD_PARENT_PID", "")
     if expected and os.getppid() != int(expected):
         sys.exit(1)  # guestd died before the prctl took effect: nobody owns us
+    # This file runs as __main__; the packer is imported by name: set the cap in that module.
+    from guestd.code import kernel
+
+    kernel._max_content = int(os.environ.pop("GUESTD_KERNEL_MAX_CONTENT", "0") or 0)
+    _split_long_streams()
+    _iopub_waits_instead_of_dropping()
     from ipykernel import kernelapp
 
     kernelapp.launch_new_instance(argv=[*sys.argv[1:], "--Session.packer=guestd.code.kernel.pack_message"])

@@ -45,6 +45,10 @@ class ManagedProcess:
         self.leaf: RunCgroup | None = None
         self._fds: dict[str, int] = {}  # streams still being read
         self._waiters: list[asyncio.Future[None]] = []
+        self._write_lock = asyncio.Lock()  # FIFO: process.write calls go in one at a time, in order
+        self._writes_queued = 0  # process.write calls received so far
+        self._writes_failed_below = 0  # writes numbered below this one fail unsent (one before tore)
+        self._stdin_closed = False
 
     @property
     def pty_fd(self) -> int | None:
@@ -156,28 +160,80 @@ class ManagedProcess:
         raise GuestdError(ErrorCode.BAD_REQUEST, f"process {self.id} has exited", details={"process": self.id})
 
     async def write_stdin(self, data: bytes) -> int:
+        """Write all of ``data``, after the writes that arrived before it (one at a time, in
+        arrival order: a paste sent as concurrent chunks arrives whole and in order).
+
+        The deadline counts from arrival, the wait behind earlier writes included. A write that
+        fails or times out says how much of it went in (``details.written``); the writes queued
+        behind it fail as well (``details.stage: queue``), so nothing follows a torn write."""
+        loop = asyncio.get_running_loop()
+        limit_s = self.table.services.config.process_stdin_timeout_s
+        deadline = loop.time() + limit_s
+        seq = self._writes_queued
+        self._writes_queued += 1
+        try:
+            async with asyncio.timeout_at(deadline):
+                await self._write_lock.acquire()
+        except TimeoutError:
+            raise GuestdError(
+                ErrorCode.TIMEOUT,
+                f"process {self.id} did not read its stdin within {limit_s:g} s (earlier writes pending)",
+                details={"process": self.id, "written": 0, "stage": "queue"},
+            ) from None
+        try:
+            if seq < self._writes_failed_below:
+                raise GuestdError(
+                    ErrorCode.IO_ERROR,
+                    f"an earlier write to process {self.id} failed; this one was not sent",
+                    details={"process": self.id, "written": 0, "stage": "queue"},
+                )
+            fd = self._stdin_fd()
+            sent = [0]
+            try:
+                async with asyncio.timeout_at(deadline):
+                    await write_all(loop, fd, data, sent)
+            except BaseException as exc:
+                self._writes_failed_below = self._writes_queued  # what waits behind a torn write
+                raise self._write_error(exc, sent[0], limit_s) from None
+            return len(data)
+        finally:
+            self._write_lock.release()
+
+    def _stdin_fd(self) -> int:
+        if not self.running:
+            raise GuestdError(
+                ErrorCode.BAD_REQUEST, f"process {self.id} has exited", details={"process": self.id, "written": 0}
+            )
         fd = self.pty_fd if self.pty_fd is not None else (self.child.stdin if self.child is not None else None)
         if fd is None:
-            raise GuestdError(
-                ErrorCode.BAD_REQUEST,
-                f"process {self.id} has no stdin (start it with stdin or pty)",
-                details={"process": self.id},
+            why = (
+                "closed its stdin (process.close_stdin)"
+                if self._stdin_closed
+                else "has no stdin (start it with stdin or pty)"
             )
-        try:
-            await asyncio.wait_for(write_all(asyncio.get_running_loop(), fd, data), 30.0)
-        except (BrokenPipeError, OSError) as exc:
-            raise (
-                GuestdError.from_os_error(exc)
-                if not isinstance(exc, BrokenPipeError)
-                else GuestdError(
-                    ErrorCode.BAD_REQUEST, f"process {self.id} closed its stdin", details={"process": self.id}
-                )
-            ) from None
-        except TimeoutError:
-            raise GuestdError(ErrorCode.TIMEOUT, "the process did not read its stdin within 30 s") from None
-        return len(data)
+            raise GuestdError(
+                ErrorCode.BAD_REQUEST, f"process {self.id} {why}", details={"process": self.id, "written": 0}
+            )
+        return fd
+
+    def _write_error(self, exc: BaseException, written: int, limit_s: float) -> BaseException:
+        details = {"process": self.id, "written": written}
+        # TimeoutError is an OSError in Python 3.11: test it first.
+        if isinstance(exc, TimeoutError):
+            return GuestdError(
+                ErrorCode.TIMEOUT,
+                f"process {self.id} did not read its stdin within {limit_s:g} s ({written} bytes went in)",
+                details=details,
+            )
+        if isinstance(exc, BrokenPipeError) or (isinstance(exc, OSError) and not self.running):
+            state = "has exited" if not self.running else "closed its stdin"
+            return GuestdError(ErrorCode.BAD_REQUEST, f"process {self.id} {state}", details=details)
+        if isinstance(exc, OSError):
+            return GuestdError.from_os_error(exc, **details)
+        return exc  # cancelled: the request is gone
 
     def close_stdin(self) -> None:
+        self._stdin_closed = True
         if self.pty_fd is not None:
             # A terminal has no half-close: send EOF the way a user would (^D at line start).
             os.write(self.pty_fd, b"\x04")

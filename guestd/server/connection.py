@@ -137,6 +137,11 @@ class RequestContext:
                 fields["offset"] += len(piece)
             await self.conn.drain()
 
+    @property
+    def max_frame(self) -> int:
+        """The largest frame payload the client takes: replies and events must fit it."""
+        return self.conn.session.peer_max_frame
+
     def data_room(self, fields: Mapping[str, Any]) -> int:
         """Data bytes the next frame may carry now (0: out of credit, or the request ended)."""
         return self.conn.session.data_room(self.stream, fields)

@@ -13,9 +13,12 @@ How a command runs, without markers in the user's output:
   command. (A command can still reprogram bash itself, e.g. with a DEBUG trap, and with it
   what later commands of its session do: PROTOCOL.md 10.)
 - ``exit``/``logout`` are shell functions that return from the command, so
-  ``exit 3`` gives status 3 and keeps the session. The command runs in an ``if``
-  condition, so ``set -e`` cannot end the session (and has no effect inside it).
-  ``builtin exit``, ``exec``, or a command that ignores SIGINT inside bash itself
+  ``exit 3`` gives status 3 and keeps the session (under ``set -o posix`` the builtin
+  comes first and ends bash: bash's exit status is then the command's).
+- guestd's lines do not depend on what commands set: expansions are quoted (IFS) and its
+  functions are called with a backslash (no alias applies) and are read-only.
+- The command runs in an ``if`` condition, so ``set -e`` cannot end the session (and has
+  no effect inside it). ``builtin exit``, ``exec``, or a command that ignores SIGINT inside bash itself
   (``trap '' INT; while :; do :; done``) past its timeout end bash: the session is
   restarted with the last cwd and exported variables, and the result says so.
 - guestd's functions are defined by sourcing a file named ``bash``, and the command's
@@ -40,7 +43,7 @@ import time
 from typing import TYPE_CHECKING, Any, Literal
 
 from guestd.capture import OutputCapture, capture_fields
-from guestd.children import PIPE, Child
+from guestd.children import PIPE, Child, exit_info
 from guestd.children.options import check_cwd
 from guestd.children.tree import descendants, read_chunk, signal_each, signal_group, write_all
 from guestd.services import derive, reseed_each
@@ -227,7 +230,7 @@ class Session:
         if replay_exports and self.exports:
             script += self.exports + "\n"  # a restarted session keeps its exported environment
         nonce = self._expect()
-        script += f"__gd_mark 0 {nonce}\n"
+        script += f"\\__gd_mark 0 '{nonce}'\n"
         try:
             await asyncio.wait_for(self._send(script), 30.0)
             await asyncio.wait_for(asyncio.shield(self._marker_future()), 30.0)
@@ -426,14 +429,19 @@ class Session:
         # this command ends everything else in the session's cgroup, wherever it went.
         self._before = set(self.child.cgroup.pids()) if self.child.cgroup is not None else set()
         nonce = self._expect()
+        # What earlier commands set must not bend this line: every expansion is quoted (IFS),
+        # guestd's functions are called as \name (no alias applies; they are read-only).
         script = (
             f"__gd_cmd={ansi_c_quote(a['command'])}\n"
-            f"if __gd_run < {src} {CTL_FD}>&-; then __gd_mark 0 {nonce}; else __gd_mark $? {nonce}; fi\n"
+            f"if \\__gd_run < {src} {CTL_FD}>&-; then \\__gd_mark 0 '{nonce}'; "
+            f"else \\__gd_mark \"$?\" '{nonce}'; fi\n"
         )
         timed_out: ShellRunTimedOut | None = None
         interrupted = False
         restarted = False
         result: tuple[int, str, str] | None = None
+        outcome = None
+        bash_status: int | None = None
         # The script goes in while the deadline runs: a bash that does not read (stopped by a
         # job, busy) must not hold the session past the command's timeout.
         send = asyncio.ensure_future(self._send(script))
@@ -448,6 +456,7 @@ class Session:
                     await self._kill_command_processes(self.child.cgroup)
             elif outcome == "exited":
                 restarted = True
+                bash_status = self.child.status
             if not send.done() or send.cancelled() or send.exception() is not None:
                 restarted = True  # bash got part of the script at most: it cannot be trusted in step
             if not restarted:
@@ -468,6 +477,11 @@ class Session:
         if count:
             self.commands += 1
         code = result[0] if result else None
+        if outcome == "exited" and bash_status is not None:
+            # bash itself ended during the command (`builtin exit 3`, `exec prog`, or `exit 3`
+            # under `set -o posix`, where the builtin comes before guestd's function): its
+            # exit status is the command's, as with `bash -c`.
+            code = exit_info(bash_status)["exit_code"]
         if result:
             self.cwd = result[1]
             self.exports = result[2]

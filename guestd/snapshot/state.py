@@ -24,8 +24,9 @@ from __future__ import annotations
 
 import asyncio
 import os
+import re
 import time
-from typing import TYPE_CHECKING, Any, cast
+from typing import TYPE_CHECKING, Any, NamedTuple, cast
 
 from guestd.services import derive
 from guestd.wire.errors import ErrorCode, GuestdError
@@ -106,6 +107,60 @@ class Privileged:
         return removed
 
 
+HOSTNAME = re.compile(r"[A-Za-z0-9](?:[A-Za-z0-9.-]{0,62}[A-Za-z0-9])?")  # sethostname: <= 64 bytes
+CLOCK_MAX_NS = 2**63 - 1  # what clock_settime takes (time_t in ns)
+
+
+class Identity(NamedTuple):
+    """A restore's identity, checked whole before anything is applied."""
+
+    sandbox_id: str | None
+    hostname: str | None
+    env: dict[str, str] | None
+    token: str | None
+
+
+def _bad(field: str, why: str) -> GuestdError:
+    return GuestdError(
+        ErrorCode.BAD_REQUEST, f"snapshot.restore: {field} {why}; nothing was applied", details={"field": field}
+    )
+
+
+def _checked_identity(args: SnapshotRestoreArgs) -> Identity:
+    """Every input of a restore, checked before any step runs: bad input changes nothing."""
+    if not 0 <= args["time_ns"] <= CLOCK_MAX_NS:
+        raise _bad("time_ns", "is outside what the clock can be set to")
+    raw = args["identity"] or {}
+    known = {"sandbox_id", "hostname", "env", "token"}
+    for key in raw:
+        if key not in known:
+            raise _bad(f"identity.{key}", "is not an identity field (sandbox_id, hostname, env, token)")
+
+    def text(key: str) -> str | None:
+        value = raw.get(key)
+        if value is None or value == "":
+            return None
+        if not isinstance(value, str):
+            raise _bad(f"identity.{key}", "must be a string")
+        if "\0" in value or "\n" in value:
+            raise _bad(f"identity.{key}", "must not hold NUL or a newline")
+        return value
+
+    sandbox_id, hostname, token = text("sandbox_id"), text("hostname"), text("token")
+    if hostname is not None and not HOSTNAME.fullmatch(hostname):
+        raise _bad("identity.hostname", "must be 1-64 letters, digits, '-' or '.'")
+    env = raw.get("env")
+    if env is not None:
+        if not isinstance(env, dict):
+            raise _bad("identity.env", "must be a map of strings")
+        for k, v in env.items():
+            if not isinstance(k, str) or not isinstance(v, str):
+                raise _bad(f"identity.env.{k}", "must map a string to a string")
+            if not k or "=" in k or "\0" in k or "\0" in v:
+                raise _bad(f"identity.env.{k}", "is not a valid environment entry (a name without '=' or NUL)")
+    return Identity(sandbox_id, hostname, env, token)
+
+
 # Ops that never wait behind a quiesce (health checks and the snapshot ops themselves).
 UNGATED_WHEN_QUIESCED = frozenset({"ping", "info", "snapshot.prepare", "snapshot.resume", "snapshot.restore"})
 
@@ -124,6 +179,7 @@ class SnapshotState:
         self.suspected_restore = False
         self.restored_at: float | None = None
         self.lock = asyncio.Lock()
+        self._inflight: dict[str, asyncio.Future[SnapshotRestoreReply]] = {}  # nonce -> its running restore
 
     def gate(self, op: str) -> asyncio.Event | None:
         """The event a new request must wait for, or None. During a restore everything but the
@@ -172,31 +228,57 @@ class SnapshotState:
         nonce = args["nonce"]
         if nonce in self.nonces:
             return {**self.nonces[nonce], "replayed": True}
+        running = self._inflight.get(nonce)
+        if running is not None:  # a retry while the first call still runs: its report, once it has one
+            return {**await asyncio.shield(running), "replayed": True}
+        identity = _checked_identity(args)  # every input, before anything changes
         gen = args["generation"]
+        self._check_generation(gen)
+        first: asyncio.Future[SnapshotRestoreReply] = asyncio.get_running_loop().create_future()
+        self._inflight[nonce] = first
+        try:
+            async with self.lock:
+                self._check_generation(gen)  # another restore may have run while this one waited
+                self.ready.clear()  # the barrier: other requests wait until the guest is fresh
+                t0 = time.monotonic()
+                try:
+                    report = await self._restore_locked(args, identity, origin, gen)
+                finally:
+                    self.quiesced = False
+                    self.ready.set()
+                report["duration_s"] = time.monotonic() - t0
+                self.nonces[nonce] = report
+                if len(self.nonces) > 64:
+                    self.nonces.pop(next(iter(self.nonces)))
+        except BaseException as exc:
+            # A retry waiting for this call fails the same way (a cancelled first call: unavailable).
+            first.set_exception(
+                exc
+                if isinstance(exc, Exception)
+                else GuestdError(ErrorCode.UNAVAILABLE, f"the restore with nonce {nonce!r} was cancelled")
+            )
+            first.exception()  # retrieved: there may be no retry
+            raise
+        else:
+            first.set_result(report)
+            return report
+        finally:
+            del self._inflight[nonce]
+
+    def _check_generation(self, gen: int) -> None:
         if gen <= self.generation:
             raise GuestdError(
                 ErrorCode.STALE,
                 f"generation {gen} is not newer than the current {self.generation}",
                 details={"generation": self.generation},
             )
-        entropy: bytes = args["entropy"]
-        async with self.lock:
-            self.ready.clear()  # the barrier: other requests wait until the guest is fresh
-            t0 = time.monotonic()
-            try:
-                report = await self._restore_locked(args, origin, entropy, gen)
-            finally:
-                self.quiesced = False
-                self.ready.set()
-            report["duration_s"] = time.monotonic() - t0
-            self.nonces[nonce] = report
-            if len(self.nonces) > 64:
-                self.nonces.pop(next(iter(self.nonces)))
-            return report
 
     async def _restore_locked(
-        self, args: SnapshotRestoreArgs, origin: Any, entropy: bytes, gen: int
+        self, args: SnapshotRestoreArgs, ident: Identity, origin: Any, gen: int
     ) -> SnapshotRestoreReply:
+        """The steps that can fail (privileged ones) come first; guestd's own state changes after
+        them, all together, so a failure never leaves a new instance id with an old generation."""
+        entropy: bytes = args["entropy"]
         self.priv.recorded = []
         done: dict[str, Any] = {"generation": gen, "replayed": False}
         t = time.monotonic()
@@ -205,24 +287,25 @@ class SnapshotState:
         skew = time.time_ns() - args["time_ns"]
         done["clock_skew_s"] = skew / 1e9
         done["clock"] = self.priv.set_clock(args["time_ns"]) if abs(skew) > CLOCK_THRESHOLD_S * 1e9 else "kept"
+        applied = []
+        if ident.sandbox_id is not None:
+            applied.append("sandbox_id")
+            done["machine_id"] = self.priv.set_machine_id(derive(ident.sandbox_id.encode(), "machine-id", 16).hex())
+        if ident.hostname is not None:
+            done["hostname"] = self.priv.set_hostname(ident.hostname)
+            applied.append("hostname")
+        # From here on nothing fails: guestd's own state, in one step.
         import random
 
         random.seed(derive(entropy, "guestd"))
         self.instance_id = derive(entropy, "instance", 16).hex()
-        ident = args["identity"] or {}
-        applied = []
-        if ident.get("sandbox_id"):
-            self.sandbox_id = str(ident["sandbox_id"])
-            applied.append("sandbox_id")
-            done["machine_id"] = self.priv.set_machine_id(derive(self.sandbox_id.encode(), "machine-id", 16).hex())
-        if ident.get("hostname"):
-            done["hostname"] = self.priv.set_hostname(str(ident["hostname"]))
-            applied.append("hostname")
-        if isinstance(ident.get("env"), dict):
-            os.environ.update({str(k): str(v) for k, v in ident["env"].items()})
+        if ident.sandbox_id is not None:
+            self.sandbox_id = ident.sandbox_id
+        if ident.env is not None:
+            os.environ.update(ident.env)
             applied.append("env")
-        if ident.get("token"):
-            self.services.host.token = str(ident["token"])
+        if ident.token is not None:
+            self.services.host.token = ident.token
             applied.append("token")
         done["identity"] = applied
         done["connections_dropped"] = self.services.host.drop_connections(keep=origin)

@@ -668,7 +668,13 @@ _CODE_RESULT = (
     F("exit_reason", "str?", "status died: how the kernel process ended"),
     *_captured("the cell (UTF-8)"),
     F("results", "list<code_output>", "the cell's value and displays, in order", True),
-    F("results_dropped", "uint", "rich results not returned (count or size limit)", True),
+    F(
+        "results_dropped",
+        "uint",
+        "rich results not returned: over 64, over limits.max_output or the client's max_frame (measured "
+        "encoded), or not encodable",
+        True,
+    ),
     F("error", "code_error?", "when the cell raised"),
     F("stdin_exhausted", "bool", "the cell asked for more input lines than were supplied", True),
     F("execution_count", "int?", "the kernel's execution counter for this cell"),
@@ -704,7 +710,15 @@ CODE_OPS: tuple[OpSpec, ...] = (
         args=(
             _CODE_REF,
             F("code", "str", "the cell", True),
-            F("timeout_s", "float?", "wall-clock timeout for the cell", gt=0, le_limit="max_exec_timeout_s"),
+            F(
+                "timeout_s",
+                "float?",
+                "wall-clock timeout for the cell, the wait in the context's queue included (a run still queued "
+                "when it expires fails as timeout, details.stage queue); nil: the cell has none and the queue "
+                "wait is bounded by the config's code.queue_wait_s",
+                gt=0,
+                le_limit="max_exec_timeout_s",
+            ),
             F(
                 "interrupt_grace_s",
                 "float",
@@ -728,7 +742,7 @@ CODE_OPS: tuple[OpSpec, ...] = (
             F("evalue", "str", "error: message"),
             F("traceback", "list<str>", "error: formatted traceback lines"),
         ),
-        errors=("not_found", "unavailable", "limit", "bad_request"),
+        errors=("not_found", "unavailable", "limit", "bad_request", "timeout"),
     ),
     OpSpec(
         "code.interrupt",
@@ -850,10 +864,14 @@ PROCESS_OPS: tuple[OpSpec, ...] = (
     OpSpec(
         "process.write",
         "process",
-        "Write bytes to the process's stdin (or pty).",
+        "Write bytes to the process's stdin (or pty). Writes to one process go in whole and in arrival "
+        "order, one at a time (a paste sent as concurrent chunks arrives as sent). A write the process has "
+        "not taken within the config's processes.stdin_timeout_s (default 30 s, counted from arrival) fails "
+        "as timeout; every error carries details.written (bytes that went in), and writes queued behind a "
+        "failed one fail unsent (details.stage queue). A write to a process that has exited is bad_request.",
         args=(_PID, F("data", "bin", "bytes", True)),
         result=(F("written", "uint", "bytes written", True),),
-        errors=("not_found", "bad_request", "timeout"),
+        errors=("not_found", "bad_request", "timeout", "io_error"),
     ),
     OpSpec("process.close_stdin", "process", "Close stdin (a pty gets ^D).", args=(_PID,), errors=("not_found",)),
     OpSpec(
