@@ -7,6 +7,7 @@ import os
 import signal
 import struct
 import tempfile
+import threading
 import time
 import zlib
 from collections.abc import Iterator
@@ -538,3 +539,48 @@ def test_new_restarted_and_pooled_kernels_start_from_guestds_state(
             assert keys == [], keys  # three ready kernels, no key on disk
     finally:
         g.stop()
+
+
+def test_a_kernel_key_is_never_on_disk_and_the_kernel_is_not_dumpable(tmp_path: object) -> None:
+    """A kernel's session key signs every message to it: whoever reads it can run code in that
+    kernel, a pooled one included. It reaches the kernel over a socketpair once the kernel is
+    non-dumpable (no ptrace, no /proc/<pid>/mem or environ for the workload's processes), and
+    is never written to a file. Was: a connection file with the key beside the kernel's
+    sockets for the second or so a kernel takes to start."""
+    d = str(tmp_path)
+    g = start_guestd(d, "--runtime-dir", f"{d}/rt", "--code-pool", "1")
+    seen: list[str] = []
+    done = threading.Event()
+
+    def watch() -> None:  # every file under the runtime dir, over and over, while kernels start
+        while not done.is_set():
+            for top, _, names in os.walk(f"{d}/rt"):
+                for n in names:
+                    try:
+                        with open(os.path.join(top, n), "rb") as f:
+                            if b'"key"' in f.read(65536):
+                                seen.append(n)
+                    except OSError:
+                        pass
+
+    watcher = threading.Thread(target=watch, daemon=True)
+    watcher.start()
+    try:
+        with g.client() as c:
+            ctx = c.code_create()["id"]
+            c.code_restart(ctx)
+            for _ in range(600):  # the pool refills in the background
+                if c.call("code.list")["pool_ready"] >= 1:
+                    break
+                time.sleep(0.1)
+            pooled = c.code_create()
+            assert pooled["pooled"]
+            dumpable = "import ctypes; ctypes.CDLL(None).prctl(3, 0, 0, 0, 0)"  # PR_GET_DUMPABLE
+            assert c.code_run(dumpable, context=ctx).text == "0"
+            assert c.code_run(dumpable, context=pooled["id"]).text == "0"
+            assert c.code_run("1 + 1", context=ctx).text == "2"
+    finally:
+        done.set()
+        watcher.join(10)
+        g.stop()
+    assert seen == [], f"key files seen on disk: {sorted(set(seen))}"

@@ -12,7 +12,7 @@ workload user, so contexts are one trust domain with each other and with every w
 process: isolation between them is not promised (that needs separate users or VMs). What
 guestd does promise is that a new, restarted or pooled kernel starts from guestd's state,
 not the workload's: an IPython directory only guestd writes, no user site-packages, and
-no key left on disk once the kernel is ready (the connection file is removed).
+no key on disk at any time (the kernel gets it over a socketpair once it is non-dumpable).
 """
 
 from __future__ import annotations
@@ -25,10 +25,12 @@ import logging
 import math
 import os
 import re
+import secrets
 import signal
+import socket
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -168,7 +170,6 @@ class Kernel:
         km = AsyncKernelManager(kernel_name="guestd-python")
         km.transport = "ipc"  # Unix sockets in a 0700 directory: no ports, no network
         km.ip = os.path.join(kdir, self.kid)
-        km.connection_file = os.path.join(kdir, f"{self.kid}.json")
         kenv = dict(os.environ)
         kenv.update(env or {})
         kenv["GUESTD_PARENT_PID"] = str(os.getpid())
@@ -190,30 +191,39 @@ class Kernel:
             os.makedirs(kdir, mode=0o700, exist_ok=True)
             os.chown(kdir, *ids)
             km.ip = os.path.join(kdir, self.kid)
-            km.connection_file = os.path.join(kdir, f"{self.kid}.json")
             kenv["HOME"] = kdir  # guestd's HOME is not the workload user's to write
         # A fresh kernel starts from guestd's state, not the workload's: an IPython directory
         # guestd made (the workload user cannot write it: no startup files, no profile config)
         # and no user site-packages (usercustomize). See SECURITY.md, "code contexts".
         kenv["IPYTHONDIR"] = _ipython_dir(self.services.runtime_dir())
         kenv["PYTHONNOUSERSITE"] = "1"
-        km.write_connection_file()
-        if ids is not None:
-            os.chown(km.connection_file, *ids)
+        # The connection info lives in guestd's memory and reaches the kernel over a socketpair
+        # (its fd 0), never a file: see hand_over_connection.
+        for number, name in enumerate(("shell", "iopub", "stdin", "hb", "control"), start=1):
+            setattr(km, f"{name}_port", number)  # ipc: the socket paths are <ip>-<number>
+        km.session.key = secrets.token_hex(32).encode()
         from guestd.children import DEVNULL
 
-        self.child = await self.services.children.spawn(
-            [sys.executable, "-m", "guestd.code.kernel", "-f", km.connection_file],
-            kind="kernel",
-            env=kenv,
-            cwd=cwd or os.getcwd(),
-            # Not guestd's fds 1 and 2 (its log): the workload must not write into guestd's log.
-            # ipykernel forwards what cells write to these fds to the client anyway.
-            stdin=DEVNULL,
-            stdout=DEVNULL,
-            stderr=DEVNULL,
-        )
+        ours, theirs = socket.socketpair()
+        try:
+            self.child = await self.services.children.spawn(
+                [sys.executable, "-m", "guestd.code.kernel", "--connection-from-guestd"],
+                kind="kernel",
+                env=kenv,
+                cwd=cwd or os.getcwd(),
+                # Not guestd's fds 1 and 2 (its log): the workload must not write into guestd's log.
+                # ipykernel forwards what cells write to these fds to the client anyway.
+                stdin=theirs.fileno(),
+                stdout=DEVNULL,
+                stderr=DEVNULL,
+            )
+        finally:
+            theirs.close()
         self.pid = self.child.pid
+        try:
+            await hand_over_connection(ours, self.child.pid, km.get_connection_info(session=False), ids)
+        finally:
+            ours.close()
         self._write_pidfile()
         self.child.watch(self._on_exit, 0.2)
         # No parent: jupyter_client would ask the manager whether the kernel lives, and the manager
@@ -234,12 +244,6 @@ class Kernel:
             raise GuestdError(
                 ErrorCode.UNAVAILABLE, f"kernel failed to start: {exc}", details={"stage": "start"}
             ) from None
-        # The kernel has read its connection file and guestd is connected: the key leaves the
-        # disk, so no process that starts later can find it there.
-        try:
-            os.unlink(km.connection_file)
-        except OSError:
-            pass
         # From here on guestd reads the channels itself: one long-lived reader per socket that
         # hands each message to the run in progress, with a lean decode (no date parsing, no
         # protocol adaptation) instead of jupyter_client's per-call poll + deserialize.
@@ -1028,6 +1032,41 @@ def _owner_alive(name: str) -> bool:
         return False
     owner = int(m.group(1))
     return owner == os.getpid() or guestd_running(owner)
+
+
+async def hand_over_connection(
+    channel: socket.socket, pid: int, info: Mapping[str, Any], ids: tuple[int, int] | None
+) -> None:
+    """Give a starting kernel its connection info and key once it asks. By then it has made
+    itself non-dumpable; that is checked (its /proc directory belongs to root although it runs
+    as the workload user) and that no process traces it (one that attached before would read
+    the key from its memory). Otherwise the kernel does not get the key and fails to start."""
+    loop = asyncio.get_running_loop()
+    channel.setblocking(False)
+
+    def refused(why: str) -> GuestdError:
+        return GuestdError(ErrorCode.UNAVAILABLE, f"kernel failed to start: {why}", details={"stage": "start"})
+
+    try:
+        asked = await asyncio.wait_for(loop.sock_recv(channel, 16), KERNEL_START_TIMEOUT_S)
+    except (TimeoutError, OSError) as exc:
+        raise refused(f"it never asked for its key ({exc!r})") from None
+    if asked != b"ready\n":
+        raise refused("it ended before asking for its key")
+    if ids is not None and os.stat(f"/proc/{pid}").st_uid != 0:
+        raise refused("it is still dumpable: its key is not handed over")
+    if _traced_by(pid):
+        raise refused("a process traces it: its key is not handed over")
+    plain = {k: (v.decode() if isinstance(v, bytes) else v) for k, v in info.items()}
+    await loop.sock_sendall(channel, json.dumps(plain).encode())
+
+
+def _traced_by(pid: int) -> int:
+    with open(f"/proc/{pid}/status") as f:
+        for line in f:
+            if line.startswith("TracerPid:"):
+                return int(line.split()[1])
+    return 0
 
 
 def reap_orphan_kernels(kernel_dir: str) -> int:

@@ -1,6 +1,8 @@
-"""Entry point of a code-context kernel process: ``python -m guestd.code.kernel -f CONNECTION_FILE``.
+"""Entry point of a code-context kernel process: ``python -m guestd.code.kernel --connection-from-guestd``.
 
 Runs inside the kernel, before ipykernel starts:
+- takes its connection info and session key from guestd over fd 0 once it is non-dumpable,
+  so the key is never on disk or anywhere the workload's processes can read it;
 - asks the Linux kernel to SIGKILL this process when guestd (its parent) dies, so
   a crashed guestd never leaves orphan kernels behind (start-up reaping covers the rest);
 - packs its messages with ``pack_message`` (below), so that text holding lone surrogates
@@ -15,10 +17,13 @@ import ctypes
 import json
 import os
 import signal
+import socket
 import sys
 from typing import Any
 
 PR_SET_PDEATHSIG = 1
+PR_SET_DUMPABLE = 4
+MAX_CONNECTION_INFO = 64 * 1024
 
 
 STREAM_PIECE = 256 * 1024  # characters of stream text per message (a 100 MB print: 400 messages)
@@ -112,6 +117,47 @@ def _iopub_waits_instead_of_dropping() -> None:
     IPKernelApp.init_iopub = init_iopub  # type: ignore[method-assign]
 
 
+def _connection_from_guestd() -> dict[str, Any]:
+    """The connection info (with the session key) from guestd over fd 0, a socketpair, never a
+    file. This process runs as the workload user, and so do the workload's processes: a key on
+    disk or in this process's environment they could read. First this process turns
+    non-dumpable (its /proc files become root's: no ptrace, no /proc/<pid>/mem, environ or fd
+    from the workload's processes, for the kernel's whole life), then it asks; guestd checks
+    that and that nothing traces it before it answers. fd 0 becomes /dev/null again."""
+    ctypes.CDLL(None).prctl(PR_SET_DUMPABLE, 0, 0, 0, 0)
+    channel = socket.socket(fileno=os.dup(0))
+    try:
+        channel.sendall(b"ready\n")
+        data = b""
+        while len(data) <= MAX_CONNECTION_INFO:
+            chunk = channel.recv(MAX_CONNECTION_INFO)
+            if not chunk:
+                break
+            data += chunk
+    finally:
+        channel.close()
+    null = os.open(os.devnull, os.O_RDONLY)
+    os.dup2(null, 0)
+    os.close(null)
+    info: dict[str, Any] = json.loads(data)
+    return info
+
+
+def _connection_without_a_file(info: dict[str, Any]) -> None:
+    """ipykernel reads its connection info from a file and writes it back once bound: here it
+    takes the info guestd handed over and writes nothing."""
+    from ipykernel.kernelapp import IPKernelApp
+
+    def init_connection_file(self: IPKernelApp) -> None:
+        self.load_connection_info(info)  # type: ignore[arg-type]
+
+    def write_connection_file(self: IPKernelApp, **kwargs: Any) -> None:
+        pass
+
+    IPKernelApp.init_connection_file = init_connection_file  # type: ignore[method-assign]
+    IPKernelApp.write_connection_file = write_connection_file  # type: ignore[method-assign]
+
+
 def main() -> None:
     try:
         ctypes.CDLL(None).prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
@@ -124,11 +170,15 @@ def main() -> None:
     from guestd.code import kernel
 
     kernel._max_content = int(os.environ.pop("GUESTD_KERNEL_MAX_CONTENT", "0") or 0)
+    argv = sys.argv[1:]
+    if argv[:1] == ["--connection-from-guestd"]:
+        _connection_without_a_file(_connection_from_guestd())
+        argv = argv[1:]
     _split_long_streams()
     _iopub_waits_instead_of_dropping()
     from ipykernel import kernelapp
 
-    kernelapp.launch_new_instance(argv=[*sys.argv[1:], "--Session.packer=guestd.code.kernel.pack_message"])
+    kernelapp.launch_new_instance(argv=[*argv, "--Session.packer=guestd.code.kernel.pack_message"])
 
 
 if __name__ == "__main__":

@@ -205,8 +205,11 @@ out["pty process"] = c.process_output(p, follow=False)[0].decode().strip()
 ctx = c.code_create(deadline=300)["id"]
 cell = "import os; print(os.getuid(), open('/proc/self/cgroup').read().strip())"
 out["kernel"] = c.code_run(cell, context=ctx, timeout_s=300).stdout.decode().strip()
+kpid = next(k["pid"] for k in c.code_list() if k["id"] == ctx)
+peek = f"cat /proc/{kpid}/environ > /dev/null 2>&1 && echo readable || echo denied; find /run/g2 -name '*.json'"
+keys = c.exec(["sh", "-c", peek], cwd="/").stdout.decode().split()
 c.close()
-print(json.dumps(out))
+print(json.dumps({"runs": out, "kernel secrets": keys}))
 """
 
 
@@ -226,6 +229,10 @@ def test_workload_user_and_cgroup_apply_to_exec_shells_processes_and_kernels(vm:
             r = c.exec(["/usr/local/bin/guestd-python", "/tmp/g2_check.py"], timeout_s=600)
             assert r.exit_code == 0, (r.stderr.decode()[-2000:], c.process_output(g2, follow=False)[0][-2000:])
             seen = json.loads(r.stdout)
+            # The workload user cannot read the kernel's memory or environment (it is non-dumpable),
+            # and no connection file (the key) is anywhere on disk.
+            assert seen.pop("kernel secrets") == ["denied"], seen
+            seen = seen["runs"]
             # Each run in a leaf of its own, created there by clone3 (no move after the start).
             leaves = {"exec": "exec", "shell": "shell", "pty process": "proc", "kernel": "kernel"}
             assert {k: v.split("-")[0:2] for k, v in seen.items()} == {
