@@ -562,7 +562,7 @@ class AsyncClient:
         clock = _Clock(self._conn.loop, "download", deadline, progress_timeout)
         part = dst + ".part" if dst is not None else None
         out = open(part, "wb") if part is not None else None  # noqa: SIM115
-        buf = bytearray()
+        parts: list[bytes] = []  # joined once at the end: one copy of the file, not two
         got = 0
         expected: int | None = None
         try:
@@ -586,7 +586,7 @@ class AsyncClient:
                 elif sink is not None:
                     sink(data)
                 else:
-                    buf += data
+                    parts.append(data)
                 if progress is not None:
                     progress(len(data))
             result = await self._conn.wait(call, clock.wait_s())
@@ -598,7 +598,7 @@ class AsyncClient:
                 os.replace(part, dst)
                 out = None
                 return got
-            return bytes(buf) if to_memory else got
+            return b"".join(parts) if to_memory else got
         except BaseException:
             self._conn._forget(call)
             if out is not None:
