@@ -907,7 +907,8 @@ def render_files(ft: dict[str, Any]) -> str:
             "",
             f"Run on {ft['date']}: {ft['rounds']} rounds, each measuring the floors, guestd, and the floors again "
             "(a round's floor is the better of the two). Median, and the range over rounds in parentheses; a ratio "
-            "is the median of the per-round ratios.",
+            "is the median of the per-round ratios. The 64 MiB rows of the Targets table above are one sample "
+            "each, at whatever the shared machine was doing then: read these instead.",
             "",
             "| target | guestd | floor | ratio | goal | verdict |",
             "|---|---|---|---|---|---|",
