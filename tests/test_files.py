@@ -198,6 +198,38 @@ def test_upload_download_roundtrip_with_checksum(client: Client, tmp_path: objec
     assert part == open(src, "rb").read()[size // 3 : size // 3 + 1000]
 
 
+def test_download_of_a_file_not_in_the_page_cache(client: Client, tmp_path: object) -> None:
+    # Chunks the page cache holds are read on the loop (RWF_NOWAIT), the others in an I/O
+    # thread: dropping the file's pages first sends the download down the second path.
+    data = os.urandom(3 << 20)
+    src = f"{tmp_path}/cold"
+    with open(src, "wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+        os.posix_fadvise(f.fileno(), 0, 0, os.POSIX_FADV_DONTNEED)
+    assert client.download(src) == data
+
+
+def test_upload_failing_mid_stream_is_typed_and_leaves_nothing(client: Client, tmp_path: object) -> None:
+    # Writes run in batches while the next chunks arrive: a batch that fails (a full disk)
+    # must end the upload with its typed error, the old file kept and no temp file left.
+    d = os.path.join(str(tmp_path), "small")
+    os.mkdir(d)
+    if os.geteuid() != 0 or subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", d]).returncode:
+        pytest.skip("needs root to mount a small tmpfs")
+    try:
+        with open(f"{d}/target", "wb") as f:
+            f.write(b"old")
+        with pytest.raises(GuestdError) as ei:
+            client.upload(os.urandom(8 << 20), f"{d}/target")
+        assert ei.value.code == "no_space"
+        assert sorted(os.listdir(d)) == ["target"]
+        assert open(f"{d}/target", "rb").read() == b"old"
+    finally:
+        subprocess.run(["umount", d], check=True)
+
+
 def test_download_errors_are_typed(client: Client, tmp_path: object) -> None:
     assert err_code(lambda: client.download(f"{tmp_path}/none")) == "not_found"
     assert err_code(lambda: client.download(str(tmp_path))) == "is_a_directory"

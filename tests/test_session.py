@@ -58,7 +58,7 @@ def reply_body(s: ServerSession) -> dict[str, Any]:
     }
 
 
-def frames(data: list[bytes]) -> list[tuple[int, int, dict[str, Any], int]]:
+def frames(data: list[bytes | bytearray]) -> list[tuple[int, int, dict[str, Any], int]]:
     """Decode what a session queued: (kind, id, body, payload length)."""
     dec = FrameDecoder(1 << 30)
     dec.feed(b"".join(data))

@@ -574,7 +574,7 @@ class AsyncClient(PortsAPI):
         clock = _Clock(self._conn.loop, "download", overall, progress_timeout)
         part = dst + ".part" if dst is not None else None
         out = open(part, "wb") if part is not None else None  # noqa: SIM115
-        buf = bytearray()
+        parts: list[bytes] = []  # joined once at the end: one copy of the file, not two
         got = 0
         expected: int | None = None
         announced = 0
@@ -602,7 +602,7 @@ class AsyncClient(PortsAPI):
                 elif sink is not None:
                     sink(data)
                 else:
-                    buf += data
+                    parts.append(data)
                 if progress is not None:
                     progress(len(data))
             result = await self._conn.wait(call, clock.wait_s())
@@ -614,7 +614,7 @@ class AsyncClient(PortsAPI):
                 os.replace(part, dst)
                 out = None
                 return got
-            return bytes(buf) if to_memory else got
+            return b"".join(parts) if to_memory else got
         except BaseException:
             self._conn._forget(call)
             if out is not None:

@@ -17,7 +17,7 @@ from collections.abc import AsyncIterator
 from typing import Any, cast
 
 from guestd import __version__
-from guestd.flow import WriteGate
+from guestd.flow import WriteGate, widen_send_buffer
 from guestd.wire.errors import ErrorCode, GuestdError
 from guestd.wire.frames import DEFAULT_MAX_FRAME
 from guestd.wire.schema import OPS_BY_NAME, PROTOCOL_VERSION
@@ -252,6 +252,7 @@ class ClientConnection(asyncio.Protocol):
         # uvloop's transports are not asyncio.Transport subclasses, but have its API.
         self.transport = cast(asyncio.Transport, transport)
         self.transport.set_write_buffer_limits(high=2 * 1024 * 1024)
+        widen_send_buffer(self.transport.get_extra_info("socket"))  # uploads: see guestd/flow.py
 
     def data_received(self, data: bytes) -> None:
         try:

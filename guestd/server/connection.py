@@ -20,7 +20,7 @@ import time
 from collections.abc import Awaitable, Callable, Mapping
 from typing import TYPE_CHECKING, Any
 
-from guestd.flow import WriteGate
+from guestd.flow import WriteGate, widen_send_buffer
 from guestd.wire.errors import ErrorCode, GuestdError
 from guestd.wire.session import (
     CancelRequested,
@@ -113,7 +113,7 @@ class RequestContext:
         if self.conn.session.send_event(self.stream, body):
             self.conn.flush()
 
-    async def send_data_event(self, fields: Mapping[str, Any], data: bytes) -> None:
+    async def send_data_event(self, fields: Mapping[str, Any], data: bytes | bytearray) -> None:
         """Send ``data`` as data EVENTs, each within the client's credit and max_frame.
 
         When ``fields`` has an ``offset`` it is the offset of ``data``'s first byte, and
@@ -287,6 +287,7 @@ class Connection(asyncio.Protocol):
         set_limits = getattr(transport, "set_write_buffer_limits", None)
         if set_limits is not None:
             set_limits(high=WRITE_HIGH_WATER)
+        widen_send_buffer(transport.get_extra_info("socket"))
         if not self.daemon.connection_opened(self):
             self.refuse(GuestdError(ErrorCode.LIMIT, "too many connections", details={"limit": "max_connections"}))
             return

@@ -90,7 +90,9 @@ def encode_frame(kind: int, req_id: int, body: Mapping[str, Any]) -> bytes:
     return HEADER.pack(MAGIC, FRAME_VERSION, kind, len(payload), req_id) + payload
 
 
-def encode_data_frame(kind: int, req_id: int, fields: dict[str, Any], data: bytes) -> tuple[bytes, bytes]:
+def encode_data_frame(
+    kind: int, req_id: int, fields: dict[str, Any], data: bytes | bytearray
+) -> tuple[bytes, bytes | bytearray]:
     """Encode ``{**fields, "data": data}`` as (head, data) without copying ``data``.
 
     The two parts concatenated are byte-for-byte what :func:`encode_frame` produces

@@ -235,11 +235,11 @@ class Session:
         self.decoder = FrameDecoder(max_frame)
         self.phase = _AWAIT_HELLO
         self.streams: dict[int, Stream] = {}
-        self._out: list[bytes] = []
+        self._out: list[bytes | bytearray] = []
         self._events: list[Event] = []
 
     # -- output --------------------------------------------------------------------------
-    def data_to_send(self) -> list[bytes]:
+    def data_to_send(self) -> list[bytes | bytearray]:
         """Bytes queued since the last call, in order (write them with ``writelines``)."""
         out, self._out = self._out, []
         return out
@@ -248,7 +248,7 @@ class Session:
     def has_output(self) -> bool:
         return bool(self._out)
 
-    def _queue(self, data: bytes) -> None:
+    def _queue(self, data: bytes | bytearray) -> None:
         self._out.append(data)
 
     def _send(self, kind: int, req_id: int, body: dict[str, Any]) -> None:
@@ -320,7 +320,7 @@ class Session:
         """Data bytes that fit in one frame after ``fields``, credit aside."""
         return self.peer_max_frame - data_overhead(fields)
 
-    def _send_data(self, kind: int, stream: Stream, fields: Mapping[str, Any], data: bytes) -> bool:
+    def _send_data(self, kind: int, stream: Stream, fields: Mapping[str, Any], data: bytes | bytearray) -> bool:
         """Queue one data frame within credit and frame size; False when the request ended."""
         if not stream.open or self.phase is not _OPEN:
             return False
@@ -592,7 +592,7 @@ class ServerSession(Session):
         self._queue(frame)
         return True
 
-    def send_data(self, stream: Stream, fields: Mapping[str, Any], data: bytes) -> bool:
+    def send_data(self, stream: Stream, fields: Mapping[str, Any], data: bytes | bytearray) -> bool:
         """Queue one data EVENT of at most ``data_room`` bytes; False when the request already ended."""
         return self._send_data(_EVENT, stream, fields, data)
 
