@@ -1038,8 +1038,8 @@ async def hand_over_connection(
     channel: socket.socket, pid: int, info: Mapping[str, Any], ids: tuple[int, int] | None
 ) -> None:
     """Give a starting kernel its connection info and key once it asks. By then it has made
-    itself non-dumpable; that is checked (its /proc directory belongs to root although it runs
-    as the workload user) and that no process traces it (one that attached before would read
+    itself non-dumpable; that is checked (its /proc files belong to root although it runs as
+    the workload user) and that no process traces it (one that attached before would read
     the key from its memory). Otherwise the kernel does not get the key and fails to start."""
     loop = asyncio.get_running_loop()
     channel.setblocking(False)
@@ -1053,7 +1053,8 @@ async def hand_over_connection(
         raise refused(f"it never asked for its key ({exc!r})") from None
     if asked != b"ready\n":
         raise refused("it ended before asking for its key")
-    if ids is not None and os.stat(f"/proc/{pid}").st_uid != 0:
+    # A non-dumpable process's /proc files (not its /proc/<pid> directory) belong to root.
+    if ids is not None and os.stat(f"/proc/{pid}/environ").st_uid != 0:
         raise refused("it is still dumpable: its key is not handed over")
     if _traced_by(pid):
         raise refused("a process traces it: its key is not handed over")
