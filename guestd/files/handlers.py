@@ -633,3 +633,10 @@ def register(services: Services) -> None:
         ("file.rename", op_rename),
     ):
         services.ops.add(name, fn, bulk_reply=name == "file.read")
+    register_workspace(services, fsys, ids)  # trees, search, edit, watch (guestd/files/workspace.py)
+
+
+def register_workspace(services: Services, fsys: FileSystem, ids: tuple[int, int] | None) -> None:
+    from guestd.files import workspace  # it builds on this module
+
+    workspace.register_workspace(services, fsys, ids)
