@@ -137,6 +137,15 @@ async def reseed_each(items: list[Any], give_seed: Callable[[Any], None]) -> tup
     return done, pending, [repr(r) for r in results if isinstance(r, BaseException)]
 
 
+class ChangeFeed(Protocol):
+    """Changes under the workspace (the files capability provides it; exec and shell.run use
+    it for ``report_changes``): a cursor now, and the report of what changed since one."""
+
+    async def begin(self) -> int: ...
+
+    async def report(self, cursor: int) -> dict[str, Any]: ...
+
+
 # A restore hook gets the restore's entropy and returns what it did, as report fields.
 RestoreHook = Callable[[bytes], Awaitable[dict[str, list[str]]]]
 BusyReport = Callable[[], dict[str, list[str]]]
@@ -156,6 +165,7 @@ class Services:
     on_shutdown: list[ShutdownHook] = field(default_factory=list)
     on_start: list[Callable[[], None]] = field(default_factory=list)
     info: list[Callable[[], dict[str, Any]]] = field(default_factory=list)  # fields for system.info
+    changes: ChangeFeed | None = None  # set by the files capability
     _io: ThreadPoolExecutor | None = None
     _kernel_dir: str | None = None
 

@@ -11,17 +11,23 @@ import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, TypeVar, cast
 
-from guestd.files import search, trees
+from guestd.files import patch, search, trees
 from guestd.files.edit import Editor
 from guestd.files.fs import FileSystem
 from guestd.files.handlers import _os_call
+from guestd.files.ignore import Overrides
 from guestd.files.walk import Filter
+from guestd.files.watch import Journal, Watcher, merge
 from guestd.wire.errors import ErrorCode, GuestdError
 from guestd.wire.paths import path_from_wire, path_to_wire
 
 if TYPE_CHECKING:
     from guestd.services import Request, Services
     from guestd.wire.types import (
+        FileApplyPatchArgs,
+        FileApplyPatchReply,
+        FileChangesArgs,
+        FileChangesReply,
         FileGlobArgs,
         FileGlobReply,
         FileGrepArgs,
@@ -36,6 +42,8 @@ if TYPE_CHECKING:
         FileUndoReply,
         FileViewArgs,
         FileViewReply,
+        FileWatchArgs,
+        FileWatchReply,
         FileWriteManyArgs,
         FileWriteManyReply,
         TreeDownloadArgs,
@@ -45,6 +53,7 @@ if TYPE_CHECKING:
     )
 
 T = TypeVar("T")
+MAX_WATCH_PENDING = 10_000  # changed paths a watch holds while its client reads no more: then overflow
 
 
 def rg_identity(ids: tuple[int, int] | None) -> tuple[bool, tuple[int, int] | None]:
@@ -92,6 +101,9 @@ def register_workspace(services: Services, fsys: FileSystem, ids: tuple[int, int
 
     async def op_undo(ctx: Request, a: FileUndoArgs) -> FileUndoReply:
         return await edit(editor.undo, a["path"])
+
+    async def op_apply_patch(ctx: Request, a: FileApplyPatchArgs) -> FileApplyPatchReply:
+        return {"files": await edit(patch.apply, fsys, a["path"], a["patch"], a["strip"])}
 
     # -- search -------------------------------------------------------------------------
     async def op_glob(ctx: Request, a: FileGlobArgs) -> FileGlobReply:
@@ -228,7 +240,81 @@ def register_workspace(services: Services, fsys: FileSystem, ids: tuple[int, int
             close_later(arch.close)
         return {"entries": arch.entries, "bytes": sent, "skipped": arch.skipped}
 
+    # -- change feed ----------------------------------------------------------------------
+    async def start_watcher(path: str, sink: Callable[[list[Any]], object]) -> Watcher:
+        root_fd: int = await services.acquire_in_io(_os_call, os.close, fsys.open_dir, path)
+        watcher = Watcher(root_fd, sink)
+        watcher.start()
+        await io(watcher.ready.wait)
+        if watcher.error is not None:
+            watcher.stop()
+            raise watcher.error
+        return watcher
+
+    async def op_watch(ctx: Request, a: FileWatchArgs) -> FileWatchReply:
+        loop = asyncio.get_running_loop()
+        flt = Overrides([*a["include"], *("!" + g for g in a["exclude"])])
+        pending: dict[bytes, tuple[str, str, bool]] = {}  # path -> (first kind, last kind, is_dir)
+        overflow = False
+        wake = asyncio.Event()
+
+        def take(changes: list[Any]) -> None:
+            nonlocal overflow
+            for kind, path, is_dir in changes:
+                if kind == "overflow":
+                    overflow = True
+                elif flt.decide(path, is_dir) != "skip":
+                    seen = pending.get(path)
+                    if seen is not None:
+                        pending[path] = (seen[0], kind, is_dir)
+                    elif len(pending) >= MAX_WATCH_PENDING:
+                        overflow = True
+                    else:
+                        pending[path] = (kind, kind, is_dir)
+            wake.set()
+
+        watcher = await start_watcher(a["path"], lambda changes: loop.call_soon_threadsafe(take, changes))
+        sent = 0
+        try:
+            await ctx.send_event({"ev": "ready"})
+            while ctx.active:
+                await wake.wait()
+                wake.clear()
+                if a["latency_s"]:
+                    await asyncio.sleep(a["latency_s"])  # the coalescing window
+                if overflow:
+                    overflow = False
+                    await ctx.send_event({"ev": "overflow"})
+                    sent += 1
+                while pending:
+                    path = next(iter(pending))
+                    first, last, is_dir = pending.pop(path)
+                    net = merge(first, last)
+                    if net is None:
+                        continue  # made and removed within the window: no effect to report
+                    fields = {"ev": "change", "kind": net, "dir": is_dir}
+                    await ctx.wait_room(fields, len(path))
+                    if not ctx.active:
+                        break
+                    ctx.push_data(fields, path)
+                    sent += 1
+            return {"events": sent}
+        finally:
+            watcher.stop()
+
+    feed = WorkspaceChanges(services, start_watcher)
+    services.changes = feed
+
+    async def op_changes(ctx: Request, a: FileChangesArgs) -> FileChangesReply:
+        if a["cursor"] is None:
+            cursor = await feed.begin()
+            return {"cursor": cursor, "changes": empty_report()}
+        report = await feed.report(a["cursor"])
+        return {"cursor": await feed.begin(), "changes": report}  # type: ignore[typeddict-item]
+
     for name, fn in (
+        ("file.watch", op_watch),
+        ("file.changes", op_changes),
         ("file.write_many", op_write_many),
         ("tree.upload", op_tree_upload),
         ("tree.download", op_tree_download),
@@ -237,7 +323,49 @@ def register_workspace(services: Services, fsys: FileSystem, ids: tuple[int, int
         ("file.insert", op_insert),
         ("file.replace_lines", op_replace_lines),
         ("file.undo", op_undo),
+        ("file.apply_patch", op_apply_patch),
         ("file.glob", op_glob),
         ("file.grep", op_grep),
     ):
         services.ops.add(name, fn)
+
+
+def empty_report() -> Any:
+    return {"created": [], "modified": [], "deleted": [], "total": 0, "truncated": False, "overflow": False}
+
+
+class WorkspaceChanges:
+    """The workspace's journal (``services.changes``), started on first use."""
+
+    def __init__(self, services: Services, start: Callable[..., Any]) -> None:
+        self.services = services
+        self.start = start
+        self.journal: Journal | None = None
+        self.lock = asyncio.Lock()
+
+    async def _journal(self) -> Journal:
+        async with self.lock:
+            if self.journal is None:
+                workspace = self.services.config.workspace
+                if not workspace:
+                    raise GuestdError(
+                        ErrorCode.UNAVAILABLE,
+                        "no workspace is configured: no change journal",
+                        details={"reason": "no_workspace"},
+                    )
+                journal = Journal()
+                journal.watcher = await self.start(workspace, journal.add)
+                self.journal = journal
+            return self.journal
+
+    async def _synced(self) -> Journal:
+        journal = await self._journal()
+        assert journal.watcher is not None
+        await self.services.run_in_io(journal.watcher.sync)
+        return journal
+
+    async def begin(self) -> int:
+        return (await self._synced()).cursor()
+
+    async def report(self, cursor: int) -> dict[str, Any]:
+        return dict((await self._synced()).report(cursor))
