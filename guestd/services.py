@@ -14,7 +14,7 @@ import os
 import time
 from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 
 if TYPE_CHECKING:
     from concurrent.futures import ThreadPoolExecutor
@@ -66,6 +66,7 @@ class Request(Protocol):
         ...
 
 
+R = TypeVar("R")
 Handler = Callable[[Request, Any], Awaitable[Mapping[str, Any]]]
 InlineHandler = Callable[[Any], Mapping[str, Any]]
 
@@ -168,6 +169,24 @@ class Services:
     changes: ChangeFeed | None = None  # set by the files capability
     _io: ThreadPoolExecutor | None = None
     _kernel_dir: str | None = None
+
+    async def changes_cursor(self, wanted: bool) -> int | None:
+        """``report_changes``: the change journal's cursor before a run (None: not wanted)."""
+        if not wanted:
+            return None
+        if self.changes is None:
+            from guestd.wire.errors import ErrorCode, GuestdError
+
+            raise GuestdError(
+                ErrorCode.UNAVAILABLE, "no change feed in this guestd", details={"field": "report_changes"}
+            )
+        return await self.changes.begin()
+
+    async def with_changes(self, cursor: int | None, reply: R) -> R:
+        """``reply`` with ``changes`` since ``cursor`` added (unchanged when cursor is None)."""
+        if cursor is not None and self.changes is not None:
+            reply["changes"] = await self.changes.report(cursor)  # type: ignore[index]
+        return reply
 
     def runtime_dir(self) -> str:
         """guestd's private state directory (made on first use)."""

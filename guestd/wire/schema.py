@@ -499,8 +499,17 @@ OPS: tuple[OpSpec, ...] = (
                 ge=0,
                 le=60,
             ),
+            F(
+                "report_changes",
+                "bool",
+                "also report the files created, modified and deleted under the workspace during the run",
+                default=False,
+            ),
         ),
-        result=_OUTPUT_RESULT,
+        result=(
+            *_OUTPUT_RESULT,
+            F("changes", "change_report?", "report_changes: what changed under the workspace during the run"),
+        ),
         events=(
             F("ev", "enum(started|stdout|stderr)", "event type", True),
             F("pid", "int", "started: process id"),
@@ -908,6 +917,12 @@ SHELL_OPS: tuple[OpSpec, ...] = (
             F("idle_timeout_s", "float?", "timeout with no output", gt=0, le_limit="max_exec_timeout_s"),
             F("max_output", "uint", "bytes kept per stream", default=65536, le_limit="max_output"),
             F("capture", "enum(tail|head_tail)", "which bytes are kept when over max_output", default="tail"),
+            F(
+                "report_changes",
+                "bool",
+                "also report the files created, modified and deleted under the workspace during the run",
+                default=False,
+            ),
         ),
         result=(
             F("exit_code", "int?", "the command's status (nil when the session had to be restarted)"),
@@ -917,6 +932,7 @@ SHELL_OPS: tuple[OpSpec, ...] = (
             F("cwd", "path", "working directory after the command", True),
             *_captured("the command"),
             F("duration_s", "float", "wall time", True),
+            F("changes", "change_report?", "report_changes: what changed under the workspace during the run"),
         ),
         errors=("not_found", "limit", "bad_request"),
     ),

@@ -188,6 +188,7 @@ class ExecArgs(TypedDict):
     capture: Literal["tail", "head_tail"]
     stream: bool
     linger_s: float
+    report_changes: bool
 
 
 class ExecReply(TypedDict):
@@ -206,6 +207,7 @@ class ExecReply(TypedDict):
     stderr_gap_at: NotRequired[int | None]
     duration_s: float
     pid: int
+    changes: NotRequired[ChangeReportRecord | None]
 
 
 class ExecEvent(TypedDict):
@@ -662,6 +664,7 @@ class ShellRunArgs(TypedDict):
     idle_timeout_s: float | None
     max_output: int
     capture: Literal["tail", "head_tail"]
+    report_changes: bool
 
 
 class ShellRunReply(TypedDict):
@@ -681,6 +684,7 @@ class ShellRunReply(TypedDict):
     stdout_gap_at: NotRequired[int | None]
     stderr_gap_at: NotRequired[int | None]
     duration_s: float
+    changes: NotRequired[ChangeReportRecord | None]
 
 
 class ShellListArgs(TypedDict):
