@@ -130,7 +130,7 @@ def test_edits_keep_the_owner_and_never_follow_a_planted_symlink_or_open_a_fifo(
     os.chown(path, 65534, 65534)
     c.str_replace(path, "v = 1", "v = 2")
     assert (os.stat(path).st_uid, os.stat(path).st_gid) == (65534, 65534)
-    outside = tempfile.NamedTemporaryFile(delete=False)  # noqa: SIM115
+    outside = tempfile.NamedTemporaryFile(delete=False)
     outside.write(b"secret = 1\n")
     outside.close()
     os.symlink(outside.name, f"{ws}/link.txt")

@@ -475,4 +475,12 @@ def _extract_local(spool: Any, dst: str) -> None:
     """Extract a guest's archive on this host: a new directory, tarfile's ``data`` filter."""
     os.makedirs(dst, exist_ok=False)
     with tarfile.open(fileobj=spool, mode="r:") as tar:
-        tar.extractall(dst, filter="data")
+        members = tar.getmembers()
+        tar.extractall(dst, members=members, filter="data")
+    # The data filter leaves directories at the default mode: give them the archive's (its
+    # other checks, names and links inside dst, have passed), deepest first.
+    for m in sorted((m for m in members if m.isdir()), key=lambda m: -m.name.count("/")):
+        path = os.path.join(dst, m.name)
+        if os.path.isdir(path) and not os.path.islink(path):
+            os.chmod(path, m.mode & 0o777)
+            os.utime(path, (m.mtime, m.mtime))
