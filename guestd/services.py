@@ -14,7 +14,7 @@ import os
 import time
 from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 
 if TYPE_CHECKING:
     from concurrent.futures import ThreadPoolExecutor
@@ -53,6 +53,8 @@ class Request(Protocol):
 
     async def wait_credit(self) -> None: ...
 
+    async def wait_room(self, fields: Mapping[str, Any], nbytes: int) -> None: ...
+
     def handle_signals(self, handler: Callable[[Any], None]) -> None: ...
 
     def stop_taking_data(self) -> None: ...
@@ -67,6 +69,7 @@ class Request(Protocol):
         ...
 
 
+R = TypeVar("R")
 Handler = Callable[[Request, Any], Awaitable[Mapping[str, Any]]]
 InlineHandler = Callable[[Any], Mapping[str, Any]]
 
@@ -138,6 +141,15 @@ async def reseed_each(items: list[Any], give_seed: Callable[[Any], None]) -> tup
     return done, pending, [repr(r) for r in results if isinstance(r, BaseException)]
 
 
+class ChangeFeed(Protocol):
+    """Changes under the workspace (the files capability provides it; exec and shell.run use
+    it for ``report_changes``): a cursor now, and the report of what changed since one."""
+
+    async def begin(self) -> int: ...
+
+    async def report(self, cursor: int) -> dict[str, Any]: ...
+
+
 # A restore hook gets the restore's entropy and returns what it did, as report fields.
 RestoreHook = Callable[[bytes], Awaitable[dict[str, list[str]]]]
 BusyReport = Callable[[], dict[str, list[str]]]
@@ -157,8 +169,27 @@ class Services:
     on_shutdown: list[ShutdownHook] = field(default_factory=list)
     on_start: list[Callable[[], None]] = field(default_factory=list)
     info: list[Callable[[], dict[str, Any]]] = field(default_factory=list)  # fields for system.info
+    changes: ChangeFeed | None = None  # set by the files capability
     _io: ThreadPoolExecutor | None = None
     _kernel_dir: str | None = None
+
+    async def changes_cursor(self, wanted: bool) -> int | None:
+        """``report_changes``: the change journal's cursor before a run (None: not wanted)."""
+        if not wanted:
+            return None
+        if self.changes is None:
+            from guestd.wire.errors import ErrorCode, GuestdError
+
+            raise GuestdError(
+                ErrorCode.UNAVAILABLE, "no change feed in this guestd", details={"field": "report_changes"}
+            )
+        return await self.changes.begin()
+
+    async def with_changes(self, cursor: int | None, reply: R) -> R:
+        """``reply`` with ``changes`` since ``cursor`` added (unchanged when cursor is None)."""
+        if cursor is not None and self.changes is not None:
+            reply["changes"] = await self.changes.report(cursor)  # type: ignore[index]
+        return reply
 
     def runtime_dir(self) -> str:
         """guestd's private state directory (made on first use)."""

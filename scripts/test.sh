@@ -7,7 +7,7 @@ bash scripts/bootstrap.sh
 # without O_TMPFILE (bindfs), the port tests a headless browser (chromium); as root on Debian
 # they are installed here (a test that needs one that could not be installed skips).
 need=""
-for t in qemu-system-x86_64:qemu-system-x86 busybox:busybox-static cpio:cpio modprobe:kmod debootstrap:debootstrap bindfs:bindfs chromium:chromium; do
+for t in qemu-system-x86_64:qemu-system-x86 busybox:busybox-static cpio:cpio modprobe:kmod debootstrap:debootstrap bindfs:bindfs chromium:chromium rg:ripgrep; do
   command -v "${t%%:*}" >/dev/null 2>&1 || need="$need ${t#*:}"
 done
 if [ -n "$need" ]; then

@@ -14,11 +14,12 @@ import pytest
 from guestd.client import AsyncClient, Client
 from guestd.client import aio as client_aio
 from guestd.client import ports as client_ports
+from guestd.client import workspace as client_workspace
 from guestd.testing import Guestd
 from guestd.wire.schema import OPS, OPS_BY_NAME
 
 # Async only: they return stream objects to iterate (Client.process_output collects an attach).
-STREAMING = {"exec_stream", "code_run_stream", "attach", "watch_ports"}
+STREAMING = {"exec_stream", "code_run_stream", "attach", "watch_ports", "watch"}
 # Async only, and coroutines: asyncio streams have no blocking twin.
 ASYNC_ONLY = {"open_port"}
 # Twins of their own shape: the blocking client returns a context manager run on its loop thread.
@@ -124,6 +125,7 @@ def ops_sent_by_methods() -> dict[str, set[str]]:
         next(n for n in aio_tree.body if isinstance(n, ast.ClassDef) and n.name == "AsyncClient").body
     )
     functions += ast.walk(ast.parse(Path(client_ports.__file__ or "").read_text()))
+    functions += ast.walk(ast.parse(Path(client_workspace.__file__ or "").read_text()))
     sent: dict[str, set[str]] = {}
     for fn in functions:
         if not isinstance(fn, (ast.FunctionDef, ast.AsyncFunctionDef)):

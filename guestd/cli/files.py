@@ -28,6 +28,7 @@ def register(sub: Subcommands) -> None:
     c.add_argument("src")
     c.add_argument("dst")
     c.add_argument("--parents", action="store_true", help="create the destination's parents in the guest")
+    c.add_argument("-r", "--recursive", action="store_true", help="copy a directory tree (a tar stream)")
     c.add_argument("--no-progress", action="store_true")
     add_command(sub, "cat", cat, help="print a guest file").add_argument("path")
     add_command(sub, "ls", list_directory, help="list a guest directory").add_argument("path")
@@ -90,6 +91,10 @@ async def remove(client: AsyncClient, ns: argparse.Namespace) -> int:
 
 
 async def copy(client: AsyncClient, ns: argparse.Namespace) -> int:
+    if ns.recursive:
+        from guestd.cli.workspace import copy_tree
+
+        return await copy_tree(client, ns)
     out = await _transfer(client, ns)
     if ns.json:
         print_json(out)

@@ -36,6 +36,7 @@ from guestd.client.address import open_socket, parse_address
 from guestd.client.connection import DEFAULT_WINDOW, Call, ClientConnection, GuestProtocolError
 from guestd.client.ports import PortsAPI
 from guestd.client.results import CodeResult, DirEntry, DirListing, ExecResult, FileStat, Info, ShellResult
+from guestd.client.workspace import WorkspaceAPI
 from guestd.wire.errors import ErrorCode, GuestdError
 from guestd.wire.frames import DEFAULT_MAX_FRAME
 from guestd.wire.paths import WirePath, path_to_wire
@@ -269,7 +270,7 @@ class Attach:
         self._client._conn._forget(self._call)
 
 
-class AsyncClient(PortsAPI):
+class AsyncClient(PortsAPI, WorkspaceAPI):
     """Connect with ``await AsyncClient.connect("unix:/run/guestd.sock")``."""
 
     def __init__(self, conn: ClientConnection, address: str) -> None:

@@ -27,13 +27,14 @@ from guestd.client.aio import (
 from guestd.client.connection import DEFAULT_WINDOW
 from guestd.client.ports_sync import SyncPortsAPI
 from guestd.client.results import CodeResult, DirListing, ExecResult, FileStat, Info, ShellResult
+from guestd.client.workspace_sync import SyncWorkspaceAPI
 from guestd.wire.frames import DEFAULT_MAX_FRAME
 from guestd.wire.paths import WirePath
 
 T = TypeVar("T")
 
 
-class Client(SyncPortsAPI):
+class Client(SyncPortsAPI, SyncWorkspaceAPI):
     """``with Client("unix:/run/guestd.sock") as c: c.exec(["ls"])``"""
 
     def __init__(

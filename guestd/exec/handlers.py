@@ -20,6 +20,7 @@ def register(services: Services) -> None:
         stdin_pipe = args["stdin"] is not None or args["stdin_stream"]
         t0 = time.monotonic()
         check_cwd(args["cwd"])
+        cursor = await services.changes_cursor(args["report_changes"])
         child = await services.children.spawn(
             command_argv(args["argv"], args["shell"]),
             kind="exec",
@@ -41,7 +42,7 @@ def register(services: Services) -> None:
                 ctx.stop_taking_data()  # INPUT data and eof mean nothing without stdin_stream
                 if args["stdin"] is not None:
                     helpers.append(run.loop.create_task(feed_stdin(run, args["stdin"])))
-            return await run.wait()
+            return await services.with_changes(cursor, await run.wait())
         except asyncio.CancelledError:
             # Cancelled request or dropped connection: the work must really stop, including what
             # the command left running after its main process exited (held pipes, setsid).

@@ -196,7 +196,7 @@ class ExecRun:
             "exit_code": exit_code if exit_code >= 0 else None,
             "signal": -exit_code if exit_code < 0 else None,
             "timed_out": self.timed_out,
-            **capture_fields(self.caps[1], self.caps[2], streamed=self.stream),
+            **capture_fields(self.caps[1], self.caps[2], streamed=self.stream),  # type: ignore[typeddict-item]  # "changes": the handler adds it
             "duration_s": time.monotonic() - self.t0,
             "pid": self.pid,
         }

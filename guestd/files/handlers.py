@@ -693,6 +693,7 @@ def register(services: Services) -> None:
         ("file.rename", op_rename),
     ):
         services.ops.add(name, fn, bulk_reply=name == "file.read")
+    register_workspace(services, fsys, ids)  # trees, search, edit, watch (guestd/files/workspace.py)
 
 
 _RWF_NOWAIT: int | None = getattr(os, "RWF_NOWAIT", None)
@@ -742,3 +743,9 @@ def _ack_when_written(ctx: Request, nbytes: int, written: asyncio.Future[None]) 
     asyncio from logging it as never retrieved)."""
     if not written.cancelled() and written.exception() is None:
         ctx.ack_input(nbytes)
+
+
+def register_workspace(services: Services, fsys: FileSystem, ids: tuple[int, int] | None) -> None:
+    from guestd.files import workspace  # it builds on this module
+
+    workspace.register_workspace(services, fsys, ids)

@@ -163,6 +163,18 @@ class RequestContext:
                 if waiter in self._credit_waiters:
                     self._credit_waiters.remove(waiter)
 
+    async def wait_room(self, fields: Mapping[str, Any], nbytes: int) -> None:
+        """Until one data EVENT with ``fields`` may carry ``nbytes`` whole (or the request
+        ends): for events whose data must not be split (a grep line, a watched path)."""
+        while self.stream.open and self.conn.session.data_room(self.stream, fields) < nbytes:
+            waiter = asyncio.get_running_loop().create_future()
+            self._credit_waiters.append(waiter)
+            try:
+                await waiter
+            finally:
+                if waiter in self._credit_waiters:
+                    self._credit_waiters.remove(waiter)
+
     def on_credit(self) -> None:
         waiters, self._credit_waiters = self._credit_waiters, []
         for w in waiters:

@@ -45,7 +45,8 @@ def register(services: Services) -> None:
         return {"id": s.id, "pid": s.pid}
 
     async def op_run(ctx: Request, a: ShellRunArgs) -> ShellRunReply:
-        return await shells().get(a["id"]).run(a)
+        cursor = await services.changes_cursor(a["report_changes"])
+        return await services.with_changes(cursor, await shells().get(a["id"]).run(a))
 
     async def op_list(ctx: Request, a: ShellListArgs) -> ShellListReply:
         if not made:

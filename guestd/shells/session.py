@@ -170,6 +170,7 @@ class Session:
                 "idle_timeout_s": None,
                 "max_output": 1024,
                 "capture": "tail",
+                "report_changes": False,
             },
             count=False,
         )
@@ -491,7 +492,7 @@ class Session:
             "interrupted": interrupted,
             "session_restarted": restarted,
             "cwd": path_to_wire(self.cwd),
-            **capture_fields(caps[1], caps[2]),
+            **capture_fields(caps[1], caps[2]),  # type: ignore[typeddict-item]  # "changes": the handler adds it
             "duration_s": time.monotonic() - t0,
         }
 

@@ -29,6 +29,7 @@ _SCALARS = {
     "path": "str | bytes",
     "map<str,str>": "dict[str, str]",
     "list<str>": "list[str]",
+    "list<path>": "list[str | bytes]",
     "list<uint>": "list[int]",
     "map": "dict[str, Any]",
     "any": "Any",

@@ -33,6 +33,7 @@ class ErrorCode(StrEnum):
     LIMIT = "limit"
     UNAVAILABLE = "unavailable"  # the target exists but cannot serve (a dead kernel)
     STALE = "stale"  # a restore for a generation that is not newer than the current one
+    CONFLICT = "conflict"  # an edit that does not apply to the file as it is (details.reason)
     INTERNAL = "internal"
 
 

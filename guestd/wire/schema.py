@@ -10,7 +10,7 @@ documentation and behaviour cannot drift and handlers receive checked arguments.
 Field types: ``str``, ``int``, ``uint``, ``float`` (ints accepted), ``bool``,
 ``bin`` (msgpack bin), ``path`` (a file-system path or name: str when it is valid UTF-8,
 bin holding the raw bytes when it is not; see :mod:`guestd.wire.paths`), ``map<str,str>``,
-``list<str>``, ``list<uint>``, ``map`` (any map), ``enum(a|b)``, ``any``, and the
+``list<str>``, ``list<path>``, ``list<uint>``, ``map`` (any map), ``enum(a|b)``, ``any``, and the
 named records of :data:`RECORDS` (``NAME`` is one such map, ``list<NAME>`` a list of them).
 A trailing ``?`` means nil is also allowed. Constraints: ``gt``/``ge``/``le`` (numbers),
 ``min_len`` (str, bin, list), ``le_limit`` (at most the named limit of the server's hello);
@@ -203,6 +203,10 @@ def check_value(name: str, typ: str, value: Any) -> Any:
     if typ == "list<str>":
         if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
             raise _bad(name, "a list of strings", value)
+        return value
+    if typ == "list<path>":
+        if not isinstance(value, list) or not all(isinstance(v, (str, bytes)) for v in value):
+            raise _bad(name, "a list of paths (each a string, or binary for names that are not UTF-8)", value)
         return value
     record = RECORDS.get(typ[5:-1] if typ.startswith("list<") else typ)
     if record is not None:
@@ -495,8 +499,17 @@ OPS: tuple[OpSpec, ...] = (
                 ge=0,
                 le=60,
             ),
+            F(
+                "report_changes",
+                "bool",
+                "also report the files created, modified and deleted under the workspace during the run",
+                default=False,
+            ),
         ),
-        result=_OUTPUT_RESULT,
+        result=(
+            *_OUTPUT_RESULT,
+            F("changes", "change_report?", "report_changes: what changed under the workspace during the run"),
+        ),
         events=(
             F("ev", "enum(started|stdout|stderr)", "event type", True),
             F("pid", "int", "started: process id"),
@@ -922,6 +935,12 @@ SHELL_OPS: tuple[OpSpec, ...] = (
             F("idle_timeout_s", "float?", "timeout with no output", gt=0, le_limit="max_exec_timeout_s"),
             F("max_output", "uint", "bytes kept per stream", default=65536, le_limit="max_output"),
             F("capture", "enum(tail|head_tail)", "which bytes are kept when over max_output", default="tail"),
+            F(
+                "report_changes",
+                "bool",
+                "also report the files created, modified and deleted under the workspace during the run",
+                default=False,
+            ),
         ),
         result=(
             F("exit_code", "int?", "the command's status (nil when the session had to be restarted)"),
@@ -931,6 +950,7 @@ SHELL_OPS: tuple[OpSpec, ...] = (
             F("cwd", "path", "working directory after the command", True),
             *_captured("the command"),
             F("duration_s", "float", "wall time", True),
+            F("changes", "change_report?", "report_changes: what changed under the workspace during the run"),
         ),
         errors=("not_found", "limit", "bad_request"),
     ),
@@ -1150,7 +1170,295 @@ PORT_OPS: tuple[OpSpec, ...] = (
     ),
 )
 
-OPS = OPS + CODE_OPS + PROCESS_OPS + SHELL_OPS + SNAPSHOT_OPS + PORT_OPS
+# --------------------------------------------------------------------------- workspace (issue 18)
+# Trees, search, edit and the change feed: capability "files", built on its file-system layer
+# (PROTOCOL.md section 8.1).
+
+RECORDS.update(
+    {
+        "write_item": (
+            F("path", "path", "target path", True),
+            F("data", "bin", "content", True),
+            F("perm", "uint?", "permission bits of a new file (default 0o644; a replaced file keeps its own)"),
+        ),
+        "patched_file": (
+            F("path", "path", "the file, relative to the patch's directory", True),
+            F("action", "enum(modify|create|delete)", "what the patch did to it", True),
+            F("hunks", "uint", "hunks applied", True),
+        ),
+        "change_report": (
+            F("created", "list<path>", "paths created (relative to the workspace), sorted", True),
+            F("modified", "list<path>", "paths whose content or metadata changed, sorted", True),
+            F("deleted", "list<path>", "paths deleted, sorted", True),
+            F("total", "uint", "changed paths in all, listed or not", True),
+            F("truncated", "bool", "more than the lists hold (limits: 1000 paths per list)", True),
+            F("overflow", "bool", "the kernel's event queue overflowed: changes may be missing", True),
+        ),
+    }
+)
+
+_EDIT_RESULT = (
+    F("size", "uint", "file size after the edit", True),
+    F("snippet", "str", "the changed lines with 4 lines of context, numbered like cat -n", True),
+    F("start_line", "uint", "line number of the snippet's first line", True),
+    F("undo_depth", "uint", "edits of this file that file.undo can now revert", True),
+)
+_EDIT_ERRORS = (
+    "not_found",
+    "conflict",
+    "is_a_directory",
+    "not_a_file",
+    "permission_denied",
+    "too_large",
+    "bad_request",
+    "no_space",
+)
+_TIMEOUT_S = F("timeout_s", "float", "deadline: the reply then says what was done in time", default=30.0, gt=0, le=3600)
+
+WORKSPACE_OPS: tuple[OpSpec, ...] = (
+    OpSpec(
+        "file.view",
+        "files",
+        "A file's lines with line numbers (cat -n), or a directory listed two levels deep (hidden names left out).",
+        args=(
+            F("path", "path", "file or directory", True),
+            F("start_line", "uint?", "first line (1-based); nil: 1", ge=1),
+            F("end_line", "uint?", "last line, inclusive; nil: the last line", ge=1),
+        ),
+        result=(
+            F("kind", "enum(file|dir)", "what the path is", True),
+            F("content", "str", "numbered lines (file) or one path per line, directories ending in / (dir)", True),
+            F("start_line", "uint?", "file: first line shown (0 for an empty file)"),
+            F("end_line", "uint?", "file: last line shown"),
+            F("total_lines", "uint?", "file: lines in the file"),
+            F("truncated", "bool", "less than asked for was shown (256 KiB of content, 2000 entries)", True),
+        ),
+        errors=("not_found", "not_a_file", "permission_denied", "too_large", "bad_request"),
+    ),
+    OpSpec(
+        "file.str_replace",
+        "files",
+        "Replace the one occurrence of old with new (an atomic replace that keeps owner and mode). old must occur "
+        "exactly once: else conflict with details.reason no_match or multiple_matches, details.matches and "
+        "details.lines (the line of each match, at most 100).",
+        args=(
+            F("path", "path", "the file", True),
+            F("old", "str", "text to replace, matched exactly (bytes of its UTF-8)", True, min_len=1),
+            F("new", "str", "replacement (may be empty)", True),
+        ),
+        result=_EDIT_RESULT,
+        errors=_EDIT_ERRORS,
+    ),
+    OpSpec(
+        "file.insert",
+        "files",
+        "Insert text as whole lines after line (0: at the top); a newline is added to text that lacks one.",
+        args=(
+            F("path", "path", "the file", True),
+            F("line", "uint", "insert after this line (0..lines in the file)", True),
+            F("text", "str", "the lines to insert", True),
+        ),
+        result=_EDIT_RESULT,
+        errors=_EDIT_ERRORS,
+    ),
+    OpSpec(
+        "file.replace_lines",
+        "files",
+        "Replace lines start_line..end_line (inclusive) with text as whole lines; empty text deletes them.",
+        args=(
+            F("path", "path", "the file", True),
+            F("start_line", "uint", "first line replaced (1-based)", True, ge=1),
+            F("end_line", "uint", "last line replaced, >= start_line", True, ge=1),
+            F("text", "str", "the new lines", True),
+        ),
+        result=_EDIT_RESULT,
+        errors=_EDIT_ERRORS,
+    ),
+    OpSpec(
+        "file.undo",
+        "files",
+        "Revert the last edit (file.str_replace, insert, replace_lines) of this file, byte for byte. Refused "
+        "with conflict (details.reason no_history, changed_since) when there is none or the file changed since.",
+        args=(F("path", "path", "the file", True),),
+        result=_EDIT_RESULT,
+        errors=_EDIT_ERRORS,
+    ),
+    OpSpec(
+        "file.apply_patch",
+        "files",
+        "Apply a unified diff (diff -u, git diff) to files under path, all or nothing: every hunk must apply "
+        "(at its line, or where its context occurs once) or nothing changes and the error is conflict with "
+        "details.hunks, one report per failed hunk.",
+        args=(
+            F("path", "path", "directory the patch's file names are relative to", True),
+            F("patch", "bin", "the diff", True, min_len=1),
+            F("strip", "uint", "leading path components to drop from names (patch -p)", default=1, le=32),
+        ),
+        result=(F("files", "list<patched_file>", "each file changed, in patch order", True),),
+        errors=("conflict", "bad_request", "not_found", "not_a_file", "permission_denied", "too_large", "exists"),
+    ),
+    OpSpec(
+        "file.glob",
+        "files",
+        "Paths under path whose relative path matches pattern (gitignore glob syntax, anchored; ** crosses "
+        "directories), sorted by bytes, at most max_results. Symlinks are listed, never followed.",
+        args=(
+            F("path", "path", "directory to search", True),
+            F("pattern", "str", "glob over the relative path, e.g. **/*.py", True, min_len=1),
+            F("gitignore", "bool", "leave out what .gitignore files in the tree ignore", default=False),
+            F("hidden", "bool", "include names starting with a dot", default=True),
+            F("max_results", "uint", "most paths returned", default=10_000, ge=1, le=1_000_000),
+            _TIMEOUT_S,
+        ),
+        result=(
+            F("paths", "list<path>", "matching paths relative to path, sorted by bytes", True),
+            F("total", "uint", "matching paths found, returned or not", True),
+            F("truncated", "bool", "total > max_results, or the walk stopped at a bound (see bound)", True),
+            F("bound", "enum(entries|depth|deadline)?", "the bound that stopped the walk early"),
+        ),
+        errors=("not_found", "not_a_directory", "permission_denied", "bad_request"),
+    ),
+    OpSpec(
+        "file.grep",
+        "files",
+        "Search file contents under path line by line, streaming one event per matching or context line within "
+        "the request's credit. Files are walked as ripgrep walks them (symlinks not followed, .git left out, "
+        "overrides, .gitignore, hidden); binary files (a NUL byte) are skipped. Uses rg when the guest has it.",
+        args=(
+            F("path", "path", "directory (or file) to search", True),
+            F("pattern", "str", "a regex (Rust regex syntax with rg, Python re without) or a literal", True, min_len=1),
+            F("literal", "bool", "pattern is a fixed string", default=False),
+            F("ignore_case", "bool", "case-insensitive", default=False),
+            F("globs", "list<str>", "ripgrep --glob filters: glob includes, !glob excludes", default=[]),
+            F("context", "uint", "lines of context before and after each match", default=0, le=100),
+            F("max_matches", "uint", "stop after this many matching lines", default=1000, ge=1, le=1_000_000),
+            F("gitignore", "bool", "respect .gitignore files in the tree", default=True),
+            F("hidden", "bool", "search names starting with a dot", default=False),
+            F("engine", "enum(auto|rg|python)", "auto: rg when installed", default="auto"),
+            _TIMEOUT_S,
+        ),
+        result=(
+            F("matches", "uint", "matching lines sent", True),
+            F("files", "uint", "files with a match", True),
+            F("truncated", "bool", "max_matches was reached", True),
+            F("timed_out", "bool", "timeout_s passed: the events sent are what was found in time", True),
+            F("engine", "enum(rg|python)", "what searched", True),
+        ),
+        events=(
+            F("ev", "enum(match|context)", "a matching line, or a context line around one", True),
+            F("path", "path", "the file, relative to path (its name when path is a file)", True),
+            F("line", "uint", "line number (1-based)", True),
+            F("data", "bin", "the line with its newline, at most 4096 bytes (never empty; counts against credit)"),
+            F("truncated", "bool", "the line was longer than 4096 bytes"),
+        ),
+        errors=("not_found", "permission_denied", "bad_request", "unavailable"),
+    ),
+    OpSpec(
+        "file.write_many",
+        "files",
+        "Write several files in one request: every file goes to a temp file first, then all are renamed into "
+        "place; if any cannot be prepared, none is written.",
+        args=(
+            F(
+                "files",
+                "list<write_item>",
+                "the files (at most 256; together they fit one request frame, limits.max_frame)",
+                True,
+                min_len=1,
+            ),
+            F("parents", "bool", "create missing parent directories", default=False),
+        ),
+        result=(F("written", "uint", "files written", True), F("bytes", "uint", "bytes written", True)),
+        errors=("not_found", "is_a_directory", "not_a_directory", "permission_denied", "no_space", "too_large"),
+    ),
+    OpSpec(
+        "tree.upload",
+        "files",
+        "Stream a tar archive (ustar, GNU or pax) into a new directory path: INPUT data under the request's credit, "
+        "then eof. Extracted into a hidden temp directory beside path and renamed into place when complete; "
+        "any failure removes it (nothing half-extracted is left). Absolute names, .., links pointing out, hard "
+        "links, devices and FIFOs are bad_request with details.entry naming the entry.",
+        args=(
+            F("path", "path", "the directory to create", True),
+            F(
+                "replace",
+                "bool",
+                "replace an existing directory (swapped atomically, the old tree then removed)",
+                default=False,
+            ),
+            F("parents", "bool", "create missing parent directories", default=False),
+        ),
+        result=(
+            F("entries", "uint", "entries extracted", True),
+            F("bytes", "uint", "file bytes written", True),
+        ),
+        input=(F("data", "bin", "next bytes of the tar stream"), F("eof", "bool", "the archive is complete")),
+        errors=("bad_request", "exists", "not_found", "permission_denied", "no_space", "limit"),
+    ),
+    OpSpec(
+        "tree.download",
+        "files",
+        "Stream a directory out as a pax tar archive (data events under the request's credit): files, "
+        "directories and symlinks (as symlinks, never followed), with modes and mtimes; FIFOs, sockets and "
+        "devices are left out and counted.",
+        args=(
+            F("path", "path", "the directory", True),
+            F("include", "list<str>", "ripgrep-style globs: only matching files (directories are walked)", default=[]),
+            F("exclude", "list<str>", "globs left out (with everything below a directory that matches)", default=[]),
+            F("gitignore", "bool", "leave out what .gitignore files ignore", default=False),
+            F("chunk", "uint?", "most bytes per data event; default limits.max_chunk", ge=1, le_limit="max_chunk"),
+        ),
+        result=(
+            F("entries", "uint", "entries archived", True),
+            F("bytes", "uint", "tar bytes sent", True),
+            F("skipped", "uint", "entries left out: special files, unreadable or vanished ones", True),
+        ),
+        events=(F("ev", "enum(data)", "event type", True), F("data", "bin", "next bytes of the archive")),
+        errors=("not_found", "not_a_directory", "permission_denied"),
+    ),
+    OpSpec(
+        "file.watch",
+        "files",
+        "Watch a directory tree (inotify) until cancelled: one event per changed path, its relative path as data "
+        "under the request's credit, changes to one path coalesced while credit is out, new directories followed, "
+        "and an overflow event (never silence) when changes were lost.",
+        args=(
+            F("path", "path", "directory to watch", True),
+            F("include", "list<str>", "globs: only matching files are reported", default=[]),
+            F("exclude", "list<str>", "globs left out", default=[]),
+            F(
+                "latency_s",
+                "float",
+                "changes to one path within this window become one event",
+                default=0.05,
+                ge=0,
+                le=10,
+            ),
+        ),
+        result=(F("events", "uint", "events sent", True),),
+        events=(
+            F("ev", "enum(ready|change|overflow)", "ready: the watch is set up; overflow: changes were lost", True),
+            F("kind", "enum(created|modified|deleted)", "change: what happened to the path"),
+            F("dir", "bool", "change: the path is a directory"),
+            F("data", "bin", "change: the path relative to path, as bytes"),
+        ),
+        errors=("not_found", "not_a_directory", "permission_denied", "limit"),
+    ),
+    OpSpec(
+        "file.changes",
+        "files",
+        "Paths changed under the workspace since cursor (the workspace's change journal, started by the first "
+        "call). Without cursor, answers at once with the current cursor and an empty report.",
+        args=(F("cursor", "uint?", "the cursor of a previous reply"),),
+        result=(
+            F("cursor", "uint", "pass it to the next call", True),
+            F("changes", "change_report", "what changed since cursor", True),
+        ),
+        errors=("unavailable", "bad_request"),
+    ),
+)
+
+OPS = OPS + CODE_OPS + PROCESS_OPS + SHELL_OPS + SNAPSHOT_OPS + PORT_OPS + WORKSPACE_OPS
 OPS_BY_NAME = {op.name: op for op in OPS}
 
 

@@ -100,6 +100,36 @@ class ShellInfoRecord(TypedDict):
     stray_bytes: int
 
 
+class WriteItemRecord(TypedDict):
+    """record `write_item`"""
+
+    path: str | bytes
+    data: bytes
+    perm: NotRequired[int | None]
+
+
+PatchedFileAction = Literal["modify", "create", "delete"]
+
+
+class PatchedFileRecord(TypedDict):
+    """record `patched_file`"""
+
+    path: str | bytes
+    action: Literal["modify", "create", "delete"]
+    hunks: int
+
+
+class ChangeReportRecord(TypedDict):
+    """record `change_report`"""
+
+    created: list[str | bytes]
+    modified: list[str | bytes]
+    deleted: list[str | bytes]
+    total: int
+    truncated: bool
+    overflow: bool
+
+
 class PingArgs(TypedDict):
     """`ping` args, as validated"""
 
@@ -158,6 +188,7 @@ class ExecArgs(TypedDict):
     capture: Literal["tail", "head_tail"]
     stream: bool
     linger_s: float
+    report_changes: bool
 
 
 class ExecReply(TypedDict):
@@ -176,6 +207,7 @@ class ExecReply(TypedDict):
     stderr_gap_at: NotRequired[int | None]
     duration_s: float
     pid: int
+    changes: NotRequired[ChangeReportRecord | None]
 
 
 class ExecEvent(TypedDict):
@@ -632,6 +664,7 @@ class ShellRunArgs(TypedDict):
     idle_timeout_s: float | None
     max_output: int
     capture: Literal["tail", "head_tail"]
+    report_changes: bool
 
 
 class ShellRunReply(TypedDict):
@@ -651,6 +684,7 @@ class ShellRunReply(TypedDict):
     stdout_gap_at: NotRequired[int | None]
     stderr_gap_at: NotRequired[int | None]
     duration_s: float
+    changes: NotRequired[ChangeReportRecord | None]
 
 
 class ShellListArgs(TypedDict):
@@ -864,3 +898,266 @@ class PortWaitReply(TypedDict):
     ready: bool
     elapsed_s: float
     http_status: NotRequired[int | None]
+
+
+FileViewKind = Literal["file", "dir"]
+
+
+class FileViewArgs(TypedDict):
+    """`file.view` args, as validated"""
+
+    path: str
+    start_line: int | None
+    end_line: int | None
+
+
+class FileViewReply(TypedDict):
+    """`file.view` result"""
+
+    kind: Literal["file", "dir"]
+    content: str
+    start_line: NotRequired[int | None]
+    end_line: NotRequired[int | None]
+    total_lines: NotRequired[int | None]
+    truncated: bool
+
+
+class FileStrReplaceArgs(TypedDict):
+    """`file.str_replace` args, as validated"""
+
+    path: str
+    old: str
+    new: str
+
+
+class FileStrReplaceReply(TypedDict):
+    """`file.str_replace` result"""
+
+    size: int
+    snippet: str
+    start_line: int
+    undo_depth: int
+
+
+class FileInsertArgs(TypedDict):
+    """`file.insert` args, as validated"""
+
+    path: str
+    line: int
+    text: str
+
+
+class FileInsertReply(TypedDict):
+    """`file.insert` result"""
+
+    size: int
+    snippet: str
+    start_line: int
+    undo_depth: int
+
+
+class FileReplaceLinesArgs(TypedDict):
+    """`file.replace_lines` args, as validated"""
+
+    path: str
+    start_line: int
+    end_line: int
+    text: str
+
+
+class FileReplaceLinesReply(TypedDict):
+    """`file.replace_lines` result"""
+
+    size: int
+    snippet: str
+    start_line: int
+    undo_depth: int
+
+
+class FileUndoArgs(TypedDict):
+    """`file.undo` args, as validated"""
+
+    path: str
+
+
+class FileUndoReply(TypedDict):
+    """`file.undo` result"""
+
+    size: int
+    snippet: str
+    start_line: int
+    undo_depth: int
+
+
+class FileApplyPatchArgs(TypedDict):
+    """`file.apply_patch` args, as validated"""
+
+    path: str
+    patch: bytes
+    strip: int
+
+
+class FileApplyPatchReply(TypedDict):
+    """`file.apply_patch` result"""
+
+    files: list[PatchedFileRecord]
+
+
+FileGlobBound = Literal["entries", "depth", "deadline"]
+
+
+class FileGlobArgs(TypedDict):
+    """`file.glob` args, as validated"""
+
+    path: str
+    pattern: str
+    gitignore: bool
+    hidden: bool
+    max_results: int
+    timeout_s: float
+
+
+class FileGlobReply(TypedDict):
+    """`file.glob` result"""
+
+    paths: list[str | bytes]
+    total: int
+    truncated: bool
+    bound: NotRequired[Literal["entries", "depth", "deadline"] | None]
+
+
+FileGrepEngine = Literal["rg", "python"]
+
+
+class FileGrepArgs(TypedDict):
+    """`file.grep` args, as validated"""
+
+    path: str
+    pattern: str
+    literal: bool
+    ignore_case: bool
+    globs: list[str]
+    context: int
+    max_matches: int
+    gitignore: bool
+    hidden: bool
+    engine: Literal["auto", "rg", "python"]
+    timeout_s: float
+
+
+class FileGrepReply(TypedDict):
+    """`file.grep` result"""
+
+    matches: int
+    files: int
+    truncated: bool
+    timed_out: bool
+    engine: Literal["rg", "python"]
+
+
+class FileGrepEvent(TypedDict):
+    """`file.grep` EVENT body"""
+
+    ev: Literal["match", "context"]
+    path: str | bytes
+    line: int
+    data: NotRequired[bytes]
+    truncated: NotRequired[bool]
+
+
+class FileWriteManyArgs(TypedDict):
+    """`file.write_many` args, as validated"""
+
+    files: list[WriteItemRecord]
+    parents: bool
+
+
+class FileWriteManyReply(TypedDict):
+    """`file.write_many` result"""
+
+    written: int
+    bytes: int
+
+
+class TreeUploadArgs(TypedDict):
+    """`tree.upload` args, as validated"""
+
+    path: str
+    replace: bool
+    parents: bool
+
+
+class TreeUploadReply(TypedDict):
+    """`tree.upload` result"""
+
+    entries: int
+    bytes: int
+
+
+class TreeUploadInput(TypedDict):
+    """`tree.upload` INPUT body"""
+
+    data: NotRequired[bytes]
+    eof: NotRequired[bool]
+
+
+class TreeDownloadArgs(TypedDict):
+    """`tree.download` args, as validated"""
+
+    path: str
+    include: list[str]
+    exclude: list[str]
+    gitignore: bool
+    chunk: int | None
+
+
+class TreeDownloadReply(TypedDict):
+    """`tree.download` result"""
+
+    entries: int
+    bytes: int
+    skipped: int
+
+
+class TreeDownloadEvent(TypedDict):
+    """`tree.download` EVENT body"""
+
+    ev: Literal["data"]
+    data: NotRequired[bytes]
+
+
+class FileWatchArgs(TypedDict):
+    """`file.watch` args, as validated"""
+
+    path: str
+    include: list[str]
+    exclude: list[str]
+    latency_s: float
+
+
+class FileWatchReply(TypedDict):
+    """`file.watch` result"""
+
+    events: int
+
+
+class FileWatchEvent(TypedDict):
+    """`file.watch` EVENT body"""
+
+    ev: Literal["ready", "change", "overflow"]
+    kind: NotRequired[Literal["created", "modified", "deleted"]]
+    dir: NotRequired[bool]
+    data: NotRequired[bytes]
+
+
+class FileChangesArgs(TypedDict):
+    """`file.changes` args, as validated"""
+
+    cursor: int | None
+
+
+class FileChangesReply(TypedDict):
+    """`file.changes` result"""
+
+    cursor: int
+    changes: ChangeReportRecord

@@ -1,0 +1,487 @@
+"""Directory trees in and out as tar streams (``tree.upload``, ``tree.download``) and
+``file.write_many`` (issue 18).
+
+Extraction is guestd's own, over the file-system layer: Python's tarfile only parses the
+stream; every entry is created with ``*at`` calls in a directory fd resolved with ``openat2``
+(``RESOLVE_BENEATH | RESOLVE_NO_SYMLINKS``) below a temp directory that guestd made beside the
+target (``.<name>.guestd-tree-<random>``, mode 0700 and guestd's while it fills, so the
+workload can neither see nor change what is being extracted). Refused with ``bad_request``
+and ``details.entry``: absolute names, ``..``, a symlink whose target is absolute or climbs
+out of the tree, hard links, devices, FIFOs, and any path through a symlink. On success the
+temp directory gets its final mode and owner and is renamed into place (``RENAME_NOREPLACE``;
+with ``replace``, exchanged with the old tree, which is then removed); on any failure it is
+removed: nothing half-extracted is left at the target. Modes lose setuid and setgid. New
+entries get the workspace ownership rule of the target's directory.
+
+Archives out are pax (names that are not UTF-8 kept as bytes, ``hdrcharset=BINARY``); files
+are read through fds checked to be regular (a FIFO is never opened), symlinks archived as
+links, never followed, and FIFOs, sockets and devices left out (counted in ``skipped``).
+"""
+
+from __future__ import annotations
+
+import errno
+import io
+import os
+import queue
+import stat as st
+import tarfile
+import threading
+from collections.abc import Callable, Generator, Iterator
+
+from guestd.files.fs import (
+    RESOLVE_BENEATH,
+    RESOLVE_NO_MAGICLINKS,
+    RESOLVE_NO_SYMLINKS,
+    FileSystem,
+    Owner,
+    Place,
+    openat2,
+    rename_noreplace,
+    reopen_regular,
+)
+from guestd.files.handlers import AtomicFile, remove_tree
+from guestd.files.walk import Filter, Walk
+from guestd.wire.errors import ErrorCode, GuestdError
+
+MAX_TREE_ENTRIES = 1_000_000  # entries one archive may hold
+MAX_WRITE_MANY = 256  # files one file.write_many may write (each holds two fds until the commit)
+COPY = 1024 * 1024
+_DIR = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
+_RESOLVE = RESOLVE_BENEATH | RESOLVE_NO_SYMLINKS | RESOLVE_NO_MAGICLINKS
+_RENAME_EXCHANGE = 2
+
+
+def refused(entry: str, reason: str, what: str) -> GuestdError:
+    return GuestdError(
+        ErrorCode.BAD_REQUEST,
+        f"tar entry {entry!r} refused: {what}",
+        details={"entry": entry, "reason": reason},
+    )
+
+
+# --------------------------------------------------------------------------- input bridge
+
+
+class Feed(io.RawIOBase):
+    """The tar stream as a blocking file for tarfile, fed INPUT data by the event loop.
+    ``ack(n)`` (called on the loop) grants credit as bytes are consumed, so what waits here is
+    bounded by the request's credit."""
+
+    _ABORT = object()
+
+    def __init__(self, ack: Callable[[int], object]) -> None:
+        super().__init__()
+        self.q: queue.SimpleQueue[object] = queue.SimpleQueue()
+        self.buf = memoryview(b"")
+        self.eof = False
+        self.ack = ack
+
+    def readable(self) -> bool:
+        return True
+
+    def feed(self, data: bytes) -> None:
+        self.q.put(data)
+
+    def finish(self) -> None:
+        self.q.put(None)
+
+    def abort(self) -> None:
+        self.q.put(self._ABORT)
+
+    def readinto(self, b: bytearray | memoryview) -> int:  # type: ignore[override]
+        while not self.buf:
+            if self.eof:
+                return 0
+            item = self.q.get()
+            if item is self._ABORT:
+                raise GuestdError(ErrorCode.CANCELLED, "the upload was aborted")
+            if item is None:
+                self.eof = True
+                return 0
+            assert isinstance(item, bytes)
+            self.buf = memoryview(item)
+        n = min(len(b), len(self.buf))
+        b[:n] = self.buf[:n]
+        self.buf = self.buf[n:]
+        self.ack(n)
+        return n
+
+
+# --------------------------------------------------------------------------- extraction
+
+
+def _parts(name: str) -> list[str]:
+    """An entry's name as components, or refused (absolute, ``..``)."""
+    if name.startswith("/"):
+        raise refused(name, "absolute", "absolute name")
+    parts = [p for p in name.split("/") if p not in ("", ".")]
+    if ".." in parts:
+        raise refused(name, "dotdot", "'..' in the name")
+    return parts
+
+
+def _link_stays_inside(parts: list[str], target: str) -> bool:
+    if not target or target.startswith("/"):
+        return False
+    where = list(parts[:-1])
+    for comp in target.split("/"):
+        if comp in ("", "."):
+            continue
+        if comp == "..":
+            if not where:
+                return False
+            where.pop()
+        else:
+            where.append(comp)
+    return True
+
+
+class Extractor:
+    def __init__(self, place: Place, owner: Owner) -> None:
+        self.place = place
+        self.owner = owner if os.geteuid() == 0 else None
+        self.tmp = b"." + place.name[:100] + b".guestd-tree-" + os.urandom(6).hex().encode()
+        self.root = -1
+        self.entries = 0
+        self.bytes = 0
+        self.dirs: list[tuple[list[str], int, float]] = []  # (parts, mode, mtime) set at the end
+        self.root_meta: tuple[int, float] | None = None
+        self.cached: tuple[str, int] | None = None  # the last parent directory: (rel, fd)
+
+    def run(self, source: io.RawIOBase, replace: bool) -> tuple[int, int]:
+        os.mkdir(self.tmp, 0o700, dir_fd=self.place.dirfd)
+        try:
+            self.root = os.open(self.tmp, _DIR, dir_fd=self.place.dirfd)
+            with tarfile.open(fileobj=source, mode="r|*", errors="surrogateescape") as tar:
+                for m in tar:
+                    self.entries += 1
+                    if self.entries > MAX_TREE_ENTRIES:
+                        raise GuestdError(
+                            ErrorCode.LIMIT,
+                            f"the archive has more than {MAX_TREE_ENTRIES} entries",
+                            details={"limit": "max_tree_entries", "value": MAX_TREE_ENTRIES},
+                        )
+                    self._entry(tar, m)
+            self._finish_dirs()
+            self._commit(replace)
+            return self.entries, self.bytes
+        except BaseException:
+            self._remove_tmp()
+            raise
+        finally:
+            if self.cached is not None:
+                os.close(self.cached[1])
+                self.cached = None
+            if self.root >= 0:
+                os.close(self.root)
+                self.root = -1
+
+    def _parent(self, parts: list[str], name: str) -> int:
+        """A new fd of the directory an entry goes in, missing ones made (0700) on the way:
+        one component at a time, ``O_NOFOLLOW``, so a path through a symlink (one the archive
+        itself made) is refused, never followed."""
+        rel = "/".join(parts[:-1])
+        if self.cached is not None and self.cached[0] == rel:
+            return os.dup(self.cached[1])
+        fd = os.dup(self.root)
+        try:
+            for comp in parts[:-1]:
+                try:
+                    sub = os.open(comp, os.O_PATH | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=fd)
+                except FileNotFoundError:
+                    os.mkdir(comp, 0o700, dir_fd=fd)
+                    self._own_at(fd, comp)
+                    sub = os.open(comp, os.O_PATH | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=fd)
+                except OSError as exc:
+                    if exc.errno in (errno.ELOOP, errno.ENOTDIR):
+                        raise refused(name, "through_link", "its path goes through a symlink or a file") from None
+                    raise
+                os.close(fd)
+                fd = sub
+        except BaseException:
+            os.close(fd)
+            raise
+        if self.cached is not None:
+            os.close(self.cached[1])
+        self.cached = (rel, os.dup(fd))
+        return fd
+
+    def _entry(self, tar: tarfile.TarFile, m: tarfile.TarInfo) -> None:
+        name = m.name
+        parts = _parts(name)
+        mode = m.mode & 0o1777
+        if not parts:
+            if not m.isdir():
+                raise refused(name, "root", "the archive's root is not a directory")
+            self.root_meta = (mode, m.mtime)
+            return
+        if m.islnk():
+            raise refused(name, "hard_link", "hard links are not extracted")
+        if m.ischr() or m.isblk():
+            raise refused(name, "device", "device files are not extracted")
+        if m.isfifo():
+            raise refused(name, "fifo", "FIFOs are not extracted")
+        if not (m.isdir() or m.isreg() or m.issym()):
+            raise refused(name, "type", "an entry of an unknown type")
+        if m.issym() and not _link_stays_inside(parts, m.linkname):
+            raise refused(name, "link_out", f"symlink to {m.linkname!r} points out of the tree")
+        parent = self._parent(parts, name)
+        last = parts[-1]
+        try:
+            if m.isdir():
+                try:
+                    os.mkdir(last, 0o700, dir_fd=parent)
+                    self._own_at(parent, last)
+                except FileExistsError:
+                    if not st.S_ISDIR(os.stat(last, dir_fd=parent, follow_symlinks=False).st_mode):
+                        raise refused(name, "duplicate", "a directory over a file of the same name") from None
+                self.dirs.append((parts, mode, m.mtime))
+                return
+            self._clear(parent, last, name)
+            if m.issym():
+                os.symlink(m.linkname, last, dir_fd=parent)
+                if self.owner is not None:
+                    os.chown(last, *self.owner, dir_fd=parent, follow_symlinks=False)
+                os.utime(last, ns=(int(m.mtime * 1e9),) * 2, dir_fd=parent, follow_symlinks=False)
+                return
+            fd = os.open(
+                last, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600, dir_fd=parent
+            )
+            try:
+                src = tar.extractfile(m)
+                assert src is not None
+                left = m.size
+                while left > 0:
+                    chunk = src.read(min(COPY, left))
+                    if not chunk:
+                        raise refused(name, "truncated", "the archive ends inside this file")
+                    view = memoryview(chunk)
+                    while view:
+                        view = view[os.write(fd, view) :]
+                    left -= len(chunk)
+                self.bytes += m.size
+                if self.owner is not None:
+                    os.fchown(fd, *self.owner)
+                os.fchmod(fd, mode)
+                os.utime(fd, ns=(int(m.mtime * 1e9),) * 2)
+            finally:
+                os.close(fd)
+        finally:
+            os.close(parent)
+
+    def _own_at(self, parent: int, last: str) -> None:
+        if self.owner is not None:
+            os.chown(last, *self.owner, dir_fd=parent, follow_symlinks=False)
+
+    @staticmethod
+    def _clear(parent: int, last: str, name: str) -> None:
+        """A later entry of the same name replaces an earlier file or link (as tar does)."""
+        try:
+            info = os.stat(last, dir_fd=parent, follow_symlinks=False)
+        except FileNotFoundError:
+            return
+        if st.S_ISDIR(info.st_mode):
+            raise refused(name, "duplicate", "a file over a directory of the same name")
+        os.unlink(last, dir_fd=parent)
+
+    def _finish_dirs(self) -> None:
+        """Modes and mtimes of directories, deepest first (creating entries changes mtimes)."""
+        for parts, mode, mtime in sorted(self.dirs, key=lambda d: -len(d[0])):
+            rel = "/".join(parts)
+            try:
+                fd = openat2(self.root, rel, _DIR, 0, _RESOLVE)
+            except OSError:
+                continue
+            try:
+                os.fchmod(fd, mode)
+                os.utime(fd, ns=(int(mtime * 1e9),) * 2)
+            finally:
+                os.close(fd)
+
+    def _commit(self, replace: bool) -> None:
+        mode, mtime = self.root_meta or (0o755, None)
+        os.fchmod(self.root, mode)
+        if self.owner is not None:
+            os.fchown(self.root, *self.owner)
+        if mtime is not None:
+            os.utime(self.root, ns=(int(mtime * 1e9),) * 2)
+        tmp = Place(self.place.dirfd, self.tmp, self.place.path, None)
+        try:
+            rename_noreplace(tmp, self.place)
+            return
+        except FileExistsError:
+            if not replace:
+                raise
+        except OSError as exc:
+            if exc.errno != errno.EEXIST or not replace:
+                raise
+        old = os.stat(self.place.name, dir_fd=self.place.dirfd, follow_symlinks=False)
+        if not st.S_ISDIR(old.st_mode):
+            raise GuestdError(
+                ErrorCode.NOT_A_DIRECTORY,
+                f"{self.place.path} exists and is not a directory",
+                details={"path": self.place.path},
+            )
+        _exchange(self.place.dirfd, self.tmp, self.place.name)
+        # the old tree now sits at the temp name: removed (without following anything)
+        remove_tree(self.place.dirfd, self.tmp, self.place.path)
+
+    def _remove_tmp(self) -> None:
+        try:
+            remove_tree(self.place.dirfd, self.tmp, self.place.path)
+        except OSError:
+            pass
+
+
+def _exchange(dirfd: int, a: bytes, b: bytes) -> None:
+    import ctypes
+
+    libc = ctypes.CDLL(None, use_errno=True)
+    if libc.renameat2(dirfd, a, dirfd, b, _RENAME_EXCHANGE) != 0:
+        err = ctypes.get_errno()
+        raise OSError(err, os.strerror(err), os.fsdecode(b))
+
+
+def extract(fsys: FileSystem, path: str, parents: bool, replace: bool, source: io.RawIOBase) -> tuple[int, int]:
+    with fsys.place(path, parents=parents) as place:
+        return Extractor(place, place.owner).run(source, replace)
+
+
+# --------------------------------------------------------------------------- archiving
+
+
+class Archive:
+    """A pax tar of the tree below ``root_fd``, made in pieces of about ``chunk`` bytes."""
+
+    def __init__(self, root_fd: int, flt: Filter, chunk: int) -> None:
+        self.root_fd = root_fd
+        self.walk = Walk(root_fd, flt)
+        self.chunk = chunk
+        self.entries = 0
+        self.skipped = 0
+        self.lock = threading.Lock()
+        self.gen = self._pieces()
+        self.closed = False
+
+    def step(self) -> bytes | None:
+        with self.lock:
+            if self.closed:
+                return None
+            return next(self.gen, None)
+
+    def close(self) -> None:
+        with self.lock:
+            if not self.closed:
+                self.closed = True
+                self.gen.close()
+                os.close(self.root_fd)
+
+    def _pieces(self) -> Generator[bytes, None, None]:
+        out = bytearray()
+        for piece in self._blocks():
+            out += piece
+            if len(out) >= self.chunk:
+                yield bytes(out)
+                out.clear()
+        out += b"\0" * 1024  # two zero blocks end the archive
+        yield bytes(out)
+
+    def _blocks(self) -> Iterator[bytes]:
+        for e in self.walk.entries():
+            info = e.info
+            ti = tarfile.TarInfo(os.fsdecode(e.rel))
+            ti.mode = st.S_IMODE(info.st_mode)
+            ti.mtime = info.st_mtime
+            ti.uid, ti.gid = info.st_uid, info.st_gid
+            if st.S_ISDIR(info.st_mode):
+                ti.type = tarfile.DIRTYPE
+                yield self._header(ti)
+            elif st.S_ISLNK(info.st_mode):
+                try:
+                    ti.linkname = os.fsdecode(os.readlink(e.name, dir_fd=e.dirfd))
+                except OSError:
+                    self.skipped += 1
+                    continue
+                ti.type = tarfile.SYMTYPE
+                yield self._header(ti)
+            elif st.S_ISREG(info.st_mode):
+                yield from self._file(e.dirfd, e.name, ti)
+            else:
+                self.skipped += 1  # FIFO, socket, device: never opened
+                continue
+
+    def _header(self, ti: tarfile.TarInfo) -> bytes:
+        self.entries += 1
+        return ti.tobuf(tarfile.PAX_FORMAT, "utf-8", "surrogateescape")
+
+    def _file(self, dirfd: int, name: bytes, ti: tarfile.TarInfo) -> Iterator[bytes]:
+        try:
+            pathfd = os.open(name, os.O_PATH | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=dirfd)
+            try:
+                fd = reopen_regular(pathfd, os.O_RDONLY | os.O_NONBLOCK, ti.name)
+            finally:
+                os.close(pathfd)
+        except (OSError, GuestdError):
+            self.skipped += 1
+            return
+        try:
+            size = os.fstat(fd).st_size
+            ti.size = size
+            yield self._header(ti)
+            left = size
+            while left > 0:
+                try:
+                    data = os.read(fd, min(COPY, left))
+                except OSError:
+                    data = b""
+                if not data:  # shrank while we read it: the archive still says size bytes
+                    yield b"\0" * left
+                    left = 0
+                    break
+                left -= len(data)
+                yield data
+            pad = -size % 512
+            if pad:
+                yield b"\0" * pad
+        finally:
+            os.close(fd)
+
+
+def open_archive(fsys: FileSystem, path: str, flt: Filter, chunk: int) -> Archive:
+    fd = fsys.open_dir(path)
+    return Archive(fd, flt, chunk)
+
+
+# --------------------------------------------------------------------------- write_many
+
+
+def write_many(fsys: FileSystem, items: list[tuple[str, bytes, int | None]], parents: bool) -> tuple[int, int]:
+    """Every file to its temp file first; then all committed. One that cannot be prepared
+    (a bad path, no space) aborts all: nothing is written."""
+    if len(items) > MAX_WRITE_MANY:
+        raise GuestdError(
+            ErrorCode.LIMIT,
+            f"more than {MAX_WRITE_MANY} files in one file.write_many",
+            details={"limit": "max_write_many", "value": MAX_WRITE_MANY, "field": "files"},
+        )
+    prepared: list[AtomicFile] = []
+    try:
+        for path, data, perm in items:
+            place = fsys.place(path, parents=parents)
+            try:
+                f = AtomicFile(place, "overwrite", perm, fsys.pending)
+            except BaseException:
+                place.close()
+                raise
+            prepared.append(f)
+            f.write(data)
+        total = 0
+        while prepared:
+            f = prepared[0]
+            total += f.commit()
+            prepared.pop(0)
+        return len(items), total
+    finally:
+        for f in prepared:
+            f.abort()

@@ -1,0 +1,371 @@
+"""Registration of the workspace ops (issue 18): trees, search, edit, patch, watch and the
+change feed, all on the files capability's one ``FileSystem`` (``register_workspace`` is called
+by ``guestd.files.handlers.register``)."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import threading
+import time
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any, TypeVar, cast
+
+from guestd.files import patch, search, trees
+from guestd.files.edit import Editor
+from guestd.files.fs import FileSystem
+from guestd.files.handlers import _os_call
+from guestd.files.ignore import Overrides
+from guestd.files.walk import Filter
+from guestd.files.watch import Journal, Watcher, merge
+from guestd.wire.errors import ErrorCode, GuestdError
+from guestd.wire.paths import path_from_wire, path_to_wire
+
+if TYPE_CHECKING:
+    from guestd.services import Request, Services
+    from guestd.wire.types import (
+        FileApplyPatchArgs,
+        FileApplyPatchReply,
+        FileChangesArgs,
+        FileChangesReply,
+        FileGlobArgs,
+        FileGlobReply,
+        FileGrepArgs,
+        FileGrepReply,
+        FileInsertArgs,
+        FileInsertReply,
+        FileReplaceLinesArgs,
+        FileReplaceLinesReply,
+        FileStrReplaceArgs,
+        FileStrReplaceReply,
+        FileUndoArgs,
+        FileUndoReply,
+        FileViewArgs,
+        FileViewReply,
+        FileWatchArgs,
+        FileWatchReply,
+        FileWriteManyArgs,
+        FileWriteManyReply,
+        TreeDownloadArgs,
+        TreeDownloadReply,
+        TreeUploadArgs,
+        TreeUploadReply,
+    )
+
+T = TypeVar("T")
+MAX_WATCH_PENDING = 10_000  # changed paths a watch holds while its client reads no more: then overflow
+
+
+def rg_identity(ids: tuple[int, int] | None) -> tuple[bool, tuple[int, int] | None]:
+    """(may rg run, as whom): as the workload user when guestd is root and has one; as guestd
+    itself when it is not root; not at all when root without a workload user (see search)."""
+    if os.geteuid() != 0:
+        return True, None
+    return ids is not None, ids
+
+
+def register_workspace(services: Services, fsys: FileSystem, ids: tuple[int, int] | None) -> None:
+    editor = Editor(fsys)
+    closing: set[asyncio.Future[Any]] = set()  # closes that run after their request ended
+
+    def close_later(close: Callable[[], None]) -> None:
+        """``close`` in an I/O thread, not awaited (it waits for a step still running there)."""
+        fut = asyncio.ensure_future(services.run_in_io(close))
+        closing.add(fut)
+        fut.add_done_callback(closing.discard)
+
+    rg_allowed, rg_ids = rg_identity(ids)
+
+    async def io(fn: Callable[..., T], *args: Any) -> T:
+        return cast(T, await services.run_in_io(_os_call, fn, *args))
+
+    async def edit(fn: Callable[..., T], *args: Any) -> T:
+        services.writes.started()  # snapshot.prepare waits for these
+        try:
+            return await io(fn, *args)
+        finally:
+            services.writes.finished()
+
+    # -- edit ---------------------------------------------------------------------------
+    async def op_view(ctx: Request, a: FileViewArgs) -> FileViewReply:
+        return await io(editor.view, a["path"], a["start_line"], a["end_line"])
+
+    async def op_str_replace(ctx: Request, a: FileStrReplaceArgs) -> FileStrReplaceReply:
+        return await edit(editor.str_replace, a["path"], a["old"], a["new"])
+
+    async def op_insert(ctx: Request, a: FileInsertArgs) -> FileInsertReply:
+        return await edit(editor.insert, a["path"], a["line"], a["text"])
+
+    async def op_replace_lines(ctx: Request, a: FileReplaceLinesArgs) -> FileReplaceLinesReply:
+        return await edit(editor.replace_lines, a["path"], a["start_line"], a["end_line"], a["text"])
+
+    async def op_undo(ctx: Request, a: FileUndoArgs) -> FileUndoReply:
+        return await edit(editor.undo, a["path"])
+
+    async def op_apply_patch(ctx: Request, a: FileApplyPatchArgs) -> FileApplyPatchReply:
+        return {"files": await edit(patch.apply, fsys, a["path"], a["patch"], a["strip"])}
+
+    # -- search -------------------------------------------------------------------------
+    async def op_glob(ctx: Request, a: FileGlobArgs) -> FileGlobReply:
+        reply = await io(
+            search.glob, fsys, a["path"], a["pattern"], a["gitignore"], a["hidden"], a["max_results"], a["timeout_s"]
+        )
+        return cast("FileGlobReply", reply)
+
+    async def op_grep(ctx: Request, a: FileGrepArgs) -> FileGrepReply:
+        q = search.GrepQuery(
+            a["pattern"], a["literal"], a["ignore_case"], list(a["globs"]), a["context"], a["gitignore"], a["hidden"]
+        )
+        rg = search.rg_path() if rg_allowed else None
+        engine = a["engine"]
+        if engine == "rg" and rg is None:
+            raise GuestdError(
+                ErrorCode.UNAVAILABLE,
+                "rg is not installed" if rg_allowed else "rg may not run here: guestd is root with no workload user",
+                details={"reason": "no_rg", "field": "engine"},
+            )
+        use_rg = rg is not None and engine != "python"
+        if not use_rg:
+            q.regex()  # a bad pattern is bad_request before anything streams
+        deadline = time.monotonic() + a["timeout_s"]
+        root_fd, single = await services.acquire_in_io(
+            _os_call, lambda r: os.close(r[0]), search.open_target, fsys, a["path"]
+        )
+        if use_rg:
+            assert rg is not None
+            gen = search.rg_grep(rg, root_fd, single, q, deadline, rg_ids)
+        else:
+            gen = search.python_grep(root_fd, single, q, deadline)
+        stepper = search.Stepper(gen, root_fd)
+        matches = 0
+        files: set[bytes] = set()
+        truncated = False
+        try:
+            while not truncated:
+                batch = await io(stepper.step)
+                if batch is None:
+                    break
+                for kind, rel, line, data, cut in batch:
+                    fields: dict[str, Any] = {"ev": kind, "path": path_to_wire(os.fsdecode(rel)), "line": line}
+                    if cut:
+                        fields["truncated"] = True
+                    await ctx.wait_room(fields, len(data))
+                    if not ctx.active:
+                        raise asyncio.CancelledError
+                    ctx.push_data(fields, data)
+                    if kind == "match":
+                        matches += 1
+                        files.add(rel)
+                        if matches >= a["max_matches"]:
+                            truncated = True
+                            break
+        finally:
+            close_later(stepper.close)
+        return {
+            "matches": matches,
+            "files": len(files),
+            "truncated": truncated,
+            "timed_out": not truncated and time.monotonic() > deadline,
+            "engine": "rg" if use_rg else "python",
+        }
+
+    # -- trees ----------------------------------------------------------------------------
+    async def op_write_many(ctx: Request, a: FileWriteManyArgs) -> FileWriteManyReply:
+        items = [(path_from_wire(i["path"]), i["data"], i["perm"]) for i in a["files"]]
+        written, nbytes = await edit(trees.write_many, fsys, items, a["parents"])
+        return {"written": written, "bytes": nbytes}
+
+    async def op_tree_upload(ctx: Request, a: TreeUploadArgs) -> TreeUploadReply:
+        services.writes.started()
+        loop = asyncio.get_running_loop()
+        feed = trees.Feed(lambda n: loop.call_soon_threadsafe(ctx.ack_input, n))
+        done: asyncio.Future[tuple[int, int]] = loop.create_future()
+
+        def settle(result: tuple[int, int] | None, err: BaseException | None) -> None:
+            if done.done():
+                return
+            if err is not None:
+                done.set_exception(err)
+            else:
+                assert result is not None
+                done.set_result(result)
+
+        def work() -> None:
+            # A thread of its own, not an I/O thread: it waits for the stream as long as it lasts.
+            try:
+                result = _os_call(trees.extract, fsys, a["path"], a["parents"], a["replace"], feed)
+                loop.call_soon_threadsafe(settle, result, None)
+            except BaseException as exc:
+                loop.call_soon_threadsafe(settle, None, exc)
+
+        threading.Thread(target=work, name="guestd-tree-upload", daemon=True).start()
+        try:
+            while not done.done():
+                get: asyncio.Future[Any] = asyncio.ensure_future(ctx.input.get())
+                await asyncio.wait([get, done], return_when=asyncio.FIRST_COMPLETED)
+                if not get.done():
+                    get.cancel()
+                    break
+                body = get.result()
+                data = body.get("data")
+                if isinstance(data, bytes) and data:
+                    feed.feed(data)
+                if body.get("eof"):
+                    feed.finish()
+                    ctx.commit()  # past eof the tree goes into place: the reply says what happened
+                    break
+            entries, nbytes = await done
+            return {"entries": entries, "bytes": nbytes}
+        except BaseException:
+            feed.abort()  # the extracting thread stops and removes its temp directory
+            raise
+        finally:
+            services.writes.finished()
+
+    async def op_tree_download(ctx: Request, a: TreeDownloadArgs) -> TreeDownloadReply:
+        chunk = a["chunk"] or services.config.limits.max_chunk
+        flt = Filter(globs=[*a["include"], *("!" + g for g in a["exclude"])], gitignore=a["gitignore"], skip_git=False)
+        arch: trees.Archive = await services.acquire_in_io(
+            _os_call, trees.Archive.close, trees.open_archive, fsys, a["path"], flt, chunk
+        )
+        sent = 0
+        try:
+            while True:
+                data = await io(arch.step)
+                if data is None:
+                    break
+                await ctx.send_data_event({"ev": "data"}, data)
+                sent += len(data)
+        finally:
+            close_later(arch.close)
+        return {"entries": arch.entries, "bytes": sent, "skipped": arch.skipped}
+
+    # -- change feed ----------------------------------------------------------------------
+    async def start_watcher(path: str, sink: Callable[[list[Any]], object]) -> Watcher:
+        root_fd: int = await services.acquire_in_io(_os_call, os.close, fsys.open_dir, path)
+        watcher = Watcher(root_fd, sink)
+        watcher.start()
+        await io(watcher.ready.wait)
+        if watcher.error is not None:
+            watcher.stop()
+            raise watcher.error
+        return watcher
+
+    async def op_watch(ctx: Request, a: FileWatchArgs) -> FileWatchReply:
+        loop = asyncio.get_running_loop()
+        flt = Overrides([*a["include"], *("!" + g for g in a["exclude"])])
+        pending: dict[bytes, tuple[str, str, bool]] = {}  # path -> (first kind, last kind, is_dir)
+        overflow = False
+        wake = asyncio.Event()
+
+        def take(changes: list[Any]) -> None:
+            nonlocal overflow
+            for kind, path, is_dir in changes:
+                if kind == "overflow":
+                    overflow = True
+                elif flt.decide(path, is_dir) != "skip":
+                    seen = pending.get(path)
+                    if seen is not None:
+                        pending[path] = (seen[0], kind, is_dir)
+                    elif len(pending) >= MAX_WATCH_PENDING:
+                        overflow = True
+                    else:
+                        pending[path] = (kind, kind, is_dir)
+            wake.set()
+
+        watcher = await start_watcher(a["path"], lambda changes: loop.call_soon_threadsafe(take, changes))
+        sent = 0
+        try:
+            await ctx.send_event({"ev": "ready"})
+            while ctx.active:
+                await wake.wait()
+                wake.clear()
+                if a["latency_s"]:
+                    await asyncio.sleep(a["latency_s"])  # the coalescing window
+                if overflow:
+                    overflow = False
+                    await ctx.send_event({"ev": "overflow"})
+                    sent += 1
+                while pending:
+                    path = next(iter(pending))
+                    first, last, is_dir = pending.pop(path)
+                    net = merge(first, last)
+                    if net is None:
+                        continue  # made and removed within the window: no effect to report
+                    fields = {"ev": "change", "kind": net, "dir": is_dir}
+                    await ctx.wait_room(fields, len(path))
+                    if not ctx.active:
+                        break
+                    ctx.push_data(fields, path)
+                    sent += 1
+            return {"events": sent}
+        finally:
+            watcher.stop()
+
+    feed = WorkspaceChanges(services, start_watcher)
+    services.changes = feed
+
+    async def op_changes(ctx: Request, a: FileChangesArgs) -> FileChangesReply:
+        if a["cursor"] is None:
+            cursor = await feed.begin()
+            return {"cursor": cursor, "changes": empty_report()}
+        report = await feed.report(a["cursor"])
+        return {"cursor": await feed.begin(), "changes": report}  # type: ignore[typeddict-item]
+
+    for name, fn in (
+        ("file.watch", op_watch),
+        ("file.changes", op_changes),
+        ("file.write_many", op_write_many),
+        ("tree.upload", op_tree_upload),
+        ("tree.download", op_tree_download),
+        ("file.view", op_view),
+        ("file.str_replace", op_str_replace),
+        ("file.insert", op_insert),
+        ("file.replace_lines", op_replace_lines),
+        ("file.undo", op_undo),
+        ("file.apply_patch", op_apply_patch),
+        ("file.glob", op_glob),
+        ("file.grep", op_grep),
+    ):
+        services.ops.add(name, fn)
+
+
+def empty_report() -> Any:
+    return {"created": [], "modified": [], "deleted": [], "total": 0, "truncated": False, "overflow": False}
+
+
+class WorkspaceChanges:
+    """The workspace's journal (``services.changes``), started on first use."""
+
+    def __init__(self, services: Services, start: Callable[..., Any]) -> None:
+        self.services = services
+        self.start = start
+        self.journal: Journal | None = None
+        self.lock = asyncio.Lock()
+
+    async def _journal(self) -> Journal:
+        async with self.lock:
+            if self.journal is None:
+                workspace = self.services.config.workspace
+                if not workspace:
+                    raise GuestdError(
+                        ErrorCode.UNAVAILABLE,
+                        "no workspace is configured: no change journal",
+                        details={"reason": "no_workspace"},
+                    )
+                journal = Journal()
+                journal.watcher = await self.start(workspace, journal.add)
+                self.journal = journal
+            return self.journal
+
+    async def _synced(self) -> Journal:
+        journal = await self._journal()
+        assert journal.watcher is not None
+        await self.services.run_in_io(journal.watcher.sync)
+        return journal
+
+    async def begin(self) -> int:
+        return (await self._synced()).cursor()
+
+    async def report(self, cursor: int) -> dict[str, Any]:
+        return dict((await self._synced()).report(cursor))
