@@ -152,6 +152,9 @@ def test_closing_a_session_ends_its_processes(client: Client) -> None:
     sid = client.shell_create()["id"]
     marker = "sleep 995.75"
     client.shell_run(sid, f"{marker} &")
+    deadline = time.monotonic() + 5
+    while not live_procs_with(marker) and time.monotonic() < deadline:
+        time.sleep(0.05)  # the job's fork may not have exec'd sleep yet when the command returns
     assert len(live_procs_with(marker)) == 1
     client.shell_close(sid)
     deadline = time.monotonic() + 5
