@@ -54,6 +54,7 @@ TRANSFER_DEADLINE = UNBOUNDED_RUN_DEADLINE  # an upload or download without a de
 UPLOAD_CHUNK = 1024 * 1024
 
 Progress = Callable[[int], None]
+OnTimeout = Literal["kill", "detach"]  # what a guest timeout does to exec / shell.run
 WriteFlag = Literal["overwrite", "create", "append"]
 
 
@@ -361,6 +362,7 @@ class AsyncClient(PortsAPI):
         linger_s: float | None,
         stream: bool,
         stdin_stream: bool | None = None,
+        on_timeout: OnTimeout | None = None,
     ) -> dict[str, Any]:
         args: dict[str, Any] = {"shell": cmd} if isinstance(cmd, str) else {"argv": list(cmd)}
         args.update(
@@ -377,6 +379,7 @@ class AsyncClient(PortsAPI):
                 linger_s=_seconds(linger_s),
                 stream=True if stream else None,
                 stdin_stream=stdin_stream,
+                on_timeout=on_timeout,
             )
         )
         return args
@@ -395,6 +398,7 @@ class AsyncClient(PortsAPI):
         head_tail: bool = False,
         kill_grace_s: float | None = None,
         linger_s: float | None = None,
+        on_timeout: OnTimeout | None = None,
         deadline: float | None = None,
     ) -> ExecResult:
         """Run ``cmd`` (argv list, or a string for ``/bin/sh -c``) to completion.
@@ -403,7 +407,8 @@ class AsyncClient(PortsAPI):
         process tree (``kill_grace_s`` between TERM and KILL). ``deadline`` is how long the
         client waits for the reply before it cancels the command; by default the guest's
         timeout plus its grace, linger and a margin, one hour without a guest timeout,
-        none with only an idle timeout.
+        none with only an idle timeout. ``on_timeout="detach"``: a timeout does not end the
+        command; it goes on as a background process (``result.detached`` is its id).
         """
         args = self._exec_args(
             cmd,
@@ -418,6 +423,7 @@ class AsyncClient(PortsAPI):
             kill_grace_s=kill_grace_s,
             linger_s=linger_s,
             stream=False,
+            on_timeout=on_timeout,
         )
         if deadline is None:
             deadline = _exec_deadline(timeout_s, idle_timeout_s, kill_grace_s, linger_s)
@@ -873,6 +879,7 @@ class AsyncClient(PortsAPI):
         idle_timeout_s: float | None = None,
         max_output: int | None = None,
         head_tail: bool = False,
+        on_timeout: OnTimeout | None = None,
         deadline: float | None = None,
     ) -> ShellResult:
         """Run a command in a persistent bash session (cd, variables, venvs persist).
@@ -887,6 +894,7 @@ class AsyncClient(PortsAPI):
             idle_timeout_s=_seconds(idle_timeout_s),
             max_output=max_output,
             capture="head_tail" if head_tail else None,
+            on_timeout=on_timeout,
         )
         if deadline is None:
             deadline = _run_deadline(timeout_s, idle_timeout_s, SHELL_STOP_S)

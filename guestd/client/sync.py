@@ -21,6 +21,7 @@ from guestd.client.aio import (
     DEFAULT_DEADLINE,
     UNBOUNDED_RUN_DEADLINE,
     AsyncClient,
+    OnTimeout,
     Progress,
     WriteFlag,
 )
@@ -130,6 +131,7 @@ class Client(SyncPortsAPI):
         head_tail: bool = False,
         kill_grace_s: float | None = None,
         linger_s: float | None = None,
+        on_timeout: OnTimeout | None = None,
         deadline: float | None = None,
     ) -> ExecResult:
         return self._run(
@@ -145,6 +147,7 @@ class Client(SyncPortsAPI):
                 head_tail=head_tail,
                 kill_grace_s=kill_grace_s,
                 linger_s=linger_s,
+                on_timeout=on_timeout,
                 deadline=deadline,
             )
         )
@@ -399,6 +402,7 @@ class Client(SyncPortsAPI):
         idle_timeout_s: float | None = None,
         max_output: int | None = None,
         head_tail: bool = False,
+        on_timeout: OnTimeout | None = None,
         deadline: float | None = None,
     ) -> ShellResult:
         return self._run(
@@ -410,6 +414,7 @@ class Client(SyncPortsAPI):
                 idle_timeout_s=idle_timeout_s,
                 max_output=max_output,
                 head_tail=head_tail,
+                on_timeout=on_timeout,
                 deadline=deadline,
             )
         )

@@ -35,6 +35,7 @@ How a command runs, without markers in the user's output:
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import signal
 import socket
@@ -42,11 +43,12 @@ import struct
 import time
 from typing import TYPE_CHECKING, Any, Literal
 
-from guestd.capture import OutputCapture, capture_fields
+from guestd.capture import OutputCapture, OutputRing, capture_fields
 from guestd.children import PIPE, Child, exit_info
 from guestd.children.options import check_cwd
 from guestd.children.tree import descendants, read_chunk, signal_each, signal_group, write_all
 from guestd.services import derive, reseed_each
+from guestd.shells.job import STATUS_MAX, JobFifos, ShellJob
 from guestd.wire.errors import ErrorCode, GuestdError, limit_error
 from guestd.wire.paths import path_to_wire
 
@@ -60,10 +62,21 @@ _CREDS_SPACE = socket.CMSG_SPACE(struct.calcsize("iII"))  # struct ucred: pid, u
 READ_SIZE = 256 * 1024
 GRACE_S = 1.0
 MAX_CTL_BYTES = 16 * 1024 * 1024  # a marker carries `export -p`; more than this is not one
+DETACH_RING_BYTES = 1024 * 1024  # per stream, as process.start's default ring_bytes
 
 # Sourced as a file named "bash" (see the module head). Line 1 must stay the eval.
-LIBRARY = rf"""__gd_run() {{ eval -- "$__gd_cmd"; }}  # not `builtin eval`: set -e would end bash
-__gd_trap() {{ builtin trap 'return 130 2>/dev/null' INT; }}
+# Line 1 of the library: the eval of a plain command, and the job of an on_timeout "detach"
+# command (job.py). Not `builtin eval`: set -e would end bash.
+_LINE1 = (
+    '__gd_run() { eval -- "$__gd_cmd"; }; '
+    "__gd_job() { builtin set -m; { ( builtin trap : INT TERM HUP QUIT; builtin printf '%s\\n' \"$BASHPID\" >&9; "
+    '( builtin unset -f exit logout; eval -- "$__gd_cmd" ) 9>&-; __gd_s=$?; '
+    'builtin printf \'%s\\n\' "$__gd_s" >&9; builtin exit "$__gd_s" ) & } '
+    '>"$1" 2>"$2" 9>"$3" <"$4"; builtin set +m; builtin wait "$!"; }\n'
+)
+LIBRARY = (
+    _LINE1
+    + rf"""__gd_trap() {{ builtin trap 'return 130 2>/dev/null' INT; }}
 __gd_trap
 shopt -s expand_aliases
 exit() {{ builtin return "${{1:-$?}}"; }}
@@ -73,16 +86,20 @@ __gd_mark() {{
   builtin printf '%s\0%s\0%s\0' "$2" "$1" "$PWD" >&{CTL_FD}
   builtin export -p >&{CTL_FD}; builtin printf '\0' >&{CTL_FD}
 }}
-builtin readonly -f __gd_run __gd_trap __gd_mark
+builtin readonly -f __gd_run __gd_job __gd_trap __gd_mark
 """
+)
 
 
 _written: set[str] = set()  # library directories this guestd has written: no re-read per session
 
 
 def library_dir(runtime_dir: str) -> str:
-    """A directory holding the library as ``bash``, readable by the workload user."""
-    d = os.path.join(runtime_dir, "shell-lib")
+    """A directory holding the library as ``bash``, readable by the workload user. Named by
+    the library's hash: guestds of other versions sharing the runtime dir never swap it."""
+    import hashlib
+
+    d = os.path.join(runtime_dir, "shell-lib-" + hashlib.sha256(LIBRARY.encode()).hexdigest()[:16])
     if d in _written:
         return d
     path = os.path.join(d, "bash")
@@ -152,6 +169,10 @@ class Session:
         self._cancel_event: asyncio.Event | None = None  # set when the running command's request is gone
         self._before: set[int] = set()  # pids in the session's cgroup when the running command began
         self.closed = False  # shell.close or shutdown: a run in progress must not restart bash
+        # on_timeout "detach": the running command's job (FIFOs, rings from byte 0, status bytes)
+        self._job: JobFifos | None = None
+        self._job_rings: dict[int, OutputRing] = {}
+        self._job_status = bytearray()
 
     async def apply_pending_seed(self) -> None:
         async with self.lock:
@@ -170,6 +191,7 @@ class Session:
                 "idle_timeout_s": None,
                 "max_output": 1024,
                 "capture": "tail",
+                "on_timeout": "kill",
             },
             count=False,
         )
@@ -286,6 +308,94 @@ class Session:
             for _ in range(64):
                 if not self._read_once(which):
                     break
+        for which in (1, 2):
+            for _ in range(64):
+                if not self._read_job(which):
+                    break
+        self._read_job_status()
+
+    def _read_job(self, which: int) -> bool:
+        """One read from the job's stdout/stderr FIFO: to the capture and to the ring."""
+        job = self._job
+        fd = job.read.get("stdout" if which == 1 else "stderr") if job is not None else None
+        if fd is None:
+            return False
+        data = read_chunk(fd, READ_SIZE)
+        if not data:
+            return False  # an end is left to close(): a job's leftover child may reopen nothing
+        self._last_output = time.monotonic()
+        self._job_rings[which].write(data)
+        if self._caps is not None:
+            self._caps[which].feed(data)
+        return True
+
+    def _read_job_status(self) -> None:
+        job = self._job
+        fd = job.read.get("status") if job is not None else None
+        if fd is None:
+            return
+        data = read_chunk(fd, STATUS_MAX)
+        if data and len(self._job_status) < STATUS_MAX:
+            self._job_status += data[: STATUS_MAX - len(self._job_status)]
+
+    def _start_job(self) -> JobFifos:
+        services = self.table.services
+        d = os.path.join(services.runtime_dir(), "shell-job")
+        os.makedirs(d, mode=0o711, exist_ok=True)  # traversable, not listable: names are secrets
+        os.chmod(d, 0o711)
+        os.chmod(services.runtime_dir(), 0o711)
+        job = JobFifos(d, services.config.policy.workload_ids())
+        self._job = job
+        size = min(DETACH_RING_BYTES, services.config.limits.max_ring_bytes)
+        self._job_rings = {1: OutputRing(size), 2: OutputRing(size)}
+        self._job_status = bytearray()
+        loop = asyncio.get_running_loop()
+        loop.add_reader(job.read["stdout"], self._read_job, 1)
+        loop.add_reader(job.read["stderr"], self._read_job, 2)
+        loop.add_reader(job.read["status"], self._read_job_status)
+        return job
+
+    def _stop_job(self, give_away: bool) -> JobFifos | None:
+        """Stop reading the job's FIFOs; closed now, or kept for the process table."""
+        job, self._job = self._job, None
+        if job is None:
+            return None
+        loop = asyncio.get_running_loop()
+        for fd in job.read.values():
+            loop.remove_reader(fd)
+        if give_away:
+            job.opened()
+            return job
+        job.close()
+        return None
+
+    def _job_pid(self) -> int | None:
+        first = bytes(self._job_status).split(b"\n", 1)
+        return int(first[0]) if len(first) == 2 and first[0].isdigit() else None
+
+    async def _detach_job(self, command: str) -> str | None:
+        """bash is back at its prompt and the job runs on: move its processes (frozen, wherever
+        they went) to a leaf of their own and give it to the process table."""
+        services = self.table.services
+        self._drain_output()
+        pid = self._job_pid()
+        adopter = services.adopter
+        if pid is None or adopter is None or self.child is None:
+            return None
+        leaf = None
+        cg = self.child.cgroup
+        if cg is not None:
+            leaf = services.workload.new_run("proc", os.urandom(6).hex())
+            if leaf is not None:
+                await services.run_in_io(cg.move_except, self._before | {self.pid}, leaf)
+        self._drain_output()  # output up to the hand-over is the reply's too
+        fifos = self._stop_job(give_away=True)
+        assert fifos is not None
+        out, err, status = fifos.read["stdout"], fifos.read["stderr"], fifos.read["status"]
+        job = ShellJob(pid, status, bytes(self._job_status), leaf, [out, err])
+        job.keep_lingering(services.children.lingering)
+        rings = {"stdout": self._job_rings[1], "stderr": self._job_rings[2]}
+        return adopter.adopt(command, job, {"stdout": out, "stderr": err}, rings)
 
     def _on_ctl(self) -> None:
         if self.ctl is None:
@@ -407,6 +517,15 @@ class Session:
 
     async def _run_locked(self, a: ShellRunArgs, count: bool = True) -> ShellRunReply:
         t0 = time.monotonic()
+        adopter = self.table.services.adopter
+        detach = (
+            a["on_timeout"] == "detach"
+            and (a["timeout_s"] is not None or a["idle_timeout_s"] is not None)
+            and adopter is not None
+        )
+        if detach:
+            assert adopter is not None
+            adopter.check()  # a full process table is a limit error now, not at the timeout
         self._drain_output()  # whatever background jobs wrote since the last command is not ours
         self._caps = {1: OutputCapture(a["max_output"], a["capture"]), 2: OutputCapture(a["max_output"], a["capture"])}
         infile = None
@@ -425,15 +544,22 @@ class Session:
         src = ansi_c_quote(infile) if infile else "/dev/null"
         self._last_output = time.monotonic()
         assert self.child is not None
+        job = self._start_job() if detach else None
         # What runs in the session now (bash, jobs of earlier commands): a timeout or cancel of
         # this command ends everything else in the session's cgroup, wherever it went.
         self._before = set(self.child.cgroup.pids()) if self.child.cgroup is not None else set()
         nonce = self._expect()
         # What earlier commands set must not bend this line: every expansion is quoted (IFS),
         # guestd's functions are called as \name (no alias applies; they are read-only).
+        if job is None:
+            run = f"\\__gd_run < {src} {CTL_FD}>&-"
+        else:
+            q = ansi_c_quote
+            paths = job.paths
+            run = f"\\__gd_job {q(paths['stdout'])} {q(paths['stderr'])} {q(paths['status'])} {src} {CTL_FD}>&-"
         script = (
             f"__gd_cmd={ansi_c_quote(a['command'])}\n"
-            f"if \\__gd_run < {src} {CTL_FD}>&-; then \\__gd_mark 0 '{nonce}'; "
+            f"if {run}; then \\__gd_mark 0 '{nonce}'; "
             f"else \\__gd_mark \"$?\" '{nonce}'; fi\n"
         )
         timed_out: ShellRunTimedOut | None = None
@@ -442,12 +568,16 @@ class Session:
         result: tuple[int, str, str] | None = None
         outcome = None
         bash_status: int | None = None
+        detached: str | None = None
         # The script goes in while the deadline runs: a bash that does not read (stopped by a
         # job, busy) must not hold the session past the command's timeout.
         send = asyncio.ensure_future(self._send(script))
         try:
             outcome = await self._wait(a["timeout_s"], a["idle_timeout_s"])
-            if outcome in ("wall", "idle", "cancel"):
+            if outcome in ("wall", "idle") and job is not None and await self._release_bash():
+                timed_out = outcome
+                detached = await self._detach_job(a["command"])
+            elif outcome in ("wall", "idle", "cancel"):
                 if outcome != "cancel":
                     timed_out = outcome
                 interrupted = True
@@ -466,6 +596,11 @@ class Session:
                 send.cancel()
             send.add_done_callback(_consume)
             self._drain_output()
+            if detached is None and job is not None:
+                pid = self._job_pid()
+                self._stop_job(give_away=False)
+                if pid is not None and interrupted and self.child.cgroup is None:
+                    signal_group(pid, signal.SIGKILL)  # no leaf to empty: the job's own group
             caps, self._caps = self._caps, None
             if infile:
                 try:
@@ -476,7 +611,7 @@ class Session:
             await self.restart()
         if count:
             self.commands += 1
-        code = result[0] if result else None
+        code = result[0] if result and detached is None else None  # a detached job still runs
         if outcome == "exited" and bash_status is not None:
             # bash itself ended during the command (`builtin exit 3`, `exec prog`, or `exit 3`
             # under `set -o posix`, where the builtin comes before guestd's function): its
@@ -493,7 +628,17 @@ class Session:
             "cwd": path_to_wire(self.cwd),
             **capture_fields(caps[1], caps[2]),
             "duration_s": time.monotonic() - t0,
+            "detached": detached,
         }
+
+    async def _release_bash(self) -> bool:
+        """on_timeout "detach": SIGINT to bash alone (its job has a process group of its own):
+        its ``wait`` returns and it is back at its prompt, the job runs on. False when bash did
+        not come back (the usual interrupt then ends the command)."""
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(self.pid, signal.SIGINT)
+            os.kill(self.pid, signal.SIGCONT)
+        return await self._wait(GRACE_S, None, cancellable=False) == "done"
 
     async def _interrupt(self) -> bool:
         """Stop the running command, escalating; True when bash is back at its prompt."""

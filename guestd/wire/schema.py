@@ -421,6 +421,14 @@ _OUTPUT_RESULT = (
     *_captured("the process"),
     F("duration_s", "float", "wall time from spawn to result", True),
     F("pid", "int", "process id of the started process", True),
+    F("detached", "str?", "on_timeout detach: the background process id the command goes on as"),
+)
+
+_ON_TIMEOUT = F(
+    "on_timeout",
+    "enum(kill|detach)",
+    "kill: end the command; detach: it goes on as a background process (result field detached)",
+    default="kill",
 )
 
 OPS: tuple[OpSpec, ...] = (
@@ -484,6 +492,7 @@ OPS: tuple[OpSpec, ...] = (
                 le_limit="max_exec_timeout_s",
             ),
             F("kill_grace_s", "float", "SIGTERM -> SIGKILL grace after a timeout", default=2.0, ge=0, le=60),
+            _ON_TIMEOUT,
             F("max_output", "uint", "bytes kept per stream", default=65536, le_limit="max_output"),
             F("capture", "enum(tail|head_tail)", "which bytes are kept when over max_output", default="tail"),
             F("stream", "bool", "send output as EVENT frames as it arrives", default=False),
@@ -920,6 +929,7 @@ SHELL_OPS: tuple[OpSpec, ...] = (
                 le_limit="max_exec_timeout_s",
             ),
             F("idle_timeout_s", "float?", "timeout with no output", gt=0, le_limit="max_exec_timeout_s"),
+            _ON_TIMEOUT,
             F("max_output", "uint", "bytes kept per stream", default=65536, le_limit="max_output"),
             F("capture", "enum(tail|head_tail)", "which bytes are kept when over max_output", default="tail"),
         ),
@@ -931,6 +941,7 @@ SHELL_OPS: tuple[OpSpec, ...] = (
             F("cwd", "path", "working directory after the command", True),
             *_captured("the command"),
             F("duration_s", "float", "wall time", True),
+            F("detached", "str?", "on_timeout detach: the background process id the command goes on as"),
         ),
         errors=("not_found", "limit", "bad_request"),
     ),

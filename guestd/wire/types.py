@@ -154,6 +154,7 @@ class ExecArgs(TypedDict):
     timeout_s: float | None
     idle_timeout_s: float | None
     kill_grace_s: float
+    on_timeout: Literal["kill", "detach"]
     max_output: int
     capture: Literal["tail", "head_tail"]
     stream: bool
@@ -176,6 +177,7 @@ class ExecReply(TypedDict):
     stderr_gap_at: NotRequired[int | None]
     duration_s: float
     pid: int
+    detached: NotRequired[str | None]
 
 
 class ExecEvent(TypedDict):
@@ -630,6 +632,7 @@ class ShellRunArgs(TypedDict):
     input: bytes | None
     timeout_s: float | None
     idle_timeout_s: float | None
+    on_timeout: Literal["kill", "detach"]
     max_output: int
     capture: Literal["tail", "head_tail"]
 
@@ -651,6 +654,7 @@ class ShellRunReply(TypedDict):
     stdout_gap_at: NotRequired[int | None]
     stderr_gap_at: NotRequired[int | None]
     duration_s: float
+    detached: NotRequired[str | None]
 
 
 class ShellListArgs(TypedDict):

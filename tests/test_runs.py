@@ -1,0 +1,159 @@
+"""Commands that outlive their timeout (on_timeout "detach"): real guestd, real bash, a real
+``python3 -m http.server`` on loopback, real background-process rings."""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterator
+
+import pytest
+
+from guestd.client import Client, GuestdError
+from guestd.testing import Guestd
+
+# Prints its port, then a numbered line every 20 ms until stopped: a gap or a duplicate in
+# what the detached process delivers shows as a broken sequence.
+TICKER = (
+    "import sys, time\n"
+    "i = 0\n"
+    "while True:\n"
+    "    print(i, flush=True); i += 1\n"
+    "    if i % 7 == 0: print('e', i, file=sys.stderr, flush=True)\n"
+    "    time.sleep(0.02)\n"
+)
+
+
+@pytest.fixture
+def sh(client: Client, tmp_path: object) -> Iterator[tuple[Client, str]]:
+    s = client.shell_create(cwd=str(tmp_path))
+    yield client, s["id"]
+    client.shell_close(s["id"])
+
+
+def _ask(c: Client, port: int) -> bytes:
+    """One GET from another exec: the server answers, or this fails."""
+    probe = f"import urllib.request as u; print(u.urlopen('http://127.0.0.1:{port}/', timeout=5).status)"
+    return c.exec(["python3", "-c", probe], timeout_s=20).stdout
+
+
+def _numbers(out: bytes) -> list[int]:
+    return [int(x) for x in out.split()]
+
+
+def test_shell_timeout_detaches_a_server_and_the_session_goes_on(sh: tuple[Client, str], tmp_path: object) -> None:
+    c, sid = sh
+    assert c.shell_run(sid, "mkdir -p sub && cd sub && X=kept && greet() { echo hi-$1; }").exit_code == 0
+    r = c.shell_run(
+        sid,
+        'echo "x=$X $(greet job)"; exec python3 -u -m http.server 0 --bind 127.0.0.1',
+        timeout_s=1.5,
+        on_timeout="detach",
+    )
+    assert (r.timed_out, r.exit_code, r.interrupted, r.session_restarted) == ("wall", None, False, False)
+    assert r.detached is not None and r.cwd == f"{tmp_path}/sub"
+    m = re.search(rb"port (\d+)", r.stdout)
+    assert m is not None and r.stdout.startswith(b"x=kept hi-job\n"), r.stdout  # the session's state
+    port = int(m.group(1))
+    assert _ask(c, port) == b"200\n"  # still serving after the timeout
+    # The session has its prompt back, in its directory, with its variables.
+    nxt = c.shell_run(sid, 'pwd; echo "$X"', timeout_s=10)
+    assert nxt.stdout == f"{tmp_path}/sub\nkept\n".encode() and nxt.exit_code == 0
+    # A normal background process: listed, attached from offset 0 with no gap.
+    listed = {p["id"]: p for p in c.process_list()}
+    assert listed[r.detached]["state"] == "running"
+    out, err, final = c.process_output(r.detached, follow=False)
+    assert out.startswith(r.stdout) and final["stdout_offset"] == len(out) >= r.stdout_bytes
+    assert b'"GET / HTTP/1.1" 200' in err  # what it logged after the hand-over is in its ring
+    c.process_signal(r.detached, "TERM")
+    w = c.process_wait(r.detached, timeout_s=10)
+    assert w["state"] == "exited" and w["signal"] == 15, w
+
+
+def test_contained_detached_job_leaves_the_session_and_kill_ends_all_of_it(contained: Guestd) -> None:
+    """Workload user and a cgroup per run: the job's processes (a forked child included) move to
+    a leaf of their own, so closing the session spares them and KILL of the process ends them all."""
+    with contained.client() as c:
+        sid = c.shell_create(cwd="/tmp")["id"]
+        r = c.shell_run(
+            sid,
+            "sleep 300 & echo child=$!; exec python3 -u -m http.server 0 --bind 127.0.0.1",
+            timeout_s=1.5,
+            on_timeout="detach",
+        )
+        assert r.detached is not None and r.timed_out == "wall"
+        port = int(re.search(rb"port (\d+)", r.stdout).group(1))  # type: ignore[union-attr]
+        child = int(re.search(rb"child=(\d+)", r.stdout).group(1))  # type: ignore[union-attr]
+        c.shell_close(sid)
+        assert _ask(c, port) == b"200\n"  # the session's end did not end the job
+        assert c.exec(["kill", "-0", str(child)]).exit_code == 0
+        c.process_signal(r.detached, "KILL")
+        assert c.process_wait(r.detached, timeout_s=10)["signal"] == 9
+        gone = c.exec(f"for i in $(seq 100); do kill -0 {child} 2>/dev/null || exit 0; sleep 0.05; done; exit 1")
+        assert gone.exit_code == 0  # the forked child went with its leaf
+
+
+def test_shell_detach_output_is_continuous_from_byte_0(sh: tuple[Client, str]) -> None:
+    c, sid = sh
+    r = c.shell_run(sid, f"python3 -c {_q(TICKER)}", timeout_s=0.5, on_timeout="detach")
+    assert r.detached is not None and r.timed_out == "wall"
+    try:
+        first = _numbers(r.stdout)
+        assert first == list(range(len(first))) and len(first) > 3
+        out, err, _ = c.process_output(r.detached, stdout_from=0, follow=False)
+        seen = _numbers(out)
+        assert seen[: len(first)] == first and seen == list(range(len(seen)))  # no gap, no repeat
+        assert err.startswith(r.stderr)
+    finally:
+        c.process_signal(r.detached, "KILL")
+    assert c.process_wait(r.detached, timeout_s=10)["signal"] == 9
+
+
+def test_shell_detach_mode_command_that_ends_in_time(sh: tuple[Client, str]) -> None:
+    c, sid = sh
+    r = c.shell_run(sid, "echo out; echo err >&2; exit 3; echo never", timeout_s=10, on_timeout="detach")
+    assert (r.exit_code, r.detached, r.timed_out, r.stdout, r.stderr) == (3, None, None, b"out\n", b"err\n")
+    r = c.shell_run(sid, "cat; nosuchcmd", input=b"typed\n", timeout_s=10, on_timeout="detach")
+    assert r.stdout == b"typed\n" and r.stderr == b"bash: line 1: nosuchcmd: command not found\n"
+    assert r.exit_code == 127
+    # What a detach-mode command changes stays in its subshell (PROTOCOL.md 10).
+    r = c.shell_run(sid, "cd / && Y=1", timeout_s=10, on_timeout="detach")
+    assert isinstance(r.cwd, str) and r.cwd != "/"
+    assert c.shell_run(sid, 'echo "[$Y]"; pwd').stdout == f"[]\n{r.cwd}\n".encode()
+
+
+def test_exec_timeout_detaches_with_continuous_output(client: Client) -> None:
+    c = client
+    r = c.exec(["python3", "-c", TICKER], timeout_s=0.5, on_timeout="detach")
+    assert r.timed_out == "wall" and r.detached is not None and (r.exit_code, r.signal) == (None, None)
+    try:
+        first = _numbers(r.stdout)
+        assert first == list(range(len(first))) and len(first) > 3
+        out, err, _ = c.process_output(r.detached, follow=False)
+        seen = _numbers(out)
+        assert seen[: len(first)] == first and seen == list(range(len(seen)))
+        assert err.startswith(r.stderr) and len(err) >= len(r.stderr)
+        assert {p["id"]: p["pid"] for p in c.process_list()}[r.detached] == r.pid
+    finally:
+        c.process_signal(r.detached, "TERM")
+    assert c.process_wait(r.detached, timeout_s=10)["signal"] == 15
+    done = c.exec("echo quick", timeout_s=10, on_timeout="detach")
+    assert (done.exit_code, done.detached, done.stdout) == (0, None, b"quick\n")
+
+
+def test_detach_is_bounded_by_the_process_table(fresh_guestd: object) -> None:
+    g: Guestd = fresh_guestd("--max-processes", "1")  # type: ignore[operator]
+    with g.client() as c:
+        p = c.process_start("sleep 30")
+        with pytest.raises(GuestdError) as ei:
+            c.exec("sleep 30", timeout_s=0.2, on_timeout="detach")
+        assert ei.value.code == "limit" and ei.value.details["limit"] == "max_processes"
+        s = c.shell_create()
+        with pytest.raises(GuestdError) as ei:
+            c.shell_run(s["id"], "sleep 30", timeout_s=0.2, on_timeout="detach")
+        assert ei.value.code == "limit"
+        assert c.shell_run(s["id"], "echo usable").stdout == b"usable\n"
+        c.process_signal(p["id"], "KILL")
+
+
+def _q(text: str) -> str:
+    return "'" + text.replace("'", "'\\''") + "'"
