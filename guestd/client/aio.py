@@ -363,6 +363,7 @@ class AsyncClient(PortsAPI):
         stream: bool,
         stdin_stream: bool | None = None,
         on_timeout: OnTimeout | None = None,
+        merge_stderr: bool | None = None,
     ) -> dict[str, Any]:
         args: dict[str, Any] = {"shell": cmd} if isinstance(cmd, str) else {"argv": list(cmd)}
         args.update(
@@ -380,6 +381,7 @@ class AsyncClient(PortsAPI):
                 stream=True if stream else None,
                 stdin_stream=stdin_stream,
                 on_timeout=on_timeout,
+                merge_stderr=merge_stderr,
             )
         )
         return args
@@ -399,6 +401,7 @@ class AsyncClient(PortsAPI):
         kill_grace_s: float | None = None,
         linger_s: float | None = None,
         on_timeout: OnTimeout | None = None,
+        merge_stderr: bool | None = None,
         deadline: float | None = None,
     ) -> ExecResult:
         """Run ``cmd`` (argv list, or a string for ``/bin/sh -c``) to completion.
@@ -424,6 +427,7 @@ class AsyncClient(PortsAPI):
             linger_s=linger_s,
             stream=False,
             on_timeout=on_timeout,
+            merge_stderr=merge_stderr,
         )
         if deadline is None:
             deadline = _exec_deadline(timeout_s, idle_timeout_s, kill_grace_s, linger_s)
@@ -777,12 +781,24 @@ class AsyncClient(PortsAPI):
         rows: int | None = None,
         cols: int | None = None,
         ring_bytes: int | None = None,
+        merge_stderr: bool | None = None,
         deadline: float | None = DEFAULT_DEADLINE,
     ) -> dict[str, Any]:
         """Start a detached process; returns ``{"id", "pid"}`` (its process id and OS pid) at once."""
         args: dict[str, Any] = {"shell": cmd} if isinstance(cmd, str) else {"argv": list(cmd)}
         wire_cwd = None if cwd is None else path_to_wire(cwd)
-        args.update(present(cwd=wire_cwd, env=env, stdin=stdin, pty=pty, rows=rows, cols=cols, ring_bytes=ring_bytes))
+        args.update(
+            present(
+                cwd=wire_cwd,
+                env=env,
+                stdin=stdin,
+                pty=pty,
+                rows=rows,
+                cols=cols,
+                ring_bytes=ring_bytes,
+                merge_stderr=merge_stderr,
+            )
+        )
         return await self._conn.request("process.start", args, deadline)
 
     async def process_list(self, *, deadline: float | None = DEFAULT_DEADLINE) -> list[dict[str, Any]]:
@@ -880,6 +896,7 @@ class AsyncClient(PortsAPI):
         max_output: int | None = None,
         head_tail: bool = False,
         on_timeout: OnTimeout | None = None,
+        merge_stderr: bool | None = None,
         deadline: float | None = None,
     ) -> ShellResult:
         """Run a command in a persistent bash session (cd, variables, venvs persist).
@@ -895,6 +912,7 @@ class AsyncClient(PortsAPI):
             max_output=max_output,
             capture="head_tail" if head_tail else None,
             on_timeout=on_timeout,
+            merge_stderr=merge_stderr,
         )
         if deadline is None:
             deadline = _run_deadline(timeout_s, idle_timeout_s, SHELL_STOP_S)

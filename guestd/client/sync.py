@@ -132,6 +132,7 @@ class Client(SyncPortsAPI):
         kill_grace_s: float | None = None,
         linger_s: float | None = None,
         on_timeout: OnTimeout | None = None,
+        merge_stderr: bool | None = None,
         deadline: float | None = None,
     ) -> ExecResult:
         return self._run(
@@ -148,6 +149,7 @@ class Client(SyncPortsAPI):
                 kill_grace_s=kill_grace_s,
                 linger_s=linger_s,
                 on_timeout=on_timeout,
+                merge_stderr=merge_stderr,
                 deadline=deadline,
             )
         )
@@ -322,6 +324,7 @@ class Client(SyncPortsAPI):
         rows: int | None = None,
         cols: int | None = None,
         ring_bytes: int | None = None,
+        merge_stderr: bool | None = None,
         deadline: float | None = DEFAULT_DEADLINE,
     ) -> dict[str, Any]:
         return self._run(
@@ -334,6 +337,7 @@ class Client(SyncPortsAPI):
                 rows=rows,
                 cols=cols,
                 ring_bytes=ring_bytes,
+                merge_stderr=merge_stderr,
                 deadline=deadline,
             )
         )
@@ -403,6 +407,7 @@ class Client(SyncPortsAPI):
         max_output: int | None = None,
         head_tail: bool = False,
         on_timeout: OnTimeout | None = None,
+        merge_stderr: bool | None = None,
         deadline: float | None = None,
     ) -> ShellResult:
         return self._run(
@@ -415,6 +420,7 @@ class Client(SyncPortsAPI):
                 max_output=max_output,
                 head_tail=head_tail,
                 on_timeout=on_timeout,
+                merge_stderr=merge_stderr,
                 deadline=deadline,
             )
         )

@@ -6,7 +6,7 @@ import asyncio
 import time
 from typing import TYPE_CHECKING
 
-from guestd.children import DEVNULL, PIPE
+from guestd.children import DEVNULL, PIPE, STDOUT
 from guestd.children.options import build_env, check_cwd, command_argv
 from guestd.exec.run import ExecRun, apply_signal, feed_stdin
 from guestd.wire.errors import ErrorCode, GuestdError
@@ -31,6 +31,7 @@ def register(services: Services) -> None:
             env=build_env(args["env"], args["env_mode"]),
             cwd=args["cwd"],
             stdin=PIPE if stdin_pipe else DEVNULL,
+            stderr=STDOUT if args["merge_stderr"] else PIPE,
         )
         run = ExecRun(ctx, args, child, t0, services.adopter, services.config.limits.max_ring_bytes)
         helpers: list[asyncio.Task[None]] = []

@@ -42,8 +42,10 @@ class ExecRun:
         self.stream = bool(args["stream"])
         mode = args["capture"]
         self.caps = {1: OutputCapture(args["max_output"], mode), 2: OutputCapture(args["max_output"], mode)}
-        assert child.stdout is not None and child.stderr is not None
-        self.fds: dict[int, int] = {1: child.stdout, 2: child.stderr}
+        assert child.stdout is not None
+        self.fds: dict[int, int] = {1: child.stdout}
+        if child.stderr is not None:  # none with merge_stderr: both streams in stdout's pipe
+            self.fds[2] = child.stderr
         self.open_fds: set[int] = set()
         self.reading = False
         self.pipes_done = asyncio.Event()

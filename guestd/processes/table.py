@@ -15,7 +15,7 @@ import time
 from typing import TYPE_CHECKING
 
 from guestd.capture import OutputRing
-from guestd.children import DEVNULL, PIPE, Child, ExitInfo, exit_info
+from guestd.children import DEVNULL, PIPE, STDOUT, Child, ExitInfo, exit_info
 from guestd.children.options import build_env, check_cwd, command_argv
 from guestd.children.tree import read_chunk, set_winsize, write_all
 from guestd.wire.errors import ErrorCode, GuestdError, limit_error
@@ -69,10 +69,19 @@ class ManagedProcess:
             self._fds = {"stdout": child.pty}
         else:
             child = await children.spawn(
-                argv, kind="proc", env=env, cwd=args["cwd"], stdin=PIPE if args["stdin"] else DEVNULL
+                argv,
+                kind="proc",
+                env=env,
+                cwd=args["cwd"],
+                stdin=PIPE if args["stdin"] else DEVNULL,
+                stderr=STDOUT if args["merge_stderr"] else PIPE,
             )
-            assert child.stdout is not None and child.stderr is not None
-            self._fds = {"stdout": child.stdout, "stderr": child.stderr}
+            assert child.stdout is not None
+            self._fds = {"stdout": child.stdout}
+            if child.stderr is not None:
+                self._fds["stderr"] = child.stderr
+            else:
+                self.rings["stderr"].closed = True  # merge_stderr: all of it is in stdout
         self.child = child
         self.leaf = child.cgroup  # kept after exit: KILL still ends what the process left
         self.pid = child.pid

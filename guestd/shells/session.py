@@ -192,6 +192,7 @@ class Session:
                 "max_output": 1024,
                 "capture": "tail",
                 "on_timeout": "kill",
+                "merge_stderr": False,
             },
             count=False,
         )
@@ -551,12 +552,14 @@ class Session:
         nonce = self._expect()
         # What earlier commands set must not bend this line: every expansion is quoted (IFS),
         # guestd's functions are called as \name (no alias applies; they are read-only).
+        merge = a["merge_stderr"]
         if job is None:
-            run = f"\\__gd_run < {src} {CTL_FD}>&-"
+            run = f"\\__gd_run < {src} {CTL_FD}>&-" + (" 2>&1" if merge else "")
         else:
             q = ansi_c_quote
             paths = job.paths
-            run = f"\\__gd_job {q(paths['stdout'])} {q(paths['stderr'])} {q(paths['status'])} {src} {CTL_FD}>&-"
+            err = paths["stdout"] if merge else paths["stderr"]  # opened twice: one FIFO, write order
+            run = f"\\__gd_job {q(paths['stdout'])} {q(err)} {q(paths['status'])} {src} {CTL_FD}>&-"
         script = (
             f"__gd_cmd={ansi_c_quote(a['command'])}\n"
             f"if {run}; then \\__gd_mark 0 '{nonce}'; "

@@ -424,6 +424,13 @@ _OUTPUT_RESULT = (
     F("detached", "str?", "on_timeout detach: the background process id the command goes on as"),
 )
 
+_MERGE_STDERR = F(
+    "merge_stderr",
+    "bool",
+    "stderr into stdout's pipe: one stream in write order, as a terminal shows it (stderr stays empty)",
+    default=False,
+)
+
 _ON_TIMEOUT = F(
     "on_timeout",
     "enum(kill|detach)",
@@ -483,6 +490,7 @@ OPS: tuple[OpSpec, ...] = (
             F("env_mode", "enum(merge|replace)", "merge env into guestd's, or use env alone", default="merge"),
             F("stdin", "bin?", "bytes fed to stdin, then closed; nil means /dev/null"),
             F("stdin_stream", "bool", "stdin comes from INPUT frames (data / eof)", default=False),
+            _MERGE_STDERR,
             F("timeout_s", "float?", "wall-clock timeout", gt=0, le_limit="max_exec_timeout_s"),
             F(
                 "idle_timeout_s",
@@ -815,6 +823,7 @@ PROCESS_OPS: tuple[OpSpec, ...] = (
             F("rows", "uint", "pty rows", default=24, ge=1, le=9999),
             F("cols", "uint", "pty columns", default=80, ge=1, le=9999),
             F("ring_bytes", "uint", "bytes kept per stream", default=1024 * 1024, ge=1, le_limit="max_ring_bytes"),
+            _MERGE_STDERR,
         ),
         result=(F("id", "str", "process id", True), F("pid", "int", "OS pid", True)),
         errors=("not_found", "permission_denied", "not_a_directory", "limit", "bad_request"),
@@ -921,6 +930,7 @@ SHELL_OPS: tuple[OpSpec, ...] = (
             F("id", "str", "session id or name", True),
             F("command", "str", "bash command text (multi-line, heredocs allowed)", True),
             F("input", "bin?", "bytes for the command's stdin"),
+            _MERGE_STDERR,
             F(
                 "timeout_s",
                 "float?",

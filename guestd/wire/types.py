@@ -151,6 +151,7 @@ class ExecArgs(TypedDict):
     env_mode: Literal["merge", "replace"]
     stdin: bytes | None
     stdin_stream: bool
+    merge_stderr: bool
     timeout_s: float | None
     idle_timeout_s: float | None
     kill_grace_s: float
@@ -479,6 +480,7 @@ class ProcessStartArgs(TypedDict):
     rows: int
     cols: int
     ring_bytes: int
+    merge_stderr: bool
 
 
 class ProcessStartReply(TypedDict):
@@ -630,6 +632,7 @@ class ShellRunArgs(TypedDict):
     id: str
     command: str
     input: bytes | None
+    merge_stderr: bool
     timeout_s: float | None
     idle_timeout_s: float | None
     on_timeout: Literal["kill", "detach"]
