@@ -202,3 +202,21 @@ def test_merge_stderr_in_a_session(sh: tuple[Client, str]) -> None:
         assert (out, err) == (b"a\nb\n", b"")
     finally:
         c.process_signal(r.detached, "KILL")
+
+
+def test_check_syntax_reports_bash_message_and_runs_nothing(sh: tuple[Client, str], tmp_path: object) -> None:
+    c, sid = sh
+    for bad, words in (
+        ("touch ran; echo )", "syntax error near unexpected token `)'"),
+        ("touch ran\nif true; then echo x", "syntax error: unexpected end of file"),
+    ):
+        with pytest.raises(GuestdError) as ei:
+            c.shell_run(sid, bad, check_syntax=True)
+        e = ei.value
+        assert e.code == "bad_request" and e.details["stage"] == "syntax", e
+        assert words in e.details["message"] and "line" in e.details["message"]
+        assert c.shell_run(sid, "ls ran 2>/dev/null || echo absent").stdout == b"absent\n"  # nothing ran
+        plain = c.shell_run(sid, bad.replace("touch ran", "true"))  # without the check it runs, and fails
+        assert plain.exit_code == 2 and b"syntax error" in plain.stderr
+    ok = c.shell_run(sid, "shopt -s extglob; touch a.x b.y\nls !(*.x)", check_syntax=True)
+    assert ok.stdout == b"b.y\n" and ok.exit_code == 0

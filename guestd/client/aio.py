@@ -897,6 +897,7 @@ class AsyncClient(PortsAPI):
         head_tail: bool = False,
         on_timeout: OnTimeout | None = None,
         merge_stderr: bool | None = None,
+        check_syntax: bool | None = None,
         deadline: float | None = None,
     ) -> ShellResult:
         """Run a command in a persistent bash session (cd, variables, venvs persist).
@@ -913,6 +914,7 @@ class AsyncClient(PortsAPI):
             capture="head_tail" if head_tail else None,
             on_timeout=on_timeout,
             merge_stderr=merge_stderr,
+            check_syntax=check_syntax,
         )
         if deadline is None:
             deadline = _run_deadline(timeout_s, idle_timeout_s, SHELL_STOP_S)

@@ -408,6 +408,7 @@ class Client(SyncPortsAPI):
         head_tail: bool = False,
         on_timeout: OnTimeout | None = None,
         merge_stderr: bool | None = None,
+        check_syntax: bool | None = None,
         deadline: float | None = None,
     ) -> ShellResult:
         return self._run(
@@ -421,6 +422,7 @@ class Client(SyncPortsAPI):
                 head_tail=head_tail,
                 on_timeout=on_timeout,
                 merge_stderr=merge_stderr,
+                check_syntax=check_syntax,
                 deadline=deadline,
             )
         )

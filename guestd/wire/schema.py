@@ -932,6 +932,12 @@ SHELL_OPS: tuple[OpSpec, ...] = (
             F("input", "bin?", "bytes for the command's stdin"),
             _MERGE_STDERR,
             F(
+                "check_syntax",
+                "bool",
+                "parse with bash -n first: a syntax error is bad_request (details.stage syntax), nothing runs",
+                default=False,
+            ),
+            F(
                 "timeout_s",
                 "float?",
                 "wall-clock timeout: SIGINT, then the command's processes are ended",

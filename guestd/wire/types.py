@@ -633,6 +633,7 @@ class ShellRunArgs(TypedDict):
     command: str
     input: bytes | None
     merge_stderr: bool
+    check_syntax: bool
     timeout_s: float | None
     idle_timeout_s: float | None
     on_timeout: Literal["kill", "detach"]
