@@ -3,12 +3,13 @@
 
 from __future__ import annotations
 
+import asyncio
 import re
 from collections.abc import Iterator
 
 import pytest
 
-from guestd.client import Client, GuestdError
+from guestd.client import AsyncClient, Client, GuestdError
 from guestd.testing import Guestd
 
 # Prints its port, then a numbered line every 20 ms until stopped: a gap or a duplicate in
@@ -220,3 +221,71 @@ def test_check_syntax_reports_bash_message_and_runs_nothing(sh: tuple[Client, st
         assert plain.exit_code == 2 and b"syntax error" in plain.stderr
     ok = c.shell_run(sid, "shopt -s extglob; touch a.x b.y\nls !(*.x)", check_syntax=True)
     assert ok.stdout == b"b.y\n" and ok.exit_code == 0
+
+
+def test_shell_stream_output_under_flow_control_and_typed_stdin(guestd: Guestd) -> None:
+    """shell.run stream: everything in order within a small window (the command blocks on its
+    pipe meanwhile, the session's state is there); stdin_stream: answers typed into `read -p`
+    and a Python REPL while they run; detach keeps a streamed stdin for process.write."""
+
+    async def go() -> None:
+        c = await AsyncClient.connect(guestd.address, stream_window=64 * 1024)
+        sid = (await c.shell_create())["id"]
+        await c.shell_run(sid, "N=300000; cd /tmp")
+        s = c.shell_stream(sid, 'seq 1 "$N"; pwd >&2')
+        out, err = bytearray(), bytearray()
+        async for name, data in s:
+            (out if name == "stdout" else err).extend(data)
+            await asyncio.sleep(0)  # a slow-ish consumer: credit must throttle the command
+        r = await s.result()
+        assert bytes(out) == "".join(f"{i}\n" for i in range(1, 300001)).encode() and bytes(err) == b"/tmp\n"
+        assert (r.stdout, r.stdout_bytes, r.stdout_dropped, r.exit_code) == (b"", len(out), 0, 0)
+        # A stalled stream holds its session, not guestd.
+        s = c.shell_stream(sid, "yes | head -c 5000000")
+        for _ in range(10):
+            await c.ping()
+        assert (await c.exec(["echo", "other"])).stdout == b"other\n"
+        n = 0
+        async for _, data in s:
+            n += len(data)
+        assert n == 5_000_000 and (await s.result()).exit_code == 0
+
+        # read -p prompts only on a terminal (pty: true); the answer gets through either way.
+        cmd = 'read -r -p "name? " who; echo "hello $who"; echo "more?"; read -r x; echo "$x!"'
+        s = c.shell_stream(sid, cmd, stdin_stream=True)
+        await s.write_stdin(b"ada\n")
+        seen = bytearray()
+        async for _, data in s:
+            seen += data
+            if seen.endswith(b"more?\n"):
+                await s.write_stdin(b"second\n")
+                await s.close_stdin()
+        r = await s.result()
+        assert bytes(seen) == b"hello ada\nmore?\nsecond!\n" and r.exit_code == 0
+
+        s = c.shell_stream(sid, "python3 -i -q -u 2>&1", stdin_stream=True, merge_stderr=True)
+        seen = bytearray()
+        sent = 0
+        async for _, data in s:
+            seen += data
+            if seen.count(b">>> ") > sent:
+                sent += 1
+                await s.write_stdin(b"6 * 7\n" if sent == 1 else b"exit()\n")
+        r = await s.result()
+        assert b"42\n" in seen and r.exit_code == 0
+
+        s = c.shell_stream(sid, "echo ready; cat", stdin_stream=True, timeout_s=1.0, on_timeout="detach")
+        async for _, _data in s:
+            pass
+        r = await s.result()
+        assert r.detached is not None and r.timed_out == "wall"
+        assert await c.process_write(r.detached, b"after detach\n") == 13
+        await c.process_close_stdin(r.detached)
+        w = await c.process_wait(r.detached, timeout_s=10)
+        assert w["exit_code"] == 0
+        out2, _, _ = await c.process_output(r.detached, follow=False)
+        assert out2 == b"ready\nafter detach\n"
+        await c.shell_close(sid)
+        await c.close()
+
+    asyncio.run(go())

@@ -186,6 +186,16 @@ class ExecStream:
         return ExecResult.from_body(checked(ExecReply, await self._client._conn.wait(self._call, self._clock.wait_s())))
 
 
+class ShellStream(ExecStream):
+    """A streaming ``shell.run``: iterate ``(stream, bytes)`` pairs, write stdin (with
+    ``stdin_stream``), then await :meth:`result`."""
+
+    async def result(self) -> ShellResult:  # type: ignore[override]
+        return ShellResult.from_body(
+            checked(ShellRunReply, await self._client._conn.wait(self._call, self._clock.wait_s()))
+        )
+
+
 class CodeStream:
     """A streaming code run: iterate events as they arrive, then await :meth:`result`.
 
@@ -919,6 +929,35 @@ class AsyncClient(PortsAPI):
         if deadline is None:
             deadline = _run_deadline(timeout_s, idle_timeout_s, SHELL_STOP_S)
         return ShellResult.from_body(checked(ShellRunReply, await self._conn.request("shell.run", args, deadline)))
+
+    def shell_stream(
+        self,
+        session: str,
+        command: str,
+        *,
+        stdin_stream: bool | None = None,
+        timeout_s: float | None = None,
+        idle_timeout_s: float | None = None,
+        on_timeout: OnTimeout | None = None,
+        merge_stderr: bool | None = None,
+        deadline: float | None = None,
+    ) -> ShellStream:
+        """Like :meth:`shell_run`, delivering output as it arrives, with the client's credit as
+        flow control; ``stdin_stream`` lets :meth:`ShellStream.write_stdin` type into the
+        command while it runs (async only)."""
+        args = present(
+            id=session,
+            command=command,
+            stream=True,
+            stdin_stream=stdin_stream,
+            timeout_s=_seconds(timeout_s),
+            idle_timeout_s=_seconds(idle_timeout_s),
+            on_timeout=on_timeout,
+            merge_stderr=merge_stderr,
+        )
+        if deadline is None:
+            deadline = _run_deadline(timeout_s, idle_timeout_s, SHELL_STOP_S)
+        return ShellStream(self, self._conn.start("shell.run", args), deadline)
 
     async def shell_list(self, *, deadline: float | None = 30.0) -> list[dict[str, Any]]:
         sessions = (await self._conn.request("shell.list", {}, deadline))["sessions"]

@@ -45,7 +45,7 @@ def register(services: Services) -> None:
         return {"id": s.id, "pid": s.pid}
 
     async def op_run(ctx: Request, a: ShellRunArgs) -> ShellRunReply:
-        return await shells().get(a["id"]).run(a)
+        return await shells().get(a["id"]).run(a, ctx)
 
     async def op_list(ctx: Request, a: ShellListArgs) -> ShellListReply:
         if not made:

@@ -69,6 +69,47 @@ class JobFifos:
         self.read = {}
 
 
+class StdinFifo:
+    """The stdin of a ``stdin_stream`` session command: a FIFO the command opens for reading
+    and guestd writes INPUT data into. guestd holds a read end too, so its write end opens at
+    once and the command's open never blocks; closing the write end is the command's EOF."""
+
+    def __init__(self, directory: str, ids: tuple[int, int] | None) -> None:
+        self.path = os.path.join(directory, f"in-{os.urandom(12).hex()}")
+        os.mkfifo(self.path, 0o600)
+        self.hold: int | None = None
+        self.write: int | None = None
+        try:
+            if ids is not None:
+                os.chown(self.path, *ids)
+            self.hold = os.open(self.path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+            self.write = os.open(self.path, os.O_WRONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+        except BaseException:
+            self.close()
+            raise
+
+    def close_write(self) -> None:
+        fd, self.write = self.write, None
+        if fd is not None:
+            with contextlib.suppress(OSError):
+                os.close(fd)
+
+    def give_write(self) -> int | None:
+        """The write end for a detached job's stdin (process.write); the FIFO is closed here."""
+        fd, self.write = self.write, None
+        self.close()
+        return fd
+
+    def close(self) -> None:
+        self.close_write()
+        fd, self.hold = self.hold, None
+        if fd is not None:
+            with contextlib.suppress(OSError):
+                os.close(fd)
+        with contextlib.suppress(OSError):
+            os.unlink(self.path)
+
+
 class ShellJob:
     """A detached shell job as the process table sees a run (``services.AdoptedRun``).
 
@@ -76,13 +117,19 @@ class ShellJob:
     through a pidfd, its exit status comes from its status FIFO (``128+N`` as signal N, as bash
     reports it); a wrapper killed before it could report counts as killed by SIGKILL."""
 
-    stdin: int | None = None
     pty: int | None = None
 
     def __init__(
-        self, pid: int, status_fd: int, status_buf: bytes, cgroup: RunCgroup | None, output_fds: list[int]
+        self,
+        pid: int,
+        status_fd: int,
+        status_buf: bytes,
+        cgroup: RunCgroup | None,
+        output_fds: list[int],
+        stdin: int | None = None,
     ) -> None:
         self.pid = pid
+        self.stdin = stdin  # a stdin_stream command's FIFO: process.write goes on writing into it
         self._output_fds = output_fds  # the stdout/stderr FIFOs' read ends: the table reads them
         self.cgroup = cgroup
         self.status: int | None = None
@@ -149,12 +196,16 @@ class ShellJob:
             self.cgroup.signal_all(sig)
 
     def close_fd(self, name: str) -> None:
-        pass  # no stdin of its own (the command's input, or /dev/null)
+        if name == "stdin" and self.stdin is not None:
+            fd, self.stdin = self.stdin, None
+            with contextlib.suppress(OSError):
+                os.close(fd)
 
     def keep_lingering(self, lingering: set[RunCgroup]) -> None:
         self._lingering = lingering
 
     def release(self) -> None:
+        self.close_fd("stdin")
         loop = asyncio.get_running_loop()
         for attr in ("_status_fd", "_pidfd"):
             fd = getattr(self, attr)

@@ -36,11 +36,13 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import os
 import signal
 import socket
 import struct
 import time
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, Literal
 
 from guestd.capture import OutputCapture, OutputRing, capture_fields
@@ -48,18 +50,19 @@ from guestd.children import DEVNULL, PIPE, Child, exit_info
 from guestd.children.options import check_cwd
 from guestd.children.tree import descendants, read_chunk, signal_each, signal_group, write_all
 from guestd.services import derive, reseed_each
-from guestd.shells.job import STATUS_MAX, JobFifos, ShellJob
+from guestd.shells.job import STATUS_MAX, JobFifos, ShellJob, StdinFifo
 from guestd.wire.errors import ErrorCode, GuestdError, limit_error
 from guestd.wire.paths import path_to_wire
 
 if TYPE_CHECKING:  # the generated message types: annotations only, never imported at run time
     from guestd.children.cgroups import RunCgroup
-    from guestd.services import Services
+    from guestd.services import Request, Services
     from guestd.wire.types import ShellInfoRecord, ShellRunArgs, ShellRunReply, ShellRunTimedOut
 
 CTL_FD = 63
 _CREDS_SPACE = socket.CMSG_SPACE(struct.calcsize("iII"))  # struct ucred: pid, uid, gid
 READ_SIZE = 256 * 1024
+_STREAM_FIELDS = {1: {"ev": "stdout"}, 2: {"ev": "stderr"}}
 GRACE_S = 1.0
 MAX_CTL_BYTES = 16 * 1024 * 1024  # a marker carries `export -p`; more than this is not one
 DETACH_RING_BYTES = 1024 * 1024  # per stream, as process.start's default ring_bytes
@@ -173,6 +176,8 @@ class Session:
         self._job: JobFifos | None = None
         self._job_rings: dict[int, OutputRing] = {}
         self._job_status = bytearray()
+        self._stream: Request | None = None  # stream mode: the running command's request
+        self._paused: asyncio.Task[None] | None = None  # reading paused for a streaming client
 
     async def apply_pending_seed(self) -> None:
         async with self.lock:
@@ -194,6 +199,8 @@ class Session:
                 "on_timeout": "kill",
                 "merge_stderr": False,
                 "check_syntax": False,
+                "stream": False,
+                "stdin_stream": False,
             },
             count=False,
         )
@@ -286,11 +293,14 @@ class Session:
 
     def _read_once(self, which: int) -> bool:
         """One read from a pipe, routed to the running command's capture (or counted as stray).
-        False when nothing is ready or the pipe has ended."""
+        False when nothing is ready, the pipe has ended, or a streaming client is out of credit."""
         fd = self._fds.get(which)
         if fd is None:
             return False
-        data = read_chunk(fd, READ_SIZE)
+        size = self._read_size(which)
+        if size <= 0:
+            return False
+        data = read_chunk(fd, size)
         if data is None:
             return False
         if not data:
@@ -299,10 +309,89 @@ class Session:
             return False
         self._last_output = time.monotonic()
         if self._caps is not None:
-            self._caps[which].feed(data)
+            self._take(which, data)
         else:
             self.stray_bytes += len(data)
         return True
+
+    def _read_size(self, which: int) -> int:
+        """READ_SIZE, or in stream mode no more than one event within the client's credit can
+        carry (0: out of credit; reading pauses until the client grants more)."""
+        ctx = self._stream
+        if ctx is None or self._caps is None:
+            return READ_SIZE
+        room = min(READ_SIZE, ctx.data_room(_STREAM_FIELDS[which])) if ctx.active else READ_SIZE
+        if room <= 0:
+            self._wait_for_client(ctx)
+        return room
+
+    def _take(self, which: int, data: bytes) -> None:
+        assert self._caps is not None
+        ctx = self._stream
+        if ctx is None or not ctx.active:
+            self._caps[which].feed(data)
+            return
+        self._caps[which].total += len(data)  # streamed, not kept: only counted
+        ctx.push_data(_STREAM_FIELDS[which], data)
+        if ctx.data_room(_STREAM_FIELDS[which]) <= 0 or ctx.write_paused:
+            self._wait_for_client(ctx)
+
+    def _output_fds(self) -> list[tuple[int, Callable[[], object]]]:
+        out: list[tuple[int, Callable[[], object]]] = [
+            (fd, functools.partial(self._on_output, which)) for which, fd in self._fds.items()
+        ]
+        if self._job is not None:
+            for which, name in ((1, "stdout"), (2, "stderr")):
+                out.append((self._job.read[name], functools.partial(self._read_job, which)))
+        return out
+
+    def _wait_for_client(self, ctx: Request) -> None:
+        """The streaming client is behind: stop reading, so the command blocks on its pipe
+        instead of guestd buffering without bound; read on once it grants credit."""
+        if self._paused is not None:
+            return
+        loop = asyncio.get_running_loop()
+        for fd, _cb in self._output_fds():
+            loop.remove_reader(fd)
+
+        async def resume() -> None:
+            await ctx.wait_credit()
+            await ctx.drain()
+            if self._paused is asyncio.current_task():
+                self._paused = None
+                self._read_again()
+
+        self._paused = loop.create_task(resume())
+
+    def _resume_reading(self) -> None:
+        task, self._paused = self._paused, None
+        if task is None:
+            return
+        task.cancel()
+        self._read_again()
+
+    def _read_again(self) -> None:
+        loop = asyncio.get_running_loop()
+        for fd, cb in self._output_fds():
+            loop.add_reader(fd, cb)
+
+    async def _drain_stream(self) -> None:
+        """Stream mode, the command has ended: what is still in the pipes (at most their
+        buffers) goes to the client within its credit, waiting for credit while it is there."""
+        ctx = self._stream
+        if ctx is None:
+            return
+        self._resume_reading()
+        sources = [(w, self._read_once) for w in (1, 2)] + [(w, self._read_job) for w in (1, 2)]
+        for which, read in sources:
+            for _ in range(64):
+                if ctx.active and ctx.data_room(_STREAM_FIELDS[which]) <= 0:
+                    await ctx.wait_credit()
+                    self._resume_reading()
+                    continue
+                if not read(which):
+                    break
+        self._resume_reading()
 
     def _drain_output(self) -> None:
         """Read whatever is in the pipes right now (bounded: at most 64 reads per stream)."""
@@ -322,13 +411,16 @@ class Session:
         fd = job.read.get("stdout" if which == 1 else "stderr") if job is not None else None
         if fd is None:
             return False
-        data = read_chunk(fd, READ_SIZE)
+        size = self._read_size(which)
+        if size <= 0:
+            return False
+        data = read_chunk(fd, size)
         if not data:
-            return False  # an end is left to close(): a job's leftover child may reopen nothing
+            return False  # the end is seen at close(): guestd holds a write end until then
         self._last_output = time.monotonic()
         self._job_rings[which].write(data)
         if self._caps is not None:
-            self._caps[which].feed(data)
+            self._take(which, data)
         return True
 
     def _read_job_status(self) -> None:
@@ -375,7 +467,7 @@ class Session:
         first = bytes(self._job_status).split(b"\n", 1)
         return int(first[0]) if len(first) == 2 and first[0].isdigit() else None
 
-    async def _detach_job(self, command: str) -> str | None:
+    async def _detach_job(self, command: str, stdin: StdinFifo | None) -> str | None:
         """bash is back at its prompt and the job runs on: move its processes (frozen, wherever
         they went) to a leaf of their own and give it to the process table."""
         services = self.table.services
@@ -394,7 +486,7 @@ class Session:
         fifos = self._stop_job(give_away=True)
         assert fifos is not None
         out, err, status = fifos.read["stdout"], fifos.read["stderr"], fifos.read["status"]
-        job = ShellJob(pid, status, bytes(self._job_status), leaf, [out, err])
+        job = ShellJob(pid, status, bytes(self._job_status), leaf, [out, err], stdin.give_write() if stdin else None)
         job.keep_lingering(services.children.lingering)
         rings = {"stdout": self._job_rings[1], "stderr": self._job_rings[2]}
         return adopter.adopt(command, job, {"stdout": out, "stderr": err}, rings)
@@ -486,14 +578,14 @@ class Session:
         await self.start(replay_exports=True)
 
     # -- running -----------------------------------------------------------------------
-    async def run(self, args: ShellRunArgs) -> ShellRunReply:
+    async def run(self, args: ShellRunArgs, ctx: Request | None = None) -> ShellRunReply:
         if args["check_syntax"]:
             await check_syntax(self.table.services, args["command"])
         # The command runs in a task of its own that holds the session until the command has
         # really ended: a cancelled request interrupts it (as a timeout does) and the session
         # takes its next command only after that.
         cancel = asyncio.Event()
-        task = asyncio.ensure_future(self._run_serialized(args, cancel))
+        task = asyncio.ensure_future(self._run_serialized(args, cancel, ctx))
         try:
             return await asyncio.shield(task)
         except asyncio.CancelledError:
@@ -501,7 +593,7 @@ class Session:
             task.add_done_callback(_consume)
             raise
 
-    async def _run_serialized(self, args: ShellRunArgs, cancel: asyncio.Event) -> ShellRunReply:
+    async def _run_serialized(self, args: ShellRunArgs, cancel: asyncio.Event, ctx: Request | None) -> ShellRunReply:
         async with self.lock:
             if cancel.is_set():
                 raise asyncio.CancelledError  # cancelled while waiting for the session: never ran
@@ -515,11 +607,11 @@ class Session:
                 await self._reseed_locked()
             self._cancel_event = cancel
             try:
-                return await self._run_locked(args)
+                return await self._run_locked(args, ctx=ctx)
             finally:
                 self._cancel_event = None
 
-    async def _run_locked(self, a: ShellRunArgs, count: bool = True) -> ShellRunReply:
+    async def _run_locked(self, a: ShellRunArgs, count: bool = True, ctx: Request | None = None) -> ShellRunReply:
         t0 = time.monotonic()
         adopter = self.table.services.adopter
         detach = (
@@ -545,7 +637,20 @@ class Session:
                 os.fchown(fd, *ids)  # bash runs as the workload user and must be able to read it
             with os.fdopen(fd, "wb") as f:
                 f.write(a["input"])
-        src = ansi_c_quote(infile) if infile else "/dev/null"
+        stdin: StdinFifo | None = None
+        feeder: asyncio.Task[None] | None = None
+        if a["stdin_stream"] and ctx is not None:
+            indir = os.path.join(self.table.services.runtime_dir(), "shell-input")
+            os.makedirs(indir, mode=0o711, exist_ok=True)
+            os.chmod(self.table.services.runtime_dir(), 0o711)
+            stdin = StdinFifo(indir, self.table.services.config.policy.workload_ids())
+            feeder = asyncio.get_running_loop().create_task(_feed_stdin(ctx, stdin))
+            src = ansi_c_quote(stdin.path)
+        else:
+            if ctx is not None:
+                ctx.stop_taking_data()  # INPUT data and eof mean nothing without stdin_stream
+            src = ansi_c_quote(infile) if infile else "/dev/null"
+        self._stream = ctx if a["stream"] and ctx is not None else None
         self._last_output = time.monotonic()
         assert self.child is not None
         job = self._start_job() if detach else None
@@ -582,7 +687,7 @@ class Session:
             outcome = await self._wait(a["timeout_s"], a["idle_timeout_s"])
             if outcome in ("wall", "idle") and job is not None and await self._release_bash():
                 timed_out = outcome
-                detached = await self._detach_job(a["command"])
+                detached = await self._detach_job(a["command"], stdin)
             elif outcome in ("wall", "idle", "cancel"):
                 if outcome != "cancel":
                     timed_out = outcome
@@ -601,6 +706,16 @@ class Session:
             if not send.done():
                 send.cancel()
             send.add_done_callback(_consume)
+            if feeder is not None:
+                feeder.cancel()
+            if ctx is not None:
+                ctx.stop_taking_data()
+            if stdin is not None and detached is None:
+                stdin.close()
+            with contextlib.suppress(Exception):
+                await asyncio.shield(self._drain_stream())  # within the client's credit
+            self._stream = None
+            self._resume_reading()
             self._drain_output()
             if detached is None and job is not None:
                 pid = self._job_pid()
@@ -632,7 +747,7 @@ class Session:
             "interrupted": interrupted,
             "session_restarted": restarted,
             "cwd": path_to_wire(self.cwd),
-            **capture_fields(caps[1], caps[2]),
+            **capture_fields(caps[1], caps[2], streamed=a["stream"] and ctx is not None),
             "duration_s": time.monotonic() - t0,
             "detached": detached,
         }
@@ -779,6 +894,24 @@ async def check_syntax(services: Services, command: str) -> None:
             f"syntax error: {first}" if first else "bash -n rejected the command",
             details={"stage": "syntax", "message": text, "field": "command"},
         )
+
+
+async def _feed_stdin(ctx: Request, stdin: StdinFifo) -> None:
+    """INPUT data into a stdin_stream command's FIFO, acknowledged once written (the window is
+    exec's); eof closes it."""
+    loop = asyncio.get_running_loop()
+    try:
+        while stdin.write is not None:
+            body = await ctx.input.get()
+            chunk = body.get("data")
+            if isinstance(chunk, bytes) and chunk and stdin.write is not None:
+                await write_all(loop, stdin.write, chunk)
+                ctx.ack_input(len(chunk))
+            if body.get("eof"):
+                stdin.close_write()
+                return
+    except OSError:
+        pass  # the command closed its stdin: nothing more to deliver
 
 
 def _consume(task: asyncio.Future[Any]) -> None:

@@ -937,6 +937,8 @@ SHELL_OPS: tuple[OpSpec, ...] = (
                 "parse with bash -n first: a syntax error is bad_request (details.stage syntax), nothing runs",
                 default=False,
             ),
+            F("stream", "bool", "send output as EVENT frames as it arrives (flow control as exec)", default=False),
+            F("stdin_stream", "bool", "the command's stdin comes from INPUT frames (data / eof)", default=False),
             F(
                 "timeout_s",
                 "float?",
@@ -959,7 +961,16 @@ SHELL_OPS: tuple[OpSpec, ...] = (
             F("duration_s", "float", "wall time", True),
             F("detached", "str?", "on_timeout detach: the background process id the command goes on as"),
         ),
+        events=(
+            F("ev", "enum(stdout|stderr)", "event type", True),
+            F("data", "bin", "next bytes of the stream", True),
+        ),
+        input=(
+            F("data", "bin", "bytes for the command's stdin (stdin_stream only; counts against the window)"),
+            F("eof", "bool", "close the command's stdin"),
+        ),
         errors=("not_found", "limit", "bad_request"),
+        exclusive=(("input", "stdin_stream"),),
     ),
     OpSpec(
         "shell.list",

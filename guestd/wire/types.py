@@ -634,6 +634,8 @@ class ShellRunArgs(TypedDict):
     input: bytes | None
     merge_stderr: bool
     check_syntax: bool
+    stream: bool
+    stdin_stream: bool
     timeout_s: float | None
     idle_timeout_s: float | None
     on_timeout: Literal["kill", "detach"]
@@ -659,6 +661,20 @@ class ShellRunReply(TypedDict):
     stderr_gap_at: NotRequired[int | None]
     duration_s: float
     detached: NotRequired[str | None]
+
+
+class ShellRunEvent(TypedDict):
+    """`shell.run` EVENT body"""
+
+    ev: Literal["stdout", "stderr"]
+    data: bytes
+
+
+class ShellRunInput(TypedDict):
+    """`shell.run` INPUT body"""
+
+    data: NotRequired[bytes]
+    eof: NotRequired[bool]
 
 
 class ShellListArgs(TypedDict):
