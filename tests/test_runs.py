@@ -289,3 +289,38 @@ def test_shell_stream_output_under_flow_control_and_typed_stdin(guestd: Guestd) 
         await c.close()
 
     asyncio.run(go())
+
+
+def test_guestctl_on_timeout_merge_and_check_syntax(guestd: Guestd) -> None:
+    import json
+    import os
+    import subprocess
+    import sys
+
+    repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+    def guestctl(*args: str) -> subprocess.CompletedProcess[bytes]:
+        return subprocess.run(
+            [sys.executable, "-m", "guestd.cli", "--connect", guestd.address, *args],
+            capture_output=True,
+            timeout=120,
+            env={**os.environ, "PYTHONPATH": repo},
+        )
+
+    r = guestctl("--json", "exec", "--timeout", "0.5", "--on-timeout", "detach", "--", "sh", "-c", "echo up; sleep 30")
+    obj = json.loads(r.stdout)
+    assert r.returncode == 124 and obj["stdout"] == "up\n" and obj["detached"].startswith("p")
+    assert guestctl("kill", obj["detached"], "KILL").returncode == 0
+    assert guestctl("wait", obj["detached"]).returncode == 137
+    s = guestctl("shell", "new").stdout.decode().strip()
+    r = guestctl("shell", "run", s, "echo up; sleep 30", "--timeout", "0.5", "--on-timeout", "detach")
+    assert r.returncode == 124 and r.stdout == b"up\n" and b"goes on as process p" in r.stderr
+    pid = r.stderr.split(b"goes on as process ")[1].split()[0].decode()
+    assert guestctl("kill", pid, "KILL").returncode == 0
+    r = guestctl("shell", "run", s, "echo a; echo b >&2; echo c", "--merge-stderr")
+    assert (r.returncode, r.stdout, r.stderr) == (0, b"a\nb\nc\n", b"")
+    r = guestctl("shell", "run", s, "echo ran; fi", "--check-syntax")
+    assert r.returncode != 0 and b"syntax error" in r.stderr and b"ran" not in r.stdout
+    r = guestctl("exec", "--merge-stderr", "--", "sh", "-c", "echo x; echo y >&2")
+    assert (r.stdout, r.stderr) == (b"x\ny\n", b"")
+    assert guestctl("shell", "rm", s).returncode == 0

@@ -75,7 +75,11 @@ _LINE1 = (
     "__gd_job() { builtin set -m; { ( builtin trap : INT TERM HUP QUIT; builtin printf '%s\\n' \"$BASHPID\" >&9; "
     '( builtin unset -f exit logout; eval -- "$__gd_cmd" ) 9>&-; __gd_s=$?; '
     'builtin printf \'%s\\n\' "$__gd_s" >&9; builtin exit "$__gd_s" ) & } '
-    '>"$1" 2>"$2" 9>"$3" <"$4"; builtin set +m; builtin wait "$!"; }\n'
+    '>"$1" 2>"$2" 9>"$3" <"$4"; builtin set +m; '
+    # Interrupted (on_timeout detach): the job leaves bash's job table, so bash never reports
+    # its end ("Killed") into a later command's stderr. __gd_mark restores the usual trap.
+    "builtin trap 'builtin disown -- \"$!\" 2>/dev/null; return 130 2>/dev/null' INT; "
+    'builtin wait "$!"; }\n'
 )
 LIBRARY = (
     _LINE1
@@ -482,6 +486,9 @@ class Session:
             leaf = services.workload.new_run("proc", os.urandom(6).hex())
             if leaf is not None:
                 await services.run_in_io(cg.move_except, self._before | {self.pid}, leaf)
+                # Known to guestd.children from now on (after the move: the sweep removes empty
+                # leaves): guestd's stop ends it, the sweep removes it once its job is gone.
+                services.children.lingering.add(leaf)
         self._drain_output()  # output up to the hand-over is the reply's too
         fifos = self._stop_job(give_away=True)
         assert fifos is not None
