@@ -19,8 +19,9 @@ from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 if TYPE_CHECKING:
     from concurrent.futures import ThreadPoolExecutor
 
+    from guestd.capture import OutputRing
     from guestd.children import Children
-    from guestd.children.cgroups import WorkloadCgroup
+    from guestd.children.cgroups import RunCgroup, WorkloadCgroup
     from guestd.config import Config
 
 
@@ -150,6 +151,40 @@ class ChangeFeed(Protocol):
     async def report(self, cursor: int) -> dict[str, Any]: ...
 
 
+class AdoptedRun(Protocol):
+    """A running command handed to the process table (``on_timeout: "detach"``): what the table
+    needs of it. ``guestd.children.Child`` is one (exec); a shell job is another (guestd.shells)."""
+
+    pid: int
+    status: int | None
+    stdin: int | None
+    pty: int | None
+    cgroup: RunCgroup | None
+
+    @property
+    def running(self) -> bool: ...
+
+    def watch(self, on_exit: Callable[[], None] | None = None, poll_s: float = 0.05) -> None: ...
+
+    def signal(self, sig: int) -> None: ...
+
+    def close_fd(self, name: str) -> None: ...
+
+    def release(self) -> None: ...
+
+
+class Adopter(Protocol):
+    """How exec and shells give a timed-out command to the process table (guestd.processes)."""
+
+    def check(self) -> None:
+        """Raise the typed ``limit`` error when no more live processes may be adopted."""
+        ...
+
+    def adopt(self, command: str, run: AdoptedRun, fds: dict[str, int], rings: dict[str, OutputRing]) -> str:
+        """Own ``run`` from now on (its output fds, rings holding its output from byte 0); its id."""
+        ...
+
+
 # A restore hook gets the restore's entropy and returns what it did, as report fields.
 RestoreHook = Callable[[bytes], Awaitable[dict[str, list[str]]]]
 BusyReport = Callable[[], dict[str, list[str]]]
@@ -170,6 +205,7 @@ class Services:
     on_start: list[Callable[[], None]] = field(default_factory=list)
     info: list[Callable[[], dict[str, Any]]] = field(default_factory=list)  # fields for system.info
     changes: ChangeFeed | None = None  # set by the files capability
+    adopter: Adopter | None = None  # set by guestd.processes: on_timeout "detach" hands runs to it
     _io: ThreadPoolExecutor | None = None
     _kernel_dir: str | None = None
 

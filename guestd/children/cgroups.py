@@ -157,6 +157,35 @@ class RunCgroup:
                 with contextlib.suppress(OSError):
                     _write(freeze, "0")
 
+    def move_except(self, keep: set[int], dest: RunCgroup, rounds: int = 50) -> list[int]:
+        """Move every process of the leaf but ``keep`` into ``dest``, race-free: frozen, they
+        cannot fork meanwhile (a shell command detached on its timeout: its processes, wherever
+        they went, leave the session's leaf). Returns the pids moved."""
+        freeze = os.path.join(self.path, "cgroup.freeze")
+        moved: list[int] = []
+        try:
+            _write(freeze, "1")
+        except OSError:
+            freeze = ""
+        try:
+            for _ in range(100):
+                if not freeze or self._event("frozen") == "1":
+                    break
+                time.sleep(0.001)
+            for _ in range(rounds):
+                movers = [p for p in self.pids() if p not in keep]
+                if not movers:
+                    break
+                for pid in movers:
+                    with contextlib.suppress(OSError):  # gone meanwhile
+                        _write(os.path.join(dest.path, "cgroup.procs"), str(pid))
+                        moved.append(pid)
+        finally:
+            if freeze:
+                with contextlib.suppress(OSError):
+                    _write(freeze, "0")
+        return moved
+
     def close_fd(self) -> None:
         if self.fd >= 0:
             os.close(self.fd)

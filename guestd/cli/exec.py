@@ -25,6 +25,13 @@ def register(sub: Subcommands) -> None:
         e.add_argument("--stdin", action="store_true", help="send local stdin to the command")
         e.add_argument("--detach", action="store_true", help="start in the background; print its process id")
         e.add_argument("--pty", action="store_true", help="run on a pseudo-terminal attached to this terminal")
+        e.add_argument(
+            "--on-timeout",
+            choices=("kill", "detach"),
+            default=None,
+            help="detach: a timeout leaves the command running as a background process (prints its id)",
+        )
+        e.add_argument("--merge-stderr", action="store_true", help="stderr into stdout, in write order")
         if name == "exec":
             e.add_argument("argv", nargs=argparse.REMAINDER, help="-- PROGRAM ARGS...")
         else:
@@ -52,6 +59,8 @@ async def run_command(client: AsyncClient, ns: argparse.Namespace) -> int:
         idle_timeout_s=ns.idle_timeout,
         max_output=ns.max_output,
         head_tail=ns.head_tail,
+        on_timeout=ns.on_timeout,
+        merge_stderr=ns.merge_stderr or None,
     )
     if ns.json:
         print_json(res.to_json())
@@ -69,6 +78,12 @@ def print_exec_result(res: ExecResult, raw: bool) -> None:
                 f"guestctl: {name} truncated: {dropped} of {getattr(res, name + '_bytes')} bytes dropped",
                 file=sys.stderr,
             )
-    if res.timed_out:
+    if res.detached is not None:
+        print(
+            f"guestctl: {res.timed_out} timeout fired; the command goes on as process {res.detached}"
+            f" (guestctl attach {res.detached})",
+            file=sys.stderr,
+        )
+    elif res.timed_out:
         print(f"guestctl: {res.timed_out} timeout fired; process tree killed", file=sys.stderr)
     sys.stderr.flush()

@@ -24,6 +24,14 @@ def register(sub: Subcommands) -> None:
     srun.add_argument("--idle-timeout", type=float, default=None, help="no-output timeout in the guest, seconds")
     srun.add_argument("--max-output", type=int, default=None)
     srun.add_argument("--stdin", action="store_true", help="send local stdin as the command's input")
+    srun.add_argument(
+        "--on-timeout",
+        choices=("kill", "detach"),
+        default=None,
+        help="detach: a timeout leaves the command running as a background process (prints its id)",
+    )
+    srun.add_argument("--merge-stderr", action="store_true", help="stderr into stdout, in write order")
+    srun.add_argument("--check-syntax", action="store_true", help="bash -n first; nothing runs on a syntax error")
     add_command(shell, "ls", list_sessions, help="list sessions")
     add_command(shell, "rm", close, help="end a session").add_argument("id")
 
@@ -54,13 +62,27 @@ async def close(client: AsyncClient, ns: argparse.Namespace) -> int:
 async def run_in_session(client: AsyncClient, ns: argparse.Namespace) -> int:
     stdin = sys.stdin.buffer.read() if ns.stdin else None
     res = await client.shell_run(
-        ns.id, ns.command, input=stdin, timeout_s=ns.timeout, idle_timeout_s=ns.idle_timeout, max_output=ns.max_output
+        ns.id,
+        ns.command,
+        input=stdin,
+        timeout_s=ns.timeout,
+        idle_timeout_s=ns.idle_timeout,
+        max_output=ns.max_output,
+        on_timeout=ns.on_timeout,
+        merge_stderr=ns.merge_stderr or None,
+        check_syntax=ns.check_syntax or None,
     )
     if ns.json:
         print_json(res.to_json())
     else:
         write_output(res.stdout, res.stderr, ns.raw)
-        if res.timed_out:
+        if res.detached is not None:
+            print(
+                f"guestctl: {res.timed_out} timeout fired; the command goes on as process {res.detached}"
+                f" (guestctl attach {res.detached})",
+                file=sys.stderr,
+            )
+        elif res.timed_out:
             print(f"guestctl: {res.timed_out} timeout fired; command interrupted", file=sys.stderr)
         if res.session_restarted:
             print("guestctl: the session had to be restarted (cwd and exported variables kept)", file=sys.stderr)

@@ -55,6 +55,7 @@ TRANSFER_DEADLINE = UNBOUNDED_RUN_DEADLINE  # an upload or download without a de
 UPLOAD_CHUNK = 1024 * 1024
 
 Progress = Callable[[int], None]
+OnTimeout = Literal["kill", "detach"]  # what a guest timeout does to exec / shell.run
 WriteFlag = Literal["overwrite", "create", "append"]
 
 
@@ -184,6 +185,16 @@ class ExecStream:
 
     async def result(self) -> ExecResult:
         return ExecResult.from_body(checked(ExecReply, await self._client._conn.wait(self._call, self._clock.wait_s())))
+
+
+class ShellStream(ExecStream):
+    """A streaming ``shell.run``: iterate ``(stream, bytes)`` pairs, write stdin (with
+    ``stdin_stream``), then await :meth:`result`."""
+
+    async def result(self) -> ShellResult:  # type: ignore[override]
+        return ShellResult.from_body(
+            checked(ShellRunReply, await self._client._conn.wait(self._call, self._clock.wait_s()))
+        )
 
 
 class CodeStream:
@@ -362,6 +373,8 @@ class AsyncClient(PortsAPI, WorkspaceAPI):
         linger_s: float | None,
         stream: bool,
         stdin_stream: bool | None = None,
+        on_timeout: OnTimeout | None = None,
+        merge_stderr: bool | None = None,
     ) -> dict[str, Any]:
         args: dict[str, Any] = {"shell": cmd} if isinstance(cmd, str) else {"argv": list(cmd)}
         args.update(
@@ -378,6 +391,8 @@ class AsyncClient(PortsAPI, WorkspaceAPI):
                 linger_s=_seconds(linger_s),
                 stream=True if stream else None,
                 stdin_stream=stdin_stream,
+                on_timeout=on_timeout,
+                merge_stderr=merge_stderr,
             )
         )
         return args
@@ -396,6 +411,8 @@ class AsyncClient(PortsAPI, WorkspaceAPI):
         head_tail: bool = False,
         kill_grace_s: float | None = None,
         linger_s: float | None = None,
+        on_timeout: OnTimeout | None = None,
+        merge_stderr: bool | None = None,
         deadline: float | None = None,
     ) -> ExecResult:
         """Run ``cmd`` (argv list, or a string for ``/bin/sh -c``) to completion.
@@ -404,7 +421,8 @@ class AsyncClient(PortsAPI, WorkspaceAPI):
         process tree (``kill_grace_s`` between TERM and KILL). ``deadline`` is how long the
         client waits for the reply before it cancels the command; by default the guest's
         timeout plus its grace, linger and a margin, one hour without a guest timeout,
-        none with only an idle timeout.
+        none with only an idle timeout. ``on_timeout="detach"``: a timeout does not end the
+        command; it goes on as a background process (``result.detached`` is its id).
         """
         args = self._exec_args(
             cmd,
@@ -419,6 +437,8 @@ class AsyncClient(PortsAPI, WorkspaceAPI):
             kill_grace_s=kill_grace_s,
             linger_s=linger_s,
             stream=False,
+            on_timeout=on_timeout,
+            merge_stderr=merge_stderr,
         )
         if deadline is None:
             deadline = _exec_deadline(timeout_s, idle_timeout_s, kill_grace_s, linger_s)
@@ -772,12 +792,24 @@ class AsyncClient(PortsAPI, WorkspaceAPI):
         rows: int | None = None,
         cols: int | None = None,
         ring_bytes: int | None = None,
+        merge_stderr: bool | None = None,
         deadline: float | None = DEFAULT_DEADLINE,
     ) -> dict[str, Any]:
         """Start a detached process; returns ``{"id", "pid"}`` (its process id and OS pid) at once."""
         args: dict[str, Any] = {"shell": cmd} if isinstance(cmd, str) else {"argv": list(cmd)}
         wire_cwd = None if cwd is None else path_to_wire(cwd)
-        args.update(present(cwd=wire_cwd, env=env, stdin=stdin, pty=pty, rows=rows, cols=cols, ring_bytes=ring_bytes))
+        args.update(
+            present(
+                cwd=wire_cwd,
+                env=env,
+                stdin=stdin,
+                pty=pty,
+                rows=rows,
+                cols=cols,
+                ring_bytes=ring_bytes,
+                merge_stderr=merge_stderr,
+            )
+        )
         return await self._conn.request("process.start", args, deadline)
 
     async def process_list(self, *, deadline: float | None = DEFAULT_DEADLINE) -> list[dict[str, Any]]:
@@ -874,6 +906,9 @@ class AsyncClient(PortsAPI, WorkspaceAPI):
         idle_timeout_s: float | None = None,
         max_output: int | None = None,
         head_tail: bool = False,
+        on_timeout: OnTimeout | None = None,
+        merge_stderr: bool | None = None,
+        check_syntax: bool | None = None,
         deadline: float | None = None,
     ) -> ShellResult:
         """Run a command in a persistent bash session (cd, variables, venvs persist).
@@ -888,10 +923,42 @@ class AsyncClient(PortsAPI, WorkspaceAPI):
             idle_timeout_s=_seconds(idle_timeout_s),
             max_output=max_output,
             capture="head_tail" if head_tail else None,
+            on_timeout=on_timeout,
+            merge_stderr=merge_stderr,
+            check_syntax=check_syntax,
         )
         if deadline is None:
             deadline = _run_deadline(timeout_s, idle_timeout_s, SHELL_STOP_S)
         return ShellResult.from_body(checked(ShellRunReply, await self._conn.request("shell.run", args, deadline)))
+
+    def shell_stream(
+        self,
+        session: str,
+        command: str,
+        *,
+        stdin_stream: bool | None = None,
+        timeout_s: float | None = None,
+        idle_timeout_s: float | None = None,
+        on_timeout: OnTimeout | None = None,
+        merge_stderr: bool | None = None,
+        deadline: float | None = None,
+    ) -> ShellStream:
+        """Like :meth:`shell_run`, delivering output as it arrives, with the client's credit as
+        flow control; ``stdin_stream`` lets :meth:`ShellStream.write_stdin` type into the
+        command while it runs (async only)."""
+        args = present(
+            id=session,
+            command=command,
+            stream=True,
+            stdin_stream=stdin_stream,
+            timeout_s=_seconds(timeout_s),
+            idle_timeout_s=_seconds(idle_timeout_s),
+            on_timeout=on_timeout,
+            merge_stderr=merge_stderr,
+        )
+        if deadline is None:
+            deadline = _run_deadline(timeout_s, idle_timeout_s, SHELL_STOP_S)
+        return ShellStream(self, self._conn.start("shell.run", args), deadline)
 
     async def shell_list(self, *, deadline: float | None = 30.0) -> list[dict[str, Any]]:
         sessions = (await self._conn.request("shell.list", {}, deadline))["sessions"]

@@ -98,10 +98,11 @@ class ExecResult(CapturedOutput):
     stdout_gap_at: int | None
     stderr_gap_at: int | None
     pid: int
+    detached: str | None = None  # on_timeout "detach": the background process it goes on as
 
     @classmethod
     def from_body(cls, b: ExecReply) -> ExecResult:
-        fields: dict[str, Any] = dict(b)
+        fields: dict[str, Any] = {"detached": None, **b}
         return cls(**{k: fields[k] for k in cls.__dataclass_fields__})
 
     @property
@@ -255,8 +256,9 @@ class ShellResult(CapturedOutput):
     cwd: WirePath  # bytes when the directory's path is not UTF-8
     stdout_gap_at: int | None
     stderr_gap_at: int | None
+    detached: str | None = None  # on_timeout "detach": the background process it goes on as
 
     @classmethod
     def from_body(cls, b: ShellRunReply) -> ShellResult:
-        fields: dict[str, Any] = dict(b)
+        fields: dict[str, Any] = {"detached": None, **b}
         return cls(**{k: fields[k] for k in cls.__dataclass_fields__})

@@ -21,6 +21,7 @@ from guestd.client.aio import (
     DEFAULT_DEADLINE,
     UNBOUNDED_RUN_DEADLINE,
     AsyncClient,
+    OnTimeout,
     Progress,
     WriteFlag,
 )
@@ -131,6 +132,8 @@ class Client(SyncPortsAPI, SyncWorkspaceAPI):
         head_tail: bool = False,
         kill_grace_s: float | None = None,
         linger_s: float | None = None,
+        on_timeout: OnTimeout | None = None,
+        merge_stderr: bool | None = None,
         deadline: float | None = None,
     ) -> ExecResult:
         return self._run(
@@ -146,6 +149,8 @@ class Client(SyncPortsAPI, SyncWorkspaceAPI):
                 head_tail=head_tail,
                 kill_grace_s=kill_grace_s,
                 linger_s=linger_s,
+                on_timeout=on_timeout,
+                merge_stderr=merge_stderr,
                 deadline=deadline,
             )
         )
@@ -320,6 +325,7 @@ class Client(SyncPortsAPI, SyncWorkspaceAPI):
         rows: int | None = None,
         cols: int | None = None,
         ring_bytes: int | None = None,
+        merge_stderr: bool | None = None,
         deadline: float | None = DEFAULT_DEADLINE,
     ) -> dict[str, Any]:
         return self._run(
@@ -332,6 +338,7 @@ class Client(SyncPortsAPI, SyncWorkspaceAPI):
                 rows=rows,
                 cols=cols,
                 ring_bytes=ring_bytes,
+                merge_stderr=merge_stderr,
                 deadline=deadline,
             )
         )
@@ -400,6 +407,9 @@ class Client(SyncPortsAPI, SyncWorkspaceAPI):
         idle_timeout_s: float | None = None,
         max_output: int | None = None,
         head_tail: bool = False,
+        on_timeout: OnTimeout | None = None,
+        merge_stderr: bool | None = None,
+        check_syntax: bool | None = None,
         deadline: float | None = None,
     ) -> ShellResult:
         return self._run(
@@ -411,6 +421,9 @@ class Client(SyncPortsAPI, SyncWorkspaceAPI):
                 idle_timeout_s=idle_timeout_s,
                 max_output=max_output,
                 head_tail=head_tail,
+                on_timeout=on_timeout,
+                merge_stderr=merge_stderr,
+                check_syntax=check_syntax,
                 deadline=deadline,
             )
         )

@@ -6,9 +6,10 @@ import asyncio
 import time
 from typing import TYPE_CHECKING
 
-from guestd.children import DEVNULL, PIPE
+from guestd.children import DEVNULL, PIPE, STDOUT
 from guestd.children.options import build_env, check_cwd, command_argv
 from guestd.exec.run import ExecRun, apply_signal, feed_stdin
+from guestd.wire.errors import ErrorCode, GuestdError
 
 if TYPE_CHECKING:  # the generated message types: annotations only, never imported at run time
     from guestd.services import Request, Services
@@ -19,6 +20,10 @@ def register(services: Services) -> None:
     async def op_exec(ctx: Request, args: ExecArgs) -> ExecReply:
         stdin_pipe = args["stdin"] is not None or args["stdin_stream"]
         t0 = time.monotonic()
+        if args["on_timeout"] == "detach" and (args["timeout_s"] is not None or args["idle_timeout_s"] is not None):
+            if services.adopter is None:
+                raise GuestdError(ErrorCode.BAD_REQUEST, "on_timeout detach needs the process capability")
+            services.adopter.check()  # a full process table is a limit error now, not at the timeout
         check_cwd(args["cwd"])
         cursor = await services.changes_cursor(args["report_changes"])
         child = await services.children.spawn(
@@ -27,8 +32,9 @@ def register(services: Services) -> None:
             env=build_env(args["env"], args["env_mode"]),
             cwd=args["cwd"],
             stdin=PIPE if stdin_pipe else DEVNULL,
+            stderr=STDOUT if args["merge_stderr"] else PIPE,
         )
-        run = ExecRun(ctx, args, child, t0)
+        run = ExecRun(ctx, args, child, t0, services.adopter, services.config.limits.max_ring_bytes)
         helpers: list[asyncio.Task[None]] = []
         try:
             run.start()

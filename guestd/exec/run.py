@@ -13,23 +13,26 @@ import os
 import time
 from typing import TYPE_CHECKING, Any
 
-from guestd.capture import OutputCapture, capture_fields
+from guestd.capture import OutputCapture, OutputRing, capture_fields
 from guestd.children import Child
 from guestd.children.options import parse_signal
 from guestd.children.tree import read_chunk, write_all
 
 if TYPE_CHECKING:  # the generated message types: annotations only, never imported at run time
-    from guestd.services import Request
+    from guestd.services import Adopter, Request
     from guestd.wire.types import ExecArgs, ExecReply, ExecTimedOut
 
 READ_SIZE = 256 * 1024
+DETACH_RING_BYTES = 1024 * 1024  # per stream, as process.start's default ring_bytes
 _STREAM_FIELDS = {1: {"ev": "stdout"}, 2: {"ev": "stderr"}}
 
 
 class ExecRun:
     """One running exec: pipes, exit, timeouts, streaming credit."""
 
-    def __init__(self, ctx: Request, args: ExecArgs, child: Child, t0: float) -> None:
+    def __init__(
+        self, ctx: Request, args: ExecArgs, child: Child, t0: float, adopter: Adopter | None = None, ring_cap: int = 0
+    ) -> None:
         self.ctx = ctx
         self.args = args
         self.child = child
@@ -39,8 +42,10 @@ class ExecRun:
         self.stream = bool(args["stream"])
         mode = args["capture"]
         self.caps = {1: OutputCapture(args["max_output"], mode), 2: OutputCapture(args["max_output"], mode)}
-        assert child.stdout is not None and child.stderr is not None
-        self.fds: dict[int, int] = {1: child.stdout, 2: child.stderr}
+        assert child.stdout is not None
+        self.fds: dict[int, int] = {1: child.stdout}
+        if child.stderr is not None:  # none with merge_stderr: both streams in stdout's pipe
+            self.fds[2] = child.stderr
         self.open_fds: set[int] = set()
         self.reading = False
         self.pipes_done = asyncio.Event()
@@ -49,6 +54,13 @@ class ExecRun:
         self.kill_task: asyncio.Task[None] | None = None
         self.resume_task: asyncio.Task[None] | None = None
         self.handles: list[asyncio.TimerHandle] = []
+        # on_timeout "detach": the output also goes to rings from byte 0, so the background
+        # process the command becomes has all of it (within the ring) at continuous offsets.
+        self.adopter = adopter if args["on_timeout"] == "detach" else None
+        size = min(DETACH_RING_BYTES, ring_cap) if ring_cap > 0 else DETACH_RING_BYTES
+        self.rings = {1: OutputRing(size), 2: OutputRing(size)} if self.adopter is not None else None
+        self.detached: str | None = None
+        self.detached_event = asyncio.Event()
 
     # -- wiring ---------------------------------------------------------------------
     def start(self) -> None:
@@ -92,6 +104,8 @@ class ExecRun:
             self._close_pipe(which)
             return
         self.last_output = time.monotonic()
+        if self.rings is not None:
+            self.rings[which].write(data)
         if not self.stream:
             self.caps[which].feed(data)
             return
@@ -133,7 +147,30 @@ class ExecRun:
         if self.timed_out is not None or not self.child.running:
             return
         self.timed_out = which
+        if self.adopter is not None and self._detach(self.adopter):
+            return
         self.kill()
+
+    def _detach(self, adopter: Adopter) -> bool:
+        """Give the running command to the process table: its pipes, its rings, its exit."""
+        assert self.rings is not None
+        try:
+            adopter.check()
+        except Exception:  # the table is full (a limit): the timeout kills as on_timeout "kill"
+            return False
+        self._pause_reading()
+        if self.resume_task is not None:
+            self.resume_task.cancel()
+        for h in self.handles:
+            h.cancel()
+        fds = {("stdout" if w == 1 else "stderr"): self.fds[w] for w in self.open_fds}
+        self.open_fds = set()
+        rings = {"stdout": self.rings[1], "stderr": self.rings[2]}
+        argv = self.args["argv"]
+        command = self.args["shell"] if self.args["shell"] is not None else " ".join(argv or [])
+        self.detached = adopter.adopt(command, self.child, fds, rings)
+        self.detached_event.set()
+        return True
 
     def kill(self) -> None:
         """End the whole run: TERM, the kill grace, then everything left in its cgroup."""
@@ -145,7 +182,14 @@ class ExecRun:
 
     # -- completion -------------------------------------------------------------------
     async def wait(self) -> ExecReply:
-        await self.child.exited
+        detached = asyncio.ensure_future(self.detached_event.wait())
+        try:
+            waits: set[asyncio.Future[Any]] = {self.child.exited, detached}
+            await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            detached.cancel()
+        if self.detached is not None:
+            return self.result()
         if self.kill_task is not None:
             await self.kill_task  # a timed-out tree is gone before we answer
         if not self.pipes_done.is_set():
@@ -172,6 +216,8 @@ class ExecRun:
             data = read_chunk(fd, READ_SIZE)
             if not data:
                 return
+            if self.rings is not None:
+                self.rings[which].write(data)
             self.caps[which].feed(data)
 
     async def _drain_to_client(self, which: int) -> None:
@@ -186,19 +232,23 @@ class ExecRun:
             data = read_chunk(fd, min(READ_SIZE, room))
             if not data:
                 return
+            if self.rings is not None:
+                self.rings[which].write(data)
             self.caps[which].total += len(data)
             self.ctx.push_data(fields, data)
 
     def result(self) -> ExecReply:
         status = self.child.status if self.child.status is not None else 0
         exit_code = os.waitstatus_to_exitcode(status)
+        running = self.detached is not None
         return {
-            "exit_code": exit_code if exit_code >= 0 else None,
-            "signal": -exit_code if exit_code < 0 else None,
+            "exit_code": exit_code if exit_code >= 0 and not running else None,
+            "signal": -exit_code if exit_code < 0 and not running else None,
             "timed_out": self.timed_out,
             **capture_fields(self.caps[1], self.caps[2], streamed=self.stream),  # type: ignore[typeddict-item]  # "changes": the handler adds it
             "duration_s": time.monotonic() - self.t0,
             "pid": self.pid,
+            "detached": self.detached,
         }
 
     def close(self) -> None:
@@ -207,7 +257,8 @@ class ExecRun:
         self._pause_reading()
         if self.resume_task is not None:
             self.resume_task.cancel()
-        self.child.release()
+        if self.detached is None:
+            self.child.release()  # else the process table owns it now
 
 
 async def feed_stdin(run: ExecRun, data: bytes | None) -> None:
@@ -231,7 +282,8 @@ async def feed_stdin(run: ExecRun, data: bytes | None) -> None:
         pass  # the process closed its stdin; nothing more to deliver
     finally:
         ctx.stop_taking_data()  # signals still arrive (they never pass through here)
-        run.child.close_fd("stdin")
+        if run.detached is None or data is not None:
+            run.child.close_fd("stdin")  # a detached stdin_stream stays open: process.write
 
 
 def apply_signal(run: ExecRun, value: Any) -> None:

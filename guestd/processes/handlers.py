@@ -10,8 +10,9 @@ from guestd.children.options import parse_signal
 from guestd.wire.errors import ErrorCode, GuestdError
 
 if TYPE_CHECKING:  # the generated message types: annotations only, never imported at run time
+    from guestd.capture import OutputRing
     from guestd.processes.table import ManagedProcess, ProcessTable
-    from guestd.services import Request, Services
+    from guestd.services import AdoptedRun, Request, Services
     from guestd.wire.types import (
         ProcessAttachArgs,
         ProcessAttachReply,
@@ -54,8 +55,18 @@ def register(services: Services) -> None:
         if tables:
             await tables[0].shutdown()
 
+    class Adopter:
+        """on_timeout "detach" of exec and shell.run hands its run to the table through this."""
+
+        def check(self) -> None:
+            table().check_adopt()
+
+        def adopt(self, command: str, run: AdoptedRun, fds: dict[str, int], rings: dict[str, OutputRing]) -> str:
+            return table().adopt(command, run, fds, rings)
+
     services.busy.append(busy)
     services.on_shutdown.append(shutdown)
+    services.adopter = Adopter()
 
     async def op_start(ctx: Request, a: ProcessStartArgs) -> ProcessStartReply:
         p = await table().start(a)

@@ -15,14 +15,14 @@ import time
 from typing import TYPE_CHECKING
 
 from guestd.capture import OutputRing
-from guestd.children import DEVNULL, PIPE, Child, ExitInfo, exit_info
+from guestd.children import DEVNULL, PIPE, STDOUT, Child, ExitInfo, exit_info
 from guestd.children.options import build_env, check_cwd, command_argv
 from guestd.children.tree import read_chunk, set_winsize, write_all
 from guestd.wire.errors import ErrorCode, GuestdError, limit_error
 
 if TYPE_CHECKING:  # the generated message types: annotations only, never imported at run time
     from guestd.children.cgroups import RunCgroup
-    from guestd.services import Services
+    from guestd.services import AdoptedRun, Services
     from guestd.wire.types import ProcessInfoRecord, ProcessStartArgs
 
 __all__ = ["ExitInfo", "ManagedProcess", "ProcessTable"]
@@ -41,7 +41,7 @@ class ManagedProcess:
         self.ended_at: float | None = None
         self.status: int | None = None
         self.rings = {"stdout": OutputRing(ring_bytes), "stderr": OutputRing(ring_bytes)}
-        self.child: Child | None = None
+        self.child: Child | AdoptedRun | None = None
         self.leaf: RunCgroup | None = None
         self._fds: dict[str, int] = {}  # streams still being read
         self._waiters: list[asyncio.Future[None]] = []
@@ -69,10 +69,19 @@ class ManagedProcess:
             self._fds = {"stdout": child.pty}
         else:
             child = await children.spawn(
-                argv, kind="proc", env=env, cwd=args["cwd"], stdin=PIPE if args["stdin"] else DEVNULL
+                argv,
+                kind="proc",
+                env=env,
+                cwd=args["cwd"],
+                stdin=PIPE if args["stdin"] else DEVNULL,
+                stderr=STDOUT if args["merge_stderr"] else PIPE,
             )
-            assert child.stdout is not None and child.stderr is not None
-            self._fds = {"stdout": child.stdout, "stderr": child.stderr}
+            assert child.stdout is not None
+            self._fds = {"stdout": child.stdout}
+            if child.stderr is not None:
+                self._fds["stderr"] = child.stderr
+            else:
+                self.rings["stderr"].closed = True  # merge_stderr: all of it is in stdout
         self.child = child
         self.leaf = child.cgroup  # kept after exit: KILL still ends what the process left
         self.pid = child.pid
@@ -80,6 +89,25 @@ class ManagedProcess:
         for name, fd in self._fds.items():
             loop.add_reader(fd, self._on_readable, name)
         child.watch(self._on_exit, 0.05)
+
+    def adopt(self, run: AdoptedRun, fds: dict[str, int], rings: dict[str, OutputRing]) -> None:
+        """Take over a command that is already running (exec or shell.run ``on_timeout: "detach"``):
+        its rings already hold its output from byte 0, and reading goes on from its fds."""
+        self.child = run
+        self.leaf = run.cgroup
+        self.pid = run.pid
+        self.rings = rings
+        self._fds = dict(fds)
+        loop = asyncio.get_running_loop()
+        for name, fd in self._fds.items():
+            loop.add_reader(fd, self._on_readable, name)
+        for name in ("stdout", "stderr"):
+            if name not in self._fds:
+                rings[name].closed = True
+        if run.status is not None:
+            loop.call_soon(self._on_exit)  # it ended while being handed over
+        else:
+            run.watch(self._on_exit, 0.05)
 
     # -- output -----------------------------------------------------------------------
     def _on_readable(self, name: str) -> None:
@@ -318,6 +346,27 @@ class ProcessTable:
         if self._sweeper is None or self._sweeper.done():
             self._sweeper = asyncio.get_running_loop().create_task(self._sweep())
         return mp
+
+    def check_adopt(self) -> None:
+        self._expire()
+        limits = self.services.config.limits
+        if sum(1 for p in self.procs.values() if p.running) >= limits.max_processes:
+            raise limit_error("max_processes", limits.max_processes, f"at most {limits.max_processes} live processes")
+        if len(self.procs) >= limits.max_kept_processes:
+            self._evict_oldest_finished()
+            if len(self.procs) >= limits.max_kept_processes:
+                raise limit_error(
+                    "max_kept_processes", limits.max_kept_processes, "too many kept processes; forget some"
+                )
+
+    def adopt(self, command: str, run: AdoptedRun, fds: dict[str, int], rings: dict[str, OutputRing]) -> str:
+        """A timed-out exec or shell command becomes a background process (on_timeout "detach")."""
+        mp = ManagedProcess(self, "p" + os.urandom(6).hex(), command, 1)
+        mp.adopt(run, fds, rings)
+        self.procs[mp.id] = mp
+        if self._sweeper is None or self._sweeper.done():
+            self._sweeper = asyncio.get_running_loop().create_task(self._sweep())
+        return mp.id
 
     def forget(self, pid_id: str) -> None:
         p = self.get(pid_id)

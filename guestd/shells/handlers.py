@@ -46,7 +46,7 @@ def register(services: Services) -> None:
 
     async def op_run(ctx: Request, a: ShellRunArgs) -> ShellRunReply:
         cursor = await services.changes_cursor(a["report_changes"])
-        return await services.with_changes(cursor, await shells().get(a["id"]).run(a))
+        return await services.with_changes(cursor, await shells().get(a["id"]).run(a, ctx))
 
     async def op_list(ctx: Request, a: ShellListArgs) -> ShellListReply:
         if not made:

@@ -35,35 +35,55 @@ How a command runs, without markers in the user's output:
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import functools
 import os
 import signal
 import socket
 import struct
 import time
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, Literal
 
-from guestd.capture import OutputCapture, capture_fields
-from guestd.children import PIPE, Child, exit_info
+from guestd.capture import OutputCapture, OutputRing, capture_fields
+from guestd.children import DEVNULL, PIPE, Child, exit_info
 from guestd.children.options import check_cwd
 from guestd.children.tree import descendants, read_chunk, signal_each, signal_group, write_all
 from guestd.services import derive, reseed_each
+from guestd.shells.job import STATUS_MAX, JobFifos, ShellJob, StdinFifo
 from guestd.wire.errors import ErrorCode, GuestdError, limit_error
 from guestd.wire.paths import path_to_wire
 
 if TYPE_CHECKING:  # the generated message types: annotations only, never imported at run time
     from guestd.children.cgroups import RunCgroup
-    from guestd.services import Services
+    from guestd.services import Request, Services
     from guestd.wire.types import ShellInfoRecord, ShellRunArgs, ShellRunReply, ShellRunTimedOut
 
 CTL_FD = 63
 _CREDS_SPACE = socket.CMSG_SPACE(struct.calcsize("iII"))  # struct ucred: pid, uid, gid
 READ_SIZE = 256 * 1024
+_STREAM_FIELDS = {1: {"ev": "stdout"}, 2: {"ev": "stderr"}}
 GRACE_S = 1.0
 MAX_CTL_BYTES = 16 * 1024 * 1024  # a marker carries `export -p`; more than this is not one
+DETACH_RING_BYTES = 1024 * 1024  # per stream, as process.start's default ring_bytes
 
 # Sourced as a file named "bash" (see the module head). Line 1 must stay the eval.
-LIBRARY = rf"""__gd_run() {{ eval -- "$__gd_cmd"; }}  # not `builtin eval`: set -e would end bash
-__gd_trap() {{ builtin trap 'return 130 2>/dev/null' INT; }}
+# Line 1 of the library: the eval of a plain command, and the job of an on_timeout "detach"
+# command (job.py). Not `builtin eval`: set -e would end bash.
+_LINE1 = (
+    '__gd_run() { eval -- "$__gd_cmd"; }; '
+    "__gd_job() { builtin set -m; { ( builtin trap : INT TERM HUP QUIT; builtin printf '%s\\n' \"$BASHPID\" >&9; "
+    '( builtin unset -f exit logout; eval -- "$__gd_cmd" ) 9>&-; __gd_s=$?; '
+    'builtin printf \'%s\\n\' "$__gd_s" >&9; builtin exit "$__gd_s" ) & } '
+    '>"$1" 2>"$2" 9>"$3" <"$4"; builtin set +m; '
+    # Interrupted (on_timeout detach): the job leaves bash's job table, so bash never reports
+    # its end ("Killed") into a later command's stderr. __gd_mark restores the usual trap.
+    "builtin trap 'builtin disown -- \"$!\" 2>/dev/null; return 130 2>/dev/null' INT; "
+    'builtin wait "$!"; }\n'
+)
+LIBRARY = (
+    _LINE1
+    + rf"""__gd_trap() {{ builtin trap 'return 130 2>/dev/null' INT; }}
 __gd_trap
 shopt -s expand_aliases
 exit() {{ builtin return "${{1:-$?}}"; }}
@@ -73,16 +93,20 @@ __gd_mark() {{
   builtin printf '%s\0%s\0%s\0' "$2" "$1" "$PWD" >&{CTL_FD}
   builtin export -p >&{CTL_FD}; builtin printf '\0' >&{CTL_FD}
 }}
-builtin readonly -f __gd_run __gd_trap __gd_mark
+builtin readonly -f __gd_run __gd_job __gd_trap __gd_mark
 """
+)
 
 
 _written: set[str] = set()  # library directories this guestd has written: no re-read per session
 
 
 def library_dir(runtime_dir: str) -> str:
-    """A directory holding the library as ``bash``, readable by the workload user."""
-    d = os.path.join(runtime_dir, "shell-lib")
+    """A directory holding the library as ``bash``, readable by the workload user. Named by
+    the library's hash: guestds of other versions sharing the runtime dir never swap it."""
+    import hashlib
+
+    d = os.path.join(runtime_dir, "shell-lib-" + hashlib.sha256(LIBRARY.encode()).hexdigest()[:16])
     if d in _written:
         return d
     path = os.path.join(d, "bash")
@@ -152,6 +176,12 @@ class Session:
         self._cancel_event: asyncio.Event | None = None  # set when the running command's request is gone
         self._before: set[int] = set()  # pids in the session's cgroup when the running command began
         self.closed = False  # shell.close or shutdown: a run in progress must not restart bash
+        # on_timeout "detach": the running command's job (FIFOs, rings from byte 0, status bytes)
+        self._job: JobFifos | None = None
+        self._job_rings: dict[int, OutputRing] = {}
+        self._job_status = bytearray()
+        self._stream: Request | None = None  # stream mode: the running command's request
+        self._paused: asyncio.Task[None] | None = None  # reading paused for a streaming client
 
     async def apply_pending_seed(self) -> None:
         async with self.lock:
@@ -171,6 +201,11 @@ class Session:
                 "max_output": 1024,
                 "capture": "tail",
                 "report_changes": False,
+                "on_timeout": "kill",
+                "merge_stderr": False,
+                "check_syntax": False,
+                "stream": False,
+                "stdin_stream": False,
             },
             count=False,
         )
@@ -263,11 +298,14 @@ class Session:
 
     def _read_once(self, which: int) -> bool:
         """One read from a pipe, routed to the running command's capture (or counted as stray).
-        False when nothing is ready or the pipe has ended."""
+        False when nothing is ready, the pipe has ended, or a streaming client is out of credit."""
         fd = self._fds.get(which)
         if fd is None:
             return False
-        data = read_chunk(fd, READ_SIZE)
+        size = self._read_size(which)
+        if size <= 0:
+            return False
+        data = read_chunk(fd, size)
         if data is None:
             return False
         if not data:
@@ -276,10 +314,89 @@ class Session:
             return False
         self._last_output = time.monotonic()
         if self._caps is not None:
-            self._caps[which].feed(data)
+            self._take(which, data)
         else:
             self.stray_bytes += len(data)
         return True
+
+    def _read_size(self, which: int) -> int:
+        """READ_SIZE, or in stream mode no more than one event within the client's credit can
+        carry (0: out of credit; reading pauses until the client grants more)."""
+        ctx = self._stream
+        if ctx is None or self._caps is None:
+            return READ_SIZE
+        room = min(READ_SIZE, ctx.data_room(_STREAM_FIELDS[which])) if ctx.active else READ_SIZE
+        if room <= 0:
+            self._wait_for_client(ctx)
+        return room
+
+    def _take(self, which: int, data: bytes) -> None:
+        assert self._caps is not None
+        ctx = self._stream
+        if ctx is None or not ctx.active:
+            self._caps[which].feed(data)
+            return
+        self._caps[which].total += len(data)  # streamed, not kept: only counted
+        ctx.push_data(_STREAM_FIELDS[which], data)
+        if ctx.data_room(_STREAM_FIELDS[which]) <= 0 or ctx.write_paused:
+            self._wait_for_client(ctx)
+
+    def _output_fds(self) -> list[tuple[int, Callable[[], object]]]:
+        out: list[tuple[int, Callable[[], object]]] = [
+            (fd, functools.partial(self._on_output, which)) for which, fd in self._fds.items()
+        ]
+        if self._job is not None:
+            for which, name in ((1, "stdout"), (2, "stderr")):
+                out.append((self._job.read[name], functools.partial(self._read_job, which)))
+        return out
+
+    def _wait_for_client(self, ctx: Request) -> None:
+        """The streaming client is behind: stop reading, so the command blocks on its pipe
+        instead of guestd buffering without bound; read on once it grants credit."""
+        if self._paused is not None:
+            return
+        loop = asyncio.get_running_loop()
+        for fd, _cb in self._output_fds():
+            loop.remove_reader(fd)
+
+        async def resume() -> None:
+            await ctx.wait_credit()
+            await ctx.drain()
+            if self._paused is asyncio.current_task():
+                self._paused = None
+                self._read_again()
+
+        self._paused = loop.create_task(resume())
+
+    def _resume_reading(self) -> None:
+        task, self._paused = self._paused, None
+        if task is None:
+            return
+        task.cancel()
+        self._read_again()
+
+    def _read_again(self) -> None:
+        loop = asyncio.get_running_loop()
+        for fd, cb in self._output_fds():
+            loop.add_reader(fd, cb)
+
+    async def _drain_stream(self) -> None:
+        """Stream mode, the command has ended: what is still in the pipes (at most their
+        buffers) goes to the client within its credit, waiting for credit while it is there."""
+        ctx = self._stream
+        if ctx is None:
+            return
+        self._resume_reading()
+        sources = [(w, self._read_once) for w in (1, 2)] + [(w, self._read_job) for w in (1, 2)]
+        for which, read in sources:
+            for _ in range(64):
+                if ctx.active and ctx.data_room(_STREAM_FIELDS[which]) <= 0:
+                    await ctx.wait_credit()
+                    self._resume_reading()
+                    continue
+                if not read(which):
+                    break
+        self._resume_reading()
 
     def _drain_output(self) -> None:
         """Read whatever is in the pipes right now (bounded: at most 64 reads per stream)."""
@@ -287,6 +404,100 @@ class Session:
             for _ in range(64):
                 if not self._read_once(which):
                     break
+        for which in (1, 2):
+            for _ in range(64):
+                if not self._read_job(which):
+                    break
+        self._read_job_status()
+
+    def _read_job(self, which: int) -> bool:
+        """One read from the job's stdout/stderr FIFO: to the capture and to the ring."""
+        job = self._job
+        fd = job.read.get("stdout" if which == 1 else "stderr") if job is not None else None
+        if fd is None:
+            return False
+        size = self._read_size(which)
+        if size <= 0:
+            return False
+        data = read_chunk(fd, size)
+        if not data:
+            return False  # the end is seen at close(): guestd holds a write end until then
+        self._last_output = time.monotonic()
+        self._job_rings[which].write(data)
+        if self._caps is not None:
+            self._take(which, data)
+        return True
+
+    def _read_job_status(self) -> None:
+        job = self._job
+        fd = job.read.get("status") if job is not None else None
+        if fd is None:
+            return
+        data = read_chunk(fd, STATUS_MAX)
+        if data and len(self._job_status) < STATUS_MAX:
+            self._job_status += data[: STATUS_MAX - len(self._job_status)]
+
+    def _start_job(self) -> JobFifos:
+        services = self.table.services
+        d = os.path.join(services.runtime_dir(), "shell-job")
+        os.makedirs(d, mode=0o711, exist_ok=True)  # traversable, not listable: names are secrets
+        os.chmod(d, 0o711)
+        os.chmod(services.runtime_dir(), 0o711)
+        job = JobFifos(d, services.config.policy.workload_ids())
+        self._job = job
+        size = min(DETACH_RING_BYTES, services.config.limits.max_ring_bytes)
+        self._job_rings = {1: OutputRing(size), 2: OutputRing(size)}
+        self._job_status = bytearray()
+        loop = asyncio.get_running_loop()
+        loop.add_reader(job.read["stdout"], self._read_job, 1)
+        loop.add_reader(job.read["stderr"], self._read_job, 2)
+        loop.add_reader(job.read["status"], self._read_job_status)
+        return job
+
+    def _stop_job(self, give_away: bool) -> JobFifos | None:
+        """Stop reading the job's FIFOs; closed now, or kept for the process table."""
+        job, self._job = self._job, None
+        if job is None:
+            return None
+        loop = asyncio.get_running_loop()
+        for fd in job.read.values():
+            loop.remove_reader(fd)
+        if give_away:
+            job.opened()
+            return job
+        job.close()
+        return None
+
+    def _job_pid(self) -> int | None:
+        first = bytes(self._job_status).split(b"\n", 1)
+        return int(first[0]) if len(first) == 2 and first[0].isdigit() else None
+
+    async def _detach_job(self, command: str, stdin: StdinFifo | None) -> str | None:
+        """bash is back at its prompt and the job runs on: move its processes (frozen, wherever
+        they went) to a leaf of their own and give it to the process table."""
+        services = self.table.services
+        self._drain_output()
+        pid = self._job_pid()
+        adopter = services.adopter
+        if pid is None or adopter is None or self.child is None:
+            return None
+        leaf = None
+        cg = self.child.cgroup
+        if cg is not None:
+            leaf = services.workload.new_run("proc", os.urandom(6).hex())
+            if leaf is not None:
+                await services.run_in_io(cg.move_except, self._before | {self.pid}, leaf)
+                # Known to guestd.children from now on (after the move: the sweep removes empty
+                # leaves): guestd's stop ends it, the sweep removes it once its job is gone.
+                services.children.lingering.add(leaf)
+        self._drain_output()  # output up to the hand-over is the reply's too
+        fifos = self._stop_job(give_away=True)
+        assert fifos is not None
+        out, err, status = fifos.read["stdout"], fifos.read["stderr"], fifos.read["status"]
+        job = ShellJob(pid, status, bytes(self._job_status), leaf, [out, err], stdin.give_write() if stdin else None)
+        job.keep_lingering(services.children.lingering)
+        rings = {"stdout": self._job_rings[1], "stderr": self._job_rings[2]}
+        return adopter.adopt(command, job, {"stdout": out, "stderr": err}, rings)
 
     def _on_ctl(self) -> None:
         if self.ctl is None:
@@ -375,12 +586,14 @@ class Session:
         await self.start(replay_exports=True)
 
     # -- running -----------------------------------------------------------------------
-    async def run(self, args: ShellRunArgs) -> ShellRunReply:
+    async def run(self, args: ShellRunArgs, ctx: Request | None = None) -> ShellRunReply:
+        if args["check_syntax"]:
+            await check_syntax(self.table.services, args["command"])
         # The command runs in a task of its own that holds the session until the command has
         # really ended: a cancelled request interrupts it (as a timeout does) and the session
         # takes its next command only after that.
         cancel = asyncio.Event()
-        task = asyncio.ensure_future(self._run_serialized(args, cancel))
+        task = asyncio.ensure_future(self._run_serialized(args, cancel, ctx))
         try:
             return await asyncio.shield(task)
         except asyncio.CancelledError:
@@ -388,7 +601,7 @@ class Session:
             task.add_done_callback(_consume)
             raise
 
-    async def _run_serialized(self, args: ShellRunArgs, cancel: asyncio.Event) -> ShellRunReply:
+    async def _run_serialized(self, args: ShellRunArgs, cancel: asyncio.Event, ctx: Request | None) -> ShellRunReply:
         async with self.lock:
             if cancel.is_set():
                 raise asyncio.CancelledError  # cancelled while waiting for the session: never ran
@@ -402,12 +615,21 @@ class Session:
                 await self._reseed_locked()
             self._cancel_event = cancel
             try:
-                return await self._run_locked(args)
+                return await self._run_locked(args, ctx=ctx)
             finally:
                 self._cancel_event = None
 
-    async def _run_locked(self, a: ShellRunArgs, count: bool = True) -> ShellRunReply:
+    async def _run_locked(self, a: ShellRunArgs, count: bool = True, ctx: Request | None = None) -> ShellRunReply:
         t0 = time.monotonic()
+        adopter = self.table.services.adopter
+        detach = (
+            a["on_timeout"] == "detach"
+            and (a["timeout_s"] is not None or a["idle_timeout_s"] is not None)
+            and adopter is not None
+        )
+        if detach:
+            assert adopter is not None
+            adopter.check()  # a full process table is a limit error now, not at the timeout
         self._drain_output()  # whatever background jobs wrote since the last command is not ours
         self._caps = {1: OutputCapture(a["max_output"], a["capture"]), 2: OutputCapture(a["max_output"], a["capture"])}
         infile = None
@@ -423,18 +645,40 @@ class Session:
                 os.fchown(fd, *ids)  # bash runs as the workload user and must be able to read it
             with os.fdopen(fd, "wb") as f:
                 f.write(a["input"])
-        src = ansi_c_quote(infile) if infile else "/dev/null"
+        stdin: StdinFifo | None = None
+        feeder: asyncio.Task[None] | None = None
+        if a["stdin_stream"] and ctx is not None:
+            indir = os.path.join(self.table.services.runtime_dir(), "shell-input")
+            os.makedirs(indir, mode=0o711, exist_ok=True)
+            os.chmod(self.table.services.runtime_dir(), 0o711)
+            stdin = StdinFifo(indir, self.table.services.config.policy.workload_ids())
+            feeder = asyncio.get_running_loop().create_task(_feed_stdin(ctx, stdin))
+            src = ansi_c_quote(stdin.path)
+        else:
+            if ctx is not None:
+                ctx.stop_taking_data()  # INPUT data and eof mean nothing without stdin_stream
+            src = ansi_c_quote(infile) if infile else "/dev/null"
+        self._stream = ctx if a["stream"] and ctx is not None else None
         self._last_output = time.monotonic()
         assert self.child is not None
+        job = self._start_job() if detach else None
         # What runs in the session now (bash, jobs of earlier commands): a timeout or cancel of
         # this command ends everything else in the session's cgroup, wherever it went.
         self._before = set(self.child.cgroup.pids()) if self.child.cgroup is not None else set()
         nonce = self._expect()
         # What earlier commands set must not bend this line: every expansion is quoted (IFS),
         # guestd's functions are called as \name (no alias applies; they are read-only).
+        merge = a["merge_stderr"]
+        if job is None:
+            run = f"\\__gd_run < {src} {CTL_FD}>&-" + (" 2>&1" if merge else "")
+        else:
+            q = ansi_c_quote
+            paths = job.paths
+            err = paths["stdout"] if merge else paths["stderr"]  # opened twice: one FIFO, write order
+            run = f"\\__gd_job {q(paths['stdout'])} {q(err)} {q(paths['status'])} {src} {CTL_FD}>&-"
         script = (
             f"__gd_cmd={ansi_c_quote(a['command'])}\n"
-            f"if \\__gd_run < {src} {CTL_FD}>&-; then \\__gd_mark 0 '{nonce}'; "
+            f"if {run}; then \\__gd_mark 0 '{nonce}'; "
             f"else \\__gd_mark \"$?\" '{nonce}'; fi\n"
         )
         timed_out: ShellRunTimedOut | None = None
@@ -443,12 +687,16 @@ class Session:
         result: tuple[int, str, str] | None = None
         outcome = None
         bash_status: int | None = None
+        detached: str | None = None
         # The script goes in while the deadline runs: a bash that does not read (stopped by a
         # job, busy) must not hold the session past the command's timeout.
         send = asyncio.ensure_future(self._send(script))
         try:
             outcome = await self._wait(a["timeout_s"], a["idle_timeout_s"])
-            if outcome in ("wall", "idle", "cancel"):
+            if outcome in ("wall", "idle") and job is not None and await self._release_bash():
+                timed_out = outcome
+                detached = await self._detach_job(a["command"], stdin)
+            elif outcome in ("wall", "idle", "cancel"):
                 if outcome != "cancel":
                     timed_out = outcome
                 interrupted = True
@@ -466,7 +714,22 @@ class Session:
             if not send.done():
                 send.cancel()
             send.add_done_callback(_consume)
+            if feeder is not None:
+                feeder.cancel()
+            if ctx is not None:
+                ctx.stop_taking_data()
+            if stdin is not None and detached is None:
+                stdin.close()
+            with contextlib.suppress(Exception):
+                await asyncio.shield(self._drain_stream())  # within the client's credit
+            self._stream = None
+            self._resume_reading()
             self._drain_output()
+            if detached is None and job is not None:
+                pid = self._job_pid()
+                self._stop_job(give_away=False)
+                if pid is not None and interrupted and self.child.cgroup is None:
+                    signal_group(pid, signal.SIGKILL)  # no leaf to empty: the job's own group
             caps, self._caps = self._caps, None
             if infile:
                 try:
@@ -477,7 +740,7 @@ class Session:
             await self.restart()
         if count:
             self.commands += 1
-        code = result[0] if result else None
+        code = result[0] if result and detached is None else None  # a detached job still runs
         if outcome == "exited" and bash_status is not None:
             # bash itself ended during the command (`builtin exit 3`, `exec prog`, or `exit 3`
             # under `set -o posix`, where the builtin comes before guestd's function): its
@@ -492,9 +755,19 @@ class Session:
             "interrupted": interrupted,
             "session_restarted": restarted,
             "cwd": path_to_wire(self.cwd),
-            **capture_fields(caps[1], caps[2]),  # type: ignore[typeddict-item]  # "changes": the handler adds it
+            **capture_fields(caps[1], caps[2], streamed=a["stream"] and ctx is not None),  # type: ignore[typeddict-item]  # "changes": the handler adds it
             "duration_s": time.monotonic() - t0,
+            "detached": detached,
         }
+
+    async def _release_bash(self) -> bool:
+        """on_timeout "detach": SIGINT to bash alone (its job has a process group of its own):
+        its ``wait`` returns and it is back at its prompt, the job runs on. False when bash did
+        not come back (the usual interrupt then ends the command)."""
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(self.pid, signal.SIGINT)
+            os.kill(self.pid, signal.SIGCONT)
+        return await self._wait(GRACE_S, None, cancellable=False) == "done"
 
     async def _interrupt(self) -> bool:
         """Stop the running command, escalating; True when bash is back at its prompt."""
@@ -570,6 +843,83 @@ class Session:
             "restarts": self.restarts,
             "stray_bytes": self.stray_bytes,
         }
+
+
+SYNTAX_TIMEOUT_S = 10.0
+SYNTAX_MESSAGE_MAX = 64 * 1024
+
+
+async def check_syntax(services: Services, command: str) -> None:
+    """``bash -n`` on the command text in a run of its own (never the session's bash, which
+    would run it): a syntax error is ``bad_request`` with bash's message (details.stage
+    ``syntax``). extglob is on, so a pattern the session may allow is not rejected; aliases
+    of the session are not known to it (PROTOCOL.md 10)."""
+    child = await services.children.spawn(
+        ["bash", "--noprofile", "--norc", "-O", "extglob", "-n"], kind="exec", stdin=PIPE, stdout=DEVNULL
+    )
+    loop = asyncio.get_running_loop()
+    message = bytearray()
+    ended = loop.create_future()
+    fd = child.stderr
+    assert fd is not None and child.stdin is not None
+
+    def on_err() -> None:
+        data = read_chunk(fd, 65536)
+        if data is None:
+            return
+        if not data:
+            loop.remove_reader(fd)
+            if not ended.done():
+                ended.set_result(None)
+            return
+        message.extend(data[: max(0, SYNTAX_MESSAGE_MAX - len(message))])
+
+    loop.add_reader(fd, on_err)
+    child.watch(poll_s=0.01)
+    try:
+        async with asyncio.timeout(SYNTAX_TIMEOUT_S):
+            await write_all(loop, child.stdin, command.encode("utf-8", "surrogateescape"))
+            child.close_fd("stdin")
+            await ended
+            await child.exited
+    except TimeoutError:
+        raise GuestdError(
+            ErrorCode.TIMEOUT,
+            f"bash -n did not finish within {SYNTAX_TIMEOUT_S:g} s",
+            details={"stage": "syntax"},
+        ) from None
+    finally:
+        loop.remove_reader(fd)
+        if child.running:
+            child.kill_now()
+        child.release()
+    code = exit_info(child.status)["exit_code"]
+    if code != 0:
+        text = bytes(message).decode("utf-8", "replace")
+        first = text.split("\n", 1)[0]
+        raise GuestdError(
+            ErrorCode.BAD_REQUEST,
+            f"syntax error: {first}" if first else "bash -n rejected the command",
+            details={"stage": "syntax", "message": text, "field": "command"},
+        )
+
+
+async def _feed_stdin(ctx: Request, stdin: StdinFifo) -> None:
+    """INPUT data into a stdin_stream command's FIFO, acknowledged once written (the window is
+    exec's); eof closes it."""
+    loop = asyncio.get_running_loop()
+    try:
+        while stdin.write is not None:
+            body = await ctx.input.get()
+            chunk = body.get("data")
+            if isinstance(chunk, bytes) and chunk and stdin.write is not None:
+                await write_all(loop, stdin.write, chunk)
+                ctx.ack_input(len(chunk))
+            if body.get("eof"):
+                stdin.close_write()
+                return
+    except OSError:
+        pass  # the command closed its stdin: nothing more to deliver
 
 
 def _consume(task: asyncio.Future[Any]) -> None:

@@ -425,6 +425,21 @@ _OUTPUT_RESULT = (
     *_captured("the process"),
     F("duration_s", "float", "wall time from spawn to result", True),
     F("pid", "int", "process id of the started process", True),
+    F("detached", "str?", "on_timeout detach: the background process id the command goes on as"),
+)
+
+_MERGE_STDERR = F(
+    "merge_stderr",
+    "bool",
+    "stderr into stdout's pipe: one stream in write order, as a terminal shows it (stderr stays empty)",
+    default=False,
+)
+
+_ON_TIMEOUT = F(
+    "on_timeout",
+    "enum(kill|detach)",
+    "kill: end the command; detach: it goes on as a background process (result field detached)",
+    default="kill",
 )
 
 OPS: tuple[OpSpec, ...] = (
@@ -479,6 +494,7 @@ OPS: tuple[OpSpec, ...] = (
             F("env_mode", "enum(merge|replace)", "merge env into guestd's, or use env alone", default="merge"),
             F("stdin", "bin?", "bytes fed to stdin, then closed; nil means /dev/null"),
             F("stdin_stream", "bool", "stdin comes from INPUT frames (data / eof)", default=False),
+            _MERGE_STDERR,
             F("timeout_s", "float?", "wall-clock timeout", gt=0, le_limit="max_exec_timeout_s"),
             F(
                 "idle_timeout_s",
@@ -488,6 +504,7 @@ OPS: tuple[OpSpec, ...] = (
                 le_limit="max_exec_timeout_s",
             ),
             F("kill_grace_s", "float", "SIGTERM -> SIGKILL grace after a timeout", default=2.0, ge=0, le=60),
+            _ON_TIMEOUT,
             F("max_output", "uint", "bytes kept per stream", default=65536, le_limit="max_output"),
             F("capture", "enum(tail|head_tail)", "which bytes are kept when over max_output", default="tail"),
             F("stream", "bool", "send output as EVENT frames as it arrives", default=False),
@@ -819,6 +836,7 @@ PROCESS_OPS: tuple[OpSpec, ...] = (
             F("rows", "uint", "pty rows", default=24, ge=1, le=9999),
             F("cols", "uint", "pty columns", default=80, ge=1, le=9999),
             F("ring_bytes", "uint", "bytes kept per stream", default=1024 * 1024, ge=1, le_limit="max_ring_bytes"),
+            _MERGE_STDERR,
         ),
         result=(F("id", "str", "process id", True), F("pid", "int", "OS pid", True)),
         errors=("not_found", "permission_denied", "not_a_directory", "limit", "bad_request"),
@@ -925,6 +943,15 @@ SHELL_OPS: tuple[OpSpec, ...] = (
             F("id", "str", "session id or name", True),
             F("command", "str", "bash command text (multi-line, heredocs allowed)", True),
             F("input", "bin?", "bytes for the command's stdin"),
+            _MERGE_STDERR,
+            F(
+                "check_syntax",
+                "bool",
+                "parse with bash -n first: a syntax error is bad_request (details.stage syntax), nothing runs",
+                default=False,
+            ),
+            F("stream", "bool", "send output as EVENT frames as it arrives (flow control as exec)", default=False),
+            F("stdin_stream", "bool", "the command's stdin comes from INPUT frames (data / eof)", default=False),
             F(
                 "timeout_s",
                 "float?",
@@ -933,6 +960,7 @@ SHELL_OPS: tuple[OpSpec, ...] = (
                 le_limit="max_exec_timeout_s",
             ),
             F("idle_timeout_s", "float?", "timeout with no output", gt=0, le_limit="max_exec_timeout_s"),
+            _ON_TIMEOUT,
             F("max_output", "uint", "bytes kept per stream", default=65536, le_limit="max_output"),
             F("capture", "enum(tail|head_tail)", "which bytes are kept when over max_output", default="tail"),
             F(
@@ -950,9 +978,19 @@ SHELL_OPS: tuple[OpSpec, ...] = (
             F("cwd", "path", "working directory after the command", True),
             *_captured("the command"),
             F("duration_s", "float", "wall time", True),
+            F("detached", "str?", "on_timeout detach: the background process id the command goes on as"),
             F("changes", "change_report?", "report_changes: what changed under the workspace during the run"),
         ),
+        events=(
+            F("ev", "enum(stdout|stderr)", "event type", True),
+            F("data", "bin", "next bytes of the stream", True),
+        ),
+        input=(
+            F("data", "bin", "bytes for the command's stdin (stdin_stream only; counts against the window)"),
+            F("eof", "bool", "close the command's stdin"),
+        ),
         errors=("not_found", "limit", "bad_request"),
+        exclusive=(("input", "stdin_stream"),),
     ),
     OpSpec(
         "shell.list",

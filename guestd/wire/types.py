@@ -181,9 +181,11 @@ class ExecArgs(TypedDict):
     env_mode: Literal["merge", "replace"]
     stdin: bytes | None
     stdin_stream: bool
+    merge_stderr: bool
     timeout_s: float | None
     idle_timeout_s: float | None
     kill_grace_s: float
+    on_timeout: Literal["kill", "detach"]
     max_output: int
     capture: Literal["tail", "head_tail"]
     stream: bool
@@ -207,6 +209,7 @@ class ExecReply(TypedDict):
     stderr_gap_at: NotRequired[int | None]
     duration_s: float
     pid: int
+    detached: NotRequired[str | None]
     changes: NotRequired[ChangeReportRecord | None]
 
 
@@ -509,6 +512,7 @@ class ProcessStartArgs(TypedDict):
     rows: int
     cols: int
     ring_bytes: int
+    merge_stderr: bool
 
 
 class ProcessStartReply(TypedDict):
@@ -660,8 +664,13 @@ class ShellRunArgs(TypedDict):
     id: str
     command: str
     input: bytes | None
+    merge_stderr: bool
+    check_syntax: bool
+    stream: bool
+    stdin_stream: bool
     timeout_s: float | None
     idle_timeout_s: float | None
+    on_timeout: Literal["kill", "detach"]
     max_output: int
     capture: Literal["tail", "head_tail"]
     report_changes: bool
@@ -684,7 +693,22 @@ class ShellRunReply(TypedDict):
     stdout_gap_at: NotRequired[int | None]
     stderr_gap_at: NotRequired[int | None]
     duration_s: float
+    detached: NotRequired[str | None]
     changes: NotRequired[ChangeReportRecord | None]
+
+
+class ShellRunEvent(TypedDict):
+    """`shell.run` EVENT body"""
+
+    ev: Literal["stdout", "stderr"]
+    data: bytes
+
+
+class ShellRunInput(TypedDict):
+    """`shell.run` INPUT body"""
+
+    data: NotRequired[bytes]
+    eof: NotRequired[bool]
 
 
 class ShellListArgs(TypedDict):

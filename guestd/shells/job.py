@@ -1,0 +1,225 @@
+"""A shell command run as a job of its session, so that a timeout can give it away.
+
+With ``on_timeout: "detach"`` the command does not run in bash itself but in a subshell that
+bash starts as a job of its own (``set -m``: its own process group, SIGINT not ignored) with
+its stdout, stderr and a status channel on FIFOs that guestd reads, and bash waits for it
+(``wait``, which a trapped SIGINT interrupts). If it ends in time, ``wait`` gives its status
+and the session goes on as usual. On the timeout guestd sends SIGINT to bash alone: ``wait``
+returns, bash is back at its prompt, and the job keeps running; guestd moves its processes
+(frozen, wherever they went) into a leaf cgroup of their own and hands the job, its FIFOs and
+its rings to the process table. PROTOCOL.md 10 says what the job keeps of the session.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import signal
+from collections.abc import Callable
+from typing import TYPE_CHECKING
+
+from guestd.children.tree import read_chunk, signal_group
+
+if TYPE_CHECKING:
+    from guestd.children.cgroups import RunCgroup
+
+STATUS_MAX = 64  # "pid\nstatus\n": anything longer is not the wrapper's
+
+
+class JobFifos:
+    """The three FIFOs of one job (stdout, stderr, status) in a 0711 directory, with names
+    nobody can guess or list; guestd holds a read end of each and, until bash has opened
+    them, a write end too (so no read sees an end of file before the job is there)."""
+
+    def __init__(self, directory: str, ids: tuple[int, int] | None) -> None:
+        self.paths: dict[str, str] = {}
+        self.read: dict[str, int] = {}
+        self._hold: list[int] = []
+        tag = os.urandom(12).hex()
+        try:
+            for name in ("stdout", "stderr", "status"):
+                path = os.path.join(directory, f"{tag}-{name}")
+                os.mkfifo(path, 0o600)
+                self.paths[name] = path
+                if ids is not None:
+                    os.chown(path, *ids)  # bash runs as the workload user
+                self.read[name] = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+                self._hold.append(os.open(path, os.O_WRONLY | os.O_NONBLOCK | os.O_CLOEXEC))
+        except BaseException:
+            self.close()
+            raise
+
+    def opened(self) -> None:
+        """bash has opened them (its ``wait`` returned): drop guestd's write ends and the names."""
+        for fd in self._hold:
+            with contextlib.suppress(OSError):
+                os.close(fd)
+        self._hold = []
+        for path in self.paths.values():
+            with contextlib.suppress(OSError):
+                os.unlink(path)
+        self.paths = {}
+
+    def close(self) -> None:
+        self.opened()
+        for fd in self.read.values():
+            with contextlib.suppress(OSError):
+                os.close(fd)
+        self.read = {}
+
+
+class StdinFifo:
+    """The stdin of a ``stdin_stream`` session command: a FIFO the command opens for reading
+    and guestd writes INPUT data into. guestd holds a read end too, so its write end opens at
+    once and the command's open never blocks; closing the write end is the command's EOF."""
+
+    def __init__(self, directory: str, ids: tuple[int, int] | None) -> None:
+        self.path = os.path.join(directory, f"in-{os.urandom(12).hex()}")
+        os.mkfifo(self.path, 0o600)
+        self.hold: int | None = None
+        self.write: int | None = None
+        try:
+            if ids is not None:
+                os.chown(self.path, *ids)
+            self.hold = os.open(self.path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+            self.write = os.open(self.path, os.O_WRONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+        except BaseException:
+            self.close()
+            raise
+
+    def close_write(self) -> None:
+        fd, self.write = self.write, None
+        if fd is not None:
+            with contextlib.suppress(OSError):
+                os.close(fd)
+
+    def give_write(self) -> int | None:
+        """The write end for a detached job's stdin (process.write); the FIFO is closed here."""
+        fd, self.write = self.write, None
+        self.close()
+        return fd
+
+    def close(self) -> None:
+        self.close_write()
+        fd, self.hold = self.hold, None
+        if fd is not None:
+            with contextlib.suppress(OSError):
+                os.close(fd)
+        with contextlib.suppress(OSError):
+            os.unlink(self.path)
+
+
+class ShellJob:
+    """A detached shell job as the process table sees a run (``services.AdoptedRun``).
+
+    Its main process is the wrapper subshell (a child of bash, not of guestd): its end is seen
+    through a pidfd, its exit status comes from its status FIFO (``128+N`` as signal N, as bash
+    reports it); a wrapper killed before it could report counts as killed by SIGKILL."""
+
+    pty: int | None = None
+
+    def __init__(
+        self,
+        pid: int,
+        status_fd: int,
+        status_buf: bytes,
+        cgroup: RunCgroup | None,
+        output_fds: list[int],
+        stdin: int | None = None,
+    ) -> None:
+        self.pid = pid
+        self.stdin = stdin  # a stdin_stream command's FIFO: process.write goes on writing into it
+        self._output_fds = output_fds  # the stdout/stderr FIFOs' read ends: the table reads them
+        self.cgroup = cgroup
+        self.status: int | None = None
+        self._status_fd: int | None = status_fd
+        self._buf = bytearray(status_buf)
+        self._callbacks: list[Callable[[], None]] = []
+        self._pidfd: int | None = None
+        self._lingering: set[RunCgroup] | None = None
+        loop = asyncio.get_running_loop()
+        loop.add_reader(status_fd, self._on_status)
+        try:
+            self._pidfd = os.pidfd_open(pid)
+        except OSError:  # already gone
+            loop.call_soon(self._ended)
+            return
+        loop.add_reader(self._pidfd, self._ended)
+
+    @property
+    def running(self) -> bool:
+        return self.status is None
+
+    def _on_status(self) -> None:
+        if self._status_fd is None:
+            return
+        data = read_chunk(self._status_fd, STATUS_MAX)
+        if data is None:
+            return
+        if not data:
+            asyncio.get_running_loop().remove_reader(self._status_fd)
+            os.close(self._status_fd)
+            self._status_fd = None
+            return
+        if len(self._buf) < STATUS_MAX:
+            self._buf += data[: STATUS_MAX - len(self._buf)]
+
+    def _ended(self) -> None:
+        if self.status is not None:
+            return
+        self._on_status()  # the last line may have arrived with the end
+        if self._pidfd is not None:
+            asyncio.get_running_loop().remove_reader(self._pidfd)
+        lines = bytes(self._buf).split(b"\n")
+        code = int(lines[1]) if len(lines) > 2 and lines[1].isdigit() else None
+        if code is None:
+            self.status = signal.SIGKILL  # a wait status: killed by SIGKILL
+        elif 128 < code <= 128 + 64:
+            self.status = code - 128
+        else:
+            self.status = (code & 0xFF) << 8
+        for cb in self._callbacks:
+            cb()
+
+    def watch(self, on_exit: Callable[[], None] | None = None, poll_s: float = 0.05) -> None:
+        if on_exit is not None:
+            self._callbacks.append(on_exit)
+
+    def signal(self, sig: int) -> None:
+        """To the job's process group while it runs; KILL ends its whole leaf."""
+        if sig == signal.SIGKILL and self.cgroup is not None:
+            self.cgroup.kill()
+        elif self.running:
+            signal_group(self.pid, sig)
+        elif self.cgroup is not None:
+            self.cgroup.signal_all(sig)
+
+    def close_fd(self, name: str) -> None:
+        if name == "stdin" and self.stdin is not None:
+            fd, self.stdin = self.stdin, None
+            with contextlib.suppress(OSError):
+                os.close(fd)
+
+    def keep_lingering(self, lingering: set[RunCgroup]) -> None:
+        self._lingering = lingering
+
+    def release(self) -> None:
+        self.close_fd("stdin")
+        loop = asyncio.get_running_loop()
+        for attr in ("_status_fd", "_pidfd"):
+            fd = getattr(self, attr)
+            if fd is not None:
+                loop.remove_reader(fd)
+                with contextlib.suppress(OSError):
+                    os.close(fd)
+                setattr(self, attr, None)
+        for fd in self._output_fds:
+            with contextlib.suppress(OSError):
+                os.close(fd)
+        self._output_fds = []
+        cg, self.cgroup = self.cgroup, None
+        if cg is not None:
+            cg.close_fd()
+            if not cg.remove() and self._lingering is not None:
+                self._lingering.add(cg)  # guestd.children removes it once its processes are gone

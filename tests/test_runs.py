@@ -1,0 +1,326 @@
+"""Commands that outlive their timeout (on_timeout "detach"): real guestd, real bash, a real
+``python3 -m http.server`` on loopback, real background-process rings."""
+
+from __future__ import annotations
+
+import asyncio
+import re
+from collections.abc import Iterator
+
+import pytest
+
+from guestd.client import AsyncClient, Client, GuestdError
+from guestd.testing import Guestd
+
+# Prints its port, then a numbered line every 20 ms until stopped: a gap or a duplicate in
+# what the detached process delivers shows as a broken sequence.
+TICKER = (
+    "import sys, time\n"
+    "i = 0\n"
+    "while True:\n"
+    "    print(i, flush=True); i += 1\n"
+    "    if i % 7 == 0: print('e', i, file=sys.stderr, flush=True)\n"
+    "    time.sleep(0.02)\n"
+)
+
+
+@pytest.fixture
+def sh(client: Client, tmp_path: object) -> Iterator[tuple[Client, str]]:
+    s = client.shell_create(cwd=str(tmp_path))
+    yield client, s["id"]
+    client.shell_close(s["id"])
+
+
+def _ask(c: Client, port: int) -> bytes:
+    """One GET from another exec: the server answers, or this fails."""
+    probe = f"import urllib.request as u; print(u.urlopen('http://127.0.0.1:{port}/', timeout=5).status)"
+    return c.exec(["python3", "-c", probe], timeout_s=20).stdout
+
+
+def _numbers(out: bytes) -> list[int]:
+    return [int(x) for x in out.split()]
+
+
+def test_shell_timeout_detaches_a_server_and_the_session_goes_on(sh: tuple[Client, str], tmp_path: object) -> None:
+    c, sid = sh
+    assert c.shell_run(sid, "mkdir -p sub && cd sub && X=kept && greet() { echo hi-$1; }").exit_code == 0
+    r = c.shell_run(
+        sid,
+        'echo "x=$X $(greet job)"; exec python3 -u -m http.server 0 --bind 127.0.0.1',
+        timeout_s=1.5,
+        on_timeout="detach",
+    )
+    assert (r.timed_out, r.exit_code, r.interrupted, r.session_restarted) == ("wall", None, False, False)
+    assert r.detached is not None and r.cwd == f"{tmp_path}/sub"
+    m = re.search(rb"port (\d+)", r.stdout)
+    assert m is not None and r.stdout.startswith(b"x=kept hi-job\n"), r.stdout  # the session's state
+    port = int(m.group(1))
+    assert _ask(c, port) == b"200\n"  # still serving after the timeout
+    # The session has its prompt back, in its directory, with its variables.
+    nxt = c.shell_run(sid, 'pwd; echo "$X"', timeout_s=10)
+    assert nxt.stdout == f"{tmp_path}/sub\nkept\n".encode() and nxt.exit_code == 0
+    # A normal background process: listed, attached from offset 0 with no gap.
+    listed = {p["id"]: p for p in c.process_list()}
+    assert listed[r.detached]["state"] == "running"
+    out, err, final = c.process_output(r.detached, follow=False)
+    assert out.startswith(r.stdout) and final["stdout_offset"] == len(out) >= r.stdout_bytes
+    assert b'"GET / HTTP/1.1" 200' in err  # what it logged after the hand-over is in its ring
+    c.process_signal(r.detached, "TERM")
+    w = c.process_wait(r.detached, timeout_s=10)
+    assert w["state"] == "exited" and w["signal"] == 15, w
+
+
+def test_contained_detached_job_leaves_the_session_and_kill_ends_all_of_it(contained: Guestd) -> None:
+    """Workload user and a cgroup per run: the job's processes (a forked child included) move to
+    a leaf of their own, so closing the session spares them and KILL of the process ends them all."""
+    with contained.client() as c:
+        sid = c.shell_create(cwd="/tmp")["id"]
+        r = c.shell_run(
+            sid,
+            "sleep 300 & echo child=$!; exec python3 -u -m http.server 0 --bind 127.0.0.1",
+            timeout_s=1.5,
+            on_timeout="detach",
+        )
+        assert r.detached is not None and r.timed_out == "wall"
+        port = int(re.search(rb"port (\d+)", r.stdout).group(1))  # type: ignore[union-attr]
+        child = int(re.search(rb"child=(\d+)", r.stdout).group(1))  # type: ignore[union-attr]
+        c.shell_close(sid)
+        assert _ask(c, port) == b"200\n"  # the session's end did not end the job
+        assert c.exec(["kill", "-0", str(child)]).exit_code == 0
+        c.process_signal(r.detached, "KILL")
+        assert c.process_wait(r.detached, timeout_s=10)["signal"] == 9
+        gone = c.exec(f"for i in $(seq 100); do kill -0 {child} 2>/dev/null || exit 0; sleep 0.05; done; exit 1")
+        assert gone.exit_code == 0  # the forked child went with its leaf
+
+
+def test_shell_detach_output_is_continuous_from_byte_0(sh: tuple[Client, str]) -> None:
+    c, sid = sh
+    r = c.shell_run(sid, f"python3 -c {_q(TICKER)}", timeout_s=1.5, on_timeout="detach")
+    assert r.detached is not None and r.timed_out == "wall"
+    try:
+        first = _numbers(r.stdout)
+        assert first == list(range(len(first))) and len(first) > 0
+        out, err, _ = c.process_output(r.detached, stdout_from=0, follow=False)
+        seen = _numbers(out)
+        assert seen[: len(first)] == first and seen == list(range(len(seen)))  # no gap, no repeat
+        assert err.startswith(r.stderr)
+    finally:
+        c.process_signal(r.detached, "KILL")
+    assert c.process_wait(r.detached, timeout_s=10)["signal"] == 9
+
+
+def test_shell_detach_mode_command_that_ends_in_time(sh: tuple[Client, str]) -> None:
+    c, sid = sh
+    r = c.shell_run(sid, "echo out; echo err >&2; exit 3; echo never", timeout_s=10, on_timeout="detach")
+    assert (r.exit_code, r.detached, r.timed_out, r.stdout, r.stderr) == (3, None, None, b"out\n", b"err\n")
+    r = c.shell_run(sid, "cat; nosuchcmd", input=b"typed\n", timeout_s=10, on_timeout="detach")
+    assert r.stdout == b"typed\n" and r.stderr == b"bash: line 1: nosuchcmd: command not found\n"
+    assert r.exit_code == 127
+    # What a detach-mode command changes stays in its subshell (PROTOCOL.md 10).
+    r = c.shell_run(sid, "cd / && Y=1", timeout_s=10, on_timeout="detach")
+    assert isinstance(r.cwd, str) and r.cwd != "/"
+    assert c.shell_run(sid, 'echo "[$Y]"; pwd').stdout == f"[]\n{r.cwd}\n".encode()
+
+
+def test_exec_timeout_detaches_with_continuous_output(client: Client) -> None:
+    c = client
+    r = c.exec(["python3", "-c", TICKER], timeout_s=1.5, on_timeout="detach")
+    assert r.timed_out == "wall" and r.detached is not None and (r.exit_code, r.signal) == (None, None)
+    try:
+        first = _numbers(r.stdout)
+        assert first == list(range(len(first))) and len(first) > 0
+        out, err, _ = c.process_output(r.detached, follow=False)
+        seen = _numbers(out)
+        assert seen[: len(first)] == first and seen == list(range(len(seen)))
+        assert err.startswith(r.stderr) and len(err) >= len(r.stderr)
+        assert {p["id"]: p["pid"] for p in c.process_list()}[r.detached] == r.pid
+    finally:
+        c.process_signal(r.detached, "TERM")
+    assert c.process_wait(r.detached, timeout_s=10)["signal"] == 15
+    done = c.exec("echo quick", timeout_s=10, on_timeout="detach")
+    assert (done.exit_code, done.detached, done.stdout) == (0, None, b"quick\n")
+
+
+def test_detach_is_bounded_by_the_process_table(fresh_guestd: object) -> None:
+    g: Guestd = fresh_guestd("--max-processes", "1")  # type: ignore[operator]
+    with g.client() as c:
+        p = c.process_start("sleep 30")
+        with pytest.raises(GuestdError) as ei:
+            c.exec("sleep 30", timeout_s=0.2, on_timeout="detach")
+        assert ei.value.code == "limit" and ei.value.details["limit"] == "max_processes"
+        s = c.shell_create()
+        with pytest.raises(GuestdError) as ei:
+            c.shell_run(s["id"], "sleep 30", timeout_s=0.2, on_timeout="detach")
+        assert ei.value.code == "limit"
+        assert c.shell_run(s["id"], "echo usable").stdout == b"usable\n"
+        c.process_signal(p["id"], "KILL")
+
+
+def _q(text: str) -> str:
+    return "'" + text.replace("'", "'\\''") + "'"
+
+
+# Interleaved writes to both streams, each line its own write: a terminal shows them in
+# exactly this order.
+INTERLEAVED = "for i in $(seq 1 200); do echo out$i; echo err$i >&2; done"
+INTERLEAVED_BYTES = "".join(f"out{i}\nerr{i}\n" for i in range(1, 201)).encode()
+
+
+def test_merge_stderr_is_the_order_a_terminal_shows(client: Client) -> None:
+    c = client
+    # The terminal's view: the same command on a pty (a terminal writes \r\n for \n).
+    p = c.process_start(["bash", "-c", "stty -onlcr; " + INTERLEAVED], pty=True)
+    c.process_wait(p["id"], timeout_s=20)
+    terminal, _, _ = c.process_output(p["id"], follow=False)
+    assert terminal == INTERLEAVED_BYTES
+    r = c.exec(INTERLEAVED, merge_stderr=True, timeout_s=20)
+    assert (r.stdout, r.stderr, r.stdout_bytes, r.stderr_bytes) == (terminal, b"", len(terminal), 0)
+    unmerged = c.exec(INTERLEAVED, timeout_s=20)
+    assert unmerged.stdout + unmerged.stderr != terminal and unmerged.stdout_bytes + unmerged.stderr_bytes == len(
+        terminal
+    )
+    small = c.exec(INTERLEAVED, merge_stderr=True, max_output=100, timeout_s=20)
+    assert small.stdout == terminal[-100:] and small.stdout_dropped == len(terminal) - 100
+    q = c.process_start(INTERLEAVED, merge_stderr=True)
+    c.process_wait(q["id"], timeout_s=20)
+    out, err, final = c.process_output(q["id"], follow=False)
+    assert (out, err, final["stderr_offset"]) == (terminal, b"", 0)
+
+
+def test_merge_stderr_in_a_session(sh: tuple[Client, str]) -> None:
+    c, sid = sh
+    r = c.shell_run(sid, INTERLEAVED + "; nosuchcmd", merge_stderr=True)
+    tail = b"bash: line 1: nosuchcmd: command not found\n"
+    assert (r.stdout, r.stderr, r.exit_code) == (INTERLEAVED_BYTES + tail, b"", 127)
+    assert c.shell_run(sid, "echo back >&2").stderr == b"back\n"  # only that command was merged
+    # Detach mode: both FIFO opens are one FIFO, so the job's output is merged too.
+    r = c.shell_run(sid, INTERLEAVED, merge_stderr=True, timeout_s=20, on_timeout="detach")
+    assert (r.stdout, r.stderr, r.detached) == (INTERLEAVED_BYTES, b"", None)
+    r = c.shell_run(sid, "echo a; echo b >&2; sleep 30", merge_stderr=True, timeout_s=0.5, on_timeout="detach")
+    assert r.detached is not None and r.stdout == b"a\nb\n"
+    try:
+        out, err, _ = c.process_output(r.detached, follow=False)
+        assert (out, err) == (b"a\nb\n", b"")
+    finally:
+        c.process_signal(r.detached, "KILL")
+
+
+def test_check_syntax_reports_bash_message_and_runs_nothing(sh: tuple[Client, str], tmp_path: object) -> None:
+    c, sid = sh
+    for bad, words in (
+        ("touch ran; echo )", "syntax error near unexpected token `)'"),
+        ("touch ran\nif true; then echo x", "syntax error: unexpected end of file"),
+    ):
+        with pytest.raises(GuestdError) as ei:
+            c.shell_run(sid, bad, check_syntax=True)
+        e = ei.value
+        assert e.code == "bad_request" and e.details["stage"] == "syntax", e
+        assert words in e.details["message"] and "line" in e.details["message"]
+        assert c.shell_run(sid, "ls ran 2>/dev/null || echo absent").stdout == b"absent\n"  # nothing ran
+        plain = c.shell_run(sid, bad.replace("touch ran", "true"))  # without the check it runs, and fails
+        assert plain.exit_code == 2 and b"syntax error" in plain.stderr
+    ok = c.shell_run(sid, "shopt -s extglob; touch a.x b.y\nls !(*.x)", check_syntax=True)
+    assert ok.stdout == b"b.y\n" and ok.exit_code == 0
+
+
+def test_shell_stream_output_under_flow_control_and_typed_stdin(guestd: Guestd) -> None:
+    """shell.run stream: everything in order within a small window (the command blocks on its
+    pipe meanwhile, the session's state is there); stdin_stream: answers typed into `read -p`
+    and a Python REPL while they run; detach keeps a streamed stdin for process.write."""
+
+    async def go() -> None:
+        c = await AsyncClient.connect(guestd.address, stream_window=64 * 1024)
+        sid = (await c.shell_create())["id"]
+        await c.shell_run(sid, "N=300000; cd /tmp")
+        s = c.shell_stream(sid, 'seq 1 "$N"; pwd >&2')
+        out, err = bytearray(), bytearray()
+        async for name, data in s:
+            (out if name == "stdout" else err).extend(data)
+            await asyncio.sleep(0)  # a slow-ish consumer: credit must throttle the command
+        r = await s.result()
+        assert bytes(out) == "".join(f"{i}\n" for i in range(1, 300001)).encode() and bytes(err) == b"/tmp\n"
+        assert (r.stdout, r.stdout_bytes, r.stdout_dropped, r.exit_code) == (b"", len(out), 0, 0)
+        # A stalled stream holds its session, not guestd.
+        s = c.shell_stream(sid, "yes | head -c 5000000")
+        for _ in range(10):
+            await c.ping()
+        assert (await c.exec(["echo", "other"])).stdout == b"other\n"
+        n = 0
+        async for _, data in s:
+            n += len(data)
+        assert n == 5_000_000 and (await s.result()).exit_code == 0
+
+        # read -p prompts only on a terminal (pty: true); the answer gets through either way.
+        cmd = 'read -r -p "name? " who; echo "hello $who"; echo "more?"; read -r x; echo "$x!"'
+        s = c.shell_stream(sid, cmd, stdin_stream=True)
+        await s.write_stdin(b"ada\n")
+        seen = bytearray()
+        async for _, data in s:
+            seen += data
+            if seen.endswith(b"more?\n"):
+                await s.write_stdin(b"second\n")
+                await s.close_stdin()
+        r = await s.result()
+        assert bytes(seen) == b"hello ada\nmore?\nsecond!\n" and r.exit_code == 0
+
+        s = c.shell_stream(sid, "python3 -i -q -u 2>&1", stdin_stream=True, merge_stderr=True)
+        seen = bytearray()
+        sent = 0
+        async for _, data in s:
+            seen += data
+            if seen.count(b">>> ") > sent:
+                sent += 1
+                await s.write_stdin(b"6 * 7\n" if sent == 1 else b"exit()\n")
+        r = await s.result()
+        assert b"42\n" in seen and r.exit_code == 0
+
+        s = c.shell_stream(sid, "echo ready; cat", stdin_stream=True, timeout_s=1.0, on_timeout="detach")
+        async for _, _data in s:
+            pass
+        r = await s.result()
+        assert r.detached is not None and r.timed_out == "wall"
+        assert await c.process_write(r.detached, b"after detach\n") == 13
+        await c.process_close_stdin(r.detached)
+        w = await c.process_wait(r.detached, timeout_s=10)
+        assert w["exit_code"] == 0
+        out2, _, _ = await c.process_output(r.detached, follow=False)
+        assert out2 == b"ready\nafter detach\n"
+        await c.shell_close(sid)
+        await c.close()
+
+    asyncio.run(go())
+
+
+def test_guestctl_on_timeout_merge_and_check_syntax(guestd: Guestd) -> None:
+    import json
+    import os
+    import subprocess
+    import sys
+
+    repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+    def guestctl(*args: str) -> subprocess.CompletedProcess[bytes]:
+        return subprocess.run(
+            [sys.executable, "-m", "guestd.cli", "--connect", guestd.address, *args],
+            capture_output=True,
+            timeout=120,
+            env={**os.environ, "PYTHONPATH": repo},
+        )
+
+    r = guestctl("--json", "exec", "--timeout", "0.5", "--on-timeout", "detach", "--", "sh", "-c", "echo up; sleep 30")
+    obj = json.loads(r.stdout)
+    assert r.returncode == 124 and obj["stdout"] == "up\n" and obj["detached"].startswith("p")
+    assert guestctl("kill", obj["detached"], "KILL").returncode == 0
+    assert guestctl("wait", obj["detached"]).returncode == 137
+    s = guestctl("shell", "new").stdout.decode().strip()
+    r = guestctl("shell", "run", s, "echo up; sleep 30", "--timeout", "0.5", "--on-timeout", "detach")
+    assert r.returncode == 124 and r.stdout == b"up\n" and b"goes on as process p" in r.stderr
+    pid = r.stderr.split(b"goes on as process ")[1].split()[0].decode()
+    assert guestctl("kill", pid, "KILL").returncode == 0
+    r = guestctl("shell", "run", s, "echo a; echo b >&2; echo c", "--merge-stderr")
+    assert (r.returncode, r.stdout, r.stderr) == (0, b"a\nb\nc\n", b"")
+    r = guestctl("shell", "run", s, "echo ran; fi", "--check-syntax")
+    assert r.returncode != 0 and b"syntax error" in r.stderr and b"ran" not in r.stdout
+    r = guestctl("exec", "--merge-stderr", "--", "sh", "-c", "echo x; echo y >&2")
+    assert (r.stdout, r.stderr) == (b"x\ny\n", b"")
+    assert guestctl("shell", "rm", s).returncode == 0
