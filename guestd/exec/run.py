@@ -14,7 +14,7 @@ import time
 from typing import TYPE_CHECKING, Any
 
 from guestd.capture import OutputCapture, capture_fields
-from guestd.children import Child
+from guestd.children import Child, KilledBy, run_figures
 from guestd.children.options import parse_signal
 from guestd.children.tree import read_chunk, write_all
 
@@ -133,12 +133,12 @@ class ExecRun:
         if self.timed_out is not None or not self.child.running:
             return
         self.timed_out = which
-        self.kill()
+        self.kill("timeout" if which == "wall" else "idle_timeout")
 
-    def kill(self) -> None:
+    def kill(self, reason: KilledBy = "cancel") -> None:
         """End the whole run: TERM, the kill grace, then everything left in its cgroup."""
         if self.kill_task is None:
-            self.kill_task = self.child.end(self.args["kill_grace_s"])
+            self.kill_task = self.child.end(self.args["kill_grace_s"], reason)
 
     def signal(self, sig: int) -> None:
         self.child.signal(sig)
@@ -199,6 +199,7 @@ class ExecRun:
             **capture_fields(self.caps[1], self.caps[2], streamed=self.stream),
             "duration_s": time.monotonic() - self.t0,
             "pid": self.pid,
+            **run_figures(self.child.exit_info()),
         }
 
     def close(self) -> None:

@@ -43,7 +43,7 @@ import time
 from typing import TYPE_CHECKING, Any, Literal
 
 from guestd.capture import OutputCapture, capture_fields
-from guestd.children import PIPE, Child, exit_info
+from guestd.children import PIPE, Child, KilledBy, exit_info, usage_between
 from guestd.children.options import check_cwd
 from guestd.children.tree import descendants, read_chunk, signal_each, signal_group, write_all
 from guestd.services import derive, reseed_each
@@ -59,6 +59,8 @@ CTL_FD = 63
 _CREDS_SPACE = socket.CMSG_SPACE(struct.calcsize("iII"))  # struct ucred: pid, uid, gid
 READ_SIZE = 256 * 1024
 GRACE_S = 1.0
+# A command guestd interrupted: why, as a run's killed_by
+_KILLED_BY: dict[str, KilledBy] = {"wall": "timeout", "idle": "idle_timeout", "cancel": "cancel"}
 MAX_CTL_BYTES = 16 * 1024 * 1024  # a marker carries `export -p`; more than this is not one
 
 # Sourced as a file named "bash" (see the module head). Line 1 must stay the eval.
@@ -428,6 +430,7 @@ class Session:
         # What runs in the session now (bash, jobs of earlier commands): a timeout or cancel of
         # this command ends everything else in the session's cgroup, wherever it went.
         self._before = set(self.child.cgroup.pids()) if self.child.cgroup is not None else set()
+        usage_before, ran_in = self.child.usage_now(), self.child
         nonce = self._expect()
         # What earlier commands set must not bend this line: every expansion is quoted (IFS),
         # guestd's functions are called as \name (no alias applies; they are read-only).
@@ -472,6 +475,7 @@ class Session:
                     os.unlink(infile)
                 except OSError:
                     pass
+        usage_after = ran_in.usage_now()
         if restarted and not self.closed:
             await self.restart()
         if count:
@@ -482,6 +486,9 @@ class Session:
             # under `set -o posix`, where the builtin comes before guestd's function): its
             # exit status is the command's, as with `bash -c`.
             code = exit_info(bash_status)["exit_code"]
+        why: KilledBy | None = _KILLED_BY.get(outcome or "")
+        if outcome == "exited":
+            why = ran_in.exit_info()["killed_by"]
         if result:
             self.cwd = result[1]
             self.exports = result[2]
@@ -493,6 +500,7 @@ class Session:
             "cwd": path_to_wire(self.cwd),
             **capture_fields(caps[1], caps[2]),
             "duration_s": time.monotonic() - t0,
+            **usage_between(usage_before, usage_after, why, code),
         }
 
     async def _interrupt(self) -> bool:

@@ -127,6 +127,31 @@ def _bad(name: str, want: str, got: Any) -> GuestdError:
 
 
 # Named nested types: a field of type NAME is a map of these fields, list<NAME> a list of them.
+# Why a run ended and what it used (PROTOCOL.md "Why a run ended"): in every result of a run.
+_FIGURES = (
+    F(
+        "killed_by",
+        "enum(timeout|idle_timeout|cancel|signal|oom)?",
+        "why the run ended when it did not exit by itself: guestd ended it (timeout, idle_timeout, cancel), "
+        "the kernel's OOM killer, or another signal; nil: it exited by itself (or is still running)",
+    ),
+    F(
+        "oom_killed",
+        "bool?",
+        "the OOM killer killed a process of this run (the run's cgroup memory.events); nil: not known "
+        "(no memory controller on the runs' cgroups)",
+    ),
+    F("cpu_user_s", "float?", "CPU seconds in user mode used by the run (nil: not known)"),
+    F("cpu_sys_s", "float?", "CPU seconds in the kernel used by the run (nil: not known)"),
+    F(
+        "max_rss_bytes",
+        "uint?",
+        "peak memory of the run's cgroup (memory.peak: every process of the run, page cache included); nil: "
+        "not known (no memory controller on the runs' cgroups, Linux before 5.19, or part of a long-lived run)",
+    ),
+)
+
+
 RECORDS: dict[str, tuple[F, ...]] = {}
 
 
@@ -373,6 +398,7 @@ RECORDS.update(
             F("stderr_offset", "uint", "bytes written to stderr so far", True),
             F("cpu_s", "float?", "CPU seconds (running only)"),
             F("rss", "uint?", "resident memory, bytes (running only)"),
+            *_FIGURES,
         ),
         "listener": (
             F("port", "uint", "TCP port", True),
@@ -421,6 +447,7 @@ _OUTPUT_RESULT = (
     *_captured("the process"),
     F("duration_s", "float", "wall time from spawn to result", True),
     F("pid", "int", "process id of the started process", True),
+    *_FIGURES,
 )
 
 OPS: tuple[OpSpec, ...] = (
@@ -679,6 +706,7 @@ _CODE_RESULT = (
     F("stdin_exhausted", "bool", "the cell asked for more input lines than were supplied", True),
     F("execution_count", "int?", "the kernel's execution counter for this cell"),
     F("duration_s", "float", "wall time of the run", True),
+    *_FIGURES,
 )
 
 CODE_OPS: tuple[OpSpec, ...] = (
@@ -782,6 +810,7 @@ _EXIT = (
     F("state", "enum(running|exited)", "process state", True),
     F("exit_code", "int?", "exit status once exited normally"),
     F("signal", "int?", "terminating signal once killed"),
+    *_FIGURES,
 )
 
 PROCESS_OPS: tuple[OpSpec, ...] = (
@@ -931,6 +960,7 @@ SHELL_OPS: tuple[OpSpec, ...] = (
             F("cwd", "path", "working directory after the command", True),
             *_captured("the command"),
             F("duration_s", "float", "wall time", True),
+            *_FIGURES,
         ),
         errors=("not_found", "limit", "bad_request"),
     ),

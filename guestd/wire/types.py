@@ -55,6 +55,9 @@ class ContextInfoRecord(TypedDict):
 ProcessInfoState = Literal["running", "exited"]
 
 
+ProcessInfoKilledBy = Literal["timeout", "idle_timeout", "cancel", "signal", "oom"]
+
+
 class ProcessInfoRecord(TypedDict):
     """record `process_info`"""
 
@@ -71,6 +74,11 @@ class ProcessInfoRecord(TypedDict):
     stderr_offset: int
     cpu_s: NotRequired[float | None]
     rss: NotRequired[int | None]
+    killed_by: NotRequired[Literal["timeout", "idle_timeout", "cancel", "signal", "oom"] | None]
+    oom_killed: NotRequired[bool | None]
+    cpu_user_s: NotRequired[float | None]
+    cpu_sys_s: NotRequired[float | None]
+    max_rss_bytes: NotRequired[int | None]
 
 
 ListenerFamily = Literal["ipv4", "ipv6"]
@@ -141,6 +149,9 @@ class InfoReply(TypedDict):
 ExecTimedOut = Literal["wall", "idle"]
 
 
+ExecKilledBy = Literal["timeout", "idle_timeout", "cancel", "signal", "oom"]
+
+
 class ExecArgs(TypedDict):
     """`exec` args, as validated"""
 
@@ -176,6 +187,11 @@ class ExecReply(TypedDict):
     stderr_gap_at: NotRequired[int | None]
     duration_s: float
     pid: int
+    killed_by: NotRequired[Literal["timeout", "idle_timeout", "cancel", "signal", "oom"] | None]
+    oom_killed: NotRequired[bool | None]
+    cpu_user_s: NotRequired[float | None]
+    cpu_sys_s: NotRequired[float | None]
+    max_rss_bytes: NotRequired[int | None]
 
 
 class ExecEvent(TypedDict):
@@ -373,6 +389,9 @@ CodeRunStatus = Literal["ok", "error", "timeout", "interrupted", "died"]
 CodeRunTimeoutAction = Literal["interrupted", "restarted"]
 
 
+CodeRunKilledBy = Literal["timeout", "idle_timeout", "cancel", "signal", "oom"]
+
+
 class CodeRunArgs(TypedDict):
     """`code.run` args, as validated"""
 
@@ -408,6 +427,11 @@ class CodeRunReply(TypedDict):
     stdin_exhausted: bool
     execution_count: NotRequired[int | None]
     duration_s: float
+    killed_by: NotRequired[Literal["timeout", "idle_timeout", "cancel", "signal", "oom"] | None]
+    oom_killed: NotRequired[bool | None]
+    cpu_user_s: NotRequired[float | None]
+    cpu_sys_s: NotRequired[float | None]
+    max_rss_bytes: NotRequired[int | None]
 
 
 class CodeRunEvent(TypedDict):
@@ -499,6 +523,9 @@ class ProcessListReply(TypedDict):
 ProcessAttachState = Literal["running", "exited"]
 
 
+ProcessAttachKilledBy = Literal["timeout", "idle_timeout", "cancel", "signal", "oom"]
+
+
 class ProcessAttachArgs(TypedDict):
     """`process.attach` args, as validated"""
 
@@ -515,6 +542,11 @@ class ProcessAttachReply(TypedDict):
     state: Literal["running", "exited"]
     exit_code: NotRequired[int | None]
     signal: NotRequired[int | None]
+    killed_by: NotRequired[Literal["timeout", "idle_timeout", "cancel", "signal", "oom"] | None]
+    oom_killed: NotRequired[bool | None]
+    cpu_user_s: NotRequired[float | None]
+    cpu_sys_s: NotRequired[float | None]
+    max_rss_bytes: NotRequired[int | None]
     stdout_offset: int
     stderr_offset: int
 
@@ -532,6 +564,9 @@ class ProcessAttachEvent(TypedDict):
 ProcessWaitState = Literal["running", "exited"]
 
 
+ProcessWaitKilledBy = Literal["timeout", "idle_timeout", "cancel", "signal", "oom"]
+
+
 class ProcessWaitArgs(TypedDict):
     """`process.wait` args, as validated"""
 
@@ -545,6 +580,11 @@ class ProcessWaitReply(TypedDict):
     state: Literal["running", "exited"]
     exit_code: NotRequired[int | None]
     signal: NotRequired[int | None]
+    killed_by: NotRequired[Literal["timeout", "idle_timeout", "cancel", "signal", "oom"] | None]
+    oom_killed: NotRequired[bool | None]
+    cpu_user_s: NotRequired[float | None]
+    cpu_sys_s: NotRequired[float | None]
+    max_rss_bytes: NotRequired[int | None]
     timed_out: bool
 
 
@@ -622,6 +662,9 @@ class ShellCreateReply(TypedDict):
 ShellRunTimedOut = Literal["wall", "idle"]
 
 
+ShellRunKilledBy = Literal["timeout", "idle_timeout", "cancel", "signal", "oom"]
+
+
 class ShellRunArgs(TypedDict):
     """`shell.run` args, as validated"""
 
@@ -651,6 +694,11 @@ class ShellRunReply(TypedDict):
     stdout_gap_at: NotRequired[int | None]
     stderr_gap_at: NotRequired[int | None]
     duration_s: float
+    killed_by: NotRequired[Literal["timeout", "idle_timeout", "cancel", "signal", "oom"] | None]
+    oom_killed: NotRequired[bool | None]
+    cpu_user_s: NotRequired[float | None]
+    cpu_sys_s: NotRequired[float | None]
+    max_rss_bytes: NotRequired[int | None]
 
 
 class ShellListArgs(TypedDict):
