@@ -108,7 +108,7 @@ _CHILD_OOM = os.environ.get("GUESTD_CHILD_OOM_SCORE_ADJ")
 _OOM_RESET: bytes | None = (_CHILD_OOM or "0").encode() if _CHILD_OOM is not None or _own_oom_score_adj() < 0 else None
 
 
-# GUESTD_RUN_USAGE=0: no reading of the run's cgroup at exit (bench/run_figures.py measures
+# GUESTD_RUN_USAGE=0: no reading of the run's cgroup at exit (bench/observability.py measures
 # what that reading costs an exec; figures then come from wait4 alone).
 _RUN_USAGE = os.environ.get("GUESTD_RUN_USAGE", "1") != "0"
 

@@ -11,6 +11,7 @@
     guestctl ... shell new | shell run ID 'COMMAND' | shell ls | shell rm ID
     guestctl ... port-forward [--address ADDR] LOCAL:GUEST | port-forward --reverse GUEST_PORT:HOST:HOSTPORT
     guestctl ... ports | port-wait GUEST_PORT [--timeout S] [--http] [--path P]
+    guestctl ... metrics [--watch S]
 
 exec/sh exit with the remote exit code (124 when a timeout fired, 128+N when killed by signal N);
 port-wait exits 0 once the port answers, 124 when it did not in time. port-forward runs until
@@ -28,7 +29,7 @@ control characters escaped, workload output to a terminal with its control seque
 how long the guest waits for the exit); guestctl's own wait for the reply is derived from them
 (the client's deadline). --connect-timeout bounds connecting and the handshake.
 
-One module per capability (system, exec, files, processes, shells, snapshot, code, ports), mirroring the
+One module per capability (system, exec, files, processes, shells, snapshot, code, ports, metrics), mirroring the
 daemon's; each registers its subcommands with their handlers, so a new command touches one module.
 This one holds the connection options and ``main``.
 """
@@ -40,7 +41,7 @@ import asyncio
 import os
 import sys
 
-from guestd.cli import code, files, ports, processes, shells, snapshot, system, terminal
+from guestd.cli import code, files, metrics, ports, processes, shells, snapshot, system, terminal
 from guestd.cli import exec as exec_  # the module; plain "exec" would hide the builtin here
 from guestd.cli.shared import Handler, print_json
 from guestd.client.aio import CONNECT_TIMEOUT, AsyncClient
@@ -50,7 +51,7 @@ __all__ = ["build_parser", "main", "run"]
 
 DEFAULT_CONNECT = "unix:/run/guestd/guestd.sock"
 # The order of ``guestctl --help``.
-COMMAND_MODULES = (system, exec_, files, processes, shells, snapshot, code, ports)
+COMMAND_MODULES = (system, exec_, files, processes, shells, snapshot, code, ports, metrics)
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -40,7 +40,16 @@ from guestd.wire.errors import ErrorCode, GuestdError
 from guestd.wire.frames import DEFAULT_MAX_FRAME
 from guestd.wire.paths import WirePath, path_to_wire
 from guestd.wire.schema import OPS_BY_NAME
-from guestd.wire.types import CodeRunReply, ExecReply, FileListReply, FileStatReply, ShellRunReply
+from guestd.wire.types import (
+    CodeRunReply,
+    ExecReply,
+    FileListReply,
+    FileStatReply,
+    MetricsEvent,
+    MetricsReply,
+    MetricsSampleRecord,
+    ShellRunReply,
+)
 
 CONNECT_TIMEOUT = 10.0  # connect + handshake
 DEFAULT_DEADLINE = 300.0  # a request with no bound of its own in the guest
@@ -343,6 +352,35 @@ class AsyncClient(PortsAPI):
     async def info(self, *, deadline: float | None = 10.0) -> Info:
         b = await self._conn.request("info", {}, deadline)
         return Info(b["version"], b["protocol_version"], b["capabilities"], b["boot_id"], b["uptime_s"], b)
+
+    # -- metrics ----------------------------------------------------------------------------
+    async def metrics(self, *, interval_ms: int | None = None, deadline: float | None = 70.0) -> MetricsSampleRecord:
+        """One sample of the guest's figures; CPU % over ``interval_ms`` (default 200, 0: none)."""
+        b = cast(MetricsReply, await self._conn.request("metrics", present(interval_ms=interval_ms), deadline))
+        sample = b.get("sample")
+        if sample is None:
+            raise GuestProtocolError("metrics: no sample in the reply")
+        return sample
+
+    async def watch_metrics(
+        self, *, interval_ms: int = 1000, count: int | None = None
+    ) -> AsyncIterator[tuple[str, MetricsEvent]]:
+        """``("sample", event)`` every ``interval_ms`` (``event["sample"]``), and ``("oom", event)``
+        when the workload's OOM kill count grew; until ``count`` samples, or until the caller
+        stops iterating (which cancels the stream in the guest)."""
+        call = self._conn.start("metrics", present(interval_ms=interval_ms, stream=True, count=count))
+        gap = interval_ms / 1000 * 3 + 30.0  # a guest that stops sending is a dead guest
+        try:
+            while True:
+                ev = await call.next_event(gap)
+                if ev is None:
+                    break
+                body = cast("MetricsEvent", ev)
+                yield body["ev"], body
+            await self._conn.wait(call, gap)
+        finally:
+            if not call.future.done():
+                call.cancel()
 
     # -- exec -------------------------------------------------------------------------------
     @staticmethod

@@ -29,6 +29,7 @@ from guestd.client.ports_sync import SyncPortsAPI
 from guestd.client.results import CodeResult, DirListing, ExecResult, FileStat, Info, ShellResult
 from guestd.wire.frames import DEFAULT_MAX_FRAME
 from guestd.wire.paths import WirePath
+from guestd.wire.types import MetricsSampleRecord
 
 T = TypeVar("T")
 
@@ -115,6 +116,9 @@ class Client(SyncPortsAPI):
 
     def info(self, *, deadline: float | None = 10.0) -> Info:
         return self._run(self._aio.info(deadline=deadline))
+
+    def metrics(self, *, interval_ms: int | None = None, deadline: float | None = 70.0) -> MetricsSampleRecord:
+        return self._run(self._aio.metrics(interval_ms=interval_ms, deadline=deadline))
 
     def exec(
         self,

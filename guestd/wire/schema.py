@@ -421,6 +421,54 @@ RECORDS.update(
     }
 )
 
+RECORDS.update(
+    {
+        "pressure": (
+            F("cpu_some", "float?", "cpu: some, avg10 %"),
+            F("memory_some", "float?", "memory: some, avg10 %"),
+            F("memory_full", "float?", "memory: full, avg10 %"),
+            F("io_some", "float?", "io: some, avg10 %"),
+            F("io_full", "float?", "io: full, avg10 %"),
+        ),
+        "disk_usage": (
+            F("mount", "path", "mount point", True),
+            F("fs", "str", "file system type", True),
+            F("total_bytes", "uint", "size", True),
+            F("used_bytes", "uint", "used (size - free blocks)", True),
+            F("free_bytes", "uint", "free for an unprivileged user (f_bavail)", True),
+            F("inodes_total", "uint", "inodes (0 where the file system has no fixed count)", True),
+            F("inodes_free", "uint", "free inodes", True),
+        ),
+        "metrics_sample": (
+            F("t", "float", "guest wall clock of the sample", True),
+            F("interval_s", "float?", "the window CPU % was measured over (nil: no window, interval_ms 0)"),
+            F("cpus", "uint", "CPUs online", True),
+            F("cpu_percent", "float?", "guest CPU busy over the window, % of all CPUs (100: every CPU busy)"),
+            F(
+                "workload_cpu_percent",
+                "float?",
+                "CPU used by the workload cgroup over the window, % of all CPUs (nil: no workload cgroup)",
+            ),
+            F("memory_total_bytes", "uint", "MemTotal", True),
+            F("memory_available_bytes", "uint", "MemAvailable", True),
+            F("memory_used_bytes", "uint", "MemTotal - MemAvailable", True),
+            F("workload_memory_bytes", "uint?", "the workload cgroup's memory.current (nil: no memory controller)"),
+            F("workload_memory_peak_bytes", "uint?", "its memory.peak since guestd made it (Linux 5.19)"),
+            F("workload_memory_max_bytes", "uint?", "its memory.max (nil: max, or no memory controller)"),
+            F("processes", "uint", "processes in the guest (guestd's pid namespace)", True),
+            F("workload_pids", "uint?", "tasks in the workload cgroup, as pids.max counts them (pids.current)"),
+            F(
+                "workload_oom_kills",
+                "uint?",
+                "OOM kills in the workload cgroup since guestd made it (memory.events oom_kill)",
+            ),
+            F("pressure", "pressure?", "guest-wide PSI (/proc/pressure; nil where the kernel has none)"),
+            F("workload_pressure", "pressure?", "the workload cgroup's PSI"),
+            F("disks", "list<disk_usage>", "real file systems (no proc, sysfs, cgroup...), at most 32", True),
+        ),
+    }
+)
+
 # --------------------------------------------------------------------------- ops
 
 
@@ -1180,7 +1228,34 @@ PORT_OPS: tuple[OpSpec, ...] = (
     ),
 )
 
-OPS = OPS + CODE_OPS + PROCESS_OPS + SHELL_OPS + SNAPSHOT_OPS + PORT_OPS
+METRICS_OPS: tuple[OpSpec, ...] = (
+    OpSpec(
+        "metrics",
+        "metrics",
+        "Guest-wide and workload-cgroup figures: CPU % over a window, memory, disks, processes, PSI, OOM kills. "
+        "One sample (two readings interval_ms apart), or with stream a sample EVENT every interval_ms until "
+        "count samples, a cancel or the connection's end; an oom EVENT comes before the sample whenever the "
+        "workload cgroup's OOM kill count grew.",
+        args=(
+            F("interval_ms", "uint", "the window CPU % is measured over, and a stream's period", default=200, le=60000),
+            F("stream", "bool", "send samples as EVENT frames (interval_ms >= 100)", default=False),
+            F("count", "uint?", "stream: stop after this many samples (nil: until cancelled)", ge=1),
+        ),
+        result=(
+            F("sample", "metrics_sample?", "the sample (nil when streamed)"),
+            F("samples", "uint", "samples taken", True),
+        ),
+        events=(
+            F("ev", "enum(sample|oom)", "event type", True),
+            F("sample", "metrics_sample", "sample: the figures"),
+            F("oom_kills", "uint", "oom: the workload cgroup's OOM kill count now"),
+            F("new", "uint", "oom: kills since the previous sample"),
+        ),
+        errors=("bad_request",),
+    ),
+)
+
+OPS = OPS + CODE_OPS + PROCESS_OPS + SHELL_OPS + SNAPSHOT_OPS + PORT_OPS + METRICS_OPS
 OPS_BY_NAME = {op.name: op for op in OPS}
 
 

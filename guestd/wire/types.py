@@ -108,6 +108,50 @@ class ShellInfoRecord(TypedDict):
     stray_bytes: int
 
 
+class PressureRecord(TypedDict):
+    """record `pressure`"""
+
+    cpu_some: NotRequired[float | None]
+    memory_some: NotRequired[float | None]
+    memory_full: NotRequired[float | None]
+    io_some: NotRequired[float | None]
+    io_full: NotRequired[float | None]
+
+
+class DiskUsageRecord(TypedDict):
+    """record `disk_usage`"""
+
+    mount: str | bytes
+    fs: str
+    total_bytes: int
+    used_bytes: int
+    free_bytes: int
+    inodes_total: int
+    inodes_free: int
+
+
+class MetricsSampleRecord(TypedDict):
+    """record `metrics_sample`"""
+
+    t: float
+    interval_s: NotRequired[float | None]
+    cpus: int
+    cpu_percent: NotRequired[float | None]
+    workload_cpu_percent: NotRequired[float | None]
+    memory_total_bytes: int
+    memory_available_bytes: int
+    memory_used_bytes: int
+    workload_memory_bytes: NotRequired[int | None]
+    workload_memory_peak_bytes: NotRequired[int | None]
+    workload_memory_max_bytes: NotRequired[int | None]
+    processes: int
+    workload_pids: NotRequired[int | None]
+    workload_oom_kills: NotRequired[int | None]
+    pressure: NotRequired[PressureRecord | None]
+    workload_pressure: NotRequired[PressureRecord | None]
+    disks: list[DiskUsageRecord]
+
+
 class PingArgs(TypedDict):
     """`ping` args, as validated"""
 
@@ -912,3 +956,27 @@ class PortWaitReply(TypedDict):
     ready: bool
     elapsed_s: float
     http_status: NotRequired[int | None]
+
+
+class MetricsArgs(TypedDict):
+    """`metrics` args, as validated"""
+
+    interval_ms: int
+    stream: bool
+    count: int | None
+
+
+class MetricsReply(TypedDict):
+    """`metrics` result"""
+
+    sample: NotRequired[MetricsSampleRecord | None]
+    samples: int
+
+
+class MetricsEvent(TypedDict):
+    """`metrics` EVENT body"""
+
+    ev: Literal["sample", "oom"]
+    sample: NotRequired[MetricsSampleRecord]
+    oom_kills: NotRequired[int]
+    new: NotRequired[int]

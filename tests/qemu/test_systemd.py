@@ -230,6 +230,9 @@ def test_a_memory_hog_is_reported_as_oom_in_the_shipped_config(vm: GuestVM) -> N
             r = c.exec(["tail", "/dev/zero"], timeout_s=120)
             assert (r.signal, r.killed_by, r.oom_killed) == (9, "oom", True), r
             assert isinstance(r.cpu_user_s, float) and r.max_rss_bytes is not None
+            m = c.metrics(interval_ms=0)  # the workload cgroup's figures, from its own files
+            assert m["workload_oom_kills"] is not None and m["workload_oom_kills"] >= 1, m
+            assert m["workload_memory_max_bytes"] == 96 << 20 and m["workload_memory_bytes"] is not None
             sid = c.shell_create()["id"]
             sr = c.shell_run(sid, "tail /dev/zero", timeout_s=120)
             assert (sr.exit_code, sr.killed_by, sr.oom_killed) == (137, "oom", True), sr
