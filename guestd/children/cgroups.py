@@ -278,6 +278,18 @@ class WorkloadCgroup:
             log.warning("ended %d process(es) of runs a previous guestd left", self.ended_at_start)
         log.info("workload cgroup %s", self.status)
 
+    def set_frozen(self, frozen: bool) -> bool:
+        """cgroup.freeze on the whole workload (every run's leaf with it); False without a
+        workload cgroup. Processes spawned into a frozen workload are frozen before they exec."""
+        if self.path is None:
+            return False
+        _write(os.path.join(self.path, "cgroup.freeze"), "1" if frozen else "0")
+        return True
+
+    def is_frozen(self) -> bool:
+        """Every process of the workload is frozen (the freeze has settled)."""
+        return self.path is not None and RunCgroup(self.path, -1)._event("frozen") == "1"
+
     def new_run(self, kind: str, run_id: str) -> RunCgroup | None:
         """Make the leaf for one run (None when there is no workload cgroup)."""
         if self.path is None:

@@ -363,13 +363,14 @@ class AsyncClient(PortsAPI):
         return sample
 
     async def watch_metrics(
-        self, *, interval_ms: int = 1000, count: int | None = None
+        self, *, interval_ms: int | None = None, count: int | None = None
     ) -> AsyncIterator[tuple[str, MetricsEvent]]:
-        """``("sample", event)`` every ``interval_ms`` (``event["sample"]``), and ``("oom", event)``
+        """``("sample", event)`` every ``interval_ms`` (default: the schema's), and ``("oom", event)``
         when the workload's OOM kill count grew; until ``count`` samples, or until the caller
         stops iterating (which cancels the stream in the guest)."""
         call = self._conn.start("metrics", present(interval_ms=interval_ms, stream=True, count=count))
-        gap = interval_ms / 1000 * 3 + 30.0  # a guest that stops sending is a dead guest
+        period_ms = interval_ms if interval_ms is not None else int(schema_default("metrics", "interval_ms"))
+        gap = period_ms / 1000 * 3 + 30.0  # a guest that stops sending is a dead guest
         try:
             while True:
                 ev = await call.next_event(gap)
@@ -939,11 +940,26 @@ class AsyncClient(PortsAPI):
 
     # -- snapshots ----------------------------------------------------------------------------
     async def snapshot_prepare(
-        self, *, quiesce: bool | None = None, timeout_s: float | None = None, deadline: float | None = None
+        self,
+        *,
+        quiesce: bool | None = None,
+        timeout_s: float | None = None,
+        freeze: bool | None = None,
+        fsfreeze: WirePath | None = None,
+        freeze_max_s: float | None = None,
+        deadline: float | None = None,
     ) -> dict[str, Any]:
         """Call before pausing/snapshotting the VM. ``timeout_s`` is how long the guest waits
-        for in-flight writes; ``deadline`` defaults to that plus time for the sync after it."""
-        args = present(quiesce=quiesce, timeout_s=_seconds(timeout_s))
+        for in-flight writes; ``deadline`` defaults to that plus time for the sync after it.
+        ``freeze``: stop every workload process (cgroup.freeze) until resume or restore;
+        ``fsfreeze``: also freeze that mount (PROTOCOL.md 11)."""
+        args = present(
+            quiesce=quiesce,
+            timeout_s=_seconds(timeout_s),
+            freeze=freeze,
+            fsfreeze=None if fsfreeze is None else path_to_wire(fsfreeze),
+            freeze_max_s=_seconds(freeze_max_s),
+        )
         if deadline is None:
             wait_s = timeout_s if timeout_s is not None else schema_default("snapshot.prepare", "timeout_s")
             deadline = wait_s + PREPARE_MARGIN

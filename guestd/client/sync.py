@@ -425,9 +425,25 @@ class Client(SyncPortsAPI):
         self._run(self._aio.shell_close(session, deadline=deadline))
 
     def snapshot_prepare(
-        self, *, quiesce: bool | None = None, timeout_s: float | None = None, deadline: float | None = None
+        self,
+        *,
+        quiesce: bool | None = None,
+        timeout_s: float | None = None,
+        freeze: bool | None = None,
+        fsfreeze: WirePath | None = None,
+        freeze_max_s: float | None = None,
+        deadline: float | None = None,
     ) -> dict[str, Any]:
-        return self._run(self._aio.snapshot_prepare(quiesce=quiesce, timeout_s=timeout_s, deadline=deadline))
+        return self._run(
+            self._aio.snapshot_prepare(
+                quiesce=quiesce,
+                timeout_s=timeout_s,
+                freeze=freeze,
+                fsfreeze=fsfreeze,
+                freeze_max_s=freeze_max_s,
+                deadline=deadline,
+            )
+        )
 
     def snapshot_resume(self, *, deadline: float | None = 30.0) -> None:
         self._run(self._aio.snapshot_resume(deadline=deadline))

@@ -24,10 +24,10 @@ def register(services: Services) -> SnapshotState:
     services.info.append(lambda: {"snapshot": state.describe()})
 
     async def op_prepare(ctx: Request, a: SnapshotPrepareArgs) -> SnapshotPrepareReply:
-        return await state.prepare(a["quiesce"], a["timeout_s"])
+        return await state.prepare(a["quiesce"], a["timeout_s"], a["freeze"], a["fsfreeze"], a["freeze_max_s"])
 
     async def op_resume(ctx: Request, a: SnapshotResumeArgs) -> SnapshotResumeReply:
-        state.resume()
+        await state.resume()
         return {}
 
     async def op_restore(ctx: Request, a: SnapshotRestoreArgs) -> SnapshotRestoreReply:

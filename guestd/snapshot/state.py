@@ -23,21 +23,27 @@ run for real only in guests; with ``simulate_privileged`` they are recorded inst
 from __future__ import annotations
 
 import asyncio
+import logging
 import os
 import re
 import time
 from typing import TYPE_CHECKING, Any, NamedTuple, cast
 
 from guestd.services import derive
+from guestd.snapshot.hazards import clone_hazards
 from guestd.wire.errors import ErrorCode, GuestdError
 
 if TYPE_CHECKING:  # the generated message types: annotations only, never imported at run time
     from guestd.services import Services
     from guestd.wire.types import SnapshotPrepareReply, SnapshotRestoreArgs, SnapshotRestoreReply
 
+log = logging.getLogger("guestd.snapshot")
+
 RNDADDENTROPY = 0x40085203
 RNDRESEEDCRNG = 0x5207
 RANDOM_SEED_FILES = ("/var/lib/systemd/random-seed", "/var/lib/urandom/random-seed", "/var/lib/random-seed")
+FIFREEZE, FITHAW = 0xC0045877, 0xC0045878
+FREEZE_SETTLE_POLLS = 500  # x 10 ms: how long prepare waits for cgroup.events "frozen 1"
 CLOCK_THRESHOLD_S = 0.2  # the host's clock arrives a request latency late; below this, leave the clock alone
 
 
@@ -161,6 +167,22 @@ def _checked_identity(args: SnapshotRestoreArgs) -> Identity:
     return Identity(sandbox_id, hostname, env, token)
 
 
+def _check_fsfreeze(path: str) -> None:
+    """Only a mount point, never the root file system: guestd itself (its log, its runtime dir,
+    the Python it imports lazily) would block on a frozen /."""
+    bad = None
+    if not os.path.isabs(path):
+        bad = "must be an absolute path"
+    elif os.path.realpath(path) == "/":
+        bad = "must not be the root file system"
+    elif not os.path.ismount(path):
+        bad = "is not a mount point"
+    if bad is not None:
+        raise GuestdError(
+            ErrorCode.BAD_REQUEST, f"fsfreeze {path!r} {bad}", details={"field": "fsfreeze", "stage": "fsfreeze"}
+        )
+
+
 # Ops that never wait behind a quiesce (health checks and the snapshot ops themselves).
 UNGATED_WHEN_QUIESCED = frozenset({"ping", "info", "snapshot.prepare", "snapshot.resume", "snapshot.restore"})
 
@@ -180,6 +202,9 @@ class SnapshotState:
         self.restored_at: float | None = None
         self.lock = asyncio.Lock()
         self._inflight: dict[str, asyncio.Future[SnapshotRestoreReply]] = {}  # nonce -> its running restore
+        self._frozen_workload = False  # prepare froze the workload cgroup
+        self._fs_frozen: tuple[str, int] | None = None  # (mount point, its fd) frozen by prepare
+        self._thaw_timer: asyncio.TimerHandle | None = None
 
     def gate(self, op: str) -> asyncio.Event | None:
         """The event a new request must wait for, or None. During a restore everything but the
@@ -192,9 +217,24 @@ class SnapshotState:
         return None if op in UNGATED_WHEN_QUIESCED else self.ready
 
     # -- prepare ------------------------------------------------------------------------
-    async def prepare(self, quiesce: bool, timeout_s: float) -> SnapshotPrepareReply:
+    async def prepare(
+        self,
+        quiesce: bool,
+        timeout_s: float,
+        freeze: bool = False,
+        fsfreeze: str | None = None,
+        freeze_max_s: float = 300.0,
+    ) -> SnapshotPrepareReply:
         t0 = time.monotonic()
-        if quiesce:
+        if freeze and self.services.workload.path is None:
+            raise GuestdError(
+                ErrorCode.UNAVAILABLE,
+                "no workload cgroup to freeze (see info.workload_cgroup)",
+                details={"stage": "freeze", "field": "freeze"},
+            )
+        if fsfreeze is not None:
+            _check_fsfreeze(fsfreeze)
+        if quiesce or freeze or fsfreeze is not None:
             self.quiesced = True
             self.ready.clear()  # new work waits for restore (or resume); in-flight work finishes
         try:
@@ -202,18 +242,91 @@ class SnapshotState:
             writes_done = True
         except TimeoutError:
             writes_done = False
-        await self.services.run_in_io(os.sync)
+        frozen = await self._freeze_workload() if freeze else self.services.workload.is_frozen()
+        await self.services.run_in_io(os.sync)  # after the freeze: what the workload wrote is on disk
         removed = self.priv.remove_seed_files()
+        if fsfreeze is not None and self._fs_frozen is None:
+            await self.services.run_in_io(self._freeze_fs, fsfreeze)
+        if self._frozen_workload or self._fs_frozen is not None:
+            if self._thaw_timer is not None:
+                self._thaw_timer.cancel()
+            self._thaw_timer = asyncio.get_running_loop().call_later(freeze_max_s, self._thaw_expired)
         return {
             "writes_settled": writes_done,
             "synced": True,
             "seed_files_removed": removed,
             "quiesced": self.quiesced,
             "running": self.running_work(),
+            "frozen": frozen,
+            "fs_frozen": self._fs_frozen[0] if self._fs_frozen is not None else None,
+            "hazards": clone_hazards(),
             "duration_s": time.monotonic() - t0,
         }
 
-    def resume(self) -> None:
+    async def _freeze_workload(self) -> bool:
+        """cgroup.freeze, then wait (bounded) until the kernel says every process is frozen."""
+        workload = self.services.workload
+        workload.set_frozen(True)
+        self._frozen_workload = True
+        for _ in range(FREEZE_SETTLE_POLLS):  # a task in uninterruptible sleep freezes when it wakes
+            if workload.is_frozen():
+                return True
+            await asyncio.sleep(0.01)
+        return workload.is_frozen()
+
+    def _freeze_fs(self, path: str) -> None:
+        """FIFREEZE (in an I/O thread: it syncs the file system first)."""
+        if self.priv._record(f"FIFREEZE {path}"):
+            self._fs_frozen = (path, -1)
+            return
+        import fcntl
+
+        fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+        try:
+            fcntl.ioctl(fd, FIFREEZE, 0)
+        except OSError as exc:
+            os.close(fd)
+            raise GuestdError.from_os_error(exc, stage="fsfreeze", path=path) from None
+        self._fs_frozen = (path, fd)
+
+    def thaw(self) -> bool:
+        """Lift a freeze of prepare: the file system first, then the workload. True if one was on."""
+        was = self._frozen_workload or self._fs_frozen is not None
+        if self._thaw_timer is not None:
+            self._thaw_timer.cancel()
+            self._thaw_timer = None
+        if self._fs_frozen is not None:
+            path, fd = self._fs_frozen
+            self._fs_frozen = None
+            if not self.priv._record(f"FITHAW {path}"):
+                import fcntl
+
+                try:
+                    fcntl.ioctl(fd, FITHAW, 0)
+                except OSError as exc:
+                    log.warning("cannot thaw %s: %s", path, exc)
+                finally:
+                    os.close(fd)
+        if self._frozen_workload:
+            self._frozen_workload = False
+            try:
+                self.services.workload.set_frozen(False)
+            except OSError as exc:
+                log.warning("cannot thaw the workload: %s", exc)
+        return was
+
+    def _thaw_expired(self) -> None:
+        self._thaw_timer = None
+        if self.thaw():
+            log.warning("no resume or restore within freeze_max_s of a freezing prepare: thawed")
+            self.resume_work()
+
+    async def resume(self) -> None:
+        """snapshot.resume: thaw, and take new work again."""
+        self.thaw()
+        self.resume_work()
+
+    def resume_work(self) -> None:
         self.quiesced = False
         self.ready.set()
 
@@ -244,6 +357,7 @@ class SnapshotState:
                 try:
                     report = await self._restore_locked(args, identity, origin, gen)
                 finally:
+                    self.thaw()  # a failed restore leaves nothing frozen either
                     self.quiesced = False
                     self.ready.set()
                 report["duration_s"] = time.monotonic() - t0
@@ -312,6 +426,8 @@ class SnapshotState:
         self.generation = gen
         self.restored_at = time.time()
         self.suspected_restore = False
+        # The workload runs again only now: after the CRNG re-seed and the new identity.
+        done["thawed"] = self.thaw()
         t = time.monotonic()
         done.update(await self._reseed_workloads(entropy))
         done["workloads_ms"] = (time.monotonic() - t) * 1000
@@ -355,6 +471,8 @@ class SnapshotState:
             "instance_id": self.instance_id,
             "sandbox_id": self.sandbox_id,
             "quiesced": self.quiesced,
+            "frozen": self._frozen_workload,
+            "fs_frozen": self._fs_frozen[0] if self._fs_frozen is not None else None,
             "suspected_restore": self.suspected_restore,
             "restored_at": self.restored_at,
             "simulate_privileged": self.priv.simulate,

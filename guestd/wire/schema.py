@@ -439,6 +439,12 @@ RECORDS.update(
             F("inodes_total", "uint", "inodes (0 where the file system has no fixed count)", True),
             F("inodes_free", "uint", "free inodes", True),
         ),
+        "snapshot_hazards": (
+            F("listening", "list<str>", "listening TCP sockets, address:port (at most 256)", True),
+            F("established", "list<str>", "established TCP connections, local -> remote (at most 256)", True),
+            F("listening_count", "uint", "all listening TCP sockets", True),
+            F("established_count", "uint", "all established TCP connections", True),
+        ),
         "metrics_sample": (
             F("t", "float", "guest wall clock of the sample", True),
             F("interval_s", "float?", "the window CPU % was measured over (nil: no window, interval_ms 0)"),
@@ -1042,6 +1048,27 @@ SNAPSHOT_OPS: tuple[OpSpec, ...] = (
                 default=False,
             ),
             F("timeout_s", "float", "how long to wait for in-flight writes", default=30.0, ge=0, le=3600),
+            F(
+                "freeze",
+                "bool",
+                "after the writes settled, freeze the workload cgroup (cgroup.freeze) until resume or restore; "
+                "implies quiesce",
+                default=False,
+            ),
+            F(
+                "fsfreeze",
+                "path?",
+                "also freeze this file system (FIFREEZE: a mount point, never /) until resume or restore; implies "
+                "quiesce",
+            ),
+            F(
+                "freeze_max_s",
+                "float",
+                "thaw by itself after this long without resume or restore (guestd's monotonic clock)",
+                default=300.0,
+                gt=0,
+                le=86400,
+            ),
         ),
         result=(
             F("writes_settled", "bool", "no file write was in flight when it returned", True),
@@ -1049,6 +1076,9 @@ SNAPSHOT_OPS: tuple[OpSpec, ...] = (
             F("seed_files_removed", "list<str>", "random-seed files removed (or that would be, when simulating)", True),
             F("quiesced", "bool", "new work is held", True),
             F("running", "map", "{processes, busy_contexts, busy_shells}: ids still running", True),
+            F("frozen", "bool", "the workload cgroup is frozen (every process of it stopped)", True),
+            F("fs_frozen", "path?", "the file system frozen (FIFREEZE), if any"),
+            F("hazards", "snapshot_hazards", "what every clone would duplicate", True),
             F("duration_s", "float", "wall time", True),
         ),
     ),
@@ -1087,6 +1117,7 @@ SNAPSHOT_OPS: tuple[OpSpec, ...] = (
             F("crng_ms", "float", "time of the CRNG re-seed", True),
             F("workloads_ms", "float", "time re-seeding contexts and shells took", True),
             F("duration_s", "float", "time the restore took in the guest", True),
+            F("thawed", "bool", "a freeze of snapshot.prepare was lifted (after the CRNG re-seed)", True),
         ),
         errors=("stale", "bad_request", "permission_denied"),
     ),

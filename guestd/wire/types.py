@@ -130,6 +130,15 @@ class DiskUsageRecord(TypedDict):
     inodes_free: int
 
 
+class SnapshotHazardsRecord(TypedDict):
+    """record `snapshot_hazards`"""
+
+    listening: list[str]
+    established: list[str]
+    listening_count: int
+    established_count: int
+
+
 class MetricsSampleRecord(TypedDict):
     """record `metrics_sample`"""
 
@@ -770,6 +779,9 @@ class SnapshotPrepareArgs(TypedDict):
 
     quiesce: bool
     timeout_s: float
+    freeze: bool
+    fsfreeze: str | None
+    freeze_max_s: float
 
 
 class SnapshotPrepareReply(TypedDict):
@@ -780,6 +792,9 @@ class SnapshotPrepareReply(TypedDict):
     seed_files_removed: list[str]
     quiesced: bool
     running: dict[str, Any]
+    frozen: bool
+    fs_frozen: NotRequired[str | bytes | None]
+    hazards: SnapshotHazardsRecord
     duration_s: float
 
 
@@ -823,6 +838,7 @@ class SnapshotRestoreReply(TypedDict):
     crng_ms: float
     workloads_ms: float
     duration_s: float
+    thawed: bool
 
 
 class PortConnectArgs(TypedDict):
