@@ -1,9 +1,11 @@
 """snapshot.prepare freeze: the workload cgroup stops until resume, restore or freeze_max_s;
 clone hazards; fsfreeze only of a mount point other than / (FIFREEZE itself is simulated here:
-privileged steps are, on this host). PROTOCOL.md 11."""
+privileged steps are, on this host); after a restore, the generation file and the signal to
+processes started with GUESTD_ON_RESTORE. PROTOCOL.md 11."""
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import socket
@@ -119,3 +121,48 @@ def test_fsfreeze_only_of_a_mount_point_other_than_root(fg: Guestd) -> None:
         c.snapshot_resume()
         assert c.info().raw["snapshot"]["fs_frozen"] is None
     os.rmdir(plain)
+
+
+def lines(path: str) -> int:
+    if not os.path.exists(path):
+        return 0
+    with open(path) as f:
+        return len(f.read().split())
+
+
+def wait_lines(path: str, n: int) -> None:
+    deadline = time.monotonic() + 10
+    while lines(path) < n:
+        assert time.monotonic() < deadline, "the registered process did not get its signal"
+        time.sleep(0.02)
+
+
+def test_restore_tells_the_workload(fg: Guestd) -> None:
+    """The generation file (readable by the workload user) changes; a process started with
+    GUESTD_ON_RESTORE gets its signal, one without it does not."""
+    d = tempfile.mkdtemp(prefix="guestd-notify-")
+    os.chmod(d, 0o777)
+    got = os.path.join(d, "got")
+    loop = f"trap 'echo $$ >> {got}' USR2; while :; do sleep 0.05; done"
+    with fg.client() as c:
+        asked = c.process_start(["sh", "-c", loop], env={"GUESTD_ON_RESTORE": "USR2"})
+        other = c.process_start(["sh", "-c", loop])
+        rep = c.restore(time_ns=time.time_ns(), entropy=os.urandom(32), hostname="clone-7")
+        # Exactly the registered one: not the other, nor its own `sleep` (which inherited the
+        # variable but does not catch USR2, so the signal would only kill it).
+        assert rep["signalled"] == [asked["pid"]]
+        wait_lines(got, 1)
+        r = c.exec(["cat", rep["generation_file"]])  # as the workload user (nobody)
+        seen = json.loads(r.stdout)
+        assert (seen["generation"], seen["hostname"]) == (rep["generation"], "clone-7"), r
+        assert seen["instance_id"] == rep["instance_id"]
+        again = c.restore(time_ns=time.time_ns(), entropy=os.urandom(32))
+        r = c.exec(["cat", rep["generation_file"]])
+        assert json.loads(r.stdout)["generation"] == again["generation"] > rep["generation"]
+        assert again["signalled"] == [asked["pid"]]
+        wait_lines(got, 2)
+        for p in (asked, other):
+            c.process_signal(p["id"], "KILL")
+    with open(got) as f:
+        assert f.read().split() == [str(asked["pid"])] * 2  # once per restore, never the other
+    shutil.rmtree(d, ignore_errors=True)

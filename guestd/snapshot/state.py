@@ -31,6 +31,7 @@ from typing import TYPE_CHECKING, Any, NamedTuple, cast
 
 from guestd.services import derive
 from guestd.snapshot.hazards import clone_hazards
+from guestd.snapshot.notify import signal_registered, write_generation_file
 from guestd.wire.errors import ErrorCode, GuestdError
 
 if TYPE_CHECKING:  # the generated message types: annotations only, never imported at run time
@@ -426,8 +427,24 @@ class SnapshotState:
         self.generation = gen
         self.restored_at = time.time()
         self.suspected_restore = False
-        # The workload runs again only now: after the CRNG re-seed and the new identity.
+        # The workload runs again only now: after the CRNG re-seed and the new identity, and
+        # with the generation file already saying so.
+        done["generation_file"] = await self.services.run_in_io(
+            write_generation_file,
+            self.services.runtime_dir(),
+            {
+                "generation": gen,
+                "instance_id": self.instance_id,
+                "sandbox_id": self.sandbox_id,
+                "hostname": ident.hostname,
+                "restored_at": self.restored_at,
+            },
+        )
         done["thawed"] = self.thaw()
+        ids = self.services.config.policy.workload_ids()
+        done["signalled"] = await self.services.run_in_io(
+            signal_registered, self.services.workload.path, ids[0] if ids is not None else None
+        )
         t = time.monotonic()
         done.update(await self._reseed_workloads(entropy))
         done["workloads_ms"] = (time.monotonic() - t) * 1000

@@ -1118,6 +1118,13 @@ SNAPSHOT_OPS: tuple[OpSpec, ...] = (
             F("workloads_ms", "float", "time re-seeding contexts and shells took", True),
             F("duration_s", "float", "time the restore took in the guest", True),
             F("thawed", "bool", "a freeze of snapshot.prepare was lifted (after the CRNG re-seed)", True),
+            F("generation_file", "str", "the file the workload reads the generation and identity from", True),
+            F(
+                "signalled",
+                "list<uint>",
+                "pids of workload processes started with GUESTD_ON_RESTORE that were sent their signal",
+                True,
+            ),
         ),
         errors=("stale", "bad_request", "permission_denied"),
     ),

@@ -839,6 +839,8 @@ class SnapshotRestoreReply(TypedDict):
     workloads_ms: float
     duration_s: float
     thawed: bool
+    generation_file: str
+    signalled: list[int]
 
 
 class PortConnectArgs(TypedDict):
