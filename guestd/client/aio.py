@@ -41,6 +41,7 @@ from guestd.wire.frames import DEFAULT_MAX_FRAME
 from guestd.wire.paths import WirePath, path_to_wire
 from guestd.wire.schema import OPS_BY_NAME
 from guestd.wire.types import (
+    ClockCheckReply,
     CodeRunReply,
     ExecReply,
     FileListReply,
@@ -964,6 +965,12 @@ class AsyncClient(PortsAPI):
             wait_s = timeout_s if timeout_s is not None else schema_default("snapshot.prepare", "timeout_s")
             deadline = wait_s + PREPARE_MARGIN
         return await self._conn.request("snapshot.prepare", args, deadline)
+
+    async def clock_check(self, *, time_ns: int | None = None, deadline: float | None = 10.0) -> ClockCheckReply:
+        """Compare the guest's clock with this host's (``time_ns``: now, unless given); the guest
+        reports jumps and drift and sets its clock when it is more than 0.2 s off."""
+        args = {"time_ns": time.time_ns() if time_ns is None else time_ns}
+        return cast(ClockCheckReply, await self._conn.request("clock.check", args, deadline))
 
     async def snapshot_resume(self, *, deadline: float | None = 30.0) -> None:
         await self._conn.request("snapshot.resume", {}, deadline)

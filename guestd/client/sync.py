@@ -29,7 +29,7 @@ from guestd.client.ports_sync import SyncPortsAPI
 from guestd.client.results import CodeResult, DirListing, ExecResult, FileStat, Info, ShellResult
 from guestd.wire.frames import DEFAULT_MAX_FRAME
 from guestd.wire.paths import WirePath
-from guestd.wire.types import MetricsSampleRecord
+from guestd.wire.types import ClockCheckReply, MetricsSampleRecord
 
 T = TypeVar("T")
 
@@ -444,6 +444,9 @@ class Client(SyncPortsAPI):
                 deadline=deadline,
             )
         )
+
+    def clock_check(self, *, time_ns: int | None = None, deadline: float | None = 10.0) -> ClockCheckReply:
+        return self._run(self._aio.clock_check(time_ns=time_ns, deadline=deadline))
 
     def snapshot_resume(self, *, deadline: float | None = 30.0) -> None:
         self._run(self._aio.snapshot_resume(deadline=deadline))

@@ -7,6 +7,8 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:  # the generated message types: annotations only, never imported at run time
     from guestd.services import Request, Services
     from guestd.wire.types import (
+        ClockCheckArgs,
+        ClockCheckReply,
         SnapshotPrepareArgs,
         SnapshotPrepareReply,
         SnapshotRestoreArgs,
@@ -33,7 +35,11 @@ def register(services: Services) -> SnapshotState:
     async def op_restore(ctx: Request, a: SnapshotRestoreArgs) -> SnapshotRestoreReply:
         return await state.restore(a, ctx.connection)
 
+    async def op_clock_check(ctx: Request, a: ClockCheckArgs) -> ClockCheckReply:
+        return state.check_clock(a["time_ns"])
+
     services.ops.add("snapshot.prepare", op_prepare)
+    services.ops.add("clock.check", op_clock_check)
     services.ops.add("snapshot.resume", op_resume)
     services.ops.add("snapshot.restore", op_restore)
     return state

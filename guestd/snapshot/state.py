@@ -30,13 +30,14 @@ import time
 from typing import TYPE_CHECKING, Any, NamedTuple, cast
 
 from guestd.services import derive
+from guestd.snapshot.clock import ClockWatch
 from guestd.snapshot.hazards import clone_hazards
 from guestd.snapshot.notify import signal_registered, write_generation_file
 from guestd.wire.errors import ErrorCode, GuestdError
 
 if TYPE_CHECKING:  # the generated message types: annotations only, never imported at run time
     from guestd.services import Services
-    from guestd.wire.types import SnapshotPrepareReply, SnapshotRestoreArgs, SnapshotRestoreReply
+    from guestd.wire.types import ClockCheckReply, SnapshotPrepareReply, SnapshotRestoreArgs, SnapshotRestoreReply
 
 log = logging.getLogger("guestd.snapshot")
 
@@ -185,7 +186,9 @@ def _check_fsfreeze(path: str) -> None:
 
 
 # Ops that never wait behind a quiesce (health checks and the snapshot ops themselves).
-UNGATED_WHEN_QUIESCED = frozenset({"ping", "info", "snapshot.prepare", "snapshot.resume", "snapshot.restore"})
+UNGATED_WHEN_QUIESCED = frozenset(
+    {"ping", "info", "clock.check", "snapshot.prepare", "snapshot.resume", "snapshot.restore"}
+)
 
 
 class SnapshotState:
@@ -206,6 +209,7 @@ class SnapshotState:
         self._frozen_workload = False  # prepare froze the workload cgroup
         self._fs_frozen: tuple[str, int] | None = None  # (mount point, its fd) frozen by prepare
         self._thaw_timer: asyncio.TimerHandle | None = None
+        self.clock = ClockWatch()
 
     def gate(self, op: str) -> asyncio.Event | None:
         """The event a new request must wait for, or None. During a restore everything but the
@@ -401,7 +405,8 @@ class SnapshotState:
         done["crng_ms"] = (time.monotonic() - t) * 1000
         skew = time.time_ns() - args["time_ns"]
         done["clock_skew_s"] = skew / 1e9
-        done["clock"] = self.priv.set_clock(args["time_ns"]) if abs(skew) > CLOCK_THRESHOLD_S * 1e9 else "kept"
+        seen = self.clock.observe(args["time_ns"], "restore")
+        done["clock"] = self._step_clock(args["time_ns"], seen) if abs(skew) > CLOCK_THRESHOLD_S * 1e9 else "kept"
         applied = []
         if ident.sandbox_id is not None:
             applied.append("sandbox_id")
@@ -474,13 +479,52 @@ class SnapshotState:
         """Fallback when the host forgot `restore`: a handshake's clock far from ours means we were paused."""
         if host_time_ns is None:
             return
-        skew = time.time_ns() - host_time_ns
-        if abs(skew) > 1e9:
+        report = self.clock.observe(host_time_ns, "hello")
+        if abs(report["offset_s"]) > 1.0:
             self.suspected_restore = True
             try:
-                self.priv.set_clock(host_time_ns)
+                self._step_clock(host_time_ns, report)
             except (OSError, ValueError, OverflowError):
                 pass  # a clock we cannot set (or a value no clock holds) leaves ours as it is
+
+    def check_clock(self, host_time_ns: int) -> ClockCheckReply:
+        """clock.check: compare with the host's clock, report jumps and drift, and set ours when
+        it is more than CLOCK_THRESHOLD_S off (saying so when that steps it back under runs)."""
+        report = self.clock.observe(host_time_ns, "check")
+        how = "kept"
+        if abs(report["offset_s"]) > CLOCK_THRESHOLD_S:
+            try:
+                how = self._step_clock(host_time_ns, report)
+            except (ValueError, OverflowError):
+                raise _bad("time_ns", "is outside what the clock can be set to") from None
+            except OSError as exc:
+                raise GuestdError.from_os_error(exc, stage="clock") from None
+        return {
+            "offset_s": report["offset_s"],
+            "since_last_s": report["since_last_s"],
+            "host_jump_s": report["host_jump_s"],
+            "guest_jump_s": report["guest_jump_s"],
+            "drift_ppm": report["drift_ppm"],
+            "clock": how,
+            "stepped_s": report.get("stepped_s"),
+            "runs_in_flight": report.get("runs_in_flight", len(self.services.children.live)),
+            "backwards_under_runs": bool(report.get("backwards_under_runs")),
+        }
+
+    def _step_clock(self, host_time_ns: int, report: dict[str, Any]) -> str:
+        """Set the wall clock to the host's; a step back while runs are in flight (their timers
+        on CLOCK_REALTIME fire late by as much) is logged, counted and reported."""
+        by_ns = host_time_ns - time.time_ns()
+        runs = len(self.services.children.live)
+        how = self.priv.set_clock(host_time_ns)
+        report.update(stepped_s=by_ns / 1e9, runs_in_flight=runs, clock=how)
+        if how == "done":
+            self.clock.stepped(by_ns)
+        if by_ns < 0 and runs:
+            report["backwards_under_runs"] = True
+            self.clock.backwards_under_runs += 1
+            log.warning("wall clock stepped back %.3f s to the host's, under %d run(s) in flight", -by_ns / 1e9, runs)
+        return how
 
     def describe(self) -> dict[str, Any]:
         return {
@@ -493,4 +537,5 @@ class SnapshotState:
             "suspected_restore": self.suspected_restore,
             "restored_at": self.restored_at,
             "simulate_privileged": self.priv.simulate,
+            "clock": self.clock.describe(),
         }

@@ -1082,6 +1082,37 @@ SNAPSHOT_OPS: tuple[OpSpec, ...] = (
             F("duration_s", "float", "wall time", True),
         ),
     ),
+    OpSpec(
+        "clock.check",
+        "snapshot",
+        "Compare the guest's wall clock with the host's (cheap: the host may call it every few seconds): jumps "
+        "of either clock and drift since the previous check or hello, measured against the guest's monotonic "
+        "clock; a guest clock more than 0.2 s off is set to the host's, and a step back while runs are in "
+        "flight is reported (backwards_under_runs). Answered while quiesced.",
+        args=(F("time_ns", "int", "the host's wall clock, ns since the epoch", True, ge=0, le=9223372036854775807),),
+        result=(
+            F("offset_s", "float", "guest wall clock minus the host's, before any correction", True),
+            F("since_last_s", "float?", "guest monotonic seconds since the previous observation (nil: the first)"),
+            F(
+                "host_jump_s",
+                "float?",
+                "the host's clock moved this much more than the guest's monotonic clock since the previous "
+                "observation (more than 1 s: a host clock step, or the VM was paused or restored)",
+            ),
+            F("guest_jump_s", "float?", "the guest's wall clock moved this much more than its monotonic clock"),
+            F("drift_ppm", "float?", "guest wall clock rate against the host's (observations >= 10 s apart, no jump)"),
+            F("clock", "str", "done | simulated | kept (within 0.2 s)", True),
+            F("stepped_s", "float?", "how far the clock was set (negative: backwards)"),
+            F("runs_in_flight", "uint", "runs of the workload alive at the check", True),
+            F(
+                "backwards_under_runs",
+                "bool",
+                "the clock was set back while runs were in flight (their CLOCK_REALTIME timers fire late by that)",
+                True,
+            ),
+        ),
+        errors=("bad_request",),
+    ),
     OpSpec("snapshot.resume", "snapshot", "Accept new work again after a quiescing prepare (no restore happened)."),
     OpSpec(
         "snapshot.restore",

@@ -798,6 +798,26 @@ class SnapshotPrepareReply(TypedDict):
     duration_s: float
 
 
+class ClockCheckArgs(TypedDict):
+    """`clock.check` args, as validated"""
+
+    time_ns: int
+
+
+class ClockCheckReply(TypedDict):
+    """`clock.check` result"""
+
+    offset_s: float
+    since_last_s: NotRequired[float | None]
+    host_jump_s: NotRequired[float | None]
+    guest_jump_s: NotRequired[float | None]
+    drift_ppm: NotRequired[float | None]
+    clock: str
+    stepped_s: NotRequired[float | None]
+    runs_in_flight: int
+    backwards_under_runs: bool
+
+
 class SnapshotResumeArgs(TypedDict):
     """`snapshot.resume` args, as validated"""
 
