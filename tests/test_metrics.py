@@ -84,3 +84,12 @@ def test_guestctl_metrics(guestd: Guestd) -> None:
     assert r.returncode == 0 and json.loads(r.stdout)["memory_total_bytes"] == meminfo_total()
     r = run("metrics")
     assert r.returncode == 0 and r.stdout.startswith(b"cpu ") and b"memory used" in r.stdout
+    with guestd.client() as c:
+        p = c.process_start(["sleep", "30"])
+        try:
+            r = run("top", "--once", "--interval", "0.1")
+        finally:
+            c.process_signal(p["id"], "KILL")
+    assert r.returncode == 0 and r.stdout.startswith(b"cpu ")
+    [row] = [ln for ln in r.stdout.decode().splitlines() if ln.startswith(p["id"])]
+    assert str(p["pid"]) in row and "running" in row and row.endswith("sleep 30")

@@ -11,7 +11,7 @@
     guestctl ... shell new | shell run ID 'COMMAND' | shell ls | shell rm ID
     guestctl ... port-forward [--address ADDR] LOCAL:GUEST | port-forward --reverse GUEST_PORT:HOST:HOSTPORT
     guestctl ... ports | port-wait GUEST_PORT [--timeout S] [--http] [--path P]
-    guestctl ... metrics [--watch S]
+    guestctl ... metrics [--watch S] | top [--interval S] [--once]
 
 exec/sh exit with the remote exit code (124 when a timeout fired, 128+N when killed by signal N);
 port-wait exits 0 once the port answers, 124 when it did not in time. port-forward runs until
