@@ -20,7 +20,7 @@ if TYPE_CHECKING:
     from concurrent.futures import ThreadPoolExecutor
 
     from guestd.capture import OutputRing
-    from guestd.children import Children
+    from guestd.children import Children, ExitInfo
     from guestd.children.cgroups import RunCgroup, WorkloadCgroup
     from guestd.config import Config
 
@@ -171,6 +171,8 @@ class AdoptedRun(Protocol):
     def close_fd(self, name: str) -> None: ...
 
     def release(self) -> None: ...
+
+    def exit_info(self) -> ExitInfo: ...
 
 
 class Adopter(Protocol):

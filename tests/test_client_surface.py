@@ -19,7 +19,7 @@ from guestd.testing import Guestd
 from guestd.wire.schema import OPS, OPS_BY_NAME
 
 # Async only: they return stream objects to iterate (Client.process_output collects an attach).
-STREAMING = {"exec_stream", "code_run_stream", "attach", "watch_ports", "watch"}
+STREAMING = {"exec_stream", "code_run_stream", "attach", "watch_ports", "watch", "watch_metrics"}
 # Async only, and coroutines: asyncio streams have no blocking twin.
 ASYNC_ONLY = {"open_port"}
 # Twins of their own shape: the blocking client returns a context manager run on its loop thread.

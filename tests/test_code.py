@@ -104,7 +104,7 @@ def test_output_truncation_counts_exact_bytes(c: Client) -> None:
 def test_timeout_interrupts_a_busy_loop_and_keeps_state_and_output(c: Client) -> None:
     c.code_run("keep = 'me'")
     r = c.code_run("print('before', flush=True)\nwhile True: pass", timeout_s=0.5)
-    assert (r.status, r.timeout_action) == ("timeout", "interrupted")
+    assert (r.status, r.timeout_action, r.killed_by) == ("timeout", "interrupted", "timeout")
     assert r.stdout == b"before\n"
     assert c.code_run("keep").text == "'me'"
 
@@ -141,14 +141,14 @@ def test_input_fails_fast_unless_lines_are_given(c: Client) -> None:
 def test_kernel_death_is_reported_and_restart_recovers(c: Client) -> None:
     ctx = c.code_create()
     r = c.code_run("import os\nos._exit(3)", context=ctx["id"])
-    assert r.status == "died" and r.exit_reason == "exited with status 3"
+    assert r.status == "died" and r.exit_reason == "exited with status 3" and r.killed_by is None
     with pytest.raises(GuestdError) as ei:
         c.code_run("1", context=ctx["id"])
     assert ei.value.code == "unavailable"
     c.code_restart(ctx["id"])
     assert c.code_run("1 + 1", context=ctx["id"]).text == "2"
     r = c.code_run("import os, signal\nos.kill(os.getpid(), signal.SIGSEGV)", context=ctx["id"])
-    assert r.status == "died" and "SIGSEGV" in (r.exit_reason or "")
+    assert r.status == "died" and "SIGSEGV" in (r.exit_reason or "") and r.killed_by == "signal"
     c.code_close(ctx["id"])
 
 

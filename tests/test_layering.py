@@ -14,7 +14,7 @@ import pytest
 
 from guestd.testing import REPO
 
-CAPABILITIES = ("exec", "files", "processes", "shells", "code", "snapshot", "system", "ports")
+CAPABILITIES = ("exec", "files", "processes", "shells", "code", "snapshot", "system", "ports", "metrics")
 ABOVE = ("guestd.server", "guestd.client", "guestd.cli", "guestd.testing")
 BELOW = ("guestd/children", "guestd/wire", "guestd/services.py", "guestd/config.py", "guestd/policy.py")
 

@@ -24,11 +24,13 @@ def test_start_returns_at_once_and_survives_its_connection(guestd: Guestd) -> No
     with guestd.client() as c:  # a new connection: the process is still there
         listed = {x["id"]: x for x in c.process_list()}
         assert listed[p["id"]]["state"] == "running" and listed[p["id"]]["pid"] == p["pid"]
-        assert c.process_wait(p["id"], timeout_s=10) == {
+        w = c.process_wait(p["id"], timeout_s=10)
+        assert {k: w[k] for k in ("state", "exit_code", "signal", "timed_out", "killed_by")} == {
             "state": "exited",
             "exit_code": 0,
             "signal": None,
             "timed_out": False,
+            "killed_by": None,
         }
         out, err, final = c.process_output(p["id"])
         assert (out, err, final["stdout_offset"]) == (b"done\n", b"", 5)

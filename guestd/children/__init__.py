@@ -24,18 +24,38 @@ import subprocess
 import termios
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, TypedDict
+from typing import TYPE_CHECKING, Any, Literal, TypedDict
 
-from guestd.children.cgroups import RunCgroup, WorkloadCgroup, WorkloadConfig
+from guestd.children.cgroups import RunCgroup, RunUsage, WorkloadCgroup, WorkloadConfig
 from guestd.children.reaper import Reaper
-from guestd.children.tree import ExitWatch, descendants, kill_tree, set_winsize, signal_each, signal_group, try_reap
+from guestd.children.tree import (
+    ExitWatch,
+    descendants,
+    kill_tree,
+    set_winsize,
+    signal_each,
+    signal_group,
+    try_reap_usage,
+)
 from guestd.wire.errors import ErrorCode, GuestdError
 
 if TYPE_CHECKING:
     from concurrent.futures import ThreadPoolExecutor
     from types import ModuleType
 
-__all__ = ["DEVNULL", "PIPE", "STDOUT", "Child", "Children", "ExitInfo", "WorkloadConfig"]
+__all__ = [
+    "DEVNULL",
+    "PIPE",
+    "STDOUT",
+    "Child",
+    "Children",
+    "ExitInfo",
+    "KilledBy",
+    "RunFigures",
+    "WorkloadConfig",
+    "run_figures",
+    "usage_between",
+]
 
 log = logging.getLogger("guestd.children")
 
@@ -88,6 +108,11 @@ _CHILD_OOM = os.environ.get("GUESTD_CHILD_OOM_SCORE_ADJ")
 _OOM_RESET: bytes | None = (_CHILD_OOM or "0").encode() if _CHILD_OOM is not None or _own_oom_score_adj() < 0 else None
 
 
+# GUESTD_RUN_USAGE=0: no reading of the run's cgroup at exit (bench/observability.py measures
+# what that reading costs an exec; figures then come from wait4 alone).
+_RUN_USAGE = os.environ.get("GUESTD_RUN_USAGE", "1") != "0"
+
+
 def _load_native() -> ModuleType | None:
     if os.environ.get("GUESTD_NATIVE_SPAWN", "1") == "0":
         return None
@@ -98,18 +123,81 @@ def _load_native() -> ModuleType | None:
     return _clone if _clone.AVAILABLE else None
 
 
-class ExitInfo(TypedDict):
+# Why a run ended (PROTOCOL.md "Why a run ended"): guestd ended it for a timeout, an idle
+# timeout or a cancelled request; the kernel's OOM killer; any other signal (an external kill,
+# the client's own signal op, an abort). None: it exited by itself.
+KilledBy = Literal["timeout", "idle_timeout", "cancel", "signal", "oom"]
+
+
+class RunFigures(TypedDict):
+    """Why a run ended and what it used: every run's result carries these (nil: not known)."""
+
+    killed_by: KilledBy | None
+    oom_killed: bool | None
+    cpu_user_s: float | None
+    cpu_sys_s: float | None
+    max_rss_bytes: int | None
+
+
+class ExitInfo(RunFigures):
     """How a process ended, as every process reply reports it (nil while it runs)."""
 
     exit_code: int | None
     signal: int | None
 
 
+_NO_FIGURES: RunFigures = {
+    "killed_by": None,
+    "oom_killed": None,
+    "cpu_user_s": None,
+    "cpu_sys_s": None,
+    "max_rss_bytes": None,
+}
+
+
 def exit_info(status: int | None) -> ExitInfo:
+    """The exit fields of a wait status alone (no figures: see ``Child.exit_info``)."""
     if status is None:
-        return {"exit_code": None, "signal": None}
+        return {"exit_code": None, "signal": None, **_NO_FIGURES}
     code = os.waitstatus_to_exitcode(status)
-    return {"exit_code": code if code >= 0 else None, "signal": -code if code < 0 else None}
+    return {"exit_code": code if code >= 0 else None, "signal": -code if code < 0 else None, **_NO_FIGURES}
+
+
+def run_figures(info: ExitInfo) -> RunFigures:
+    """The figures of an exit info alone (for results that report the exit their own way)."""
+    return {
+        "killed_by": info["killed_by"],
+        "oom_killed": info["oom_killed"],
+        "cpu_user_s": info["cpu_user_s"],
+        "cpu_sys_s": info["cpu_sys_s"],
+        "max_rss_bytes": info["max_rss_bytes"],
+    }
+
+
+def usage_between(
+    before: RunUsage | None, after: RunUsage | None, killed_by: KilledBy | None, exit_code: int | None
+) -> RunFigures:
+    """The figures of part of a long-lived run (one shell command, one cell): what its leaf
+    counted between two readings. ``killed_by`` is the caller's (a timeout it fired...);
+    without one, an OOM kill counted meanwhile with status 137 (bash's 128 + SIGKILL) is "oom".
+    No peak RSS: a process's peak covers its whole life, not a part of it."""
+
+    def delta(a: int | None, b: int | None) -> int | None:
+        return None if a is None or b is None else max(0, b - a)
+
+    user = sys_ = oom = None
+    if before is not None and after is not None:
+        user, sys_ = delta(before.user_usec, after.user_usec), delta(before.system_usec, after.system_usec)
+        oom = delta(before.oom_kills, after.oom_kills)
+    if killed_by is None and oom and exit_code == 128 + signal.SIGKILL:
+        killed_by = "oom"
+    return {
+        "killed_by": killed_by,
+        "oom_killed": None if oom is None else oom > 0,
+        "cpu_user_s": None if user is None else user / 1e6,
+        "cpu_sys_s": None if sys_ is None else sys_ / 1e6,
+        "max_rss_bytes": None,
+    }
 
 
 class Child:
@@ -141,6 +229,9 @@ class Child:
         self.exited: asyncio.Future[None] = asyncio.get_running_loop().create_future()
         self._ending: asyncio.Task[None] | None = None
         self._known: list[Any] = []  # descendants seen before the leader died (no-cgroup mode)
+        self.ended_by: KilledBy | None = None  # why guestd ended the run, when it did (first reason)
+        self.rusage: resource.struct_rusage | None = None  # wait4: the main process + what it waited for
+        self.leaf_at_exit: RunUsage | None = None  # the leaf's counters when the main process was reaped
 
     # -- exit ---------------------------------------------------------------------------
     def watch(self, on_exit: Callable[[], None] | None = None, poll_s: float = 0.05) -> None:
@@ -155,9 +246,12 @@ class Child:
     def _on_exit_ready(self) -> None:
         if self.status is not None:
             return
-        status = try_reap(self.pid)
-        if status is None:
+        reaped = try_reap_usage(self.pid)
+        if reaped is None:
             return
+        status, self.rusage = reaped
+        if self.cgroup is not None and _RUN_USAGE:
+            self.leaf_at_exit = self.cgroup.usage()
         self.status = status
         if self._popen is not None:
             self._popen.returncode = os.waitstatus_to_exitcode(status)
@@ -174,7 +268,39 @@ class Child:
         return self.status is None
 
     def exit_info(self) -> ExitInfo:
-        return exit_info(self.status)
+        """Exit status, why the run ended, and what it used (all nil while it runs).
+
+        CPU: the leaf's cpu.stat when the main process was reaped (every process of the run,
+        orphans included, up to that moment), else wait4's rusage (the main process and the
+        children it waited for). ``max_rss_bytes``: the leaf's memory.peak (every process of
+        the run, page cache included), nil without per-run memory accounting. Not wait4's
+        ru_maxrss: exec records the high-water mark of the memory it leaves, and a child spawned
+        like vfork (or forked) leaves guestd's, so `true` reported 37 MB here."""
+        info = exit_info(self.status)
+        if self.status is None:
+            return info
+        ru, leaf = self.rusage, self.leaf_at_exit
+        user = sys_ = None
+        if leaf is not None and leaf.user_usec is not None and leaf.system_usec is not None:
+            user, sys_ = leaf.user_usec / 1e6, leaf.system_usec / 1e6
+        elif ru is not None:
+            user, sys_ = ru.ru_utime, ru.ru_stime
+        oom = None if leaf is None or leaf.oom_kills is None else leaf.oom_kills > 0
+        info["oom_killed"] = oom
+        info["cpu_user_s"] = user
+        info["cpu_sys_s"] = sys_
+        info["max_rss_bytes"] = leaf.peak_bytes if leaf is not None else None
+        info["killed_by"] = self.ended_by or _death_cause(info["signal"], oom)
+        return info
+
+    def usage_now(self) -> RunUsage | None:
+        """The leaf's counters now (None without a leaf): for figures of part of a run."""
+        return self.cgroup.usage() if self.cgroup is not None else None
+
+    def note_end(self, reason: KilledBy) -> None:
+        """guestd is about to end the run for ``reason`` (kept when it is the first one)."""
+        if self.ended_by is None and self.status is None:
+            self.ended_by = reason
 
     # -- signals and ending ---------------------------------------------------------------
     def signal(self, sig: int) -> None:
@@ -198,9 +324,12 @@ class Child:
             signal_each(escaped, signal.SIGKILL)
         signal_each(self._known, signal.SIGKILL)  # psutil handles: no pid-reuse mistakes
 
-    def end(self, grace_s: float) -> asyncio.Task[None]:
+    def end(self, grace_s: float, reason: KilledBy | None = None) -> asyncio.Task[None]:
         """TERM (and CONT) everything in the run, wait up to ``grace_s`` for it to be gone,
-        then kill what is left. Idempotent: the same task for every caller."""
+        then kill what is left. Idempotent: the same task for every caller. ``reason``: why
+        (reported as the run's ``killed_by``)."""
+        if reason is not None:
+            self.note_end(reason)
         if self._ending is None:
             if self.cgroup is None:
                 self._known = descendants(self.pid) if self.running else []
@@ -246,6 +375,14 @@ class Child:
                 os.close(self._pidfd)
             self._pidfd = None
         self.owner.retire(self)
+
+
+def _death_cause(sig: int | None, oom: bool | None) -> KilledBy | None:
+    """Why a run guestd did not end itself ended: the OOM killer when it killed one of the run's
+    processes and the main process died of SIGKILL, any other signal, else nothing."""
+    if sig is None:
+        return None
+    return "oom" if oom and sig == signal.SIGKILL else "signal"
 
 
 def _event_of(fut: asyncio.Future[None]) -> asyncio.Event:

@@ -79,6 +79,17 @@ def _in_tree(pid: int, path: str) -> bool:
     return any(pid in RunCgroup(d, -1).pids() for d, _dirs, _files in os.walk(path))
 
 
+@dataclass(frozen=True)
+class RunUsage:
+    """A leaf's counters at one moment: CPU microseconds (user, system), OOM kills and peak
+    memory in bytes (None: not known, e.g. no memory controller on the leaves)."""
+
+    user_usec: int | None
+    system_usec: int | None
+    oom_kills: int | None
+    peak_bytes: int | None = None
+
+
 class RunCgroup:
     """One run's leaf. ``fd`` (O_PATH) is what clone3 places the first process with."""
 
@@ -106,6 +117,31 @@ class RunCgroup:
         except OSError:
             pass
         return None
+
+    def usage(self) -> RunUsage:
+        """What the leaf has counted so far: CPU of every process that ran in it (cpu.stat, no
+        controller needed), OOM kills of its processes and its peak memory (memory.events and
+        memory.peak, None without the memory controller on the leaves). Three small files."""
+        user = sys_ = None
+        try:
+            for line in _read(os.path.join(self.path, "cpu.stat")).splitlines():
+                name, _, value = line.partition(" ")
+                if name == "user_usec":
+                    user = int(value)
+                elif name == "system_usec":
+                    sys_ = int(value)
+        except (OSError, ValueError):
+            pass
+        oom = peak = None
+        try:
+            for line in _read(os.path.join(self.path, "memory.events")).splitlines():
+                name, _, value = line.partition(" ")
+                if name == "oom_kill":
+                    oom = int(value)
+            peak = int(_read(os.path.join(self.path, "memory.peak")))  # Linux 5.19
+        except (OSError, ValueError):
+            pass
+        return RunUsage(user, sys_, oom, peak)
 
     def populated(self) -> bool:
         value = self._event("populated")
@@ -211,6 +247,27 @@ class WorkloadCgroup:
         self.path: str | None = None
         self.status = "disabled"
         self.ended_at_start = 0  # processes of a previous guestd's runs ended by setup()
+        self.run_memory = False  # each leaf has its own memory.events (per-run OOM kills)
+
+    def _enable_run_memory(self) -> bool:
+        """The memory controller on every leaf, so an OOM kill is counted in the victim's own
+        run (memory.events oom_kill; the kernel charges it to the victim's cgroup and its
+        ancestors) and the limit stays the workload cgroup's. Possible only once no process is
+        directly in the workload cgroup (cgroup v2's no-internal-process rule): leftovers were
+        just killed, and dying processes leave within milliseconds."""
+        assert self.path is not None
+        control = os.path.join(self.path, "cgroup.subtree_control")
+        for _ in range(100):
+            try:
+                _write(control, "+memory")
+                return True
+            except OSError as exc:
+                if exc.errno != errno.EBUSY:
+                    log.warning("no per-run memory accounting: %s", exc)
+                    return False
+                time.sleep(0.01)  # at start-up, before serving: nothing else waits
+        log.warning("no per-run memory accounting: processes stay in %s", self.path)
+        return False
 
     def setup(self) -> None:
         c = self.cfg
@@ -238,15 +295,29 @@ class WorkloadCgroup:
             return
         self.path = c.cgroup
         self.ended_at_start = self.end_leftovers()
+        self.run_memory = "memory" in wanted and self._enable_run_memory()
         missing = [n for n in ("memory", "pids", "cpu") if n not in wanted]
         self.status = (
             f"active: {c.cgroup} (memory.max={c.memory_max}, pids.max={c.pids_max}, cpu.weight={c.cpu_weight}"
             + (f"; no {'/'.join(missing)} controller" if missing else "")
-            + "; a cgroup per run)"
+            + "; a cgroup per run"
+            + (" with memory accounting)" if self.run_memory else ")")
         )
         if self.ended_at_start:
             log.warning("ended %d process(es) of runs a previous guestd left", self.ended_at_start)
         log.info("workload cgroup %s", self.status)
+
+    def set_frozen(self, frozen: bool) -> bool:
+        """cgroup.freeze on the whole workload (every run's leaf with it); False without a
+        workload cgroup. Processes spawned into a frozen workload are frozen before they exec."""
+        if self.path is None:
+            return False
+        _write(os.path.join(self.path, "cgroup.freeze"), "1" if frozen else "0")
+        return True
+
+    def is_frozen(self) -> bool:
+        """Every process of the workload is frozen (the freeze has settled)."""
+        return self.path is not None and RunCgroup(self.path, -1)._event("frozen") == "1"
 
     def new_run(self, kind: str, run_id: str) -> RunCgroup | None:
         """Make the leaf for one run (None when there is no workload cgroup)."""

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import resource
 import signal
 from collections.abc import Callable
 from typing import TYPE_CHECKING
@@ -119,6 +120,16 @@ def try_reap(pid: int) -> int | None:
     except ChildProcessError:
         return 255 << 8
     return status if done else None
+
+
+def try_reap_usage(pid: int) -> tuple[int, resource.struct_rusage | None] | None:
+    """As ``try_reap``, with the rusage of what was reaped (wait4: the process and the
+    children it waited for); None as rusage when someone else reaped it."""
+    try:
+        done, status, usage = os.wait4(pid, os.WNOHANG)
+    except ChildProcessError:
+        return 255 << 8, None
+    return (status, usage) if done else None
 
 
 class ExitWatch:

@@ -14,6 +14,7 @@
     guestctl ... cp -r DIR :DIR | cp -r :DIR DIR | find :DIR --glob PATTERN | grep [-i] [-F] [--glob G] PATTERN :DIR
     guestctl ... view :PATH [--lines A:B] | edit :PATH --old TEXT --new TEXT | edit :PATH --undo
     guestctl ... apply-patch :DIR < PATCH | watch :DIR (JSON lines)
+    guestctl ... metrics [--watch S] | top [--interval S] [--once]
 
 exec/sh exit with the remote exit code (124 when a timeout fired, 128+N when killed by signal N);
 port-wait exits 0 once the port answers, 124 when it did not in time. port-forward runs until
@@ -31,9 +32,9 @@ control characters escaped, workload output to a terminal with its control seque
 how long the guest waits for the exit); guestctl's own wait for the reply is derived from them
 (the client's deadline). --connect-timeout bounds connecting and the handshake.
 
-One module per capability (system, exec, files, workspace, processes, shells, snapshot, code, ports), mirroring the
-daemon's; each registers its subcommands with their handlers, so a new command touches one module.
-This one holds the connection options and ``main``.
+One module per capability (system, exec, files, workspace, processes, shells, snapshot, code, ports,
+metrics), mirroring the daemon's; each registers its subcommands with their handlers, so a new
+command touches one module. This one holds the connection options and ``main``.
 """
 
 from __future__ import annotations
@@ -43,7 +44,7 @@ import asyncio
 import os
 import sys
 
-from guestd.cli import code, files, ports, processes, shells, snapshot, system, terminal, workspace
+from guestd.cli import code, files, metrics, ports, processes, shells, snapshot, system, terminal, workspace
 from guestd.cli import exec as exec_  # the module; plain "exec" would hide the builtin here
 from guestd.cli.shared import Handler, print_json
 from guestd.client.aio import CONNECT_TIMEOUT, AsyncClient
@@ -53,7 +54,7 @@ __all__ = ["build_parser", "main", "run"]
 
 DEFAULT_CONNECT = "unix:/run/guestd/guestd.sock"
 # The order of ``guestctl --help``.
-COMMAND_MODULES = (system, exec_, files, workspace, processes, shells, snapshot, code, ports)
+COMMAND_MODULES = (system, exec_, files, workspace, processes, shells, snapshot, code, ports, metrics)
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -8,7 +8,7 @@ import re
 import sys
 
 from guestd.cli import terminal
-from guestd.cli.shared import Subcommands, add_command, parse_env, print_json
+from guestd.cli.shared import Subcommands, add_command, parse_env, print_death, print_json
 from guestd.cli.terminal import field
 from guestd.client.aio import AsyncClient
 from guestd.client.results import CodeResult
@@ -115,6 +115,7 @@ async def run_code(client: AsyncClient, ns: argparse.Namespace) -> int:
     if res.status not in ("ok", "error"):
         extra = res.timeout_action or field(res.exit_reason or "")
         print(f"guestctl: run {res.status}" + (f" ({extra})" if extra else ""), file=sys.stderr)
+    print_death(res.killed_by, res.oom_killed)
     return CODE_EXIT.get(res.status, 1)
 
 

@@ -8,7 +8,7 @@ import sys
 
 from guestd.cli import terminal
 from guestd.cli.processes import start_process
-from guestd.cli.shared import Subcommands, add_command, parse_env, print_json
+from guestd.cli.shared import Subcommands, add_command, parse_env, print_death, print_json
 from guestd.client.aio import AsyncClient
 from guestd.client.results import ExecResult
 
@@ -86,4 +86,5 @@ def print_exec_result(res: ExecResult, raw: bool) -> None:
         )
     elif res.timed_out:
         print(f"guestctl: {res.timed_out} timeout fired; process tree killed", file=sys.stderr)
+    print_death(res.killed_by, res.oom_killed, res.signal)
     sys.stderr.flush()

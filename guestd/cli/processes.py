@@ -10,7 +10,7 @@ import sys
 from typing import Any
 
 from guestd.cli import terminal
-from guestd.cli.shared import Subcommands, add_command, exit_code_of, print_json
+from guestd.cli.shared import Subcommands, add_command, exit_code_of, print_death, print_json
 from guestd.cli.terminal import field
 from guestd.client.aio import AsyncClient
 
@@ -57,6 +57,8 @@ async def wait(client: AsyncClient, ns: argparse.Namespace) -> int:
     res = await client.process_wait(ns.id, timeout_s=ns.timeout)
     if ns.json:
         print_json(res)
+    else:
+        print_death(res.get("killed_by"), res.get("oom_killed"), res.get("signal"))
     if res["timed_out"]:
         return 124
     return exit_code_of(res)

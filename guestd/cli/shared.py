@@ -7,6 +7,7 @@ import argparse
 import base64
 import json
 import math
+import signal
 import sys
 from collections.abc import Awaitable, Callable
 from typing import Any, TypeAlias
@@ -76,3 +77,26 @@ def guest_path(arg: str) -> str | None:
 def exit_code_of(status: dict[str, Any]) -> int:
     """A finished process's status as a shell would report it: 128+N when killed by signal N."""
     return 128 + int(status["signal"]) if status["signal"] is not None else int(status["exit_code"] or 0)
+
+
+_CAUSES = {
+    "signal": "killed by a signal",
+    "oom": "killed by the kernel's OOM killer (out of memory)",
+    "cancel": "ended by guestd: the request was cancelled",
+}
+
+
+def print_death(killed_by: str | None, oom_killed: bool | None, sig: int | None = None) -> None:
+    """On stderr, why something killed the run (timeouts have their own line), so exit 137
+    is not left to guessing: the OOM killer, or a signal from outside."""
+    note = _CAUSES.get(killed_by or "")
+    if note is None:
+        if not oom_killed:
+            return
+        note = "the OOM killer killed one of its processes"
+    if sig is not None and killed_by == "signal":
+        try:
+            note += f" ({signal.Signals(sig).name})"
+        except ValueError:
+            note += f" ({sig})"
+    print(f"guestctl: {note}", file=sys.stderr)

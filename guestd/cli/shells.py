@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from guestd.cli.shared import Subcommands, add_command, json_path, parse_env, print_json
+from guestd.cli.shared import Subcommands, add_command, json_path, parse_env, print_death, print_json
 from guestd.cli.terminal import field, write_output
 from guestd.client.aio import AsyncClient
 from guestd.wire.paths import printable_path
@@ -84,6 +84,7 @@ async def run_in_session(client: AsyncClient, ns: argparse.Namespace) -> int:
             )
         elif res.timed_out:
             print(f"guestctl: {res.timed_out} timeout fired; command interrupted", file=sys.stderr)
+        print_death(res.killed_by, res.oom_killed)
         if res.session_restarted:
             print("guestctl: the session had to be restarted (cwd and exported variables kept)", file=sys.stderr)
     if res.timed_out:

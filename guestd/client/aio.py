@@ -41,7 +41,17 @@ from guestd.wire.errors import ErrorCode, GuestdError
 from guestd.wire.frames import DEFAULT_MAX_FRAME
 from guestd.wire.paths import WirePath, path_to_wire
 from guestd.wire.schema import OPS_BY_NAME
-from guestd.wire.types import CodeRunReply, ExecReply, FileListReply, FileStatReply, ShellRunReply
+from guestd.wire.types import (
+    ClockCheckReply,
+    CodeRunReply,
+    ExecReply,
+    FileListReply,
+    FileStatReply,
+    MetricsEvent,
+    MetricsReply,
+    MetricsSampleRecord,
+    ShellRunReply,
+)
 
 CONNECT_TIMEOUT = 10.0  # connect + handshake
 DEFAULT_DEADLINE = 300.0  # a request with no bound of its own in the guest
@@ -355,6 +365,36 @@ class AsyncClient(PortsAPI, WorkspaceAPI):
     async def info(self, *, deadline: float | None = 10.0) -> Info:
         b = await self._conn.request("info", {}, deadline)
         return Info(b["version"], b["protocol_version"], b["capabilities"], b["boot_id"], b["uptime_s"], b)
+
+    # -- metrics ----------------------------------------------------------------------------
+    async def metrics(self, *, interval_ms: int | None = None, deadline: float | None = 70.0) -> MetricsSampleRecord:
+        """One sample of the guest's figures; CPU % over ``interval_ms`` (default 200, 0: none)."""
+        b = cast(MetricsReply, await self._conn.request("metrics", present(interval_ms=interval_ms), deadline))
+        sample = b.get("sample")
+        if sample is None:
+            raise GuestProtocolError("metrics: no sample in the reply")
+        return sample
+
+    async def watch_metrics(
+        self, *, interval_ms: int | None = None, count: int | None = None
+    ) -> AsyncIterator[tuple[str, MetricsEvent]]:
+        """``("sample", event)`` every ``interval_ms`` (default: the schema's), and ``("oom", event)``
+        when the workload's OOM kill count grew; until ``count`` samples, or until the caller
+        stops iterating (which cancels the stream in the guest)."""
+        call = self._conn.start("metrics", present(interval_ms=interval_ms, stream=True, count=count))
+        period_ms = interval_ms if interval_ms is not None else int(schema_default("metrics", "interval_ms"))
+        gap = period_ms / 1000 * 3 + 30.0  # a guest that stops sending is a dead guest
+        try:
+            while True:
+                ev = await call.next_event(gap)
+                if ev is None:
+                    break
+                body = cast("MetricsEvent", ev)
+                yield body["ev"], body
+            await self._conn.wait(call, gap)
+        finally:
+            if not call.future.done():
+                call.cancel()
 
     # -- exec -------------------------------------------------------------------------------
     @staticmethod
@@ -969,15 +1009,36 @@ class AsyncClient(PortsAPI, WorkspaceAPI):
 
     # -- snapshots ----------------------------------------------------------------------------
     async def snapshot_prepare(
-        self, *, quiesce: bool | None = None, timeout_s: float | None = None, deadline: float | None = None
+        self,
+        *,
+        quiesce: bool | None = None,
+        timeout_s: float | None = None,
+        freeze: bool | None = None,
+        fsfreeze: WirePath | None = None,
+        freeze_max_s: float | None = None,
+        deadline: float | None = None,
     ) -> dict[str, Any]:
         """Call before pausing/snapshotting the VM. ``timeout_s`` is how long the guest waits
-        for in-flight writes; ``deadline`` defaults to that plus time for the sync after it."""
-        args = present(quiesce=quiesce, timeout_s=_seconds(timeout_s))
+        for in-flight writes; ``deadline`` defaults to that plus time for the sync after it.
+        ``freeze``: stop every workload process (cgroup.freeze) until resume or restore;
+        ``fsfreeze``: also freeze that mount (PROTOCOL.md 11)."""
+        args = present(
+            quiesce=quiesce,
+            timeout_s=_seconds(timeout_s),
+            freeze=freeze,
+            fsfreeze=None if fsfreeze is None else path_to_wire(fsfreeze),
+            freeze_max_s=_seconds(freeze_max_s),
+        )
         if deadline is None:
             wait_s = timeout_s if timeout_s is not None else schema_default("snapshot.prepare", "timeout_s")
             deadline = wait_s + PREPARE_MARGIN
         return await self._conn.request("snapshot.prepare", args, deadline)
+
+    async def clock_check(self, *, time_ns: int | None = None, deadline: float | None = 10.0) -> ClockCheckReply:
+        """Compare the guest's clock with this host's (``time_ns``: now, unless given); the guest
+        reports jumps and drift and sets its clock when it is more than 0.2 s off."""
+        args = {"time_ns": time.time_ns() if time_ns is None else time_ns}
+        return cast(ClockCheckReply, await self._conn.request("clock.check", args, deadline))
 
     async def snapshot_resume(self, *, deadline: float | None = 30.0) -> None:
         await self._conn.request("snapshot.resume", {}, deadline)

@@ -16,6 +16,7 @@ if TYPE_CHECKING:  # the schema's own types (guestd/wire/types.py, generated), f
         CodeRunStatus,
         CodeRunTimeoutAction,
         DirEntryType,
+        ExecKilledBy,
         ExecReply,
         ExecTimedOut,
         FileStatReply,
@@ -91,7 +92,19 @@ class CapturedOutput:
 
 
 @dataclass(frozen=True, kw_only=True)
-class ExecResult(CapturedOutput):
+class RunFigures:
+    """Why a run ended and what it used (PROTOCOL.md "Why a run ended"); None: not known, or a
+    guest older than these fields."""
+
+    killed_by: ExecKilledBy | None = None
+    oom_killed: bool | None = None
+    cpu_user_s: float | None = None
+    cpu_sys_s: float | None = None
+    max_rss_bytes: int | None = None
+
+
+@dataclass(frozen=True, kw_only=True)
+class ExecResult(RunFigures, CapturedOutput):
     exit_code: int | None
     signal: int | None
     timed_out: ExecTimedOut | None
@@ -103,7 +116,7 @@ class ExecResult(CapturedOutput):
     @classmethod
     def from_body(cls, b: ExecReply) -> ExecResult:
         fields: dict[str, Any] = {"detached": None, **b}
-        return cls(**{k: fields[k] for k in cls.__dataclass_fields__})
+        return cls(**{k: fields[k] for k in cls.__dataclass_fields__ if k in fields})
 
     @property
     def ok(self) -> bool:
@@ -167,7 +180,7 @@ class CodeError:
 
 
 @dataclass(frozen=True)
-class CodeResult:
+class CodeResult(RunFigures):
     """One cell's outcome. ``results`` holds MIME bundles: ``{"kind", "data": {mime: value}}``.
     (Not a CapturedOutput: its ``text`` is the cell's value, not its stdout.)"""
 
@@ -210,6 +223,11 @@ class CodeResult:
             stdin_exhausted=b["stdin_exhausted"],
             execution_count=b.get("execution_count"),
             duration_s=b["duration_s"],
+            killed_by=b.get("killed_by"),
+            oom_killed=b.get("oom_killed"),
+            cpu_user_s=b.get("cpu_user_s"),
+            cpu_sys_s=b.get("cpu_sys_s"),
+            max_rss_bytes=b.get("max_rss_bytes"),
         )
 
     @property
@@ -248,7 +266,7 @@ class CodeResult:
 
 
 @dataclass(frozen=True, kw_only=True)
-class ShellResult(CapturedOutput):
+class ShellResult(RunFigures, CapturedOutput):
     exit_code: int | None
     timed_out: ShellRunTimedOut | None
     interrupted: bool
@@ -261,4 +279,4 @@ class ShellResult(CapturedOutput):
     @classmethod
     def from_body(cls, b: ShellRunReply) -> ShellResult:
         fields: dict[str, Any] = {"detached": None, **b}
-        return cls(**{k: fields[k] for k in cls.__dataclass_fields__})
+        return cls(**{k: fields[k] for k in cls.__dataclass_fields__ if k in fields})

@@ -31,6 +31,7 @@ from guestd.client.results import CodeResult, DirListing, ExecResult, FileStat, 
 from guestd.client.workspace_sync import SyncWorkspaceAPI
 from guestd.wire.frames import DEFAULT_MAX_FRAME
 from guestd.wire.paths import WirePath
+from guestd.wire.types import ClockCheckReply, MetricsSampleRecord
 
 T = TypeVar("T")
 
@@ -117,6 +118,9 @@ class Client(SyncPortsAPI, SyncWorkspaceAPI):
 
     def info(self, *, deadline: float | None = 10.0) -> Info:
         return self._run(self._aio.info(deadline=deadline))
+
+    def metrics(self, *, interval_ms: int | None = None, deadline: float | None = 70.0) -> MetricsSampleRecord:
+        return self._run(self._aio.metrics(interval_ms=interval_ms, deadline=deadline))
 
     def exec(
         self,
@@ -435,9 +439,28 @@ class Client(SyncPortsAPI, SyncWorkspaceAPI):
         self._run(self._aio.shell_close(session, deadline=deadline))
 
     def snapshot_prepare(
-        self, *, quiesce: bool | None = None, timeout_s: float | None = None, deadline: float | None = None
+        self,
+        *,
+        quiesce: bool | None = None,
+        timeout_s: float | None = None,
+        freeze: bool | None = None,
+        fsfreeze: WirePath | None = None,
+        freeze_max_s: float | None = None,
+        deadline: float | None = None,
     ) -> dict[str, Any]:
-        return self._run(self._aio.snapshot_prepare(quiesce=quiesce, timeout_s=timeout_s, deadline=deadline))
+        return self._run(
+            self._aio.snapshot_prepare(
+                quiesce=quiesce,
+                timeout_s=timeout_s,
+                freeze=freeze,
+                fsfreeze=fsfreeze,
+                freeze_max_s=freeze_max_s,
+                deadline=deadline,
+            )
+        )
+
+    def clock_check(self, *, time_ns: int | None = None, deadline: float | None = 10.0) -> ClockCheckReply:
+        return self._run(self._aio.clock_check(time_ns=time_ns, deadline=deadline))
 
     def snapshot_resume(self, *, deadline: float | None = 30.0) -> None:
         self._run(self._aio.snapshot_resume(deadline=deadline))

@@ -37,12 +37,13 @@ from typing import TYPE_CHECKING, Any
 import msgpack
 
 from guestd.capture import OutputCapture, capture_fields
+from guestd.children import usage_between
 from guestd.children.cgroups import guestd_running
 from guestd.services import derive, reseed_each
 from guestd.wire.errors import ErrorCode, GuestdError, limit_error
 
 if TYPE_CHECKING:  # the generated message types: annotations only, never imported at run time
-    from guestd.children import Child
+    from guestd.children import Child, KilledBy
     from guestd.services import Services
     from guestd.wire.types import (
         CodeErrorRecord,
@@ -759,6 +760,7 @@ class CodeContext:
             code, silent=silent, store_history=not silent, allow_stdin=lines is not None, stop_on_error=True
         )
         kernel.current = st  # replies cannot arrive before we are back in the event loop
+        usage = [kernel.child.usage_now() if kernel.child is not None else None]  # before, after
         status: CodeRunStatus = "ok"
         timeout_action: CodeRunTimeoutAction | None = None
         exit_reason = None
@@ -780,6 +782,7 @@ class CodeContext:
                     timeout_action = "interrupted"
                 else:
                     timeout_action = "restarted"
+                    usage.append(kernel.child.usage_now() if kernel.child is not None else None)
                     await self.restart()
             else:
                 status = "error" if (st.reply_status == "error" or st.error) else "ok"
@@ -800,6 +803,11 @@ class CodeContext:
             self._interrupted = False
         if st.execution_count is not None:
             self.execution_count = st.execution_count
+        if len(usage) == 1:
+            usage.append(kernel.child.usage_now() if kernel.child is not None else None)
+        why: KilledBy | None = "timeout" if status == "timeout" else None
+        if status == "died" and kernel.child is not None:
+            why = kernel.child.exit_info()["killed_by"]
         reply: CodeRunReply = {
             "context": self.id,
             "status": status,
@@ -812,6 +820,7 @@ class CodeContext:
             "stdin_exhausted": st.stdin_exhausted,
             "execution_count": st.execution_count,
             "duration_s": time.monotonic() - t0,
+            **usage_between(usage[0], usage[1], why, None),
         }
         return _fit_reply(reply, st)
 

@@ -14,7 +14,7 @@ import time
 from typing import TYPE_CHECKING, Any
 
 from guestd.capture import OutputCapture, OutputRing, capture_fields
-from guestd.children import Child
+from guestd.children import Child, KilledBy, run_figures
 from guestd.children.options import parse_signal
 from guestd.children.tree import read_chunk, write_all
 
@@ -149,7 +149,7 @@ class ExecRun:
         self.timed_out = which
         if self.adopter is not None and self._detach(self.adopter):
             return
-        self.kill()
+        self.kill("timeout" if which == "wall" else "idle_timeout")
 
     def _detach(self, adopter: Adopter) -> bool:
         """Give the running command to the process table: its pipes, its rings, its exit."""
@@ -172,10 +172,10 @@ class ExecRun:
         self.detached_event.set()
         return True
 
-    def kill(self) -> None:
+    def kill(self, reason: KilledBy = "cancel") -> None:
         """End the whole run: TERM, the kill grace, then everything left in its cgroup."""
         if self.kill_task is None:
-            self.kill_task = self.child.end(self.args["kill_grace_s"])
+            self.kill_task = self.child.end(self.args["kill_grace_s"], reason)
 
     def signal(self, sig: int) -> None:
         self.child.signal(sig)
@@ -245,10 +245,11 @@ class ExecRun:
             "exit_code": exit_code if exit_code >= 0 and not running else None,
             "signal": -exit_code if exit_code < 0 and not running else None,
             "timed_out": self.timed_out,
-            **capture_fields(self.caps[1], self.caps[2], streamed=self.stream),  # type: ignore[typeddict-item]  # "changes": the handler adds it
+            **capture_fields(self.caps[1], self.caps[2], streamed=self.stream),
             "duration_s": time.monotonic() - self.t0,
             "pid": self.pid,
             "detached": self.detached,
+            **run_figures(self.child.exit_info()),  # type: ignore[typeddict-item]  # "changes": the handler adds it
         }
 
     def close(self) -> None:

@@ -175,7 +175,7 @@ class ManagedProcess:
         return self.status is None
 
     def exit_info(self) -> ExitInfo:
-        return exit_info(self.status)
+        return self.child.exit_info() if self.child is not None else exit_info(self.status)
 
     # -- control ----------------------------------------------------------------------
     def send_signal(self, sig: int) -> None:

@@ -55,13 +55,14 @@ class Daemon:
         from guestd.code import handlers as code_ops
         from guestd.exec import handlers as exec_ops
         from guestd.files import handlers as file_ops
+        from guestd.metrics import handlers as metrics_ops
         from guestd.ports import handlers as port_ops
         from guestd.processes import handlers as process_ops
         from guestd.shells import handlers as shell_ops
         from guestd.snapshot import handlers as snapshot_ops
         from guestd.system import handlers as system_ops
 
-        for capability in (system_ops, exec_ops, file_ops, process_ops, shell_ops, code_ops, port_ops):
+        for capability in (system_ops, exec_ops, file_ops, process_ops, shell_ops, code_ops, port_ops, metrics_ops):
             capability.register(self.services)
         self.snapshot = snapshot_ops.register(self.services)
 

@@ -19,6 +19,7 @@ import signal
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
+from guestd.children import ExitInfo, exit_info
 from guestd.children.tree import read_chunk, signal_group
 
 if TYPE_CHECKING:
@@ -150,6 +151,11 @@ class ShellJob:
     @property
     def running(self) -> bool:
         return self.status is None
+
+    def exit_info(self) -> ExitInfo:
+        """Exit fields from the wrapper's status; no figures (the job shares the session's leaf
+        until it is detached, so per-run accounting does not apply)."""
+        return exit_info(self.status)
 
     def _on_status(self) -> None:
         if self._status_fd is None:

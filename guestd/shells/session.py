@@ -46,7 +46,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, Literal
 
 from guestd.capture import OutputCapture, OutputRing, capture_fields
-from guestd.children import DEVNULL, PIPE, Child, exit_info
+from guestd.children import DEVNULL, PIPE, Child, KilledBy, exit_info, usage_between
 from guestd.children.options import check_cwd
 from guestd.children.tree import descendants, read_chunk, signal_each, signal_group, write_all
 from guestd.services import derive, reseed_each
@@ -64,6 +64,8 @@ _CREDS_SPACE = socket.CMSG_SPACE(struct.calcsize("iII"))  # struct ucred: pid, u
 READ_SIZE = 256 * 1024
 _STREAM_FIELDS = {1: {"ev": "stdout"}, 2: {"ev": "stderr"}}
 GRACE_S = 1.0
+# A command guestd interrupted: why, as a run's killed_by
+_KILLED_BY: dict[str, KilledBy] = {"wall": "timeout", "idle": "idle_timeout", "cancel": "cancel"}
 MAX_CTL_BYTES = 16 * 1024 * 1024  # a marker carries `export -p`; more than this is not one
 DETACH_RING_BYTES = 1024 * 1024  # per stream, as process.start's default ring_bytes
 
@@ -665,6 +667,7 @@ class Session:
         # What runs in the session now (bash, jobs of earlier commands): a timeout or cancel of
         # this command ends everything else in the session's cgroup, wherever it went.
         self._before = set(self.child.cgroup.pids()) if self.child.cgroup is not None else set()
+        usage_before, ran_in = self.child.usage_now(), self.child
         nonce = self._expect()
         # What earlier commands set must not bend this line: every expansion is quoted (IFS),
         # guestd's functions are called as \name (no alias applies; they are read-only).
@@ -736,6 +739,7 @@ class Session:
                     os.unlink(infile)
                 except OSError:
                     pass
+        usage_after = ran_in.usage_now()
         if restarted and not self.closed:
             await self.restart()
         if count:
@@ -746,6 +750,11 @@ class Session:
             # under `set -o posix`, where the builtin comes before guestd's function): its
             # exit status is the command's, as with `bash -c`.
             code = exit_info(bash_status)["exit_code"]
+        why: KilledBy | None = _KILLED_BY.get(outcome or "")
+        if outcome == "exited":
+            why = ran_in.exit_info()["killed_by"]
+        if detached is not None:
+            why = None  # not ended: it goes on as a background process
         if result:
             self.cwd = result[1]
             self.exports = result[2]
@@ -755,9 +764,10 @@ class Session:
             "interrupted": interrupted,
             "session_restarted": restarted,
             "cwd": path_to_wire(self.cwd),
-            **capture_fields(caps[1], caps[2], streamed=a["stream"] and ctx is not None),  # type: ignore[typeddict-item]  # "changes": the handler adds it
+            **capture_fields(caps[1], caps[2], streamed=a["stream"] and ctx is not None),
             "duration_s": time.monotonic() - t0,
             "detached": detached,
+            **usage_between(usage_before, usage_after, why, code),  # type: ignore[typeddict-item]  # "changes": the handler adds it
         }
 
     async def _release_bash(self) -> bool:

@@ -23,21 +23,29 @@ run for real only in guests; with ``simulate_privileged`` they are recorded inst
 from __future__ import annotations
 
 import asyncio
+import logging
 import os
 import re
 import time
 from typing import TYPE_CHECKING, Any, NamedTuple, cast
 
 from guestd.services import derive
+from guestd.snapshot.clock import ClockWatch
+from guestd.snapshot.hazards import clone_hazards
+from guestd.snapshot.notify import signal_registered, write_generation_file
 from guestd.wire.errors import ErrorCode, GuestdError
 
 if TYPE_CHECKING:  # the generated message types: annotations only, never imported at run time
     from guestd.services import Services
-    from guestd.wire.types import SnapshotPrepareReply, SnapshotRestoreArgs, SnapshotRestoreReply
+    from guestd.wire.types import ClockCheckReply, SnapshotPrepareReply, SnapshotRestoreArgs, SnapshotRestoreReply
+
+log = logging.getLogger("guestd.snapshot")
 
 RNDADDENTROPY = 0x40085203
 RNDRESEEDCRNG = 0x5207
 RANDOM_SEED_FILES = ("/var/lib/systemd/random-seed", "/var/lib/urandom/random-seed", "/var/lib/random-seed")
+FIFREEZE, FITHAW = 0xC0045877, 0xC0045878
+FREEZE_SETTLE_POLLS = 500  # x 10 ms: how long prepare waits for cgroup.events "frozen 1"
 CLOCK_THRESHOLD_S = 0.2  # the host's clock arrives a request latency late; below this, leave the clock alone
 
 
@@ -161,8 +169,26 @@ def _checked_identity(args: SnapshotRestoreArgs) -> Identity:
     return Identity(sandbox_id, hostname, env, token)
 
 
+def _check_fsfreeze(path: str) -> None:
+    """Only a mount point, never the root file system: guestd itself (its log, its runtime dir,
+    the Python it imports lazily) would block on a frozen /."""
+    bad = None
+    if not os.path.isabs(path):
+        bad = "must be an absolute path"
+    elif os.path.realpath(path) == "/":
+        bad = "must not be the root file system"
+    elif not os.path.ismount(path):
+        bad = "is not a mount point"
+    if bad is not None:
+        raise GuestdError(
+            ErrorCode.BAD_REQUEST, f"fsfreeze {path!r} {bad}", details={"field": "fsfreeze", "stage": "fsfreeze"}
+        )
+
+
 # Ops that never wait behind a quiesce (health checks and the snapshot ops themselves).
-UNGATED_WHEN_QUIESCED = frozenset({"ping", "info", "snapshot.prepare", "snapshot.resume", "snapshot.restore"})
+UNGATED_WHEN_QUIESCED = frozenset(
+    {"ping", "info", "clock.check", "snapshot.prepare", "snapshot.resume", "snapshot.restore"}
+)
 
 
 class SnapshotState:
@@ -180,6 +206,10 @@ class SnapshotState:
         self.restored_at: float | None = None
         self.lock = asyncio.Lock()
         self._inflight: dict[str, asyncio.Future[SnapshotRestoreReply]] = {}  # nonce -> its running restore
+        self._frozen_workload = False  # prepare froze the workload cgroup
+        self._fs_frozen: tuple[str, int] | None = None  # (mount point, its fd) frozen by prepare
+        self._thaw_timer: asyncio.TimerHandle | None = None
+        self.clock = ClockWatch()
 
     def gate(self, op: str) -> asyncio.Event | None:
         """The event a new request must wait for, or None. During a restore everything but the
@@ -192,9 +222,24 @@ class SnapshotState:
         return None if op in UNGATED_WHEN_QUIESCED else self.ready
 
     # -- prepare ------------------------------------------------------------------------
-    async def prepare(self, quiesce: bool, timeout_s: float) -> SnapshotPrepareReply:
+    async def prepare(
+        self,
+        quiesce: bool,
+        timeout_s: float,
+        freeze: bool = False,
+        fsfreeze: str | None = None,
+        freeze_max_s: float = 300.0,
+    ) -> SnapshotPrepareReply:
         t0 = time.monotonic()
-        if quiesce:
+        if freeze and self.services.workload.path is None:
+            raise GuestdError(
+                ErrorCode.UNAVAILABLE,
+                "no workload cgroup to freeze (see info.workload_cgroup)",
+                details={"stage": "freeze", "field": "freeze"},
+            )
+        if fsfreeze is not None:
+            _check_fsfreeze(fsfreeze)
+        if quiesce or freeze or fsfreeze is not None:
             self.quiesced = True
             self.ready.clear()  # new work waits for restore (or resume); in-flight work finishes
         try:
@@ -202,18 +247,91 @@ class SnapshotState:
             writes_done = True
         except TimeoutError:
             writes_done = False
-        await self.services.run_in_io(os.sync)
+        frozen = await self._freeze_workload() if freeze else self.services.workload.is_frozen()
+        await self.services.run_in_io(os.sync)  # after the freeze: what the workload wrote is on disk
         removed = self.priv.remove_seed_files()
+        if fsfreeze is not None and self._fs_frozen is None:
+            await self.services.run_in_io(self._freeze_fs, fsfreeze)
+        if self._frozen_workload or self._fs_frozen is not None:
+            if self._thaw_timer is not None:
+                self._thaw_timer.cancel()
+            self._thaw_timer = asyncio.get_running_loop().call_later(freeze_max_s, self._thaw_expired)
         return {
             "writes_settled": writes_done,
             "synced": True,
             "seed_files_removed": removed,
             "quiesced": self.quiesced,
             "running": self.running_work(),
+            "frozen": frozen,
+            "fs_frozen": self._fs_frozen[0] if self._fs_frozen is not None else None,
+            "hazards": clone_hazards(),
             "duration_s": time.monotonic() - t0,
         }
 
-    def resume(self) -> None:
+    async def _freeze_workload(self) -> bool:
+        """cgroup.freeze, then wait (bounded) until the kernel says every process is frozen."""
+        workload = self.services.workload
+        workload.set_frozen(True)
+        self._frozen_workload = True
+        for _ in range(FREEZE_SETTLE_POLLS):  # a task in uninterruptible sleep freezes when it wakes
+            if workload.is_frozen():
+                return True
+            await asyncio.sleep(0.01)
+        return workload.is_frozen()
+
+    def _freeze_fs(self, path: str) -> None:
+        """FIFREEZE (in an I/O thread: it syncs the file system first)."""
+        if self.priv._record(f"FIFREEZE {path}"):
+            self._fs_frozen = (path, -1)
+            return
+        import fcntl
+
+        fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+        try:
+            fcntl.ioctl(fd, FIFREEZE, 0)
+        except OSError as exc:
+            os.close(fd)
+            raise GuestdError.from_os_error(exc, stage="fsfreeze", path=path) from None
+        self._fs_frozen = (path, fd)
+
+    def thaw(self) -> bool:
+        """Lift a freeze of prepare: the file system first, then the workload. True if one was on."""
+        was = self._frozen_workload or self._fs_frozen is not None
+        if self._thaw_timer is not None:
+            self._thaw_timer.cancel()
+            self._thaw_timer = None
+        if self._fs_frozen is not None:
+            path, fd = self._fs_frozen
+            self._fs_frozen = None
+            if not self.priv._record(f"FITHAW {path}"):
+                import fcntl
+
+                try:
+                    fcntl.ioctl(fd, FITHAW, 0)
+                except OSError as exc:
+                    log.warning("cannot thaw %s: %s", path, exc)
+                finally:
+                    os.close(fd)
+        if self._frozen_workload:
+            self._frozen_workload = False
+            try:
+                self.services.workload.set_frozen(False)
+            except OSError as exc:
+                log.warning("cannot thaw the workload: %s", exc)
+        return was
+
+    def _thaw_expired(self) -> None:
+        self._thaw_timer = None
+        if self.thaw():
+            log.warning("no resume or restore within freeze_max_s of a freezing prepare: thawed")
+            self.resume_work()
+
+    async def resume(self) -> None:
+        """snapshot.resume: thaw, and take new work again."""
+        self.thaw()
+        self.resume_work()
+
+    def resume_work(self) -> None:
         self.quiesced = False
         self.ready.set()
 
@@ -244,6 +362,7 @@ class SnapshotState:
                 try:
                     report = await self._restore_locked(args, identity, origin, gen)
                 finally:
+                    self.thaw()  # a failed restore leaves nothing frozen either
                     self.quiesced = False
                     self.ready.set()
                 report["duration_s"] = time.monotonic() - t0
@@ -286,7 +405,8 @@ class SnapshotState:
         done["crng_ms"] = (time.monotonic() - t) * 1000
         skew = time.time_ns() - args["time_ns"]
         done["clock_skew_s"] = skew / 1e9
-        done["clock"] = self.priv.set_clock(args["time_ns"]) if abs(skew) > CLOCK_THRESHOLD_S * 1e9 else "kept"
+        seen = self.clock.observe(args["time_ns"], "restore")
+        done["clock"] = self._step_clock(args["time_ns"], seen) if abs(skew) > CLOCK_THRESHOLD_S * 1e9 else "kept"
         applied = []
         if ident.sandbox_id is not None:
             applied.append("sandbox_id")
@@ -312,6 +432,24 @@ class SnapshotState:
         self.generation = gen
         self.restored_at = time.time()
         self.suspected_restore = False
+        # The workload runs again only now: after the CRNG re-seed and the new identity, and
+        # with the generation file already saying so.
+        done["generation_file"] = await self.services.run_in_io(
+            write_generation_file,
+            self.services.runtime_dir(),
+            {
+                "generation": gen,
+                "instance_id": self.instance_id,
+                "sandbox_id": self.sandbox_id,
+                "hostname": ident.hostname,
+                "restored_at": self.restored_at,
+            },
+        )
+        done["thawed"] = self.thaw()
+        ids = self.services.config.policy.workload_ids()
+        done["signalled"] = await self.services.run_in_io(
+            signal_registered, self.services.workload.path, ids[0] if ids is not None else None
+        )
         t = time.monotonic()
         done.update(await self._reseed_workloads(entropy))
         done["workloads_ms"] = (time.monotonic() - t) * 1000
@@ -341,13 +479,52 @@ class SnapshotState:
         """Fallback when the host forgot `restore`: a handshake's clock far from ours means we were paused."""
         if host_time_ns is None:
             return
-        skew = time.time_ns() - host_time_ns
-        if abs(skew) > 1e9:
+        report = self.clock.observe(host_time_ns, "hello")
+        if abs(report["offset_s"]) > 1.0:
             self.suspected_restore = True
             try:
-                self.priv.set_clock(host_time_ns)
+                self._step_clock(host_time_ns, report)
             except (OSError, ValueError, OverflowError):
                 pass  # a clock we cannot set (or a value no clock holds) leaves ours as it is
+
+    def check_clock(self, host_time_ns: int) -> ClockCheckReply:
+        """clock.check: compare with the host's clock, report jumps and drift, and set ours when
+        it is more than CLOCK_THRESHOLD_S off (saying so when that steps it back under runs)."""
+        report = self.clock.observe(host_time_ns, "check")
+        how = "kept"
+        if abs(report["offset_s"]) > CLOCK_THRESHOLD_S:
+            try:
+                how = self._step_clock(host_time_ns, report)
+            except (ValueError, OverflowError):
+                raise _bad("time_ns", "is outside what the clock can be set to") from None
+            except OSError as exc:
+                raise GuestdError.from_os_error(exc, stage="clock") from None
+        return {
+            "offset_s": report["offset_s"],
+            "since_last_s": report["since_last_s"],
+            "host_jump_s": report["host_jump_s"],
+            "guest_jump_s": report["guest_jump_s"],
+            "drift_ppm": report["drift_ppm"],
+            "clock": how,
+            "stepped_s": report.get("stepped_s"),
+            "runs_in_flight": report.get("runs_in_flight", len(self.services.children.live)),
+            "backwards_under_runs": bool(report.get("backwards_under_runs")),
+        }
+
+    def _step_clock(self, host_time_ns: int, report: dict[str, Any]) -> str:
+        """Set the wall clock to the host's; a step back while runs are in flight (their timers
+        on CLOCK_REALTIME fire late by as much) is logged, counted and reported."""
+        by_ns = host_time_ns - time.time_ns()
+        runs = len(self.services.children.live)
+        how = self.priv.set_clock(host_time_ns)
+        report.update(stepped_s=by_ns / 1e9, runs_in_flight=runs, clock=how)
+        if how == "done":
+            self.clock.stepped(by_ns)
+        if by_ns < 0 and runs:
+            report["backwards_under_runs"] = True
+            self.clock.backwards_under_runs += 1
+            log.warning("wall clock stepped back %.3f s to the host's, under %d run(s) in flight", -by_ns / 1e9, runs)
+        return how
 
     def describe(self) -> dict[str, Any]:
         return {
@@ -355,7 +532,10 @@ class SnapshotState:
             "instance_id": self.instance_id,
             "sandbox_id": self.sandbox_id,
             "quiesced": self.quiesced,
+            "frozen": self._frozen_workload,
+            "fs_frozen": self._fs_frozen[0] if self._fs_frozen is not None else None,
             "suspected_restore": self.suspected_restore,
             "restored_at": self.restored_at,
             "simulate_privileged": self.priv.simulate,
+            "clock": self.clock.describe(),
         }

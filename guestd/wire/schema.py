@@ -127,6 +127,31 @@ def _bad(name: str, want: str, got: Any) -> GuestdError:
 
 
 # Named nested types: a field of type NAME is a map of these fields, list<NAME> a list of them.
+# Why a run ended and what it used (PROTOCOL.md "Why a run ended"): in every result of a run.
+_FIGURES = (
+    F(
+        "killed_by",
+        "enum(timeout|idle_timeout|cancel|signal|oom)?",
+        "why the run ended when it did not exit by itself: guestd ended it (timeout, idle_timeout, cancel), "
+        "the kernel's OOM killer, or another signal; nil: it exited by itself (or is still running)",
+    ),
+    F(
+        "oom_killed",
+        "bool?",
+        "the OOM killer killed a process of this run (the run's cgroup memory.events); nil: not known "
+        "(no memory controller on the runs' cgroups)",
+    ),
+    F("cpu_user_s", "float?", "CPU seconds in user mode used by the run (nil: not known)"),
+    F("cpu_sys_s", "float?", "CPU seconds in the kernel used by the run (nil: not known)"),
+    F(
+        "max_rss_bytes",
+        "uint?",
+        "peak memory of the run's cgroup (memory.peak: every process of the run, page cache included); nil: "
+        "not known (no memory controller on the runs' cgroups, Linux before 5.19, or part of a long-lived run)",
+    ),
+)
+
+
 RECORDS: dict[str, tuple[F, ...]] = {}
 
 
@@ -377,6 +402,7 @@ RECORDS.update(
             F("stderr_offset", "uint", "bytes written to stderr so far", True),
             F("cpu_s", "float?", "CPU seconds (running only)"),
             F("rss", "uint?", "resident memory, bytes (running only)"),
+            *_FIGURES,
         ),
         "listener": (
             F("port", "uint", "TCP port", True),
@@ -395,6 +421,60 @@ RECORDS.update(
             F("commands", "uint", "commands run", True),
             F("restarts", "uint", "bash restarts", True),
             F("stray_bytes", "uint", "output between commands, discarded", True),
+        ),
+    }
+)
+
+RECORDS.update(
+    {
+        "pressure": (
+            F("cpu_some", "float?", "cpu: some, avg10 %"),
+            F("memory_some", "float?", "memory: some, avg10 %"),
+            F("memory_full", "float?", "memory: full, avg10 %"),
+            F("io_some", "float?", "io: some, avg10 %"),
+            F("io_full", "float?", "io: full, avg10 %"),
+        ),
+        "disk_usage": (
+            F("mount", "path", "mount point", True),
+            F("fs", "str", "file system type", True),
+            F("total_bytes", "uint", "size", True),
+            F("used_bytes", "uint", "used (size - free blocks)", True),
+            F("free_bytes", "uint", "free for an unprivileged user (f_bavail)", True),
+            F("inodes_total", "uint", "inodes (0 where the file system has no fixed count)", True),
+            F("inodes_free", "uint", "free inodes", True),
+        ),
+        "snapshot_hazards": (
+            F("listening", "list<str>", "listening TCP sockets, address:port (at most 256)", True),
+            F("established", "list<str>", "established TCP connections, local -> remote (at most 256)", True),
+            F("listening_count", "uint", "all listening TCP sockets", True),
+            F("established_count", "uint", "all established TCP connections", True),
+        ),
+        "metrics_sample": (
+            F("t", "float", "guest wall clock of the sample", True),
+            F("interval_s", "float?", "the window CPU % was measured over (nil: no window, interval_ms 0)"),
+            F("cpus", "uint", "CPUs online", True),
+            F("cpu_percent", "float?", "guest CPU busy over the window, % of all CPUs (100: every CPU busy)"),
+            F(
+                "workload_cpu_percent",
+                "float?",
+                "CPU used by the workload cgroup over the window, % of all CPUs (nil: no workload cgroup)",
+            ),
+            F("memory_total_bytes", "uint", "MemTotal", True),
+            F("memory_available_bytes", "uint", "MemAvailable", True),
+            F("memory_used_bytes", "uint", "MemTotal - MemAvailable", True),
+            F("workload_memory_bytes", "uint?", "the workload cgroup's memory.current (nil: no memory controller)"),
+            F("workload_memory_peak_bytes", "uint?", "its memory.peak since guestd made it (Linux 5.19)"),
+            F("workload_memory_max_bytes", "uint?", "its memory.max (nil: max, or no memory controller)"),
+            F("processes", "uint", "processes in the guest (guestd's pid namespace)", True),
+            F("workload_pids", "uint?", "tasks in the workload cgroup, as pids.max counts them (pids.current)"),
+            F(
+                "workload_oom_kills",
+                "uint?",
+                "OOM kills in the workload cgroup since guestd made it (memory.events oom_kill)",
+            ),
+            F("pressure", "pressure?", "guest-wide PSI (/proc/pressure; nil where the kernel has none)"),
+            F("workload_pressure", "pressure?", "the workload cgroup's PSI"),
+            F("disks", "list<disk_usage>", "real file systems (no proc, sysfs, cgroup...), at most 32", True),
         ),
     }
 )
@@ -425,6 +505,7 @@ _OUTPUT_RESULT = (
     *_captured("the process"),
     F("duration_s", "float", "wall time from spawn to result", True),
     F("pid", "int", "process id of the started process", True),
+    *_FIGURES,
     F("detached", "str?", "on_timeout detach: the background process id the command goes on as"),
 )
 
@@ -709,6 +790,7 @@ _CODE_RESULT = (
     F("stdin_exhausted", "bool", "the cell asked for more input lines than were supplied", True),
     F("execution_count", "int?", "the kernel's execution counter for this cell"),
     F("duration_s", "float", "wall time of the run", True),
+    *_FIGURES,
 )
 
 CODE_OPS: tuple[OpSpec, ...] = (
@@ -812,6 +894,7 @@ _EXIT = (
     F("state", "enum(running|exited)", "process state", True),
     F("exit_code", "int?", "exit status once exited normally"),
     F("signal", "int?", "terminating signal once killed"),
+    *_FIGURES,
 )
 
 PROCESS_OPS: tuple[OpSpec, ...] = (
@@ -978,6 +1061,7 @@ SHELL_OPS: tuple[OpSpec, ...] = (
             F("cwd", "path", "working directory after the command", True),
             *_captured("the command"),
             F("duration_s", "float", "wall time", True),
+            *_FIGURES,
             F("detached", "str?", "on_timeout detach: the background process id the command goes on as"),
             F("changes", "change_report?", "report_changes: what changed under the workspace during the run"),
         ),
@@ -1022,6 +1106,27 @@ SNAPSHOT_OPS: tuple[OpSpec, ...] = (
                 default=False,
             ),
             F("timeout_s", "float", "how long to wait for in-flight writes", default=30.0, ge=0, le=3600),
+            F(
+                "freeze",
+                "bool",
+                "after the writes settled, freeze the workload cgroup (cgroup.freeze) until resume or restore; "
+                "implies quiesce",
+                default=False,
+            ),
+            F(
+                "fsfreeze",
+                "path?",
+                "also freeze this file system (FIFREEZE: a mount point, never /) until resume or restore; implies "
+                "quiesce",
+            ),
+            F(
+                "freeze_max_s",
+                "float",
+                "thaw by itself after this long without resume or restore (guestd's monotonic clock)",
+                default=300.0,
+                gt=0,
+                le=86400,
+            ),
         ),
         result=(
             F("writes_settled", "bool", "no file write was in flight when it returned", True),
@@ -1029,8 +1134,42 @@ SNAPSHOT_OPS: tuple[OpSpec, ...] = (
             F("seed_files_removed", "list<str>", "random-seed files removed (or that would be, when simulating)", True),
             F("quiesced", "bool", "new work is held", True),
             F("running", "map", "{processes, busy_contexts, busy_shells}: ids still running", True),
+            F("frozen", "bool", "the workload cgroup is frozen (every process of it stopped)", True),
+            F("fs_frozen", "path?", "the file system frozen (FIFREEZE), if any"),
+            F("hazards", "snapshot_hazards", "what every clone would duplicate", True),
             F("duration_s", "float", "wall time", True),
         ),
+    ),
+    OpSpec(
+        "clock.check",
+        "snapshot",
+        "Compare the guest's wall clock with the host's (cheap: the host may call it every few seconds): jumps "
+        "of either clock and drift since the previous check or hello, measured against the guest's monotonic "
+        "clock; a guest clock more than 0.2 s off is set to the host's, and a step back while runs are in "
+        "flight is reported (backwards_under_runs). Answered while quiesced.",
+        args=(F("time_ns", "int", "the host's wall clock, ns since the epoch", True, ge=0, le=9223372036854775807),),
+        result=(
+            F("offset_s", "float", "guest wall clock minus the host's, before any correction", True),
+            F("since_last_s", "float?", "guest monotonic seconds since the previous observation (nil: the first)"),
+            F(
+                "host_jump_s",
+                "float?",
+                "the host's clock moved this much more than the guest's monotonic clock since the previous "
+                "observation (more than 1 s: a host clock step, or the VM was paused or restored)",
+            ),
+            F("guest_jump_s", "float?", "the guest's wall clock moved this much more than its monotonic clock"),
+            F("drift_ppm", "float?", "guest wall clock rate against the host's (observations >= 10 s apart, no jump)"),
+            F("clock", "str", "done | simulated | kept (within 0.2 s)", True),
+            F("stepped_s", "float?", "how far the clock was set (negative: backwards)"),
+            F("runs_in_flight", "uint", "runs of the workload alive at the check", True),
+            F(
+                "backwards_under_runs",
+                "bool",
+                "the clock was set back while runs were in flight (their CLOCK_REALTIME timers fire late by that)",
+                True,
+            ),
+        ),
+        errors=("bad_request",),
     ),
     OpSpec("snapshot.resume", "snapshot", "Accept new work again after a quiescing prepare (no restore happened)."),
     OpSpec(
@@ -1067,6 +1206,14 @@ SNAPSHOT_OPS: tuple[OpSpec, ...] = (
             F("crng_ms", "float", "time of the CRNG re-seed", True),
             F("workloads_ms", "float", "time re-seeding contexts and shells took", True),
             F("duration_s", "float", "time the restore took in the guest", True),
+            F("thawed", "bool", "a freeze of snapshot.prepare was lifted (after the CRNG re-seed)", True),
+            F("generation_file", "str", "the file the workload reads the generation and identity from", True),
+            F(
+                "signalled",
+                "list<uint>",
+                "pids of workload processes started with GUESTD_ON_RESTORE that were sent their signal",
+                True,
+            ),
         ),
         errors=("stale", "bad_request", "permission_denied"),
     ),
@@ -1496,7 +1643,34 @@ WORKSPACE_OPS: tuple[OpSpec, ...] = (
     ),
 )
 
-OPS = OPS + CODE_OPS + PROCESS_OPS + SHELL_OPS + SNAPSHOT_OPS + PORT_OPS + WORKSPACE_OPS
+METRICS_OPS: tuple[OpSpec, ...] = (
+    OpSpec(
+        "metrics",
+        "metrics",
+        "Guest-wide and workload-cgroup figures: CPU % over a window, memory, disks, processes, PSI, OOM kills. "
+        "One sample (two readings interval_ms apart), or with stream a sample EVENT every interval_ms until "
+        "count samples, a cancel or the connection's end; an oom EVENT comes before the sample whenever the "
+        "workload cgroup's OOM kill count grew.",
+        args=(
+            F("interval_ms", "uint", "the window CPU % is measured over, and a stream's period", default=200, le=60000),
+            F("stream", "bool", "send samples as EVENT frames (interval_ms >= 100)", default=False),
+            F("count", "uint?", "stream: stop after this many samples (nil: until cancelled)", ge=1),
+        ),
+        result=(
+            F("sample", "metrics_sample?", "the sample (nil when streamed)"),
+            F("samples", "uint", "samples taken", True),
+        ),
+        events=(
+            F("ev", "enum(sample|oom)", "event type", True),
+            F("sample", "metrics_sample", "sample: the figures"),
+            F("oom_kills", "uint", "oom: the workload cgroup's OOM kill count now"),
+            F("new", "uint", "oom: kills since the previous sample"),
+        ),
+        errors=("bad_request",),
+    ),
+)
+
+OPS = OPS + CODE_OPS + PROCESS_OPS + SHELL_OPS + SNAPSHOT_OPS + PORT_OPS + WORKSPACE_OPS + METRICS_OPS
 OPS_BY_NAME = {op.name: op for op in OPS}
 
 

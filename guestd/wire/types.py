@@ -55,6 +55,9 @@ class ContextInfoRecord(TypedDict):
 ProcessInfoState = Literal["running", "exited"]
 
 
+ProcessInfoKilledBy = Literal["timeout", "idle_timeout", "cancel", "signal", "oom"]
+
+
 class ProcessInfoRecord(TypedDict):
     """record `process_info`"""
 
@@ -71,6 +74,11 @@ class ProcessInfoRecord(TypedDict):
     stderr_offset: int
     cpu_s: NotRequired[float | None]
     rss: NotRequired[int | None]
+    killed_by: NotRequired[Literal["timeout", "idle_timeout", "cancel", "signal", "oom"] | None]
+    oom_killed: NotRequired[bool | None]
+    cpu_user_s: NotRequired[float | None]
+    cpu_sys_s: NotRequired[float | None]
+    max_rss_bytes: NotRequired[int | None]
 
 
 ListenerFamily = Literal["ipv4", "ipv6"]
@@ -98,6 +106,59 @@ class ShellInfoRecord(TypedDict):
     commands: int
     restarts: int
     stray_bytes: int
+
+
+class PressureRecord(TypedDict):
+    """record `pressure`"""
+
+    cpu_some: NotRequired[float | None]
+    memory_some: NotRequired[float | None]
+    memory_full: NotRequired[float | None]
+    io_some: NotRequired[float | None]
+    io_full: NotRequired[float | None]
+
+
+class DiskUsageRecord(TypedDict):
+    """record `disk_usage`"""
+
+    mount: str | bytes
+    fs: str
+    total_bytes: int
+    used_bytes: int
+    free_bytes: int
+    inodes_total: int
+    inodes_free: int
+
+
+class SnapshotHazardsRecord(TypedDict):
+    """record `snapshot_hazards`"""
+
+    listening: list[str]
+    established: list[str]
+    listening_count: int
+    established_count: int
+
+
+class MetricsSampleRecord(TypedDict):
+    """record `metrics_sample`"""
+
+    t: float
+    interval_s: NotRequired[float | None]
+    cpus: int
+    cpu_percent: NotRequired[float | None]
+    workload_cpu_percent: NotRequired[float | None]
+    memory_total_bytes: int
+    memory_available_bytes: int
+    memory_used_bytes: int
+    workload_memory_bytes: NotRequired[int | None]
+    workload_memory_peak_bytes: NotRequired[int | None]
+    workload_memory_max_bytes: NotRequired[int | None]
+    processes: int
+    workload_pids: NotRequired[int | None]
+    workload_oom_kills: NotRequired[int | None]
+    pressure: NotRequired[PressureRecord | None]
+    workload_pressure: NotRequired[PressureRecord | None]
+    disks: list[DiskUsageRecord]
 
 
 class WriteItemRecord(TypedDict):
@@ -171,6 +232,9 @@ class InfoReply(TypedDict):
 ExecTimedOut = Literal["wall", "idle"]
 
 
+ExecKilledBy = Literal["timeout", "idle_timeout", "cancel", "signal", "oom"]
+
+
 class ExecArgs(TypedDict):
     """`exec` args, as validated"""
 
@@ -209,6 +273,11 @@ class ExecReply(TypedDict):
     stderr_gap_at: NotRequired[int | None]
     duration_s: float
     pid: int
+    killed_by: NotRequired[Literal["timeout", "idle_timeout", "cancel", "signal", "oom"] | None]
+    oom_killed: NotRequired[bool | None]
+    cpu_user_s: NotRequired[float | None]
+    cpu_sys_s: NotRequired[float | None]
+    max_rss_bytes: NotRequired[int | None]
     detached: NotRequired[str | None]
     changes: NotRequired[ChangeReportRecord | None]
 
@@ -408,6 +477,9 @@ CodeRunStatus = Literal["ok", "error", "timeout", "interrupted", "died"]
 CodeRunTimeoutAction = Literal["interrupted", "restarted"]
 
 
+CodeRunKilledBy = Literal["timeout", "idle_timeout", "cancel", "signal", "oom"]
+
+
 class CodeRunArgs(TypedDict):
     """`code.run` args, as validated"""
 
@@ -443,6 +515,11 @@ class CodeRunReply(TypedDict):
     stdin_exhausted: bool
     execution_count: NotRequired[int | None]
     duration_s: float
+    killed_by: NotRequired[Literal["timeout", "idle_timeout", "cancel", "signal", "oom"] | None]
+    oom_killed: NotRequired[bool | None]
+    cpu_user_s: NotRequired[float | None]
+    cpu_sys_s: NotRequired[float | None]
+    max_rss_bytes: NotRequired[int | None]
 
 
 class CodeRunEvent(TypedDict):
@@ -535,6 +612,9 @@ class ProcessListReply(TypedDict):
 ProcessAttachState = Literal["running", "exited"]
 
 
+ProcessAttachKilledBy = Literal["timeout", "idle_timeout", "cancel", "signal", "oom"]
+
+
 class ProcessAttachArgs(TypedDict):
     """`process.attach` args, as validated"""
 
@@ -551,6 +631,11 @@ class ProcessAttachReply(TypedDict):
     state: Literal["running", "exited"]
     exit_code: NotRequired[int | None]
     signal: NotRequired[int | None]
+    killed_by: NotRequired[Literal["timeout", "idle_timeout", "cancel", "signal", "oom"] | None]
+    oom_killed: NotRequired[bool | None]
+    cpu_user_s: NotRequired[float | None]
+    cpu_sys_s: NotRequired[float | None]
+    max_rss_bytes: NotRequired[int | None]
     stdout_offset: int
     stderr_offset: int
 
@@ -568,6 +653,9 @@ class ProcessAttachEvent(TypedDict):
 ProcessWaitState = Literal["running", "exited"]
 
 
+ProcessWaitKilledBy = Literal["timeout", "idle_timeout", "cancel", "signal", "oom"]
+
+
 class ProcessWaitArgs(TypedDict):
     """`process.wait` args, as validated"""
 
@@ -581,6 +669,11 @@ class ProcessWaitReply(TypedDict):
     state: Literal["running", "exited"]
     exit_code: NotRequired[int | None]
     signal: NotRequired[int | None]
+    killed_by: NotRequired[Literal["timeout", "idle_timeout", "cancel", "signal", "oom"] | None]
+    oom_killed: NotRequired[bool | None]
+    cpu_user_s: NotRequired[float | None]
+    cpu_sys_s: NotRequired[float | None]
+    max_rss_bytes: NotRequired[int | None]
     timed_out: bool
 
 
@@ -658,6 +751,9 @@ class ShellCreateReply(TypedDict):
 ShellRunTimedOut = Literal["wall", "idle"]
 
 
+ShellRunKilledBy = Literal["timeout", "idle_timeout", "cancel", "signal", "oom"]
+
+
 class ShellRunArgs(TypedDict):
     """`shell.run` args, as validated"""
 
@@ -693,6 +789,11 @@ class ShellRunReply(TypedDict):
     stdout_gap_at: NotRequired[int | None]
     stderr_gap_at: NotRequired[int | None]
     duration_s: float
+    killed_by: NotRequired[Literal["timeout", "idle_timeout", "cancel", "signal", "oom"] | None]
+    oom_killed: NotRequired[bool | None]
+    cpu_user_s: NotRequired[float | None]
+    cpu_sys_s: NotRequired[float | None]
+    max_rss_bytes: NotRequired[int | None]
     detached: NotRequired[str | None]
     changes: NotRequired[ChangeReportRecord | None]
 
@@ -736,6 +837,9 @@ class SnapshotPrepareArgs(TypedDict):
 
     quiesce: bool
     timeout_s: float
+    freeze: bool
+    fsfreeze: str | None
+    freeze_max_s: float
 
 
 class SnapshotPrepareReply(TypedDict):
@@ -746,7 +850,30 @@ class SnapshotPrepareReply(TypedDict):
     seed_files_removed: list[str]
     quiesced: bool
     running: dict[str, Any]
+    frozen: bool
+    fs_frozen: NotRequired[str | bytes | None]
+    hazards: SnapshotHazardsRecord
     duration_s: float
+
+
+class ClockCheckArgs(TypedDict):
+    """`clock.check` args, as validated"""
+
+    time_ns: int
+
+
+class ClockCheckReply(TypedDict):
+    """`clock.check` result"""
+
+    offset_s: float
+    since_last_s: NotRequired[float | None]
+    host_jump_s: NotRequired[float | None]
+    guest_jump_s: NotRequired[float | None]
+    drift_ppm: NotRequired[float | None]
+    clock: str
+    stepped_s: NotRequired[float | None]
+    runs_in_flight: int
+    backwards_under_runs: bool
 
 
 class SnapshotResumeArgs(TypedDict):
@@ -789,6 +916,9 @@ class SnapshotRestoreReply(TypedDict):
     crng_ms: float
     workloads_ms: float
     duration_s: float
+    thawed: bool
+    generation_file: str
+    signalled: list[int]
 
 
 class PortConnectArgs(TypedDict):
@@ -1185,3 +1315,27 @@ class FileChangesReply(TypedDict):
 
     cursor: int
     changes: ChangeReportRecord
+
+
+class MetricsArgs(TypedDict):
+    """`metrics` args, as validated"""
+
+    interval_ms: int
+    stream: bool
+    count: int | None
+
+
+class MetricsReply(TypedDict):
+    """`metrics` result"""
+
+    sample: NotRequired[MetricsSampleRecord | None]
+    samples: int
+
+
+class MetricsEvent(TypedDict):
+    """`metrics` EVENT body"""
+
+    ev: Literal["sample", "oom"]
+    sample: NotRequired[MetricsSampleRecord]
+    oom_kills: NotRequired[int]
+    new: NotRequired[int]

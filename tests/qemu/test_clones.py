@@ -1,10 +1,12 @@
 """A real snapshot and two real clones: without `restore` the clones' PRNGs are identical
 (the control), after `restore` with different entropy they diverge, their clocks are
-right, and the work that was running survives.
+right, the work that was running survives, and the workload hears of it (the generation
+file, and the signal to the process that asked for one).
 """
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import tempfile
@@ -51,6 +53,10 @@ def test_clones_diverge_only_after_restore(images: tuple[str, str, str], request
             sid = c.shell_create()["id"]
             c.shell_run(sid, "cd /tmp && export BEFORE=1")
             proc = c.process_start("i=0; while :; do i=$((i+1)); echo $i; sleep 0.2; done")["id"]
+            # Issue 19: a workload server that asked to hear of restores (and one of its children).
+            listener = c.process_start(
+                "trap 'echo $$ >> /tmp/restored' USR2; while :; do sleep 0.2; done", env={"GUESTD_ON_RESTORE": "USR2"}
+            )
             time.sleep(1.0)
             # Under TCG the guest clock keeps following the host's across the save, so make the
             # parent's clock an hour stale (inside the guest) to see restore fix it in each clone.
@@ -76,6 +82,14 @@ def test_clones_diverge_only_after_restore(images: tuple[str, str, str], request
                 rep = c.restore(entropy=bytes([i + 1]) * 64, sandbox_id=f"clone-{i}", hostname=f"clone-{i}")
                 assert rep["crng"] == "done" and rep["contexts_reseeded"] == [ctx] and rep["shells_reseeded"] == [sid]
                 assert rep["clock"] in ("done", "kept") and abs(rep["clock_skew_s"]) < 5
+                assert rep["signalled"] == [listener["pid"]]  # not its sleep: no handler there
+                published = json.loads(c.read_file(rep["generation_file"]))
+                assert (published["generation"], published["hostname"]) == (rep["generation"], f"clone-{i}")
+                deadline = time.monotonic() + 60
+                while not c.exists("/tmp/restored"):
+                    assert time.monotonic() < deadline, "the registered process never got its signal"
+                    time.sleep(0.2)
+                assert c.read_file("/tmp/restored") == f"{listener['pid']}\n".encode()
                 after.append(observe(c, ctx, sid))
                 urandom.append(c.exec("head -c 32 /dev/urandom | od -An -tx1", timeout_s=60).stdout)
                 guest_now = float(c.code_run("import time; time.time()", context=ctx, timeout_s=300).text or "0")

@@ -213,3 +213,29 @@ def test_the_file_system_boundary_in_the_shipped_config(vm: GuestVM) -> None:
             for p in racers:
                 c.process_signal(p, "KILL")
         assert c.stat("/etc/guestd-fsb-precious").uid == 0 and c.stat("/etc").uid == 0
+
+
+def test_a_memory_hog_is_reported_as_oom_in_the_shipped_config(vm: GuestVM) -> None:
+    """Issue 19: with a memory limit on the workload cgroup, a run the OOM killer ends says so
+    (killed_by oom, from its own cgroup's memory.events), and a run's peak is its cgroup's."""
+    limit = "/sys/fs/cgroup/guestd-workload/memory.max"
+    with vm.client(timeout_s=300) as c:
+        assert "with memory accounting" in c.info().raw["workload_cgroup"]
+        # tail keeps all of a stream without newlines: a known allocation, or an endless one
+        r = c.exec(["sh", "-c", "head -c 48M /dev/zero | tail >/dev/null"], timeout_s=120)
+        assert (r.exit_code, r.killed_by, r.oom_killed) == (0, None, False), r
+        assert r.max_rss_bytes is not None and r.max_rss_bytes >= 48 << 20
+        c.write_file(limit, str(96 << 20), flag="append")  # cgroupfs: written in place
+        try:
+            r = c.exec(["tail", "/dev/zero"], timeout_s=120)
+            assert (r.signal, r.killed_by, r.oom_killed) == (9, "oom", True), r
+            assert isinstance(r.cpu_user_s, float) and r.max_rss_bytes is not None
+            m = c.metrics(interval_ms=0)  # the workload cgroup's figures, from its own files
+            assert m["workload_oom_kills"] is not None and m["workload_oom_kills"] >= 1, m
+            assert m["workload_memory_max_bytes"] == 96 << 20 and m["workload_memory_bytes"] is not None
+            sid = c.shell_create()["id"]
+            sr = c.shell_run(sid, "tail /dev/zero", timeout_s=120)
+            assert (sr.exit_code, sr.killed_by, sr.oom_killed) == (137, "oom", True), sr
+            c.shell_close(sid)
+        finally:
+            c.write_file(limit, "max", flag="append")
