@@ -12,7 +12,16 @@ from hypothesis import strategies as st
 
 from guestd.capture import OutputCapture
 from guestd.wire.errors import GuestdError
-from guestd.wire.frames import Frame, FrameDecoder, FramingError, Kind, OversizeFrame, encode_frame
+from guestd.wire.frames import (
+    HEADER_SIZE,
+    READ_SIZE,
+    Frame,
+    FrameDecoder,
+    FramingError,
+    Kind,
+    OversizeFrame,
+    encode_frame,
+)
 from guestd.wire.messages import decode_body
 from guestd.wire.schema import OPS, schema_json, validate
 from guestd.wire.vectors import document, from_json_value
@@ -149,6 +158,39 @@ def test_frames_round_trip_across_arbitrary_splits(
         assert isinstance(f, Frame)
         out.append((f.kind, f.id, decode_body(f.payload)))
     assert out == [(int(k), i, b) for k, i, b in frames]
+
+
+@settings(max_examples=150, deadline=None)
+@given(
+    sizes=st.lists(st.sampled_from([0, 5, 1000, 70_000, 200_000, 300_000]), min_size=1, max_size=8),
+    reads=st.lists(st.integers(1, 150_000), max_size=40),
+)
+def test_frames_read_into_the_decoder_buffer(sizes: list[int], reads: list[int]) -> None:
+    # The BufferedProtocol path: reads land in get_buffer's view, capped at arbitrary sizes
+    # (a socket returns what it has). Frames above max_frame are skipped, those after them
+    # arrive intact, and no payload is ever a frame's neighbour's bytes.
+    max_frame = 250_000
+    bodies = [{"n": i, "data": bytes([i % 251]) * n} for i, n in enumerate(sizes)]
+    stream = b"".join(encode_frame(Kind.EVENT, i + 1, b) for i, b in enumerate(bodies))
+    dec = FrameDecoder(max_frame)
+    out: list[object] = []
+    pos = 0
+    cuts = iter(reads)
+    while pos < len(stream):
+        view = dec.get_buffer()
+        assert len(view) > 0
+        k = min(len(view), next(cuts, 150_000), len(stream) - pos)
+        view[:k] = stream[pos : pos + k]
+        pos += k
+        dec.buffer_updated(k)
+        assert dec.buffered <= max_frame + HEADER_SIZE + READ_SIZE
+        while (f := dec.next_frame_view()) is not None:
+            out.append(f.id if isinstance(f, OversizeFrame) else decode_body(f.payload))
+    expected = [
+        i + 1 if len(encode_frame(Kind.EVENT, 0, b)) - HEADER_SIZE > max_frame else b for i, b in enumerate(bodies)
+    ]
+    assert out == expected
+    assert dec.buffered == 0
 
 
 @settings(max_examples=300, deadline=None)

@@ -13,7 +13,7 @@ import asyncio
 import socket
 import time
 from collections import deque
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from typing import Any, cast
 
 from guestd import __version__
@@ -26,6 +26,7 @@ from guestd.wire.session import (
     ConnectionFailed,
     CreditGranted,
     ErrorReceived,
+    Event,
     EventReceived,
     HelloAccepted,
     PeerViolation,
@@ -188,7 +189,7 @@ class Call:
         self.conn.flush()
 
 
-class ClientConnection(asyncio.Protocol):
+class ClientConnection(asyncio.BufferedProtocol):
     def __init__(self, max_frame: int = DEFAULT_MAX_FRAME, stream_window: int = DEFAULT_WINDOW) -> None:
         self.session = ClientSession(ops=OPS_BY_NAME, max_frame=max_frame, stream_window=stream_window)
         self.transport: asyncio.Transport | None = None
@@ -254,9 +255,19 @@ class ClientConnection(asyncio.Protocol):
         self.transport.set_write_buffer_limits(high=2 * 1024 * 1024)
         widen_send_buffer(self.transport.get_extra_info("socket"))  # uploads: see guestd/flow.py
 
+    def get_buffer(self, sizehint: int) -> memoryview:
+        # The kernel reads the guest's frames straight into the session's decoder.
+        return self.session.get_buffer()
+
+    def buffer_updated(self, nbytes: int) -> None:
+        self._on_events(self.session.buffer_updated, nbytes)
+
     def data_received(self, data: bytes) -> None:
+        self._on_events(self.session.receive_data, data)
+
+    def _on_events(self, receive: Callable[[Any], list[Event]], arg: Any) -> None:
         try:
-            for event in self.session.receive_data(data):
+            for event in receive(arg):
                 self._on_event(event)
         except GuestdError as exc:
             self._abort(exc if isinstance(exc, GuestProtocolError) else GuestProtocolError(exc.message))

@@ -32,6 +32,7 @@ if TYPE_CHECKING:
 
 RELAY_HIGH_WATER = 1024 * 1024  # bytes written to a relay and not yet sent before the writer pauses
 RELAY_LOW_WATER = 256 * 1024
+JOIN_LIMIT = 64 * 1024  # queued writes joined into one INPUT frame while they fit this
 CLOSE_GRACE_S = 10.0  # after close(): how long the guest side may take to end before it is reset
 CONNECT_MARGIN = 10.0  # on top of the guest's connect_timeout_s: the trip there and back
 DEFAULT_CONNECT_TIMEOUT_S = 10.0  # port.connect's schema default, for the client's own deadline
@@ -201,10 +202,13 @@ class RelayTransport(asyncio.Transport):
         else:
             out.popleft()
             piece = first
-            if out and len(first) + len(out[0]) <= room:
+            # Small writes are joined into one frame; large ones go as they are (joining them
+            # copied every byte of a bulk transfer once more).
+            limit = min(room, JOIN_LIMIT)
+            if out and len(first) + len(out[0]) <= limit:
                 parts = [first]
                 n = len(first)
-                while out and n + len(out[0]) <= room:
+                while out and n + len(out[0]) <= limit:
                     part = out.popleft()
                     parts.append(part)
                     n += len(part)

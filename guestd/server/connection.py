@@ -7,8 +7,9 @@ and applies backpressure: while the transport's write buffer is above its
 high-water mark it stops reading, so a peer that sends requests and never reads
 the replies cannot make guestd buffer without bound.
 
-It is an asyncio.Protocol so that frames are decoded straight from ``data_received``
-and inline ops (ping) are answered without creating a task.
+It is an asyncio.BufferedProtocol so that the kernel reads frames straight into the
+session's decoder (``get_buffer``/``buffer_updated``; transports that hand out bytes call
+``data_received``), and inline ops (ping) are answered without creating a task.
 """
 
 from __future__ import annotations
@@ -146,7 +147,7 @@ class RequestContext:
         """Data bytes the next frame may carry now (0: out of credit, or the request ended)."""
         return self.conn.session.data_room(self.stream, fields)
 
-    def push_data(self, fields: Mapping[str, Any], data: bytes) -> None:
+    def push_data(self, fields: Mapping[str, Any], data: bytes | bytearray) -> None:
         """Queue one data EVENT of at most :meth:`data_room` bytes without waiting."""
         if self.conn.session.send_data(self.stream, fields, data):
             self.conn.flush()
@@ -247,7 +248,7 @@ _CANCEL_ERRORS = {
 }
 
 
-class Connection(asyncio.Protocol):
+class Connection(asyncio.BufferedProtocol):
     def __init__(self, daemon: Daemon, transport_name: str, serial: bool = False) -> None:
         self.daemon = daemon
         self.limits = daemon.config.limits
@@ -379,14 +380,26 @@ class Connection(asyncio.Protocol):
         if self._closing:
             raise ConnectionResetError("connection closed")
 
+    def get_buffer(self, sizehint: int) -> memoryview:
+        return self.session.get_buffer()
+
+    def buffer_updated(self, nbytes: int) -> None:
+        if self.serial:
+            self._fed()
+        self._on_events(self.session.buffer_updated(nbytes))
+        self.flush()
+
     def data_received(self, data: bytes) -> None:
         if self.serial:
-            loop = asyncio.get_running_loop()
-            self._last_fed = loop.time()
-            if self._stall_handle is None:
-                self._stall_handle = loop.call_later(SERIAL_STALL_S, self._stall_check)
+            self._fed()
         self._on_events(self.session.receive_data(data))
         self.flush()
+
+    def _fed(self) -> None:
+        loop = asyncio.get_running_loop()
+        self._last_fed = loop.time()
+        if self._stall_handle is None:
+            self._stall_handle = loop.call_later(SERIAL_STALL_S, self._stall_check)
 
     def eof_received(self) -> bool | None:
         return None  # close the transport

@@ -116,8 +116,9 @@ class FdTransport(asyncio.Transport):
             self._reading = False
 
     def _on_readable(self) -> None:
+        # Straight into the session's decoder, as uvloop does for a BufferedProtocol.
         try:
-            data = os.read(self._fd, READ_SIZE)
+            nbytes = os.readv(self._fd, [self._protocol.get_buffer(-1)])
         except BlockingIOError:
             return
         except OSError as exc:
@@ -126,13 +127,13 @@ class FdTransport(asyncio.Transport):
                 return
             self._force_close(exc)
             return
-        if not data:
+        if not nbytes:
             if self._serial:
                 self._serial_peer_gone()
             else:
                 self._force_close(None)
             return
-        self._protocol.data_received(data)
+        self._protocol.buffer_updated(nbytes)
 
     def _serial_peer_gone(self) -> None:
         # The host side closed the port. Keep the device open and poll for its return.

@@ -12,7 +12,7 @@ import msgpack
 from guestd.wire.errors import ErrorCode, GuestdError, too_large
 
 
-def decode_body(payload: bytes) -> dict[str, Any]:
+def decode_body(payload: bytes | memoryview) -> dict[str, Any]:
     """Decode one frame payload; anything but a msgpack map with str keys is bad_request."""
     try:
         body = msgpack.unpackb(payload, raw=False, use_list=True, strict_map_key=True)
@@ -61,7 +61,7 @@ _SIZED = {0xD9: 1, 0xDA: 2, 0xDB: 4, 0xC4: 1, 0xC5: 2, 0xC6: 4, 0xC7: 1, 0xC8: 2
 _COUNTED = {0xDC: (2, 1), 0xDD: (4, 1), 0xDE: (2, 2), 0xDF: (4, 2)}
 
 
-def decoded_size(payload: bytes, limit: int) -> int:
+def decoded_size(payload: bytes | memoryview, limit: int) -> int:
     """An upper-bound estimate of the memory decoding ``payload`` takes (``OBJECT_COST`` per object
     plus the bytes of every str, bin and ext), measured by walking its headers without building
     anything; raises ``too_large`` as soon as it passes ``limit`` (so the walk costs at most

@@ -278,6 +278,20 @@ class Session:
         events, self._events = self._events, []
         return events
 
+    def get_buffer(self) -> memoryview:
+        """Where the transport should read the peer's next bytes to (asyncio's
+        BufferedProtocol); then call :meth:`buffer_updated`. Bytes read this way are
+        decoded where they land: no copy between the kernel and the decoder."""
+        return self.decoder.get_buffer()
+
+    def buffer_updated(self, nbytes: int) -> list[Event]:
+        """``nbytes`` were read into the last :meth:`get_buffer`; returns the events they complete."""
+        if self.phase is not _CLOSED and nbytes:
+            self.decoder.buffer_updated(nbytes)
+            self._drain_frames()
+        events, self._events = self._events, []
+        return events
+
     def resume(self) -> list[Event]:
         """Events of the frames that waited behind a hello under check."""
         if self.phase is not _CLOSED:
@@ -286,7 +300,7 @@ class Session:
         return events
 
     def _drain_frames(self) -> None:
-        next_frame = self.decoder.next_frame
+        next_frame = self.decoder.next_frame_view  # payloads are decoded here, never kept
         while self.phase is _OPEN or self.phase is _AWAIT_HELLO:
             try:
                 frame = next_frame()
