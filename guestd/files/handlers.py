@@ -623,7 +623,19 @@ def register(services: Services) -> None:
         try:
             eof = False
             while not eof:
-                batch, eof = await _take_input(ctx)
+                taking = asyncio.ensure_future(_take_input(ctx))
+                try:
+                    # A batch that fails (a full disk) gives no credit back, so the client may
+                    # send nothing more: its error must end the upload now, not at the next input.
+                    while writing is not None and not taking.done():
+                        either: set[asyncio.Future[Any]] = {taking, writing}
+                        await asyncio.wait(either, return_when=asyncio.FIRST_COMPLETED)
+                        if writing.done():
+                            writing.result()
+                            writing = None
+                    batch, eof = await taking
+                finally:
+                    taking.cancel()  # only ever waiting on the queue's first get: nothing is lost
                 for data in batch:
                     received += len(data)
                     if a["size"] is not None and received > a["size"]:
