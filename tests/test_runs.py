@@ -324,3 +324,99 @@ def test_guestctl_on_timeout_merge_and_check_syntax(guestd: Guestd) -> None:
     r = guestctl("exec", "--merge-stderr", "--", "sh", "-c", "echo x; echo y >&2")
     assert (r.stdout, r.stderr) == (b"x\ny\n", b"")
     assert guestctl("shell", "rm", s).returncode == 0
+
+
+def test_shell_pty_in_session_state_with_expect_and_ctrl_c(guestd: Guestd, tmp_path: object) -> None:
+    """shell.run pty: the command sees the session's unexported variable and function and a
+    terminal on stdin/stdout; `read -p` prompts and takes a typed answer; a Python REPL
+    answers, and Ctrl-C through the protocol interrupts the loop it runs while the REPL, the
+    session's bash and its cwd stay; bad combinations are refused."""
+    from guestd.client.expect import Expect, ExpectEOF
+
+    async def go() -> None:
+        c = await AsyncClient.connect(guestd.address)
+        sid = (await c.shell_create(cwd=str(tmp_path)))["id"]
+        await c.shell_run(sid, 'secret=unexported; greet() { echo "hi $1 ($secret)"; }; cd /tmp')
+        bash_pid = (await c.shell_list())[0]["pid"]
+        cmd = '[ -t 0 ] && [ -t 1 ] && echo tty-ok; read -r -p "name? " who; greet "$who"'
+        async with Expect.start(c, sid, cmd, timeout_s=20) as e:
+            await e.expect(rb"name\? ", timeout=10)
+            assert b"tty-ok" in e.before
+            await e.sendline("ada")
+            await e.expect(rb"hi ada \(unexported\)\r\n", timeout=10)
+            r = await e.wait(timeout=10)
+        assert r.exit_code == 0 and r.cwd == "/tmp" and not r.interrupted
+
+        async with Expect.start(c, sid, "python3 -q -i", timeout_s=30) as e:
+            await e.expect(b">>> ", timeout=10)
+            await e.sendline("6 * 7")
+            await e.expect(b"42\r\n>>> ", timeout=10)
+            await e.sendline("while True: pass")
+            await e.sendline("")
+            await e.expect(rb"\.\.\. ", timeout=10)
+            await e.interrupt()
+            await e.expect(rb"KeyboardInterrupt\r\n>>> ", timeout=10)
+            await e.sendline("print('still', 1 + 1)")
+            await e.expect(b"still 2", timeout=10)
+            await e.send_eof()
+            r = await e.wait(timeout=10)
+            with pytest.raises(ExpectEOF):
+                await e.expect(b"never", timeout=5)
+        assert r.exit_code == 0 and not r.interrupted and not r.session_restarted
+        after = await c.shell_run(sid, 'echo "$PWD $secret"; greet again')
+        assert after.stdout == b"/tmp unexported\nhi again (unexported)\n"
+        assert (await c.shell_list())[0]["pid"] == bash_pid  # the same bash throughout
+
+        # Ctrl-C ends a foreground program that does not catch it: the command reports 130.
+        async with Expect.start(c, sid, "echo go; sleep 60; echo not-reached", timeout_s=30) as e:
+            await e.expect(b"go\r\n", timeout=10)
+            await e.interrupt()
+            r = await e.wait(timeout=10)
+        assert r.exit_code == 130 and b"not-reached" not in r.stdout and not r.session_restarted
+        # A timeout ends a pty command as any other; the session goes on.
+        async with Expect.start(c, sid, "sleep 60", timeout_s=1.0) as e:
+            r = await e.wait(timeout=20)
+        assert (r.timed_out, r.interrupted, r.exit_code, r.session_restarted) == ("wall", True, 130, False)
+        assert (await c.shell_run(sid, "echo $secret")).stdout == b"unexported\n"
+        for bad in ({"input": b"x"}, {"stdin_stream": True}, {"on_timeout": "detach", "timeout_s": 1.0}):
+            with pytest.raises(GuestdError) as ei:
+                await c._conn.request("shell.run", {"id": sid, "command": "true", "pty": True, **bad}, 10)
+            assert ei.value.code == "bad_request"
+        await c.shell_close(sid)
+        await c.close()
+
+    asyncio.run(go())
+
+
+def test_shell_pty_git_add_p_through_expect(guestd: Guestd, tmp_path: object) -> None:
+    """A real `git add -p` answered hunk by hunk: the first staged, the second not."""
+    from guestd.client.expect import Expect
+
+    async def go() -> None:
+        c = await AsyncClient.connect(guestd.address)
+        sid = (await c.shell_create(cwd=str(tmp_path)))["id"]
+        setup = (
+            "export GIT_CONFIG_NOSYSTEM=1 HOME=$PWD GIT_PAGER=cat; git init -q r && cd r && "
+            "git config user.email a@b && git config user.name a && "
+            "seq 1 40 > f && git add f && git commit -qm one && "
+            "sed -i -e 's/^2$/two/' -e 's/^38$/thirty-eight/' f"
+        )
+        assert (await c.shell_run(sid, setup)).exit_code == 0
+        async with Expect.start(c, sid, "git add -p", timeout_s=30) as e:
+            assert (await e.expect(rb"\x1b\[", timeout=10)) is not None  # a terminal: git colours
+            await e.expect(rb"\(1/2\) Stage this hunk \[[^]]*\]\? ", timeout=10)
+            assert re.search(rb"\+(\x1b\[[0-9;]*m)*two", e.before)
+            await e.sendline("y")
+            await e.expect(rb"\(2/2\) Stage this hunk \[[^]]*\]\? ", timeout=10)
+            assert re.search(rb"\+(\x1b\[[0-9;]*m)*thirty-eight", e.before)
+            await e.sendline("n")
+            r = await e.wait(timeout=10)
+        assert r.exit_code == 0
+        staged = await c.shell_run(sid, "git diff --cached -U0 | grep '^[+-][^+-]'")
+        assert staged.stdout == b"-2\n+two\n"
+        unstaged = await c.shell_run(sid, "git diff -U0 | grep '^[+-][^+-]'")
+        assert unstaged.stdout == b"-38\n+thirty-eight\n"
+        await c.shell_close(sid)
+        await c.close()
+
+    asyncio.run(go())

@@ -941,11 +941,13 @@ class AsyncClient(PortsAPI, WorkspaceAPI):
         idle_timeout_s: float | None = None,
         on_timeout: OnTimeout | None = None,
         merge_stderr: bool | None = None,
+        pty: bool | None = None,
         deadline: float | None = None,
     ) -> ShellStream:
         """Like :meth:`shell_run`, delivering output as it arrives, with the client's credit as
         flow control; ``stdin_stream`` lets :meth:`ShellStream.write_stdin` type into the
-        command while it runs (async only)."""
+        command while it runs (async only); ``pty`` runs it on a terminal (write_stdin types
+        into it, ``signal("INT")`` is Ctrl-C; see :mod:`guestd.client.expect`)."""
         args = present(
             id=session,
             command=command,
@@ -955,6 +957,7 @@ class AsyncClient(PortsAPI, WorkspaceAPI):
             idle_timeout_s=_seconds(idle_timeout_s),
             on_timeout=on_timeout,
             merge_stderr=merge_stderr,
+            pty=pty,
         )
         if deadline is None:
             deadline = _run_deadline(timeout_s, idle_timeout_s, SHELL_STOP_S)

@@ -953,6 +953,15 @@ SHELL_OPS: tuple[OpSpec, ...] = (
             F("stream", "bool", "send output as EVENT frames as it arrives (flow control as exec)", default=False),
             F("stdin_stream", "bool", "the command's stdin comes from INPUT frames (data / eof)", default=False),
             F(
+                "pty",
+                "bool",
+                "run the command (in the session's state) on a 24x80 terminal: stdin, stdout and stderr are "
+                "its secondary side, output is one stream (stdout), INPUT data is typed into it, eof is ^D, "
+                "INPUT signal goes to the command's process group; not with input, stdin_stream or "
+                "on_timeout detach",
+                default=False,
+            ),
+            F(
                 "timeout_s",
                 "float?",
                 "wall-clock timeout: SIGINT, then the command's processes are ended",
@@ -986,8 +995,9 @@ SHELL_OPS: tuple[OpSpec, ...] = (
             F("data", "bin", "next bytes of the stream", True),
         ),
         input=(
-            F("data", "bin", "bytes for the command's stdin (stdin_stream only; counts against the window)"),
-            F("eof", "bool", "close the command's stdin"),
+            F("data", "bin", "bytes for the command's stdin (stdin_stream or pty; counts against the window)"),
+            F("eof", "bool", "close the command's stdin (pty: type ^D)"),
+            F("signal", "str", "pty only: signal name (INT, TERM, ...) for the command's process group"),
         ),
         errors=("not_found", "limit", "bad_request"),
         exclusive=(("input", "stdin_stream"),),

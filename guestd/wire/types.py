@@ -668,6 +668,7 @@ class ShellRunArgs(TypedDict):
     check_syntax: bool
     stream: bool
     stdin_stream: bool
+    pty: bool
     timeout_s: float | None
     idle_timeout_s: float | None
     on_timeout: Literal["kill", "detach"]
@@ -709,6 +710,7 @@ class ShellRunInput(TypedDict):
 
     data: NotRequired[bytes]
     eof: NotRequired[bool]
+    signal: NotRequired[str]
 
 
 class ShellListArgs(TypedDict):
