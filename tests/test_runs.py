@@ -373,6 +373,14 @@ def test_shell_pty_in_session_state_with_expect_and_ctrl_c(guestd: Guestd, tmp_p
             await e.interrupt()
             r = await e.wait(timeout=10)
         assert r.exit_code == 130 and b"not-reached" not in r.stdout and not r.session_restarted
+        # A pager pages (keys from the terminal) and quits.
+        async with Expect.start(c, sid, "seq 1 100 | less", timeout_s=20) as e:
+            await e.expect(b"23\r\n", timeout=10)
+            assert b"24\r\n" not in e.buffer + e.before  # one screen (24 rows: 23 lines and the prompt)
+            await e.send(b" ")
+            await e.expect(b"46\r\n", timeout=10)
+            await e.send(b"q")
+            assert (await e.wait(timeout=10)).exit_code == 0
         # A timeout ends a pty command as any other; the session goes on.
         async with Expect.start(c, sid, "sleep 60", timeout_s=1.0) as e:
             r = await e.wait(timeout=20)
