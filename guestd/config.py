@@ -29,6 +29,7 @@ class Limits:
     max_contexts: int = 8  # live code contexts (one kernel process each)
     max_processes: int = 64  # live background processes
     max_kept_processes: int = 256  # background processes kept, finished ones included
+    max_kept_runs: int = 64  # shell.run / code.run with keep: true, running and ended
     max_ring_bytes: int = 16 * 1024 * 1024  # output ring per stream of a background process
     max_shells: int = 16  # persistent shell sessions
     max_code_queue: int = 16  # runs waiting per context

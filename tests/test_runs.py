@@ -10,6 +10,7 @@ from collections.abc import Iterator
 import pytest
 
 from guestd.client import AsyncClient, Client, GuestdError
+from guestd.client.results import CodeResult, ShellResult
 from guestd.testing import Guestd
 
 # Prints its port, then a numbered line every 20 ms until stopped: a gap or a duplicate in
@@ -425,6 +426,63 @@ def test_shell_pty_git_add_p_through_expect(guestd: Guestd, tmp_path: object) ->
         unstaged = await c.shell_run(sid, "git diff -U0 | grep '^[+-][^+-]'")
         assert unstaged.stdout == b"-38\n+thirty-eight\n"
         await c.shell_close(sid)
+        await c.close()
+
+    asyncio.run(go())
+
+
+def test_kept_runs_survive_their_connection_and_are_bounded(fresh_guestd: object, tmp_path: object) -> None:
+    """keep: a code.run of time.sleep(3); 42 goes on after its client disconnects and run.wait
+    from a new connection gives 42; a kept shell.run whose request is cancelled is not
+    interrupted; a result delivered normally carries run_id and run.get gives it again; at
+    max_kept_runs with no result seen the next kept run is a typed limit error, and once one
+    is seen it makes room; keep with stream is refused."""
+    from guestd.client.runs import result_of, run_get, run_list, run_wait, start_kept
+    from guestd.testing.local import limits_config
+
+    g = fresh_guestd("--config", limits_config(str(tmp_path), max_kept_runs=3))  # type: ignore[operator]
+
+    async def go() -> None:
+        c = await AsyncClient.connect(g.address)
+        cell = await start_kept(c, "code.run", {"code": "import time; time.sleep(3); 42"})
+        sid = (await c.shell_create(cwd=str(tmp_path)))["id"]
+        shell = await start_kept(c, "shell.run", {"id": sid, "command": "sleep 1; echo done; pwd"})
+        await c.close()  # both requests go with the connection; the runs do not
+
+        c = await AsyncClient.connect(g.address)
+        running = {r["id"]: r for r in await run_list(c)}
+        assert running[cell]["op"] == "code.run" and running[cell]["result"] is None
+        rec = await run_wait(c, shell, timeout_s=20)
+        assert rec["state"] == "done"
+        r = result_of(rec)
+        assert isinstance(r, ShellResult) and (r.exit_code, r.interrupted) == (0, False)
+        assert r.stdout == f"done\n{tmp_path}\n".encode()
+        rec = await run_wait(c, cell, timeout_s=30)
+        code = result_of(rec)
+        assert isinstance(code, CodeResult) and code.status == "ok" and code.text == "42"
+
+        # Delivered normally: the result names its run, run.get gives it again.
+        r = await c.shell_run(sid, "echo again", keep=True)
+        assert r.run_id is not None and r.stdout == b"again\n"
+        again = result_of(await run_get(c, r.run_id))
+        assert isinstance(again, ShellResult) and again.stdout == b"again\n"
+
+        # The cap (3): the shell and cell runs were seen (run.wait), "again" too; three
+        # unseen ones fill it after evicting those, a fourth is refused.
+        unseen = [await start_kept(c, "shell.run", {"id": sid, "command": f"echo {i}"}) for i in range(3)]
+        with pytest.raises(GuestdError) as ei:
+            await start_kept(c, "shell.run", {"id": sid, "command": "echo four"})
+        assert ei.value.code == "limit" and ei.value.details["limit"] == "max_kept_runs"
+        with pytest.raises(GuestdError) as ei:
+            await run_get(c, cell)  # made room for the unseen ones
+        assert ei.value.code == "not_found"
+        first = result_of(await run_wait(c, unseen[0], timeout_s=20))
+        assert first.stdout == b"0\n"
+        await start_kept(c, "shell.run", {"id": sid, "command": "echo four"})  # room again
+        assert {r["id"] for r in await run_list(c)} >= set(unseen[1:])
+        with pytest.raises(GuestdError) as ei:
+            await c._conn.request("shell.run", {"id": sid, "command": "true", "keep": True, "stream": True}, 10)
+        assert ei.value.code == "bad_request"
         await c.close()
 
     asyncio.run(go())

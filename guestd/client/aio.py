@@ -722,6 +722,7 @@ class AsyncClient(PortsAPI, WorkspaceAPI):
         input_lines: list[str] | None = None,
         strip_ansi: bool | None = None,
         max_output: int | None = None,
+        keep: bool | None = None,
         deadline: float | None = None,
     ) -> CodeResult:
         """Run a cell; without ``context`` the daemon's "default" context (made on first use).
@@ -738,6 +739,7 @@ class AsyncClient(PortsAPI, WorkspaceAPI):
             input_lines=input_lines,
             strip_ansi=strip_ansi,
             max_output=max_output,
+            keep=keep,
         )
         if deadline is None:
             deadline = _code_deadline(timeout_s, interrupt_grace_s)
@@ -909,6 +911,7 @@ class AsyncClient(PortsAPI, WorkspaceAPI):
         on_timeout: OnTimeout | None = None,
         merge_stderr: bool | None = None,
         check_syntax: bool | None = None,
+        keep: bool | None = None,
         deadline: float | None = None,
     ) -> ShellResult:
         """Run a command in a persistent bash session (cd, variables, venvs persist).
@@ -926,6 +929,7 @@ class AsyncClient(PortsAPI, WorkspaceAPI):
             on_timeout=on_timeout,
             merge_stderr=merge_stderr,
             check_syntax=check_syntax,
+            keep=keep,
         )
         if deadline is None:
             deadline = _run_deadline(timeout_s, idle_timeout_s, SHELL_STOP_S)

@@ -187,6 +187,7 @@ class CodeResult:
     stdin_exhausted: bool
     execution_count: int | None
     duration_s: float
+    run_id: str | None = None  # keep: the kept run's id
 
     @classmethod
     def from_body(cls, b: CodeRunReply) -> CodeResult:
@@ -210,6 +211,7 @@ class CodeResult:
             stdin_exhausted=b["stdin_exhausted"],
             execution_count=b.get("execution_count"),
             duration_s=b["duration_s"],
+            run_id=b.get("run_id"),
         )
 
     @property
@@ -257,8 +259,9 @@ class ShellResult(CapturedOutput):
     stdout_gap_at: int | None
     stderr_gap_at: int | None
     detached: str | None = None  # on_timeout "detach": the background process it goes on as
+    run_id: str | None = None  # keep: the kept run's id
 
     @classmethod
     def from_body(cls, b: ShellRunReply) -> ShellResult:
-        fields: dict[str, Any] = {"detached": None, **b}
+        fields: dict[str, Any] = {"detached": None, "run_id": None, **b}
         return cls(**{k: fields[k] for k in cls.__dataclass_fields__})

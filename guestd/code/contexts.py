@@ -805,7 +805,7 @@ class CodeContext:
             "status": status,
             "timeout_action": timeout_action,
             "exit_reason": exit_reason,
-            **capture_fields(st.stdout, st.stderr, streamed=streamed),
+            **capture_fields(st.stdout, st.stderr, streamed=streamed),  # type: ignore[typeddict-item]  # "run_id": guestd.runs adds it
             "results": [] if streamed else st.results,
             "results_dropped": st.results_dropped,
             "error": st.error,
@@ -903,6 +903,7 @@ _SETUP_OPTS: CodeRunArgs = {
     "capture": "tail",
     "strip_ansi": True,
     "stream": False,
+    "keep": False,
     "timeout_s": 30.0,
     "interrupt_grace_s": 2.0,
     "input_lines": None,

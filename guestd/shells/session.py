@@ -207,6 +207,7 @@ class Session:
                 "stream": False,
                 "stdin_stream": False,
                 "pty": False,
+                "keep": False,
             },
             count=False,
         )

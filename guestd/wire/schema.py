@@ -435,6 +435,15 @@ _MERGE_STDERR = F(
     default=False,
 )
 
+_KEEP = F(
+    "keep",
+    "bool",
+    "the run goes on if the request goes away (connection lost, cancel) and its result stays "
+    "fetchable by run id (run.get, run.wait); an event {ev: kept, run_id} comes first",
+    default=False,
+)
+_KEPT_EVENT = F("run_id", "str", "kept: the run's id")
+
 _ON_TIMEOUT = F(
     "on_timeout",
     "enum(kill|detach)",
@@ -762,10 +771,12 @@ CODE_OPS: tuple[OpSpec, ...] = (
             F("max_output", "uint", "bytes kept per stream", default=65536, le_limit="max_output"),
             F("capture", "enum(tail|head_tail)", "which bytes are kept when over max_output", default="tail"),
             F("stream", "bool", "send output and results as EVENT frames as they arrive", default=False),
+            _KEEP,
         ),
-        result=_CODE_RESULT,
+        result=(*_CODE_RESULT, F("run_id", "str?", "keep: the run's id")),
         events=(
-            F("ev", "enum(stdout|stderr|result|display|error)", "event type", True),
+            F("ev", "enum(stdout|stderr|result|display|error|kept)", "event type", True),
+            _KEPT_EVENT,
             F("data", "bin", "stdout/stderr: next bytes"),
             F("bundle", "map", "result/display: the MIME bundle"),
             F("ename", "str", "error: exception class"),
@@ -970,6 +981,7 @@ SHELL_OPS: tuple[OpSpec, ...] = (
             ),
             F("idle_timeout_s", "float?", "timeout with no output", gt=0, le_limit="max_exec_timeout_s"),
             _ON_TIMEOUT,
+            _KEEP,
             F("max_output", "uint", "bytes kept per stream", default=65536, le_limit="max_output"),
             F("capture", "enum(tail|head_tail)", "which bytes are kept when over max_output", default="tail"),
             F(
@@ -989,10 +1001,12 @@ SHELL_OPS: tuple[OpSpec, ...] = (
             F("duration_s", "float", "wall time", True),
             F("detached", "str?", "on_timeout detach: the background process id the command goes on as"),
             F("changes", "change_report?", "report_changes: what changed under the workspace during the run"),
+            F("run_id", "str?", "keep: the run's id"),
         ),
         events=(
-            F("ev", "enum(stdout|stderr)", "event type", True),
-            F("data", "bin", "next bytes of the stream", True),
+            F("ev", "enum(stdout|stderr|kept)", "event type", True),
+            F("data", "bin", "stdout/stderr: next bytes of the stream"),
+            _KEPT_EVENT,
         ),
         input=(
             F("data", "bin", "bytes for the command's stdin (stdin_stream or pty; counts against the window)"),
@@ -1506,7 +1520,56 @@ WORKSPACE_OPS: tuple[OpSpec, ...] = (
     ),
 )
 
-OPS = OPS + CODE_OPS + PROCESS_OPS + SHELL_OPS + SNAPSHOT_OPS + PORT_OPS + WORKSPACE_OPS
+# --------------------------------------------------------------------------- kept runs (issue 16)
+# shell.run / code.run {keep: true}: capability "process" (PROTOCOL.md 10.2).
+
+_RUN_ID = F("id", "str", "run id (the kept event's run_id)", True)
+
+RECORDS.update(
+    {
+        "run_info": (
+            F("id", "str", "run id", True),
+            F("op", "str", "the op that was kept: shell.run or code.run", True),
+            F("target", "str", "the shell session or code context it ran in", True),
+            F("what", "str", "the command or cell (at most 200 characters)", True),
+            F("state", "enum(running|done|failed)", "done: result holds the op's reply; failed: error", True),
+            F("started_at", "float", "wall clock, s since the epoch", True),
+            F("ended_at", "float?", "wall clock when it ended"),
+            F("result", "map?", "run.get/run.wait of a done run: the op's reply as it would have been sent"),
+            F("error", "map?", "failed: {code, message, details} as the op's error would have been"),
+        ),
+    }
+)
+
+RUN_OPS: tuple[OpSpec, ...] = (
+    OpSpec(
+        "run.get",
+        "process",
+        "A kept run with its result or error once it has ended.",
+        args=(_RUN_ID,),
+        result=(F("run", "run_info", "the run", True),),
+        errors=("not_found",),
+    ),
+    OpSpec(
+        "run.wait",
+        "process",
+        "Wait up to timeout_s for a kept run to end; the run as run.get gives it (state running when it has not).",
+        args=(
+            _RUN_ID,
+            F("timeout_s", "float", "how long to wait", default=30.0, ge=0, le_limit="max_exec_timeout_s"),
+        ),
+        result=(F("run", "run_info", "the run", True),),
+        errors=("not_found",),
+    ),
+    OpSpec(
+        "run.list",
+        "process",
+        "Every kept run, oldest first (no results).",
+        result=(F("runs", "list<run_info>", "the runs", True),),
+    ),
+)
+
+OPS = OPS + CODE_OPS + PROCESS_OPS + SHELL_OPS + SNAPSHOT_OPS + PORT_OPS + WORKSPACE_OPS + RUN_OPS
 OPS_BY_NAME = {op.name: op for op in OPS}
 
 

@@ -130,6 +130,23 @@ class ChangeReportRecord(TypedDict):
     overflow: bool
 
 
+RunInfoState = Literal["running", "done", "failed"]
+
+
+class RunInfoRecord(TypedDict):
+    """record `run_info`"""
+
+    id: str
+    op: str
+    target: str
+    what: str
+    state: Literal["running", "done", "failed"]
+    started_at: float
+    ended_at: NotRequired[float | None]
+    result: NotRequired[dict[str, Any] | None]
+    error: NotRequired[dict[str, Any] | None]
+
+
 class PingArgs(TypedDict):
     """`ping` args, as validated"""
 
@@ -420,6 +437,7 @@ class CodeRunArgs(TypedDict):
     max_output: int
     capture: Literal["tail", "head_tail"]
     stream: bool
+    keep: bool
 
 
 class CodeRunReply(TypedDict):
@@ -443,12 +461,14 @@ class CodeRunReply(TypedDict):
     stdin_exhausted: bool
     execution_count: NotRequired[int | None]
     duration_s: float
+    run_id: NotRequired[str | None]
 
 
 class CodeRunEvent(TypedDict):
     """`code.run` EVENT body"""
 
-    ev: Literal["stdout", "stderr", "result", "display", "error"]
+    ev: Literal["stdout", "stderr", "result", "display", "error", "kept"]
+    run_id: NotRequired[str]
     data: NotRequired[bytes]
     bundle: NotRequired[dict[str, Any]]
     ename: NotRequired[str]
@@ -672,6 +692,7 @@ class ShellRunArgs(TypedDict):
     timeout_s: float | None
     idle_timeout_s: float | None
     on_timeout: Literal["kill", "detach"]
+    keep: bool
     max_output: int
     capture: Literal["tail", "head_tail"]
     report_changes: bool
@@ -696,13 +717,15 @@ class ShellRunReply(TypedDict):
     duration_s: float
     detached: NotRequired[str | None]
     changes: NotRequired[ChangeReportRecord | None]
+    run_id: NotRequired[str | None]
 
 
 class ShellRunEvent(TypedDict):
     """`shell.run` EVENT body"""
 
-    ev: Literal["stdout", "stderr"]
-    data: bytes
+    ev: Literal["stdout", "stderr", "kept"]
+    data: NotRequired[bytes]
+    run_id: NotRequired[str]
 
 
 class ShellRunInput(TypedDict):
@@ -1187,3 +1210,38 @@ class FileChangesReply(TypedDict):
 
     cursor: int
     changes: ChangeReportRecord
+
+
+class RunGetArgs(TypedDict):
+    """`run.get` args, as validated"""
+
+    id: str
+
+
+class RunGetReply(TypedDict):
+    """`run.get` result"""
+
+    run: RunInfoRecord
+
+
+class RunWaitArgs(TypedDict):
+    """`run.wait` args, as validated"""
+
+    id: str
+    timeout_s: float
+
+
+class RunWaitReply(TypedDict):
+    """`run.wait` result"""
+
+    run: RunInfoRecord
+
+
+class RunListArgs(TypedDict):
+    """`run.list` args, as validated"""
+
+
+class RunListReply(TypedDict):
+    """`run.list` result"""
+
+    runs: list[RunInfoRecord]
