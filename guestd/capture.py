@@ -9,11 +9,14 @@ truncation is never silent.
 from __future__ import annotations
 
 from collections import deque
-from typing import TypedDict
+from typing import TYPE_CHECKING, TypedDict
+
+if TYPE_CHECKING:
+    from guestd.spill import Spill
 
 
 class OutputCapture:
-    __slots__ = ("_head", "_tail", "_tail_len", "head_limit", "limit", "total")
+    __slots__ = ("_head", "_tail", "_tail_len", "head_limit", "limit", "spill", "total")
 
     def __init__(self, limit: int, mode: str = "tail") -> None:
         if limit < 0:
@@ -24,9 +27,12 @@ class OutputCapture:
         self._tail: deque[bytes] = deque()
         self._tail_len = 0
         self.total = 0
+        self.spill: Spill | None = None  # spill: true: every byte fed also goes to its file
 
     def feed(self, data: bytes) -> None:
         self.total += len(data)
+        if self.spill is not None:
+            self.spill.write(data)
         if len(self._head) < self.head_limit:
             take = self.head_limit - len(self._head)
             self._head += data[:take]

@@ -359,7 +359,7 @@ def test_shell_pty_in_session_state_with_expect_and_ctrl_c(guestd: Guestd, tmp_p
             await e.expect(rb"KeyboardInterrupt\r\n>>> ", timeout=10)
             await e.sendline("print('still', 1 + 1)")
             await e.expect(b"still 2", timeout=10)
-            await e.send_eof()
+            await e.sendline("exit()")  # not ^D: readline may switch the terminal's mode around it
             r = await e.wait(timeout=10)
             with pytest.raises(ExpectEOF):
                 await e.expect(b"never", timeout=5)
@@ -374,6 +374,14 @@ def test_shell_pty_in_session_state_with_expect_and_ctrl_c(guestd: Guestd, tmp_p
             await e.interrupt()
             r = await e.wait(timeout=10)
         assert r.exit_code == 130 and b"not-reached" not in r.stdout and not r.session_restarted
+        # eof is ^D: the end of input for a read blocked at the start of a line.
+        async with Expect.start(c, sid, "cat; echo cat-ended", timeout_s=20) as e:
+            await e.sendline("abc")
+            await e.expect(b"abc\r\nabc\r\n", timeout=10)  # the echo, then cat's copy
+            await e.send_eof()
+            await e.expect(b"cat-ended\r\n", timeout=10)
+            assert (await e.wait(timeout=10)).exit_code == 0
+
         # A pager pages (keys from the terminal) and quits.
         async with Expect.start(c, sid, "seq 1 100 | less", timeout_s=20) as e:
             await e.expect(b"23\r\n", timeout=10)
@@ -482,6 +490,57 @@ def test_kept_runs_survive_their_connection_and_are_bounded(fresh_guestd: object
         assert {r["id"] for r in await run_list(c)} >= set(unseen[1:])
         with pytest.raises(GuestdError) as ei:
             await c._conn.request("shell.run", {"id": sid, "command": "true", "keep": True, "stream": True}, 10)
+        assert ei.value.code == "bad_request"
+        await c.close()
+
+    asyncio.run(go())
+
+
+def test_spill_files_hold_exactly_the_dropped_bytes(fresh_guestd: object, tmp_path: object) -> None:
+    """spill: exec (head_tail) and shell.run (tail) keep a small reply while the files hold
+    the full streams; the dropped range [gap_at, gap_at + dropped) read back from the file
+    is exactly what the reply lacks; the per-stream cap stops a spill with a reason and a
+    prefix of the stream; the spill directory is guestd's own (0700) and spill with stream
+    is refused."""
+    import os
+    import stat
+
+    from guestd.testing.local import limits_config
+
+    g = fresh_guestd("--config", limits_config(str(tmp_path), max_spill_bytes=1_000_000))  # type: ignore[operator]
+    gen = "seq 1 120000; echo err-1 >&2; seq 5 9 >&2"
+    full = "".join(f"{i}\n" for i in range(1, 120001)).encode()  # 763,895 bytes
+    err_full = b"err-1\n5\n6\n7\n8\n9\n"
+
+    async def go() -> None:
+        c = await AsyncClient.connect(g.address)
+        r = await c.exec(gen, max_output=1000, head_tail=True, spill=True)
+        assert r.stdout_spill is not None and r.stderr_spill is not None
+        assert (r.stdout_spill["bytes"], r.stdout_spill["stopped"]) == (len(full), None)
+        assert r.stdout_bytes == len(full) and r.stdout_dropped == len(full) - 1000 and r.stdout_gap_at == 500
+        dropped = await c.read_file(r.stdout_spill["path"], offset=r.stdout_gap_at, length=r.stdout_dropped)
+        assert r.stdout[:500] + dropped + r.stdout[500:] == full
+        assert await c.read_file(r.stderr_spill["path"]) == err_full == r.stderr
+        d = os.path.dirname(r.stdout_spill["path"])
+        st = os.stat(d)
+        assert stat.S_IMODE(st.st_mode) == 0o700 and st.st_uid == os.geteuid()
+        assert stat.S_IMODE(os.stat(r.stdout_spill["path"]).st_mode) == 0o600
+
+        sid = (await c.shell_create())["id"]
+        s = await c.shell_run(sid, gen, max_output=2000, spill=True)
+        assert s.stdout_spill is not None and s.stdout_dropped == len(full) - 2000
+        head = await c.read_file(s.stdout_spill["path"], offset=0, length=s.stdout_dropped)
+        assert head + s.stdout == full and s.stdout_spill["bytes"] == len(full)
+
+        # The cap: a prefix of the stream, and the reason.
+        big = await c.shell_run(sid, "seq 1 300000", max_output=100, spill=True)
+        assert big.stdout_spill is not None
+        assert (big.stdout_spill["bytes"], big.stdout_spill["stopped"]) == (1_000_000, "cap")
+        everything = "".join(f"{i}\n" for i in range(1, 300001)).encode()
+        got = await c.read_file(big.stdout_spill["path"], offset=999_000, length=1000)
+        assert got == everything[999_000:1_000_000] and big.stdout == everything[-100:]
+        with pytest.raises(GuestdError) as ei:
+            await c._conn.request("exec", {"shell": "true", "spill": True, "stream": True}, 10)
         assert ei.value.code == "bad_request"
         await c.close()
 

@@ -99,10 +99,12 @@ class ExecResult(CapturedOutput):
     stderr_gap_at: int | None
     pid: int
     detached: str | None = None  # on_timeout "detach": the background process it goes on as
+    stdout_spill: dict[str, Any] | None = None  # spill: {path, bytes, stopped}
+    stderr_spill: dict[str, Any] | None = None
 
     @classmethod
     def from_body(cls, b: ExecReply) -> ExecResult:
-        fields: dict[str, Any] = {"detached": None, **b}
+        fields: dict[str, Any] = {"detached": None, "stdout_spill": None, "stderr_spill": None, **b}
         return cls(**{k: fields[k] for k in cls.__dataclass_fields__})
 
     @property
@@ -260,8 +262,10 @@ class ShellResult(CapturedOutput):
     stderr_gap_at: int | None
     detached: str | None = None  # on_timeout "detach": the background process it goes on as
     run_id: str | None = None  # keep: the kept run's id
+    stdout_spill: dict[str, Any] | None = None  # spill: {path, bytes, stopped}
+    stderr_spill: dict[str, Any] | None = None
 
     @classmethod
     def from_body(cls, b: ShellRunReply) -> ShellResult:
-        fields: dict[str, Any] = {"detached": None, "run_id": None, **b}
+        fields: dict[str, Any] = {"detached": None, "run_id": None, "stdout_spill": None, "stderr_spill": None, **b}
         return cls(**{k: fields[k] for k in cls.__dataclass_fields__})

@@ -38,20 +38,16 @@ async def start_kept(client: AsyncClient, op: str, args: dict[str, Any], timeout
 
 
 async def run_get(client: AsyncClient, run_id: str, *, deadline: float | None = 30.0) -> dict[str, Any]:
-    run: dict[str, Any] = (await client._conn.request("run.get", {"id": run_id}, deadline))["run"]
-    return run
+    return await client.run_get(run_id, deadline=deadline)
 
 
-async def run_wait(client: AsyncClient, run_id: str, *, timeout_s: float = 30.0) -> dict[str, Any]:
+async def run_wait(client: AsyncClient, run_id: str, *, timeout_s: float | None = None) -> dict[str, Any]:
     """The run once it has ended, or as it is after ``timeout_s`` (``state`` running)."""
-    body = await client._conn.request("run.wait", {"id": run_id, "timeout_s": float(timeout_s)}, timeout_s + 30.0)
-    run: dict[str, Any] = body["run"]
-    return run
+    return await client.run_wait(run_id, timeout_s=timeout_s)
 
 
 async def run_list(client: AsyncClient, *, deadline: float | None = 30.0) -> list[dict[str, Any]]:
-    runs = (await client._conn.request("run.list", {}, deadline))["runs"]
-    return [r for r in runs if isinstance(r, dict)] if isinstance(runs, list) else []
+    return await client.run_list(deadline=deadline)
 
 
 def result_of(run: dict[str, Any]) -> ShellResult | CodeResult:

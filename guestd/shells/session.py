@@ -51,6 +51,7 @@ from guestd.children.options import check_cwd, parse_signal
 from guestd.children.tree import descendants, read_chunk, signal_each, signal_group, write_all
 from guestd.services import derive, reseed_each
 from guestd.shells.job import STATUS_MAX, JobFifos, PtyInput, ShellJob, StdinFifo
+from guestd.spill import Spill, abandon, finish, open_spills
 from guestd.wire.errors import ErrorCode, GuestdError, limit_error
 from guestd.wire.paths import path_to_wire
 
@@ -208,6 +209,7 @@ class Session:
                 "stdin_stream": False,
                 "pty": False,
                 "keep": False,
+                "spill": False,
             },
             count=False,
         )
@@ -597,6 +599,8 @@ class Session:
                 "pty: input comes from INPUT frames (no input or stdin_stream) and on_timeout is kill",
                 details={"field": "pty"},
             )
+        if args["spill"] and args["stream"]:
+            raise GuestdError(ErrorCode.BAD_REQUEST, "spill: not with stream", details={"field": "spill"})
         if args["check_syntax"]:
             await check_syntax(self.table.services, args["command"])
         # The command runs in a task of its own that holds the session until the command has
@@ -624,12 +628,18 @@ class Session:
             if self.pending_seed is not None:
                 await self._reseed_locked()
             self._cancel_event = cancel
+            spills = await open_spills(self.table.services, "shell") if args["spill"] else None
             try:
-                return await self._run_locked(args, ctx=ctx)
+                reply = await self._run_locked(args, ctx=ctx, spills=spills)
+                spills, kept = None, spills
+                return await finish(reply, kept)  # type: ignore[no-any-return]
             finally:
+                abandon(spills)
                 self._cancel_event = None
 
-    async def _run_locked(self, a: ShellRunArgs, count: bool = True, ctx: Request | None = None) -> ShellRunReply:
+    async def _run_locked(
+        self, a: ShellRunArgs, count: bool = True, ctx: Request | None = None, spills: tuple[Spill, Spill] | None = None
+    ) -> ShellRunReply:
         t0 = time.monotonic()
         adopter = self.table.services.adopter
         pty = a["pty"]
@@ -644,6 +654,8 @@ class Session:
             adopter.check()  # a full process table is a limit error now, not at the timeout
         self._drain_output()  # whatever background jobs wrote since the last command is not ours
         self._caps = {1: OutputCapture(a["max_output"], a["capture"]), 2: OutputCapture(a["max_output"], a["capture"])}
+        if spills is not None:
+            self._caps[1].spill, self._caps[2].spill = spills
         infile = None
         if a["input"] is not None:
             # 0711 directory: the workload user can open its own (unguessable) file, not list others.
@@ -792,6 +804,7 @@ class Session:
         """pty mode, an INPUT signal: to the job's process group (the program in the
         foreground of the command; the session's bash is in a group of its own)."""
         sig = parse_signal(value)
+        self._read_job_status()  # the pid line may still be in the FIFO
         pid = self._job_pid()
         if sig is not None and pid is not None and self._job is not None:
             signal_group(pid, sig)

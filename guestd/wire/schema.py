@@ -385,6 +385,16 @@ RECORDS.update(
             F("pid", "int?", "pid of a process holding the socket, when guestd may see it"),
             F("command", "str?", "that process's command line (at most 256 characters)"),
         ),
+        "spill_info": (
+            F("path", "path", "the file (read it with file.read at the reply's offsets)", True),
+            F("bytes", "uint", "bytes in it: the stream's first bytes", True),
+            F(
+                "stopped",
+                "enum(cap|disk_full|behind|io_error)?",
+                "why the file holds less than the stream: limits.max_spill_bytes, the file system's reserve, "
+                "the disk falling 16 MiB behind, a write error; nil: all of it",
+            ),
+        ),
         "shell_info": (
             F("id", "str", "session id", True),
             F("name", "str?", "session name"),
@@ -433,6 +443,19 @@ _MERGE_STDERR = F(
     "bool",
     "stderr into stdout's pipe: one stream in write order, as a terminal shows it (stderr stays empty)",
     default=False,
+)
+
+_SPILL = F(
+    "spill",
+    "bool",
+    "also write the full stdout and stderr to files in guestd's spill directory (result fields "
+    "stdout_spill/stderr_spill; the bytes dropped from the reply are at [gap_at, gap_at+dropped) there); "
+    "not with stream",
+    default=False,
+)
+_SPILL_RESULT = (
+    F("stdout_spill", "spill_info?", "spill: the file holding stdout from byte 0"),
+    F("stderr_spill", "spill_info?", "spill: the file holding stderr from byte 0"),
 )
 
 _KEEP = F(
@@ -517,6 +540,7 @@ OPS: tuple[OpSpec, ...] = (
             F("max_output", "uint", "bytes kept per stream", default=65536, le_limit="max_output"),
             F("capture", "enum(tail|head_tail)", "which bytes are kept when over max_output", default="tail"),
             F("stream", "bool", "send output as EVENT frames as it arrives", default=False),
+            _SPILL,
             F(
                 "linger_s",
                 "float",
@@ -535,6 +559,7 @@ OPS: tuple[OpSpec, ...] = (
         result=(
             *_OUTPUT_RESULT,
             F("changes", "change_report?", "report_changes: what changed under the workspace during the run"),
+            *_SPILL_RESULT,
         ),
         events=(
             F("ev", "enum(started|stdout|stderr)", "event type", True),
@@ -982,6 +1007,7 @@ SHELL_OPS: tuple[OpSpec, ...] = (
             F("idle_timeout_s", "float?", "timeout with no output", gt=0, le_limit="max_exec_timeout_s"),
             _ON_TIMEOUT,
             _KEEP,
+            _SPILL,
             F("max_output", "uint", "bytes kept per stream", default=65536, le_limit="max_output"),
             F("capture", "enum(tail|head_tail)", "which bytes are kept when over max_output", default="tail"),
             F(
@@ -1002,6 +1028,7 @@ SHELL_OPS: tuple[OpSpec, ...] = (
             F("detached", "str?", "on_timeout detach: the background process id the command goes on as"),
             F("changes", "change_report?", "report_changes: what changed under the workspace during the run"),
             F("run_id", "str?", "keep: the run's id"),
+            *_SPILL_RESULT,
         ),
         events=(
             F("ev", "enum(stdout|stderr|kept)", "event type", True),

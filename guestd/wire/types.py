@@ -86,6 +86,17 @@ class ListenerRecord(TypedDict):
     command: NotRequired[str | None]
 
 
+SpillInfoStopped = Literal["cap", "disk_full", "behind", "io_error"]
+
+
+class SpillInfoRecord(TypedDict):
+    """record `spill_info`"""
+
+    path: str | bytes
+    bytes: int
+    stopped: NotRequired[Literal["cap", "disk_full", "behind", "io_error"] | None]
+
+
 class ShellInfoRecord(TypedDict):
     """record `shell_info`"""
 
@@ -206,6 +217,7 @@ class ExecArgs(TypedDict):
     max_output: int
     capture: Literal["tail", "head_tail"]
     stream: bool
+    spill: bool
     linger_s: float
     report_changes: bool
 
@@ -228,6 +240,8 @@ class ExecReply(TypedDict):
     pid: int
     detached: NotRequired[str | None]
     changes: NotRequired[ChangeReportRecord | None]
+    stdout_spill: NotRequired[SpillInfoRecord | None]
+    stderr_spill: NotRequired[SpillInfoRecord | None]
 
 
 class ExecEvent(TypedDict):
@@ -693,6 +707,7 @@ class ShellRunArgs(TypedDict):
     idle_timeout_s: float | None
     on_timeout: Literal["kill", "detach"]
     keep: bool
+    spill: bool
     max_output: int
     capture: Literal["tail", "head_tail"]
     report_changes: bool
@@ -718,6 +733,8 @@ class ShellRunReply(TypedDict):
     detached: NotRequired[str | None]
     changes: NotRequired[ChangeReportRecord | None]
     run_id: NotRequired[str | None]
+    stdout_spill: NotRequired[SpillInfoRecord | None]
+    stderr_spill: NotRequired[SpillInfoRecord | None]
 
 
 class ShellRunEvent(TypedDict):
