@@ -89,11 +89,34 @@ class CapturedFields(TypedDict):
     stderr_gap_at: int | None
 
 
-def capture_fields(stdout: OutputCapture, stderr: OutputCapture, streamed: bool = False) -> CapturedFields:
+def capture_fields(
+    stdout: OutputCapture,
+    stderr: OutputCapture,
+    streamed: bool = False,
+    strip_ansi: bool = False,
+    collapse_cr: bool = False,
+) -> CapturedFields:
     """The result fields every output producer reports (exec, shell.run, code.run).
 
     When the output was streamed as events it is not repeated: empty data, nothing dropped.
+    ``strip_ansi`` / ``collapse_cr`` shape the returned bytes (guestd.shaping); the counts
+    stay those of the raw stream.
     """
+    if (strip_ansi or collapse_cr) and not streamed:
+        from guestd.shaping import shape
+
+        out: dict[str, object] = {}
+        for name, cap in (("stdout", stdout), ("stderr", stderr)):
+            if not cap.dropped:  # one piece: a line across head and tail is shaped whole
+                head, tail = b"", shape(cap.data(), strip_ansi, collapse_cr)
+            else:
+                head = shape(bytes(cap._head), strip_ansi, collapse_cr)
+                tail = shape(b"".join(cap._tail), strip_ansi, collapse_cr)
+            out[name] = head + tail
+            out[f"{name}_bytes"] = cap.total
+            out[f"{name}_dropped"] = cap.dropped
+            out[f"{name}_gap_at"] = len(head) if cap.dropped else None
+        return out  # type: ignore[return-value]
     return {
         "stdout": b"" if streamed else stdout.data(),
         "stdout_bytes": stdout.total,

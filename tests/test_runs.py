@@ -545,3 +545,41 @@ def test_spill_files_hold_exactly_the_dropped_bytes(fresh_guestd: object, tmp_pa
         await c.close()
 
     asyncio.run(go())
+
+
+def test_output_shaping_keeps_counts_exact_on_raw_bytes(guestd: Guestd) -> None:
+    """strip_ansi and collapse_cr: colours, a title and cursor escapes go, progress redraws
+    collapse to what a terminal leaves, while *_bytes / *_dropped count the raw bytes; with
+    a cut, the gap stays between the shaped head and tail; unshaped output is unchanged."""
+    raw = (
+        b"\x1b]0;title\x07\x1b[1;32mgreen\x1b[0m plain\r\n"
+        b"10%\r20%\r100% done\n"
+        b"abcdef\rXY\n"
+        b"\x1b[2K\rlast"
+    )
+    shaped = b"green plain\n100% done\nXYcdef\nlast"
+    cmd = "printf '%s' " + "'" + raw.decode().replace("'", "'\\''") + "'"
+
+    async def go() -> None:
+        c = await AsyncClient.connect(guestd.address)
+        r = await c.exec(cmd, strip_ansi=True, collapse_cr=True)
+        assert r.stdout == shaped and r.stdout_bytes == len(raw) and r.stdout_dropped == 0
+        assert (await c.exec(cmd)).stdout == raw
+        only_ansi = await c.exec(cmd, strip_ansi=True)
+        assert only_ansi.stdout == b"green plain\r\n10%\r20%\r100% done\nabcdef\rXY\n\rlast"
+        sid = (await c.shell_create())["id"]
+        s = await c.shell_run(sid, cmd, strip_ansi=True, collapse_cr=True)
+        assert s.stdout == shaped and s.stdout_bytes == len(raw)
+        # A cut output: counts on raw bytes, the gap between the shaped head and tail.
+        big = "for i in $(seq 1 2000); do printf '\\033[31m%05d\\033[0m\\r%05d\\n' $i $i; done"
+        b = await c.exec(big, max_output=1000, head_tail=True, strip_ansi=True, collapse_cr=True)
+        line = len("\x1b[31m00001\x1b[0m\r00001\n")
+        assert b.stdout_bytes == 2000 * line and b.stdout_dropped == 2000 * line - 1000
+        assert b.stdout_gap_at is not None
+        head, tail = b.stdout[: b.stdout_gap_at], b.stdout[b.stdout_gap_at :]
+        assert head.startswith(b"00001\n00002\n") and tail.endswith(b"01999\n02000\n")
+        assert b"\x1b" not in b.stdout and b"\r" not in b.stdout
+        await c.shell_close(sid)
+        await c.close()
+
+    asyncio.run(go())

@@ -376,6 +376,8 @@ class AsyncClient(PortsAPI, WorkspaceAPI):
         on_timeout: OnTimeout | None = None,
         merge_stderr: bool | None = None,
         spill: bool | None = None,
+        strip_ansi: bool | None = None,
+        collapse_cr: bool | None = None,
     ) -> dict[str, Any]:
         args: dict[str, Any] = {"shell": cmd} if isinstance(cmd, str) else {"argv": list(cmd)}
         args.update(
@@ -395,6 +397,8 @@ class AsyncClient(PortsAPI, WorkspaceAPI):
                 on_timeout=on_timeout,
                 merge_stderr=merge_stderr,
                 spill=spill,
+                strip_ansi=strip_ansi,
+                collapse_cr=collapse_cr,
             )
         )
         return args
@@ -416,6 +420,8 @@ class AsyncClient(PortsAPI, WorkspaceAPI):
         on_timeout: OnTimeout | None = None,
         merge_stderr: bool | None = None,
         spill: bool | None = None,
+        strip_ansi: bool | None = None,
+        collapse_cr: bool | None = None,
         deadline: float | None = None,
     ) -> ExecResult:
         """Run ``cmd`` (argv list, or a string for ``/bin/sh -c``) to completion.
@@ -443,6 +449,8 @@ class AsyncClient(PortsAPI, WorkspaceAPI):
             on_timeout=on_timeout,
             merge_stderr=merge_stderr,
             spill=spill,
+            strip_ansi=strip_ansi,
+            collapse_cr=collapse_cr,
         )
         if deadline is None:
             deadline = _exec_deadline(timeout_s, idle_timeout_s, kill_grace_s, linger_s)
@@ -917,6 +925,8 @@ class AsyncClient(PortsAPI, WorkspaceAPI):
         check_syntax: bool | None = None,
         keep: bool | None = None,
         spill: bool | None = None,
+        strip_ansi: bool | None = None,
+        collapse_cr: bool | None = None,
         deadline: float | None = None,
     ) -> ShellResult:
         """Run a command in a persistent bash session (cd, variables, venvs persist).
@@ -936,6 +946,8 @@ class AsyncClient(PortsAPI, WorkspaceAPI):
             check_syntax=check_syntax,
             keep=keep,
             spill=spill,
+            strip_ansi=strip_ansi,
+            collapse_cr=collapse_cr,
         )
         if deadline is None:
             deadline = _run_deadline(timeout_s, idle_timeout_s, SHELL_STOP_S)

@@ -135,6 +135,8 @@ class Client(SyncPortsAPI, SyncWorkspaceAPI):
         on_timeout: OnTimeout | None = None,
         merge_stderr: bool | None = None,
         spill: bool | None = None,
+        strip_ansi: bool | None = None,
+        collapse_cr: bool | None = None,
         deadline: float | None = None,
     ) -> ExecResult:
         return self._run(
@@ -153,6 +155,8 @@ class Client(SyncPortsAPI, SyncWorkspaceAPI):
                 on_timeout=on_timeout,
                 merge_stderr=merge_stderr,
                 spill=spill,
+                strip_ansi=strip_ansi,
+                collapse_cr=collapse_cr,
                 deadline=deadline,
             )
         )
@@ -416,6 +420,8 @@ class Client(SyncPortsAPI, SyncWorkspaceAPI):
         check_syntax: bool | None = None,
         keep: bool | None = None,
         spill: bool | None = None,
+        strip_ansi: bool | None = None,
+        collapse_cr: bool | None = None,
         deadline: float | None = None,
     ) -> ShellResult:
         return self._run(
@@ -432,6 +438,8 @@ class Client(SyncPortsAPI, SyncWorkspaceAPI):
                 check_syntax=check_syntax,
                 keep=keep,
                 spill=spill,
+                strip_ansi=strip_ansi,
+                collapse_cr=collapse_cr,
                 deadline=deadline,
             )
         )

@@ -210,6 +210,8 @@ class Session:
                 "pty": False,
                 "keep": False,
                 "spill": False,
+                "strip_ansi": False,
+                "collapse_cr": False,
             },
             count=False,
         )
@@ -795,7 +797,13 @@ class Session:
             "interrupted": interrupted,
             "session_restarted": restarted,
             "cwd": path_to_wire(self.cwd),
-            **capture_fields(caps[1], caps[2], streamed=a["stream"] and ctx is not None),  # type: ignore[typeddict-item]  # "changes": the handler adds it
+            **capture_fields(  # type: ignore[typeddict-item]
+                caps[1],
+                caps[2],
+                streamed=a["stream"] and ctx is not None,
+                strip_ansi=a["strip_ansi"],
+                collapse_cr=a["collapse_cr"],
+            ),  # "changes": the handler adds it
             "duration_s": time.monotonic() - t0,
             "detached": detached,
         }

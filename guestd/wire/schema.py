@@ -458,6 +458,21 @@ _SPILL_RESULT = (
     F("stderr_spill", "spill_info?", "spill: the file holding stderr from byte 0"),
 )
 
+_SHAPING = (
+    F(
+        "strip_ansi",
+        "bool",
+        "remove ANSI escape sequences (colours, cursor moves, titles) from the returned output; counts stay raw",
+        default=False,
+    ),
+    F(
+        "collapse_cr",
+        "bool",
+        "each returned line as a terminal leaves it after its \\r redraws (progress bars); counts stay raw",
+        default=False,
+    ),
+)
+
 _KEEP = F(
     "keep",
     "bool",
@@ -541,6 +556,7 @@ OPS: tuple[OpSpec, ...] = (
             F("capture", "enum(tail|head_tail)", "which bytes are kept when over max_output", default="tail"),
             F("stream", "bool", "send output as EVENT frames as it arrives", default=False),
             _SPILL,
+            *_SHAPING,
             F(
                 "linger_s",
                 "float",
@@ -1008,6 +1024,7 @@ SHELL_OPS: tuple[OpSpec, ...] = (
             _ON_TIMEOUT,
             _KEEP,
             _SPILL,
+            *_SHAPING,
             F("max_output", "uint", "bytes kept per stream", default=65536, le_limit="max_output"),
             F("capture", "enum(tail|head_tail)", "which bytes are kept when over max_output", default="tail"),
             F(

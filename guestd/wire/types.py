@@ -218,6 +218,8 @@ class ExecArgs(TypedDict):
     capture: Literal["tail", "head_tail"]
     stream: bool
     spill: bool
+    strip_ansi: bool
+    collapse_cr: bool
     linger_s: float
     report_changes: bool
 
@@ -708,6 +710,8 @@ class ShellRunArgs(TypedDict):
     on_timeout: Literal["kill", "detach"]
     keep: bool
     spill: bool
+    strip_ansi: bool
+    collapse_cr: bool
     max_output: int
     capture: Literal["tail", "head_tail"]
     report_changes: bool
