@@ -551,12 +551,7 @@ def test_output_shaping_keeps_counts_exact_on_raw_bytes(guestd: Guestd) -> None:
     """strip_ansi and collapse_cr: colours, a title and cursor escapes go, progress redraws
     collapse to what a terminal leaves, while *_bytes / *_dropped count the raw bytes; with
     a cut, the gap stays between the shaped head and tail; unshaped output is unchanged."""
-    raw = (
-        b"\x1b]0;title\x07\x1b[1;32mgreen\x1b[0m plain\r\n"
-        b"10%\r20%\r100% done\n"
-        b"abcdef\rXY\n"
-        b"\x1b[2K\rlast"
-    )
+    raw = b"\x1b]0;title\x07\x1b[1;32mgreen\x1b[0m plain\r\n10%\r20%\r100% done\nabcdef\rXY\n\x1b[2K\rlast"
     shaped = b"green plain\n100% done\nXYcdef\nlast"
     cmd = "printf '%s' " + "'" + raw.decode().replace("'", "'\\''") + "'"
 
@@ -583,3 +578,51 @@ def test_output_shaping_keeps_counts_exact_on_raw_bytes(guestd: Guestd) -> None:
         await c.close()
 
     asyncio.run(go())
+
+
+def test_guestctl_pty_keep_runs_and_spill(guestd: Guestd) -> None:
+    """guestctl shell run --pty (piped stdin typed into the terminal, the session's state
+    there), --keep printing the run id first and `runs ls|get|wait`, exec --spill naming
+    the file that holds the full output."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+    def guestctl(*args: str, stdin: bytes | None = None) -> subprocess.CompletedProcess[bytes]:
+        return subprocess.run(
+            [sys.executable, "-m", "guestd.cli", "--connect", guestd.address, *args],
+            capture_output=True,
+            input=stdin,
+            timeout=120,
+            env={**os.environ, "PYTHONPATH": repo},
+        )
+
+    s = guestctl("shell", "new").stdout.decode().strip()
+    assert guestctl("shell", "run", s, "where=session-state").returncode == 0
+    cmd = '[ -t 0 ] && echo tty; read -r -p "name? " x; echo "got $x in $where"'
+    r = guestctl("shell", "run", s, cmd, "--pty", stdin=b"ada\n")
+    assert r.returncode == 0 and b"tty\r\n" in r.stdout and b"got ada in session-state\r\n" in r.stdout, r
+
+    r = guestctl("shell", "run", s, "echo kept-out; exit 3", "--keep")
+    assert r.returncode == 3 and r.stdout == b"kept-out\n"
+    rid = r.stderr.split(b"kept as run ")[1].split()[0].decode()
+    r = guestctl("runs", "get", rid)
+    assert (r.returncode, r.stdout) == (3, b"kept-out\n")
+    listed = json.loads(guestctl("--json", "runs", "ls").stdout)["runs"]
+    assert [x["state"] for x in listed if x["id"] == rid] == ["done"]
+    r = guestctl("--json", "runs", "wait", rid, "--timeout", "5")
+    assert json.loads(r.stdout)["result"]["exit_code"] == 3
+    assert guestctl("runs", "get", "r000000000000").returncode != 0
+
+    r = guestctl("--json", "exec", "--spill", "--max-output", "10", "--", "seq", "1", "1000")
+    obj = json.loads(r.stdout)
+    full = "".join(f"{i}\n" for i in range(1, 1001)).encode()
+    assert obj["stdout_spill"]["bytes"] == len(full) and obj["stdout_dropped"] == len(full) - 10
+    with open(obj["stdout_spill"]["path"], "rb") as f:
+        assert f.read() == full
+    r = guestctl("exec", "--spill", "--max-output", "10", "--", "seq", "1", "1000")
+    assert b"full stdout in " in r.stderr
+    assert guestctl("shell", "rm", s).returncode == 0
