@@ -9,11 +9,14 @@ truncation is never silent.
 from __future__ import annotations
 
 from collections import deque
-from typing import TypedDict
+from typing import TYPE_CHECKING, TypedDict
+
+if TYPE_CHECKING:
+    from guestd.spill import Spill
 
 
 class OutputCapture:
-    __slots__ = ("_head", "_tail", "_tail_len", "head_limit", "limit", "total")
+    __slots__ = ("_head", "_tail", "_tail_len", "head_limit", "limit", "spill", "total")
 
     def __init__(self, limit: int, mode: str = "tail") -> None:
         if limit < 0:
@@ -24,9 +27,12 @@ class OutputCapture:
         self._tail: deque[bytes] = deque()
         self._tail_len = 0
         self.total = 0
+        self.spill: Spill | None = None  # spill: true: every byte fed also goes to its file
 
     def feed(self, data: bytes) -> None:
         self.total += len(data)
+        if self.spill is not None:
+            self.spill.write(data)
         if len(self._head) < self.head_limit:
             take = self.head_limit - len(self._head)
             self._head += data[:take]
@@ -83,11 +89,34 @@ class CapturedFields(TypedDict):
     stderr_gap_at: int | None
 
 
-def capture_fields(stdout: OutputCapture, stderr: OutputCapture, streamed: bool = False) -> CapturedFields:
+def capture_fields(
+    stdout: OutputCapture,
+    stderr: OutputCapture,
+    streamed: bool = False,
+    strip_ansi: bool = False,
+    collapse_cr: bool = False,
+) -> CapturedFields:
     """The result fields every output producer reports (exec, shell.run, code.run).
 
     When the output was streamed as events it is not repeated: empty data, nothing dropped.
+    ``strip_ansi`` / ``collapse_cr`` shape the returned bytes (guestd.shaping); the counts
+    stay those of the raw stream.
     """
+    if (strip_ansi or collapse_cr) and not streamed:
+        from guestd.shaping import shape
+
+        out: dict[str, object] = {}
+        for name, cap in (("stdout", stdout), ("stderr", stderr)):
+            if not cap.dropped:  # one piece: a line across head and tail is shaped whole
+                head, tail = b"", shape(cap.data(), strip_ansi, collapse_cr)
+            else:
+                head = shape(bytes(cap._head), strip_ansi, collapse_cr)
+                tail = shape(b"".join(cap._tail), strip_ansi, collapse_cr)
+            out[name] = head + tail
+            out[f"{name}_bytes"] = cap.total
+            out[f"{name}_dropped"] = cap.dropped
+            out[f"{name}_gap_at"] = len(head) if cap.dropped else None
+        return out  # type: ignore[return-value]
     return {
         "stdout": b"" if streamed else stdout.data(),
         "stdout_bytes": stdout.total,

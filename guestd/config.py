@@ -29,6 +29,9 @@ class Limits:
     max_contexts: int = 8  # live code contexts (one kernel process each)
     max_processes: int = 64  # live background processes
     max_kept_processes: int = 256  # background processes kept, finished ones included
+    max_kept_runs: int = 64  # shell.run / code.run with keep: true, running and ended
+    max_spill_bytes: int = 256 * 1024 * 1024  # spill: true, per stream of one run
+    max_spill_total: int = 1024 * 1024 * 1024  # the spill directory (oldest files removed first)
     max_ring_bytes: int = 16 * 1024 * 1024  # output ring per stream of a background process
     max_shells: int = 16  # persistent shell sessions
     max_code_queue: int = 16  # runs waiting per context

@@ -23,6 +23,7 @@ if TYPE_CHECKING:
     from guestd.children import Children, ExitInfo
     from guestd.children.cgroups import RunCgroup, WorkloadCgroup
     from guestd.config import Config
+    from guestd.runs import RunTable
 
 
 class Request(Protocol):
@@ -208,6 +209,7 @@ class Services:
     info: list[Callable[[], dict[str, Any]]] = field(default_factory=list)  # fields for system.info
     changes: ChangeFeed | None = None  # set by the files capability
     adopter: Adopter | None = None  # set by guestd.processes: on_timeout "detach" hands runs to it
+    runs: RunTable | None = None  # set by guestd.processes: keep: true runs (guestd.runs)
     _io: ThreadPoolExecutor | None = None
     _kernel_dir: str | None = None
 

@@ -10,6 +10,7 @@ from collections.abc import Iterator
 import pytest
 
 from guestd.client import AsyncClient, Client, GuestdError
+from guestd.client.results import CodeResult, ShellResult
 from guestd.testing import Guestd
 
 # Prints its port, then a numbered line every 20 ms until stopped: a gap or a duplicate in
@@ -323,4 +324,305 @@ def test_guestctl_on_timeout_merge_and_check_syntax(guestd: Guestd) -> None:
     assert r.returncode != 0 and b"syntax error" in r.stderr and b"ran" not in r.stdout
     r = guestctl("exec", "--merge-stderr", "--", "sh", "-c", "echo x; echo y >&2")
     assert (r.stdout, r.stderr) == (b"x\ny\n", b"")
+    assert guestctl("shell", "rm", s).returncode == 0
+
+
+def test_shell_pty_in_session_state_with_expect_and_ctrl_c(guestd: Guestd, tmp_path: object) -> None:
+    """shell.run pty: the command sees the session's unexported variable and function and a
+    terminal on stdin/stdout; `read -p` prompts and takes a typed answer; a Python REPL
+    answers, and Ctrl-C through the protocol interrupts the loop it runs while the REPL, the
+    session's bash and its cwd stay; bad combinations are refused."""
+    from guestd.client.expect import Expect, ExpectEOF
+
+    async def go() -> None:
+        c = await AsyncClient.connect(guestd.address)
+        sid = (await c.shell_create(cwd=str(tmp_path)))["id"]
+        await c.shell_run(sid, 'secret=unexported; greet() { echo "hi $1 ($secret)"; }; cd /tmp')
+        bash_pid = (await c.shell_list())[0]["pid"]
+        cmd = '[ -t 0 ] && [ -t 1 ] && echo tty-ok; read -r -p "name? " who; greet "$who"'
+        async with Expect.start(c, sid, cmd, timeout_s=20) as e:
+            await e.expect(rb"name\? ", timeout=10)
+            assert b"tty-ok" in e.before
+            await e.sendline("ada")
+            await e.expect(rb"hi ada \(unexported\)\r\n", timeout=10)
+            r = await e.wait(timeout=10)
+        assert r.exit_code == 0 and r.cwd == "/tmp" and not r.interrupted
+
+        async with Expect.start(c, sid, "python3 -q -i", timeout_s=30) as e:
+            await e.expect(b">>> ", timeout=10)
+            await e.sendline("6 * 7")
+            await e.expect(b"42\r\n>>> ", timeout=10)
+            await e.sendline("while True: pass")
+            await e.sendline("")
+            await e.expect(rb"\.\.\. ", timeout=10)
+            await e.interrupt()
+            await e.expect(rb"KeyboardInterrupt\r\n>>> ", timeout=10)
+            await e.sendline("print('still', 1 + 1)")
+            await e.expect(b"still 2", timeout=10)
+            await e.sendline("exit()")  # not ^D: readline may switch the terminal's mode around it
+            r = await e.wait(timeout=10)
+            with pytest.raises(ExpectEOF):
+                await e.expect(b"never", timeout=5)
+        assert r.exit_code == 0 and not r.interrupted and not r.session_restarted
+        after = await c.shell_run(sid, 'echo "$PWD $secret"; greet again')
+        assert after.stdout == b"/tmp unexported\nhi again (unexported)\n"
+        assert (await c.shell_list())[0]["pid"] == bash_pid  # the same bash throughout
+
+        # Ctrl-C ends a foreground program that does not catch it: the command reports 130.
+        async with Expect.start(c, sid, "echo go; sleep 60; echo not-reached", timeout_s=30) as e:
+            await e.expect(b"go\r\n", timeout=10)
+            await e.interrupt()
+            r = await e.wait(timeout=10)
+        assert r.exit_code == 130 and b"not-reached" not in r.stdout and not r.session_restarted
+        # eof is ^D: the end of input for a read blocked at the start of a line.
+        async with Expect.start(c, sid, "cat; echo cat-ended", timeout_s=20) as e:
+            await e.sendline("abc")
+            await e.expect(b"abc\r\nabc\r\n", timeout=10)  # the echo, then cat's copy
+            await e.send_eof()
+            await e.expect(b"cat-ended\r\n", timeout=10)
+            assert (await e.wait(timeout=10)).exit_code == 0
+
+        # A pager pages (keys from the terminal) and quits.
+        async with Expect.start(c, sid, "seq 1 100 | less", timeout_s=20) as e:
+            await e.expect(b"23\r\n", timeout=10)
+            assert b"24\r\n" not in e.buffer + e.before  # one screen (24 rows: 23 lines and the prompt)
+            await e.send(b" ")
+            await e.expect(b"46\r\n", timeout=10)
+            await e.send(b"q")
+            assert (await e.wait(timeout=10)).exit_code == 0
+        # A timeout ends a pty command as any other; the session goes on.
+        async with Expect.start(c, sid, "sleep 60", timeout_s=1.0) as e:
+            r = await e.wait(timeout=20)
+        assert (r.timed_out, r.interrupted, r.exit_code, r.session_restarted) == ("wall", True, 130, False)
+        assert (await c.shell_run(sid, "echo $secret")).stdout == b"unexported\n"
+        for bad in ({"input": b"x"}, {"stdin_stream": True}, {"on_timeout": "detach", "timeout_s": 1.0}):
+            with pytest.raises(GuestdError) as ei:
+                await c._conn.request("shell.run", {"id": sid, "command": "true", "pty": True, **bad}, 10)
+            assert ei.value.code == "bad_request"
+        await c.shell_close(sid)
+        await c.close()
+
+    asyncio.run(go())
+
+
+def test_shell_pty_git_add_p_through_expect(guestd: Guestd, tmp_path: object) -> None:
+    """A real `git add -p` answered hunk by hunk: the first staged, the second not."""
+    from guestd.client.expect import Expect
+
+    async def go() -> None:
+        c = await AsyncClient.connect(guestd.address)
+        sid = (await c.shell_create(cwd=str(tmp_path)))["id"]
+        setup = (
+            "export GIT_CONFIG_NOSYSTEM=1 HOME=$PWD GIT_PAGER=cat; git init -q r && cd r && "
+            "git config user.email a@b && git config user.name a && "
+            "seq 1 40 > f && git add f && git commit -qm one && "
+            "sed -i -e 's/^2$/two/' -e 's/^38$/thirty-eight/' f"
+        )
+        assert (await c.shell_run(sid, setup)).exit_code == 0
+        async with Expect.start(c, sid, "git add -p", timeout_s=30) as e:
+            assert (await e.expect(rb"\x1b\[", timeout=10)) is not None  # a terminal: git colours
+            await e.expect(rb"\(1/2\) Stage this hunk \[[^]]*\]\? ", timeout=10)
+            assert re.search(rb"\+(\x1b\[[0-9;]*m)*two", e.before)
+            await e.sendline("y")
+            await e.expect(rb"\(2/2\) Stage this hunk \[[^]]*\]\? ", timeout=10)
+            assert re.search(rb"\+(\x1b\[[0-9;]*m)*thirty-eight", e.before)
+            await e.sendline("n")
+            r = await e.wait(timeout=10)
+        assert r.exit_code == 0
+        staged = await c.shell_run(sid, "git diff --cached -U0 | grep '^[+-][^+-]'")
+        assert staged.stdout == b"-2\n+two\n"
+        unstaged = await c.shell_run(sid, "git diff -U0 | grep '^[+-][^+-]'")
+        assert unstaged.stdout == b"-38\n+thirty-eight\n"
+        await c.shell_close(sid)
+        await c.close()
+
+    asyncio.run(go())
+
+
+def test_kept_runs_survive_their_connection_and_are_bounded(fresh_guestd: object, tmp_path: object) -> None:
+    """keep: a code.run of time.sleep(3); 42 goes on after its client disconnects and run.wait
+    from a new connection gives 42; a kept shell.run whose request is cancelled is not
+    interrupted; a result delivered normally carries run_id and run.get gives it again; at
+    max_kept_runs with no result seen the next kept run is a typed limit error, and once one
+    is seen it makes room; keep with stream is refused."""
+    from guestd.client.runs import result_of, run_get, run_list, run_wait, start_kept
+    from guestd.testing.local import limits_config
+
+    g = fresh_guestd("--config", limits_config(str(tmp_path), max_kept_runs=3))  # type: ignore[operator]
+
+    async def go() -> None:
+        c = await AsyncClient.connect(g.address)
+        cell = await start_kept(c, "code.run", {"code": "import time; time.sleep(3); 42"})
+        sid = (await c.shell_create(cwd=str(tmp_path)))["id"]
+        shell = await start_kept(c, "shell.run", {"id": sid, "command": "sleep 1; echo done; pwd"})
+        await c.close()  # both requests go with the connection; the runs do not
+
+        c = await AsyncClient.connect(g.address)
+        running = {r["id"]: r for r in await run_list(c)}
+        assert running[cell]["op"] == "code.run" and running[cell]["result"] is None
+        rec = await run_wait(c, shell, timeout_s=20)
+        assert rec["state"] == "done"
+        r = result_of(rec)
+        assert isinstance(r, ShellResult) and (r.exit_code, r.interrupted) == (0, False)
+        assert r.stdout == f"done\n{tmp_path}\n".encode()
+        rec = await run_wait(c, cell, timeout_s=30)
+        code = result_of(rec)
+        assert isinstance(code, CodeResult) and code.status == "ok" and code.text == "42"
+
+        # Delivered normally: the result names its run, run.get gives it again.
+        r = await c.shell_run(sid, "echo again", keep=True)
+        assert r.run_id is not None and r.stdout == b"again\n"
+        again = result_of(await run_get(c, r.run_id))
+        assert isinstance(again, ShellResult) and again.stdout == b"again\n"
+
+        # The cap (3): the shell and cell runs were seen (run.wait), "again" too; three
+        # unseen ones fill it after evicting those, a fourth is refused.
+        unseen = [await start_kept(c, "shell.run", {"id": sid, "command": f"echo {i}"}) for i in range(3)]
+        with pytest.raises(GuestdError) as ei:
+            await start_kept(c, "shell.run", {"id": sid, "command": "echo four"})
+        assert ei.value.code == "limit" and ei.value.details["limit"] == "max_kept_runs"
+        with pytest.raises(GuestdError) as ei:
+            await run_get(c, cell)  # made room for the unseen ones
+        assert ei.value.code == "not_found"
+        first = result_of(await run_wait(c, unseen[0], timeout_s=20))
+        assert first.stdout == b"0\n"
+        await start_kept(c, "shell.run", {"id": sid, "command": "echo four"})  # room again
+        assert {r["id"] for r in await run_list(c)} >= set(unseen[1:])
+        with pytest.raises(GuestdError) as ei:
+            await c._conn.request("shell.run", {"id": sid, "command": "true", "keep": True, "stream": True}, 10)
+        assert ei.value.code == "bad_request"
+        await c.close()
+
+    asyncio.run(go())
+
+
+def test_spill_files_hold_exactly_the_dropped_bytes(fresh_guestd: object, tmp_path: object) -> None:
+    """spill: exec (head_tail) and shell.run (tail) keep a small reply while the files hold
+    the full streams; the dropped range [gap_at, gap_at + dropped) read back from the file
+    is exactly what the reply lacks; the per-stream cap stops a spill with a reason and a
+    prefix of the stream; the spill directory is guestd's own (0700) and spill with stream
+    is refused."""
+    import os
+    import stat
+
+    from guestd.testing.local import limits_config
+
+    g = fresh_guestd("--config", limits_config(str(tmp_path), max_spill_bytes=1_000_000))  # type: ignore[operator]
+    gen = "seq 1 120000; echo err-1 >&2; seq 5 9 >&2"
+    full = "".join(f"{i}\n" for i in range(1, 120001)).encode()  # 763,895 bytes
+    err_full = b"err-1\n5\n6\n7\n8\n9\n"
+
+    async def go() -> None:
+        c = await AsyncClient.connect(g.address)
+        r = await c.exec(gen, max_output=1000, head_tail=True, spill=True)
+        assert r.stdout_spill is not None and r.stderr_spill is not None
+        assert (r.stdout_spill["bytes"], r.stdout_spill["stopped"]) == (len(full), None)
+        assert r.stdout_bytes == len(full) and r.stdout_dropped == len(full) - 1000 and r.stdout_gap_at == 500
+        dropped = await c.read_file(r.stdout_spill["path"], offset=r.stdout_gap_at, length=r.stdout_dropped)
+        assert r.stdout[:500] + dropped + r.stdout[500:] == full
+        assert await c.read_file(r.stderr_spill["path"]) == err_full == r.stderr
+        d = os.path.dirname(r.stdout_spill["path"])
+        st = os.stat(d)
+        assert stat.S_IMODE(st.st_mode) == 0o700 and st.st_uid == os.geteuid()
+        assert stat.S_IMODE(os.stat(r.stdout_spill["path"]).st_mode) == 0o600
+
+        sid = (await c.shell_create())["id"]
+        s = await c.shell_run(sid, gen, max_output=2000, spill=True)
+        assert s.stdout_spill is not None and s.stdout_dropped == len(full) - 2000
+        head = await c.read_file(s.stdout_spill["path"], offset=0, length=s.stdout_dropped)
+        assert head + s.stdout == full and s.stdout_spill["bytes"] == len(full)
+
+        # The cap: a prefix of the stream, and the reason.
+        big = await c.shell_run(sid, "seq 1 300000", max_output=100, spill=True)
+        assert big.stdout_spill is not None
+        assert (big.stdout_spill["bytes"], big.stdout_spill["stopped"]) == (1_000_000, "cap")
+        everything = "".join(f"{i}\n" for i in range(1, 300001)).encode()
+        got = await c.read_file(big.stdout_spill["path"], offset=999_000, length=1000)
+        assert got == everything[999_000:1_000_000] and big.stdout == everything[-100:]
+        with pytest.raises(GuestdError) as ei:
+            await c._conn.request("exec", {"shell": "true", "spill": True, "stream": True}, 10)
+        assert ei.value.code == "bad_request"
+        await c.close()
+
+    asyncio.run(go())
+
+
+def test_output_shaping_keeps_counts_exact_on_raw_bytes(guestd: Guestd) -> None:
+    """strip_ansi and collapse_cr: colours, a title and cursor escapes go, progress redraws
+    collapse to what a terminal leaves, while *_bytes / *_dropped count the raw bytes; with
+    a cut, the gap stays between the shaped head and tail; unshaped output is unchanged."""
+    raw = b"\x1b]0;title\x07\x1b[1;32mgreen\x1b[0m plain\r\n10%\r20%\r100% done\nabcdef\rXY\n\x1b[2K\rlast"
+    shaped = b"green plain\n100% done\nXYcdef\nlast"
+    cmd = "printf '%s' " + "'" + raw.decode().replace("'", "'\\''") + "'"
+
+    async def go() -> None:
+        c = await AsyncClient.connect(guestd.address)
+        r = await c.exec(cmd, strip_ansi=True, collapse_cr=True)
+        assert r.stdout == shaped and r.stdout_bytes == len(raw) and r.stdout_dropped == 0
+        assert (await c.exec(cmd)).stdout == raw
+        only_ansi = await c.exec(cmd, strip_ansi=True)
+        assert only_ansi.stdout == b"green plain\r\n10%\r20%\r100% done\nabcdef\rXY\n\rlast"
+        sid = (await c.shell_create())["id"]
+        s = await c.shell_run(sid, cmd, strip_ansi=True, collapse_cr=True)
+        assert s.stdout == shaped and s.stdout_bytes == len(raw)
+        # A cut output: counts on raw bytes, the gap between the shaped head and tail.
+        big = "for i in $(seq 1 2000); do printf '\\033[31m%05d\\033[0m\\r%05d\\n' $i $i; done"
+        b = await c.exec(big, max_output=1000, head_tail=True, strip_ansi=True, collapse_cr=True)
+        line = len("\x1b[31m00001\x1b[0m\r00001\n")
+        assert b.stdout_bytes == 2000 * line and b.stdout_dropped == 2000 * line - 1000
+        assert b.stdout_gap_at is not None
+        head, tail = b.stdout[: b.stdout_gap_at], b.stdout[b.stdout_gap_at :]
+        assert head.startswith(b"00001\n00002\n") and tail.endswith(b"01999\n02000\n")
+        assert b"\x1b" not in b.stdout and b"\r" not in b.stdout
+        await c.shell_close(sid)
+        await c.close()
+
+    asyncio.run(go())
+
+
+def test_guestctl_pty_keep_runs_and_spill(guestd: Guestd) -> None:
+    """guestctl shell run --pty (piped stdin typed into the terminal, the session's state
+    there), --keep printing the run id first and `runs ls|get|wait`, exec --spill naming
+    the file that holds the full output."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+    def guestctl(*args: str, stdin: bytes | None = None) -> subprocess.CompletedProcess[bytes]:
+        return subprocess.run(
+            [sys.executable, "-m", "guestd.cli", "--connect", guestd.address, *args],
+            capture_output=True,
+            input=stdin,
+            timeout=120,
+            env={**os.environ, "PYTHONPATH": repo},
+        )
+
+    s = guestctl("shell", "new").stdout.decode().strip()
+    assert guestctl("shell", "run", s, "where=session-state").returncode == 0
+    cmd = '[ -t 0 ] && echo tty; read -r -p "name? " x; echo "got $x in $where"'
+    r = guestctl("shell", "run", s, cmd, "--pty", stdin=b"ada\n")
+    assert r.returncode == 0 and b"tty\r\n" in r.stdout and b"got ada in session-state\r\n" in r.stdout, r
+
+    r = guestctl("shell", "run", s, "echo kept-out; exit 3", "--keep")
+    assert r.returncode == 3 and r.stdout == b"kept-out\n"
+    rid = r.stderr.split(b"kept as run ")[1].split()[0].decode()
+    r = guestctl("runs", "get", rid)
+    assert (r.returncode, r.stdout) == (3, b"kept-out\n")
+    listed = json.loads(guestctl("--json", "runs", "ls").stdout)["runs"]
+    assert [x["state"] for x in listed if x["id"] == rid] == ["done"]
+    r = guestctl("--json", "runs", "wait", rid, "--timeout", "5")
+    assert json.loads(r.stdout)["result"]["exit_code"] == 3
+    assert guestctl("runs", "get", "r000000000000").returncode != 0
+
+    r = guestctl("--json", "exec", "--spill", "--max-output", "10", "--", "seq", "1", "1000")
+    obj = json.loads(r.stdout)
+    full = "".join(f"{i}\n" for i in range(1, 1001)).encode()
+    assert obj["stdout_spill"]["bytes"] == len(full) and obj["stdout_dropped"] == len(full) - 10
+    with open(obj["stdout_spill"]["path"], "rb") as f:
+        assert f.read() == full
+    r = guestctl("exec", "--spill", "--max-output", "10", "--", "seq", "1", "1000")
+    assert b"full stdout in " in r.stderr
     assert guestctl("shell", "rm", s).returncode == 0

@@ -44,7 +44,7 @@ import asyncio
 import os
 import sys
 
-from guestd.cli import code, files, metrics, ports, processes, shells, snapshot, system, terminal, workspace
+from guestd.cli import code, files, metrics, ports, processes, runs, shells, snapshot, system, terminal, workspace
 from guestd.cli import exec as exec_  # the module; plain "exec" would hide the builtin here
 from guestd.cli.shared import Handler, print_json
 from guestd.client.aio import CONNECT_TIMEOUT, AsyncClient
@@ -54,7 +54,7 @@ __all__ = ["build_parser", "main", "run"]
 
 DEFAULT_CONNECT = "unix:/run/guestd/guestd.sock"
 # The order of ``guestctl --help``.
-COMMAND_MODULES = (system, exec_, files, workspace, processes, shells, snapshot, code, ports, metrics)
+COMMAND_MODULES = (system, exec_, files, workspace, processes, shells, snapshot, code, ports, metrics, runs)
 
 
 def build_parser() -> argparse.ArgumentParser:

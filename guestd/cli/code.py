@@ -38,6 +38,7 @@ def register(sub: Subcommands) -> None:
     )
     cr.add_argument("--overwrite-images", action="store_true", help="replace images of the same name in DIR")
     cr.add_argument("--no-color", action="store_true", help="strip ANSI colours")
+    cr.add_argument("--keep", action="store_true", help="the run outlives guestctl; prints its run id")
     cr.add_argument("code")
     add_command(code, "ls", list_contexts, help="list contexts")
     for verb in ("interrupt", "restart", "rm"):
@@ -79,8 +80,24 @@ async def manage_context(client: AsyncClient, ns: argparse.Namespace) -> int:
 
 async def run_code(client: AsyncClient, ns: argparse.Namespace) -> int:
     source = sys.stdin.read() if ns.code == "-" else ns.code
+    if ns.keep:
+        from guestd.cli.runs import run_kept
+        from guestd.client.aio import present
+
+        args = present(
+            code=source,
+            context=ns.context,
+            timeout_s=ns.timeout,
+            input_lines=ns.input,
+            strip_ansi=ns.no_color or ns.json or None,
+        )
+        return await run_kept(client, ns, "code.run", args)
     res = await client.code_run(
-        source, context=ns.context, timeout_s=ns.timeout, input_lines=ns.input, strip_ansi=ns.no_color or ns.json
+        source,
+        context=ns.context,
+        timeout_s=ns.timeout,
+        input_lines=ns.input,
+        strip_ansi=ns.no_color or ns.json,
     )
     saved, skipped = (
         save_images(res, ns.save_images, ns.context, ns.max_images, ns.overwrite_images) if ns.save_images else ([], 0)

@@ -32,6 +32,7 @@ def register(sub: Subcommands) -> None:
             help="detach: a timeout leaves the command running as a background process (prints its id)",
         )
         e.add_argument("--merge-stderr", action="store_true", help="stderr into stdout, in write order")
+        e.add_argument("--spill", action="store_true", help="full output also to files in the guest (named)")
         if name == "exec":
             e.add_argument("argv", nargs=argparse.REMAINDER, help="-- PROGRAM ARGS...")
         else:
@@ -61,6 +62,7 @@ async def run_command(client: AsyncClient, ns: argparse.Namespace) -> int:
         head_tail=ns.head_tail,
         on_timeout=ns.on_timeout,
         merge_stderr=ns.merge_stderr or None,
+        spill=ns.spill or None,
     )
     if ns.json:
         print_json(res.to_json())
@@ -76,6 +78,13 @@ def print_exec_result(res: ExecResult, raw: bool) -> None:
         if dropped:
             print(
                 f"guestctl: {name} truncated: {dropped} of {getattr(res, name + '_bytes')} bytes dropped",
+                file=sys.stderr,
+            )
+        spill = getattr(res, name + "_spill")
+        if spill is not None and (dropped or spill["stopped"]):
+            stopped = f", stopped: {spill['stopped']}" if spill["stopped"] else ""
+            print(
+                f"guestctl: full {name} in {terminal.field(spill['path'])} ({spill['bytes']} bytes{stopped})",
                 file=sys.stderr,
             )
     if res.detached is not None:

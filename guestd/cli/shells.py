@@ -32,6 +32,13 @@ def register(sub: Subcommands) -> None:
     )
     srun.add_argument("--merge-stderr", action="store_true", help="stderr into stdout, in write order")
     srun.add_argument("--check-syntax", action="store_true", help="bash -n first; nothing runs on a syntax error")
+    srun.add_argument(
+        "--pty",
+        action="store_true",
+        help="run on a terminal in the session's state, bridged to this one (^C interrupts the command)",
+    )
+    srun.add_argument("--keep", action="store_true", help="the run outlives guestctl; prints its run id")
+    srun.add_argument("--spill", action="store_true", help="full output also to files in the guest (named)")
     add_command(shell, "ls", list_sessions, help="list sessions")
     add_command(shell, "rm", close, help="end a session").add_argument("id")
 
@@ -60,7 +67,26 @@ async def close(client: AsyncClient, ns: argparse.Namespace) -> int:
 
 
 async def run_in_session(client: AsyncClient, ns: argparse.Namespace) -> int:
+    if ns.pty:
+        return await run_on_pty(client, ns)
     stdin = sys.stdin.buffer.read() if ns.stdin else None
+    if ns.keep:
+        from guestd.cli.runs import run_kept
+        from guestd.client.aio import present
+
+        args = present(
+            id=ns.id,
+            command=ns.command,
+            input=stdin,
+            timeout_s=ns.timeout,
+            idle_timeout_s=ns.idle_timeout,
+            max_output=ns.max_output,
+            on_timeout=ns.on_timeout,
+            merge_stderr=ns.merge_stderr or None,
+            check_syntax=ns.check_syntax or None,
+            spill=ns.spill or None,
+        )
+        return await run_kept(client, ns, "shell.run", args)
     res = await client.shell_run(
         ns.id,
         ns.command,
@@ -71,11 +97,20 @@ async def run_in_session(client: AsyncClient, ns: argparse.Namespace) -> int:
         on_timeout=ns.on_timeout,
         merge_stderr=ns.merge_stderr or None,
         check_syntax=ns.check_syntax or None,
+        keep=ns.keep or None,
+        spill=ns.spill or None,
     )
     if ns.json:
         print_json(res.to_json())
     else:
         write_output(res.stdout, res.stderr, ns.raw)
+        for name, spill in (("stdout", res.stdout_spill), ("stderr", res.stderr_spill)):
+            if spill is not None and (getattr(res, name + "_dropped") or spill["stopped"]):
+                stopped = f", stopped: {spill['stopped']}" if spill["stopped"] else ""
+                print(
+                    f"guestctl: full {name} in {field(spill['path'])} ({spill['bytes']} bytes{stopped})",
+                    file=sys.stderr,
+                )
         if res.detached is not None:
             print(
                 f"guestctl: {res.timed_out} timeout fired; the command goes on as process {res.detached}"
@@ -87,6 +122,72 @@ async def run_in_session(client: AsyncClient, ns: argparse.Namespace) -> int:
         print_death(res.killed_by, res.oom_killed)
         if res.session_restarted:
             print("guestctl: the session had to be restarted (cwd and exported variables kept)", file=sys.stderr)
+    if res.timed_out:
+        return 124
+    return res.exit_code if res.exit_code is not None else 1
+
+
+async def run_on_pty(client: AsyncClient, ns: argparse.Namespace) -> int:
+    """``shell run --pty``: the command on a terminal in the session, this terminal bridged
+    to it (raw mode, modes put back however it ends). Typed ^C and ^\\ become INT and QUIT
+    for the command's process group (its terminal raises no signals itself); the end of a
+    piped stdin is ^D."""
+    import asyncio
+    import os
+    import termios
+    import tty
+
+    from guestd.cli import terminal
+
+    loop = asyncio.get_running_loop()
+    s = client.shell_stream(ns.id, ns.command, pty=True, timeout_s=ns.timeout, idle_timeout_s=ns.idle_timeout)
+    fd = sys.stdin.fileno()
+    interactive = os.isatty(fd)
+    saved = termios.tcgetattr(fd) if interactive else None
+    pending: list[asyncio.Task[None]] = []
+    keys = {0x03: "INT", 0x1C: "QUIT"}
+
+    def on_key() -> None:
+        data = os.read(fd, 4096)
+        if not data:
+            loop.remove_reader(fd)
+            pending.append(loop.create_task(s.close_stdin()))
+            return
+        start = 0
+        for i, b in enumerate(data):
+            if interactive and b in keys:
+                if data[start:i]:
+                    pending.append(loop.create_task(s.write_stdin(data[start:i])))
+                pending.append(loop.create_task(s.signal(keys[b])))
+                start = i + 1
+        if data[start:]:
+            pending.append(loop.create_task(s.write_stdin(data[start:])))
+
+    pollable = True
+    out = terminal.stdout(ns.raw, pty=True)
+    try:
+        if interactive:
+            tty.setraw(fd)
+        try:
+            loop.add_reader(fd, on_key)
+        except OSError:  # epoll refuses plain files and /dev/null: nothing to forward then
+            pollable = False
+        async for _, data in s:
+            out.write(data)
+        res = await s.result()
+    finally:
+        out.close()
+        if pollable:
+            loop.remove_reader(fd)
+        if sys.stdout.isatty():
+            sys.stdout.buffer.write(terminal.RESET_MODES)
+            sys.stdout.flush()
+        if saved is not None:
+            termios.tcsetattr(fd, termios.TCSADRAIN, saved)
+        for t in pending:
+            t.cancel()
+    if ns.json:
+        print_json(res.to_json())
     if res.timed_out:
         return 124
     return res.exit_code if res.exit_code is not None else 1

@@ -415,6 +415,9 @@ class AsyncClient(PortsAPI, WorkspaceAPI):
         stdin_stream: bool | None = None,
         on_timeout: OnTimeout | None = None,
         merge_stderr: bool | None = None,
+        spill: bool | None = None,
+        strip_ansi: bool | None = None,
+        collapse_cr: bool | None = None,
     ) -> dict[str, Any]:
         args: dict[str, Any] = {"shell": cmd} if isinstance(cmd, str) else {"argv": list(cmd)}
         args.update(
@@ -433,6 +436,9 @@ class AsyncClient(PortsAPI, WorkspaceAPI):
                 stdin_stream=stdin_stream,
                 on_timeout=on_timeout,
                 merge_stderr=merge_stderr,
+                spill=spill,
+                strip_ansi=strip_ansi,
+                collapse_cr=collapse_cr,
             )
         )
         return args
@@ -453,6 +459,9 @@ class AsyncClient(PortsAPI, WorkspaceAPI):
         linger_s: float | None = None,
         on_timeout: OnTimeout | None = None,
         merge_stderr: bool | None = None,
+        spill: bool | None = None,
+        strip_ansi: bool | None = None,
+        collapse_cr: bool | None = None,
         deadline: float | None = None,
     ) -> ExecResult:
         """Run ``cmd`` (argv list, or a string for ``/bin/sh -c``) to completion.
@@ -479,6 +488,9 @@ class AsyncClient(PortsAPI, WorkspaceAPI):
             stream=False,
             on_timeout=on_timeout,
             merge_stderr=merge_stderr,
+            spill=spill,
+            strip_ansi=strip_ansi,
+            collapse_cr=collapse_cr,
         )
         if deadline is None:
             deadline = _exec_deadline(timeout_s, idle_timeout_s, kill_grace_s, linger_s)
@@ -762,6 +774,7 @@ class AsyncClient(PortsAPI, WorkspaceAPI):
         input_lines: list[str] | None = None,
         strip_ansi: bool | None = None,
         max_output: int | None = None,
+        keep: bool | None = None,
         deadline: float | None = None,
     ) -> CodeResult:
         """Run a cell; without ``context`` the daemon's "default" context (made on first use).
@@ -778,6 +791,7 @@ class AsyncClient(PortsAPI, WorkspaceAPI):
             input_lines=input_lines,
             strip_ansi=strip_ansi,
             max_output=max_output,
+            keep=keep,
         )
         if deadline is None:
             deadline = _code_deadline(timeout_s, interrupt_grace_s)
@@ -949,6 +963,10 @@ class AsyncClient(PortsAPI, WorkspaceAPI):
         on_timeout: OnTimeout | None = None,
         merge_stderr: bool | None = None,
         check_syntax: bool | None = None,
+        keep: bool | None = None,
+        spill: bool | None = None,
+        strip_ansi: bool | None = None,
+        collapse_cr: bool | None = None,
         deadline: float | None = None,
     ) -> ShellResult:
         """Run a command in a persistent bash session (cd, variables, venvs persist).
@@ -966,6 +984,10 @@ class AsyncClient(PortsAPI, WorkspaceAPI):
             on_timeout=on_timeout,
             merge_stderr=merge_stderr,
             check_syntax=check_syntax,
+            keep=keep,
+            spill=spill,
+            strip_ansi=strip_ansi,
+            collapse_cr=collapse_cr,
         )
         if deadline is None:
             deadline = _run_deadline(timeout_s, idle_timeout_s, SHELL_STOP_S)
@@ -981,11 +1003,13 @@ class AsyncClient(PortsAPI, WorkspaceAPI):
         idle_timeout_s: float | None = None,
         on_timeout: OnTimeout | None = None,
         merge_stderr: bool | None = None,
+        pty: bool | None = None,
         deadline: float | None = None,
     ) -> ShellStream:
         """Like :meth:`shell_run`, delivering output as it arrives, with the client's credit as
         flow control; ``stdin_stream`` lets :meth:`ShellStream.write_stdin` type into the
-        command while it runs (async only)."""
+        command while it runs (async only); ``pty`` runs it on a terminal (write_stdin types
+        into it, ``signal("INT")`` is Ctrl-C; see :mod:`guestd.client.expect`)."""
         args = present(
             id=session,
             command=command,
@@ -995,10 +1019,30 @@ class AsyncClient(PortsAPI, WorkspaceAPI):
             idle_timeout_s=_seconds(idle_timeout_s),
             on_timeout=on_timeout,
             merge_stderr=merge_stderr,
+            pty=pty,
         )
         if deadline is None:
             deadline = _run_deadline(timeout_s, idle_timeout_s, SHELL_STOP_S)
         return ShellStream(self, self._conn.start("shell.run", args), deadline)
+
+    # -- kept runs (keep=True; guestd.client.runs.start_kept) -----------------------------
+    async def run_get(self, run_id: str, *, deadline: float | None = 30.0) -> dict[str, Any]:
+        """A kept run (``run_info``): state, and its result or error once it has ended."""
+        run: dict[str, Any] = (await self._conn.request("run.get", {"id": run_id}, deadline))["run"]
+        return run
+
+    async def run_wait(self, run_id: str, *, timeout_s: float | None = None) -> dict[str, Any]:
+        """The kept run once it has ended, or as it is after ``timeout_s`` (the guest's
+        default when None; state running)."""
+        args = present(id=run_id, timeout_s=_seconds(timeout_s))
+        wait = timeout_s if timeout_s is not None else schema_default("run.wait", "timeout_s")
+        run: dict[str, Any] = (await self._conn.request("run.wait", args, wait + 30.0))["run"]
+        return run
+
+    async def run_list(self, *, deadline: float | None = 30.0) -> list[dict[str, Any]]:
+        """Every kept run, oldest first (without results)."""
+        runs = (await self._conn.request("run.list", {}, deadline))["runs"]
+        return [r for r in runs if isinstance(r, dict)] if isinstance(runs, list) else []
 
     async def shell_list(self, *, deadline: float | None = 30.0) -> list[dict[str, Any]]:
         sessions = (await self._conn.request("shell.list", {}, deadline))["sessions"]

@@ -112,10 +112,12 @@ class ExecResult(RunFigures, CapturedOutput):
     stderr_gap_at: int | None
     pid: int
     detached: str | None = None  # on_timeout "detach": the background process it goes on as
+    stdout_spill: dict[str, Any] | None = None  # spill: {path, bytes, stopped}
+    stderr_spill: dict[str, Any] | None = None
 
     @classmethod
     def from_body(cls, b: ExecReply) -> ExecResult:
-        fields: dict[str, Any] = {"detached": None, **b}
+        fields: dict[str, Any] = {"detached": None, "stdout_spill": None, "stderr_spill": None, **b}
         return cls(**{k: fields[k] for k in cls.__dataclass_fields__ if k in fields})
 
     @property
@@ -200,6 +202,7 @@ class CodeResult(RunFigures):
     stdin_exhausted: bool
     execution_count: int | None
     duration_s: float
+    run_id: str | None = None  # keep: the kept run's id
 
     @classmethod
     def from_body(cls, b: CodeRunReply) -> CodeResult:
@@ -228,6 +231,7 @@ class CodeResult(RunFigures):
             cpu_user_s=b.get("cpu_user_s"),
             cpu_sys_s=b.get("cpu_sys_s"),
             max_rss_bytes=b.get("max_rss_bytes"),
+            run_id=b.get("run_id"),
         )
 
     @property
@@ -275,8 +279,11 @@ class ShellResult(RunFigures, CapturedOutput):
     stdout_gap_at: int | None
     stderr_gap_at: int | None
     detached: str | None = None  # on_timeout "detach": the background process it goes on as
+    run_id: str | None = None  # keep: the kept run's id
+    stdout_spill: dict[str, Any] | None = None  # spill: {path, bytes, stopped}
+    stderr_spill: dict[str, Any] | None = None
 
     @classmethod
     def from_body(cls, b: ShellRunReply) -> ShellResult:
-        fields: dict[str, Any] = {"detached": None, **b}
+        fields: dict[str, Any] = {"detached": None, "run_id": None, "stdout_spill": None, "stderr_spill": None, **b}
         return cls(**{k: fields[k] for k in cls.__dataclass_fields__ if k in fields})

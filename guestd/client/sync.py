@@ -138,6 +138,9 @@ class Client(SyncPortsAPI, SyncWorkspaceAPI):
         linger_s: float | None = None,
         on_timeout: OnTimeout | None = None,
         merge_stderr: bool | None = None,
+        spill: bool | None = None,
+        strip_ansi: bool | None = None,
+        collapse_cr: bool | None = None,
         deadline: float | None = None,
     ) -> ExecResult:
         return self._run(
@@ -155,6 +158,9 @@ class Client(SyncPortsAPI, SyncWorkspaceAPI):
                 linger_s=linger_s,
                 on_timeout=on_timeout,
                 merge_stderr=merge_stderr,
+                spill=spill,
+                strip_ansi=strip_ansi,
+                collapse_cr=collapse_cr,
                 deadline=deadline,
             )
         )
@@ -291,6 +297,7 @@ class Client(SyncPortsAPI, SyncWorkspaceAPI):
         input_lines: list[str] | None = None,
         strip_ansi: bool | None = None,
         max_output: int | None = None,
+        keep: bool | None = None,
         deadline: float | None = None,
     ) -> CodeResult:
         return self._run(
@@ -302,6 +309,7 @@ class Client(SyncPortsAPI, SyncWorkspaceAPI):
                 input_lines=input_lines,
                 strip_ansi=strip_ansi,
                 max_output=max_output,
+                keep=keep,
                 deadline=deadline,
             )
         )
@@ -414,6 +422,10 @@ class Client(SyncPortsAPI, SyncWorkspaceAPI):
         on_timeout: OnTimeout | None = None,
         merge_stderr: bool | None = None,
         check_syntax: bool | None = None,
+        keep: bool | None = None,
+        spill: bool | None = None,
+        strip_ansi: bool | None = None,
+        collapse_cr: bool | None = None,
         deadline: float | None = None,
     ) -> ShellResult:
         return self._run(
@@ -428,9 +440,22 @@ class Client(SyncPortsAPI, SyncWorkspaceAPI):
                 on_timeout=on_timeout,
                 merge_stderr=merge_stderr,
                 check_syntax=check_syntax,
+                keep=keep,
+                spill=spill,
+                strip_ansi=strip_ansi,
+                collapse_cr=collapse_cr,
                 deadline=deadline,
             )
         )
+
+    def run_get(self, run_id: str, *, deadline: float | None = 30.0) -> dict[str, Any]:
+        return self._run(self._aio.run_get(run_id, deadline=deadline))
+
+    def run_wait(self, run_id: str, *, timeout_s: float | None = None) -> dict[str, Any]:
+        return self._run(self._aio.run_wait(run_id, timeout_s=timeout_s))
+
+    def run_list(self, *, deadline: float | None = 30.0) -> list[dict[str, Any]]:
+        return self._run(self._aio.run_list(deadline=deadline))
 
     def shell_list(self, *, deadline: float | None = 30.0) -> list[dict[str, Any]]:
         return self._run(self._aio.shell_list(deadline=deadline))

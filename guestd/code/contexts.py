@@ -820,7 +820,7 @@ class CodeContext:
             "stdin_exhausted": st.stdin_exhausted,
             "execution_count": st.execution_count,
             "duration_s": time.monotonic() - t0,
-            **usage_between(usage[0], usage[1], why, None),
+            **usage_between(usage[0], usage[1], why, None),  # type: ignore[typeddict-item]  # "run_id": guestd.runs adds it
         }
         return _fit_reply(reply, st)
 
@@ -912,6 +912,7 @@ _SETUP_OPTS: CodeRunArgs = {
     "capture": "tail",
     "strip_ansi": True,
     "stream": False,
+    "keep": False,
     "timeout_s": 30.0,
     "interrupt_grace_s": 2.0,
     "input_lines": None,

@@ -74,6 +74,21 @@ def register(services: Services) -> None:
 
     async def op_run(ctx: Request, a: CodeRunArgs) -> CodeRunReply:
         c = await resolve(a["context"], create_default=True)
+        if a["keep"] and services.runs is not None:
+            if a["stream"]:
+                from guestd.wire.errors import ErrorCode, GuestdError
+
+                raise GuestdError(
+                    ErrorCode.BAD_REQUEST,
+                    "keep: not with stream (the run must not need its connection)",
+                    details={"field": "keep"},
+                )
+
+            async def kept() -> CodeRunReply:
+                return await c.run(a["code"], a, None)
+
+            reply: CodeRunReply = await services.runs.keep(ctx, "code.run", c.id, a["code"], kept)
+            return reply
         return await c.run(a["code"], a, ctx)
 
     async def op_interrupt(ctx: Request, a: CodeInterruptArgs) -> CodeInterruptReply:

@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING
 from guestd.children import DEVNULL, PIPE, STDOUT
 from guestd.children.options import build_env, check_cwd, command_argv
 from guestd.exec.run import ExecRun, apply_signal, feed_stdin
+from guestd.spill import abandon, finish, open_spills
 from guestd.wire.errors import ErrorCode, GuestdError
 
 if TYPE_CHECKING:  # the generated message types: annotations only, never imported at run time
@@ -25,16 +26,27 @@ def register(services: Services) -> None:
                 raise GuestdError(ErrorCode.BAD_REQUEST, "on_timeout detach needs the process capability")
             services.adopter.check()  # a full process table is a limit error now, not at the timeout
         check_cwd(args["cwd"])
-        cursor = await services.changes_cursor(args["report_changes"])
-        child = await services.children.spawn(
-            command_argv(args["argv"], args["shell"]),
-            kind="exec",
-            env=build_env(args["env"], args["env_mode"]),
-            cwd=args["cwd"],
-            stdin=PIPE if stdin_pipe else DEVNULL,
-            stderr=STDOUT if args["merge_stderr"] else PIPE,
-        )
+        spills = None
+        if args["spill"]:
+            if args["stream"]:
+                raise GuestdError(ErrorCode.BAD_REQUEST, "spill: not with stream", details={"field": "spill"})
+            spills = await open_spills(services, "exec")
+        try:
+            cursor = await services.changes_cursor(args["report_changes"])
+            child = await services.children.spawn(
+                command_argv(args["argv"], args["shell"]),
+                kind="exec",
+                env=build_env(args["env"], args["env_mode"]),
+                cwd=args["cwd"],
+                stdin=PIPE if stdin_pipe else DEVNULL,
+                stderr=STDOUT if args["merge_stderr"] else PIPE,
+            )
+        except BaseException:
+            abandon(spills)
+            raise
         run = ExecRun(ctx, args, child, t0, services.adopter, services.config.limits.max_ring_bytes)
+        if spills is not None:
+            run.caps[1].spill, run.caps[2].spill = spills
         helpers: list[asyncio.Task[None]] = []
         try:
             run.start()
@@ -48,7 +60,9 @@ def register(services: Services) -> None:
                 ctx.stop_taking_data()  # INPUT data and eof mean nothing without stdin_stream
                 if args["stdin"] is not None:
                     helpers.append(run.loop.create_task(feed_stdin(run, args["stdin"])))
-            return await services.with_changes(cursor, await run.wait())
+            reply = await run.wait()
+            spills, kept = None, spills
+            return await services.with_changes(cursor, await finish(reply, kept))
         except asyncio.CancelledError:
             # Cancelled request or dropped connection: the work must really stop, including what
             # the command left running after its main process exited (held pipes, setsid).
@@ -57,6 +71,7 @@ def register(services: Services) -> None:
                 await asyncio.shield(run.kill_task)
             raise
         finally:
+            abandon(spills)
             for t in helpers:
                 t.cancel()
             run.close()

@@ -245,7 +245,13 @@ class ExecRun:
             "exit_code": exit_code if exit_code >= 0 and not running else None,
             "signal": -exit_code if exit_code < 0 and not running else None,
             "timed_out": self.timed_out,
-            **capture_fields(self.caps[1], self.caps[2], streamed=self.stream),
+            **capture_fields(
+                self.caps[1],
+                self.caps[2],
+                streamed=self.stream,
+                strip_ansi=self.args["strip_ansi"],
+                collapse_cr=self.args["collapse_cr"],
+            ),  # "changes": the handler adds it
             "duration_s": time.monotonic() - self.t0,
             "pid": self.pid,
             "detached": self.detached,

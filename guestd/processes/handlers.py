@@ -159,3 +159,7 @@ def register(services: Services) -> None:
         ("process.forget", op_forget),
     ):
         services.ops.add(name, fn)
+
+    from guestd.runs import register as register_runs
+
+    register_runs(services)  # kept runs (shell.run / code.run keep: true) belong to this capability

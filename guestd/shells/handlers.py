@@ -45,6 +45,23 @@ def register(services: Services) -> None:
         return {"id": s.id, "pid": s.pid}
 
     async def op_run(ctx: Request, a: ShellRunArgs) -> ShellRunReply:
+        if a["keep"] and services.runs is not None:
+            if a["stream"] or a["stdin_stream"] or a["pty"]:
+                from guestd.wire.errors import ErrorCode, GuestdError
+
+                raise GuestdError(
+                    ErrorCode.BAD_REQUEST,
+                    "keep: not with stream, stdin_stream or pty (the run must not need its connection)",
+                    details={"field": "keep"},
+                )
+            session = shells().get(a["id"])
+
+            async def kept() -> ShellRunReply:
+                cursor = await services.changes_cursor(a["report_changes"])
+                return await services.with_changes(cursor, await session.run(a, None))
+
+            reply: ShellRunReply = await services.runs.keep(ctx, "shell.run", session.id, a["command"], kept)
+            return reply
         cursor = await services.changes_cursor(a["report_changes"])
         return await services.with_changes(cursor, await shells().get(a["id"]).run(a, ctx))
 

@@ -20,12 +20,13 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from guestd.children import ExitInfo, exit_info
-from guestd.children.tree import read_chunk, signal_group
+from guestd.children.tree import read_chunk, set_winsize, signal_group
 
 if TYPE_CHECKING:
     from guestd.children.cgroups import RunCgroup
 
 STATUS_MAX = 64  # "pid\nstatus\n": anything longer is not the wrapper's
+PTY_ROWS, PTY_COLS = 24, 80  # shell.run pty: the terminal's size
 
 
 class JobFifos:
@@ -33,13 +34,17 @@ class JobFifos:
     nobody can guess or list; guestd holds a read end of each and, until bash has opened
     them, a write end too (so no read sees an end of file before the job is there)."""
 
-    def __init__(self, directory: str, ids: tuple[int, int] | None) -> None:
+    def __init__(self, directory: str, ids: tuple[int, int] | None, pty: bool = False) -> None:
         self.paths: dict[str, str] = {}
         self.read: dict[str, int] = {}
         self._hold: list[int] = []
+        self.master: int | None = None  # pty mode: the terminal's primary side (read is stdout)
+        self.tty = ""  # pty mode: the secondary side's /dev/pts name
         tag = os.urandom(12).hex()
         try:
-            for name in ("stdout", "stderr", "status"):
+            if pty:
+                self._open_pty(ids)
+            for name in ("status",) if pty else ("stdout", "stderr", "status"):
                 path = os.path.join(directory, f"{tag}-{name}")
                 os.mkfifo(path, 0o600)
                 self.paths[name] = path
@@ -51,15 +56,34 @@ class JobFifos:
             self.close()
             raise
 
+    def _open_pty(self, ids: tuple[int, int] | None) -> None:
+        """pty mode: the job's stdin, stdout and stderr are the secondary side (by its
+        /dev/pts name, owned by the workload user); guestd reads and writes the primary side
+        and holds the secondary open until bash has opened it (no EIO before the job is there)."""
+        master, secondary = os.openpty()
+        self.master = master
+        self._hold.append(secondary)
+        os.set_blocking(master, False)
+        set_winsize(master, PTY_ROWS, PTY_COLS)
+        if ids is not None:
+            os.fchown(secondary, *ids)
+        # The job's own subshell opens it (bash, a session leader without a terminal, would
+        # make it its controlling terminal on open: the job, in another process group, would
+        # then stop on its first read, and closing the primary side would hang bash up).
+        self.tty = os.ttyname(secondary)
+        self.paths["stdout"] = self.paths["stderr"] = self.paths["stdin"] = "/dev/null"
+        self.read["stdout"] = master
+
     def opened(self) -> None:
         """bash has opened them (its ``wait`` returned): drop guestd's write ends and the names."""
         for fd in self._hold:
             with contextlib.suppress(OSError):
                 os.close(fd)
         self._hold = []
-        for path in self.paths.values():
-            with contextlib.suppress(OSError):
-                os.unlink(path)
+        for name, path in self.paths.items():
+            if name == "status" or self.master is None:  # never /dev/null
+                with contextlib.suppress(OSError):
+                    os.unlink(path)
         self.paths = {}
 
     def close(self) -> None:
@@ -109,6 +133,26 @@ class StdinFifo:
                 os.close(fd)
         with contextlib.suppress(OSError):
             os.unlink(self.path)
+
+
+class PtyInput:
+    """INPUT data into a pty-mode command: written to the terminal's primary side (a copy of
+    the fd, closed with the job); eof is the terminal's end-of-file character (^D), which
+    ends a read at the start of a line as a closed pipe would."""
+
+    def __init__(self, master: int) -> None:
+        self.write: int | None = os.dup(master)
+
+    def close_write(self) -> None:
+        if self.write is not None:
+            with contextlib.suppress(OSError):
+                os.write(self.write, b"\x04")
+
+    def close(self) -> None:
+        fd, self.write = self.write, None
+        if fd is not None:
+            with contextlib.suppress(OSError):
+                os.close(fd)
 
 
 class ShellJob:

@@ -47,10 +47,11 @@ from typing import TYPE_CHECKING, Any, Literal
 
 from guestd.capture import OutputCapture, OutputRing, capture_fields
 from guestd.children import DEVNULL, PIPE, Child, KilledBy, exit_info, usage_between
-from guestd.children.options import check_cwd
+from guestd.children.options import check_cwd, parse_signal
 from guestd.children.tree import descendants, read_chunk, signal_each, signal_group, write_all
 from guestd.services import derive, reseed_each
-from guestd.shells.job import STATUS_MAX, JobFifos, ShellJob, StdinFifo
+from guestd.shells.job import STATUS_MAX, JobFifos, PtyInput, ShellJob, StdinFifo
+from guestd.spill import Spill, abandon, finish, open_spills
 from guestd.wire.errors import ErrorCode, GuestdError, limit_error
 from guestd.wire.paths import path_to_wire
 
@@ -208,6 +209,11 @@ class Session:
                 "check_syntax": False,
                 "stream": False,
                 "stdin_stream": False,
+                "pty": False,
+                "keep": False,
+                "spill": False,
+                "strip_ansi": False,
+                "collapse_cr": False,
             },
             count=False,
         )
@@ -349,7 +355,8 @@ class Session:
         ]
         if self._job is not None:
             for which, name in ((1, "stdout"), (2, "stderr")):
-                out.append((self._job.read[name], functools.partial(self._read_job, which)))
+                if name in self._job.read:
+                    out.append((self._job.read[name], functools.partial(self._read_job, which)))
         return out
 
     def _wait_for_client(self, ctx: Request) -> None:
@@ -439,20 +446,21 @@ class Session:
         if data and len(self._job_status) < STATUS_MAX:
             self._job_status += data[: STATUS_MAX - len(self._job_status)]
 
-    def _start_job(self) -> JobFifos:
+    def _start_job(self, pty: bool = False) -> JobFifos:
         services = self.table.services
         d = os.path.join(services.runtime_dir(), "shell-job")
         os.makedirs(d, mode=0o711, exist_ok=True)  # traversable, not listable: names are secrets
         os.chmod(d, 0o711)
         os.chmod(services.runtime_dir(), 0o711)
-        job = JobFifos(d, services.config.policy.workload_ids())
+        job = JobFifos(d, services.config.policy.workload_ids(), pty=pty)
         self._job = job
         size = min(DETACH_RING_BYTES, services.config.limits.max_ring_bytes)
         self._job_rings = {1: OutputRing(size), 2: OutputRing(size)}
         self._job_status = bytearray()
         loop = asyncio.get_running_loop()
         loop.add_reader(job.read["stdout"], self._read_job, 1)
-        loop.add_reader(job.read["stderr"], self._read_job, 2)
+        if "stderr" in job.read:
+            loop.add_reader(job.read["stderr"], self._read_job, 2)
         loop.add_reader(job.read["status"], self._read_job_status)
         return job
 
@@ -589,6 +597,14 @@ class Session:
 
     # -- running -----------------------------------------------------------------------
     async def run(self, args: ShellRunArgs, ctx: Request | None = None) -> ShellRunReply:
+        if args["pty"] and (args["input"] is not None or args["stdin_stream"] or args["on_timeout"] == "detach"):
+            raise GuestdError(
+                ErrorCode.BAD_REQUEST,
+                "pty: input comes from INPUT frames (no input or stdin_stream) and on_timeout is kill",
+                details={"field": "pty"},
+            )
+        if args["spill"] and args["stream"]:
+            raise GuestdError(ErrorCode.BAD_REQUEST, "spill: not with stream", details={"field": "spill"})
         if args["check_syntax"]:
             await check_syntax(self.table.services, args["command"])
         # The command runs in a task of its own that holds the session until the command has
@@ -616,16 +632,24 @@ class Session:
             if self.pending_seed is not None:
                 await self._reseed_locked()
             self._cancel_event = cancel
+            spills = await open_spills(self.table.services, "shell") if args["spill"] else None
             try:
-                return await self._run_locked(args, ctx=ctx)
+                reply = await self._run_locked(args, ctx=ctx, spills=spills)
+                spills, kept = None, spills
+                return await finish(reply, kept)  # type: ignore[no-any-return]
             finally:
+                abandon(spills)
                 self._cancel_event = None
 
-    async def _run_locked(self, a: ShellRunArgs, count: bool = True, ctx: Request | None = None) -> ShellRunReply:
+    async def _run_locked(
+        self, a: ShellRunArgs, count: bool = True, ctx: Request | None = None, spills: tuple[Spill, Spill] | None = None
+    ) -> ShellRunReply:
         t0 = time.monotonic()
         adopter = self.table.services.adopter
+        pty = a["pty"]
         detach = (
-            a["on_timeout"] == "detach"
+            not pty
+            and a["on_timeout"] == "detach"
             and (a["timeout_s"] is not None or a["idle_timeout_s"] is not None)
             and adopter is not None
         )
@@ -634,6 +658,8 @@ class Session:
             adopter.check()  # a full process table is a limit error now, not at the timeout
         self._drain_output()  # whatever background jobs wrote since the last command is not ours
         self._caps = {1: OutputCapture(a["max_output"], a["capture"]), 2: OutputCapture(a["max_output"], a["capture"])}
+        if spills is not None:
+            self._caps[1].spill, self._caps[2].spill = spills
         infile = None
         if a["input"] is not None:
             # 0711 directory: the workload user can open its own (unguessable) file, not list others.
@@ -649,7 +675,18 @@ class Session:
                 f.write(a["input"])
         stdin: StdinFifo | None = None
         feeder: asyncio.Task[None] | None = None
-        if a["stdin_stream"] and ctx is not None:
+        assert self.child is not None
+        job = self._start_job(pty) if detach or pty else None
+        pty_input: PtyInput | None = None
+        if job is not None and job.master is not None:
+            # pty: stdin, stdout and stderr are the terminal (one stream, as a terminal shows
+            # it: stdout); INPUT data is typed into it, INPUT signals go to the job's group.
+            pty_input = PtyInput(job.master)
+            src = "/dev/null"
+            if ctx is not None:
+                feeder = asyncio.get_running_loop().create_task(_feed_stdin(ctx, pty_input))
+                ctx.handle_signals(self._signal_job)
+        elif a["stdin_stream"] and ctx is not None:
             indir = os.path.join(self.table.services.runtime_dir(), "shell-input")
             os.makedirs(indir, mode=0o711, exist_ok=True)
             os.chmod(self.table.services.runtime_dir(), 0o711)
@@ -662,8 +699,6 @@ class Session:
             src = ansi_c_quote(infile) if infile else "/dev/null"
         self._stream = ctx if a["stream"] and ctx is not None else None
         self._last_output = time.monotonic()
-        assert self.child is not None
-        job = self._start_job() if detach else None
         # What runs in the session now (bash, jobs of earlier commands): a timeout or cancel of
         # this command ends everything else in the session's cgroup, wherever it went.
         self._before = set(self.child.cgroup.pids()) if self.child.cgroup is not None else set()
@@ -679,8 +714,13 @@ class Session:
             paths = job.paths
             err = paths["stdout"] if merge else paths["stderr"]  # opened twice: one FIFO, write order
             run = f"\\__gd_job {q(paths['stdout'])} {q(err)} {q(paths['status'])} {src} {CTL_FD}>&-"
+        command = a["command"]
+        if job is not None and job.master is not None:  # in the job's subshell only (job.py)
+            tty = ansi_c_quote(job.tty)
+            term = "[[ ${TERM:-dumb} != dumb ]] || builtin export TERM=xterm-256color"
+            command = f"{term}; {{\n{command}\n}} <{tty} >{tty} 2>&1"
         script = (
-            f"__gd_cmd={ansi_c_quote(a['command'])}\n"
+            f"__gd_cmd={ansi_c_quote(command)}\n"
             f"if {run}; then \\__gd_mark 0 '{nonce}'; "
             f"else \\__gd_mark \"$?\" '{nonce}'; fi\n"
         )
@@ -696,7 +736,7 @@ class Session:
         send = asyncio.ensure_future(self._send(script))
         try:
             outcome = await self._wait(a["timeout_s"], a["idle_timeout_s"])
-            if outcome in ("wall", "idle") and job is not None and await self._release_bash():
+            if outcome in ("wall", "idle") and detach and job is not None and await self._release_bash():
                 timed_out = outcome
                 detached = await self._detach_job(a["command"], stdin)
             elif outcome in ("wall", "idle", "cancel"):
@@ -723,6 +763,8 @@ class Session:
                 ctx.stop_taking_data()
             if stdin is not None and detached is None:
                 stdin.close()
+            if pty_input is not None:
+                pty_input.close()
             with contextlib.suppress(Exception):
                 await asyncio.shield(self._drain_stream())  # within the client's credit
             self._stream = None
@@ -764,11 +806,26 @@ class Session:
             "interrupted": interrupted,
             "session_restarted": restarted,
             "cwd": path_to_wire(self.cwd),
-            **capture_fields(caps[1], caps[2], streamed=a["stream"] and ctx is not None),
+            **capture_fields(
+                caps[1],
+                caps[2],
+                streamed=a["stream"] and ctx is not None,
+                strip_ansi=a["strip_ansi"],
+                collapse_cr=a["collapse_cr"],
+            ),  # "changes": the handler adds it
             "duration_s": time.monotonic() - t0,
             "detached": detached,
             **usage_between(usage_before, usage_after, why, code),  # type: ignore[typeddict-item]  # "changes": the handler adds it
         }
+
+    def _signal_job(self, value: Any) -> None:
+        """pty mode, an INPUT signal: to the job's process group (the program in the
+        foreground of the command; the session's bash is in a group of its own)."""
+        sig = parse_signal(value)
+        self._read_job_status()  # the pid line may still be in the FIFO
+        pid = self._job_pid()
+        if sig is not None and pid is not None and self._job is not None:
+            signal_group(pid, sig)
 
     async def _release_bash(self) -> bool:
         """on_timeout "detach": SIGINT to bash alone (its job has a process group of its own):
@@ -914,7 +971,7 @@ async def check_syntax(services: Services, command: str) -> None:
         )
 
 
-async def _feed_stdin(ctx: Request, stdin: StdinFifo) -> None:
+async def _feed_stdin(ctx: Request, stdin: StdinFifo | PtyInput) -> None:
     """INPUT data into a stdin_stream command's FIFO, acknowledged once written (the window is
     exec's); eof closes it."""
     loop = asyncio.get_running_loop()

@@ -411,6 +411,16 @@ RECORDS.update(
             F("pid", "int?", "pid of a process holding the socket, when guestd may see it"),
             F("command", "str?", "that process's command line (at most 256 characters)"),
         ),
+        "spill_info": (
+            F("path", "path", "the file (read it with file.read at the reply's offsets)", True),
+            F("bytes", "uint", "bytes in it: the stream's first bytes", True),
+            F(
+                "stopped",
+                "enum(cap|disk_full|behind|io_error)?",
+                "why the file holds less than the stream: limits.max_spill_bytes, the file system's reserve, "
+                "the disk falling 16 MiB behind, a write error; nil: all of it",
+            ),
+        ),
         "shell_info": (
             F("id", "str", "session id", True),
             F("name", "str?", "session name"),
@@ -516,6 +526,43 @@ _MERGE_STDERR = F(
     default=False,
 )
 
+_SPILL = F(
+    "spill",
+    "bool",
+    "also write the full stdout and stderr to files in guestd's spill directory (result fields "
+    "stdout_spill/stderr_spill; the bytes dropped from the reply are at [gap_at, gap_at+dropped) there); "
+    "not with stream",
+    default=False,
+)
+_SPILL_RESULT = (
+    F("stdout_spill", "spill_info?", "spill: the file holding stdout from byte 0"),
+    F("stderr_spill", "spill_info?", "spill: the file holding stderr from byte 0"),
+)
+
+_SHAPING = (
+    F(
+        "strip_ansi",
+        "bool",
+        "remove ANSI escape sequences (colours, cursor moves, titles) from the returned output; counts stay raw",
+        default=False,
+    ),
+    F(
+        "collapse_cr",
+        "bool",
+        "each returned line as a terminal leaves it after its \\r redraws (progress bars); counts stay raw",
+        default=False,
+    ),
+)
+
+_KEEP = F(
+    "keep",
+    "bool",
+    "the run goes on if the request goes away (connection lost, cancel) and its result stays "
+    "fetchable by run id (run.get, run.wait); an event {ev: kept, run_id} comes first",
+    default=False,
+)
+_KEPT_EVENT = F("run_id", "str", "kept: the run's id")
+
 _ON_TIMEOUT = F(
     "on_timeout",
     "enum(kill|detach)",
@@ -589,6 +636,8 @@ OPS: tuple[OpSpec, ...] = (
             F("max_output", "uint", "bytes kept per stream", default=65536, le_limit="max_output"),
             F("capture", "enum(tail|head_tail)", "which bytes are kept when over max_output", default="tail"),
             F("stream", "bool", "send output as EVENT frames as it arrives", default=False),
+            _SPILL,
+            *_SHAPING,
             F(
                 "linger_s",
                 "float",
@@ -607,6 +656,7 @@ OPS: tuple[OpSpec, ...] = (
         result=(
             *_OUTPUT_RESULT,
             F("changes", "change_report?", "report_changes: what changed under the workspace during the run"),
+            *_SPILL_RESULT,
         ),
         events=(
             F("ev", "enum(started|stdout|stderr)", "event type", True),
@@ -844,10 +894,12 @@ CODE_OPS: tuple[OpSpec, ...] = (
             F("max_output", "uint", "bytes kept per stream", default=65536, le_limit="max_output"),
             F("capture", "enum(tail|head_tail)", "which bytes are kept when over max_output", default="tail"),
             F("stream", "bool", "send output and results as EVENT frames as they arrive", default=False),
+            _KEEP,
         ),
-        result=_CODE_RESULT,
+        result=(*_CODE_RESULT, F("run_id", "str?", "keep: the run's id")),
         events=(
-            F("ev", "enum(stdout|stderr|result|display|error)", "event type", True),
+            F("ev", "enum(stdout|stderr|result|display|error|kept)", "event type", True),
+            _KEPT_EVENT,
             F("data", "bin", "stdout/stderr: next bytes"),
             F("bundle", "map", "result/display: the MIME bundle"),
             F("ename", "str", "error: exception class"),
@@ -1036,6 +1088,15 @@ SHELL_OPS: tuple[OpSpec, ...] = (
             F("stream", "bool", "send output as EVENT frames as it arrives (flow control as exec)", default=False),
             F("stdin_stream", "bool", "the command's stdin comes from INPUT frames (data / eof)", default=False),
             F(
+                "pty",
+                "bool",
+                "run the command (in the session's state) on a 24x80 terminal: stdin, stdout and stderr are "
+                "its secondary side, output is one stream (stdout), INPUT data is typed into it, eof is ^D, "
+                "INPUT signal goes to the command's process group; not with input, stdin_stream or "
+                "on_timeout detach",
+                default=False,
+            ),
+            F(
                 "timeout_s",
                 "float?",
                 "wall-clock timeout: SIGINT, then the command's processes are ended",
@@ -1044,6 +1105,9 @@ SHELL_OPS: tuple[OpSpec, ...] = (
             ),
             F("idle_timeout_s", "float?", "timeout with no output", gt=0, le_limit="max_exec_timeout_s"),
             _ON_TIMEOUT,
+            _KEEP,
+            _SPILL,
+            *_SHAPING,
             F("max_output", "uint", "bytes kept per stream", default=65536, le_limit="max_output"),
             F("capture", "enum(tail|head_tail)", "which bytes are kept when over max_output", default="tail"),
             F(
@@ -1064,14 +1128,18 @@ SHELL_OPS: tuple[OpSpec, ...] = (
             *_FIGURES,
             F("detached", "str?", "on_timeout detach: the background process id the command goes on as"),
             F("changes", "change_report?", "report_changes: what changed under the workspace during the run"),
+            F("run_id", "str?", "keep: the run's id"),
+            *_SPILL_RESULT,
         ),
         events=(
-            F("ev", "enum(stdout|stderr)", "event type", True),
-            F("data", "bin", "next bytes of the stream", True),
+            F("ev", "enum(stdout|stderr|kept)", "event type", True),
+            F("data", "bin", "stdout/stderr: next bytes of the stream"),
+            _KEPT_EVENT,
         ),
         input=(
-            F("data", "bin", "bytes for the command's stdin (stdin_stream only; counts against the window)"),
-            F("eof", "bool", "close the command's stdin"),
+            F("data", "bin", "bytes for the command's stdin (stdin_stream or pty; counts against the window)"),
+            F("eof", "bool", "close the command's stdin (pty: type ^D)"),
+            F("signal", "str", "pty only: signal name (INT, TERM, ...) for the command's process group"),
         ),
         errors=("not_found", "limit", "bad_request"),
         exclusive=(("input", "stdin_stream"),),
@@ -1670,7 +1738,56 @@ METRICS_OPS: tuple[OpSpec, ...] = (
     ),
 )
 
-OPS = OPS + CODE_OPS + PROCESS_OPS + SHELL_OPS + SNAPSHOT_OPS + PORT_OPS + WORKSPACE_OPS + METRICS_OPS
+# --------------------------------------------------------------------------- kept runs (issue 16)
+# shell.run / code.run {keep: true}: capability "process" (PROTOCOL.md 10.4).
+
+_RUN_ID = F("id", "str", "run id (the kept event's run_id)", True)
+
+RECORDS.update(
+    {
+        "run_info": (
+            F("id", "str", "run id", True),
+            F("op", "str", "the op that was kept: shell.run or code.run", True),
+            F("target", "str", "the shell session or code context it ran in", True),
+            F("what", "str", "the command or cell (at most 200 characters)", True),
+            F("state", "enum(running|done|failed)", "done: result holds the op's reply; failed: error", True),
+            F("started_at", "float", "wall clock, s since the epoch", True),
+            F("ended_at", "float?", "wall clock when it ended"),
+            F("result", "map?", "run.get/run.wait of a done run: the op's reply as it would have been sent"),
+            F("error", "map?", "failed: {code, message, details} as the op's error would have been"),
+        ),
+    }
+)
+
+RUN_OPS: tuple[OpSpec, ...] = (
+    OpSpec(
+        "run.get",
+        "process",
+        "A kept run with its result or error once it has ended.",
+        args=(_RUN_ID,),
+        result=(F("run", "run_info", "the run", True),),
+        errors=("not_found",),
+    ),
+    OpSpec(
+        "run.wait",
+        "process",
+        "Wait up to timeout_s for a kept run to end; the run as run.get gives it (state running when it has not).",
+        args=(
+            _RUN_ID,
+            F("timeout_s", "float", "how long to wait", default=30.0, ge=0, le_limit="max_exec_timeout_s"),
+        ),
+        result=(F("run", "run_info", "the run", True),),
+        errors=("not_found",),
+    ),
+    OpSpec(
+        "run.list",
+        "process",
+        "Every kept run, oldest first (no results).",
+        result=(F("runs", "list<run_info>", "the runs", True),),
+    ),
+)
+
+OPS = OPS + CODE_OPS + PROCESS_OPS + SHELL_OPS + SNAPSHOT_OPS + PORT_OPS + WORKSPACE_OPS + METRICS_OPS + RUN_OPS
 OPS_BY_NAME = {op.name: op for op in OPS}
 
 

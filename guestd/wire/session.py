@@ -716,7 +716,7 @@ class ClientSession(Session):
         """Queue a REQUEST; returns its handle (its id is never 0, never one in flight).
 
         The request expects events when its op declares some and, for an op with a
-        ``stream`` argument (exec, code.run), when that argument is true."""
+        ``stream`` argument (exec, code.run), when that argument is true (or ``keep``)."""
         if self.phase is not _OPEN:
             raise PeerViolation("the handshake has not completed")
         while True:
@@ -727,7 +727,8 @@ class ClientSession(Session):
         spec = self.ops.get(op)
         stream = Stream(req_id, op, spec, self.stream_window, self.stream_window)
         if spec is not None and "stream" in spec.fields_by_name:
-            stream.expects_events = bool(spec.events) and args.get("stream") is True
+            # keep (shell.run, code.run): one event {ev: kept, run_id} comes first.
+            stream.expects_events = bool(spec.events) and (args.get("stream") is True or args.get("keep") is True)
         self.streams[req_id] = stream
         self._gave_up.pop(req_id, None)
         self._send(_REQUEST, req_id, {"op": op, "args": args})

@@ -94,6 +94,17 @@ class ListenerRecord(TypedDict):
     command: NotRequired[str | None]
 
 
+SpillInfoStopped = Literal["cap", "disk_full", "behind", "io_error"]
+
+
+class SpillInfoRecord(TypedDict):
+    """record `spill_info`"""
+
+    path: str | bytes
+    bytes: int
+    stopped: NotRequired[Literal["cap", "disk_full", "behind", "io_error"] | None]
+
+
 class ShellInfoRecord(TypedDict):
     """record `shell_info`"""
 
@@ -191,6 +202,23 @@ class ChangeReportRecord(TypedDict):
     overflow: bool
 
 
+RunInfoState = Literal["running", "done", "failed"]
+
+
+class RunInfoRecord(TypedDict):
+    """record `run_info`"""
+
+    id: str
+    op: str
+    target: str
+    what: str
+    state: Literal["running", "done", "failed"]
+    started_at: float
+    ended_at: NotRequired[float | None]
+    result: NotRequired[dict[str, Any] | None]
+    error: NotRequired[dict[str, Any] | None]
+
+
 class PingArgs(TypedDict):
     """`ping` args, as validated"""
 
@@ -253,6 +281,9 @@ class ExecArgs(TypedDict):
     max_output: int
     capture: Literal["tail", "head_tail"]
     stream: bool
+    spill: bool
+    strip_ansi: bool
+    collapse_cr: bool
     linger_s: float
     report_changes: bool
 
@@ -280,6 +311,8 @@ class ExecReply(TypedDict):
     max_rss_bytes: NotRequired[int | None]
     detached: NotRequired[str | None]
     changes: NotRequired[ChangeReportRecord | None]
+    stdout_spill: NotRequired[SpillInfoRecord | None]
+    stderr_spill: NotRequired[SpillInfoRecord | None]
 
 
 class ExecEvent(TypedDict):
@@ -492,6 +525,7 @@ class CodeRunArgs(TypedDict):
     max_output: int
     capture: Literal["tail", "head_tail"]
     stream: bool
+    keep: bool
 
 
 class CodeRunReply(TypedDict):
@@ -520,12 +554,14 @@ class CodeRunReply(TypedDict):
     cpu_user_s: NotRequired[float | None]
     cpu_sys_s: NotRequired[float | None]
     max_rss_bytes: NotRequired[int | None]
+    run_id: NotRequired[str | None]
 
 
 class CodeRunEvent(TypedDict):
     """`code.run` EVENT body"""
 
-    ev: Literal["stdout", "stderr", "result", "display", "error"]
+    ev: Literal["stdout", "stderr", "result", "display", "error", "kept"]
+    run_id: NotRequired[str]
     data: NotRequired[bytes]
     bundle: NotRequired[dict[str, Any]]
     ename: NotRequired[str]
@@ -764,9 +800,14 @@ class ShellRunArgs(TypedDict):
     check_syntax: bool
     stream: bool
     stdin_stream: bool
+    pty: bool
     timeout_s: float | None
     idle_timeout_s: float | None
     on_timeout: Literal["kill", "detach"]
+    keep: bool
+    spill: bool
+    strip_ansi: bool
+    collapse_cr: bool
     max_output: int
     capture: Literal["tail", "head_tail"]
     report_changes: bool
@@ -796,13 +837,17 @@ class ShellRunReply(TypedDict):
     max_rss_bytes: NotRequired[int | None]
     detached: NotRequired[str | None]
     changes: NotRequired[ChangeReportRecord | None]
+    run_id: NotRequired[str | None]
+    stdout_spill: NotRequired[SpillInfoRecord | None]
+    stderr_spill: NotRequired[SpillInfoRecord | None]
 
 
 class ShellRunEvent(TypedDict):
     """`shell.run` EVENT body"""
 
-    ev: Literal["stdout", "stderr"]
-    data: bytes
+    ev: Literal["stdout", "stderr", "kept"]
+    data: NotRequired[bytes]
+    run_id: NotRequired[str]
 
 
 class ShellRunInput(TypedDict):
@@ -810,6 +855,7 @@ class ShellRunInput(TypedDict):
 
     data: NotRequired[bytes]
     eof: NotRequired[bool]
+    signal: NotRequired[str]
 
 
 class ShellListArgs(TypedDict):
@@ -1339,3 +1385,38 @@ class MetricsEvent(TypedDict):
     sample: NotRequired[MetricsSampleRecord]
     oom_kills: NotRequired[int]
     new: NotRequired[int]
+
+
+class RunGetArgs(TypedDict):
+    """`run.get` args, as validated"""
+
+    id: str
+
+
+class RunGetReply(TypedDict):
+    """`run.get` result"""
+
+    run: RunInfoRecord
+
+
+class RunWaitArgs(TypedDict):
+    """`run.wait` args, as validated"""
+
+    id: str
+    timeout_s: float
+
+
+class RunWaitReply(TypedDict):
+    """`run.wait` result"""
+
+    run: RunInfoRecord
+
+
+class RunListArgs(TypedDict):
+    """`run.list` args, as validated"""
+
+
+class RunListReply(TypedDict):
+    """`run.list` result"""
+
+    runs: list[RunInfoRecord]

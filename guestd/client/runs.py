@@ -1,0 +1,61 @@
+"""Kept runs from the client: start a ``shell.run`` / ``code.run`` that outlives the
+connection, then fetch its result by id (``run.get``, ``run.wait``, ``run.list``).
+
+``AsyncClient.shell_run(..., keep=True)`` and ``code_run(..., keep=True)`` wait for the
+result as usual (it carries ``run_id``); :func:`start_kept` returns the run id as soon as the
+guest has kept the run and lets the request go (the run goes on)::
+
+    rid = await start_kept(client, "code.run", {"code": "import time; time.sleep(3); 42"})
+    ...  # disconnect, reconnect
+    rec = await run_wait(client2, rid, timeout_s=30)
+    print(result_of(rec).text)  # '42'
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+from guestd.client.results import CodeResult, ShellResult
+from guestd.wire.errors import ErrorCode, GuestdError
+
+if TYPE_CHECKING:
+    from guestd.client.aio import AsyncClient
+
+
+async def start_kept(client: AsyncClient, op: str, args: dict[str, Any], timeout: float = 30.0) -> str:
+    """Start ``op`` (shell.run or code.run) with ``keep: true``; its run id once the guest has
+    kept it (the request is then let go: the run does not depend on it)."""
+    conn = client._conn
+    call = conn.start(op, {**args, "keep": True})
+    try:
+        ev = await call.next_event(timeout)
+        if ev is None or ev.get("ev") != "kept" or not isinstance(ev.get("run_id"), str):
+            await conn.wait(call, timeout)  # the error that ended it, if that is what happened
+            raise GuestdError(ErrorCode.INTERNAL, f"{op}: the guest did not keep the run")
+        return str(ev["run_id"])
+    finally:
+        conn._forget(call)
+
+
+async def run_get(client: AsyncClient, run_id: str, *, deadline: float | None = 30.0) -> dict[str, Any]:
+    return await client.run_get(run_id, deadline=deadline)
+
+
+async def run_wait(client: AsyncClient, run_id: str, *, timeout_s: float | None = None) -> dict[str, Any]:
+    """The run once it has ended, or as it is after ``timeout_s`` (``state`` running)."""
+    return await client.run_wait(run_id, timeout_s=timeout_s)
+
+
+async def run_list(client: AsyncClient, *, deadline: float | None = 30.0) -> list[dict[str, Any]]:
+    return await client.run_list(deadline=deadline)
+
+
+def result_of(run: dict[str, Any]) -> ShellResult | CodeResult:
+    """A done run's result as the op's result type; a failed run's error raised."""
+    if run["state"] == "failed":
+        err = run.get("error") or {}
+        raise GuestdError(str(err.get("code", "internal")), str(err.get("message", "")), details=err.get("details"))
+    if run["state"] != "done" or not isinstance(run.get("result"), dict):
+        raise GuestdError(ErrorCode.BAD_REQUEST, f"run {run['id']} has not ended", details={"run": run["id"]})
+    body = run["result"]
+    return ShellResult.from_body(body) if run["op"] == "shell.run" else CodeResult.from_body(body)

@@ -1,0 +1,184 @@
+"""``spill: true``: a run's full stdout/stderr also go to files, so that the bytes dropped
+from the reply can be read later (``file.read`` at the offsets the reply gives).
+
+The files live in guestd's own spill directory (``<runtime_dir>/spill``: owned by guestd,
+mode 0700, on a path of root-owned directories): the workload can neither read them nor
+plant, swap or redirect anything there. Each file is created ``O_EXCL|O_NOFOLLOW`` under the
+directory's fd with a name of 96 random bits. Bounds: ``limits.max_spill_bytes`` per stream;
+the file system keeps ``SPILL_RESERVE`` free (min(64 MiB, 10% of its size)), checked before
+every write; at most ``MAX_PENDING`` bytes wait for the disk (writes run in guestd's I/O
+threads, never on the event loop); the directory holds at most ``limits.max_spill_total``
+bytes (oldest files removed first when a spill starts) and files older than
+``processes.retention_s`` are removed. A spill that hits a bound stops there: the file
+holds the stream's first ``bytes`` bytes and ``stopped`` says why.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import time
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from guestd.services import Services
+
+SPILL_RESERVE_MAX = 64 * 1024 * 1024
+MAX_PENDING = 16 * 1024 * 1024
+MAX_FILES_SWEPT = 10_000
+
+
+def spill_dir(services: Services) -> int:
+    """The spill directory's fd (O_PATH-free: a real directory fd), made 0700 if missing;
+    refused unless it is a directory owned by guestd's uid with no group/other access."""
+    base = services.runtime_dir()
+    d = os.path.join(base, "spill")
+    with contextlib.suppress(FileExistsError):
+        os.mkdir(d, 0o700)
+    fd = os.open(d, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    st = os.fstat(fd)
+    if st.st_uid != os.geteuid() or st.st_mode & 0o077:
+        os.close(fd)
+        raise PermissionError(f"{d} is not guestd's private directory")
+    return fd
+
+
+def sweep(dirfd: int, retention_s: float, max_total: int) -> None:
+    """Remove spill files past their retention, then the oldest until under ``max_total``."""
+    now = time.time()
+    files: list[tuple[float, int, str]] = []
+    for i, name in enumerate(os.listdir(dirfd)):
+        if i >= MAX_FILES_SWEPT:
+            break
+        with contextlib.suppress(OSError):
+            st = os.stat(name, dir_fd=dirfd, follow_symlinks=False)
+            if now - st.st_mtime > retention_s:
+                os.unlink(name, dir_fd=dirfd)
+            else:
+                files.append((st.st_mtime, st.st_size, name))
+    total = sum(size for _, size, _ in files)
+    for _, size, name in sorted(files):
+        if total < max_total:
+            break
+        with contextlib.suppress(OSError):
+            os.unlink(name, dir_fd=dirfd)
+        total -= size
+
+
+class Spill:
+    """One stream's spill file; ``write`` from the event loop, the disk work in I/O threads."""
+
+    def __init__(self, services: Services, path: str, fd: int, cap: int) -> None:
+        self.services = services
+        self.path = path
+        self._fd: int | None = fd
+        self.cap = cap
+        self.accepted = 0  # bytes taken for the file (written or pending)
+        self.written = 0
+        self.stopped: str | None = None  # cap | disk_full | behind | io_error
+        self._pending: list[bytes] = []
+        self._pending_bytes = 0
+        self._flusher: asyncio.Task[None] | None = None
+        st = os.fstatvfs(fd)
+        self._reserve = min(SPILL_RESERVE_MAX, st.f_blocks * st.f_frsize // 10)
+
+    def write(self, data: bytes) -> None:
+        if self.stopped is not None or not data:
+            return
+        if self.accepted + len(data) > self.cap:
+            data = data[: self.cap - self.accepted]
+            self.stopped = "cap"
+        if self._pending_bytes + len(data) > MAX_PENDING:
+            self.stopped = "behind"  # the disk is slower than the command: stop, never buffer more
+            return
+        if data:
+            self.accepted += len(data)
+            self._pending.append(bytes(data))
+            self._pending_bytes += len(data)
+            if self._flusher is None or self._flusher.done():
+                self._flusher = asyncio.get_running_loop().create_task(self._flush())
+
+    async def _flush(self) -> None:
+        while self._pending and self._fd is not None:
+            chunk = b"".join(self._pending)
+            self._pending = []
+            self._pending_bytes = 0
+            try:
+                n = await self.services.run_in_io(self._write_chunk, self._fd, chunk)
+            except OSError:
+                n, self.stopped = 0, "io_error"
+            self.written += n
+            if n < len(chunk):
+                self.stopped = self.stopped or "disk_full"
+                self._pending = []
+                self._pending_bytes = 0
+                return
+
+    def _write_chunk(self, fd: int, chunk: bytes) -> int:
+        """In an I/O thread: as much of ``chunk`` as keeps the reserve free."""
+        st = os.fstatvfs(fd)
+        room = max(0, st.f_bavail * st.f_frsize - self._reserve)
+        view = memoryview(chunk)[:room]
+        done = 0
+        while done < len(view):
+            done += os.write(fd, view[done:])
+        return done
+
+    async def close(self) -> dict[str, Any]:
+        """Everything accepted is on disk (or the reason it is not); the spill_info record."""
+        if self._flusher is not None:
+            with contextlib.suppress(Exception):
+                await asyncio.shield(self._flusher)
+        fd, self._fd = self._fd, None
+        if fd is not None:
+            os.close(fd)
+        return {"path": self.path, "bytes": self.written, "stopped": self.stopped}
+
+
+async def open_spills(services: Services, prefix: str) -> tuple[Spill, Spill]:
+    """A stdout and a stderr spill for one run (``unavailable`` when the directory is not usable)."""
+    from guestd.wire.errors import ErrorCode, GuestdError
+
+    limits = services.config.limits
+
+    def prepare() -> tuple[int, list[tuple[str, int]]]:
+        dirfd = spill_dir(services)
+        try:
+            sweep(dirfd, services.config.process_retention_s, limits.max_spill_total)
+            out = []
+            tag = os.urandom(12).hex()
+            for name in ("stdout", "stderr"):
+                fname = f"{prefix}-{tag}.{name}"
+                flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
+                out.append((fname, os.open(fname, flags, 0o600, dir_fd=dirfd)))
+            return dirfd, out
+        except BaseException:
+            os.close(dirfd)
+            raise
+
+    try:
+        dirfd, files = await services.run_in_io(prepare)
+    except OSError as e:
+        raise GuestdError(ErrorCode.UNAVAILABLE, f"spill directory: {e}", details={"field": "spill"}) from None
+    os.close(dirfd)
+    d = os.path.join(services.runtime_dir(), "spill")
+    out, err = (Spill(services, os.path.join(d, n), fd, limits.max_spill_bytes) for n, fd in files)
+    return out, err
+
+
+async def finish(reply: Any, spills: tuple[Spill, Spill] | None) -> Any:
+    """``reply`` with ``stdout_spill`` / ``stderr_spill`` (every accepted byte on disk first)."""
+    if spills is not None:
+        reply["stdout_spill"] = await spills[0].close()
+        reply["stderr_spill"] = await spills[1].close()
+    return reply
+
+
+def abandon(spills: tuple[Spill, Spill] | None) -> None:
+    """The run failed or was cancelled: close the files once their pending writes are done."""
+    if spills is None:
+        return
+    for s in spills:
+        task = asyncio.ensure_future(s.close())
+        task.add_done_callback(lambda t: t.cancelled() or t.exception())
