@@ -18,14 +18,14 @@ import pytest
 
 pytest.importorskip("minisweagent")
 
-import yaml  # noqa: E402
-from minisweagent.agents.default import DefaultAgent  # noqa: E402
-from minisweagent.config import get_config_path  # noqa: E402
-from minisweagent.environments import get_environment  # noqa: E402
-from minisweagent.models.test_models import DeterministicModel, make_output  # noqa: E402
+import yaml
+from minisweagent.agents.default import DefaultAgent
+from minisweagent.config import get_config_path
+from minisweagent.environments import get_environment
+from minisweagent.models.test_models import DeterministicModel, make_output
 
-from guestd.integrations.minisweagent import GuestdEnvironment  # noqa: E402
-from guestd.testing.local import Guestd  # noqa: E402
+from guestd.integrations.minisweagent import GuestdEnvironment
+from guestd.testing.local import Guestd
 
 
 @pytest.fixture
@@ -93,8 +93,11 @@ def test_default_agent_loop_end_to_end(guestd: Guestd, tmp_path: Path) -> None:
     (repo / "calc.py").write_text("def add(a, b):\n    return a - b\n")
     config = yaml.safe_load(get_config_path("mini.yaml").read_text())
     env = get_environment(
-        {"environment_class": "guestd.integrations.minisweagent.GuestdEnvironment", "address": guestd.address,
-         "cwd": str(repo)}
+        {
+            "environment_class": "guestd.integrations.minisweagent.GuestdEnvironment",
+            "address": guestd.address,
+            "cwd": str(repo),
+        }
     )
     assert isinstance(env, GuestdEnvironment)
     script = [

@@ -162,7 +162,7 @@ class GuestdRuntime(AbstractRuntime):
             return await self._run_interactive(session, action)
         obs = await self._run_normal(session, action)
         if action.check == "raise" and obs.exit_code != 0:
-            msg = f"Command {action.command!r} failed with exit code {obs.exit_code}. Here is the output:\n{obs.output!r}"
+            msg = f"Command {action.command!r} failed with exit code {obs.exit_code}. Output:\n{obs.output!r}"
             raise NonZeroExitCodeError(f"{action.error_msg}: {msg}" if action.error_msg else msg)
         return obs
 
