@@ -58,3 +58,48 @@ def test_swerex_suite_on_guestd_passes_at_least_as_many_as_local_runtime(tmp_pat
     assert failing <= EXPECTED_FAILURES, guestd
     assert len(guestd_passes) >= len(local_passes)
     assert len(guestd_passes) >= integration.EXPECTED_PASSES
+
+
+async def test_deployment_starts_a_local_guestd_and_stops_it() -> None:
+    from swerex.runtime.abstract import BashAction, Command, CreateBashSessionRequest, UploadRequest
+
+    d = integration.GuestdDeployment()
+    assert not await d.is_alive()
+    await d.start()
+    try:
+        assert await d.is_alive()
+        r = d.runtime
+        await r.create_session(CreateBashSessionRequest())
+        await r.run_in_session(BashAction(command="cd /tmp && X=1", timeout=10))
+        obs = await r.run_in_session(BashAction(command="echo $X; pwd", timeout=10))
+        assert obs.output == "1\n/tmp\n" and obs.exit_code == 0
+        out = await r.execute(Command(command="echo out; echo err >&2", shell=True, merge_output_streams=True))
+        assert out.stdout == "out\nerr\n" and out.stderr == "" and out.exit_code == 0
+        assert (await r.execute(Command(command=["false"]))).exit_code == 1
+        with pytest.raises(FileNotFoundError):
+            await r.upload(UploadRequest(source_path="/nonexistent-source", target_path="/tmp/x"))
+    finally:
+        await d.stop()
+    assert not await d.is_alive()
+
+
+async def test_interrupt_after_timeout_keeps_the_session_in_sync(tmp_path: Path) -> None:
+    """A timed-out command is interrupted by guestd (no manual BashInterruptAction needed),
+    the session keeps its state, and the next command sees only its own output."""
+    from swerex.exceptions import CommandTimeoutError
+    from swerex.runtime.abstract import BashAction, BashInterruptAction, CreateBashSessionRequest
+
+    d = integration.GuestdDeployment()
+    await d.start()
+    try:
+        r = d.runtime
+        await r.create_session(CreateBashSessionRequest(session="s"))
+        await r.run_in_session(BashAction(command=f"cd {tmp_path}; Y=7", session="s"))
+        for _ in range(3):
+            with pytest.raises(CommandTimeoutError):
+                await r.run_in_session(BashAction(command="echo partial; sleep 30", timeout=0.3, session="s"))
+            obs = await r.run_in_session(BashAction(command="echo $Y; pwd", session="s"))
+            assert obs.output == f"7\n{tmp_path}\n"
+        assert (await r.run_in_session(BashInterruptAction(session="s"))).exit_code == 0
+    finally:
+        await d.stop()
