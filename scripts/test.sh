@@ -35,6 +35,7 @@ if [ "$#" = 0 ]; then
   rc=0
   bash scripts/bootstrap-integrations.sh || rc=$?
   if [ "$rc" = 0 ]; then
+    .venv-int/bin/mypy guestd/integrations tests/test_integrations_swerex.py tests/test_integrations_minisweagent.py
     .venv-int/bin/python -m pytest -q -p no:cacheprovider -rs -o asyncio_mode=auto -o asyncio_default_fixture_loop_scope=function \
       tests/test_integrations_swerex.py tests/test_integrations_minisweagent.py
   else

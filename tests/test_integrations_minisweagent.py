@@ -106,7 +106,7 @@ def test_default_agent_loop_end_to_end(guestd: Guestd, tmp_path: Path) -> None:
         ("Test it.", "python3 -c 'import calc; assert calc.add(2, 3) == 5; print(\"ok\")'"),
         ("Submit.", "echo COMPLETE_TASK_AND_SUBMIT_FINAL_OUTPUT && cat calc.py"),
     ]
-    model = DeterministicModel(
+    model = DeterministicModel(  # type: ignore[no-untyped-call]
         outputs=[make_output(text, [{"command": cmd}], cost=0.0) for text, cmd in script],
         cost_per_call=0.0,
         observation_template=config["model"].get("observation_template", "{{output.output}}"),

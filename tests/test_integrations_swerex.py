@@ -9,6 +9,7 @@ least as many, and exactly the tests the module docs say it fails may fail.
 
 from __future__ import annotations
 
+import asyncio
 import os
 import subprocess
 import sys
@@ -101,5 +102,24 @@ async def test_interrupt_after_timeout_keeps_the_session_in_sync(tmp_path: Path)
             obs = await r.run_in_session(BashAction(command="echo $Y; pwd", session="s"))
             assert obs.output == f"7\n{tmp_path}\n"
         assert (await r.run_in_session(BashInterruptAction(session="s"))).exit_code == 0
+    finally:
+        await d.stop()
+
+
+async def test_cancelled_run_leaves_the_session_in_sync(tmp_path: Path) -> None:
+    """A caller that gives up on a command (asyncio cancellation, e.g. its own wait_for)
+    cancels the shell.run: guestd interrupts it, and the next command is not completed by it."""
+    from swerex.runtime.abstract import BashAction, CreateBashSessionRequest
+
+    d = integration.GuestdDeployment()
+    await d.start()
+    try:
+        r = d.runtime
+        await r.create_session(CreateBashSessionRequest())
+        await r.run_in_session(BashAction(command="Z=3"))
+        with pytest.raises(TimeoutError):
+            await asyncio.wait_for(r.run_in_session(BashAction(command="sleep 30; echo late", timeout=60)), 0.3)
+        obs = await r.run_in_session(BashAction(command="echo $Z", timeout=10))
+        assert obs.output == "3\n"
     finally:
         await d.stop()

@@ -373,7 +373,7 @@ class GuestdDeployment(AbstractDeployment):
         self._runtime = GuestdRuntime(address, token=self._token)
         if not await self._runtime.is_alive(timeout=30):
             await self.stop()
-            raise DeploymentNotStartedError(f"guestd at {address} did not answer")
+            raise DeploymentNotStartedError(f"guestd at {address} did not answer")  # type: ignore[no-untyped-call]
 
     async def stop(self) -> None:
         if self._runtime is not None:
@@ -386,7 +386,7 @@ class GuestdDeployment(AbstractDeployment):
     @property
     def runtime(self) -> GuestdRuntime:
         if self._runtime is None:
-            raise DeploymentNotStartedError()
+            raise DeploymentNotStartedError()  # type: ignore[no-untyped-call]
         return self._runtime
 
 
