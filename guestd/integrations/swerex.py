@@ -1,4 +1,4 @@
-"""SWE-ReX on guestd: ``GuestdRuntime`` (an ``AbstractRuntime``) and ``GuestdDeployment``
+r"""SWE-ReX on guestd: ``GuestdRuntime`` (an ``AbstractRuntime``) and ``GuestdDeployment``
 (an ``AbstractDeployment``). ``pip install guestd[swerex]``.
 
 Each SWE-ReX bash session is a guestd shell session: ``run_in_session`` is one
@@ -14,9 +14,11 @@ replaces the environment as ``subprocess.run(env=...)`` does). Files go through
 Interactive commands (``is_interactive_command``/``is_interactive_quit``, with ``expect``
 patterns) run in a PTY process (``process.start {pty: true}``) started in the session's
 current directory; what is typed goes there until the quit action, whose output is returned
-once the program has exited. The program does not see the session's unexported variables
-or functions. TODO(session pty): when ``shell.run {pty: true}`` and its expect helper are
+once the program has exited. Of the session it gets only the cwd (not its variables,
+functions or venv activation). TODO(session pty): when ``shell.run {pty: true}`` and its expect helper are
 merged, run interactive commands in the session itself.
+``expect`` of a non-interactive action is not used: the command runs to its end (or its
+timeout), as guestd knows when a session command ends without matching a prompt.
 
 SWE-ReX 1.4.0 ``tests/test_execution.py`` (vendored in tests/third_party/swerex with a
 fixture shim, run by tests/test_integrations_swerex.py on both runtimes in the same run, on
