@@ -29,4 +29,16 @@ if [ "$#" = 0 ]; then
   echo "== pytest, spawn fallback (GUESTD_NATIVE_SPAWN=0)"
   GUESTD_NATIVE_SPAWN=0 .venv/bin/python -m pytest -q -p no:cacheprovider \
     tests/test_exec.py tests/test_processes.py tests/test_shells.py tests/test_containment.py tests/test_runs.py
+  # guestd.integrations against the real frameworks (pinned in scripts/integrations-requirements.txt),
+  # in a venv of their own; skipped with the reason when it cannot be built (no PyPI).
+  echo "== integrations: SWE-ReX, mini-swe-agent (.venv-int)"
+  rc=0
+  bash scripts/bootstrap-integrations.sh || rc=$?
+  if [ "$rc" = 0 ]; then
+    .venv-int/bin/mypy guestd/integrations tests/test_integrations_swerex.py tests/test_integrations_minisweagent.py
+    .venv-int/bin/python -m pytest -q -p no:cacheprovider -rs -o asyncio_mode=auto -o asyncio_default_fixture_loop_scope=function \
+      tests/test_integrations_swerex.py tests/test_integrations_minisweagent.py
+  else
+    echo "== integration tests SKIPPED: the integration venv could not be built (exit $rc; see above)"
+  fi
 fi

@@ -15,7 +15,7 @@ import pytest
 from guestd.testing import REPO
 
 CAPABILITIES = ("exec", "files", "processes", "shells", "code", "snapshot", "system", "ports", "metrics")
-ABOVE = ("guestd.server", "guestd.client", "guestd.cli", "guestd.testing")
+ABOVE = ("guestd.server", "guestd.client", "guestd.cli", "guestd.testing", "guestd.integrations")
 BELOW = ("guestd/children", "guestd/wire", "guestd/services.py", "guestd/config.py", "guestd/policy.py")
 
 
@@ -87,10 +87,11 @@ def test_the_layers_below_import_no_capability_and_nothing_above() -> None:
 
 
 def test_the_daemon_does_not_load_test_helpers_or_the_cli() -> None:
+    host_side = ("guestd.testing", "guestd.cli", "guestd.client", "guestd.integrations")
     bad = {
         (os.path.relpath(path, REPO), m)
         for path in modules_under("guestd/server")
         for m in imports_of(path)
-        if any(_within(m, p) for p in ("guestd.testing", "guestd.cli", "guestd.client"))
+        if any(_within(m, p) for p in host_side)
     }
     assert not bad, sorted(bad)
