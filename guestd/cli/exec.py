@@ -8,7 +8,7 @@ import sys
 
 from guestd.cli import terminal
 from guestd.cli.processes import start_process
-from guestd.cli.shared import Subcommands, add_command, parse_env, print_death, print_json
+from guestd.cli.shared import Subcommands, add_command, parse_env, print_death, print_json, print_spills_and_timeout
 from guestd.client.aio import AsyncClient
 from guestd.client.results import ExecResult
 
@@ -80,20 +80,6 @@ def print_exec_result(res: ExecResult, raw: bool) -> None:
                 f"guestctl: {name} truncated: {dropped} of {getattr(res, name + '_bytes')} bytes dropped",
                 file=sys.stderr,
             )
-        spill = getattr(res, name + "_spill")
-        if spill is not None and (dropped or spill["stopped"]):
-            stopped = f", stopped: {spill['stopped']}" if spill["stopped"] else ""
-            print(
-                f"guestctl: full {name} in {terminal.field(spill['path'])} ({spill['bytes']} bytes{stopped})",
-                file=sys.stderr,
-            )
-    if res.detached is not None:
-        print(
-            f"guestctl: {res.timed_out} timeout fired; the command goes on as process {res.detached}"
-            f" (guestctl attach {res.detached})",
-            file=sys.stderr,
-        )
-    elif res.timed_out:
-        print(f"guestctl: {res.timed_out} timeout fired; process tree killed", file=sys.stderr)
+    print_spills_and_timeout(res, "process tree killed")
     print_death(res.killed_by, res.oom_killed, res.signal)
     sys.stderr.flush()

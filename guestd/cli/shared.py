@@ -12,6 +12,7 @@ import sys
 from collections.abc import Awaitable, Callable
 from typing import Any, TypeAlias
 
+from guestd.cli.terminal import field
 from guestd.client.aio import AsyncClient
 from guestd.wire.paths import printable_path
 
@@ -84,6 +85,27 @@ _CAUSES = {
     "oom": "killed by the kernel's OOM killer (out of memory)",
     "cancel": "ended by guestd: the request was cancelled",
 }
+
+
+def print_spills_and_timeout(res: Any, killed: str) -> None:
+    """guestctl's notes after a run's output (exec, shell run): where a spilled stream's full
+    bytes are, and what its timeout did (``killed``: what a timeout that did not detach did)."""
+    for name in ("stdout", "stderr"):
+        spill = getattr(res, name + "_spill")
+        if spill is not None and (getattr(res, name + "_dropped") or spill["stopped"]):
+            stopped = f", stopped: {spill['stopped']}" if spill["stopped"] else ""
+            print(
+                f"guestctl: full {name} in {field(spill['path'])} ({spill['bytes']} bytes{stopped})",
+                file=sys.stderr,
+            )
+    if res.detached is not None:
+        print(
+            f"guestctl: {res.timed_out} timeout fired; the command goes on as process {res.detached}"
+            f" (guestctl attach {res.detached})",
+            file=sys.stderr,
+        )
+    elif res.timed_out:
+        print(f"guestctl: {res.timed_out} timeout fired; {killed}", file=sys.stderr)
 
 
 def print_death(killed_by: str | None, oom_killed: bool | None, sig: int | None = None) -> None:

@@ -5,7 +5,15 @@ from __future__ import annotations
 import argparse
 import sys
 
-from guestd.cli.shared import Subcommands, add_command, json_path, parse_env, print_death, print_json
+from guestd.cli.shared import (
+    Subcommands,
+    add_command,
+    json_path,
+    parse_env,
+    print_death,
+    print_json,
+    print_spills_and_timeout,
+)
 from guestd.cli.terminal import field, write_output
 from guestd.client.aio import AsyncClient
 from guestd.wire.paths import printable_path
@@ -104,21 +112,7 @@ async def run_in_session(client: AsyncClient, ns: argparse.Namespace) -> int:
         print_json(res.to_json())
     else:
         write_output(res.stdout, res.stderr, ns.raw)
-        for name, spill in (("stdout", res.stdout_spill), ("stderr", res.stderr_spill)):
-            if spill is not None and (getattr(res, name + "_dropped") or spill["stopped"]):
-                stopped = f", stopped: {spill['stopped']}" if spill["stopped"] else ""
-                print(
-                    f"guestctl: full {name} in {field(spill['path'])} ({spill['bytes']} bytes{stopped})",
-                    file=sys.stderr,
-                )
-        if res.detached is not None:
-            print(
-                f"guestctl: {res.timed_out} timeout fired; the command goes on as process {res.detached}"
-                f" (guestctl attach {res.detached})",
-                file=sys.stderr,
-            )
-        elif res.timed_out:
-            print(f"guestctl: {res.timed_out} timeout fired; command interrupted", file=sys.stderr)
+        print_spills_and_timeout(res, "command interrupted")
         print_death(res.killed_by, res.oom_killed)
         if res.session_restarted:
             print("guestctl: the session had to be restarted (cwd and exported variables kept)", file=sys.stderr)
