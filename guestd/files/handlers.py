@@ -142,6 +142,7 @@ class AtomicFile:
     def __init__(self, place: Place, flag: str, perm: int | None, pending: PendingTemps | None = None) -> None:
         self.place = place  # owned: closed with the file
         self.path = place.path
+        self.pending = pending
         self.flag = flag
         mode = DEFAULT_PERM if perm is None else perm
         self.owner: Owner = place.owner  # a new file's; a replaced file keeps its old owner
@@ -171,7 +172,7 @@ class AtomicFile:
                 raise
             # File systems without it (FUSE, NFS, vfat): a named temp file, recorded first so
             # that a guestd killed before the commit has it removed by its successor.
-            self.record = pending.record(place, self.tmp) if pending is not None else None
+            self._record_temp_name()
             flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
             try:
                 self.fd = os.open(self.tmp, flags, 0o600, dir_fd=place.dirfd)
@@ -213,12 +214,21 @@ class AtomicFile:
             # linkat through /proc names the unnamed inode; "create" links it as the target
             # itself (EEXIST if someone raced us: no clobber), an overwrite under a temp name
             # that is renamed over the target at once.
+            # The temp name exists only between the link and the rename, but a guestd killed
+            # there would leave it: it is recorded first, like a named temp file.
             inode = f"/proc/self/fd/{self.fd}"
             if self.flag == "create":
                 os.link(inode, self.place.name, dst_dir_fd=d, follow_symlinks=True)
             else:
-                os.link(inode, self.tmp, dst_dir_fd=d, follow_symlinks=True)
-                self._rename_temp_over_target()
+                try:
+                    self._record_temp_name()
+                except OSError:
+                    pass  # no record (runtime dir full?) only risks a name for that instant
+                try:
+                    os.link(inode, self.tmp, dst_dir_fd=d, follow_symlinks=True)
+                    self._rename_temp_over_target()
+                finally:
+                    self._forget_record()
             os.close(self.fd)
             self.fd = -1
         else:
@@ -275,6 +285,10 @@ class AtomicFile:
             self.place.close()
         finally:
             self._fd_lock.release()
+
+    def _record_temp_name(self) -> None:
+        if self.pending is not None:
+            self.record = self.pending.record(self.place, self.tmp)
 
     def _forget_record(self) -> None:
         if self.record is not None:
