@@ -14,7 +14,7 @@ from collections.abc import Iterator
 import pytest
 
 from guestd.client import Client
-from guestd.testing import Guestd, start_guestd
+from guestd.testing import Guestd, workspace_guestd
 from guestd.wire.errors import GuestdError
 
 root_only = pytest.mark.skipif(os.geteuid() != 0, reason="ownership and a workload user need root")
@@ -23,20 +23,8 @@ root_only = pytest.mark.skipif(os.geteuid() != 0, reason="ownership and a worklo
 @pytest.fixture(scope="module")
 def ws_guestd() -> Iterator[tuple[Guestd, str]]:
     """guestd with a workspace (and, as root, the workload user nobody)."""
-    top = tempfile.mkdtemp(prefix="guestd-ws-")
-    os.chmod(top, 0o755)
-    ws = f"{top}/ws"
-    os.makedirs(ws)
-    config = f'workspace = "{ws}"\n'
-    if os.geteuid() == 0:
-        os.chown(ws, 65534, 65534)
-        config += '[policy]\nworkload_user = "nobody"\n'
-    with open(f"{top}/guestd.toml", "w") as f:
-        f.write(config)
-    g = start_guestd(top, "--config", f"{top}/guestd.toml")
-    yield g, ws
-    g.stop()
-    shutil.rmtree(top, ignore_errors=True)
+    with workspace_guestd("guestd-ws-") as env:
+        yield env
 
 
 @pytest.fixture

@@ -8,14 +8,13 @@ from __future__ import annotations
 import os
 import shutil
 import subprocess
-import tempfile
 import threading
 from collections.abc import Iterator
 
 import pytest
 
 from guestd.client import Client
-from guestd.testing import Guestd, start_guestd
+from guestd.testing import Guestd, workspace_guestd
 
 HAVE_RG = shutil.which("rg") is not None
 ENGINES = ["python", "rg"] if HAVE_RG else ["python"]
@@ -24,25 +23,17 @@ ENGINES = ["python", "rg"] if HAVE_RG else ["python"]
 @pytest.fixture(scope="module")
 def env() -> Iterator[tuple[Guestd, str, str]]:
     """(guestd, a generated tree in its workspace, a directory outside holding SECRET)."""
-    top = tempfile.mkdtemp(prefix="guestd-search-")
-    os.chmod(top, 0o755)
-    ws = f"{top}/ws"
-    outside = f"{top}/outside"
-    os.makedirs(outside)
-    with open(f"{outside}/s.txt", "w") as f:
-        f.write("needle SECRET\n")
-    config = f'workspace = "{ws}"\n'
-    if os.geteuid() == 0:
-        config += '[policy]\nworkload_user = "nobody"\n'
+
+    def prepare(top: str, ws: str) -> None:
+        outside = f"{top}/outside"
+        os.makedirs(outside)
+        with open(f"{outside}/s.txt", "w") as f:
+            f.write("needle SECRET\n")
         os.chmod(outside, 0o700)  # nothing the workload may read
-    tree = f"{ws}/tree"
-    make_tree(tree, outside)
-    with open(f"{top}/guestd.toml", "w") as f:
-        f.write(config)
-    g = start_guestd(top, "--config", f"{top}/guestd.toml")
-    yield g, tree, outside
-    g.stop()
-    shutil.rmtree(top, ignore_errors=True)
+        make_tree(f"{ws}/tree", outside)
+
+    with workspace_guestd("guestd-search-", prepare=prepare) as (g, ws):
+        yield g, f"{ws}/tree", f"{os.path.dirname(ws)}/outside"
 
 
 def make_tree(tree: str, outside: str) -> None:

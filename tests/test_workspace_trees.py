@@ -7,36 +7,22 @@ from __future__ import annotations
 import asyncio
 import io
 import os
-import shutil
 import stat
 import subprocess
 import tarfile
-import tempfile
 from collections.abc import Iterator
 
 import pytest
 
 from guestd.client import AsyncClient, Client
-from guestd.testing import Guestd, start_guestd
+from guestd.testing import Guestd, workspace_guestd
 from guestd.wire.errors import GuestdError
 
 
 @pytest.fixture(scope="module")
 def env() -> Iterator[tuple[Guestd, str]]:
-    top = tempfile.mkdtemp(prefix="guestd-trees-")
-    os.chmod(top, 0o755)
-    ws = f"{top}/ws"
-    os.makedirs(ws)
-    config = f'workspace = "{ws}"\n'
-    if os.geteuid() == 0:
-        os.chown(ws, 65534, 65534)
-        config += '[policy]\nworkload_user = "nobody"\n'
-    with open(f"{top}/guestd.toml", "w") as f:
-        f.write(config)
-    g = start_guestd(top, "--config", f"{top}/guestd.toml")
-    yield g, ws
-    g.stop()
-    shutil.rmtree(top, ignore_errors=True)
+    with workspace_guestd("guestd-trees-") as env:
+        yield env
 
 
 @pytest.fixture

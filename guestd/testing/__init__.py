@@ -14,6 +14,7 @@ from guestd.testing.local import (
     limits_config,
     live_procs_with,
     start_guestd,
+    workspace_guestd,
 )
 
 __all__ = [
@@ -25,4 +26,5 @@ __all__ = [
     "limits_config",
     "live_procs_with",
     "start_guestd",
+    "workspace_guestd",
 ]

@@ -6,10 +6,13 @@ from __future__ import annotations
 import os
 import resource
 import select
+import shutil
 import socket
 import subprocess
 import sys
-from collections.abc import Callable
+import tempfile
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 import psutil
@@ -20,6 +23,7 @@ from guestd.client.aio import CONNECT_TIMEOUT
 # The directory this guestd package was imported from (the checkout, in a checkout): put on a
 # started guestd's PYTHONPATH so it runs this same code, not whatever else is installed.
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+NOBODY = 65534  # the workload user of the tests run as root
 
 
 @dataclass
@@ -154,3 +158,30 @@ def live_procs_with(marker: str) -> list[psutil.Process]:
         except psutil.Error:
             continue
     return out
+
+
+@contextmanager
+def workspace_guestd(prefix: str, *, prepare: Callable[[str, str], None] | None = None) -> Iterator[tuple[Guestd, str]]:
+    """A guestd whose workspace is a new directory; yields ``(guestd, workspace)`` and removes
+    both after. As root the workload user is nobody, who owns the workspace. ``prepare(top,
+    workspace)`` runs before the start (to plant files, or a directory outside beside it)."""
+    top = tempfile.mkdtemp(prefix=prefix)
+    try:
+        os.chmod(top, 0o755)
+        ws = f"{top}/ws"
+        os.makedirs(ws)
+        config = f'workspace = "{ws}"\n'
+        if os.geteuid() == 0:
+            os.chown(ws, NOBODY, NOBODY)
+            config += '[policy]\nworkload_user = "nobody"\n'
+        if prepare is not None:
+            prepare(top, ws)
+        with open(f"{top}/guestd.toml", "w") as f:
+            f.write(config)
+        g = start_guestd(top, "--config", f"{top}/guestd.toml")
+        try:
+            yield g, ws
+        finally:
+            g.stop()
+    finally:
+        shutil.rmtree(top, ignore_errors=True)
