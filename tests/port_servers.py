@@ -8,6 +8,8 @@
 - ``reset``: on each connection, reads a line and closes with RST (SO_LINGER 0).
 - ``watchreset``: reads until the connection ends and writes ``eof`` or ``reset`` to DIR/how.
 - ``flood``: sends bytes without end; ``sink``: accepts and never reads.
+- ``full``: listens with a backlog of 0 and never accepts; once its own connection fills the
+  queue, every further connect hangs (its SYNs are dropped). Writes DIR/full when so.
 """
 
 from __future__ import annotations
@@ -155,10 +157,25 @@ def serve_raw(mode: str, port: int, directory: str) -> None:
     Server(("127.0.0.1", port), Raw).serve_forever()
 
 
+def serve_full(port: int, directory: str) -> None:
+    server = socket.socket()
+    server.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    server.bind(("127.0.0.1", port))
+    server.listen(0)
+    filler = socket.create_connection(("127.0.0.1", port))  # queued, never accepted: the queue is full
+    with open(os.path.join(directory, "full.tmp"), "w") as f:
+        f.write("full")
+    os.rename(os.path.join(directory, "full.tmp"), os.path.join(directory, "full"))
+    threading.Event().wait()
+    filler.close()
+
+
 if __name__ == "__main__":
     mode, port_text = sys.argv[1], sys.argv[2]
     where = sys.argv[3] if len(sys.argv) > 3 else "."
     if mode == "http":
         serve_http(int(port_text), where)
+    elif mode == "full":
+        serve_full(int(port_text), where)
     else:
         serve_raw(mode, int(port_text), where)

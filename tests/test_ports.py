@@ -35,6 +35,7 @@ from tests.port_servers import ws_accept, ws_frame, ws_read_frame
 SERVERS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "port_servers.py")
 NETNS = ["unshare", "-n", "sh", "-c", 'ip link set lo up && exec "$@"', "sh"]
 HTTP, ECHO, HALF, RESET, WATCHRESET, FLOOD, SINK = 18080, 18081, 18082, 18083, 18084, 18085, 18086
+FULL = 18087  # started by its test: port_wait's probe would wait on it
 PAGE = b"""<!doctype html><html><body><p id="static">served in the guest</p><p id="js"></p>
 <script>document.getElementById("js").textContent = "rendered by " + "script " + (6 * 7);</script>
 </body></html>"""
@@ -181,6 +182,33 @@ def test_a_headless_browser_renders_a_page_served_in_the_guest(gc: Client) -> No
     dom = done.stdout.decode()
     assert '<p id="static">served in the guest</p>' in dom, done.stderr.decode()[-2000:]
     assert '<p id="js">rendered by script 42</p>' in dom  # the script ran: the DOM, not the source
+
+
+def test_closing_a_forward_ends_a_host_connection_whose_guest_side_is_still_connecting(
+    guest: Guestd, gc: Client
+) -> None:
+    """The forward closed while a host connection's port.connect still waited in the guest: the
+    host connection was left open and silent forever (its relay task was cancelled, the host
+    end never closed). Now it ends with the forward."""
+    p = gc.process_start([sys.executable, SERVERS, "full", str(FULL), guest.workdir])
+    try:
+        guest_file(gc, os.path.join(guest.workdir, "full"))
+        with gc.port_forward(FULL, connect_timeout_s=60) as fwd:
+            s = socket.create_connection(("127.0.0.1", fwd.local_port), timeout=10)
+            for _ in range(1000):  # bounded: until the forward has accepted it
+                if fwd.forward.connections:
+                    break
+                time.sleep(0.01)
+            assert fwd.forward.connections == 1
+        with s:
+            s.settimeout(10)
+            try:
+                got = s.recv(1)
+            except ConnectionResetError:
+                got = b""
+            assert got == b""  # reset or eof, not a connection that waits forever
+    finally:
+        gc.process_signal(p["id"], "KILL")
 
 
 # --------------------------------------------------------------------------- streams

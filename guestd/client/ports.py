@@ -442,6 +442,9 @@ class PortForward:
             self.errors = [*self.errors[-15:], err]
             host.abort()
             return
+        except asyncio.CancelledError:
+            host.abort()  # the forward is closing while the guest side connects: the host's goes too
+            raise
         self._open.add(guest)
         guest.closed.add_done_callback(lambda _: self._open.discard(guest))
         if host.lost:
