@@ -224,3 +224,31 @@ def test_a_retry_during_the_restore_gets_the_first_report(sg: Guestd) -> None:
         await c.close()
 
     asyncio.run(go())
+
+
+def test_a_kept_cell_running_across_a_restore_finishes_and_is_fetchable_after(sg: Guestd) -> None:
+    """Issue 16: a ``keep`` code.run in flight when the VM is snapshotted; the restore drops every
+    connection (here: the client closes its own) and re-seeds the contexts; the cell finishes
+    and its result is fetched by run id on a new connection."""
+    from guestd.client.results import CodeResult
+    from guestd.client.runs import result_of, run_list, run_wait, start_kept
+
+    async def go() -> None:
+        c = await AsyncClient.connect(sg.address)
+        ctx = (await c.code_create())["id"]
+        run = await start_kept(c, "code.run", {"context": ctx, "code": "import time; time.sleep(2); 6 * 7"})
+        prep = await c.snapshot_prepare()
+        assert prep["synced"]
+        await c.close()  # the connection goes with the snapshot
+
+        c = await AsyncClient.connect(sg.address)
+        gen = (await c.info()).raw["snapshot"]["generation"] + 1
+        rep = await c.restore(generation=gen, entropy=b"K" * 32, nonce=f"kept-{gen}")
+        assert rep["generation"] == gen
+        assert rep["contexts_pending"] == [ctx]  # busy with the cell: re-seeded once it ends
+        assert {r["id"]: r["state"] for r in await run_list(c)}[run] == "running"
+        code = result_of(await run_wait(c, run, timeout_s=60))
+        assert isinstance(code, CodeResult) and code.status == "ok" and code.text == "42"
+        await c.close()
+
+    asyncio.run(go())
