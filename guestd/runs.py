@@ -7,6 +7,7 @@ at most ``limits.max_kept_runs`` runs, running ones included; at the cap the old
 run whose result was already delivered (to its request or a run.get/run.wait) makes room,
 else the new run is a ``limit`` error: a result nobody has seen is never dropped to make
 room. An ended run is dropped ``processes.retention_s`` after it ended, seen or not.
+``run.cancel`` cancels the task as a cancel of the request would have before it was kept.
 """
 
 from __future__ import annotations
@@ -37,6 +38,7 @@ class KeptRun:
         self.started_at = time.time()
         self.ended_at: float | None = None
         self.delivered = False  # its result (or error) reached someone
+        self.cancelled = False  # by run.cancel
         task.add_done_callback(self._ended)
 
     def _ended(self, task: asyncio.Task[Any]) -> None:
@@ -54,6 +56,12 @@ class KeptRun:
                 state = "failed"
                 if isinstance(exc, GuestdError):
                     error = {"code": exc.code, "message": exc.message, "details": exc.details or {}}
+                elif self.task.cancelled():
+                    error = {
+                        "code": ErrorCode.CANCELLED.value,
+                        "message": "cancelled by run.cancel" if self.cancelled else "cancelled: guestd is stopping",
+                        "details": {"run": self.id},
+                    }
                 else:
                     error = {
                         "code": ErrorCode.INTERNAL.value,
@@ -132,6 +140,16 @@ class RunTable:
             await asyncio.wait({r.task}, timeout=timeout)
         return r
 
+    async def cancel(self, run_id: str, timeout: float) -> KeptRun:
+        """Cancel the run's task as a cancelled request would (the op interrupts what it runs),
+        then wait up to ``timeout`` for it to end."""
+        r = self.get(run_id)
+        if not r.task.done():
+            r.cancelled = True
+            r.task.cancel()
+            await asyncio.wait({r.task}, timeout=timeout)
+        return r
+
     async def shutdown(self) -> None:
         """guestd is stopping (its runs are ended already): cancel what still waits."""
         for r in self.runs.values():
@@ -152,7 +170,10 @@ def register(services: Services) -> RunTable:
         table._expire()
         return {"runs": [r.describe(with_result=False) for r in table.runs.values()]}
 
+    async def op_cancel(ctx: Request, a: Any) -> Any:
+        return {"run": (await table.cancel(a["id"], a["timeout_s"])).describe(with_result=True)}
+
     services.on_shutdown.append(table.shutdown)
-    for name, fn in (("run.get", op_get), ("run.wait", op_wait), ("run.list", op_list)):
+    for name, fn in (("run.get", op_get), ("run.wait", op_wait), ("run.list", op_list), ("run.cancel", op_cancel)):
         services.ops.add(name, fn)
     return table

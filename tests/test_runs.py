@@ -369,8 +369,12 @@ def test_shell_pty_in_session_state_with_expect_and_ctrl_c(guestd: Guestd, tmp_p
         assert (await c.shell_list())[0]["pid"] == bash_pid  # the same bash throughout
 
         # Ctrl-C ends a foreground program that does not catch it: the command reports 130.
-        async with Expect.start(c, sid, "echo go; sleep 60; echo not-reached", timeout_s=30) as e:
+        async with Expect.start(c, sid, "echo go; sleep 61; echo not-reached", timeout_s=30) as e:
             await e.expect(b"go\r\n", timeout=10)
+            # Until sleep has exec'd: a SIGINT between bash's fork and the exec is caught by
+            # bash's own handler in the child and lost, as Ctrl-C in a terminal would be.
+            wait = "i=0; until pgrep -fx 'sleep 61' >/dev/null; do [ $((i+=1)) -lt 500 ] || exit 1; sleep .01; done"
+            assert (await c.exec(["sh", "-c", wait])).exit_code == 0
             await e.interrupt()
             r = await e.wait(timeout=10)
         assert r.exit_code == 130 and b"not-reached" not in r.stdout and not r.session_restarted
@@ -626,3 +630,70 @@ def test_guestctl_pty_keep_runs_and_spill(guestd: Guestd) -> None:
     r = guestctl("exec", "--spill", "--max-output", "10", "--", "seq", "1", "1000")
     assert b"full stdout in " in r.stderr
     assert guestctl("shell", "rm", s).returncode == 0
+
+
+def test_run_cancel_interrupts_a_kept_command_and_a_kept_cell(guestd: Guestd, tmp_path: object) -> None:
+    """run.cancel: a kept `sleep 60` in a session and a kept `time.sleep(60)` cell end at once as
+    failed/cancelled, the session (its cwd intact) and the context take their next run; an
+    ended run is returned as it is; an unknown id is not_found; guestctl runs cancel."""
+    from guestd.client.runs import run_cancel, start_kept
+
+    async def go() -> None:
+        async with await AsyncClient.connect(guestd.address) as c:
+            sid = (await c.shell_create(cwd=str(tmp_path)))["id"]
+            shell = await start_kept(c, "shell.run", {"id": sid, "command": "sleep 60; echo never"})
+            ctx = (await c.code_create())["id"]
+            cell = await start_kept(c, "code.run", {"context": ctx, "code": "import time; time.sleep(60)"})
+            for rid in (shell, cell):
+                run = await run_cancel(c, rid, timeout_s=20)
+                assert run["state"] == "failed" and run["error"]["code"] == "cancelled", run
+            after = await c.shell_run(sid, "pwd", timeout_s=20)
+            assert after.stdout == f"{tmp_path}\n".encode()
+            assert (await c.code_run("6 * 7", context=ctx, timeout_s=20)).text == "42"
+            done = await start_kept(c, "shell.run", {"id": sid, "command": "echo kept"})
+            await c.run_wait(done, timeout_s=20)
+            again = await run_cancel(c, done)
+            assert again["state"] == "done" and again["result"]["stdout"] == b"kept\n"
+            with pytest.raises(GuestdError) as ei:
+                await run_cancel(c, "r000000000000")
+            assert ei.value.code == "not_found"
+            await c.shell_close(sid)
+
+    asyncio.run(go())
+    import os
+    import subprocess
+    import sys
+
+    from guestd.testing import REPO
+
+    with guestd.client() as c:
+        sid = c.shell_create()["id"]
+        proc = subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "guestd.cli",
+                "--connect",
+                guestd.address,
+                "shell",
+                "run",
+                sid,
+                "sleep 60",
+                "--keep",
+            ],
+            stderr=subprocess.PIPE,
+            stdout=subprocess.DEVNULL,
+            env={**os.environ, "PYTHONPATH": REPO},
+        )
+        assert proc.stderr is not None
+        line = proc.stderr.readline().decode()
+        rid = line.split("kept as run ")[1].split()[0]
+        out = subprocess.run(
+            [sys.executable, "-m", "guestd.cli", "--connect", guestd.address, "runs", "cancel", rid],
+            capture_output=True,
+            env={**os.environ, "PYTHONPATH": REPO},
+            timeout=60,
+        )
+        assert out.returncode == 1 and b"cancelled" in out.stderr, out.stderr
+        assert proc.wait(60) == 1  # the waiting guestctl sees the run end too
+        proc.stderr.close()

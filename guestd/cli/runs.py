@@ -1,4 +1,4 @@
-"""guestctl runs ls | get ID | wait ID: kept runs (``shell run --keep``, ``code run --keep``)."""
+"""guestctl runs ls | get ID | wait ID | cancel ID: kept runs (``shell run --keep``, ``code run --keep``)."""
 
 from __future__ import annotations
 
@@ -22,6 +22,9 @@ def register(sub: Subcommands) -> None:
     w = add_command(runs, "wait", get_run, help="wait for a kept run, then its result")
     w.add_argument("id")
     w.add_argument("--timeout", type=float, default=None, help="how long the guest waits, seconds (default 30)")
+    c = add_command(runs, "cancel", get_run, help="interrupt a running kept run, then the run")
+    c.add_argument("id")
+    c.add_argument("--timeout", type=float, default=None, help="how long the guest waits for it to end (default 10)")
 
 
 async def list_runs(client: AsyncClient, ns: argparse.Namespace) -> int:
@@ -50,6 +53,8 @@ async def get_run(client: AsyncClient, ns: argparse.Namespace) -> int:
     """Exit status: the run's (as ``shell run`` / ``code run`` would exit), 124 still running."""
     if ns.runs_cmd == "wait":
         run = await client.run_wait(ns.id, timeout_s=ns.timeout)
+    elif ns.runs_cmd == "cancel":
+        run = await client.run_cancel(ns.id, timeout_s=ns.timeout)
     else:
         run = await client.run_get(ns.id)
     return show_run(run, ns)

@@ -1039,6 +1039,14 @@ class AsyncClient(PortsAPI, WorkspaceAPI):
         run: dict[str, Any] = (await self._conn.request("run.wait", args, wait + 30.0))["run"]
         return run
 
+    async def run_cancel(self, run_id: str, *, timeout_s: float | None = None) -> dict[str, Any]:
+        """Cancel a running kept run (its command or cell is interrupted); the run once it has
+        ended (state failed, error cancelled), or as it is after ``timeout_s``."""
+        args = present(id=run_id, timeout_s=_seconds(timeout_s))
+        wait = timeout_s if timeout_s is not None else schema_default("run.cancel", "timeout_s")
+        run: dict[str, Any] = (await self._conn.request("run.cancel", args, wait + 30.0))["run"]
+        return run
+
     async def run_list(self, *, deadline: float | None = 30.0) -> list[dict[str, Any]]:
         """Every kept run, oldest first (without results)."""
         runs = (await self._conn.request("run.list", {}, deadline))["runs"]

@@ -46,6 +46,11 @@ async def run_wait(client: AsyncClient, run_id: str, *, timeout_s: float | None 
     return await client.run_wait(run_id, timeout_s=timeout_s)
 
 
+async def run_cancel(client: AsyncClient, run_id: str, *, timeout_s: float | None = None) -> dict[str, Any]:
+    """Interrupt a running kept run; the run once it has ended (failed, error cancelled)."""
+    return await client.run_cancel(run_id, timeout_s=timeout_s)
+
+
 async def run_list(client: AsyncClient, *, deadline: float | None = 30.0) -> list[dict[str, Any]]:
     return await client.run_list(deadline=deadline)
 

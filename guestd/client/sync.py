@@ -454,6 +454,9 @@ class Client(SyncPortsAPI, SyncWorkspaceAPI):
     def run_wait(self, run_id: str, *, timeout_s: float | None = None) -> dict[str, Any]:
         return self._run(self._aio.run_wait(run_id, timeout_s=timeout_s))
 
+    def run_cancel(self, run_id: str, *, timeout_s: float | None = None) -> dict[str, Any]:
+        return self._run(self._aio.run_cancel(run_id, timeout_s=timeout_s))
+
     def run_list(self, *, deadline: float | None = 30.0) -> list[dict[str, Any]]:
         return self._run(self._aio.run_list(deadline=deadline))
 

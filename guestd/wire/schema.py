@@ -1785,6 +1785,19 @@ RUN_OPS: tuple[OpSpec, ...] = (
         "Every kept run, oldest first (no results).",
         result=(F("runs", "list<run_info>", "the runs", True),),
     ),
+    OpSpec(
+        "run.cancel",
+        "process",
+        "Cancel a running kept run as a cancel of its request would have before it was kept (a shell "
+        "command is interrupted, a cell's kernel too); waits up to timeout_s for it to end, then the run "
+        "as run.get gives it (failed with error cancelled). A run that has ended is returned as it is.",
+        args=(
+            _RUN_ID,
+            F("timeout_s", "float", "how long to wait for the run to end", default=10.0, ge=0, le=60.0),
+        ),
+        result=(F("run", "run_info", "the run", True),),
+        errors=("not_found",),
+    ),
 )
 
 OPS = OPS + CODE_OPS + PROCESS_OPS + SHELL_OPS + SNAPSHOT_OPS + PORT_OPS + WORKSPACE_OPS + METRICS_OPS + RUN_OPS

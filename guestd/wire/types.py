@@ -1420,3 +1420,16 @@ class RunListReply(TypedDict):
     """`run.list` result"""
 
     runs: list[RunInfoRecord]
+
+
+class RunCancelArgs(TypedDict):
+    """`run.cancel` args, as validated"""
+
+    id: str
+    timeout_s: float
+
+
+class RunCancelReply(TypedDict):
+    """`run.cancel` result"""
+
+    run: RunInfoRecord
