@@ -697,3 +697,33 @@ def test_run_cancel_interrupts_a_kept_command_and_a_kept_cell(guestd: Guestd, tm
         assert out.returncode == 1 and b"cancelled" in out.stderr, out.stderr
         assert proc.wait(60) == 1  # the waiting guestctl sees the run end too
         proc.stderr.close()
+
+
+def test_shell_pty_size_and_resize(guestd: Guestd) -> None:
+    """shell.run pty on a rows x cols terminal; shell.resize changes it and the program gets
+    SIGWINCH (the terminal is no controlling terminal: guestd sends it). Before: always 24x80."""
+    from guestd.client.expect import Expect
+
+    prog = (
+        "import os, signal; "
+        "signal.signal(signal.SIGWINCH, lambda *a: print('winch', tuple(os.get_terminal_size(0)), flush=True)); "
+        "print('ready', tuple(os.get_terminal_size(0)), flush=True); signal.pause()"
+    )
+
+    async def go() -> None:
+        async with await AsyncClient.connect(guestd.address) as c:
+            sid = (await c.shell_create())["id"]
+            with pytest.raises(GuestdError) as ei:
+                await c.shell_resize(sid, 30, 100)
+            assert ei.value.code == "bad_request"  # no pty command runs
+            async with Expect.start(c, sid, f'python3 -c "{prog}"', timeout_s=30, rows=40, cols=132) as e:
+                await e.expect(rb"ready \(132, 40\)\r\n", timeout=10)
+                await e.resize(50, 100)
+                await e.expect(rb"winch \(100, 50\)\r\n", timeout=10)
+                assert (await e.wait(timeout=10)).exit_code == 0
+            with pytest.raises(GuestdError) as ei:
+                await c.shell_resize("no-such-session", 30, 100)
+            assert ei.value.code == "not_found"
+            await c.shell_close(sid)
+
+    asyncio.run(go())

@@ -128,13 +128,23 @@ async def run_on_pty(client: AsyncClient, ns: argparse.Namespace) -> int:
     piped stdin is ^D."""
     import asyncio
     import os
+    import signal
     import termios
     import tty
 
     from guestd.cli import terminal
 
     loop = asyncio.get_running_loop()
-    s = client.shell_stream(ns.id, ns.command, pty=True, timeout_s=ns.timeout, idle_timeout_s=ns.idle_timeout)
+    size = os.get_terminal_size(sys.stdout.fileno()) if sys.stdout.isatty() else os.terminal_size((80, 24))
+    s = client.shell_stream(
+        ns.id,
+        ns.command,
+        pty=True,
+        rows=size.lines,
+        cols=size.columns,
+        timeout_s=ns.timeout,
+        idle_timeout_s=ns.idle_timeout,
+    )
     fd = sys.stdin.fileno()
     interactive = os.isatty(fd)
     saved = termios.tcgetattr(fd) if interactive else None
@@ -157,11 +167,17 @@ async def run_on_pty(client: AsyncClient, ns: argparse.Namespace) -> int:
         if data[start:]:
             pending.append(loop.create_task(s.write_stdin(data[start:])))
 
+    def on_winch() -> None:
+        size = os.get_terminal_size(sys.stdout.fileno())
+        pending.append(loop.create_task(client.shell_resize(ns.id, size.lines, size.columns)))
+
     pollable = True
     out = terminal.stdout(ns.raw, pty=True)
     try:
         if interactive:
             tty.setraw(fd)
+            if sys.stdout.isatty():
+                loop.add_signal_handler(signal.SIGWINCH, on_winch)
         try:
             loop.add_reader(fd, on_key)
         except OSError:  # epoll refuses plain files and /dev/null: nothing to forward then
@@ -173,6 +189,7 @@ async def run_on_pty(client: AsyncClient, ns: argparse.Namespace) -> int:
         out.close()
         if pollable:
             loop.remove_reader(fd)
+        loop.remove_signal_handler(signal.SIGWINCH)
         if sys.stdout.isatty():
             sys.stdout.buffer.write(terminal.RESET_MODES)
             sys.stdout.flush()

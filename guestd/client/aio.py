@@ -1004,12 +1004,15 @@ class AsyncClient(PortsAPI, WorkspaceAPI):
         on_timeout: OnTimeout | None = None,
         merge_stderr: bool | None = None,
         pty: bool | None = None,
+        rows: int | None = None,
+        cols: int | None = None,
         deadline: float | None = None,
     ) -> ShellStream:
         """Like :meth:`shell_run`, delivering output as it arrives, with the client's credit as
         flow control; ``stdin_stream`` lets :meth:`ShellStream.write_stdin` type into the
-        command while it runs (async only); ``pty`` runs it on a terminal (write_stdin types
-        into it, ``signal("INT")`` is Ctrl-C; see :mod:`guestd.client.expect`)."""
+        command while it runs (async only); ``pty`` runs it on a terminal of ``rows`` x ``cols``
+        (write_stdin types into it, ``signal("INT")`` is Ctrl-C, :meth:`shell_resize` resizes
+        it; see :mod:`guestd.client.expect`)."""
         args = present(
             id=session,
             command=command,
@@ -1020,10 +1023,16 @@ class AsyncClient(PortsAPI, WorkspaceAPI):
             on_timeout=on_timeout,
             merge_stderr=merge_stderr,
             pty=pty,
+            rows=rows,
+            cols=cols,
         )
         if deadline is None:
             deadline = _run_deadline(timeout_s, idle_timeout_s, SHELL_STOP_S)
         return ShellStream(self, self._conn.start("shell.run", args), deadline)
+
+    async def shell_resize(self, session: str, rows: int, cols: int, *, deadline: float | None = 30.0) -> None:
+        """The terminal size of the session's running ``pty`` command (it gets SIGWINCH)."""
+        await self._conn.request("shell.resize", {"id": session, "rows": rows, "cols": cols}, deadline)
 
     # -- kept runs (keep=True; guestd.client.runs.start_kept) -----------------------------
     async def run_get(self, run_id: str, *, deadline: float | None = 30.0) -> dict[str, Any]:

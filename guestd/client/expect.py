@@ -36,8 +36,17 @@ class ExpectEOF(GuestdError):
 
 
 class Expect:
-    def __init__(self, stream: ShellStream, max_buffer: int = MAX_BUFFER) -> None:
+    def __init__(
+        self,
+        stream: ShellStream,
+        max_buffer: int = MAX_BUFFER,
+        *,
+        client: AsyncClient | None = None,
+        session: str = "",
+    ) -> None:
         self.stream = stream
+        self._client = client  # and session: for resize
+        self.session = session
         self.buffer = bytearray()  # output not consumed by a match yet
         self.before = b""  # what came before the last match
         self.dropped = 0  # bytes dropped from the front of the buffer (over max_buffer)
@@ -57,11 +66,21 @@ class Expect:
         idle_timeout_s: float | None = None,
         deadline: float | None = None,
         max_buffer: int = MAX_BUFFER,
+        rows: int | None = None,
+        cols: int | None = None,
     ) -> Expect:
+        """``rows`` x ``cols``: the terminal's size (guestd's default 24 x 80)."""
         stream = client.shell_stream(
-            session, command, pty=True, timeout_s=timeout_s, idle_timeout_s=idle_timeout_s, deadline=deadline
+            session,
+            command,
+            pty=True,
+            timeout_s=timeout_s,
+            idle_timeout_s=idle_timeout_s,
+            rows=rows,
+            cols=cols,
+            deadline=deadline,
         )
-        return cls(stream, max_buffer)
+        return cls(stream, max_buffer, client=client, session=session)
 
     async def _read(self) -> None:
         try:
@@ -85,6 +104,12 @@ class Expect:
     async def interrupt(self) -> None:
         """Ctrl-C: SIGINT to the command's process group (the session's bash is not in it)."""
         await self.stream.signal("INT")
+
+    async def resize(self, rows: int, cols: int) -> None:
+        """Resize the terminal; the program gets SIGWINCH."""
+        if self._client is None:
+            raise GuestdError(ErrorCode.BAD_REQUEST, "resize: this Expect was made without its client and session")
+        await self._client.shell_resize(self.session, rows, cols)
 
     async def send_eof(self) -> None:
         await self.stream.close_stdin()

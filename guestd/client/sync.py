@@ -460,6 +460,9 @@ class Client(SyncPortsAPI, SyncWorkspaceAPI):
     def run_list(self, *, deadline: float | None = 30.0) -> list[dict[str, Any]]:
         return self._run(self._aio.run_list(deadline=deadline))
 
+    def shell_resize(self, session: str, rows: int, cols: int, *, deadline: float | None = 30.0) -> None:
+        self._run(self._aio.shell_resize(session, rows, cols, deadline=deadline))
+
     def shell_list(self, *, deadline: float | None = 30.0) -> list[dict[str, Any]]:
         return self._run(self._aio.shell_list(deadline=deadline))
 

@@ -14,6 +14,8 @@ if TYPE_CHECKING:  # the generated message types: annotations only, never import
         ShellCreateReply,
         ShellListArgs,
         ShellListReply,
+        ShellResizeArgs,
+        ShellResizeReply,
         ShellRunArgs,
         ShellRunReply,
     )
@@ -65,6 +67,10 @@ def register(services: Services) -> None:
         cursor = await services.changes_cursor(a["report_changes"])
         return await services.with_changes(cursor, await shells().get(a["id"]).run(a, ctx))
 
+    async def op_resize(ctx: Request, a: ShellResizeArgs) -> ShellResizeReply:
+        shells().get(a["id"]).resize(a["rows"], a["cols"])
+        return {}
+
     async def op_list(ctx: Request, a: ShellListArgs) -> ShellListReply:
         if not made:
             return {"sessions": []}
@@ -78,6 +84,7 @@ def register(services: Services) -> None:
         ("shell.create", op_create),
         ("shell.run", op_run),
         ("shell.list", op_list),
+        ("shell.resize", op_resize),
         ("shell.close", op_close),
     ):
         services.ops.add(name, fn)

@@ -26,7 +26,6 @@ if TYPE_CHECKING:
     from guestd.children.cgroups import RunCgroup
 
 STATUS_MAX = 64  # "pid\nstatus\n": anything longer is not the wrapper's
-PTY_ROWS, PTY_COLS = 24, 80  # shell.run pty: the terminal's size
 
 
 class JobFifos:
@@ -34,7 +33,8 @@ class JobFifos:
     nobody can guess or list; guestd holds a read end of each and, until bash has opened
     them, a write end too (so no read sees an end of file before the job is there)."""
 
-    def __init__(self, directory: str, ids: tuple[int, int] | None, pty: bool = False) -> None:
+    def __init__(self, directory: str, ids: tuple[int, int] | None, pty: tuple[int, int] | None = None) -> None:
+        """``pty``: (rows, cols) of a terminal for the job's stdin, stdout and stderr."""
         self.paths: dict[str, str] = {}
         self.read: dict[str, int] = {}
         self._hold: list[int] = []
@@ -42,9 +42,9 @@ class JobFifos:
         self.tty = ""  # pty mode: the secondary side's /dev/pts name
         tag = os.urandom(12).hex()
         try:
-            if pty:
-                self._open_pty(ids)
-            for name in ("status",) if pty else ("stdout", "stderr", "status"):
+            if pty is not None:
+                self._open_pty(ids, *pty)
+            for name in ("status",) if pty is not None else ("stdout", "stderr", "status"):
                 path = os.path.join(directory, f"{tag}-{name}")
                 os.mkfifo(path, 0o600)
                 self.paths[name] = path
@@ -56,7 +56,7 @@ class JobFifos:
             self.close()
             raise
 
-    def _open_pty(self, ids: tuple[int, int] | None) -> None:
+    def _open_pty(self, ids: tuple[int, int] | None, rows: int, cols: int) -> None:
         """pty mode: the job's stdin, stdout and stderr are the secondary side (by its
         /dev/pts name, owned by the workload user); guestd reads and writes the primary side
         and holds the secondary open until bash has opened it (no EIO before the job is there)."""
@@ -64,7 +64,7 @@ class JobFifos:
         self.master = master
         self._hold.append(secondary)
         os.set_blocking(master, False)
-        set_winsize(master, PTY_ROWS, PTY_COLS)
+        set_winsize(master, rows, cols)
         if ids is not None:
             os.fchown(secondary, *ids)
         # The job's own subshell opens it (bash, a session leader without a terminal, would

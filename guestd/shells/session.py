@@ -48,7 +48,7 @@ from typing import TYPE_CHECKING, Any, Literal
 from guestd.capture import OutputCapture, OutputRing, capture_fields
 from guestd.children import DEVNULL, PIPE, Child, KilledBy, exit_info, usage_between
 from guestd.children.options import check_cwd, parse_signal
-from guestd.children.tree import descendants, read_chunk, signal_each, signal_group, write_all
+from guestd.children.tree import descendants, read_chunk, set_winsize, signal_each, signal_group, write_all
 from guestd.services import derive, reseed_each
 from guestd.shells.job import STATUS_MAX, JobFifos, PtyInput, ShellJob, StdinFifo
 from guestd.spill import Spill, abandon, finish, open_spills
@@ -210,6 +210,8 @@ class Session:
                 "stream": False,
                 "stdin_stream": False,
                 "pty": False,
+                "rows": 24,
+                "cols": 80,
                 "keep": False,
                 "spill": False,
                 "strip_ansi": False,
@@ -446,7 +448,7 @@ class Session:
         if data and len(self._job_status) < STATUS_MAX:
             self._job_status += data[: STATUS_MAX - len(self._job_status)]
 
-    def _start_job(self, pty: bool = False) -> JobFifos:
+    def _start_job(self, pty: tuple[int, int] | None = None) -> JobFifos:
         services = self.table.services
         d = os.path.join(services.runtime_dir(), "shell-job")
         os.makedirs(d, mode=0o711, exist_ok=True)  # traversable, not listable: names are secrets
@@ -676,7 +678,7 @@ class Session:
         stdin: StdinFifo | None = None
         feeder: asyncio.Task[None] | None = None
         assert self.child is not None
-        job = self._start_job(pty) if detach or pty else None
+        job = self._start_job((a["rows"], a["cols"]) if pty else None) if detach or pty else None
         pty_input: PtyInput | None = None
         if job is not None and job.master is not None:
             # pty: stdin, stdout and stderr are the terminal (one stream, as a terminal shows
@@ -817,6 +819,20 @@ class Session:
             "detached": detached,
             **usage_between(usage_before, usage_after, why, code),  # type: ignore[typeddict-item]  # "changes": the handler adds it
         }
+
+    def resize(self, rows: int, cols: int) -> None:
+        """shell.resize: the running pty command's terminal size; its process group gets
+        SIGWINCH (the terminal is no controlling terminal, so the kernel sends none)."""
+        job = self._job
+        if job is None or job.master is None:
+            raise GuestdError(
+                ErrorCode.BAD_REQUEST, f"no pty command runs in shell session {self.id}", details={"session": self.id}
+            )
+        set_winsize(job.master, rows, cols)
+        self._read_job_status()
+        pid = self._job_pid()
+        if pid is not None:
+            signal_group(pid, signal.SIGWINCH)
 
     def _signal_job(self, value: Any) -> None:
         """pty mode, an INPUT signal: to the job's process group (the program in the

@@ -1090,12 +1090,14 @@ SHELL_OPS: tuple[OpSpec, ...] = (
             F(
                 "pty",
                 "bool",
-                "run the command (in the session's state) on a 24x80 terminal: stdin, stdout and stderr are "
+                "run the command (in the session's state) on a terminal (rows x cols): stdin, stdout and stderr are "
                 "its secondary side, output is one stream (stdout), INPUT data is typed into it, eof is ^D, "
                 "INPUT signal goes to the command's process group; not with input, stdin_stream or "
                 "on_timeout detach",
                 default=False,
             ),
+            F("rows", "uint", "pty: the terminal's rows (shell.resize changes them)", default=24, ge=1, le=9999),
+            F("cols", "uint", "pty: the terminal's columns", default=80, ge=1, le=9999),
             F(
                 "timeout_s",
                 "float?",
@@ -1143,6 +1145,18 @@ SHELL_OPS: tuple[OpSpec, ...] = (
         ),
         errors=("not_found", "limit", "bad_request"),
         exclusive=(("input", "stdin_stream"),),
+    ),
+    OpSpec(
+        "shell.resize",
+        "shell",
+        "Set the terminal size of the session's running pty command (shell.run pty); its process group "
+        "gets SIGWINCH. bad_request when no pty command runs in the session.",
+        args=(
+            F("id", "str", "session id or name", True),
+            F("rows", "uint", "rows", True, ge=1, le=9999),
+            F("cols", "uint", "columns", True, ge=1, le=9999),
+        ),
+        errors=("not_found", "bad_request"),
     ),
     OpSpec(
         "shell.list",

@@ -801,6 +801,8 @@ class ShellRunArgs(TypedDict):
     stream: bool
     stdin_stream: bool
     pty: bool
+    rows: int
+    cols: int
     timeout_s: float | None
     idle_timeout_s: float | None
     on_timeout: Literal["kill", "detach"]
@@ -856,6 +858,18 @@ class ShellRunInput(TypedDict):
     data: NotRequired[bytes]
     eof: NotRequired[bool]
     signal: NotRequired[str]
+
+
+class ShellResizeArgs(TypedDict):
+    """`shell.resize` args, as validated"""
+
+    id: str
+    rows: int
+    cols: int
+
+
+class ShellResizeReply(TypedDict):
+    """`shell.resize` result"""
 
 
 class ShellListArgs(TypedDict):
