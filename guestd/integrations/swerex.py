@@ -17,7 +17,7 @@ patterns) run in the session itself, on its terminal: ``shell.run {pty: true}`` 
 functions and venv. What is typed goes to it (echoed, as a terminal does; the echo and
 ``\r`` are removed from the output) until the quit action, whose output is returned once
 the program has exited; ``BashInterruptAction`` is ctrl-C to it. While it runs, the
-session runs nothing else (a normal command is refused as the session is busy).
+session runs nothing else: a normal action raises ``SessionBusyError`` at once.
 ``expect`` of a non-interactive action is not used: the command runs to its end (or its
 timeout), as guestd knows when a session command ends without matching a prompt.
 
@@ -75,6 +75,7 @@ from swerex.exceptions import (
     NonZeroExitCodeError,
     SessionDoesNotExistError,
     SessionExistsError,
+    SwerexException,
 )
 from swerex.runtime.abstract import (
     AbstractRuntime,
@@ -100,11 +101,17 @@ from swerex.runtime.abstract import (
 from guestd.client import AsyncClient, GuestdError
 from guestd.client.expect import Expect, ExpectEOF
 
-__all__ = ["EXPECTED_PASSES", "GuestdDeployment", "GuestdRuntime", "StartGuest"]
+__all__ = ["EXPECTED_PASSES", "GuestdDeployment", "GuestdRuntime", "SessionBusyError", "StartGuest"]
 
 EXPECTED_PASSES = 48  # SWE-ReX 1.4.0 tests/test_execution.py on guestd (see the module docs)
 
+NO_TIMEOUT_S = 365 * 24 * 3600.0
+
 StartGuest = Callable[[], tuple[str, Callable[[], None]]]
+
+
+class SessionBusyError(SwerexException, RuntimeError):
+    """A normal command for a session whose terminal an interactive program holds."""
 
 
 @dataclass
@@ -121,6 +128,12 @@ def _clean(output: bytes, action: BashAction) -> str:
     """Terminal output as SWE-ReX returns it: newlines, without the echoed input."""
     text = _text(output).replace("\r\n", "\n")
     return text.lstrip().removeprefix(action.command.strip()).strip()
+
+
+def _wait_s(action: BashAction) -> float:
+    """How long to wait for an interactive program: the action's timeout; none means none
+    (SWE-ReX's ``timeout=None``), here a year."""
+    return action.timeout if action.timeout is not None else NO_TIMEOUT_S
 
 
 def _timeout(action: BashAction) -> CommandTimeoutError:
@@ -181,6 +194,11 @@ class GuestdRuntime(AbstractRuntime):
         assert isinstance(action, BashAction)
         if action.is_interactive_command or action.is_interactive_quit:
             return await self._run_interactive(session, action)
+        if session.interactive is not None:
+            raise SessionBusyError(
+                f"session {action.session!r} is running an interactive program: send it input "
+                "(is_interactive_command), end it (is_interactive_quit) or interrupt it (BashInterruptAction)"
+            )
         obs = await self._run_normal(session, action)
         if action.check == "raise" and obs.exit_code != 0:
             msg = f"Command {action.command!r} failed with exit code {obs.exit_code}. Output:\n{obs.output!r}"
@@ -234,7 +252,7 @@ class GuestdRuntime(AbstractRuntime):
         e = session.interactive
         if action.is_interactive_quit or not action.expect:
             try:
-                r = await e.wait(timeout=action.timeout)
+                r = await e.wait(timeout=_wait_s(action))
             except GuestdError as err:
                 if err.code != "timeout":
                     raise
@@ -244,9 +262,9 @@ class GuestdRuntime(AbstractRuntime):
             return BashObservation(output=_clean(bytes(e.buffer), action), exit_code=r.exit_code)
         rx = re.compile("|".join(f"(?:{p})" for p in action.expect).encode())
         try:
-            m = await e.expect(rx, timeout=action.timeout)
+            m = await e.expect(rx, timeout=_wait_s(action))
         except ExpectEOF:  # the program ended before the pattern: it is gone, as in a terminal
-            r = await e.wait(timeout=action.timeout)
+            r = await e.wait(timeout=_wait_s(action))
             session.interactive = None
             await e.close()
             return BashObservation(output=_clean(bytes(e.buffer), action), exit_code=r.exit_code)
