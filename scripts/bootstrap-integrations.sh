@@ -26,8 +26,8 @@ case "${1:-}" in
         fi
       done
     fi
-    if [ -z "$PY" ]; then
-      echo "no Python >= 3.12 interpreter found (openhands-sdk needs one; set PYTHON312)" >&2
+    if [ -z "$PY" ] || ! "$PY" -c 'import sys; assert sys.version_info >= (3, 12)' 2>/dev/null; then
+      echo "no Python >= 3.12 interpreter found${PY:+ ($PY is not one)} (openhands-sdk needs one; set PYTHON312)" >&2
       exit 3
     fi
     VENV="${GUESTD_OH_VENV:-.venv-oh}"
