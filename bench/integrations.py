@@ -1,12 +1,17 @@
 """Per-command latency of each framework's own local runtime against the same framework on
-guestd, in the same run (issue 20). Needs the integration venv (scripts/bootstrap-integrations.sh):
+guestd, in the same run (issue 20), on one local guestd. Needs the integration venvs
+(scripts/bootstrap-integrations.sh, and ``openhands`` for .venv-oh):
 
     .venv-int/bin/python -m bench.integrations [--n 200]
 
 - SWE-ReX: ``run_in_session(BashAction("echo hi"))`` on ``LocalRuntime`` (pexpect bash) and on
   ``GuestdRuntime`` (a local guestd on a Unix socket);
 - mini-swe-agent: ``execute({"command": "echo hi"})`` on ``LocalEnvironment`` (a subprocess per
-  command) and on ``GuestdEnvironment`` (one guestd exec per command).
+  command) and on ``GuestdEnvironment`` (one guestd exec per command);
+- OpenHands SDK: ``execute_command("echo hi")`` on ``LocalWorkspace`` (a subprocess per command,
+  output read by two threads) and on ``GuestdWorkspace`` (one guestd exec per command). The SDK
+  needs Python >= 3.12: when it is not importable here, the same module runs it in
+  ``.venv-oh/bin/python`` (``--only openhands``, on the same guestd) and its rows are merged.
 
 Median and p90 in milliseconds, printed as a Markdown table.
 """
@@ -15,18 +20,22 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
+import importlib.util
+import json
+import os
 import statistics
+import subprocess
+import sys
 import tempfile
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Iterator
+from typing import Any
 
-from minisweagent.environments.local import LocalEnvironment
-from swerex.runtime.abstract import AbstractRuntime, BashAction, CreateBashSessionRequest
-from swerex.runtime.local import LocalRuntime
-
-from guestd.integrations.minisweagent import GuestdEnvironment
-from guestd.integrations.swerex import GuestdRuntime
 from guestd.testing.local import start_guestd
+
+Row = tuple[str, str, list[float]]
+OH_PYTHON = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), ".venv-oh", "bin", "python")
 
 
 def summary(samples: list[float]) -> tuple[float, float]:
@@ -54,7 +63,9 @@ def time_sync(n: int, step: Callable[[], object]) -> list[float]:
     return out
 
 
-async def swerex_samples(runtime: AbstractRuntime, n: int) -> list[float]:
+async def swerex_samples(runtime: Any, n: int) -> list[float]:
+    from swerex.runtime.abstract import BashAction, CreateBashSessionRequest
+
     await runtime.create_session(CreateBashSessionRequest())
     try:
         return await time_async(n, lambda: runtime.run_in_session(BashAction(command="echo hi", timeout=30)))
@@ -62,35 +73,104 @@ async def swerex_samples(runtime: AbstractRuntime, n: int) -> list[float]:
         await runtime.close()
 
 
+def swerex_rows(address: str, n: int) -> list[Row]:
+    from swerex.runtime.local import LocalRuntime
+
+    from guestd.integrations.swerex import GuestdRuntime
+
+    what = "SWE-ReX run_in_session"
+    return [
+        (what, "LocalRuntime", asyncio.run(swerex_samples(LocalRuntime(), n))),
+        (what, "GuestdRuntime", asyncio.run(swerex_samples(GuestdRuntime(address), n))),
+    ]
+
+
+def minisweagent_rows(address: str, n: int) -> list[Row]:
+    from minisweagent.environments.local import LocalEnvironment
+
+    from guestd.integrations.minisweagent import GuestdEnvironment
+
+    what = "mini-swe-agent execute"
+    local = LocalEnvironment()
+    rows: list[Row] = [(what, "LocalEnvironment", time_sync(n, lambda: local.execute({"command": "echo hi"})))]
+    env = GuestdEnvironment(address=address)
+    rows.append((what, "GuestdEnvironment", time_sync(n, lambda: env.execute({"command": "echo hi"}))))
+    env.close()
+    return rows
+
+
+@contextlib.contextmanager
+def quiet_stdout() -> Iterator[None]:
+    """LocalWorkspace echoes each command's output to sys.stdout; keep the table readable."""
+    saved = sys.stdout
+    with open(os.devnull, "w") as sink:
+        sys.stdout = sink
+        try:
+            yield
+        finally:
+            sys.stdout = saved
+
+
+def openhands_rows(address: str, n: int) -> list[Row]:
+    os.environ.setdefault("LITELLM_LOCAL_MODEL_COST_MAP", "True")  # no network fetch on import
+    os.environ.setdefault("OPENHANDS_SUPPRESS_BANNER", "1")
+    from openhands.sdk.workspace import LocalWorkspace
+
+    from guestd.integrations.openhands import GuestdWorkspace
+
+    what = "OpenHands execute_command"
+    workdir = tempfile.gettempdir()
+    local = LocalWorkspace(working_dir=workdir)
+    with quiet_stdout():
+        rows: list[Row] = [(what, "LocalWorkspace", time_sync(n, lambda: local.execute_command("echo hi")))]
+    with GuestdWorkspace(address=address, working_dir=workdir) as ws:
+        rows.append((what, "GuestdWorkspace", time_sync(n, lambda: ws.execute_command("echo hi"))))
+    return rows
+
+
+FRAMEWORKS: dict[str, tuple[str, Callable[[str, int], list[Row]]]] = {
+    "swerex": ("swerex", swerex_rows),
+    "minisweagent": ("minisweagent", minisweagent_rows),
+    "openhands": ("openhands.sdk", openhands_rows),
+}
+
+
+def importable(module: str) -> bool:
+    try:
+        return importlib.util.find_spec(module) is not None
+    except ModuleNotFoundError:
+        return False
+
+
+def collect(address: str, n: int, only: list[str]) -> list[Row]:
+    rows: list[Row] = []
+    for name in only:
+        module, rows_of = FRAMEWORKS[name]
+        if importable(module):
+            rows += rows_of(address, n)
+        elif name == "openhands" and os.path.exists(OH_PYTHON):
+            cmd = [OH_PYTHON, "-m", "bench.integrations", "--n", str(n), "--only", "openhands", "--address", address]
+            out = subprocess.run(cmd, capture_output=True, text=True, check=True, timeout=1800).stdout
+            rows += [(w, r, samples) for w, r, samples in json.loads(out.strip().splitlines()[-1])]
+        else:
+            print(f"skipped {name}: {module} is not importable here", file=sys.stderr)
+    return rows
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--n", type=int, default=200)
-    n = ap.parse_args().n
-    rows: list[tuple[str, str, list[float]]] = []
+    ap.add_argument("--only", action="append", choices=sorted(FRAMEWORKS), help="frameworks to run (default: all)")
+    ap.add_argument("--address", help="an already running guestd (prints the rows as JSON instead of the table)")
+    args = ap.parse_args()
+    n, only = args.n, args.only or list(FRAMEWORKS)
+    if args.address:
+        print(json.dumps(collect(args.address, n, only)))
+        return
     with tempfile.TemporaryDirectory(prefix="guestd-bench-int-") as d:
         g = start_guestd(d, ready_timeout_s=60)
         try:
-            rows.append(("SWE-ReX run_in_session", "LocalRuntime", asyncio.run(swerex_samples(LocalRuntime(), n))))
-            rows.append(
-                ("SWE-ReX run_in_session", "GuestdRuntime", asyncio.run(swerex_samples(GuestdRuntime(g.address), n)))
-            )
-            local = LocalEnvironment()
-            rows.append(
-                (
-                    "mini-swe-agent execute",
-                    "LocalEnvironment",
-                    time_sync(n, lambda: local.execute({"command": "echo hi"})),
-                )
-            )
-            env = GuestdEnvironment(address=g.address)
-            rows.append(
-                (
-                    "mini-swe-agent execute",
-                    "GuestdEnvironment",
-                    time_sync(n, lambda: env.execute({"command": "echo hi"})),
-                )
-            )
-            env.close()
+            rows = collect(g.address, n, only)
         finally:
             g.stop()
     print(f"| framework call (`echo hi`, n={n}) | runtime | median ms | p90 ms |")

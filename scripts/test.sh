@@ -41,4 +41,15 @@ if [ "$#" = 0 ]; then
   else
     echo "== integration tests SKIPPED: the integration venv could not be built (exit $rc; see above)"
   fi
+  # The OpenHands SDK needs Python >= 3.12 (the main venv is 3.11): a venv of its own.
+  echo "== integrations: OpenHands SDK (.venv-oh)"
+  rc=0
+  bash scripts/bootstrap-integrations.sh openhands || rc=$?
+  if [ "$rc" = 0 ]; then
+    .venv-oh/bin/mypy --python-version 3.12 guestd/integrations/openhands.py guestd/integrations/_openhands_git.py \
+      tests/test_integrations_openhands.py
+    .venv-oh/bin/python -m pytest -q -p no:cacheprovider -rs tests/test_integrations_openhands.py
+  else
+    echo "== OpenHands integration tests SKIPPED: .venv-oh could not be built (exit $rc; see above)"
+  fi
 fi

@@ -123,3 +123,36 @@ async def test_cancelled_run_leaves_the_session_in_sync(tmp_path: Path) -> None:
         assert obs.output == "3\n"
     finally:
         await d.stop()
+
+
+async def test_interactive_command_runs_in_the_session(tmp_path: Path) -> None:
+    """An interactive program runs on the session's own terminal: it sees the session's
+    functions, unexported variables and cwd (a separate process would see none of them);
+    ctrl-C reaches it, and the session goes on afterwards."""
+    from swerex.exceptions import CommandTimeoutError
+    from swerex.runtime.abstract import BashAction, BashInterruptAction, CreateBashSessionRequest
+
+    d = integration.GuestdDeployment()
+    await d.start()
+    try:
+        r = d.runtime
+        await r.create_session(CreateBashSessionRequest())
+        await r.run_in_session(
+            BashAction(command=f"cd {tmp_path}; X=41; greet() {{ read -p 'name? ' n; echo \"hi $n $X $PWD\"; }}")
+        )
+        obs = await r.run_in_session(BashAction(command="greet", is_interactive_command=True, expect=[r"name\? "]))
+        assert obs.expect_string == "name? " and obs.output == ""
+        obs = await r.run_in_session(BashAction(command="bob", is_interactive_quit=True, timeout=10))
+        assert obs.output == f"hi bob 41 {tmp_path}" and obs.exit_code == 0
+        with pytest.raises(CommandTimeoutError):  # as LocalRuntime: the program is still running
+            await r.run_in_session(
+                BashAction(command="cat", is_interactive_command=True, expect=["never"], timeout=0.2)
+            )
+        with pytest.raises(integration.SessionBusyError):  # the session's terminal is cat's
+            await r.run_in_session(BashAction(command="echo no", timeout=5))
+        await r.run_in_session(BashInterruptAction())
+        obs = await r.run_in_session(BashAction(command="", is_interactive_quit=True, timeout=10))
+        assert obs.exit_code == 130  # cat ended by ctrl-C
+        assert (await r.run_in_session(BashAction(command="echo $X; pwd", timeout=10))).output == f"41\n{tmp_path}\n"
+    finally:
+        await d.stop()

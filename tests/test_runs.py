@@ -341,7 +341,8 @@ def test_shell_pty_in_session_state_with_expect_and_ctrl_c(guestd: Guestd, tmp_p
         bash_pid = (await c.shell_list())[0]["pid"]
         cmd = '[ -t 0 ] && [ -t 1 ] && echo tty-ok; read -r -p "name? " who; greet "$who"'
         async with Expect.start(c, sid, cmd, timeout_s=20) as e:
-            await e.expect(rb"name\? ", timeout=10)
+            m = await e.expect(rb"name\? ", timeout=10)
+            assert m.group(0) == b"name? "  # the match stays valid after its bytes are consumed
             assert b"tty-ok" in e.before
             await e.sendline("ada")
             await e.expect(rb"hi ada \(unexported\)\r\n", timeout=10)

@@ -127,9 +127,10 @@ class Expect:
         end = loop.time() + timeout
         while True:
             self._more.clear()
-            m = rx.search(self.buffer)
+            data = bytes(self.buffer)  # the match must outlive the buffer's consumed bytes
+            m = rx.search(data)
             if m is not None:
-                self.before = bytes(self.buffer[: m.start()])
+                self.before = data[: m.start()]
                 del self.buffer[: m.end()]
                 return m
             if self.ended:

@@ -1,2 +1,4 @@
 """Drop-in runtimes for agent frameworks (optional extras: ``pip install guestd[swerex]``,
-``guestd[minisweagent]``). The daemon never imports this package."""
+``guestd[minisweagent]``, ``guestd[openhands]``): ``swerex`` (SWE-ReX runtime and
+deployment), ``minisweagent`` (mini-swe-agent environment), ``openhands`` (OpenHands SDK
+workspace). The daemon never imports this package."""

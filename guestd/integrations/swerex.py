@@ -12,11 +12,12 @@ replaces the environment as ``subprocess.run(env=...)`` does). Files go through
 ``file.read``/``file.write``/``file.upload`` and ``tree.upload`` for directories.
 
 Interactive commands (``is_interactive_command``/``is_interactive_quit``, with ``expect``
-patterns) run in a PTY process (``process.start {pty: true}``) started in the session's
-current directory; what is typed goes there until the quit action, whose output is returned
-once the program has exited. Of the session it gets only the cwd (not its variables,
-functions or venv activation). TODO(session pty): when ``shell.run {pty: true}`` and its expect helper are
-merged, run interactive commands in the session itself.
+patterns) run in the session itself, on its terminal: ``shell.run {pty: true}`` through
+:class:`guestd.client.expect.Expect`, so the program sees the session's cwd, variables,
+functions and venv. What is typed goes to it (echoed, as a terminal does; the echo and
+``\r`` are removed from the output) until the quit action, whose output is returned once
+the program has exited; ``BashInterruptAction`` is ctrl-C to it. While it runs, the
+session runs nothing else: a normal action raises ``SessionBusyError`` at once.
 ``expect`` of a non-interactive action is not used: the command runs to its end (or its
 timeout), as guestd knows when a session command ends without matching a prompt.
 
@@ -32,11 +33,19 @@ the same machine; 50 tests):
 
 The difference left, by design:
 
-- ``test_interrupt_pager`` runs ``echo 'blargh' | less -+F`` with a 0.1 s timeout and
-  expects a ``CommandTimeoutError``, then a shell ``kill`` message from the job LocalRuntime
-  ends with ctrl-Z and ``kill -9 %1``. A guestd session command has no terminal (its stdout
-  is a pipe), so ``less`` copies its input and exits at once: no timeout, no job, no message.
-  TODO(session pty): with ``shell.run {pty: true}`` this test can be run with a terminal.
+- ``test_interrupt_pager`` runs ``echo 'blargh' | less -+F`` as a normal (not interactive)
+  action with a 0.1 s timeout, expects ``CommandTimeoutError``, and then expects the output
+  of the next command, ``echo 'asdf'``, to contain ``kill``. Two reasons it fails here:
+  (1) a normal command has no terminal (its stdout is a pipe, so the output is exactly what
+  it wrote: the 15 output comparisons LocalRuntime fails pass for that), so ``less`` copies
+  its input and exits at once: no timeout. Which command wants a terminal is not known
+  before it runs, and running every command on one would give up those exact outputs.
+  (2) Even on the session's terminal (``shell.run {pty: true}``, tried: the pager times out
+  and is interrupted, exit 130) the next command's output is ``asdf\n`` and nothing else.
+  The ``kill`` the test looks for is bash's job notice (``[1]+ Killed ...``) left by
+  LocalRuntime's recovery (ctrl-Z, ``kill -9 %1``) in the *next* command's output; guestd
+  ends a timed-out command itself and does not leak one command's notices into another's
+  output (tests/test_integrations_swerex.py checks that), so printing one would be made up.
 - ``test_server_dead`` builds SWE-ReX's own ``RemoteRuntime`` for an unresolvable host: it
   passes whatever runtime the fixture provides.
 
@@ -66,6 +75,7 @@ from swerex.exceptions import (
     NonZeroExitCodeError,
     SessionDoesNotExistError,
     SessionExistsError,
+    SwerexException,
 )
 from swerex.runtime.abstract import (
     AbstractRuntime,
@@ -89,28 +99,45 @@ from swerex.runtime.abstract import (
 )
 
 from guestd.client import AsyncClient, GuestdError
+from guestd.client.expect import Expect, ExpectEOF
 
-__all__ = ["EXPECTED_PASSES", "GuestdDeployment", "GuestdRuntime", "StartGuest"]
+__all__ = ["EXPECTED_PASSES", "GuestdDeployment", "GuestdRuntime", "SessionBusyError", "StartGuest"]
 
 EXPECTED_PASSES = 48  # SWE-ReX 1.4.0 tests/test_execution.py on guestd (see the module docs)
+
+NO_TIMEOUT_S = 365 * 24 * 3600.0
 
 StartGuest = Callable[[], tuple[str, Callable[[], None]]]
 
 
-@dataclass
-class _Interactive:
-    process_id: str
-    offset: int = 0  # bytes of the PTY output consumed so far
+class SessionBusyError(SwerexException, RuntimeError):
+    """A normal command for a session whose terminal an interactive program holds."""
 
 
 @dataclass
 class _Session:
     guest_id: str
-    interactive: _Interactive | None = None
+    interactive: Expect | None = None  # the interactive program running on the session's terminal
 
 
 def _text(data: bytes) -> str:
     return data.decode(errors="backslashreplace")
+
+
+def _clean(output: bytes, action: BashAction) -> str:
+    """Terminal output as SWE-ReX returns it: newlines, without the echoed input."""
+    text = _text(output).replace("\r\n", "\n")
+    return text.lstrip().removeprefix(action.command.strip()).strip()
+
+
+def _wait_s(action: BashAction) -> float:
+    """How long to wait for an interactive program: the action's timeout; none means none
+    (SWE-ReX's ``timeout=None``), here a year."""
+    return action.timeout if action.timeout is not None else NO_TIMEOUT_S
+
+
+def _timeout(action: BashAction) -> CommandTimeoutError:
+    return CommandTimeoutError(f"timeout after {action.timeout} seconds while running command {action.command!r}")
 
 
 class GuestdRuntime(AbstractRuntime):
@@ -167,6 +194,11 @@ class GuestdRuntime(AbstractRuntime):
         assert isinstance(action, BashAction)
         if action.is_interactive_command or action.is_interactive_quit:
             return await self._run_interactive(session, action)
+        if session.interactive is not None:
+            raise SessionBusyError(
+                f"session {action.session!r} is running an interactive program: send it input "
+                "(is_interactive_command), end it (is_interactive_quit) or interrupt it (BashInterruptAction)"
+            )
         obs = await self._run_normal(session, action)
         if action.check == "raise" and obs.exit_code != 0:
             msg = f"Command {action.command!r} failed with exit code {obs.exit_code}. Output:\n{obs.output!r}"
@@ -203,9 +235,9 @@ class GuestdRuntime(AbstractRuntime):
 
     async def _interrupt(self, session: _Session) -> BashObservation:
         """A timed-out command was already interrupted by guestd; an interactive program
-        gets ctrl-C on its terminal."""
+        gets ctrl-C on its terminal (SIGINT to its process group)."""
         if session.interactive is not None:
-            await (await self._guest()).process_write(session.interactive.process_id, b"\x03")
+            await session.interactive.interrupt()
         return BashObservation(output="", exit_code=0)
 
     async def _run_interactive(self, session: _Session, action: BashAction) -> BashObservation:
@@ -213,57 +245,41 @@ class GuestdRuntime(AbstractRuntime):
         if session.interactive is None:
             if action.is_interactive_quit:
                 return BashObservation(output="", exit_code=0)
-            cwd = (await client.shell_run(session.guest_id, "pwd")).stdout.decode().rstrip("\n")
-            started = await client.process_start(action.command, pty=True, cwd=cwd, stdin=True)
-            session.interactive = _Interactive(str(started["id"]))
+            # No guest timeout: the program lives across actions; each action's timeout bounds its wait.
+            session.interactive = Expect.start(client, session.guest_id, action.command)
         else:
-            await client.process_write(session.interactive.process_id, action.command.rstrip("\n") + "\n")
-        inter = session.interactive
-        patterns = [re.compile(p) for p in action.expect]
-        buf = bytearray()
-        matched = ""
-        end = len(buf)
-        attach = client.attach(inter.process_id, stdout_from=inter.offset, follow=True)
-        try:
-            async with asyncio.timeout(action.timeout):
-                async for name, _, data in attach:
-                    if name != "stdout":
-                        continue
-                    buf += data
-                    if action.is_interactive_quit:
-                        continue
-                    text = _text(bytes(buf))
-                    hits = [(m.start(), m) for p in patterns if (m := p.search(text)) is not None]
-                    if hits:
-                        start, m = min(hits, key=lambda h: h[0])
-                        matched = m.group(0)
-                        end = len(text[: m.end()].encode(errors="backslashreplace"))
-                        output = text[:start]
-                        break
-                else:
-                    end = len(buf)
-                    output = _text(bytes(buf))
-        except TimeoutError:
-            attach.cancel()
-            raise CommandTimeoutError(
-                f"timeout after {action.timeout} seconds while running command {action.command!r}"
-            ) from None
-        attach.cancel()
-        inter.offset += end
-        if action.is_interactive_quit:
-            await client.process_wait(inter.process_id, timeout_s=action.timeout)
-            await client.process_forget(inter.process_id)
+            await session.interactive.sendline(action.command.rstrip("\n"))
+        e = session.interactive
+        if action.is_interactive_quit or not action.expect:
+            try:
+                r = await e.wait(timeout=_wait_s(action))
+            except GuestdError as err:
+                if err.code != "timeout":
+                    raise
+                raise _timeout(action) from None
             session.interactive = None
-        output = output.replace("\r\n", "\n")
-        output = output.lstrip().removeprefix(action.command.strip()).strip()
-        return BashObservation(output=output, exit_code=0, expect_string=matched)
+            await e.close()
+            return BashObservation(output=_clean(bytes(e.buffer), action), exit_code=r.exit_code)
+        rx = re.compile("|".join(f"(?:{p})" for p in action.expect).encode())
+        try:
+            m = await e.expect(rx, timeout=_wait_s(action))
+        except ExpectEOF:  # the program ended before the pattern: it is gone, as in a terminal
+            r = await e.wait(timeout=_wait_s(action))
+            session.interactive = None
+            await e.close()
+            return BashObservation(output=_clean(bytes(e.buffer), action), exit_code=r.exit_code)
+        except GuestdError as err:
+            if err.code != "timeout":
+                raise
+            raise _timeout(action) from None
+        return BashObservation(output=_clean(e.before, action), exit_code=0, expect_string=_text(m.group(0)))
 
     async def close_session(self, request: Any) -> CloseBashSessionResponse:
         session = self._session(request.session)
         del self._sessions[request.session]
         client = await self._guest()
         if session.interactive is not None:
-            await _end_process(client, session.interactive.process_id)
+            await session.interactive.close()
         await client.shell_close(session.guest_id)
         return CloseBashSessionResponse()
 
@@ -326,15 +342,6 @@ class GuestdRuntime(AbstractRuntime):
             await self._client.close()
             self._client = None
         return CloseResponse()
-
-
-async def _end_process(client: AsyncClient, process_id: str) -> None:
-    try:
-        await client.process_signal(process_id, "KILL")
-        await client.process_wait(process_id, timeout_s=5)
-        await client.process_forget(process_id)
-    except GuestdError:
-        pass
 
 
 class GuestdDeployment(AbstractDeployment):
