@@ -290,3 +290,24 @@ def test_git_diff_of_large_files(pair: tuple[LocalWorkspace, GuestdWorkspace], t
     with pytest.raises(GitPathError):
         guest.git_diff("big/huge.txt")
     same(local, guest, lambda w: w.git_diff("big/huge.txt"))
+
+
+def test_a_workload_standing_in_for_the_git_script_cannot_make_the_host_remove_a_file(
+    guestd: Guestd, tmp_path: Path
+) -> None:
+    """The git script runs as the workload, which can replace it (here: the guest's "python").
+    Its reply once named the file the host then downloaded (unbounded) and removed through
+    guestd: any file guestd may remove. Now only the file the host named is read (bounded)
+    and removed; another name, or a reply that is not the script's JSON, is GitCommandError."""
+    from openhands.sdk.git.exceptions import GitCommandError
+
+    victim = tmp_path / "victim"
+    victim.write_text("keep me")
+    fake = tmp_path / "fake-python"
+    for reply in (json.dumps({"file": str(victim)}), "[1, 2]", "not json", json.dumps({"ok": [["X", "a"]]})):
+        fake.write_text(f"#!/bin/sh\ncat <<'EOF'\n{reply}\nEOF\n")
+        fake.chmod(0o755)
+        ws = GuestdWorkspace(address=guestd.address, working_dir=str(tmp_path), python=str(fake))
+        with ws, pytest.raises(GitCommandError):
+            ws.git_changes(".")
+    assert victim.read_text() == "keep me"

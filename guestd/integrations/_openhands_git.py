@@ -17,7 +17,6 @@ import json
 import os
 import subprocess
 import sys
-import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -270,14 +269,15 @@ def git_diff(file: str) -> dict[str, str]:
 
 
 def main(argv: list[str]) -> int:
-    what, path = argv[1], argv[2]
+    what, path, spill = argv[1], argv[2], argv[3]
     try:
         reply = {"ok": git_changes(path) if what == "changes" else git_diff(path)}
     except GitFailure as e:
         reply = {"error": {"type": e.kind, "message": str(e), **e.fields}}
     text = json.dumps(reply)
     if len(text) > INLINE_REPLY:  # a diff of two 1 MB files: past what exec keeps of stdout
-        fd, spill = tempfile.mkstemp(prefix="guestd-oh-git-", suffix=".json")
+        # The host named the file (an unguessable name it alone accepts back), never this script.
+        fd = os.open(spill, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
         with os.fdopen(fd, "w") as f:
             f.write(text)
         text = json.dumps({"file": spill})

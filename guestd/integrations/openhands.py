@@ -53,7 +53,7 @@ from typing import Any
 from openhands.sdk.git.exceptions import GitCommandError, GitPathError, GitRepositoryError
 from openhands.sdk.git.models import GitChange, GitChangeStatus, GitDiff
 from openhands.sdk.workspace import BaseWorkspace, CommandResult, FileOperationResult
-from pydantic import Field, PrivateAttr
+from pydantic import Field, PrivateAttr, ValidationError
 
 from guestd.client import Client, GuestdError
 from guestd.integrations._openhands_git import INLINE_REPLY
@@ -62,6 +62,7 @@ __all__ = ["GIT_SCRIPT", "GuestdWorkspace"]
 
 GIT_SCRIPT = (Path(__file__).parent / "_openhands_git.py").read_text()
 GIT_TIMEOUT_S = 120.0  # one git_changes/git_diff: a few git commands, each bounded at 30 s in the guest
+MAX_GIT_REPLY = 64 * 1024 * 1024  # a git_diff reply read back from its file (two files of the SDK's max size fit)
 
 
 def _text(data: bytes) -> str:
@@ -158,15 +159,24 @@ class GuestdWorkspace(BaseWorkspace):
     # -- git --------------------------------------------------------------------------------
     def git_changes(self, path: str | Path) -> list[GitChange]:
         changes = self._git("changes", path)
-        return [GitChange(status=GitChangeStatus(status), path=Path(p)) for status, p in changes]
+        try:
+            return [GitChange(status=GitChangeStatus(status), path=Path(p)) for status, p in changes]
+        except (TypeError, ValueError) as e:  # what the guest printed is not a change list
+            raise _bad_reply(e) from None
 
     def git_diff(self, path: str | Path) -> GitDiff:
-        return GitDiff.model_validate(self._git("diff", path))
+        try:
+            return GitDiff.model_validate(self._git("diff", path))
+        except ValidationError as e:
+            raise _bad_reply(e) from None
 
     def _git(self, what: str, path: str | Path) -> Any:
         client = self._guest()
+        # What the guest prints is untrusted (the workload can stand in for the script): the
+        # only file the host reads back and removes is the one it named, read with a bound.
+        spill = f"/tmp/guestd-oh-git-{os.urandom(12).hex()}.json"
         r = client.exec(
-            [self.python, "-c", GIT_SCRIPT, what, self._path(path)],
+            [self.python, "-c", GIT_SCRIPT, what, self._path(path), spill],
             timeout_s=GIT_TIMEOUT_S,
             max_output=2 * INLINE_REPLY,  # the script prints at most INLINE_REPLY bytes (more go to a file)
         )
@@ -177,18 +187,35 @@ class GuestdWorkspace(BaseWorkspace):
                 exit_code=r.shell_exit_code(),
                 stderr=_text(r.stderr),
             )
-        reply = json.loads(r.stdout)
+        reply = _json_object(r.stdout)
         if "file" in reply:  # too long for exec's output: the script left it in a file
-            spill = str(reply["file"])
+            if reply["file"] != spill:
+                raise _bad_reply("it names a reply file the host did not give it")
             try:
-                data = client.download(spill)
+                data = client.download(spill, max_bytes=MAX_GIT_REPLY)
             finally:
                 client.remove(spill)
             assert isinstance(data, bytes)
-            reply = json.loads(data)
+            reply = _json_object(data)
         if "error" in reply:
             raise _git_error(reply["error"])
         return reply["ok"]
+
+
+def _bad_reply(why: object) -> GitCommandError:
+    message = f"guestd: the git script's reply is malformed: {why}"
+    return GitCommandError(message, command=["<git script>"], exit_code=-1)
+
+
+def _json_object(data: bytes) -> dict[str, Any]:
+    """The git script's reply: a JSON object, or GitCommandError (never another exception type)."""
+    try:
+        reply = json.loads(data)
+    except ValueError as e:
+        raise _bad_reply(e) from None
+    if not isinstance(reply, dict):
+        raise _bad_reply(f"not a JSON object: {_text(data[:200])!r}")
+    return reply
 
 
 def _git_error(e: dict[str, Any]) -> Exception:
@@ -200,10 +227,11 @@ def _git_error(e: dict[str, Any]) -> Exception:
     elif kind == "GitPathError":
         err = GitPathError(message)
     else:
+        command, exit_code = e.get("command"), e.get("exit_code")
         err = GitCommandError(
             message,
-            command=list(e.get("command", [])),
-            exit_code=int(e.get("exit_code", -1)),
+            command=[str(c) for c in command] if isinstance(command, list) else [],
+            exit_code=exit_code if isinstance(exit_code, int) else -1,
             stderr=str(e.get("stderr", "")),
         )
     return err
