@@ -758,11 +758,15 @@ class AsyncClient(PortsAPI, WorkspaceAPI):
         cwd: WirePath | None = None,
         env: dict[str, str] | None = None,
         name: str | None = None,
+        kernel: str | None = None,
         deadline: float | None = 120.0,
     ) -> dict[str, Any]:
-        """Create a Python context (returns ``{"id", "name", "pid", "pooled", "existing"}``)."""
+        """Create a context (returns ``{"id", "name", "pid", "pooled", "existing", "kernel"}``): guestd's
+        own Python kernel, or with ``kernel`` any kernelspec installed in the guest (``"bash"``); an
+        unknown name raises ``not_found`` whose ``details["installed"]`` lists the kernels there are."""
         wire_cwd = None if cwd is None else path_to_wire(cwd)
-        return await self._conn.request("code.create", present(cwd=wire_cwd, env=env, name=name), deadline)
+        args = present(cwd=wire_cwd, env=env, name=name, kernel=kernel)
+        return await self._conn.request("code.create", args, deadline)
 
     async def code_run(
         self,

@@ -283,9 +283,10 @@ class Client(SyncPortsAPI, SyncWorkspaceAPI):
         cwd: WirePath | None = None,
         env: dict[str, str] | None = None,
         name: str | None = None,
+        kernel: str | None = None,
         deadline: float | None = 120.0,
     ) -> dict[str, Any]:
-        return self._run(self._aio.code_create(cwd=cwd, env=env, name=name, deadline=deadline))
+        return self._run(self._aio.code_create(cwd=cwd, env=env, name=name, kernel=kernel, deadline=deadline))
 
     def code_run(
         self,

@@ -387,6 +387,7 @@ RECORDS.update(
             F("execution_count", "int?", "the kernel's execution counter"),
             F("queued", "uint", "runs waiting", True),
             F("restarts", "uint", "kernel restarts", True),
+            F("kernel", "str?", 'the kernel: "python" (guestd\'s own) or a kernelspec name'),
         ),
         "process_info": (
             F("id", "str", "process id", True),
@@ -847,12 +848,19 @@ CODE_OPS: tuple[OpSpec, ...] = (
     OpSpec(
         "code.create",
         "code",
-        "Create a persistent Python context (one ipykernel kernel), from the warm pool when one is ready. "
-        "A name that already exists returns that context.",
+        "Create a persistent context: guestd's own Python kernel (from the warm pool when one is ready), or "
+        "any Jupyter kernelspec installed in the guest. A name that already exists returns that context.",
         args=(
             F("cwd", "path?", "working directory of the kernel"),
             F("env", "map<str,str>?", "environment variables added to the kernel's"),
             F("name", "str?", "a name to find the context by"),
+            F(
+                "kernel",
+                "str?",
+                'nil or "python": guestd\'s own Python kernel; another name: that installed kernelspec (an unknown '
+                "name is not_found with details.installed)",
+                min_len=1,
+            ),
         ),
         result=(
             F("id", "str", "context id", True),
@@ -860,6 +868,7 @@ CODE_OPS: tuple[OpSpec, ...] = (
             F("pid", "int", "kernel process id", True),
             F("pooled", "bool", "true when a pre-started kernel was used", True),
             F("existing", "bool", "true when name matched an existing context", True),
+            F("kernel", "str?", 'the context\'s kernel: "python" or the kernelspec name'),
         ),
         errors=("limit", "not_found", "unavailable"),
     ),
@@ -911,7 +920,8 @@ CODE_OPS: tuple[OpSpec, ...] = (
     OpSpec(
         "code.interrupt",
         "code",
-        "Send SIGINT to a context's kernel; a running cell ends with status interrupted.",
+        "Interrupt a context's kernel (SIGINT to its process group, or interrupt_request on the control channel "
+        "for a kernelspec whose interrupt_mode is message); a running cell ends with status interrupted.",
         args=(_CODE_REF,),
         errors=("not_found",),
     ),

@@ -50,6 +50,7 @@ class ContextInfoRecord(TypedDict):
     execution_count: NotRequired[int | None]
     queued: int
     restarts: int
+    kernel: NotRequired[str | None]
 
 
 ProcessInfoState = Literal["running", "exited"]
@@ -492,6 +493,7 @@ class CodeCreateArgs(TypedDict):
     cwd: str | None
     env: dict[str, str] | None
     name: str | None
+    kernel: str | None
 
 
 class CodeCreateReply(TypedDict):
@@ -502,6 +504,7 @@ class CodeCreateReply(TypedDict):
     pid: int
     pooled: bool
     existing: bool
+    kernel: NotRequired[str | None]
 
 
 CodeRunStatus = Literal["ok", "error", "timeout", "interrupted", "died"]
