@@ -339,6 +339,7 @@ class Client(SyncPortsAPI, SyncWorkspaceAPI):
         cols: int | None = None,
         ring_bytes: int | None = None,
         merge_stderr: bool | None = None,
+        spill: bool | None = None,
         deadline: float | None = DEFAULT_DEADLINE,
     ) -> dict[str, Any]:
         return self._run(
@@ -352,6 +353,7 @@ class Client(SyncPortsAPI, SyncWorkspaceAPI):
                 cols=cols,
                 ring_bytes=ring_bytes,
                 merge_stderr=merge_stderr,
+                spill=spill,
                 deadline=deadline,
             )
         )

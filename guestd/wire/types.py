@@ -80,6 +80,10 @@ class ProcessInfoRecord(TypedDict):
     cpu_user_s: NotRequired[float | None]
     cpu_sys_s: NotRequired[float | None]
     max_rss_bytes: NotRequired[int | None]
+    stdout_ring_start: NotRequired[int | None]
+    stderr_ring_start: NotRequired[int | None]
+    stdout_spill: NotRequired[SpillInfoRecord | None]
+    stderr_spill: NotRequired[SpillInfoRecord | None]
 
 
 ListenerFamily = Literal["ipv4", "ipv6"]
@@ -629,6 +633,7 @@ class ProcessStartArgs(TypedDict):
     cols: int
     ring_bytes: int
     merge_stderr: bool
+    spill: bool
 
 
 class ProcessStartReply(TypedDict):
@@ -714,6 +719,10 @@ class ProcessWaitReply(TypedDict):
     cpu_sys_s: NotRequired[float | None]
     max_rss_bytes: NotRequired[int | None]
     timed_out: bool
+    stdout_ring_start: NotRequired[int | None]
+    stderr_ring_start: NotRequired[int | None]
+    stdout_spill: NotRequired[SpillInfoRecord | None]
+    stderr_spill: NotRequired[SpillInfoRecord | None]
 
 
 class ProcessSignalArgs(TypedDict):
