@@ -9,8 +9,9 @@ the file system keeps ``SPILL_RESERVE`` free (min(64 MiB, 10% of its size)), che
 every write; at most ``MAX_PENDING`` bytes wait for the disk (writes run in guestd's I/O
 threads, never on the event loop); the directory holds at most ``limits.max_spill_total``
 bytes (oldest files removed first when a spill starts) and files older than
-``processes.retention_s`` are removed. A spill that hits a bound stops there: the file
-holds the stream's first ``bytes`` bytes and ``stopped`` says why.
+``processes.retention_s`` are removed, except files still being written (a background
+process's, which may be quiet for longer than that). A spill that hits a bound stops
+there: the file holds the stream's first ``bytes`` bytes and ``stopped`` says why.
 """
 
 from __future__ import annotations
@@ -23,10 +24,12 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from guestd.services import Services
+    from guestd.wire.types import SpillInfoRecord, SpillInfoStopped
 
 SPILL_RESERVE_MAX = 64 * 1024 * 1024
 MAX_PENDING = 16 * 1024 * 1024
 MAX_FILES_SWEPT = 10_000
+_writing: set[str] = set()  # names of spill files still open for writing: never swept
 
 
 def spill_dir(services: Services) -> int:
@@ -51,6 +54,8 @@ def sweep(dirfd: int, retention_s: float, max_total: int) -> None:
     for i, name in enumerate(os.listdir(dirfd)):
         if i >= MAX_FILES_SWEPT:
             break
+        if name in _writing:
+            continue
         with contextlib.suppress(OSError):
             st = os.stat(name, dir_fd=dirfd, follow_symlinks=False)
             if now - st.st_mtime > retention_s:
@@ -76,12 +81,17 @@ class Spill:
         self.cap = cap
         self.accepted = 0  # bytes taken for the file (written or pending)
         self.written = 0
-        self.stopped: str | None = None  # cap | disk_full | behind | io_error
+        self.stopped: SpillInfoStopped | None = None
         self._pending: list[bytes] = []
         self._pending_bytes = 0
         self._flusher: asyncio.Task[None] | None = None
         st = os.fstatvfs(fd)
         self._reserve = min(SPILL_RESERVE_MAX, st.f_blocks * st.f_frsize // 10)
+        _writing.add(os.path.basename(path))
+
+    def info(self) -> SpillInfoRecord:
+        """The spill_info record as it stands: the bytes on disk so far."""
+        return {"path": self.path, "bytes": self.written, "stopped": self.stopped}
 
     def write(self, data: bytes) -> None:
         if self.stopped is not None or not data:
@@ -125,7 +135,7 @@ class Spill:
             done += os.write(fd, view[done:])
         return done
 
-    async def close(self) -> dict[str, Any]:
+    async def close(self) -> SpillInfoRecord:
         """Everything accepted is on disk (or the reason it is not); the spill_info record."""
         if self._flusher is not None:
             with contextlib.suppress(Exception):
@@ -133,7 +143,8 @@ class Spill:
         fd, self._fd = self._fd, None
         if fd is not None:
             os.close(fd)
-        return {"path": self.path, "bytes": self.written, "stopped": self.stopped}
+        _writing.discard(os.path.basename(self.path))
+        return self.info()
 
 
 async def open_spills(services: Services, prefix: str) -> tuple[Spill, Spill]:

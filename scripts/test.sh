@@ -3,6 +3,10 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/bootstrap.sh
+# bash_kernel (the dev extra) is the foreign kernelspec of tests/test_code_kernels.py; its kernelspec
+# goes into the venv (sys.prefix/share/jupyter), where guestd looks. Without it those tests skip.
+.venv/bin/python -m bash_kernel.install --sys-prefix >/dev/null 2>&1 \
+  || echo "== bash_kernel's kernelspec could not be installed: the foreign-kernel tests will skip"
 # The QEMU guest suite (tests/qemu) needs these, the file-system tests a FUSE file system
 # without O_TMPFILE (bindfs), the port tests a headless browser (chromium); as root on Debian
 # they are installed here (a test that needs one that could not be installed skips).

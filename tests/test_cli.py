@@ -188,3 +188,19 @@ def test_process_and_shell_commands(guestd: Guestd) -> None:
     assert guestctl(guestd, "shell", "run", s, "sleep 30", "--timeout", "0.3").returncode == 124
     assert s in guestctl(guestd, "shell", "ls").stdout.decode()
     assert guestctl(guestd, "shell", "rm", s).returncode == 0
+
+
+def test_exec_detach_spill_and_wait_name_what_the_ring_dropped(guestd: Guestd) -> None:
+    r = guestctl(guestd, "exec", "--detach", "--spill", "--", "seq", "1", "300000")  # ~2 MB > the 1 MiB ring
+    assert r.returncode == 0
+    pid = r.stdout.decode().strip()
+    r = guestctl(guestd, "wait", pid)
+    assert r.returncode == 0
+    full = "".join(f"{i}\n" for i in range(1, 300001)).encode()
+    start = len(full) - 1024 * 1024
+    assert f"stdout before offset {start} is no longer in the ring".encode() in r.stderr
+    w = json.loads(guestctl(guestd, "--json", "wait", pid).stdout)
+    assert w["stdout_ring_start"] == start and w["stdout_spill"]["bytes"] == len(full)
+    assert w["stdout_spill"]["path"].encode() in r.stderr
+    with open(w["stdout_spill"]["path"], "rb") as f:  # this guest is this machine
+        assert f.read() == full

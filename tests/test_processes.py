@@ -315,3 +315,50 @@ def test_a_write_to_an_exited_process_says_it_exited(client: Client) -> None:
         with pytest.raises(GuestdError) as ei:
             client.process_write(p["id"], "late\r")
         assert ei.value.code == "bad_request" and "exited" in ei.value.message, (kw, ei.value)
+
+
+def test_spill_keeps_every_byte_the_ring_drops(fresh_guestd: object, tmp_path: object) -> None:
+    """process.start spill: the files hold each stream from byte 0, so [0, ring_start) read back
+    from the file plus what attach still delivers from the ring is the whole stream; the
+    per-stream cap stops a spill with its reason; wait and list name the files; forget removes
+    them; without spill the ring start is still reported and no file is named."""
+    from guestd.testing.local import limits_config
+
+    g = fresh_guestd("--config", limits_config(str(tmp_path), max_spill_bytes=200_000))  # type: ignore[operator]
+    with g.client() as c:
+        full, err = numbered(5000), b"e" * 3000
+        p = c.process_start(
+            "seq -f '%06g' 1 5000; head -c 3000 /dev/zero | tr '\\0' e >&2", ring_bytes=7000, spill=True
+        )
+        w = c.process_wait(p["id"], timeout_s=60)
+        assert w["state"] == "exited" and w["exit_code"] == 0
+        assert w["stdout_ring_start"] == len(full) - 7000 and w["stderr_ring_start"] == 0
+        out_spill, err_spill = w["stdout_spill"], w["stderr_spill"]
+        assert (out_spill["bytes"], out_spill["stopped"]) == (len(full), None)
+        assert (err_spill["bytes"], err_spill["stopped"]) == (len(err), None)
+        dropped = c.read_file(out_spill["path"], offset=0, length=w["stdout_ring_start"])
+        out, errout, _ = c.process_output(p["id"])  # from offset 0: the ring's part only
+        assert len(out) == 7000 and dropped + out == full
+        assert c.read_file(err_spill["path"]) == err == errout
+        listed = next(x for x in c.process_list() if x["id"] == p["id"])
+        assert listed["stdout_spill"] == out_spill and listed["stdout_ring_start"] == w["stdout_ring_start"]
+
+        # The cap: the file holds the stream's first max_spill_bytes, and says why it stopped.
+        big = c.process_start("seq -f '%06g' 1 40000", ring_bytes=1000, spill=True)
+        wb = c.process_wait(big["id"], timeout_s=60)
+        assert (wb["stdout_spill"]["bytes"], wb["stdout_spill"]["stopped"]) == (200_000, "cap")
+        assert wb["stdout_ring_start"] == 40000 * 7 - 1000
+        tail = c.read_file(wb["stdout_spill"]["path"], offset=199_000, length=2000)
+        assert tail == numbered(40000)[199_000:200_000]
+
+        # Without spill: the ring start, no file.
+        q = c.process_start("seq -f '%06g' 1 2000", ring_bytes=1000)
+        wq = c.process_wait(q["id"], timeout_s=60)
+        assert wq["stdout_ring_start"] == 2000 * 7 - 1000 and wq["stdout_spill"] is None
+
+        # forget: the files go with the process.
+        c.process_forget(p["id"])
+        deadline = time.monotonic() + 10
+        while os.path.exists(out_spill["path"]) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert not os.path.exists(out_spill["path"]) and not os.path.exists(err_spill["path"])

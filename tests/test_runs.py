@@ -728,3 +728,36 @@ def test_shell_pty_size_and_resize(guestd: Guestd) -> None:
             await c.shell_close(sid)
 
     asyncio.run(go())
+
+
+def test_the_blocking_client_drives_expect_and_kept_runs(guestd: Guestd, tmp_path: object) -> None:
+    """SyncExpect and runs_sync.start_kept: the async helpers' calls from the blocking Client,
+    with the same results: a prompt answered in the session's state, a pattern not seen is a
+    timeout, Ctrl-C ends the foreground program, the end is ExpectEOF; a kept run started from
+    one blocking client is fetched from another."""
+    from guestd.client.expect_sync import ExpectEOF, SyncExpect
+    from guestd.client.runs_sync import result_of, start_kept
+
+    with guestd.client() as c:
+        sid = c.shell_create(cwd=str(tmp_path))["id"]
+        c.shell_run(sid, "secret=unexported")
+        with SyncExpect.start(c, sid, 'read -r -p "name? " who; echo "hi $who $secret"', timeout_s=20) as e:
+            e.expect(rb"name\? ", timeout=10)
+            e.sendline("ada")
+            e.expect(rb"hi ada unexported\r\n", timeout=10)
+            r = e.wait(timeout=10)
+            with pytest.raises(ExpectEOF):
+                e.expect(b"never", timeout=5)
+        assert r.exit_code == 0 and not r.interrupted
+        with SyncExpect.start(c, sid, "echo go; sleep 60; echo not-reached", timeout_s=30) as e:
+            e.expect(b"go\r\n", timeout=10)
+            with pytest.raises(GuestdError) as ei:
+                e.expect(b"not-reached", timeout=0.5)
+            assert ei.value.code == "timeout"
+            e.interrupt()
+            r = e.wait(timeout=10)
+        assert r.exit_code == 130 and b"not-reached" not in r.stdout
+        rid = start_kept(c, "shell.run", {"id": sid, "command": "sleep 0.5; echo kept; pwd"})
+    with guestd.client() as c2:  # the first connection is gone; the kept run is not
+        done = result_of(c2.run_wait(rid, timeout_s=20))
+        assert isinstance(done, ShellResult) and done.stdout == f"kept\n{tmp_path}\n".encode()

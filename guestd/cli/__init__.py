@@ -5,7 +5,7 @@
     guestctl ... sh 'COMMAND'
     guestctl ... cp SRC DST          (the guest side is written :PATH)
     guestctl ... cat :PATH | ls :PATH | rm [-r] :PATH
-    guestctl ... code new | run [--context ID] [--timeout S] CODE | ls | interrupt ID | restart ID | rm ID
+    guestctl ... code new [--kernel K] | run [--context ID] [--timeout S] CODE | ls | interrupt ID | restart ID | rm ID
     guestctl ... exec --detach -- ARGV... | exec --pty -- ARGV...
     guestctl ... ps | attach ID [--from OFFSET] | kill ID [SIGNAL] | wait ID
     guestctl ... shell new | shell run ID 'COMMAND' | shell ls | shell rm ID

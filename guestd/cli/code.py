@@ -1,4 +1,4 @@
-"""guestctl code new | run | ls | interrupt | restart | rm: persistent Python contexts."""
+"""guestctl code new | run | ls | interrupt | restart | rm: persistent code contexts (Python or a kernelspec)."""
 
 from __future__ import annotations
 
@@ -21,11 +21,14 @@ MAX_SAVED_IMAGES = 64  # one reply of 4 MiB could otherwise name ~280,000 files
 
 
 def register(sub: Subcommands) -> None:
-    code = sub.add_parser("code", help="persistent Python contexts").add_subparsers(dest="code_cmd", required=True)
-    cn = add_command(code, "new", create, help="create a context")
+    code = sub.add_parser("code", help="persistent code contexts").add_subparsers(dest="code_cmd", required=True)
+    cn = add_command(code, "new", create, aliases=["create"], help="create a context")
     cn.add_argument("--cwd", default=None)
     cn.add_argument("--env", action="append", default=[], metavar="K=V")
     cn.add_argument("--name", default=None)
+    cn.add_argument(
+        "--kernel", default=None, metavar="NAME", help="a kernelspec installed in the guest (default: guestd's Python)"
+    )
     cr = add_command(
         code, "run", run_code, help="run CODE ('-' reads stdin) in a context (default: one made on first use)"
     )
@@ -47,7 +50,7 @@ def register(sub: Subcommands) -> None:
 
 async def create(client: AsyncClient, ns: argparse.Namespace) -> int:
     env = parse_env(ns.env)
-    out = await client.code_create(cwd=ns.cwd, env=env or None, name=ns.name)
+    out = await client.code_create(cwd=ns.cwd, env=env or None, name=ns.name, kernel=ns.kernel)
     print_json(out) if ns.json else print(field(out["id"]))
     return 0
 
@@ -59,7 +62,10 @@ async def list_contexts(client: AsyncClient, ns: argparse.Namespace) -> int:
     else:
         for c in contexts:
             name = field(c.get("name") or "-")
-            print(f"{field(c['id'])}  {name:12} {c['state']:8} pid {c.get('pid')}  runs {c['execution_count']}")
+            kernel = field(c.get("kernel") or "python")
+            print(
+                f"{field(c['id'])}  {name:12} {kernel:8} {c['state']:8} pid {c.get('pid')}  runs {c['execution_count']}"
+            )
     return 0
 
 

@@ -32,7 +32,9 @@ def register(sub: Subcommands) -> None:
             help="detach: a timeout leaves the command running as a background process (prints its id)",
         )
         e.add_argument("--merge-stderr", action="store_true", help="stderr into stdout, in write order")
-        e.add_argument("--spill", action="store_true", help="full output also to files in the guest (named)")
+        e.add_argument(
+            "--spill", action="store_true", help="full output also to files in the guest (named; --detach: by wait)"
+        )
         if name == "exec":
             e.add_argument("argv", nargs=argparse.REMAINDER, help="-- PROGRAM ARGS...")
         else:

@@ -59,9 +59,23 @@ async def wait(client: AsyncClient, ns: argparse.Namespace) -> int:
         print_json(res)
     else:
         print_death(res.get("killed_by"), res.get("oom_killed"), res.get("signal"))
+        print_ring_spills(res)
     if res["timed_out"]:
         return 124
     return exit_code_of(res)
+
+
+def print_ring_spills(res: dict[str, Any]) -> None:
+    """exec --detach --spill: where the bytes a ring no longer holds can be read."""
+    for name in ("stdout", "stderr"):
+        spill, start = res.get(f"{name}_spill"), res.get(f"{name}_ring_start")
+        if isinstance(spill, dict) and isinstance(start, int) and (start or spill.get("stopped")):
+            stopped = f", stopped: {field(str(spill['stopped']))}" if spill.get("stopped") else ""
+            print(
+                f"guestctl: {name} before offset {start} is no longer in the ring; the full {name} is in "
+                f"{field(str(spill['path']))} ({spill['bytes']} bytes{stopped})",
+                file=sys.stderr,
+            )
 
 
 async def attach(client: AsyncClient, ns: argparse.Namespace) -> int:
@@ -96,7 +110,7 @@ async def attach(client: AsyncClient, ns: argparse.Namespace) -> int:
 async def start_process(client: AsyncClient, ns: argparse.Namespace, cmd: list[str] | str, env: dict[str, str]) -> int:
     """``exec --detach`` (print the new process's id) or ``exec --pty`` (bridge this terminal to it)."""
     if not ns.pty:
-        p = await client.process_start(cmd, cwd=ns.cwd, env=env or None, stdin=ns.stdin)
+        p = await client.process_start(cmd, cwd=ns.cwd, env=env or None, stdin=ns.stdin, spill=ns.spill or None)
         print_json(p) if ns.json else print(field(p["id"]))
         return 0
     size = os.get_terminal_size(sys.stdout.fileno()) if sys.stdout.isatty() else os.terminal_size((80, 24))

@@ -758,11 +758,15 @@ class AsyncClient(PortsAPI, WorkspaceAPI):
         cwd: WirePath | None = None,
         env: dict[str, str] | None = None,
         name: str | None = None,
+        kernel: str | None = None,
         deadline: float | None = 120.0,
     ) -> dict[str, Any]:
-        """Create a Python context (returns ``{"id", "name", "pid", "pooled", "existing"}``)."""
+        """Create a context (returns ``{"id", "name", "pid", "pooled", "existing", "kernel"}``): guestd's
+        own Python kernel, or with ``kernel`` any kernelspec installed in the guest (``"bash"``); an
+        unknown name raises ``not_found`` whose ``details["installed"]`` lists the kernels there are."""
         wire_cwd = None if cwd is None else path_to_wire(cwd)
-        return await self._conn.request("code.create", present(cwd=wire_cwd, env=env, name=name), deadline)
+        args = present(cwd=wire_cwd, env=env, name=name, kernel=kernel)
+        return await self._conn.request("code.create", args, deadline)
 
     async def code_run(
         self,
@@ -847,9 +851,13 @@ class AsyncClient(PortsAPI, WorkspaceAPI):
         cols: int | None = None,
         ring_bytes: int | None = None,
         merge_stderr: bool | None = None,
+        spill: bool | None = None,
         deadline: float | None = DEFAULT_DEADLINE,
     ) -> dict[str, Any]:
-        """Start a detached process; returns ``{"id", "pid"}`` (its process id and OS pid) at once."""
+        """Start a detached process; returns ``{"id", "pid"}`` (its process id and OS pid) at once.
+        ``spill``: every byte of stdout and stderr also goes to a file in the guest, named with the
+        offset where each ring starts by :meth:`process_list` and :meth:`process_wait`
+        (``stdout_spill``, ``stdout_ring_start``): read what the ring lost with :meth:`read_file`."""
         args: dict[str, Any] = {"shell": cmd} if isinstance(cmd, str) else {"argv": list(cmd)}
         wire_cwd = None if cwd is None else path_to_wire(cwd)
         args.update(
@@ -862,6 +870,7 @@ class AsyncClient(PortsAPI, WorkspaceAPI):
                 cols=cols,
                 ring_bytes=ring_bytes,
                 merge_stderr=merge_stderr,
+                spill=spill,
             )
         )
         return await self._conn.request("process.start", args, deadline)

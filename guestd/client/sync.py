@@ -283,9 +283,10 @@ class Client(SyncPortsAPI, SyncWorkspaceAPI):
         cwd: WirePath | None = None,
         env: dict[str, str] | None = None,
         name: str | None = None,
+        kernel: str | None = None,
         deadline: float | None = 120.0,
     ) -> dict[str, Any]:
-        return self._run(self._aio.code_create(cwd=cwd, env=env, name=name, deadline=deadline))
+        return self._run(self._aio.code_create(cwd=cwd, env=env, name=name, kernel=kernel, deadline=deadline))
 
     def code_run(
         self,
@@ -338,6 +339,7 @@ class Client(SyncPortsAPI, SyncWorkspaceAPI):
         cols: int | None = None,
         ring_bytes: int | None = None,
         merge_stderr: bool | None = None,
+        spill: bool | None = None,
         deadline: float | None = DEFAULT_DEADLINE,
     ) -> dict[str, Any]:
         return self._run(
@@ -351,6 +353,7 @@ class Client(SyncPortsAPI, SyncWorkspaceAPI):
                 cols=cols,
                 ring_bytes=ring_bytes,
                 merge_stderr=merge_stderr,
+                spill=spill,
                 deadline=deadline,
             )
         )

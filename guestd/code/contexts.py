@@ -148,12 +148,66 @@ def _exit_reason(status: int | None) -> str:
     return f"exited with status {code}"
 
 
-class Kernel:
-    """One kernel process and its client channels."""
+PYTHON_KERNEL = "python"  # guestd's own kernel (guestd.code.kernel); any other name is a kernelspec
 
-    def __init__(self, services: Services, kid: str) -> None:
+
+@dataclass(frozen=True)
+class ForeignSpec:
+    """An installed kernelspec: what guestd needs of it to start one."""
+
+    name: str
+    argv: list[str]
+    env: dict[str, str]
+    resource_dir: str
+    interrupt_mode: str  # "signal" (SIGINT to the kernel's process group) or "message" (control channel)
+
+
+def find_kernelspec(name: str) -> ForeignSpec:
+    """The kernelspec ``name`` on jupyter's search path as guestd's user sees it (JUPYTER_PATH,
+    guestd's user data directory, sys.prefix, /usr/local/share and /usr/share/jupyter), or
+    not_found listing every kernel that can be named. Blocking (it reads a few directories)."""
+    from jupyter_client.kernelspec import KernelSpecManager, NoSuchKernel
+
+    ksm = KernelSpecManager()
+    try:
+        spec = ksm.get_kernel_spec(name)
+    except NoSuchKernel:
+        installed = sorted({PYTHON_KERNEL, *ksm.find_kernel_specs()})
+        raise GuestdError(
+            ErrorCode.NOT_FOUND,
+            f"no kernel {name!r} in the guest; installed: {', '.join(installed)}",
+            details={"field": "kernel", "kernel": name, "installed": installed},
+        ) from None
+    argv = [str(a) for a in spec.argv]
+    if not argv:
+        raise GuestdError(
+            ErrorCode.UNAVAILABLE, f"kernelspec {name!r} has no command", details={"stage": "start", "kernel": name}
+        )
+    mode = "message" if spec.interrupt_mode == "message" else "signal"
+    env = {str(k): str(v) for k, v in (spec.env or {}).items()}
+    return ForeignSpec(name, argv, env, str(spec.resource_dir), mode)
+
+
+def foreign_command(spec: ForeignSpec, connection_file: str) -> list[str]:
+    """The kernelspec's argv with its placeholders filled, as jupyter_client's
+    ``format_kernel_cmd`` does (``python`` is guestd's own interpreter)."""
+    pythons = {"python", f"python{sys.version_info[0]}", f"python{sys.version_info[0]}.{sys.version_info[1]}"}
+    argv = list(spec.argv)
+    if argv[0] in pythons:
+        argv[0] = sys.executable
+    subs = {"connection_file": connection_file, "resource_dir": spec.resource_dir, "prefix": sys.prefix}
+    return [re.sub(r"\{([A-Za-z0-9_]+)\}", lambda m: subs.get(m.group(1), m.group(0)), a) for a in argv]
+
+
+class Kernel:
+    """One kernel process and its client channels: guestd's own Python kernel, or with
+    ``spec`` a kernelspec installed in the guest (a foreign kernel, SECURITY.md)."""
+
+    def __init__(self, services: Services, kid: str, spec: ForeignSpec | None = None) -> None:
         self.services = services
         self.kid = kid
+        self.spec = spec
+        self.connection_file: str | None = None  # a foreign kernel's, until it is ready
         self.km: Any = None
         self.kc: Any = None
         self.pid = 0
@@ -168,11 +222,16 @@ class Kernel:
         kdir = self.services.kernel_dir()
         # jupyter_client writes the connection file, makes the client and cleans up; the process
         # itself is a run of guestd.children (its own cgroup, the workload user), like any other.
-        km = AsyncKernelManager(kernel_name="guestd-python")
+        km = AsyncKernelManager(kernel_name="guestd-python" if self.spec is None else self.spec.name)
         km.transport = "ipc"  # Unix sockets in a 0700 directory: no ports, no network
         km.ip = os.path.join(kdir, self.kid)
         kenv = dict(os.environ)
-        kenv.update(env or {})
+        if self.spec is None:
+            kenv.update(env or {})
+        else:
+            # The kernelspec's env and the context's apply to the kernel's command only, not to
+            # guestd's Python that starts it (a PYTHONPATH there would hide guestd): see exec_foreign.
+            kenv["GUESTD_KERNEL_ENV"] = json.dumps({**self.spec.env, **(env or {})})
         kenv["GUESTD_PARENT_PID"] = str(os.getpid())
         from guestd.config import PRIVATE_ENV
 
@@ -203,6 +262,33 @@ class Kernel:
         for number, name in enumerate(("shell", "iopub", "stdin", "hb", "control"), start=1):
             setattr(km, f"{name}_port", number)  # ipc: the socket paths are <ip>-<number>
         km.session.key = secrets.token_hex(32).encode()
+        if self.spec is not None:
+            await self._start_foreign(km, kdir, kenv, cwd, ids)
+        else:
+            await self._start_own(km, kenv, cwd, ids)
+        self._write_pidfile()
+        assert self.child is not None
+        self.child.watch(self._on_exit, 0.2)
+        # No parent: jupyter_client would ask the manager whether the kernel lives, and the manager
+        # did not start it (guestd.children did), so it would say no; self.died answers instead.
+        kc = km.client(parent=None, context=_zmq_context(self.services.config.limits))
+        kc.start_channels(hb=False)  # liveness comes from the pidfd; no heartbeat thread
+        self.kc = kc
+        try:
+            await self._wait_ready(kc)
+        finally:
+            self._remove_connection_file()  # a foreign kernel has read it by now (or failed)
+        # From here on guestd reads the channels itself: one long-lived reader per socket that
+        # hands each message to the run in progress, with a lean decode (no date parsing, no
+        # protocol adaptation) instead of jupyter_client's per-call poll + deserialize.
+        self.readers = [
+            asyncio.ensure_future(self._reader(kc.iopub_channel.socket, "iopub")),
+            asyncio.ensure_future(self._reader(kc.shell_channel.socket, "shell")),
+            asyncio.ensure_future(self._reader(kc.stdin_channel.socket, "stdin")),
+        ]
+
+    async def _start_own(self, km: Any, kenv: dict[str, str], cwd: str | None, ids: tuple[int, int] | None) -> None:
+        """guestd's Python kernel: the key over a socketpair once it is non-dumpable."""
         from guestd.children import DEVNULL
 
         ours, theirs = socket.socketpair()
@@ -225,13 +311,49 @@ class Kernel:
             await hand_over_connection(ours, self.child.pid, km.get_connection_info(session=False), ids)
         finally:
             ours.close()
-        self._write_pidfile()
-        self.child.watch(self._on_exit, 0.2)
-        # No parent: jupyter_client would ask the manager whether the kernel lives, and the manager
-        # did not start it (guestd.children did), so it would say no; self.died answers instead.
-        kc = km.client(parent=None, context=_zmq_context(self.services.config.limits))
-        kc.start_channels(hb=False)  # liveness comes from the pidfd; no heartbeat thread
-        self.kc = kc
+
+    async def _start_foreign(
+        self, km: Any, kdir: str, kenv: dict[str, str], cwd: str | None, ids: tuple[int, int] | None
+    ) -> None:
+        """A kernelspec's kernel reads its connection info from a file (``{connection_file}``), so
+        the key is on disk until the kernel is ready: 0600, owned by the kernel's user, in that
+        user's 0700 kernel directory (other users cannot reach it), removed once the kernel
+        answers. The kernel is an ordinary process of that user: the workload (the same user)
+        can read the key (the file while the kernel starts, its memory where ptrace is allowed),
+        so a foreign kernel is no boundary against the workload (SECURITY.md, "foreign kernels")."""
+        from guestd.children import DEVNULL
+        from guestd.config import PRIVATE_ENV
+
+        assert self.spec is not None
+        path = os.path.join(kdir, f"{self.kid}.json")
+        km.connection_file = path
+        km.write_connection_file()  # jupyter_client's: created 0600
+        self.connection_file = path
+        os.chmod(path, 0o600)
+        if ids is not None:
+            os.chown(path, *ids)
+        kenv["GUESTD_KERNEL_DROP_ENV"] = ",".join(PRIVATE_ENV)
+        self.child = await self.services.children.spawn(
+            # guestd.code.kernel --exec: PR_SET_PDEATHSIG (kept across the exec), then the kernelspec's command.
+            [sys.executable, "-m", "guestd.code.kernel", "--exec", *foreign_command(self.spec, path)],
+            kind="kernel",
+            env=kenv,
+            cwd=cwd or os.getcwd(),
+            stdin=DEVNULL,
+            stdout=DEVNULL,  # not guestd's log: the workload must not write into it
+            stderr=DEVNULL,
+        )
+        self.pid = self.child.pid
+
+    def _remove_connection_file(self) -> None:
+        path, self.connection_file = self.connection_file, None
+        if path is not None:
+            try:
+                os.unlink(path)
+            except OSError:
+                pass
+
+    async def _wait_ready(self, kc: Any) -> None:
         ready: asyncio.Future[Any] = asyncio.ensure_future(kc.wait_for_ready(timeout=KERNEL_START_TIMEOUT_S))
         waitset: set[asyncio.Future[Any]] = {ready, self.died}
         done, _ = await asyncio.wait(waitset, timeout=KERNEL_START_TIMEOUT_S + 1, return_when=asyncio.FIRST_COMPLETED)
@@ -245,14 +367,6 @@ class Kernel:
             raise GuestdError(
                 ErrorCode.UNAVAILABLE, f"kernel failed to start: {exc}", details={"stage": "start"}
             ) from None
-        # From here on guestd reads the channels itself: one long-lived reader per socket that
-        # hands each message to the run in progress, with a lean decode (no date parsing, no
-        # protocol adaptation) instead of jupyter_client's per-call poll + deserialize.
-        self.readers = [
-            asyncio.ensure_future(self._reader(kc.iopub_channel.socket, "iopub")),
-            asyncio.ensure_future(self._reader(kc.shell_channel.socket, "shell")),
-            asyncio.ensure_future(self._reader(kc.stdin_channel.socket, "stdin")),
-        ]
 
     async def _reader(self, sock: Any, channel: str) -> None:
         session = self.kc.session
@@ -288,7 +402,8 @@ class Kernel:
 
             ctime = psutil.Process(self.pid).create_time()
             with open(self._pidfile(), "w") as f:
-                f.write(f"{self.pid} {ctime}\n")
+                # A foreign kernel's command line is its kernelspec's, not guestd.code.kernel.
+                f.write(f"{self.pid} {ctime}" + (" foreign\n" if self.spec is not None else "\n"))
         except (OSError, ImportError, Exception):  # best effort: PDEATHSIG is the first line of defence
             log.debug("could not record kernel pid", exc_info=True)
 
@@ -309,6 +424,10 @@ class Kernel:
         return not self.died.done()
 
     def interrupt(self) -> None:
+        if self.alive and self.spec is not None and self.spec.interrupt_mode == "message" and self.kc is not None:
+            # The kernelspec asks for interrupt_request on the control channel instead of SIGINT.
+            self.kc.control_channel.send(self.kc.session.msg("interrupt_request", {}))
+            return
         if self.alive:
             try:
                 os.killpg(self.pid, signal.SIGINT)  # the kernel's own process group
@@ -344,6 +463,7 @@ class Kernel:
                 await self.km.cleanup_resources(restart=False)  # connection file, ipc sockets
             except Exception:
                 pass
+        self._remove_connection_file()
         self._remove_pidfile()
 
     def memory(self) -> int | None:
@@ -611,13 +731,20 @@ def _fit_reply(reply: CodeRunReply, st: RunState) -> CodeRunReply:
 
 class CodeContext:
     def __init__(
-        self, manager: Contexts, cid: str, name: str | None, cwd: str | None, env: dict[str, str] | None
+        self,
+        manager: Contexts,
+        cid: str,
+        name: str | None,
+        cwd: str | None,
+        env: dict[str, str] | None,
+        spec: ForeignSpec | None = None,
     ) -> None:
         self.manager = manager
         self.id = cid
         self.name = name
         self.cwd = cwd
         self.env = env
+        self.spec = spec  # None: guestd's own Python kernel
         self.kernel: Kernel | None = None
         self.lock = asyncio.Lock()
         self.waiting = 0
@@ -650,7 +777,12 @@ class CodeContext:
             "execution_count": self.execution_count,
             "queued": self.waiting,
             "restarts": self.restarts,
+            "kernel": self.kernel_name,
         }
+
+    @property
+    def kernel_name(self) -> str:
+        return PYTHON_KERNEL if self.spec is None else self.spec.name
 
     # -- running ----------------------------------------------------------------------
     async def run(self, code: str, opts: CodeRunArgs, ctx: Any) -> CodeRunReply:
@@ -719,8 +851,8 @@ class CodeContext:
 
     async def _reseed_locked(self) -> None:
         seed, self.pending_seed = self.pending_seed, None
-        if seed is None or self.kernel is None or not self.kernel.alive:
-            return
+        if seed is None or self.kernel is None or not self.kernel.alive or self.spec is not None:
+            return  # a foreign kernel's language is not Python: it is not re-seeded
         code = (
             "import random as _gd_r, sys as _gd_s\n"
             f"_gd_r.seed({seed!r})\n"
@@ -786,9 +918,12 @@ class CodeContext:
                     await self.restart()
             else:
                 status = "error" if (st.reply_status == "error" or st.error) else "ok"
-                if st.reply_status == "aborted":
+                if st.reply_status in ("aborted", "abort"):  # "abort": bash_kernel's word for an interrupted cell
                     status = "error"
-                if st.error and st.error["ename"] == "KeyboardInterrupt" and self._interrupted:
+                if self._interrupted and (
+                    (st.error and st.error["ename"] == "KeyboardInterrupt")
+                    or (self.spec is not None and st.reply_status != "ok")
+                ):
                     status = "interrupted"
                 if st.stdin_exhausted:
                     status = "error"
@@ -878,7 +1013,7 @@ class CodeContext:
                     )
                 self.execution_count = 0
             return True
-        k = Kernel(self.manager.services, self.manager.new_kernel_id())
+        k = Kernel(self.manager.services, self.manager.new_kernel_id(), self.spec)
         self.kernel = k
         try:
             await k.start(self.cwd, self.env)
@@ -943,9 +1078,10 @@ class Contexts:
         return c
 
     async def create(
-        self, cwd: str | None, env: dict[str, str] | None, name: str | None
+        self, cwd: str | None, env: dict[str, str] | None, name: str | None, kernel: str | None = None
     ) -> tuple[CodeContext, bool, bool]:
-        """Returns (context, pooled, existing). A name that exists returns that context."""
+        """Returns (context, pooled, existing). A name that exists returns that context.
+        ``kernel``: None or "python" for guestd's own kernel, else an installed kernelspec."""
         if name is not None:
             for ctx in self.contexts.values():
                 if ctx.name == name:
@@ -957,11 +1093,14 @@ class Contexts:
             raise GuestdError(
                 ErrorCode.NOT_FOUND, f"cwd is not a directory: {cwd}", details={"stage": "cwd", "cwd": cwd}
             )
+        spec = None
+        if kernel is not None and kernel != PYTHON_KERNEL:
+            spec = await self.services.run_in_io(find_kernelspec, kernel)
         cid = "c" + os.urandom(6).hex()
-        ctx = CodeContext(self, cid, name, cwd, env)
+        ctx = CodeContext(self, cid, name, cwd, env, spec)
         self.contexts[cid] = ctx  # reserved now so concurrent creates count against the limit
         try:
-            pooled = self._take_pooled()
+            pooled = self._take_pooled() if spec is None else None  # the pool holds guestd's kernels only
             was_pooled = await ctx.start_kernel(pooled)
         except BaseException:
             self.contexts.pop(cid, None)
@@ -1098,12 +1237,13 @@ def reap_orphan_kernels(kernel_dir: str) -> int:
         if n.endswith(".pid"):
             try:
                 with open(path) as f:
-                    pid_s, ctime_s = f.read().split()[:2]
-                pid, ctime = int(pid_s), float(ctime_s)
+                    words = f.read().split()
+                pid, ctime = int(words[0]), float(words[1])
+                foreign = words[2:3] == ["foreign"]  # its command line is its kernelspec's
                 import psutil
 
                 p = psutil.Process(pid)
-                if abs(p.create_time() - ctime) < 0.01 and "guestd.code.kernel" in " ".join(p.cmdline()):
+                if abs(p.create_time() - ctime) < 0.01 and (foreign or "guestd.code.kernel" in " ".join(p.cmdline())):
                     try:
                         os.killpg(pid, signal.SIGKILL)
                     except OSError:

@@ -1,4 +1,4 @@
-"""code capability: persistent Python contexts (engine: contexts.py)."""
+"""code capability: persistent code contexts, Python or any installed kernelspec (engine: contexts.py)."""
 
 from __future__ import annotations
 
@@ -68,9 +68,16 @@ def register(services: Services) -> None:
         return contexts().find(ref if ref is not None else "default")
 
     async def op_create(ctx: Request, a: CodeCreateArgs) -> CodeCreateReply:
-        c, pooled, existing = await contexts().create(a["cwd"], a["env"], a["name"])
+        c, pooled, existing = await contexts().create(a["cwd"], a["env"], a["name"], a["kernel"])
         assert c.kernel is not None
-        return {"id": c.id, "name": c.name, "pid": c.kernel.pid, "pooled": pooled, "existing": existing}
+        return {
+            "id": c.id,
+            "name": c.name,
+            "pid": c.kernel.pid,
+            "pooled": pooled,
+            "existing": existing,
+            "kernel": c.kernel_name,
+        }
 
     async def op_run(ctx: Request, a: CodeRunArgs) -> CodeRunReply:
         c = await resolve(a["context"], create_default=True)

@@ -1,4 +1,5 @@
-"""Entry point of a code-context kernel process: ``python -m guestd.code.kernel --connection-from-guestd``.
+"""Entry point of a code-context kernel process: ``python -m guestd.code.kernel --connection-from-guestd``,
+or, for a kernelspec installed in the guest, ``python -m guestd.code.kernel --exec ARGV...``.
 
 Runs inside the kernel, before ipykernel starts:
 - takes its connection info and session key from guestd over fd 0 once it is non-dumpable,
@@ -9,6 +10,9 @@ Runs inside the kernel, before ipykernel starts:
   still reaches guestd, and a content larger than guestd takes is made small here (a bundle
   becomes a note of its size); long stream writes go out in pieces;
 - then hands over to ipykernel's normal launcher.
+
+With ``--exec`` (a foreign kernel) only the PR_SET_PDEATHSIG part applies (it survives the
+exec); then the kernelspec's own command replaces this process (see ``exec_foreign``).
 """
 
 from __future__ import annotations
@@ -158,6 +162,26 @@ def _connection_without_a_file(info: dict[str, Any]) -> None:
     IPKernelApp.write_connection_file = write_connection_file  # type: ignore[method-assign]
 
 
+def exec_foreign(argv: list[str]) -> None:
+    """Become a kernelspec's command (a foreign kernel). guestd's private environment (what its
+    own Python needs, ``GUESTD_KERNEL_DROP_ENV``) is dropped unless the command is guestd's own
+    Python (a kernelspec's ``python`` means that, as in jupyter_client); then the kernelspec's
+    env and the context's (``GUESTD_KERNEL_ENV``, JSON) apply, to the command only."""
+    drop = os.environ.pop("GUESTD_KERNEL_DROP_ENV", "")
+    late = os.environ.pop("GUESTD_KERNEL_ENV", "")
+    if argv and argv[0] != sys.executable:
+        for name in drop.split(","):
+            os.environ.pop(name, None)
+    if late:
+        os.environ.update({str(k): str(v) for k, v in json.loads(late).items()})
+    if not argv:
+        sys.exit(2)
+    try:
+        os.execvp(argv[0], argv)
+    except OSError:
+        sys.exit(127)  # guestd reports "exited with status 127" as the start failure
+
+
 def main() -> None:
     try:
         ctypes.CDLL(None).prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
@@ -171,6 +195,8 @@ def main() -> None:
 
     kernel._max_content = int(os.environ.pop("GUESTD_KERNEL_MAX_CONTENT", "0") or 0)
     argv = sys.argv[1:]
+    if argv[:1] == ["--exec"]:
+        exec_foreign(argv[1:])
     if argv[:1] == ["--connection-from-guestd"]:
         _connection_without_a_file(_connection_from_guestd())
         argv = argv[1:]

@@ -121,9 +121,11 @@ def register(services: Services) -> None:
         while p.running:
             left = None if deadline is None else deadline - loop.time()
             if left is not None and left <= 0:
-                return {"state": "running", **p.exit_info(), "timed_out": True}
+                return {"state": "running", **p.exit_info(), "timed_out": True, **await p.spill_fields(0)}
             await p.changed(timeout=left)
-        return {"state": "exited", **p.exit_info(), "timed_out": False}
+        # Exited: its streams end soon after (unless what it left running holds them), then its
+        # spill files are complete.
+        return {"state": "exited", **p.exit_info(), "timed_out": False, **await p.spill_fields(EXIT_SETTLE_S)}
 
     async def op_signal(ctx: Request, a: ProcessSignalArgs) -> ProcessSignalReply:
         sig = parse_signal(a["signal"])

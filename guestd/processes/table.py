@@ -4,6 +4,9 @@ Each process's output is drained into bounded rings (:class:`OutputRing`) as it
 arrives, whether or not anyone is attached, so a stalled reader never blocks the
 process or other readers. Readers address output by absolute offsets and can
 reattach after a dropped connection without gaps or duplicates.
+
+With ``spill: true`` every byte also goes to a file per stream (guestd.spill), from byte 0,
+so what a ring no longer holds (``[0, ring start)``) is still there at the same offsets.
 """
 
 from __future__ import annotations
@@ -12,7 +15,7 @@ import asyncio
 import os
 import signal
 import time
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, TypedDict
 
 from guestd.capture import OutputRing
 from guestd.children import DEVNULL, PIPE, STDOUT, Child, ExitInfo, exit_info
@@ -23,9 +26,20 @@ from guestd.wire.errors import ErrorCode, GuestdError, limit_error
 if TYPE_CHECKING:  # the generated message types: annotations only, never imported at run time
     from guestd.children.cgroups import RunCgroup
     from guestd.services import AdoptedRun, Services
-    from guestd.wire.types import ProcessInfoRecord, ProcessStartArgs
+    from guestd.spill import Spill
+    from guestd.wire.types import ProcessInfoRecord, ProcessStartArgs, SpillInfoRecord
 
 __all__ = ["ExitInfo", "ManagedProcess", "ProcessTable"]
+
+
+class SpillFields(TypedDict):
+    """process_info and process.wait: where each ring starts, and the spill files (or nil)."""
+
+    stdout_ring_start: int
+    stderr_ring_start: int
+    stdout_spill: SpillInfoRecord | None
+    stderr_spill: SpillInfoRecord | None
+
 
 READ_SIZE = 256 * 1024
 SETTLE_S = 0.2  # after exit, how long leftover children may still write into the rings
@@ -49,6 +63,8 @@ class ManagedProcess:
         self._writes_queued = 0  # process.write calls received so far
         self._writes_failed_below = 0  # writes numbered below this one fail unsent (one before tore)
         self._stdin_closed = False
+        self.spills: dict[str, Spill] | None = None  # spill: true
+        self._spill_closed: dict[str, asyncio.Task[SpillInfoRecord]] = {}  # a stream ended: its file complete
 
     @property
     def pty_fd(self) -> int | None:
@@ -59,6 +75,24 @@ class ManagedProcess:
         argv = command_argv(args["argv"], args["shell"])
         check_cwd(args["cwd"])
         env = build_env(args["env"], args["env_mode"])
+        if args["spill"]:
+            from guestd.spill import open_spills
+
+            out, err = await open_spills(self.table.services, "proc")
+            self.spills = {"stdout": out, "stderr": err}
+        try:
+            await self._spawn(args, argv, env)
+        except BaseException:
+            if self.spills is not None:
+                from guestd.spill import abandon
+
+                abandon((self.spills["stdout"], self.spills["stderr"]))
+            raise
+        for name in ("stdout", "stderr"):
+            if name not in self._fds:
+                self._end_spill(name)  # merge_stderr or a pty: nothing comes on stderr
+
+    async def _spawn(self, args: ProcessStartArgs, argv: list[str], env: dict[str, str] | None) -> None:
         children = self.table.services.children
         if args["pty"]:
             if env is None:
@@ -121,6 +155,8 @@ class ManagedProcess:
             self._close_stream(name)
         else:
             self.rings[name].write(data)
+            if self.spills is not None:
+                self.spills[name].write(data)
         self._notify()
 
     def _close_stream(self, name: str) -> None:
@@ -128,9 +164,55 @@ class ManagedProcess:
         if fd is not None:
             asyncio.get_running_loop().remove_reader(fd)
         self.rings[name].closed = True
+        self._end_spill(name)
         if name == "stdout" and self.pty_fd is not None:
             self.rings["stderr"].closed = True
         self._release_if_done()
+
+    def _end_spill(self, name: str) -> None:
+        """The stream ended: its spill file is complete once what was accepted is on disk."""
+        if self.spills is not None and name not in self._spill_closed:
+            self._spill_closed[name] = asyncio.get_running_loop().create_task(self.spills[name].close())
+
+    async def spill_fields(self, settle_s: float) -> SpillFields:
+        """Where each ring starts and, with spill, the files: exact (every byte of an ended stream
+        on disk) when the streams end within ``settle_s``, else the bytes on disk so far."""
+        infos: list[SpillInfoRecord | None] = [None, None]
+        if self.spills is not None:
+            loop = asyncio.get_running_loop()
+            until = loop.time() + settle_s
+            while len(self._spill_closed) < 2 and loop.time() < until:
+                await self.changed(timeout=until - loop.time())
+            for i, name in enumerate(("stdout", "stderr")):
+                closing = self._spill_closed.get(name)
+                infos[i] = await asyncio.shield(closing) if closing is not None else self.spills[name].info()
+        return self._spill_fields(infos)
+
+    def _spill_fields(self, infos: list[SpillInfoRecord | None]) -> SpillFields:
+        return {
+            "stdout_ring_start": self.rings["stdout"].start,
+            "stderr_ring_start": self.rings["stderr"].start,
+            "stdout_spill": infos[0],
+            "stderr_spill": infos[1],
+        }
+
+    def remove_spills(self) -> None:
+        """process.forget: the files go with the process (after their pending writes)."""
+        if self.spills is None:
+            return
+        spills, self.spills = self.spills, None
+
+        async def remove() -> None:
+            for name, spill in spills.items():
+                closing = self._spill_closed.get(name)
+                await (asyncio.shield(closing) if closing is not None else spill.close())
+                try:
+                    os.unlink(spill.path)
+                except OSError:
+                    pass
+
+        task = asyncio.get_running_loop().create_task(remove())
+        task.add_done_callback(lambda t: t.cancelled() or t.exception())
 
     def _release_if_done(self) -> None:
         """A finished process whose streams have ended holds no fd: its rings stay readable."""
@@ -288,6 +370,7 @@ class ManagedProcess:
             "cpu_s": None,
             "rss": None,
             **self.exit_info(),
+            **self._spill_fields([s.info() for s in self.spills.values()] if self.spills else [None, None]),
         }
         if self.running:
             try:
@@ -378,6 +461,7 @@ class ProcessTable:
             )
         del self.procs[pid_id]
         p.release()
+        p.remove_spills()
 
     def _evict_oldest_finished(self) -> None:
         done = sorted((p for p in self.procs.values() if not p.running), key=lambda p: p.ended_at or 0)

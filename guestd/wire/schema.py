@@ -151,6 +151,26 @@ _FIGURES = (
     ),
 )
 
+# Background processes: where each stream's ring starts, and with spill: true the files holding every byte.
+_RING_STARTS = (
+    F(
+        "stdout_ring_start",
+        "uint?",
+        "offset of the oldest stdout byte still in the ring: [0, stdout_ring_start) is gone from it "
+        "(with spill, at the same offsets in stdout_spill)",
+    ),
+    F("stderr_ring_start", "uint?", "the same for stderr"),
+)
+_PROCESS_SPILL = (
+    F(
+        "stdout_spill",
+        "spill_info?",
+        "process.start spill: the file holding stdout from byte 0 (bytes: what is on disk so far; final once "
+        "the process has exited and its streams ended)",
+    ),
+    F("stderr_spill", "spill_info?", "the same for stderr"),
+)
+
 
 RECORDS: dict[str, tuple[F, ...]] = {}
 
@@ -387,6 +407,7 @@ RECORDS.update(
             F("execution_count", "int?", "the kernel's execution counter"),
             F("queued", "uint", "runs waiting", True),
             F("restarts", "uint", "kernel restarts", True),
+            F("kernel", "str?", 'the kernel: "python" (guestd\'s own) or a kernelspec name'),
         ),
         "process_info": (
             F("id", "str", "process id", True),
@@ -403,6 +424,8 @@ RECORDS.update(
             F("cpu_s", "float?", "CPU seconds (running only)"),
             F("rss", "uint?", "resident memory, bytes (running only)"),
             *_FIGURES,
+            *_RING_STARTS,
+            *_PROCESS_SPILL,
         ),
         "listener": (
             F("port", "uint", "TCP port", True),
@@ -847,12 +870,19 @@ CODE_OPS: tuple[OpSpec, ...] = (
     OpSpec(
         "code.create",
         "code",
-        "Create a persistent Python context (one ipykernel kernel), from the warm pool when one is ready. "
-        "A name that already exists returns that context.",
+        "Create a persistent context: guestd's own Python kernel (from the warm pool when one is ready), or "
+        "any Jupyter kernelspec installed in the guest. A name that already exists returns that context.",
         args=(
             F("cwd", "path?", "working directory of the kernel"),
             F("env", "map<str,str>?", "environment variables added to the kernel's"),
             F("name", "str?", "a name to find the context by"),
+            F(
+                "kernel",
+                "str?",
+                'nil or "python": guestd\'s own Python kernel; another name: that installed kernelspec (an unknown '
+                "name is not_found with details.installed)",
+                min_len=1,
+            ),
         ),
         result=(
             F("id", "str", "context id", True),
@@ -860,6 +890,7 @@ CODE_OPS: tuple[OpSpec, ...] = (
             F("pid", "int", "kernel process id", True),
             F("pooled", "bool", "true when a pre-started kernel was used", True),
             F("existing", "bool", "true when name matched an existing context", True),
+            F("kernel", "str?", 'the context\'s kernel: "python" or the kernelspec name'),
         ),
         errors=("limit", "not_found", "unavailable"),
     ),
@@ -911,7 +942,8 @@ CODE_OPS: tuple[OpSpec, ...] = (
     OpSpec(
         "code.interrupt",
         "code",
-        "Send SIGINT to a context's kernel; a running cell ends with status interrupted.",
+        "Interrupt a context's kernel (SIGINT to its process group, or interrupt_request on the control channel "
+        "for a kernelspec whose interrupt_mode is message); a running cell ends with status interrupted.",
         args=(_CODE_REF,),
         errors=("not_found",),
     ),
@@ -972,6 +1004,15 @@ PROCESS_OPS: tuple[OpSpec, ...] = (
             F("cols", "uint", "pty columns", default=80, ge=1, le=9999),
             F("ring_bytes", "uint", "bytes kept per stream", default=1024 * 1024, ge=1, le_limit="max_ring_bytes"),
             _MERGE_STDERR,
+            F(
+                "spill",
+                "bool",
+                "also write the full stdout and stderr to files in guestd's spill directory, each from byte 0 "
+                "(process_info and process.wait name them: stdout_spill/stderr_spill; what the ring no longer "
+                "holds, [0, *_ring_start), is at the same offsets there); the files go when the process is forgotten "
+                "(process.forget, or its retention ends)",
+                default=False,
+            ),
         ),
         result=(F("id", "str", "process id", True), F("pid", "int", "OS pid", True)),
         errors=("not_found", "permission_denied", "not_a_directory", "limit", "bad_request"),
@@ -1017,7 +1058,7 @@ PROCESS_OPS: tuple[OpSpec, ...] = (
             _PID,
             F("timeout_s", "float?", "give up after this long (timed_out: true)", ge=0, le_limit="max_exec_timeout_s"),
         ),
-        result=(*_EXIT, F("timed_out", "bool", "the timeout passed first", True)),
+        result=(*_EXIT, F("timed_out", "bool", "the timeout passed first", True), *_RING_STARTS, *_PROCESS_SPILL),
         errors=("not_found",),
     ),
     OpSpec(

@@ -50,6 +50,7 @@ class ContextInfoRecord(TypedDict):
     execution_count: NotRequired[int | None]
     queued: int
     restarts: int
+    kernel: NotRequired[str | None]
 
 
 ProcessInfoState = Literal["running", "exited"]
@@ -79,6 +80,10 @@ class ProcessInfoRecord(TypedDict):
     cpu_user_s: NotRequired[float | None]
     cpu_sys_s: NotRequired[float | None]
     max_rss_bytes: NotRequired[int | None]
+    stdout_ring_start: NotRequired[int | None]
+    stderr_ring_start: NotRequired[int | None]
+    stdout_spill: NotRequired[SpillInfoRecord | None]
+    stderr_spill: NotRequired[SpillInfoRecord | None]
 
 
 ListenerFamily = Literal["ipv4", "ipv6"]
@@ -492,6 +497,7 @@ class CodeCreateArgs(TypedDict):
     cwd: str | None
     env: dict[str, str] | None
     name: str | None
+    kernel: str | None
 
 
 class CodeCreateReply(TypedDict):
@@ -502,6 +508,7 @@ class CodeCreateReply(TypedDict):
     pid: int
     pooled: bool
     existing: bool
+    kernel: NotRequired[str | None]
 
 
 CodeRunStatus = Literal["ok", "error", "timeout", "interrupted", "died"]
@@ -626,6 +633,7 @@ class ProcessStartArgs(TypedDict):
     cols: int
     ring_bytes: int
     merge_stderr: bool
+    spill: bool
 
 
 class ProcessStartReply(TypedDict):
@@ -711,6 +719,10 @@ class ProcessWaitReply(TypedDict):
     cpu_sys_s: NotRequired[float | None]
     max_rss_bytes: NotRequired[int | None]
     timed_out: bool
+    stdout_ring_start: NotRequired[int | None]
+    stderr_ring_start: NotRequired[int | None]
+    stdout_spill: NotRequired[SpillInfoRecord | None]
+    stderr_spill: NotRequired[SpillInfoRecord | None]
 
 
 class ProcessSignalArgs(TypedDict):

@@ -1,0 +1,101 @@
+"""The blocking client's expect helper: :class:`guestd.client.expect.Expect`, each call run on
+the :class:`~guestd.client.sync.Client`'s loop (the reader task lives there too)::
+
+    with SyncExpect.start(client, sid, "python3 -q") as e:
+        e.expect(rb">>> ", timeout=10)
+        e.sendline("6 * 7")
+        e.expect(rb"42", timeout=10)
+        e.sendline("exit()")
+        r = e.wait(timeout=10)
+"""
+
+from __future__ import annotations
+
+import re
+from types import TracebackType
+from typing import TYPE_CHECKING
+
+from guestd.client.expect import MAX_BUFFER, Expect, ExpectEOF
+
+if TYPE_CHECKING:
+    from guestd.client.results import ShellResult
+    from guestd.client.sync import Client
+
+__all__ = ["ExpectEOF", "SyncExpect"]
+
+
+class SyncExpect:
+    def __init__(self, client: Client, expect: Expect) -> None:
+        self._client = client
+        self.aio = expect  # the async helper this one drives
+
+    @classmethod
+    def start(
+        cls,
+        client: Client,
+        session: str,
+        command: str,
+        *,
+        timeout_s: float | None = None,
+        idle_timeout_s: float | None = None,
+        deadline: float | None = None,
+        max_buffer: int = MAX_BUFFER,
+    ) -> SyncExpect:
+        """Run ``command`` with ``shell.run`` ``pty: true`` in session ``session`` (see :meth:`Expect.start`)."""
+
+        async def make() -> Expect:  # on the client's loop: the reader task is created there
+            return Expect.start(
+                client.aio,
+                session,
+                command,
+                timeout_s=timeout_s,
+                idle_timeout_s=idle_timeout_s,
+                deadline=deadline,
+                max_buffer=max_buffer,
+            )
+
+        return cls(client, client._run(make()))
+
+    @property
+    def before(self) -> bytes:
+        """What came before the last match."""
+        return self.aio.before
+
+    @property
+    def buffer(self) -> bytes:
+        """Output not consumed by a match yet."""
+        return bytes(self.aio.buffer)
+
+    @property
+    def dropped(self) -> int:
+        return self.aio.dropped
+
+    def send(self, data: bytes | str) -> None:
+        self._client._run(self.aio.send(data))
+
+    def sendline(self, text: bytes | str = b"") -> None:
+        self._client._run(self.aio.sendline(text))
+
+    def interrupt(self) -> None:
+        self._client._run(self.aio.interrupt())
+
+    def send_eof(self) -> None:
+        self._client._run(self.aio.send_eof())
+
+    def expect(self, pattern: bytes | str | re.Pattern[bytes], timeout: float) -> re.Match[bytes]:
+        """Block up to ``timeout`` s for ``pattern`` (see :meth:`Expect.expect`)."""
+        return self._client._run(self.aio.expect(pattern, timeout))
+
+    def wait(self, timeout: float) -> ShellResult:
+        return self._client._run(self.aio.wait(timeout))
+
+    def close(self) -> None:
+        self._client._run(self.aio.close())
+
+    def __enter__(self) -> SyncExpect:
+        return self
+
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        self.close()
