@@ -48,16 +48,6 @@ def c(kg: Guestd) -> Iterator[Client]:
         yield client
 
 
-def guestctl(g: Guestd, *args: str) -> subprocess.CompletedProcess[bytes]:
-    return subprocess.run(
-        [sys.executable, "-m", "guestd.cli", "--connect", g.address, *args],
-        capture_output=True,
-        timeout=120,
-        env={**os.environ, "PYTHONPATH": REPO},
-        check=False,
-    )
-
-
 def _descendants(pid: int) -> list[int]:
     try:
         return [p.pid for p in psutil.Process(pid).children(recursive=True)]
@@ -170,18 +160,18 @@ def test_a_dying_bash_kernel_is_reported_and_restart_recovers(c: Client) -> None
 
 @needs_bash
 def test_guestctl_code_create_with_a_kernel(kg: Guestd) -> None:
-    r = guestctl(kg, "--json", "code", "create", "--kernel", "bash", "--name", "cli-bash")
+    r = kg.guestctl("--json", "code", "create", "--kernel", "bash", "--name", "cli-bash")
     assert r.returncode == 0, r.stderr
     made = json.loads(r.stdout)
     assert made["kernel"] == "bash"
-    r = guestctl(kg, "code", "run", "--context", "cli-bash", "echo from-bash")
+    r = kg.guestctl("code", "run", "--context", "cli-bash", "echo from-bash")
     assert r.returncode == 0 and r.stdout == b"from-bash\n"
-    assert b"bash" in guestctl(kg, "code", "ls").stdout
-    r = guestctl(kg, "--json", "code", "new", "--kernel", "no-such-kernel")
+    assert b"bash" in kg.guestctl("code", "ls").stdout
+    r = kg.guestctl("--json", "code", "new", "--kernel", "no-such-kernel")
     assert r.returncode == 1
     err = json.loads(r.stdout)["error"]
     assert err["code"] == "not_found" and "bash" in err["details"]["installed"]
-    assert guestctl(kg, "code", "rm", "cli-bash").returncode == 0
+    assert kg.guestctl("code", "rm", "cli-bash").returncode == 0
 
 
 @needs_bash

@@ -601,36 +601,22 @@ def test_one_connection_cannot_claim_another_connections_reverse_connection(gues
 # --------------------------------------------------------------------------- guestctl
 
 
-def guestctl(g: Guestd, *args: str, timeout: float = 30) -> subprocess.CompletedProcess[bytes]:
-    env = {**os.environ, "PYTHONPATH": REPO}
-    return subprocess.run(
-        [sys.executable, "-m", "guestd.cli", "--connect", g.address, *args],
-        capture_output=True,
-        env=env,
-        timeout=timeout,
-    )
-
-
 def guestctl_running(g: Guestd, *args: str) -> tuple[subprocess.Popen[bytes], str]:
     """A long-running guestctl and the first line it printed."""
-    env = {**os.environ, "PYTHONPATH": REPO}
     p = subprocess.Popen(
-        [sys.executable, "-m", "guestd.cli", "--connect", g.address, *args],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        env=env,
+        g.guestctl_argv(*args), stdout=subprocess.PIPE, stderr=subprocess.PIPE, env={**os.environ, "PYTHONPATH": REPO}
     )
     assert p.stdout is not None
     return p, p.stdout.readline().decode()
 
 
 def test_guestctl_ports_port_wait_and_both_forwards(guest: Guestd, gc: Client) -> None:
-    listed = json.loads(guestctl(guest, "--json", "ports").stdout)["listeners"]
+    listed = json.loads(guest.guestctl("--json", "ports").stdout)["listeners"]
     assert any(x["port"] == HTTP and "port_servers.py" in x["command"] for x in listed)
-    assert f"127.0.0.1:{HTTP}" in guestctl(guest, "ports").stdout.decode()
+    assert f"127.0.0.1:{HTTP}" in guest.guestctl("ports").stdout.decode()
 
-    assert guestctl(guest, "port-wait", str(HTTP), "--http", "--timeout", "5").returncode == 0
-    slow = guestctl(guest, "--json", "port-wait", "18097", "--timeout", "0.3")
+    assert guest.guestctl("port-wait", str(HTTP), "--http", "--timeout", "5").returncode == 0
+    slow = guest.guestctl("--json", "port-wait", "18097", "--timeout", "0.3")
     assert slow.returncode == 124 and json.loads(slow.stdout)["ready"] is False
 
     p, first = guestctl_running(guest, "port-forward", f"0:{HTTP}")

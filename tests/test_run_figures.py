@@ -7,11 +7,9 @@ from __future__ import annotations
 import json
 import os
 import signal
-import subprocess
-import sys
 
 from guestd.client.results import RunFigures
-from guestd.testing import REPO, Guestd
+from guestd.testing import Guestd
 
 PY = "/usr/bin/python3"  # the workload user (nobody) can run it
 BURN_S = 0.5
@@ -98,20 +96,11 @@ def test_process_killed_from_outside_says_signal(guestd: Guestd) -> None:
         assert (w["exit_code"], w["killed_by"]) == (0, None)
 
 
-def guestctl(g: Guestd, *args: str) -> subprocess.CompletedProcess[bytes]:
-    return subprocess.run(
-        [sys.executable, "-m", "guestd.cli", "--connect", g.address, *args],
-        capture_output=True,
-        timeout=120,
-        env={**os.environ, "PYTHONPATH": REPO},
-    )
-
-
 def test_guestctl_says_why_a_command_died(guestd: Guestd) -> None:
-    r = guestctl(guestd, "exec", "--", "sh", "-c", "kill -9 $$")
+    r = guestd.guestctl("exec", "--", "sh", "-c", "kill -9 $$")
     assert r.returncode == 137 and b"guestctl: killed by a signal (SIGKILL)" in r.stderr
-    r = guestctl(guestd, "exec", "--", "true")
+    r = guestd.guestctl("exec", "--", "true")
     assert r.returncode == 0 and b"killed" not in r.stderr
-    r = guestctl(guestd, "--json", "exec", "--", "sh", "-c", "kill -9 $$")
+    r = guestd.guestctl("--json", "exec", "--", "sh", "-c", "kill -9 $$")
     out = json.loads(r.stdout)
     assert out["killed_by"] == "signal" and out["oom_killed"] is None and isinstance(out["cpu_sys_s"], float)

@@ -294,37 +294,26 @@ def test_shell_stream_output_under_flow_control_and_typed_stdin(guestd: Guestd) 
 
 def test_guestctl_on_timeout_merge_and_check_syntax(guestd: Guestd) -> None:
     import json
-    import os
-    import subprocess
-    import sys
 
-    repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-
-    def guestctl(*args: str) -> subprocess.CompletedProcess[bytes]:
-        return subprocess.run(
-            [sys.executable, "-m", "guestd.cli", "--connect", guestd.address, *args],
-            capture_output=True,
-            timeout=120,
-            env={**os.environ, "PYTHONPATH": repo},
-        )
-
-    r = guestctl("--json", "exec", "--timeout", "0.5", "--on-timeout", "detach", "--", "sh", "-c", "echo up; sleep 30")
+    r = guestd.guestctl(
+        "--json", "exec", "--timeout", "0.5", "--on-timeout", "detach", "--", "sh", "-c", "echo up; sleep 30"
+    )
     obj = json.loads(r.stdout)
     assert r.returncode == 124 and obj["stdout"] == "up\n" and obj["detached"].startswith("p")
-    assert guestctl("kill", obj["detached"], "KILL").returncode == 0
-    assert guestctl("wait", obj["detached"]).returncode == 137
-    s = guestctl("shell", "new").stdout.decode().strip()
-    r = guestctl("shell", "run", s, "echo up; sleep 30", "--timeout", "0.5", "--on-timeout", "detach")
+    assert guestd.guestctl("kill", obj["detached"], "KILL").returncode == 0
+    assert guestd.guestctl("wait", obj["detached"]).returncode == 137
+    s = guestd.guestctl("shell", "new").stdout.decode().strip()
+    r = guestd.guestctl("shell", "run", s, "echo up; sleep 30", "--timeout", "0.5", "--on-timeout", "detach")
     assert r.returncode == 124 and r.stdout == b"up\n" and b"goes on as process p" in r.stderr
     pid = r.stderr.split(b"goes on as process ")[1].split()[0].decode()
-    assert guestctl("kill", pid, "KILL").returncode == 0
-    r = guestctl("shell", "run", s, "echo a; echo b >&2; echo c", "--merge-stderr")
+    assert guestd.guestctl("kill", pid, "KILL").returncode == 0
+    r = guestd.guestctl("shell", "run", s, "echo a; echo b >&2; echo c", "--merge-stderr")
     assert (r.returncode, r.stdout, r.stderr) == (0, b"a\nb\nc\n", b"")
-    r = guestctl("shell", "run", s, "echo ran; fi", "--check-syntax")
+    r = guestd.guestctl("shell", "run", s, "echo ran; fi", "--check-syntax")
     assert r.returncode != 0 and b"syntax error" in r.stderr and b"ran" not in r.stdout
-    r = guestctl("exec", "--merge-stderr", "--", "sh", "-c", "echo x; echo y >&2")
+    r = guestd.guestctl("exec", "--merge-stderr", "--", "sh", "-c", "echo x; echo y >&2")
     assert (r.stdout, r.stderr) == (b"x\ny\n", b"")
-    assert guestctl("shell", "rm", s).returncode == 0
+    assert guestd.guestctl("shell", "rm", s).returncode == 0
 
 
 def test_shell_pty_in_session_state_with_expect_and_ctrl_c(guestd: Guestd, tmp_path: object) -> None:
@@ -590,47 +579,33 @@ def test_guestctl_pty_keep_runs_and_spill(guestd: Guestd) -> None:
     there), --keep printing the run id first and `runs ls|get|wait`, exec --spill naming
     the file that holds the full output."""
     import json
-    import os
-    import subprocess
-    import sys
 
-    repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-
-    def guestctl(*args: str, stdin: bytes | None = None) -> subprocess.CompletedProcess[bytes]:
-        return subprocess.run(
-            [sys.executable, "-m", "guestd.cli", "--connect", guestd.address, *args],
-            capture_output=True,
-            input=stdin,
-            timeout=120,
-            env={**os.environ, "PYTHONPATH": repo},
-        )
-
-    s = guestctl("shell", "new").stdout.decode().strip()
-    assert guestctl("shell", "run", s, "where=session-state").returncode == 0
+    s = guestd.guestctl("shell", "new").stdout.decode().strip()
+    assert guestd.guestctl("shell", "run", s, "where=session-state").returncode == 0
     cmd = '[ -t 0 ] && echo tty; read -r -p "name? " x; echo "got $x in $where"'
-    r = guestctl("shell", "run", s, cmd, "--pty", stdin=b"ada\n")
+    r = guestd.guestctl("shell", "run", s, cmd, "--pty", stdin=b"ada\n")
     assert r.returncode == 0 and b"tty\r\n" in r.stdout and b"got ada in session-state\r\n" in r.stdout, r
 
-    r = guestctl("shell", "run", s, "echo kept-out; exit 3", "--keep")
+    r = guestd.guestctl("shell", "run", s, "echo kept-out; exit 3", "--keep")
     assert r.returncode == 3 and r.stdout == b"kept-out\n"
     rid = r.stderr.split(b"kept as run ")[1].split()[0].decode()
-    r = guestctl("runs", "get", rid)
+    r = guestd.guestctl("runs", "get", rid)
     assert (r.returncode, r.stdout) == (3, b"kept-out\n")
-    listed = json.loads(guestctl("--json", "runs", "ls").stdout)["runs"]
+    listed = json.loads(guestd.guestctl("--json", "runs", "ls").stdout)["runs"]
     assert [x["state"] for x in listed if x["id"] == rid] == ["done"]
-    r = guestctl("--json", "runs", "wait", rid, "--timeout", "5")
+    r = guestd.guestctl("--json", "runs", "wait", rid, "--timeout", "5")
     assert json.loads(r.stdout)["result"]["exit_code"] == 3
-    assert guestctl("runs", "get", "r000000000000").returncode != 0
+    assert guestd.guestctl("runs", "get", "r000000000000").returncode != 0
 
-    r = guestctl("--json", "exec", "--spill", "--max-output", "10", "--", "seq", "1", "1000")
+    r = guestd.guestctl("--json", "exec", "--spill", "--max-output", "10", "--", "seq", "1", "1000")
     obj = json.loads(r.stdout)
     full = "".join(f"{i}\n" for i in range(1, 1001)).encode()
     assert obj["stdout_spill"]["bytes"] == len(full) and obj["stdout_dropped"] == len(full) - 10
     with open(obj["stdout_spill"]["path"], "rb") as f:
         assert f.read() == full
-    r = guestctl("exec", "--spill", "--max-output", "10", "--", "seq", "1", "1000")
+    r = guestd.guestctl("exec", "--spill", "--max-output", "10", "--", "seq", "1", "1000")
     assert b"full stdout in " in r.stderr
-    assert guestctl("shell", "rm", s).returncode == 0
+    assert guestd.guestctl("shell", "rm", s).returncode == 0
 
 
 def test_run_cancel_interrupts_a_kept_command_and_a_kept_cell(guestd: Guestd, tmp_path: object) -> None:
@@ -663,25 +638,13 @@ def test_run_cancel_interrupts_a_kept_command_and_a_kept_cell(guestd: Guestd, tm
     asyncio.run(go())
     import os
     import subprocess
-    import sys
 
     from guestd.testing import REPO
 
     with guestd.client() as c:
         sid = c.shell_create()["id"]
         proc = subprocess.Popen(
-            [
-                sys.executable,
-                "-m",
-                "guestd.cli",
-                "--connect",
-                guestd.address,
-                "shell",
-                "run",
-                sid,
-                "sleep 60",
-                "--keep",
-            ],
+            guestd.guestctl_argv("shell", "run", sid, "sleep 60", "--keep"),
             stderr=subprocess.PIPE,
             stdout=subprocess.DEVNULL,
             env={**os.environ, "PYTHONPATH": REPO},
@@ -689,12 +652,7 @@ def test_run_cancel_interrupts_a_kept_command_and_a_kept_cell(guestd: Guestd, tm
         assert proc.stderr is not None
         line = proc.stderr.readline().decode()
         rid = line.split("kept as run ")[1].split()[0]
-        out = subprocess.run(
-            [sys.executable, "-m", "guestd.cli", "--connect", guestd.address, "runs", "cancel", rid],
-            capture_output=True,
-            env={**os.environ, "PYTHONPATH": REPO},
-            timeout=60,
-        )
+        out = guestd.guestctl("runs", "cancel", rid, timeout=60)
         assert out.returncode == 1 and b"cancelled" in out.stderr, out.stderr
         assert proc.wait(60) == 1  # the waiting guestctl sees the run end too
         proc.stderr.close()

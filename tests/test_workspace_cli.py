@@ -5,20 +5,8 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
-import sys
 
 from guestd.testing import Guestd
-
-
-def guestctl(g: Guestd, *args: str, stdin: bytes | None = None) -> subprocess.CompletedProcess[bytes]:
-    return subprocess.run(
-        [sys.executable, "-m", "guestd.cli", "--connect", g.address, *args],
-        input=stdin,
-        capture_output=True,
-        timeout=60,
-        check=False,
-    )
 
 
 def test_guestctl_workspace_commands(guestd: Guestd, tmp_path: str) -> None:
@@ -28,32 +16,32 @@ def test_guestctl_workspace_commands(guestd: Guestd, tmp_path: str) -> None:
         f.write("x = 1\nNeedle = 2\n")
     os.symlink("pkg/a.py", f"{src}/link")
     guest = f"{tmp_path}/guest"
-    r = guestctl(guestd, "--json", "cp", "-r", src, f":{guest}")
+    r = guestd.guestctl("--json", "cp", "-r", src, f":{guest}")
     assert r.returncode == 0, r.stderr
     assert json.loads(r.stdout)["direction"] == "up" and os.readlink(f"{guest}/link") == "pkg/a.py"
 
-    r = guestctl(guestd, "--json", "find", f":{guest}", "--glob", "**/*.py")
+    r = guestd.guestctl("--json", "find", f":{guest}", "--glob", "**/*.py")
     assert json.loads(r.stdout)["paths"] == ["pkg/a.py"]
-    r = guestctl(guestd, "grep", "-i", "-F", "needle", f":{guest}")
+    r = guestd.guestctl("grep", "-i", "-F", "needle", f":{guest}")
     assert r.returncode == 0 and r.stdout == b"pkg/a.py:2:Needle = 2\n"
-    assert guestctl(guestd, "grep", "nothing-matches-this", f":{guest}").returncode == 1
+    assert guestd.guestctl("grep", "nothing-matches-this", f":{guest}").returncode == 1
 
-    r = guestctl(guestd, "view", f":{guest}/pkg/a.py", "--lines", "2:2")
+    r = guestd.guestctl("view", f":{guest}/pkg/a.py", "--lines", "2:2")
     assert r.stdout == b"     2\tNeedle = 2\n"
-    r = guestctl(guestd, "--json", "edit", f":{guest}/pkg/a.py", "--old", "x = 1", "--new", "x = 10")
+    r = guestd.guestctl("--json", "edit", f":{guest}/pkg/a.py", "--old", "x = 1", "--new", "x = 10")
     assert r.returncode == 0 and json.loads(r.stdout)["undo_depth"] == 1
-    assert guestctl(guestd, "edit", f":{guest}/pkg/a.py", "--undo").returncode == 0
+    assert guestd.guestctl("edit", f":{guest}/pkg/a.py", "--undo").returncode == 0
     with open(f"{guest}/pkg/a.py") as f:
         assert f.read() == "x = 1\nNeedle = 2\n"
-    r = guestctl(guestd, "--json", "edit", f":{guest}/pkg/a.py", "--old", "nope", "--new", "y")
+    r = guestd.guestctl("--json", "edit", f":{guest}/pkg/a.py", "--old", "nope", "--new", "y")
     assert r.returncode == 1 and json.loads(r.stdout)["error"]["code"] == "conflict"
 
     patch = b"--- a/pkg/a.py\n+++ b/pkg/a.py\n@@ -1,2 +1,2 @@\n-x = 1\n+x = 3\n Needle = 2\n"
-    r = guestctl(guestd, "--json", "apply-patch", f":{guest}", stdin=patch)
+    r = guestd.guestctl("--json", "apply-patch", f":{guest}", stdin=patch)
     assert r.returncode == 0 and json.loads(r.stdout)["files"][0]["action"] == "modify"
 
     back = f"{tmp_path}/back"
-    r = guestctl(guestd, "cp", "-r", f":{guest}", back)
+    r = guestd.guestctl("cp", "-r", f":{guest}", back)
     assert r.returncode == 0, r.stderr
     with open(f"{back}/pkg/a.py") as f:
         assert f.read() == "x = 3\nNeedle = 2\n"

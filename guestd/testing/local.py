@@ -53,6 +53,23 @@ class Guestd:
         s.connect(self.sock_path)
         return s
 
+    def guestctl_argv(self, *args: str) -> list[str]:
+        """The command line of ``guestctl --connect ADDRESS ARGS`` from this checkout."""
+        return [sys.executable, "-m", "guestd.cli", "--connect", self.address, *args]
+
+    def guestctl(
+        self, *args: str, stdin: bytes | None = None, timeout: float = 120.0
+    ) -> subprocess.CompletedProcess[bytes]:
+        """Run guestctl against this guestd to its end: exit status, stdout, stderr."""
+        return subprocess.run(
+            self.guestctl_argv(*args),
+            input=stdin,
+            capture_output=True,
+            timeout=timeout,
+            env={**os.environ, "PYTHONPATH": REPO},
+            check=False,
+        )
+
     def alive(self) -> bool:
         return self.proc.poll() is None
 
