@@ -39,9 +39,11 @@ if [ "$#" = 0 ]; then
   rc=0
   bash scripts/bootstrap-integrations.sh || rc=$?
   if [ "$rc" = 0 ]; then
-    .venv-int/bin/mypy guestd/integrations tests/test_integrations_swerex.py tests/test_integrations_minisweagent.py
+    .venv-int/bin/mypy guestd/integrations tests/test_integrations_swerex.py tests/test_integrations_minisweagent.py \
+      tests/qemu/test_swerex.py
+    # tests/qemu/test_swerex.py: SWE-ReX's deployment on a QEMU guest (one VM boot, ~1 min)
     .venv-int/bin/python -m pytest -q -p no:cacheprovider -rs -o asyncio_mode=auto -o asyncio_default_fixture_loop_scope=function \
-      tests/test_integrations_swerex.py tests/test_integrations_minisweagent.py
+      tests/test_integrations_swerex.py tests/test_integrations_minisweagent.py tests/qemu/test_swerex.py
   else
     echo "== integration tests SKIPPED: the integration venv could not be built (exit $rc; see above)"
   fi

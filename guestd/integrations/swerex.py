@@ -49,15 +49,35 @@ The difference left, by design:
 - ``test_server_dead`` builds SWE-ReX's own ``RemoteRuntime`` for an unresolvable host: it
   passes whatever runtime the fixture provides.
 
-Deployment: ``GuestdDeployment()`` starts a local guestd (development, the same daemon a VM
-runs); ``GuestdDeployment(address="vsock:...")`` connects to a guest someone else started;
-``GuestdDeployment(start_guest=hook)`` calls ``hook()`` on ``start`` to boot a guest (e.g. a
-Firecracker microVM) and return ``(address, stop)``; ``stop()`` is called on ``stop``.
+Deployment: ``GuestdDeployment`` starts a guest on ``start`` and ends it on ``stop``; three
+ways to get one:
+
+- ``GuestdDeployment()``: a local guestd in a temporary directory (development: the same
+  daemon a VM runs, without the VM's isolation).
+- ``GuestdDeployment(start_guest=qemu_guest)`` (``from guestd.testing.qemu import
+  qemu_guest``): the QEMU test image, for tests. It bakes the image, boots it under QEMU
+  (TCG here: about 35 s to a ready guestd) and connects over virtio-serial: the address is
+  ``unix:`` on QEMU's chardev socket, each connection a new host session. ``stop`` kills the
+  VM and removes its work dir. Needs qemu-system-x86_64, busybox, cpio (see tests/qemu).
+- ``GuestdDeployment(start_guest=hook)``: the hook for a Firecracker (or any VM) host.
+  ``hook()`` runs in a thread on ``start``, boots a microVM whose image runs guestd, returns
+  once guestd answers (``start`` checks once, 30 s) and gives ``(address, stop)``; ``stop()``
+  is called on ``stop``. For Firecracker the address is its hybrid vsock, ``fc:UDS:PORT``::
+
+      def firecracker_guest() -> tuple[str, Callable[[], None]]:
+          vm = subprocess.Popen(["firecracker", "--no-api", "--config-file", "vm.json"])
+          # vm.json: "vsock": {"guest_cid": 3, "uds_path": "/run/vm/v.sock"}
+          address = "fc:/run/vm/v.sock:10700"
+          ...  # retry Client(address) until it connects (guestd is up)
+          return address, lambda: (vm.kill(), vm.wait())
+
+  ``GuestdDeployment(address=...)`` only connects: someone else starts and ends that guest.
 """
 
 from __future__ import annotations
 
 import asyncio
+import logging
 import os
 import re
 import shlex
@@ -349,9 +369,10 @@ class GuestdDeployment(AbstractDeployment):
 
     - no arguments: a local guestd in a temporary directory (development; no isolation
       beyond guestd's own);
-    - ``address``: a guest already running (``unix:...``, ``vsock:CID:PORT``, ``tcp:...``);
-    - ``start_guest``: the Firecracker (or any VM) hook, called on ``start``: boot a guest
-      whose image runs guestd and return ``(address, stop)``.
+    - ``address``: a guest already running (``unix:PATH``, ``vsock:CID:PORT``, ``fc:UDS:PORT``);
+    - ``start_guest``: called on ``start`` to boot a guest whose image runs guestd and
+      return ``(address, stop)``: ``guestd.testing.qemu.qemu_guest`` (the QEMU test image)
+      or a Firecracker host's hook (see the module docs).
     """
 
     def __init__(
@@ -363,6 +384,7 @@ class GuestdDeployment(AbstractDeployment):
         self._runtime: GuestdRuntime | None = None
         self._stop: Callable[[], None] | None = None
         self._hooks = CombinedDeploymentHook()
+        self.logger = logging.getLogger(__name__)  # AbstractDeployment.__del__ logs to it
 
     def add_hook(self, hook: DeploymentHook) -> None:
         self._hooks.add_hook(hook)

@@ -1,6 +1,7 @@
 """Boot the guestd-baked image under QEMU/TCG: Debian's generic kernel (downloaded, unpacked,
 never installed) and an initramfs whose /init is rootfs-overlay's guestd-init, exactly as in
-production. Used by tests/qemu and by the examples' ``QemuGuest``.
+production. Used by tests/qemu, by the examples' ``QemuGuest`` and, as the ``qemu_guest`` hook, by
+the framework deployments (``guestd.integrations.swerex.GuestdDeployment``).
 
 Host <-> guest traffic is virtio-serial only (this machine has no vhost-vsock, and the host
 side must never touch vsock); AF_VSOCK is exercised inside the guest over vsock_loopback.
@@ -18,7 +19,7 @@ import sys
 import tempfile
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from guestd.client import Client, GuestdError
@@ -246,6 +247,34 @@ class GuestVM:
             except subprocess.TimeoutExpired:
                 pass
         self._killer.cancel()
+
+
+def qemu_guest(
+    *, add: Sequence[str] = (), mem_mb: int = 1536, timeout_s: float = 3600, ready_timeout_s: float = 300
+) -> tuple[str, Callable[[], None]]:
+    """Bake the test image into a new work dir, boot one VM from it and wait until its guestd
+    answers; returns ``(address, stop)``, the ``start_guest`` hook of the framework deployments
+    (``GuestdDeployment(start_guest=qemu_guest)``). The address is ``unix:`` on QEMU's chardev
+    server socket behind the virtio-serial port: each connection to it is a new host session
+    (guestd starts over on a new hello), so any client connects with the address alone, one
+    at a time (QEMU serves one connection; a second waits until the first closes).
+    ``stop`` kills the VM and removes the work dir; ``timeout_s`` is the VM's hard ceiling."""
+    vmlinux, kdir = ensure_kernel()
+    work = tempfile.mkdtemp(prefix="guestd-qemu-guest-")
+    vm: GuestVM | None = None
+
+    def stop() -> None:
+        if vm is not None:
+            vm.kill()
+        shutil.rmtree(work, ignore_errors=True)
+
+    try:
+        vm = GuestVM(work, vmlinux, bake_initramfs(work, kdir, add=add), mem_mb=mem_mb, timeout_s=timeout_s)
+        vm.client(timeout_s=ready_timeout_s).close()
+    except BaseException:
+        stop()
+        raise
+    return f"unix:{vm.serial_sock}", stop
 
 
 class QMP:
