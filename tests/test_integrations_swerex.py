@@ -14,6 +14,7 @@ import os
 import subprocess
 import sys
 import xml.etree.ElementTree as ET
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -81,6 +82,34 @@ async def test_deployment_starts_a_local_guestd_and_stops_it() -> None:
             await r.upload(UploadRequest(source_path="/nonexistent-source", target_path="/tmp/x"))
     finally:
         await d.stop()
+    assert not await d.is_alive()
+
+
+async def test_a_deployment_cancelled_while_its_guest_boots_stops_that_guest(tmp_path: Path) -> None:
+    """start() given up (a timeout) while the start_guest hook still boots: the guest it then
+    returns is stopped. Before, it ran on with nobody to stop it (a QEMU guest: until its own
+    1 h timer)."""
+    import threading
+
+    from guestd.testing import start_guestd
+
+    release, stopped = threading.Event(), threading.Event()
+
+    def hook() -> tuple[str, Callable[[], None]]:
+        release.wait(30)
+        g = start_guestd(str(tmp_path))
+
+        def stop() -> None:
+            g.stop()
+            stopped.set()
+
+        return g.address, stop
+
+    d = integration.GuestdDeployment(start_guest=hook)
+    with pytest.raises(TimeoutError):
+        await asyncio.wait_for(d.start(), 0.2)
+    release.set()
+    assert await asyncio.to_thread(stopped.wait, 60)
     assert not await d.is_alive()
 
 

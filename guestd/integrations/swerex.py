@@ -82,6 +82,7 @@ import os
 import re
 import shlex
 import tempfile
+import threading
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -397,10 +398,8 @@ class GuestdDeployment(AbstractDeployment):
     async def start(self) -> None:
         if self._address is not None:
             address = self._address
-        elif self._start_guest is not None:
-            address, self._stop = await asyncio.to_thread(self._start_guest)
         else:
-            address, self._stop = await asyncio.to_thread(_local_guestd)
+            address, self._stop = await _start_owned(self._start_guest or _local_guestd)
         self._runtime = GuestdRuntime(address, token=self._token)
         if not await self._runtime.is_alive(timeout=30):
             await self.stop()
@@ -419,6 +418,22 @@ class GuestdDeployment(AbstractDeployment):
         if self._runtime is None:
             raise DeploymentNotStartedError()  # type: ignore[no-untyped-call]
         return self._runtime
+
+
+async def _start_owned(start_guest: StartGuest) -> tuple[str, Callable[[], None]]:
+    """``start_guest()`` in a thread; if the caller is cancelled meanwhile (a timeout), the guest
+    it goes on to boot is stopped once it is up, not left for nobody to stop."""
+    booting = asyncio.ensure_future(asyncio.to_thread(start_guest))
+    try:
+        return await asyncio.shield(booting)
+    except asyncio.CancelledError:
+
+        def stop_unwanted(t: asyncio.Future[tuple[str, Callable[[], None]]]) -> None:
+            if not t.cancelled() and t.exception() is None:
+                threading.Thread(target=t.result()[1], name="guestd-stop-unwanted", daemon=True).start()
+
+        booting.add_done_callback(stop_unwanted)
+        raise
 
 
 def _local_guestd() -> tuple[str, Callable[[], None]]:
