@@ -25,9 +25,12 @@ def _workload_runs_python() -> bool:
     0700 /root is not; run these with a Python nobody can execute)."""
     if os.geteuid() != 0:
         return False
-    r = subprocess.run(
-        [sys.executable, "-c", "import zmq"], user=NOBODY, group=NOBODY, capture_output=True, check=False
-    )
+    try:
+        r = subprocess.run(
+            [sys.executable, "-c", "import zmq"], user=NOBODY, group=NOBODY, capture_output=True, check=False
+        )
+    except OSError:
+        return False
     return r.returncode == 0
 
 
