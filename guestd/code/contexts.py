@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import contextlib
 import hmac
 import json
 import logging
@@ -146,6 +147,32 @@ def _exit_reason(status: int | None) -> str:
             name = str(-code)
         return f"killed by signal {name}" + (" (out of memory?)" if -code == signal.SIGKILL else "")
     return f"exited with status {code}"
+
+
+def write_private_file(directory: str, name: str, data: bytes, ids: tuple[int, int] | None) -> None:
+    """``directory``/``name`` made new (0600, owned by ``ids``) with ``data``, without following
+    anything: the directory is the workload user's own (a kernel's), so the workload may plant
+    or swap a symlink or FIFO at that name at any moment. Created ``O_EXCL|O_NOFOLLOW`` under
+    the directory's fd (an entry already there is removed first: the name has random bits, so
+    it is a plant), then owner and mode set on the fd, never by name (SECURITY.md, "foreign
+    kernels")."""
+    flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
+    dfd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    try:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(name, dir_fd=dfd)
+        fd = os.open(name, flags, 0o600, dir_fd=dfd)
+        try:
+            os.fchmod(fd, 0o600)
+            if ids is not None:
+                os.fchown(fd, *ids)
+            view = memoryview(data)
+            while view:
+                view = view[os.write(fd, view) :]
+        finally:
+            os.close(fd)
+    finally:
+        os.close(dfd)
 
 
 PYTHON_KERNEL = "python"  # guestd's own kernel (guestd.code.kernel); any other name is a kernelspec
@@ -294,7 +321,9 @@ class Kernel:
         ours, theirs = socket.socketpair()
         try:
             self.child = await self.services.children.spawn(
-                [sys.executable, "-m", "guestd.code.kernel", "--connection-from-guestd"],
+                # -P: not the context's cwd as sys.path[0] (the workload's modules there would run in
+                # the kernel before the key hand-over); ipykernel adds "" for cells once it starts.
+                [sys.executable, "-P", "-m", "guestd.code.kernel", "--connection-from-guestd"],
                 kind="kernel",
                 env=kenv,
                 cwd=cwd or os.getcwd(),
@@ -326,16 +355,15 @@ class Kernel:
 
         assert self.spec is not None
         path = os.path.join(kdir, f"{self.kid}.json")
-        km.connection_file = path
-        km.write_connection_file()  # jupyter_client's: created 0600
+        info = km.get_connection_info(session=False)
+        info["key"] = info["key"].decode("ascii")
+        info["kernel_name"] = self.spec.name
         self.connection_file = path
-        os.chmod(path, 0o600)
-        if ids is not None:
-            os.chown(path, *ids)
+        write_private_file(kdir, f"{self.kid}.json", json.dumps(info).encode(), ids)
         kenv["GUESTD_KERNEL_DROP_ENV"] = ",".join(PRIVATE_ENV)
         self.child = await self.services.children.spawn(
             # guestd.code.kernel --exec: PR_SET_PDEATHSIG (kept across the exec), then the kernelspec's command.
-            [sys.executable, "-m", "guestd.code.kernel", "--exec", *foreign_command(self.spec, path)],
+            [sys.executable, "-P", "-m", "guestd.code.kernel", "--exec", *foreign_command(self.spec, path)],
             kind="kernel",
             env=kenv,
             cwd=cwd or os.getcwd(),

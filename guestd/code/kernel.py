@@ -182,6 +182,20 @@ def exec_foreign(argv: list[str]) -> None:
         sys.exit(127)  # guestd reports "exited with status 127" as the start failure
 
 
+def _cwd_last_on_the_path(app: Any) -> None:
+    """Cells import modules from their cwd (``""`` on sys.path, as in any notebook), but the
+    kernel runs with ``-P`` and gets ``""`` last, after the standard library and site-packages,
+    not where IPython puts it (before site-packages; Python's ``-m`` puts the cwd first): the
+    cwd is the workload's to write, and a module there must never stand in for one the kernel
+    imports, before the key hand-over or after (SECURITY.md, "code contexts")."""
+
+    def init_path(self: Any) -> None:
+        if "" not in sys.path:
+            sys.path.append("")
+
+    app.init_path = init_path
+
+
 def main() -> None:
     try:
         ctypes.CDLL(None).prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
@@ -204,6 +218,7 @@ def main() -> None:
     _iopub_waits_instead_of_dropping()
     from ipykernel import kernelapp
 
+    _cwd_last_on_the_path(kernelapp.IPKernelApp)
     kernelapp.launch_new_instance(argv=[*argv, "--Session.packer=guestd.code.kernel.pack_message"])
 
 

@@ -1,0 +1,192 @@
+"""A red-team pass on the session's changes (foreign kernels, spill, run.cancel, shell.resize, the
+O_TMPFILE temp-name record, the framework integrations), against a real guestd as root with the
+workload user nobody: each test is an attack a workload process makes for real."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Iterator
+
+import pytest
+
+from guestd.client import Client, GuestdError
+from guestd.testing import REPO, Guestd, start_guestd
+
+NOBODY = 65534
+
+
+def _workload_runs_python() -> bool:
+    """Kernels run guestd's Python as the workload user: it must be able to (a venv under a
+    0700 /root is not; run these with a Python nobody can execute)."""
+    if os.geteuid() != 0:
+        return False
+    try:
+        r = subprocess.run(
+            [sys.executable, "-c", "import zmq"], user=NOBODY, group=NOBODY, capture_output=True, check=False
+        )
+    except OSError:
+        return False
+    return r.returncode == 0
+
+
+pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="a workload user needs guestd as root")
+needs_workload_python = pytest.mark.skipif(
+    not _workload_runs_python(), reason="the workload user cannot run this Python (kernels run it as nobody)"
+)
+
+
+def _bash_kernel_installed() -> bool:
+    from jupyter_client.kernelspec import KernelSpecManager
+
+    return "bash" in KernelSpecManager().find_kernel_specs()
+
+
+needs_bash = pytest.mark.skipif(
+    not _bash_kernel_installed(), reason="no 'bash' kernelspec (scripts/test.sh installs it)"
+)
+
+
+@pytest.fixture(scope="module")
+def rg(scratch: str) -> Iterator[Guestd]:
+    """guestd as root, workload user nobody, its runtime dir known to the test."""
+    from guestd.testing.cgroups import contained_config
+
+    d = tempfile.mkdtemp(prefix="guestd-redteam-")
+    os.chmod(d, 0o755)
+    cfg = contained_config(d, os.path.join(scratch, "redteam"))
+    g = start_guestd(d, "--config", cfg, "--runtime-dir", f"{d}/rt", "--code-pool", "0", "--max-contexts", "8")
+    yield g
+    g.stop()
+    shutil.rmtree(d, ignore_errors=True)
+
+
+@pytest.fixture
+def tmp_path() -> Iterator[str]:
+    """A scratch directory the workload user can reach (pytest's own is under a 0700 directory)."""
+    d = tempfile.mkdtemp(prefix="guestd-redteam-t-")
+    os.chmod(d, 0o755)
+    yield d
+    shutil.rmtree(d, ignore_errors=True)
+
+
+@pytest.fixture
+def c(rg: Guestd) -> Iterator[Client]:
+    with rg.client() as client:
+        yield client
+
+
+def _open_dir(path: str) -> str:
+    """A directory nobody can write (the workload's own)."""
+    os.makedirs(path, exist_ok=True)
+    os.chmod(path, 0o777)
+    return path
+
+
+# A workload process: on every new *.json in the kernel directory it owns, rename a symlink
+# to ``target`` over it (inotify: it reacts within microseconds of guestd creating the file).
+_SWAPPER = r"""
+import ctypes, os, struct, sys
+d, target = sys.argv[1], sys.argv[2]
+libc = ctypes.CDLL(None, use_errno=True)
+fd = libc.inotify_init()
+assert fd >= 0 and libc.inotify_add_watch(fd, d.encode(), 0x100 | 0x20) >= 0  # IN_CREATE | IN_OPEN
+print("watching", flush=True)
+n = 0
+while True:
+    buf = os.read(fd, 65536)
+    i = 0
+    while i < len(buf):
+        _, mask, _, ln = struct.unpack_from("iIII", buf, i)
+        name = buf[i + 16 : i + 16 + ln].rstrip(b"\0").decode()
+        i += 16 + ln
+        if name.endswith(".json"):
+            n += 1
+            tmp = os.path.join(d, f".swap{n}")
+            try:
+                os.symlink(target, tmp)
+                os.rename(tmp, os.path.join(d, name))
+            except OSError:
+                pass
+"""
+
+
+@needs_bash
+@needs_workload_python
+def test_a_foreign_kernels_connection_file_does_not_follow_the_workloads_symlink(
+    rg: Guestd, c: Client, tmp_path: str
+) -> None:
+    """guestd (root) wrote the connection file in the workload user's own kernel directory by
+    name, then chmod'ed and chown'ed it by name: a workload renaming a symlink over the file as
+    soon as it appears had root chown (and truncate, and write the key into) any file it named."""
+    victim = f"{tmp_path}/victim"
+    with open(victim, "w") as f:
+        f.write("ORIGINAL")
+    os.chmod(victim, 0o600)
+    os.chmod(str(tmp_path), 0o755)
+    # The first context makes the workload user's kernel directory (guestd's Python kernel).
+    first = c.code_create()
+    c.code_close(first["id"])
+    kdir = f"{rg.workdir}/rt/kernels/u{NOBODY}"
+    assert os.stat(kdir).st_uid == NOBODY
+    script = _open_dir(f"{tmp_path}/w") + "/swap.py"
+    with open(script, "w") as f:
+        f.write(_SWAPPER)
+    p = c.process_start([sys.executable, script, kdir, victim])
+    try:
+        deadline = time.monotonic() + 20
+        while b"watching" not in c.process_output(p["id"], follow=False)[0]:
+            out = c.process_output(p["id"], follow=False)
+            assert time.monotonic() < deadline and out[2]["state"] == "running", out
+            c.process_wait(p["id"], timeout_s=0.1)
+        outcomes = []
+        for _ in range(15):
+            try:
+                ctx = c.code_create(kernel="bash")
+                outcomes.append("ok")
+                c.code_close(ctx["id"])
+            except GuestdError as e:
+                outcomes.append(e.code)
+            st = os.lstat(victim)
+            assert (st.st_uid, st.st_mode & 0o777) == (0, 0o600), f"root chowned the victim: {outcomes}"
+            with open(victim) as f:
+                assert f.read() == "ORIGINAL", f"root wrote into the victim: {outcomes}"
+    finally:
+        c.process_signal(p["id"], "KILL")
+    assert "unavailable" in outcomes or "ok" in outcomes, outcomes
+    # Nothing of the swap's is left for a later kernel to trip on.
+    assert [n for n in os.listdir(kdir) if n.endswith(".json")] == []
+
+
+@needs_workload_python
+def test_guestds_kernel_does_not_import_the_workloads_modules_from_its_cwd(c: Client, tmp_path: str) -> None:
+    """guestd's own kernel ran ``python -m guestd.code.kernel`` in the context's cwd, so the
+    first entry of its sys.path was that directory: a workload's ``guestd/`` (or ``json.py``,
+    ``ctypes/``...) there ran inside the kernel before the key hand-over, and read the key that
+    no workload process may have."""
+    cwd = _open_dir(f"{tmp_path}/ws")
+    marks = _open_dir(f"{tmp_path}/marks")
+    os.makedirs(f"{cwd}/guestd", exist_ok=True)
+    with open(f"{cwd}/guestd/__init__.py", "w") as f:
+        f.write(
+            "import os\n"
+            f"open({marks!r} + '/ran-' + str(os.getpid()), 'w').close()\n"
+            f"__path__[:] = [{REPO + '/guestd'!r}]\n"
+            f"exec(open({REPO + '/guestd/__init__.py'!r}).read())\n"
+        )
+    ctx = c.code_create(cwd=cwd)
+    try:
+        r = c.code_run("import os; print(os.getcwd())", context=ctx["id"])
+        assert r.status == "ok" and r.stdout == f"{cwd}\n".encode()
+        # A cell still imports the workload's modules from its cwd, as in any notebook.
+        with open(f"{cwd}/localmod.py", "w") as f:
+            f.write("X = 7\n")
+        r = c.code_run("import localmod; print(localmod.X)", context=ctx["id"])
+        assert r.status == "ok" and r.stdout == b"7\n", r
+    finally:
+        c.code_close(ctx["id"])
+    assert os.listdir(marks) == [], "the workload's module ran in guestd's kernel"
