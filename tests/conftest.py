@@ -4,6 +4,7 @@ them, and a fake guest for the client's side."""
 from __future__ import annotations
 
 import importlib.util
+import os
 import shutil
 import socket
 import tempfile
@@ -106,6 +107,23 @@ def fake_guest(tmp_path: object) -> Iterator[Callable[..., fakeguest.FakeGuest]]
     yield start
     for g in started:
         g.close()
+
+
+@pytest.fixture(scope="session")
+def workload_py() -> Iterator[str]:
+    """A Python the workload user (nobody) can run with this venv's packages, for a guestd as
+    root whose kernels run as the workload user (guestd.testing.workload_python)."""
+    from guestd.testing import workload_python
+
+    d = tempfile.mkdtemp(prefix="guestd-wlpy-")
+    os.chmod(d, 0o755)
+    try:
+        python = workload_python(f"{d}/venv")
+        if python is None:
+            pytest.skip("no system python3 of this version to make a Python the workload user can run")
+        yield python
+    finally:
+        shutil.rmtree(d, ignore_errors=True)
 
 
 @pytest.fixture(scope="module")

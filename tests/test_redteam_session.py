@@ -4,6 +4,7 @@ workload user nobody: each test is an attack a workload process makes for real."
 
 from __future__ import annotations
 
+import asyncio
 import os
 import shutil
 import subprocess
@@ -14,30 +15,13 @@ from collections.abc import Iterator
 
 import pytest
 
-from guestd.client import Client, GuestdError
+from guestd.client import AsyncClient, Client, GuestdError
 from guestd.testing import REPO, Guestd, start_guestd
 
 NOBODY = 65534
 
 
-def _workload_runs_python() -> bool:
-    """Kernels run guestd's Python as the workload user: it must be able to (a venv under a
-    0700 /root is not; run these with a Python nobody can execute)."""
-    if os.geteuid() != 0:
-        return False
-    try:
-        r = subprocess.run(
-            [sys.executable, "-c", "import zmq"], user=NOBODY, group=NOBODY, capture_output=True, check=False
-        )
-    except OSError:
-        return False
-    return r.returncode == 0
-
-
 pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="a workload user needs guestd as root")
-needs_workload_python = pytest.mark.skipif(
-    not _workload_runs_python(), reason="the workload user cannot run this Python (kernels run it as nobody)"
-)
 
 
 def _bash_kernel_installed() -> bool:
@@ -52,14 +36,27 @@ needs_bash = pytest.mark.skipif(
 
 
 @pytest.fixture(scope="module")
-def rg(scratch: str) -> Iterator[Guestd]:
-    """guestd as root, workload user nobody, its runtime dir known to the test."""
+def rg(scratch: str, workload_py: str) -> Iterator[Guestd]:
+    """guestd as root, workload user nobody (who can run its Python: kernels run as nobody),
+    its runtime dir known to the test."""
     from guestd.testing.cgroups import contained_config
 
     d = tempfile.mkdtemp(prefix="guestd-redteam-")
     os.chmod(d, 0o755)
     cfg = contained_config(d, os.path.join(scratch, "redteam"))
-    g = start_guestd(d, "--config", cfg, "--runtime-dir", f"{d}/rt", "--code-pool", "0", "--max-contexts", "8")
+    g = start_guestd(
+        d,
+        "--config",
+        cfg,
+        "--runtime-dir",
+        f"{d}/rt",
+        "--code-pool",
+        "0",
+        "--max-contexts",
+        "8",
+        python=workload_py,
+        env={"JUPYTER_PATH": f"{sys.prefix}/share/jupyter"},  # this venv's kernelspecs (bash_kernel)
+    )
     yield g
     g.stop()
     shutil.rmtree(d, ignore_errors=True)
@@ -116,9 +113,8 @@ while True:
 
 
 @needs_bash
-@needs_workload_python
 def test_a_foreign_kernels_connection_file_does_not_follow_the_workloads_symlink(
-    rg: Guestd, c: Client, tmp_path: str
+    rg: Guestd, c: Client, tmp_path: str, workload_py: str
 ) -> None:
     """guestd (root) wrote the connection file in the workload user's own kernel directory by
     name, then chmod'ed and chown'ed it by name: a workload renaming a symlink over the file as
@@ -136,7 +132,7 @@ def test_a_foreign_kernels_connection_file_does_not_follow_the_workloads_symlink
     script = _open_dir(f"{tmp_path}/w") + "/swap.py"
     with open(script, "w") as f:
         f.write(_SWAPPER)
-    p = c.process_start([sys.executable, script, kdir, victim])
+    p = c.process_start([workload_py, script, kdir, victim])
     try:
         deadline = time.monotonic() + 20
         while b"watching" not in c.process_output(p["id"], follow=False)[0]:
@@ -162,7 +158,6 @@ def test_a_foreign_kernels_connection_file_does_not_follow_the_workloads_symlink
     assert [n for n in os.listdir(kdir) if n.endswith(".json")] == []
 
 
-@needs_workload_python
 def test_guestds_kernel_does_not_import_the_workloads_modules_from_its_cwd(c: Client, tmp_path: str) -> None:
     """guestd's own kernel ran ``python -m guestd.code.kernel`` in the context's cwd, so the
     first entry of its sys.path was that directory: a workload's ``guestd/`` (or ``json.py``,
@@ -190,3 +185,59 @@ def test_guestds_kernel_does_not_import_the_workloads_modules_from_its_cwd(c: Cl
     finally:
         c.code_close(ctx["id"])
     assert os.listdir(marks) == [], "the workload's module ran in guestd's kernel"
+
+
+_TARGET = """
+import os, signal, sys
+flag = sys.argv[1]
+def hit(n, _):
+    with open(flag, "a") as f:
+        f.write(f"{n}\\n")
+for s in (signal.SIGWINCH, signal.SIGINT, signal.SIGTERM, signal.SIGQUIT):
+    signal.signal(s, hit)
+print("ready", flush=True)
+while True:
+    signal.pause()
+"""
+
+
+def test_a_pid_the_workload_writes_into_a_jobs_status_fifo_is_never_signalled(c: Client, tmp_path: str) -> None:
+    """A pty command's job writes its pid into a status FIFO that the session's bash holds as
+    fd 9; guestd (root) took the first line as the job's process group for shell.resize and
+    INPUT signals (and the kill after an interrupt). The workload (bash's user) can write into
+    that FIFO through /proc/<bash>/fd/9: a pid it wrote first had root signal any process
+    group. Now a pid is taken only if it is a child of the session's bash leading its group."""
+    from guestd.client.expect import Expect
+
+    flag = f"{tmp_path}/hit"
+    target = subprocess.Popen(
+        [sys.executable, "-c", _TARGET, flag], stdout=subprocess.PIPE, start_new_session=True
+    )  # root's, a process group of its own: never the workload's to signal
+    try:
+        assert target.stdout is not None and target.stdout.readline() == b"ready\n"
+        sid = c.shell_create()["id"]
+        bash = next(s["pid"] for s in c.shell_list() if s["id"] == sid)
+        forger = c.process_start(
+            ["/bin/sh", "-c", f"while :; do echo {target.pid} >/proc/{bash}/fd/9; done 2>/dev/null"]
+        )
+
+        async def go() -> None:
+            async with await AsyncClient.connect(c.aio.address) as ac:
+                for i in range(20):
+                    # A workload flooding the FIFO may keep its own job from Ctrl-C: the command
+                    # then ends by itself.
+                    async with Expect.start(ac, sid, "echo go; sleep 1", timeout_s=30) as e:
+                        await e.expect(b"go\r\n", timeout=20)
+                        await e.resize(30 + i, 100)
+                        await e.interrupt()
+                        await e.wait(timeout=40)
+
+        try:
+            asyncio.run(go())
+        finally:
+            c.process_signal(forger["id"], "KILL")
+        assert not os.path.exists(flag), f"root signalled the workload's chosen group: {open(flag).read()!r}"
+        assert target.poll() is None
+    finally:
+        target.kill()
+        target.wait(10)

@@ -69,6 +69,9 @@ GRACE_S = 1.0
 _KILLED_BY: dict[str, KilledBy] = {"wall": "timeout", "idle": "idle_timeout", "cancel": "cancel"}
 MAX_CTL_BYTES = 16 * 1024 * 1024  # a marker carries `export -p`; more than this is not one
 DETACH_RING_BYTES = 1024 * 1024  # per stream, as process.start's default ring_bytes
+# A job's status FIFO as read for its pid: the workload can write into it as well; past this
+# much, it has only kept its own job from being signalled or resized.
+STATUS_SCAN_MAX = 4096
 
 # Sourced as a file named "bash" (see the module head). Line 1 must stay the eval.
 # Line 1 of the library: the eval of a plain command, and the job of an on_timeout "detach"
@@ -183,6 +186,7 @@ class Session:
         self._job: JobFifos | None = None
         self._job_rings: dict[int, OutputRing] = {}
         self._job_status = bytearray()
+        self._job_pid_seen: int | None = None
         self._stream: Request | None = None  # stream mode: the running command's request
         self._paused: asyncio.Task[None] | None = None  # reading paused for a streaming client
 
@@ -444,9 +448,11 @@ class Session:
         fd = job.read.get("status") if job is not None else None
         if fd is None:
             return
-        data = read_chunk(fd, STATUS_MAX)
-        if data and len(self._job_status) < STATUS_MAX:
-            self._job_status += data[: STATUS_MAX - len(self._job_status)]
+        data = read_chunk(fd, STATUS_SCAN_MAX)
+        if data and len(self._job_status) < STATUS_SCAN_MAX:
+            self._job_status += data[: STATUS_SCAN_MAX - len(self._job_status)]
+        if self._job_pid_seen is None and data:
+            self._job_pid_seen = self._find_job_pid()
 
     def _start_job(self, pty: tuple[int, int] | None = None) -> JobFifos:
         services = self.table.services
@@ -459,6 +465,7 @@ class Session:
         size = min(DETACH_RING_BYTES, services.config.limits.max_ring_bytes)
         self._job_rings = {1: OutputRing(size), 2: OutputRing(size)}
         self._job_status = bytearray()
+        self._job_pid_seen = None
         loop = asyncio.get_running_loop()
         loop.add_reader(job.read["stdout"], self._read_job, 1)
         if "stderr" in job.read:
@@ -481,8 +488,31 @@ class Session:
         return None
 
     def _job_pid(self) -> int | None:
-        first = bytes(self._job_status).split(b"\n", 1)
-        return int(first[0]) if len(first) == 2 and first[0].isdigit() else None
+        """The running job's pid (its process group), once its status FIFO has named it."""
+        if self._job_pid_seen is None and self._job is not None:
+            self._read_job_status()
+        return self._job_pid_seen
+
+    def _find_job_pid(self) -> int | None:
+        """The first pid in the status FIFO that is a child of the session's bash leading its
+        own process group. The workload can write into that FIFO too (through
+        /proc/<bash>/fd/9 while bash holds it), and guestd (root) signals the pid's group and
+        moves its processes: a pid is never taken on the FIFO's word alone. Checked while the
+        job runs (it writes its pid first), and kept: its group may outlive it."""
+        for line in bytes(self._job_status).split(b"\n")[:-1]:
+            if line.isdigit() and _leads_a_group_under(int(line), self.pid):
+                return int(line)
+        return None
+
+    def _job_status_from_pid(self) -> bytes:
+        """The status FIFO's bytes from the job's own pid line on (what the workload wrote
+        before it is not the job's)."""
+        buf = bytes(self._job_status)
+        if self._job_pid_seen is not None:
+            line = f"{self._job_pid_seen}\n".encode()
+            at = buf.find(b"\n" + line)
+            buf = buf if buf.startswith(line) or at < 0 else buf[at + 1 :]
+        return buf[:STATUS_MAX]
 
     async def _detach_job(self, command: str, stdin: StdinFifo | None) -> str | None:
         """bash is back at its prompt and the job runs on: move its processes (frozen, wherever
@@ -506,7 +536,8 @@ class Session:
         fifos = self._stop_job(give_away=True)
         assert fifos is not None
         out, err, status = fifos.read["stdout"], fifos.read["stderr"], fifos.read["status"]
-        job = ShellJob(pid, status, bytes(self._job_status), leaf, [out, err], stdin.give_write() if stdin else None)
+        given = stdin.give_write() if stdin else None
+        job = ShellJob(pid, status, self._job_status_from_pid(), leaf, [out, err], given)
         job.keep_lingering(services.children.lingering)
         rings = {"stdout": self._job_rings[1], "stderr": self._job_rings[2]}
         return adopter.adopt(command, job, {"stdout": out, "stderr": err}, rings)
@@ -1068,3 +1099,14 @@ class Shells:
 
         done, pending, errors = await reseed_each(list(self.sessions.values()), give)
         return {"shells_reseeded": done, "shells_pending": pending, "reseed_errors": errors}
+
+
+def _leads_a_group_under(pid: int, parent: int) -> bool:
+    """``pid`` is a child of ``parent`` and the leader of its own process group."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            stat = f.read()
+    except OSError:
+        return False
+    fields = stat[stat.rfind(b")") + 2 :].split()  # state ppid pgrp ...: after the comm, which may hold anything
+    return len(fields) > 2 and fields[1] == str(parent).encode() and fields[2] == str(pid).encode()

@@ -14,6 +14,7 @@ from guestd.testing.local import (
     limits_config,
     live_procs_with,
     start_guestd,
+    workload_python,
     workspace_guestd,
 )
 
@@ -26,5 +27,6 @@ __all__ = [
     "limits_config",
     "live_procs_with",
     "start_guestd",
+    "workload_python",
     "workspace_guestd",
 ]

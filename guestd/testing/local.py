@@ -103,14 +103,18 @@ def start_guestd(
     wrapper: list[str] | None = None,
     cwd: str | None = None,
     ready_timeout_s: float | None = None,
+    python: str | None = None,
+    env: dict[str, str] | None = None,
 ) -> Guestd:
     """Start ``python -m guestd ARGS`` with its socket and log in ``workdir``; returns once it
     listens. ``listen`` replaces the default ``unix:<workdir>/guestd.sock``; ``wrapper`` is a
-    command prefix (e.g. NO_DAC); ``ready_timeout_s`` None waits as long as it takes."""
+    command prefix (e.g. NO_DAC); ``ready_timeout_s`` None waits as long as it takes;
+    ``python`` replaces this interpreter (see :func:`workload_python`), ``env`` adds to the
+    environment."""
     sock_path = os.path.join(workdir, "guestd.sock")
     log_path = os.path.join(workdir, "guestd.log")
     r, w = os.pipe()
-    cmd = [*(wrapper or []), sys.executable, "-m", "guestd", "--ready-fd", str(w), *args]
+    cmd = [*(wrapper or []), python or sys.executable, "-m", "guestd", "--ready-fd", str(w), *args]
     for addr in listen if listen is not None else [f"unix:{sock_path}"]:
         cmd += ["--listen", addr]
     with open(log_path, "ab") as log:
@@ -125,7 +129,7 @@ def start_guestd(
             user=user,
             group=user,
             extra_groups=[] if user is not None else None,
-            env={**os.environ, "PYTHONPATH": REPO},
+            env={**os.environ, "PYTHONPATH": REPO, **(env or {})},
         )
     os.close(w)
     g = Guestd(proc, sock_path, workdir, log_path, list(args))
@@ -202,3 +206,41 @@ def workspace_guestd(prefix: str, *, prepare: Callable[[str, str], None] | None 
             g.stop()
     finally:
         shutil.rmtree(top, ignore_errors=True)
+
+
+def workload_python(directory: str) -> str | None:
+    """A Python the workload user can run, with this interpreter's packages: a venv in
+    ``directory`` (made 0755) over the system's python3 of the same version, reading this
+    venv's site-packages. guestd started with it (``start_guestd(python=...)``) runs its
+    kernels as the workload user, as in a guest; this venv's own interpreter may sit under a
+    directory only root can enter (/root/.pyenv). None when the system has no such python3."""
+    system = shutil.which("python3", path="/usr/bin:/usr/local/bin")
+    if system is None:
+        return None
+    probe = subprocess.run(
+        [system, "-c", "import sys; print(sys.version_info[:2])"], capture_output=True, text=True, check=False
+    )
+    if probe.stdout.strip() != str(tuple(sys.version_info[:2])):
+        return None
+    made = subprocess.run([system, "-m", "venv", "--without-pip", directory], capture_output=True, check=False)
+    if made.returncode != 0:
+        return None
+    import site
+    import sysconfig
+
+    ours = [p for p in site.getsitepackages() if os.path.isdir(p)]
+    theirs = subprocess.run(
+        [f"{directory}/bin/python", "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout.strip()
+    with open(os.path.join(theirs, "guestd-host-venv.pth"), "w") as f:
+        f.write("\n".join([*ours, sysconfig.get_paths()["platlib"]]) + "\n")
+    for here, dirs, files in os.walk(directory):
+        for name in dirs + files:
+            path = os.path.join(here, name)
+            if not os.path.islink(path):
+                os.chmod(path, os.stat(path).st_mode | 0o055)
+    os.chmod(directory, 0o755)
+    return f"{directory}/bin/python"
