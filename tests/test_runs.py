@@ -471,10 +471,18 @@ def test_kept_runs_survive_their_connection_and_are_bounded(fresh_guestd: object
 
         # The cap (3): the shell and cell runs were seen (run.wait), "again" too; three
         # unseen ones fill it after evicting those, a fourth is refused.
-        unseen = [await start_kept(c, "shell.run", {"id": sid, "command": f"echo {i}"}) for i in range(3)]
+        # They wait for a gate: one that ended before its request's cancel arrived would have
+        # had its result delivered in the response (and could make room).
+        gate = f"{tmp_path}/gate"
+        wait = f"i=0; while [ ! -e {gate} ] && [ $i -lt 3000 ]; do sleep 0.01; i=$((i+1)); done; "
+        unseen = [
+            await start_kept(c, "shell.run", {"id": sid, "command": wait + f"echo {i}", "timeout_s": 60})
+            for i in range(3)
+        ]
         with pytest.raises(GuestdError) as ei:
             await start_kept(c, "shell.run", {"id": sid, "command": "echo four"})
         assert ei.value.code == "limit" and ei.value.details["limit"] == "max_kept_runs"
+        open(gate, "w").close()
         with pytest.raises(GuestdError) as ei:
             await run_get(c, cell)  # made room for the unseen ones
         assert ei.value.code == "not_found"
