@@ -24,6 +24,7 @@ if TYPE_CHECKING:
     from guestd.children.cgroups import RunCgroup, WorkloadCgroup
     from guestd.config import Config
     from guestd.runs import RunTable
+    from guestd.spill import Spill
 
 
 class Request(Protocol):
@@ -183,8 +184,16 @@ class Adopter(Protocol):
         """Raise the typed ``limit`` error when no more live processes may be adopted."""
         ...
 
-    def adopt(self, command: str, run: AdoptedRun, fds: dict[str, int], rings: dict[str, OutputRing]) -> str:
-        """Own ``run`` from now on (its output fds, rings holding its output from byte 0); its id."""
+    def adopt(
+        self,
+        command: str,
+        run: AdoptedRun,
+        fds: dict[str, int],
+        rings: dict[str, OutputRing],
+        spills: dict[str, Spill] | None = None,
+    ) -> str:
+        """Own ``run`` from now on (its output fds, rings holding its output from byte 0, and
+        with ``spills`` the files holding every byte: written and closed by the table now); its id."""
         ...
 
 

@@ -23,6 +23,7 @@ import time
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
+    from guestd.capture import OutputCapture
     from guestd.services import Services
     from guestd.wire.types import SpillInfoRecord, SpillInfoStopped
 
@@ -85,6 +86,7 @@ class Spill:
         self._pending: list[bytes] = []
         self._pending_bytes = 0
         self._flusher: asyncio.Task[None] | None = None
+        self.given_away = False  # a detached command's: the process table writes and closes it now
         st = os.fstatvfs(fd)
         self._reserve = min(SPILL_RESERVE_MAX, st.f_blocks * st.f_frsize // 10)
         _writing.add(os.path.basename(path))
@@ -179,17 +181,33 @@ async def open_spills(services: Services, prefix: str) -> tuple[Spill, Spill]:
 
 
 async def finish(reply: Any, spills: tuple[Spill, Spill] | None) -> Any:
-    """``reply`` with ``stdout_spill`` / ``stderr_spill`` (every accepted byte on disk first)."""
+    """``reply`` with ``stdout_spill`` / ``stderr_spill`` (every accepted byte on disk first).
+    Files given away with a detached command go on growing: the reply has them as they stand."""
     if spills is not None:
-        reply["stdout_spill"] = await spills[0].close()
-        reply["stderr_spill"] = await spills[1].close()
+        for key, spill in zip(("stdout_spill", "stderr_spill"), spills, strict=True):
+            reply[key] = spill.info() if spill.given_away else await spill.close()
     return reply
 
 
 def abandon(spills: tuple[Spill, Spill] | None) -> None:
-    """The run failed or was cancelled: close the files once their pending writes are done."""
+    """The run failed or was cancelled: close the files once their pending writes are done
+    (not those given away with a detached command)."""
     if spills is None:
         return
     for s in spills:
+        if s.given_away:
+            continue
         task = asyncio.ensure_future(s.close())
         task.add_done_callback(lambda t: t.cancelled() or t.exception())
+
+
+def give_away_spills(stdout: OutputCapture, stderr: OutputCapture) -> dict[str, Spill] | None:
+    """A command detaches: its spill files (if any) go with it to the process table, which
+    writes what it prints from now on and closes them; the reply only reports them."""
+    if stdout.spill is None or stderr.spill is None:
+        return None
+    spills = {"stdout": stdout.spill, "stderr": stderr.spill}
+    stdout.spill = stderr.spill = None
+    for spill in spills.values():
+        spill.given_away = True
+    return spills

@@ -10,7 +10,7 @@ from collections.abc import Iterator
 import pytest
 
 from guestd.client import AsyncClient, Client, GuestdError
-from guestd.client.results import CodeResult, ShellResult
+from guestd.client.results import CodeResult, ExecResult, ShellResult
 from guestd.testing import Guestd
 
 # Prints its port, then a numbered line every 20 ms until stopped: a gap or a duplicate in
@@ -549,6 +549,44 @@ def test_spill_files_hold_exactly_the_dropped_bytes(fresh_guestd: object, tmp_pa
     asyncio.run(go())
 
 
+def test_a_detached_command_keeps_spilling_what_it_prints_after_the_detach(guestd: Guestd, tmp_path: object) -> None:
+    """spill + on_timeout detach (exec and shell.run): the files go with the command to the
+    process table, which writes what it prints after the detach; process.wait names them whole.
+    Before, the spill ended at the detach and the rest was only in the ring."""
+    import os
+
+    gate = f"{tmp_path}/go"
+    # 300,000 bytes before the detach, then (once the test has seen the detach) 400,000 more.
+    script = (
+        f"head -c 300000 /dev/zero | tr '\\0' a; i=0; while [ ! -e {gate} ] && [ $i -lt 3000 ]; "
+        "do sleep 0.01; i=$((i+1)); done; head -c 400000 /dev/zero | tr '\\0' b"
+    )
+    full = b"a" * 300_000 + b"b" * 400_000
+
+    async def go() -> None:
+        async with await AsyncClient.connect(guestd.address) as c:
+            sid = (await c.shell_create())["id"]
+            for run in ("exec", "shell"):
+                if os.path.exists(gate):
+                    os.unlink(gate)
+                r: ExecResult | ShellResult
+                if run == "exec":
+                    r = await c.exec(script, timeout_s=1.0, on_timeout="detach", spill=True, max_output=1000)
+                else:
+                    r = await c.shell_run(sid, script, timeout_s=1.0, on_timeout="detach", spill=True, max_output=1000)
+                assert r.detached is not None and r.stdout_spill is not None, run
+                assert r.stdout_spill["bytes"] <= 300_000  # as it stood at the detach
+                open(gate, "w").close()
+                w = await c.process_wait(r.detached, timeout_s=30)
+                assert w["exit_code"] == 0, (run, w)
+                spill = w["stdout_spill"]
+                assert spill is not None and spill["path"] == r.stdout_spill["path"], (run, w)
+                assert (spill["bytes"], spill["stopped"]) == (len(full), None), (run, spill)
+                assert await c.read_file(spill["path"]) == full, run
+
+    asyncio.run(go())
+
+
 def test_output_shaping_keeps_counts_exact_on_raw_bytes(guestd: Guestd) -> None:
     """strip_ansi and collapse_cr: colours, a title and cursor escapes go, progress redraws
     collapse to what a terminal leaves, while *_bytes / *_dropped count the raw bytes; with
@@ -671,10 +709,11 @@ def test_shell_pty_size_and_resize(guestd: Guestd) -> None:
     SIGWINCH (the terminal is no controlling terminal: guestd sends it). Before: always 24x80."""
     from guestd.client.expect import Expect
 
+    # SIGWINCH blocked before "ready", then waited for: none can come between a check and a wait.
     prog = (
-        "import os, signal; "
-        "signal.signal(signal.SIGWINCH, lambda *a: print('winch', tuple(os.get_terminal_size(0)), flush=True)); "
-        "print('ready', tuple(os.get_terminal_size(0)), flush=True); signal.pause()"
+        "import os, signal; signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGWINCH}); "
+        "print('ready', tuple(os.get_terminal_size(0)), flush=True); signal.sigwait({signal.SIGWINCH}); "
+        "print('winch', tuple(os.get_terminal_size(0)), flush=True)"
     )
 
     async def go() -> None:

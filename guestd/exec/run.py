@@ -17,6 +17,7 @@ from guestd.capture import OutputCapture, OutputRing, capture_fields
 from guestd.children import Child, KilledBy, run_figures
 from guestd.children.options import parse_signal
 from guestd.children.tree import read_chunk, write_all
+from guestd.spill import give_away_spills
 
 if TYPE_CHECKING:  # the generated message types: annotations only, never imported at run time
     from guestd.services import Adopter, Request
@@ -168,7 +169,7 @@ class ExecRun:
         rings = {"stdout": self.rings[1], "stderr": self.rings[2]}
         argv = self.args["argv"]
         command = self.args["shell"] if self.args["shell"] is not None else " ".join(argv or [])
-        self.detached = adopter.adopt(command, self.child, fds, rings)
+        self.detached = adopter.adopt(command, self.child, fds, rings, give_away_spills(self.caps[1], self.caps[2]))
         self.detached_event.set()
         return True
 

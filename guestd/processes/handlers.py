@@ -13,6 +13,7 @@ if TYPE_CHECKING:  # the generated message types: annotations only, never import
     from guestd.capture import OutputRing
     from guestd.processes.table import ManagedProcess, ProcessTable
     from guestd.services import AdoptedRun, Request, Services
+    from guestd.spill import Spill
     from guestd.wire.types import (
         ProcessAttachArgs,
         ProcessAttachReply,
@@ -61,8 +62,15 @@ def register(services: Services) -> None:
         def check(self) -> None:
             table().check_adopt()
 
-        def adopt(self, command: str, run: AdoptedRun, fds: dict[str, int], rings: dict[str, OutputRing]) -> str:
-            return table().adopt(command, run, fds, rings)
+        def adopt(
+            self,
+            command: str,
+            run: AdoptedRun,
+            fds: dict[str, int],
+            rings: dict[str, OutputRing],
+            spills: dict[str, Spill] | None = None,
+        ) -> str:
+            return table().adopt(command, run, fds, rings, spills)
 
     services.busy.append(busy)
     services.on_shutdown.append(shutdown)

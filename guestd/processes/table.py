@@ -124,13 +124,17 @@ class ManagedProcess:
             loop.add_reader(fd, self._on_readable, name)
         child.watch(self._on_exit, 0.05)
 
-    def adopt(self, run: AdoptedRun, fds: dict[str, int], rings: dict[str, OutputRing]) -> None:
+    def adopt(
+        self, run: AdoptedRun, fds: dict[str, int], rings: dict[str, OutputRing], spills: dict[str, Spill] | None
+    ) -> None:
         """Take over a command that is already running (exec or shell.run ``on_timeout: "detach"``):
-        its rings already hold its output from byte 0, and reading goes on from its fds."""
+        its rings already hold its output from byte 0, and reading goes on from its fds (and
+        into its spill files, which hold it from byte 0 too)."""
         self.child = run
         self.leaf = run.cgroup
         self.pid = run.pid
         self.rings = rings
+        self.spills = spills
         self._fds = dict(fds)
         loop = asyncio.get_running_loop()
         for name, fd in self._fds.items():
@@ -138,6 +142,7 @@ class ManagedProcess:
         for name in ("stdout", "stderr"):
             if name not in self._fds:
                 rings[name].closed = True
+                self._end_spill(name)
         if run.status is not None:
             loop.call_soon(self._on_exit)  # it ended while being handed over
         else:
@@ -442,10 +447,17 @@ class ProcessTable:
                     "max_kept_processes", limits.max_kept_processes, "too many kept processes; forget some"
                 )
 
-    def adopt(self, command: str, run: AdoptedRun, fds: dict[str, int], rings: dict[str, OutputRing]) -> str:
+    def adopt(
+        self,
+        command: str,
+        run: AdoptedRun,
+        fds: dict[str, int],
+        rings: dict[str, OutputRing],
+        spills: dict[str, Spill] | None = None,
+    ) -> str:
         """A timed-out exec or shell command becomes a background process (on_timeout "detach")."""
         mp = ManagedProcess(self, "p" + os.urandom(6).hex(), command, 1)
-        mp.adopt(run, fds, rings)
+        mp.adopt(run, fds, rings, spills)
         self.procs[mp.id] = mp
         if self._sweeper is None or self._sweeper.done():
             self._sweeper = asyncio.get_running_loop().create_task(self._sweep())

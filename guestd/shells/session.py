@@ -51,7 +51,7 @@ from guestd.children.options import check_cwd, parse_signal
 from guestd.children.tree import descendants, read_chunk, set_winsize, signal_each, signal_group, write_all
 from guestd.services import derive, reseed_each
 from guestd.shells.job import STATUS_MAX, JobFifos, PtyInput, ShellJob, StdinFifo
-from guestd.spill import Spill, abandon, finish, open_spills
+from guestd.spill import Spill, abandon, finish, give_away_spills, open_spills
 from guestd.wire.errors import ErrorCode, GuestdError, limit_error
 from guestd.wire.paths import path_to_wire
 
@@ -540,7 +540,8 @@ class Session:
         job = ShellJob(pid, status, self._job_status_from_pid(), leaf, [out, err], given)
         job.keep_lingering(services.children.lingering)
         rings = {"stdout": self._job_rings[1], "stderr": self._job_rings[2]}
-        return adopter.adopt(command, job, {"stdout": out, "stderr": err}, rings)
+        spills = give_away_spills(self._caps[1], self._caps[2]) if self._caps is not None else None
+        return adopter.adopt(command, job, {"stdout": out, "stderr": err}, rings, spills)
 
     def _on_ctl(self) -> None:
         if self.ctl is None:
