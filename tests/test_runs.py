@@ -762,6 +762,12 @@ def test_the_blocking_client_drives_expect_and_kept_runs(guestd: Guestd, tmp_pat
             e.interrupt()
             r = e.wait(timeout=10)
         assert r.exit_code == 130 and b"not-reached" not in r.stdout
+        with SyncExpect.start(c, sid, "stty size; read -r x; stty size", timeout_s=20, rows=33, cols=99) as e:
+            e.expect(b"33 99\r\n", timeout=10)
+            e.resize(40, 120)
+            e.sendline("")
+            e.expect(b"40 120\r\n", timeout=10)
+            assert e.wait(timeout=10).exit_code == 0
         rid = start_kept(c, "shell.run", {"id": sid, "command": "sleep 0.5; echo kept; pwd"})
     with guestd.client() as c2:  # the first connection is gone; the kept run is not
         done = result_of(c2.run_wait(rid, timeout_s=20))

@@ -40,6 +40,8 @@ class SyncExpect:
         idle_timeout_s: float | None = None,
         deadline: float | None = None,
         max_buffer: int = MAX_BUFFER,
+        rows: int | None = None,
+        cols: int | None = None,
     ) -> SyncExpect:
         """Run ``command`` with ``shell.run`` ``pty: true`` in session ``session`` (see :meth:`Expect.start`)."""
 
@@ -52,6 +54,8 @@ class SyncExpect:
                 idle_timeout_s=idle_timeout_s,
                 deadline=deadline,
                 max_buffer=max_buffer,
+                rows=rows,
+                cols=cols,
             )
 
         return cls(client, client._run(make()))
@@ -78,6 +82,9 @@ class SyncExpect:
 
     def interrupt(self) -> None:
         self._client._run(self.aio.interrupt())
+
+    def resize(self, rows: int, cols: int) -> None:
+        self._client._run(self.aio.resize(rows, cols))
 
     def send_eof(self) -> None:
         self._client._run(self.aio.send_eof())
