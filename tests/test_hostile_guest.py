@@ -413,3 +413,31 @@ def within(seconds: float, fn: Callable[[], object]) -> object:
     if errors:
         raise errors[0]
     return box[0] if box else None
+
+
+_RUN = {"id": "r1", "op": "code.run", "state": "done", "target": "c1", "what": "1", "started_at": 1.0}
+BAD_RUNS = [
+    {**_RUN, "result": {}},  # KeyError 'results'
+    {**_RUN, "result": code_reply(results=[{"data": "not a map"}])},  # TypeError in check_bundle
+    {**_RUN, "op": "shell.run", "result": {"stdout": 5}},  # KeyError / a str where bytes belong
+    {**_RUN, "state": "failed", "error": {"code": 5, "details": "x"}},  # GuestdError(details="x")
+    {**_RUN, "state": "failed"},  # no error at all: was "internal" with no message
+    {**_RUN, "op": "exec", "result": code_reply()},  # an op no run is kept for
+]
+
+
+@pytest.mark.parametrize("run", BAD_RUNS, ids=["empty", "bundle", "shell", "error", "no-error", "op"])
+def test_a_run_record_of_the_wrong_shape_is_a_protocol_error(
+    fake_guest: Callable[..., FakeGuest], run: dict[str, object]
+) -> None:
+    """``result_of`` trusted the run record's ``result`` (a bare map in the schema) and ``error``:
+    a compromised guest's record raised KeyError or TypeError, or a GuestdError whose details
+    were not a map. Each is a GuestProtocolError now; a well-formed one still reads."""
+    from guestd.client.runs import result_of
+
+    g = fake_guest(answers({"run.get": {"run": run}}))
+    with Client(g.address) as c, pytest.raises(GuestProtocolError):
+        result_of(c.run_get("r1"))
+    good = fake_guest(answers({"run.get": {"run": {**_RUN, "result": code_reply(stdout=b"42\n")}}}))
+    with Client(good.address) as c:
+        assert result_of(c.run_get("r1")).stdout == b"42\n"

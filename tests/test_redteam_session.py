@@ -5,6 +5,8 @@ workload user nobody: each test is an attack a workload process makes for real."
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import json
 import os
 import shutil
 import subprocess
@@ -241,3 +243,114 @@ def test_a_pid_the_workload_writes_into_a_jobs_status_fifo_is_never_signalled(c:
     finally:
         target.kill()
         target.wait(10)
+
+
+def _alive_with(tag: str) -> list[int]:
+    import psutil
+
+    found = []
+    for p in psutil.process_iter(["cmdline"]):
+        with contextlib.suppress(psutil.Error):
+            if tag in " ".join(p.info["cmdline"] or []):
+                found.append(p.pid)
+    return found
+
+
+def _wait_gone(tag: str, timeout: float = 10) -> list[int]:
+    deadline = time.monotonic() + timeout
+    while (left := _alive_with(tag)) and time.monotonic() < deadline:
+        time.sleep(0.02)
+    return left
+
+
+@pytest.fixture(scope="module")
+def kernel_user(scratch: str, workload_py: str) -> Iterator[Guestd]:
+    """guestd as root with a kernelspec the workload user can run (a bash kernel on the
+    workload's Python: the venv's own kernelspec names this venv's Python, which nobody may
+    not be able to run)."""
+    from guestd.testing.cgroups import contained_config
+
+    d = tempfile.mkdtemp(prefix="guestd-redteam-k-")
+    os.chmod(d, 0o755)
+    os.makedirs(f"{d}/jp/kernels/wbash")
+    with open(f"{d}/jp/kernels/wbash/kernel.json", "w") as f:
+        json.dump({"argv": ["python", "-m", "bash_kernel", "-f", "{connection_file}"], "language": "bash"}, f)
+    cfg = contained_config(d, os.path.join(scratch, "redteam-k"))
+    g = start_guestd(
+        d,
+        "--config",
+        cfg,
+        "--runtime-dir",
+        f"{d}/rt",
+        "--code-pool",
+        "0",
+        python=workload_py,
+        env={"JUPYTER_PATH": f"{d}/jp"},
+    )
+    yield g
+    g.stop()
+    shutil.rmtree(d, ignore_errors=True)
+
+
+@needs_bash
+def test_a_foreign_kernels_processes_die_with_it(kernel_user: Guestd, tmp_path: str) -> None:
+    """A foreign (bash) kernel runs as the workload user in the context's cwd and env; what it
+    starts in sessions of its own dies when the kernel dies (it ran on in the dead context
+    until a restart or close), and with code.close."""
+    tag = str(100000 + int.from_bytes(os.urandom(3)) % 900000)  # sleep takes only digits
+    with kernel_user.client() as c:
+        ctx = c.code_create(kernel="wbash", cwd=tmp_path, env={"RT_TAG": tag})
+        try:
+            r = c.code_run('id -u; pwd; echo "$RT_TAG"', context=ctx["id"], timeout_s=30)
+            assert r.stdout.split() == [str(NOBODY).encode(), tmp_path.encode(), tag.encode()], r
+            # 10<tag>1 etc.: sleep's argument carries the tag, so only these are found.
+            spawn = f"setsid -f sleep 10{tag}1; (sleep 10{tag}2 &); nohup sleep 10{tag}3 >/dev/null 2>&1 & disown"
+            c.code_run(spawn, context=ctx["id"], timeout_s=30)
+            assert len(_alive_with(f"sleep 10{tag}")) == 3
+            r = c.code_run("kill -9 $PPID", context=ctx["id"], timeout_s=30)  # the kernel's Python
+            assert r.status != "ok"
+            assert _wait_gone(f"sleep 10{tag}") == [], "a dead kernel's processes ran on"
+            c.code_restart(ctx["id"])
+            c.code_run(spawn.replace("10", "20"), context=ctx["id"], timeout_s=30)
+            assert len(_alive_with(f"sleep 20{tag}")) == 3
+        finally:
+            c.code_close(ctx["id"])
+        assert _wait_gone(f"sleep 20{tag}") == [], "a closed kernel's processes ran on"
+
+
+def test_a_temp_name_cleanup_acts_only_in_the_directory_guestd_wrote_in(tmp_path: str) -> None:
+    """A guestd killed between an overwrite's link and rename leaves a temp name, recorded with
+    its directory's path; the next guestd removes it. The workload (who sees the name in its
+    directory) moved that directory away and put a symlink to a root directory in its place:
+    the cleanup re-resolved the path, followed the link and unlinked a root file of that name
+    there. The victim is planted by the test (the workload cannot make a file with the 48
+    random bits of the name outside its own directories, so this guards a hardening, not a
+    demonstrated loss); now the path must resolve without symlinks to the recorded inode."""
+    from tests.test_fs_interrupted import KILLED_BETWEEN_LINK_AND_RENAME
+
+    ws, rootdir, runtime = _open_dir(f"{tmp_path}/ws"), f"{tmp_path}/rootdir", f"{tmp_path}/rt"
+    os.mkdir(rootdir)
+    sub = f"{ws}/sub"
+    os.mkdir(sub)
+    with open(f"{sub}/t0", "wb") as f:
+        f.write(b"old")
+    for p in (sub, f"{sub}/t0"):
+        os.chown(p, NOBODY, NOBODY)
+    child = subprocess.run(
+        [sys.executable, "-c", KILLED_BETWEEN_LINK_AND_RENAME, f"{sub}/t0", f"{runtime}/pending-writes"],
+        env={**os.environ, "PYTHONPATH": REPO},
+        capture_output=True,
+        timeout=60,
+    )
+    assert child.returncode == -9, child.stderr.decode()
+    (temp,) = (n for n in os.listdir(sub) if ".guestd-tmp-" in n)
+    with open(f"{rootdir}/{temp}", "w") as f:
+        f.write("ROOT'S")
+    # The workload's move, as the workload user.
+    subprocess.run(
+        ["/bin/sh", "-c", f"mv {sub} {ws}/moved && ln -s {rootdir} {sub}"], user=NOBODY, check=True, timeout=30
+    )
+    os.mkdir(f"{tmp_path}/run")
+    start_guestd(f"{tmp_path}/run", "--runtime-dir", runtime).stop()
+    assert os.path.exists(f"{rootdir}/{temp}"), "the cleanup followed the workload's link"
+    assert os.listdir(f"{runtime}/pending-writes") == []  # the record itself is gone

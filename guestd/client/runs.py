@@ -56,11 +56,29 @@ async def run_list(client: AsyncClient, *, deadline: float | None = 30.0) -> lis
 
 
 def result_of(run: dict[str, Any]) -> ShellResult | CodeResult:
-    """A done run's result as the op's result type; a failed run's error raised."""
-    if run["state"] == "failed":
-        err = run.get("error") or {}
-        raise GuestdError(str(err.get("code", "internal")), str(err.get("message", "")), details=err.get("details"))
-    if run["state"] != "done" or not isinstance(run.get("result"), dict):
-        raise GuestdError(ErrorCode.BAD_REQUEST, f"run {run['id']} has not ended", details={"run": run["id"]})
-    body = run["result"]
-    return ShellResult.from_body(body) if run["op"] == "shell.run" else CodeResult.from_body(body)
+    """A done run's result as the op's result type; a failed run's error raised. The record is
+    the guest's word: ``result`` (a map in the schema) is checked against its op's reply schema
+    and anything of the wrong shape is a :class:`GuestProtocolError`, never a KeyError."""
+    from guestd.client.connection import GuestProtocolError
+    from guestd.wire.schema import OPS_BY_NAME, validate
+
+    if not isinstance(run, dict):
+        raise GuestProtocolError("run record: not a map")
+    op, state, rid = run.get("op"), run.get("state"), run.get("id")
+    if op not in ("shell.run", "code.run") or not isinstance(rid, str):
+        raise GuestProtocolError(f"run record: op {op!r} or id {rid!r} is not a kept run's")
+    if state == "failed":
+        err = run.get("error")
+        if not isinstance(err, dict):
+            raise GuestProtocolError(f"run {rid}: failed without an error map")
+        code, message, details = err.get("code", "internal"), err.get("message", ""), err.get("details")
+        if not isinstance(code, str) or not isinstance(message, str) or not isinstance(details, dict | None):
+            raise GuestProtocolError(f"run {rid}: its error is not {{code, message, details}}")
+        raise GuestdError(code, message, details=details)
+    if state != "done" or not isinstance(run.get("result"), dict):
+        raise GuestdError(ErrorCode.BAD_REQUEST, f"run {rid} has not ended", details={"run": rid})
+    try:
+        body = validate(OPS_BY_NAME[op].result, run["result"])
+        return ShellResult.from_body(body) if op == "shell.run" else CodeResult.from_body(body)  # type: ignore[arg-type]
+    except GuestdError as e:
+        raise GuestProtocolError(f"run {rid}: its result is not a {op} reply: {e.message}") from None

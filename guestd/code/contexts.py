@@ -437,6 +437,10 @@ class Kernel:
 
     def _on_exit(self) -> None:
         assert self.child is not None
+        # What the kernel started (``setsid -f``, ``cmd &``) dies with it: a dead context can only
+        # be restarted or closed, and nothing else owns those processes (they ran on, in the dead
+        # context's run, until then).
+        self.child.kill_now()
         if not self.died.done():
             self.died.set_result(_exit_reason(self.child.status))
         self._remove_pidfile()

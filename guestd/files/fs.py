@@ -553,12 +553,16 @@ class PendingTemps:
         self.mine = os.path.join(directory, str(os.getpid()))
 
     def record(self, place: Place, temp_name: bytes) -> str:
+        """Record ``temp_name`` in ``place``'s directory: its path as the kernel resolved it (no
+        symlinks in it) and its identity (device, inode), which the cleanup checks."""
         where = os.fsencode(os.readlink(f"/proc/self/fd/{place.dirfd}"))
+        dst = os.fstat(place.dirfd)
+        where += b"\0" + temp_name + b"\0" + f"{dst.st_dev}:{dst.st_ino}".encode()
         os.makedirs(self.mine, mode=0o700, exist_ok=True)
         record = os.path.join(self.mine, temp_name.hex()[-24:])
         fd = os.open(record, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
         try:
-            os.write(fd, where + b"\0" + temp_name)
+            os.write(fd, where)
         finally:
             os.close(fd)
         return record
@@ -584,24 +588,32 @@ class PendingTemps:
             for entry in os.listdir(folder):
                 record = os.path.join(folder, entry)
                 with open(record, "rb") as f:
-                    where, _, name = f.read().partition(b"\0")
-                removed += _remove_temp(where, name)
+                    where, _, rest = f.read().partition(b"\0")
+                name, _, identity = rest.partition(b"\0")
+                removed += _remove_temp(where, name, identity)
                 os.unlink(record)
             os.rmdir(folder)
         return removed
 
 
-def _remove_temp(where: bytes, name: bytes) -> int:
+def _remove_temp(where: bytes, name: bytes, identity: bytes = b"") -> int:
     """Unlink the temp file ``name`` in the directory ``where`` if it is still one of ours:
-    a regular file with our mark in a directory resolved without magic links, the name
-    unlinked in that fd (the directory may have been moved or replaced since)."""
+    a regular file with our mark, in the very directory guestd wrote in. The recorded path
+    had no symlink in it (the kernel's name for the directory), so one found now is the
+    workload's and is refused (RESOLVE_NO_SYMLINKS), and the directory must be the recorded
+    inode: one the workload moved away and replaced (by another directory, or a link to a
+    directory it cannot write) is left alone. The name is unlinked in that fd."""
     if TEMP_MARK not in name or b"/" in name:
         return 0
     try:
-        dirfd = openat2(AT_FDCWD, where, _DIR_PATH, 0, RESOLVE_NO_MAGICLINKS)
+        dirfd = openat2(AT_FDCWD, where, _DIR_PATH, 0, RESOLVE_NO_SYMLINKS | RESOLVE_NO_MAGICLINKS)
     except OSError:
         return 0
     try:
+        if identity:  # records of an older guestd have none
+            dst = os.fstat(dirfd)
+            if f"{dst.st_dev}:{dst.st_ino}".encode() != identity:
+                return 0
         if not st.S_ISREG(os.stat(name, dir_fd=dirfd, follow_symlinks=False).st_mode):
             return 0
         os.unlink(name, dir_fd=dirfd)
