@@ -772,3 +772,35 @@ def test_the_blocking_client_drives_expect_and_kept_runs(guestd: Guestd, tmp_pat
     with guestd.client() as c2:  # the first connection is gone; the kept run is not
         done = result_of(c2.run_wait(rid, timeout_s=20))
         assert isinstance(done, ShellResult) and done.stdout == f"kept\n{tmp_path}\n".encode()
+
+
+def test_expect_searches_new_output_with_an_overlap_and_finds_split_matches(guestd: Guestd) -> None:
+    """expect searches each new output with the 64 KiB before it (not the whole buffer again):
+    a match split across outputs after 200 KB of filler is found, with all of the filler as
+    ``before``; past the 1 MiB buffer the oldest bytes are dropped (counted) and a match in
+    the newest output is still found."""
+    from guestd.client.expect import Expect
+
+    async def go() -> None:
+        async with await AsyncClient.connect(guestd.address) as c:
+            sid = (await c.shell_create())["id"]
+            cmd = "head -c 200000 /dev/zero | tr '\\0' x; printf MAR; sleep 0.3; printf KER; read -r x"
+            async with Expect.start(c, sid, cmd, timeout_s=30) as e:
+                await e.expect(b"MAR", timeout=10)  # consumed: the next pattern starts after it
+                await e.expect(b"KER", timeout=10)
+                await e.sendline("")
+                await e.wait(timeout=10)
+            async with Expect.start(c, sid, cmd, timeout_s=30) as e:
+                await e.expect(b"x{1000}MARKER", timeout=10)
+                assert len(e.before) == 200_000 - 1000
+                await e.sendline("")
+                await e.wait(timeout=10)
+            big = "head -c 1600000 /dev/zero | tr '\\0' y; sleep 0.3; printf END; read -r x"
+            async with Expect.start(c, sid, big, timeout_s=30) as e:
+                await e.expect(b"yEND", timeout=20)
+                assert e.dropped > 0 and len(e.before) + 1 + e.dropped <= 1_600_000
+                await e.sendline("")
+                await e.wait(timeout=10)
+            await c.shell_close(sid)
+
+    asyncio.run(go())

@@ -29,6 +29,7 @@ if TYPE_CHECKING:
     from guestd.client.results import ShellResult
 
 MAX_BUFFER = 1024 * 1024  # unconsumed output kept; older bytes are dropped (counted)
+SEARCH_OVERLAP = 64 * 1024  # how far back in output already searched a match may start
 
 
 class ExpectEOF(GuestdError):
@@ -117,7 +118,9 @@ class Expect:
     async def expect(self, pattern: bytes | str | re.Pattern[bytes], timeout: float) -> re.Match[bytes]:
         """Wait up to ``timeout`` s for ``pattern`` in the output not consumed yet; the output up
         to the match's end is consumed (what came before it is :attr:`before`). Raises a
-        ``timeout`` GuestdError, or :class:`ExpectEOF` when the command ended first."""
+        ``timeout`` GuestdError, or :class:`ExpectEOF` when the command ended first. The whole
+        buffer is searched once; then each new output with the ``SEARCH_OVERLAP`` (64 KiB)
+        before it, so a match may start at most that far back in output searched before."""
         rx = (
             pattern
             if isinstance(pattern, re.Pattern)
@@ -125,14 +128,21 @@ class Expect:
         )
         loop = asyncio.get_running_loop()
         end = loop.time() + timeout
+        # Each wake searches the new output and SEARCH_OVERLAP bytes before it, not the whole
+        # buffer again: a guest trickling output into a large buffer costs what it sends.
+        searched, dropped = 0, self.dropped
         while True:
             self._more.clear()
-            data = bytes(self.buffer)  # the match must outlive the buffer's consumed bytes
-            m = rx.search(data)
-            if m is not None:
+            searched, dropped = max(0, searched - (self.dropped - dropped)), self.dropped
+            start = max(0, searched - SEARCH_OVERLAP)
+            if rx.search(self.buffer, start) is not None:
+                data = bytes(self.buffer)  # the match must outlive the buffer's consumed bytes
+                m = rx.search(data, start)
+                assert m is not None
                 self.before = data[: m.start()]
                 del self.buffer[: m.end()]
                 return m
+            searched = len(self.buffer)
             if self.ended:
                 self._reader_error()
                 raise ExpectEOF(ErrorCode.NOT_FOUND, f"the command ended before {rx.pattern!r} appeared")
