@@ -359,6 +359,7 @@ def test_spill_keeps_every_byte_the_ring_drops(fresh_guestd: object, tmp_path: o
         # forget: the files go with the process.
         c.process_forget(p["id"])
         deadline = time.monotonic() + 10
-        while os.path.exists(out_spill["path"]) and time.monotonic() < deadline:
+        # Removed one after the other, after their pending writes: wait (bounded) for both.
+        while (os.path.exists(out_spill["path"]) or os.path.exists(err_spill["path"])) and time.monotonic() < deadline:
             time.sleep(0.05)
         assert not os.path.exists(out_spill["path"]) and not os.path.exists(err_spill["path"])
