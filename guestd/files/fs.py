@@ -556,13 +556,12 @@ class PendingTemps:
         """Record ``temp_name`` in ``place``'s directory: its path as the kernel resolved it (no
         symlinks in it) and its identity (device, inode), which the cleanup checks."""
         where = os.fsencode(os.readlink(f"/proc/self/fd/{place.dirfd}"))
-        dst = os.fstat(place.dirfd)
-        where += b"\0" + temp_name + b"\0" + f"{dst.st_dev}:{dst.st_ino}".encode()
+        entry = where + b"\0" + temp_name + b"\0" + _dir_identity(place.dirfd)
         os.makedirs(self.mine, mode=0o700, exist_ok=True)
         record = os.path.join(self.mine, temp_name.hex()[-24:])
         fd = os.open(record, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
         try:
-            os.write(fd, where)
+            os.write(fd, entry)
         finally:
             os.close(fd)
         return record
@@ -596,6 +595,12 @@ class PendingTemps:
         return removed
 
 
+def _dir_identity(dirfd: int) -> bytes:
+    """``b"DEV:INODE"`` of the directory open at ``dirfd``, as a temp-name record keeps it."""
+    dir_st = os.fstat(dirfd)
+    return f"{dir_st.st_dev}:{dir_st.st_ino}".encode()
+
+
 def _remove_temp(where: bytes, name: bytes, identity: bytes = b"") -> int:
     """Unlink the temp file ``name`` in the directory ``where`` if it is still one of ours:
     a regular file with our mark, in the very directory guestd wrote in. The recorded path
@@ -610,10 +615,8 @@ def _remove_temp(where: bytes, name: bytes, identity: bytes = b"") -> int:
     except OSError:
         return 0
     try:
-        if identity:  # records of an older guestd have none
-            dst = os.fstat(dirfd)
-            if f"{dst.st_dev}:{dst.st_ino}".encode() != identity:
-                return 0
+        if identity and _dir_identity(dirfd) != identity:  # records of an older guestd have none
+            return 0
         if not st.S_ISREG(os.stat(name, dir_fd=dirfd, follow_symlinks=False).st_mode):
             return 0
         os.unlink(name, dir_fd=dirfd)
