@@ -15,8 +15,10 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
+from guestd.client.connection import GuestProtocolError
 from guestd.client.results import CodeResult, ShellResult
 from guestd.wire.errors import ErrorCode, GuestdError
+from guestd.wire.schema import OPS_BY_NAME, validate
 
 if TYPE_CHECKING:
     from guestd.client.aio import AsyncClient
@@ -59,9 +61,6 @@ def result_of(run: dict[str, Any]) -> ShellResult | CodeResult:
     """A done run's result as the op's result type; a failed run's error raised. The record is
     the guest's word: ``result`` (a map in the schema) is checked against its op's reply schema
     and anything of the wrong shape is a :class:`GuestProtocolError`, never a KeyError."""
-    from guestd.client.connection import GuestProtocolError
-    from guestd.wire.schema import OPS_BY_NAME, validate
-
     if not isinstance(run, dict):
         raise GuestProtocolError("run record: not a map")
     op, state, rid = run.get("op"), run.get("state"), run.get("id")

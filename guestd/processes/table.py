@@ -21,6 +21,7 @@ from guestd.capture import OutputRing
 from guestd.children import DEVNULL, PIPE, STDOUT, Child, ExitInfo, exit_info
 from guestd.children.options import build_env, check_cwd, command_argv
 from guestd.children.tree import read_chunk, set_winsize, write_all
+from guestd.spill import abandon, open_spills
 from guestd.wire.errors import ErrorCode, GuestdError, limit_error
 
 if TYPE_CHECKING:  # the generated message types: annotations only, never imported at run time
@@ -76,16 +77,12 @@ class ManagedProcess:
         check_cwd(args["cwd"])
         env = build_env(args["env"], args["env_mode"])
         if args["spill"]:
-            from guestd.spill import open_spills
-
             out, err = await open_spills(self.table.services, "proc")
             self.spills = {"stdout": out, "stderr": err}
         try:
             await self._spawn(args, argv, env)
         except BaseException:
             if self.spills is not None:
-                from guestd.spill import abandon
-
                 abandon((self.spills["stdout"], self.spills["stderr"]))
             raise
         for name in ("stdout", "stderr"):
