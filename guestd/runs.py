@@ -65,7 +65,7 @@ class KeptRun:
                 else:
                     error = {
                         "code": ErrorCode.INTERNAL.value,
-                        "message": repr(exc) if exc else "cancelled",
+                        "message": repr(exc),
                         "details": {},
                     }
             else:

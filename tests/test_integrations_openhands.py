@@ -304,7 +304,15 @@ def test_a_workload_standing_in_for_the_git_script_cannot_make_the_host_remove_a
     victim = tmp_path / "victim"
     victim.write_text("keep me")
     fake = tmp_path / "fake-python"
-    for reply in (json.dumps({"file": str(victim)}), "[1, 2]", "not json", json.dumps({"ok": [["X", "a"]]})):
+    replies = (
+        json.dumps({"file": str(victim)}),
+        "[1, 2]",
+        "not json",
+        json.dumps({"ok": [["X", "a"]]}),
+        json.dumps({"nothing": 1}),
+        json.dumps({"error": "not an object"}),
+    )
+    for reply in replies:
         fake.write_text(f"#!/bin/sh\ncat <<'EOF'\n{reply}\nEOF\n")
         fake.chmod(0o755)
         ws = GuestdWorkspace(address=guestd.address, working_dir=str(tmp_path), python=str(fake))

@@ -46,7 +46,7 @@ class Expect:
         session: str = "",
     ) -> None:
         self.stream = stream
-        self._client = client  # and session: for resize
+        self._client = client  # resize is an op on the session, not on the stream
         self.session = session
         self.buffer = bytearray()  # output not consumed by a match yet
         self.before = b""  # what came before the last match

@@ -72,21 +72,27 @@ class SyncExpect:
 
     @property
     def dropped(self) -> int:
+        """Bytes dropped from the front of the buffer (over its bound)."""
         return self.aio.dropped
 
     def send(self, data: bytes | str) -> None:
+        """Type ``data`` into the terminal."""
         self._client._run(self.aio.send(data))
 
     def sendline(self, text: bytes | str = b"") -> None:
+        """Type ``text`` and a newline."""
         self._client._run(self.aio.sendline(text))
 
     def interrupt(self) -> None:
+        """Ctrl-C for the program in the foreground."""
         self._client._run(self.aio.interrupt())
 
     def resize(self, rows: int, cols: int) -> None:
+        """Resize the terminal; the program gets SIGWINCH."""
         self._client._run(self.aio.resize(rows, cols))
 
     def send_eof(self) -> None:
+        """^D: the end of input for a read at the start of a line."""
         self._client._run(self.aio.send_eof())
 
     def expect(self, pattern: bytes | str | re.Pattern[bytes], timeout: float) -> re.Match[bytes]:
@@ -94,9 +100,11 @@ class SyncExpect:
         return self._client._run(self.aio.expect(pattern, timeout))
 
     def wait(self, timeout: float) -> ShellResult:
+        """The command's result once it has ended, within ``timeout`` s."""
         return self._client._run(self.aio.wait(timeout))
 
     def close(self) -> None:
+        """Stop reading; a command still running is interrupted (as :meth:`Expect.close`)."""
         self._client._run(self.aio.close())
 
     def __enter__(self) -> SyncExpect:

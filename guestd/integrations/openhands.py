@@ -197,8 +197,10 @@ class GuestdWorkspace(BaseWorkspace):
                 client.remove(spill)
             assert isinstance(data, bytes)
             reply = _json_object(data)
-        if "error" in reply:
+        if isinstance(reply.get("error"), dict):
             raise _git_error(reply["error"])
+        if "ok" not in reply:
+            raise _bad_reply("neither ok nor an error object")
         return reply["ok"]
 
 
