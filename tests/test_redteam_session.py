@@ -37,31 +37,36 @@ needs_bash = pytest.mark.skipif(
 )
 
 
-@pytest.fixture(scope="module")
-def rg(scratch: str, workload_py: str) -> Iterator[Guestd]:
+def _contained_guestd(
+    scratch: str, workload_py: str, prefix: str, jupyter_path: str | None, *args: str
+) -> Iterator[Guestd]:
     """guestd as root, workload user nobody (who can run its Python: kernels run as nobody),
-    its runtime dir known to the test."""
+    its runtime dir known to the test; ``jupyter_path`` None: this venv's kernelspecs."""
     from guestd.testing.cgroups import contained_config
 
-    d = tempfile.mkdtemp(prefix="guestd-redteam-")
+    d = tempfile.mkdtemp(prefix=prefix)
     os.chmod(d, 0o755)
-    cfg = contained_config(d, os.path.join(scratch, "redteam"))
+    jp = jupyter_path.replace("{dir}", d) if jupyter_path else f"{sys.prefix}/share/jupyter"
+    if jupyter_path:
+        os.makedirs(f"{jp}/kernels/wbash")
+        with open(f"{jp}/kernels/wbash/kernel.json", "w") as f:
+            json.dump({"argv": ["python", "-m", "bash_kernel", "-f", "{connection_file}"], "language": "bash"}, f)
+    cfg = contained_config(d, os.path.join(scratch, prefix.strip("-")))
     g = start_guestd(
-        d,
-        "--config",
-        cfg,
-        "--runtime-dir",
-        f"{d}/rt",
-        "--code-pool",
-        "0",
-        "--max-contexts",
-        "8",
-        python=workload_py,
-        env={"JUPYTER_PATH": f"{sys.prefix}/share/jupyter"},  # this venv's kernelspecs (bash_kernel)
-    )
-    yield g
-    g.stop()
-    shutil.rmtree(d, ignore_errors=True)
+        d, "--config", cfg, "--runtime-dir", f"{d}/rt", "--code-pool", "0", *args,
+        python=workload_py, env={"JUPYTER_PATH": jp},
+    )  # fmt: skip
+    try:
+        yield g
+    finally:
+        g.stop()
+        shutil.rmtree(d, ignore_errors=True)
+
+
+@pytest.fixture(scope="module")
+def rg(scratch: str, workload_py: str) -> Iterator[Guestd]:
+    """guestd as root, workload user nobody, this venv's kernelspecs (bash_kernel)."""
+    yield from _contained_guestd(scratch, workload_py, "guestd-redteam-", None, "--max-contexts", "8")
 
 
 @pytest.fixture
@@ -268,28 +273,7 @@ def kernel_user(scratch: str, workload_py: str) -> Iterator[Guestd]:
     """guestd as root with a kernelspec the workload user can run (a bash kernel on the
     workload's Python: the venv's own kernelspec names this venv's Python, which nobody may
     not be able to run)."""
-    from guestd.testing.cgroups import contained_config
-
-    d = tempfile.mkdtemp(prefix="guestd-redteam-k-")
-    os.chmod(d, 0o755)
-    os.makedirs(f"{d}/jp/kernels/wbash")
-    with open(f"{d}/jp/kernels/wbash/kernel.json", "w") as f:
-        json.dump({"argv": ["python", "-m", "bash_kernel", "-f", "{connection_file}"], "language": "bash"}, f)
-    cfg = contained_config(d, os.path.join(scratch, "redteam-k"))
-    g = start_guestd(
-        d,
-        "--config",
-        cfg,
-        "--runtime-dir",
-        f"{d}/rt",
-        "--code-pool",
-        "0",
-        python=workload_py,
-        env={"JUPYTER_PATH": f"{d}/jp"},
-    )
-    yield g
-    g.stop()
-    shutil.rmtree(d, ignore_errors=True)
+    yield from _contained_guestd(scratch, workload_py, "guestd-redteam-k-", "{dir}/jp")
 
 
 @needs_bash
