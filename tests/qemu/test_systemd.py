@@ -133,8 +133,11 @@ def test_no_escape_outlives_its_run_in_the_shipped_config(vm: GuestVM) -> None:
                     wait_beating(c, hb)
                     c.process_signal(p, "KILL")
                 else:
-                    with pytest.raises(GuestdError) as ei:  # the client gives up and cancels in the guest
-                        c.exec(["sh", "-c", f"{cmd}; sleep 100"], deadline=4)
+                    # The client gives up and cancels in the guest: TERM, the kill grace (0.5 s, as
+                    # above: the default 2 s outlasts assert_stopped's first wait, and a chain member
+                    # forked during the TERM lives until the grace ends), then KILL.
+                    with pytest.raises(GuestdError) as ei:
+                        c.exec(["sh", "-c", f"{cmd}; sleep 100"], kill_grace_s=0.5, deadline=4)
                     assert ei.value.code == "timeout"
                 assert size(c, hb) > 0, f"{name} / {path}: the escapee never ran"
                 assert_stopped(c, hb, f"{name} / {path}")
