@@ -63,6 +63,7 @@ class ManagedProcess:
         self._write_lock = asyncio.Lock()  # FIFO: process.write calls go in one at a time, in order
         self._writes_queued = 0  # process.write calls received so far
         self._writes_failed_below = 0  # writes numbered below this one fail unsent (one before tore)
+        self._torn_write_code: str = ErrorCode.IO_ERROR.value  # the code of the write that tore: the queue fails alike
         self._stdin_closed = False
         self.spills: dict[str, Spill] | None = None  # spill: true
         self._spill_closed: dict[str, asyncio.Task[SpillInfoRecord]] = {}  # a stream ended: its file complete
@@ -294,9 +295,11 @@ class ManagedProcess:
             ) from None
         try:
             if seq < self._writes_failed_below:
+                # The same code as the write that tore, so the answer does not depend on whether
+                # this one's own deadline or the lock came first.
                 raise GuestdError(
-                    ErrorCode.IO_ERROR,
-                    f"an earlier write to process {self.id} failed; this one was not sent",
+                    self._torn_write_code,
+                    f"an earlier write to process {self.id} failed ({self._torn_write_code}); this one was not sent",
                     details={"process": self.id, "written": 0, "stage": "queue"},
                 )
             fd = self._stdin_fd()
@@ -306,7 +309,10 @@ class ManagedProcess:
                     await write_all(loop, fd, data, sent)
             except BaseException as exc:
                 self._writes_failed_below = self._writes_queued  # what waits behind a torn write
-                raise self._write_error(exc, sent[0], limit_s) from None
+                error = self._write_error(exc, sent[0], limit_s)
+                if isinstance(error, GuestdError):
+                    self._torn_write_code = error.code
+                raise error from None
             return len(data)
         finally:
             self._write_lock.release()

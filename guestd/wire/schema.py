@@ -1075,7 +1075,8 @@ PROCESS_OPS: tuple[OpSpec, ...] = (
         "order, one at a time (a paste sent as concurrent chunks arrives as sent). A write the process has "
         "not taken within the config's processes.stdin_timeout_s (default 30 s, counted from arrival) fails "
         "as timeout; every error carries details.written (bytes that went in), and writes queued behind a "
-        "failed one fail unsent (details.stage queue). A write to a process that has exited is bad_request.",
+        "failed one fail unsent with its error code (details.stage queue). A write to a process that has "
+        "exited is bad_request.",
         args=(_PID, F("data", "bin", "bytes", True)),
         result=(F("written", "uint", "bytes written", True),),
         errors=("not_found", "bad_request", "timeout", "io_error"),
