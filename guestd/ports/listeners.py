@@ -5,45 +5,22 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
-import ipaddress
 import os
 from typing import Any
 
-_LISTEN = "0A"  # TCP_LISTEN in /proc/net/tcp's st column
+from guestd.tcp_table import LISTEN, tcp_sockets
+
 MAX_COMMAND = 256
 MAX_LISTENERS = 4096  # listed per reply; a workload with more is cut here (by port)
 WAIT_INTERVALS_S = (0.02, 0.05, 0.1, 0.2)  # port.wait's probes back off to the last one
 HTTP_STATUS_LINE_MAX = 8192
 
 
-def _address(hex_addr: str, family: str) -> str:
-    raw = bytes.fromhex(hex_addr)
-    if family == "ipv4":
-        return str(ipaddress.IPv4Address(raw[::-1]))
-    # Four 32-bit words, each in host (little-endian) order.
-    words = b"".join(raw[i : i + 4][::-1] for i in range(0, 16, 4))
-    return str(ipaddress.IPv6Address(words))
-
-
 def scan() -> list[tuple[str, str, int, int]]:
     """(family, address, port, socket inode) of every listening socket, sorted, without duplicates."""
     found: dict[tuple[str, str, int], int] = {}
-    for path, family in (("/proc/net/tcp", "ipv4"), ("/proc/net/tcp6", "ipv6")):
-        try:
-            with open(path) as f:
-                lines = f.read().splitlines()[1:]
-        except OSError:
-            continue
-        for line in lines:
-            parts = line.split()
-            if len(parts) < 10 or parts[3] != _LISTEN:
-                continue
-            hex_addr, _, hex_port = parts[1].partition(":")
-            try:
-                key = (family, _address(hex_addr, family), int(hex_port, 16))
-                found.setdefault(key, int(parts[9]))
-            except ValueError:
-                continue
+    for sock in tcp_sockets((LISTEN,)):
+        found.setdefault((sock.family, *sock.local), sock.inode)
     return sorted(((f, a, p, inode) for (f, a, p), inode in found.items()), key=lambda x: (x[2], x[0], x[1]))
 
 
