@@ -4,12 +4,12 @@
 from __future__ import annotations
 
 import argparse
-import asyncio
 import os
 import sys
 from typing import Any
 
 from guestd.cli import terminal
+from guestd.cli.bridge import TerminalBridge, local_size
 from guestd.cli.shared import Subcommands, add_command, exit_code_of, print_death, print_json
 from guestd.cli.terminal import field
 from guestd.client.aio import AsyncClient
@@ -113,62 +113,26 @@ async def start_process(client: AsyncClient, ns: argparse.Namespace, cmd: list[s
         p = await client.process_start(cmd, cwd=ns.cwd, env=env or None, stdin=ns.stdin, spill=ns.spill or None)
         print_json(p) if ns.json else print(field(p["id"]))
         return 0
-    size = os.get_terminal_size(sys.stdout.fileno()) if sys.stdout.isatty() else os.terminal_size((80, 24))
+    size = local_size()
     p = await client.process_start(cmd, cwd=ns.cwd, env=env or None, pty=True, rows=size.lines, cols=size.columns)
     return await attach_terminal(client, p["id"], detach_ok=ns.detach, raw=ns.raw)
 
 
 async def attach_terminal(client: AsyncClient, process_id: str, detach_ok: bool, raw: bool = False) -> int:
-    """Local terminal <-> remote pty: raw mode, keystrokes forwarded, window size followed.
+    """Local terminal <-> remote pty (:class:`guestd.cli.bridge.TerminalBridge`). What the remote
+    program writes goes through the pty filter of ``guestd.cli.terminal`` unless ``raw``."""
+    bridge = TerminalBridge(raw)
 
-    What the remote program writes goes through the pty filter of ``guestd.cli.terminal``
-    (unless ``raw``), and the terminal's modes are put back when the session ends, however
-    it ends: the tty settings, and the screen modes the program may have left on."""
-    import signal as _signal
-    import termios
-    import tty
-
-    loop = asyncio.get_running_loop()
-    fd = sys.stdin.fileno()
-    interactive = os.isatty(fd)
-    saved = termios.tcgetattr(fd) if interactive else None
-    pending: list[asyncio.Task[Any]] = []
-
-    def on_key() -> None:
-        data = os.read(fd, 4096)
+    def on_input(data: bytes) -> None:
         if data:
-            pending.append(loop.create_task(client.process_write(process_id, data)))
-        else:
-            loop.remove_reader(fd)
+            bridge.spawn(client.process_write(process_id, data))
 
-    def on_winch() -> None:
-        size = os.get_terminal_size(sys.stdout.fileno())
-        pending.append(loop.create_task(client.process_resize(process_id, size.lines, size.columns)))
+    def on_resize(size: os.terminal_size) -> None:
+        bridge.spawn(client.process_resize(process_id, size.lines, size.columns))
 
-    pollable = True
-    out = terminal.stdout(raw, pty=True)
-    try:
-        if interactive:
-            tty.setraw(fd)
-            loop.add_signal_handler(_signal.SIGWINCH, on_winch)
-        try:
-            loop.add_reader(fd, on_key)
-        except OSError:  # epoll refuses plain files and /dev/null: nothing to forward then
-            pollable = False
+    with bridge.open(on_input, on_resize) as out:
         a = client.attach(process_id, deadline=None)  # a person is at the terminal
         async for _, _, data in a:
             out.write(data)
         final = await a.result()
-    finally:
-        out.close()
-        if pollable:
-            loop.remove_reader(fd)
-        if sys.stdout.isatty():
-            sys.stdout.buffer.write(terminal.RESET_MODES)
-            sys.stdout.flush()
-        if saved is not None:
-            termios.tcsetattr(fd, termios.TCSADRAIN, saved)
-            loop.remove_signal_handler(_signal.SIGWINCH)
-        for t in pending:
-            t.cancel()
     return exit_code_of(final)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
 from guestd.cli.shared import (
@@ -126,16 +127,9 @@ async def run_on_pty(client: AsyncClient, ns: argparse.Namespace) -> int:
     to it (raw mode, modes put back however it ends). Typed ^C and ^\\ become INT and QUIT
     for the command's process group (its terminal raises no signals itself); the end of a
     piped stdin is ^D."""
-    import asyncio
-    import os
-    import signal
-    import termios
-    import tty
+    from guestd.cli.bridge import TerminalBridge, local_size
 
-    from guestd.cli import terminal
-
-    loop = asyncio.get_running_loop()
-    size = os.get_terminal_size(sys.stdout.fileno()) if sys.stdout.isatty() else os.terminal_size((80, 24))
+    size = local_size()
     s = client.shell_stream(
         ns.id,
         ns.command,
@@ -145,58 +139,30 @@ async def run_on_pty(client: AsyncClient, ns: argparse.Namespace) -> int:
         timeout_s=ns.timeout,
         idle_timeout_s=ns.idle_timeout,
     )
-    fd = sys.stdin.fileno()
-    interactive = os.isatty(fd)
-    saved = termios.tcgetattr(fd) if interactive else None
-    pending: list[asyncio.Task[None]] = []
+    bridge = TerminalBridge(ns.raw)
     keys = {0x03: "INT", 0x1C: "QUIT"}
 
-    def on_key() -> None:
-        data = os.read(fd, 4096)
+    def on_input(data: bytes) -> None:
         if not data:
-            loop.remove_reader(fd)
-            pending.append(loop.create_task(s.close_stdin()))
+            bridge.spawn(s.close_stdin())
             return
         start = 0
         for i, b in enumerate(data):
-            if interactive and b in keys:
+            if bridge.interactive and b in keys:
                 if data[start:i]:
-                    pending.append(loop.create_task(s.write_stdin(data[start:i])))
-                pending.append(loop.create_task(s.signal(keys[b])))
+                    bridge.spawn(s.write_stdin(data[start:i]))
+                bridge.spawn(s.signal(keys[b]))
                 start = i + 1
         if data[start:]:
-            pending.append(loop.create_task(s.write_stdin(data[start:])))
+            bridge.spawn(s.write_stdin(data[start:]))
 
-    def on_winch() -> None:
-        size = os.get_terminal_size(sys.stdout.fileno())
-        pending.append(loop.create_task(client.shell_resize(ns.id, size.lines, size.columns)))
+    def on_resize(size: os.terminal_size) -> None:
+        bridge.spawn(client.shell_resize(ns.id, size.lines, size.columns))
 
-    pollable = True
-    out = terminal.stdout(ns.raw, pty=True)
-    try:
-        if interactive:
-            tty.setraw(fd)
-            if sys.stdout.isatty():
-                loop.add_signal_handler(signal.SIGWINCH, on_winch)
-        try:
-            loop.add_reader(fd, on_key)
-        except OSError:  # epoll refuses plain files and /dev/null: nothing to forward then
-            pollable = False
+    with bridge.open(on_input, on_resize) as out:
         async for _, data in s:
             out.write(data)
         res = await s.result()
-    finally:
-        out.close()
-        if pollable:
-            loop.remove_reader(fd)
-        loop.remove_signal_handler(signal.SIGWINCH)
-        if sys.stdout.isatty():
-            sys.stdout.buffer.write(terminal.RESET_MODES)
-            sys.stdout.flush()
-        if saved is not None:
-            termios.tcsetattr(fd, termios.TCSADRAIN, saved)
-        for t in pending:
-            t.cancel()
     if ns.json:
         print_json(res.to_json())
     if res.timed_out:

@@ -1,0 +1,134 @@
+"""guestctl's terminal bridges (``exec --pty``, ``shell run --pty``) driven from a real local
+terminal: guestctl runs on a pty that is its controlling terminal, as in a person's shell, so
+raw mode, typed ^C, window-size changes and the modes put back at the end are all real."""
+
+from __future__ import annotations
+
+import fcntl
+import os
+import pty
+import re
+import select
+import struct
+import subprocess
+import termios
+import time
+
+import pytest
+
+from guestd.testing import REPO, Guestd
+
+WAIT_S = 30.0
+
+
+class LocalTerminal:
+    """guestctl on a pty of its own: type into it, read what it shows, resize it."""
+
+    def __init__(self, argv: list[str], rows: int, cols: int) -> None:
+        self.master, slave = pty.openpty()
+        self.resize(rows, cols)
+        self.modes_before = termios.tcgetattr(slave)
+        self.slave = slave  # kept open: the modes are read back from it at the end
+        self.proc = subprocess.Popen(
+            argv,
+            stdin=slave,
+            stdout=slave,
+            stderr=slave,
+            env={**os.environ, "PYTHONPATH": REPO},
+            start_new_session=True,
+            # The pty becomes guestctl's controlling terminal: SIGWINCH reaches it on a resize.
+            preexec_fn=lambda: fcntl.ioctl(0, termios.TIOCSCTTY, 0),
+        )
+        self.shown = bytearray()
+
+    def resize(self, rows: int, cols: int) -> None:
+        fcntl.ioctl(self.master, termios.TIOCSWINSZ, struct.pack("HHHH", rows, cols, 0, 0))
+
+    def type(self, keys: bytes) -> None:
+        os.write(self.master, keys)
+
+    def wait_for(self, pattern: bytes, start: int = 0) -> re.Match[bytes]:
+        """The first match of ``pattern`` in what was shown from ``start`` (bounded wait)."""
+        deadline = time.monotonic() + WAIT_S
+        while (found := re.compile(pattern).search(self.shown, start)) is None:
+            left = deadline - time.monotonic()
+            ready, _, _ = select.select([self.master], [], [], max(left, 0))
+            if not ready:
+                pytest.fail(f"{pattern!r} not shown within {WAIT_S} s: {bytes(self.shown)!r}")
+            try:
+                chunk = os.read(self.master, 65536)
+            except OSError:  # EIO: guestctl has exited and closed its side
+                pytest.fail(f"{pattern!r} not shown before guestctl ended: {bytes(self.shown)!r}")
+            self.shown += chunk
+        return found
+
+    def exit_code(self) -> int:
+        try:
+            return self.proc.wait(timeout=WAIT_S)
+        finally:
+            if self.proc.poll() is None:
+                self.proc.kill()
+                self.proc.wait()
+
+    def close(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait()
+        os.close(self.master)
+        os.close(self.slave)
+
+
+# Prints its terminal's size, then each line typed and the size again.
+SIZE_LOOP = 'stty size; while read -r line; do echo "got:$line"; stty size; done'
+
+
+def see_size_reach_the_command(term: LocalTerminal, size: bytes) -> None:
+    """The resize travels on its own request: type lines until the command prints ``size``."""
+    for attempt in range(50):
+        mark = len(term.shown)
+        term.type(f"probe{attempt}\r".encode())
+        seen = term.wait_for(rb"got:probe\d+\r\n(\d+ \d+)\r\n", mark)
+        if seen.group(1) == size:
+            return
+    pytest.fail(f"the resize never reached the command: {bytes(term.shown)!r}")
+
+
+def test_shell_run_pty_from_a_terminal_follows_its_size_and_turns_ctrl_c_into_int(guestd: Guestd) -> None:
+    """Typed lines reach the command, a local resize reaches its terminal (SIGWINCH, new size),
+    typed ^C interrupts only the command (the session goes on), and the local terminal's modes
+    are as before once guestctl returns."""
+    session = guestd.guestctl("shell", "new").stdout.decode().strip()
+    term = LocalTerminal(guestd.guestctl_argv("shell", "run", session, SIZE_LOOP, "--pty"), rows=30, cols=100)
+    try:
+        term.wait_for(rb"30 100\r\n")
+        assert termios.tcgetattr(term.slave)[3] & termios.ECHO == 0  # raw: the remote side echoes
+        term.type(b"ada\r")
+        after = term.wait_for(rb"got:ada\r\n").end()
+        term.wait_for(rb"30 100\r\n", after)
+        term.resize(40, 120)
+        see_size_reach_the_command(term, b"40 120")
+        term.type(b"\x03")
+        assert term.exit_code() == 130
+        assert termios.tcgetattr(term.slave) == term.modes_before
+    finally:
+        term.close()
+    r = guestd.guestctl("shell", "run", session, "echo still-here")
+    assert (r.returncode, r.stdout) == (0, b"still-here\n")
+    assert guestd.guestctl("shell", "rm", session).returncode == 0
+
+
+def test_exec_pty_from_a_terminal_starts_at_its_size_and_puts_its_modes_back(guestd: Guestd) -> None:
+    """exec --pty: the remote terminal starts at the local size and follows a resize; what is
+    typed (^C included, as a byte: the remote terminal raises the signal) goes through."""
+    term = LocalTerminal(guestd.guestctl_argv("exec", "--pty", "--", "sh", "-c", SIZE_LOOP), rows=33, cols=90)
+    try:
+        term.wait_for(rb"33 90\r\n")
+        term.type(b"hello\r")
+        term.wait_for(rb"got:hello\r\n")
+        term.resize(35, 91)
+        see_size_reach_the_command(term, b"35 91")
+        term.type(b"\x03")  # a byte like any other: the remote terminal raises SIGINT itself
+        assert term.exit_code() == 130
+        assert termios.tcgetattr(term.slave) == term.modes_before
+    finally:
+        term.close()
