@@ -6,11 +6,13 @@ import argparse
 import os
 import re
 import sys
+from typing import Any
 
 from guestd.cli import terminal
+from guestd.cli.runs import run_kept
 from guestd.cli.shared import Subcommands, add_command, parse_env, print_death, print_json
 from guestd.cli.terminal import field
-from guestd.client.aio import AsyncClient
+from guestd.client.aio import AsyncClient, present
 from guestd.client.results import CodeResult
 
 _SAFE_NAME = re.compile(r"[^A-Za-z0-9_.-]")
@@ -86,25 +88,15 @@ async def manage_context(client: AsyncClient, ns: argparse.Namespace) -> int:
 
 async def run_code(client: AsyncClient, ns: argparse.Namespace) -> int:
     source = sys.stdin.read() if ns.code == "-" else ns.code
+    options: dict[str, Any] = {  # code_run's keywords are the request's field names
+        "context": ns.context,
+        "timeout_s": ns.timeout,
+        "input_lines": ns.input,
+        "strip_ansi": ns.no_color or ns.json or None,
+    }
     if ns.keep:
-        from guestd.cli.runs import run_kept
-        from guestd.client.aio import present
-
-        args = present(
-            code=source,
-            context=ns.context,
-            timeout_s=ns.timeout,
-            input_lines=ns.input,
-            strip_ansi=ns.no_color or ns.json or None,
-        )
-        return await run_kept(client, ns, "code.run", args)
-    res = await client.code_run(
-        source,
-        context=ns.context,
-        timeout_s=ns.timeout,
-        input_lines=ns.input,
-        strip_ansi=ns.no_color or ns.json,
-    )
+        return await run_kept(client, ns, "code.run", present(code=source, **options))
+    res = await client.code_run(source, **options)
     saved, skipped = (
         save_images(res, ns.save_images, ns.context, ns.max_images, ns.overwrite_images) if ns.save_images else ([], 0)
     )

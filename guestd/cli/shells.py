@@ -5,7 +5,9 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+from typing import Any
 
+from guestd.cli.runs import run_kept
 from guestd.cli.shared import (
     Subcommands,
     add_command,
@@ -16,7 +18,7 @@ from guestd.cli.shared import (
     print_spills_and_timeout,
 )
 from guestd.cli.terminal import field, write_output
-from guestd.client.aio import AsyncClient
+from guestd.client.aio import AsyncClient, present
 from guestd.wire.paths import printable_path
 
 
@@ -79,36 +81,19 @@ async def run_in_session(client: AsyncClient, ns: argparse.Namespace) -> int:
     if ns.pty:
         return await run_on_pty(client, ns)
     stdin = sys.stdin.buffer.read() if ns.stdin else None
+    options: dict[str, Any] = {  # shell_run's keywords are the request's field names
+        "input": stdin,
+        "timeout_s": ns.timeout,
+        "idle_timeout_s": ns.idle_timeout,
+        "max_output": ns.max_output,
+        "on_timeout": ns.on_timeout,
+        "merge_stderr": ns.merge_stderr or None,
+        "check_syntax": ns.check_syntax or None,
+        "spill": ns.spill or None,
+    }
     if ns.keep:
-        from guestd.cli.runs import run_kept
-        from guestd.client.aio import present
-
-        args = present(
-            id=ns.id,
-            command=ns.command,
-            input=stdin,
-            timeout_s=ns.timeout,
-            idle_timeout_s=ns.idle_timeout,
-            max_output=ns.max_output,
-            on_timeout=ns.on_timeout,
-            merge_stderr=ns.merge_stderr or None,
-            check_syntax=ns.check_syntax or None,
-            spill=ns.spill or None,
-        )
-        return await run_kept(client, ns, "shell.run", args)
-    res = await client.shell_run(
-        ns.id,
-        ns.command,
-        input=stdin,
-        timeout_s=ns.timeout,
-        idle_timeout_s=ns.idle_timeout,
-        max_output=ns.max_output,
-        on_timeout=ns.on_timeout,
-        merge_stderr=ns.merge_stderr or None,
-        check_syntax=ns.check_syntax or None,
-        keep=ns.keep or None,
-        spill=ns.spill or None,
-    )
+        return await run_kept(client, ns, "shell.run", present(id=ns.id, command=ns.command, **options))
+    res = await client.shell_run(ns.id, ns.command, **options)
     if ns.json:
         print_json(res.to_json())
     else:
