@@ -642,6 +642,8 @@ def test_guestctl_pty_keep_runs_and_spill(guestd: Guestd) -> None:
     r = guestd.guestctl("--json", "runs", "wait", rid, "--timeout", "5")
     assert json.loads(r.stdout)["result"]["exit_code"] == 3
     assert guestd.guestctl("runs", "get", "r000000000000").returncode != 0
+    r = guestd.guestctl("code", "run", "print('kept-cell'); 6 * 7", "--keep")
+    assert (r.returncode, r.stdout) == (0, b"kept-cell\n42\n") and b"kept as run " in r.stderr, r
 
     r = guestd.guestctl("--json", "exec", "--spill", "--max-output", "10", "--", "seq", "1", "1000")
     obj = json.loads(r.stdout)
