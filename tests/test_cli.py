@@ -8,7 +8,7 @@ import os
 import subprocess
 import sys
 
-from guestd.testing import REPO, Guestd
+from guestd.testing import REPO, Guestd, scratch_guestd
 
 
 def test_ping_and_info(guestd: Guestd) -> None:
@@ -108,46 +108,38 @@ def test_unreachable_address_is_a_clean_error(tmp_path: object) -> None:
 
 
 def test_code_commands(tmp_path: object) -> None:
-    import tempfile
-
-    from guestd.testing import start_guestd
-
-    with tempfile.TemporaryDirectory(prefix="guestd-cli-code-") as d:
-        g = start_guestd(d, "--runtime-dir", f"{d}/rt", "--code-pool", "0")
-        try:
-            r = g.guestctl("code", "run", "x = 6")
-            assert r.returncode == 0, r.stderr
-            r = g.guestctl("--json", "code", "run", "x * 7")
-            obj = json.loads(r.stdout)
-            for key in ("status", "stdout", "stderr", "results", "error", "execution_count", "duration_s"):
-                assert key in obj
-            assert obj["status"] == "ok" and obj["results"][0]["data"]["text/plain"] == "42"
-            r = g.guestctl("code", "run", "-", stdin=b"print('from stdin')\n1/0")
-            assert r.returncode == 1 and r.stdout == b"from stdin\n" and b"ZeroDivisionError" in r.stderr
-            r = g.guestctl("code", "run", "--timeout", "0.5", "while True: pass")
-            assert r.returncode == 124 and b"timeout" in r.stderr
-            new = json.loads(g.guestctl("--json", "code", "new", "--name", "cli").stdout)
-            png = (
-                "import base64\nfrom IPython.display import Image, display\n"
-                "display(Image(data=base64.b64decode("
-                "'iVBORw0KGgoAAAANSUhEUgAAAAEAAAABCAIAAACQd1PeAAAADElEQVR4nGP4z8AAAAMBAQDJ/pLvAAAAAElFTkSuQmCC')))"
-            )
-            out_dir = f"{tmp_path}/imgs"
-            r = g.guestctl("--json", "code", "run", "--context", new["id"], "--save-images", out_dir, png)
-            obj = json.loads(r.stdout)
-            assert obj["status"] == "ok" and len(obj["saved_images"]) == 1
-            with open(obj["saved_images"][0], "rb") as f:
-                assert f.read().startswith(b"\x89PNG")
-            assert "base64" in obj["results"][0]["data"]["image/png"]
-            ls = json.loads(g.guestctl("--json", "code", "ls").stdout)["contexts"]
-            assert {c["name"] for c in ls} == {"default", "cli"}
-            assert g.guestctl("code", "restart", "cli").returncode == 0
-            assert g.guestctl("code", "interrupt", "cli").returncode == 0
-            assert g.guestctl("code", "rm", "cli").returncode == 0
-            r = g.guestctl("code", "rm", "cli")
-            assert r.returncode == 1 and b"not_found" in r.stderr
-        finally:
-            g.stop()
+    with scratch_guestd("guestd-cli-code-", "--code-pool", "0") as g:
+        r = g.guestctl("code", "run", "x = 6")
+        assert r.returncode == 0, r.stderr
+        r = g.guestctl("--json", "code", "run", "x * 7")
+        obj = json.loads(r.stdout)
+        for key in ("status", "stdout", "stderr", "results", "error", "execution_count", "duration_s"):
+            assert key in obj
+        assert obj["status"] == "ok" and obj["results"][0]["data"]["text/plain"] == "42"
+        r = g.guestctl("code", "run", "-", stdin=b"print('from stdin')\n1/0")
+        assert r.returncode == 1 and r.stdout == b"from stdin\n" and b"ZeroDivisionError" in r.stderr
+        r = g.guestctl("code", "run", "--timeout", "0.5", "while True: pass")
+        assert r.returncode == 124 and b"timeout" in r.stderr
+        new = json.loads(g.guestctl("--json", "code", "new", "--name", "cli").stdout)
+        png = (
+            "import base64\nfrom IPython.display import Image, display\n"
+            "display(Image(data=base64.b64decode("
+            "'iVBORw0KGgoAAAANSUhEUgAAAAEAAAABCAIAAACQd1PeAAAADElEQVR4nGP4z8AAAAMBAQDJ/pLvAAAAAElFTkSuQmCC')))"
+        )
+        out_dir = f"{tmp_path}/imgs"
+        r = g.guestctl("--json", "code", "run", "--context", new["id"], "--save-images", out_dir, png)
+        obj = json.loads(r.stdout)
+        assert obj["status"] == "ok" and len(obj["saved_images"]) == 1
+        with open(obj["saved_images"][0], "rb") as f:
+            assert f.read().startswith(b"\x89PNG")
+        assert "base64" in obj["results"][0]["data"]["image/png"]
+        ls = json.loads(g.guestctl("--json", "code", "ls").stdout)["contexts"]
+        assert {c["name"] for c in ls} == {"default", "cli"}
+        assert g.guestctl("code", "restart", "cli").returncode == 0
+        assert g.guestctl("code", "interrupt", "cli").returncode == 0
+        assert g.guestctl("code", "rm", "cli").returncode == 0
+        r = g.guestctl("code", "rm", "cli")
+        assert r.returncode == 1 and b"not_found" in r.stderr
 
 
 def test_process_and_shell_commands(guestd: Guestd) -> None:

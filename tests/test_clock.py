@@ -4,23 +4,20 @@ never touched: the privileged step is simulated, the host's clock is what the te
 
 from __future__ import annotations
 
-import tempfile
 import time
 from collections.abc import Iterator
 
 import pytest
 
-from guestd.testing import Guestd, start_guestd
+from guestd.testing import Guestd, scratch_guestd
 
 S = 10**9
 
 
 @pytest.fixture(scope="module")
 def cg() -> Iterator[Guestd]:
-    with tempfile.TemporaryDirectory(prefix="guestd-clock-") as d:
-        g = start_guestd(d, "--simulate-privileged", "--runtime-dir", f"{d}/rt", "--code-pool", "0")
+    with scratch_guestd("guestd-clock-", "--simulate-privileged", "--code-pool", "0") as g:
         yield g
-        g.stop()
 
 
 def test_a_host_clock_jump_is_seen_and_corrected(cg: Guestd) -> None:

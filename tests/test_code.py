@@ -6,7 +6,6 @@ import asyncio
 import os
 import signal
 import struct
-import tempfile
 import threading
 import time
 import zlib
@@ -16,15 +15,13 @@ import psutil
 import pytest
 
 from guestd.client import AsyncClient, Client, GuestdError
-from guestd.testing import Guestd, start_guestd
+from guestd.testing import Guestd, scratch_guestd, start_guestd
 
 
 @pytest.fixture(scope="module")
 def kg() -> Iterator[Guestd]:
-    with tempfile.TemporaryDirectory(prefix="guestd-code-") as d:
-        g = start_guestd(d, "--runtime-dir", f"{d}/rt", "--code-pool", "1", "--max-contexts", "6")
+    with scratch_guestd("guestd-code-", "--code-pool", "1", "--max-contexts", "6") as g:
         yield g
-        g.stop()
 
 
 @pytest.fixture

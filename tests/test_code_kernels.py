@@ -9,7 +9,6 @@ import json
 import os
 import subprocess
 import sys
-import tempfile
 import threading
 import time
 from collections.abc import Iterator
@@ -18,7 +17,7 @@ import psutil
 import pytest
 
 from guestd.client import AsyncClient, Client, GuestdError
-from guestd.testing import REPO, Guestd, start_guestd
+from guestd.testing import REPO, Guestd, scratch_guestd, start_guestd
 
 
 def _bash_kernel_installed() -> bool:
@@ -36,10 +35,8 @@ needs_bash = pytest.mark.skipif(
 
 @pytest.fixture(scope="module")
 def kg() -> Iterator[Guestd]:
-    with tempfile.TemporaryDirectory(prefix="guestd-kernels-") as d:
-        g = start_guestd(d, "--runtime-dir", f"{d}/rt", "--code-pool", "0", "--max-contexts", "6")
+    with scratch_guestd("guestd-kernels-", "--code-pool", "0", "--max-contexts", "6") as g:
         yield g
-        g.stop()
 
 
 @pytest.fixture

@@ -6,22 +6,19 @@ from __future__ import annotations
 import asyncio
 import os
 import socket
-import tempfile
 import time
 from collections.abc import Iterator
 
 import pytest
 
 from guestd.client import AsyncClient, Client, GuestdError
-from guestd.testing import Guestd, start_guestd
+from guestd.testing import Guestd, scratch_guestd
 
 
 @pytest.fixture(scope="module")
 def sg() -> Iterator[Guestd]:
-    with tempfile.TemporaryDirectory(prefix="guestd-snap-") as d:
-        g = start_guestd(d, "--simulate-privileged", "--runtime-dir", f"{d}/rt", "--code-pool", "0")
+    with scratch_guestd("guestd-snap-", "--simulate-privileged", "--code-pool", "0") as g:
         yield g
-        g.stop()
 
 
 def test_prepare_reports_running_work_and_is_idempotent(sg: Guestd) -> None:

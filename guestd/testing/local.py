@@ -182,6 +182,18 @@ def live_procs_with(marker: str) -> list[psutil.Process]:
 
 
 @contextmanager
+def scratch_guestd(prefix: str, *args: str) -> Iterator[Guestd]:
+    """A guestd with ``args`` whose socket, log and runtime directory (``--runtime-dir``) are
+    in a new directory; stopped and removed after."""
+    with tempfile.TemporaryDirectory(prefix=prefix) as d:
+        g = start_guestd(d, "--runtime-dir", f"{d}/rt", *args)
+        try:
+            yield g
+        finally:
+            g.stop()
+
+
+@contextmanager
 def workspace_guestd(prefix: str, *, prepare: Callable[[str, str], None] | None = None) -> Iterator[tuple[Guestd, str]]:
     """A guestd whose workspace is a new directory; yields ``(guestd, workspace)`` and removes
     both after. As root the workload user is nobody, who owns the workspace. ``prepare(top,
