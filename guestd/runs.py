@@ -23,7 +23,18 @@ from guestd.wire.errors import ErrorCode, GuestdError, limit_error
 
 if TYPE_CHECKING:
     from guestd.services import Request, Services
-    from guestd.wire.types import RunInfoRecord
+    from guestd.wire.types import (
+        RunCancelArgs,
+        RunCancelReply,
+        RunGetArgs,
+        RunGetReply,
+        RunInfoRecord,
+        RunInfoState,
+        RunListArgs,
+        RunListReply,
+        RunWaitArgs,
+        RunWaitReply,
+    )
 
 WHAT_MAX = 200
 
@@ -47,7 +58,7 @@ class KeptRun:
             task.exception()  # retrieved: kept in the record, never "exception never retrieved"
 
     def describe(self, with_result: bool) -> RunInfoRecord:
-        state = "running"
+        state: RunInfoState = "running"
         result: dict[str, Any] | None = None
         error: dict[str, Any] | None = None
         if self.task.done():
@@ -78,7 +89,7 @@ class KeptRun:
             "op": self.op,
             "target": self.target,
             "what": self.what,
-            "state": state,  # type: ignore[typeddict-item]
+            "state": state,
             "started_at": self.started_at,
             "ended_at": self.ended_at,
             "result": result,
@@ -91,7 +102,7 @@ class RunTable:
         self.services = services
         self.runs: dict[str, KeptRun] = {}
 
-    def _expire(self) -> None:
+    def expire(self) -> None:
         keep = self.services.config.process_retention_s
         now = time.time()
         for r in list(self.runs.values()):
@@ -99,7 +110,7 @@ class RunTable:
                 del self.runs[r.id]
 
     def _make_room(self) -> None:
-        self._expire()
+        self.expire()
         cap = self.services.config.limits.max_kept_runs
         if len(self.runs) < cap:
             return
@@ -128,7 +139,7 @@ class RunTable:
         return {**reply, "run_id": kept.id}
 
     def get(self, run_id: str) -> KeptRun:
-        self._expire()
+        self.expire()
         r = self.runs.get(run_id)
         if r is None:
             raise GuestdError(ErrorCode.NOT_FOUND, f"no kept run {run_id}", details={"run": run_id})
@@ -160,17 +171,17 @@ def register(services: Services) -> RunTable:
     table = RunTable(services)
     services.runs = table
 
-    async def op_get(ctx: Request, a: Any) -> Any:
+    async def op_get(ctx: Request, a: RunGetArgs) -> RunGetReply:
         return {"run": table.get(a["id"]).describe(with_result=True)}
 
-    async def op_wait(ctx: Request, a: Any) -> Any:
+    async def op_wait(ctx: Request, a: RunWaitArgs) -> RunWaitReply:
         return {"run": (await table.wait(a["id"], a["timeout_s"])).describe(with_result=True)}
 
-    async def op_list(ctx: Request, a: Any) -> Any:
-        table._expire()
+    async def op_list(ctx: Request, a: RunListArgs) -> RunListReply:
+        table.expire()
         return {"runs": [r.describe(with_result=False) for r in table.runs.values()]}
 
-    async def op_cancel(ctx: Request, a: Any) -> Any:
+    async def op_cancel(ctx: Request, a: RunCancelArgs) -> RunCancelReply:
         return {"run": (await table.cancel(a["id"], a["timeout_s"])).describe(with_result=True)}
 
     services.on_shutdown.append(table.shutdown)

@@ -174,9 +174,9 @@ class GuestdWorkspace(BaseWorkspace):
         client = self._guest()
         # What the guest prints is untrusted (the workload can stand in for the script): the
         # only file the host reads back and removes is the one it named, read with a bound.
-        spill = f"/tmp/guestd-oh-git-{os.urandom(12).hex()}.json"
+        reply_file = f"/tmp/guestd-oh-git-{os.urandom(12).hex()}.json"
         r = client.exec(
-            [self.python, "-c", GIT_SCRIPT, what, self._path(path), spill],
+            [self.python, "-c", GIT_SCRIPT, what, self._path(path), reply_file],
             timeout_s=GIT_TIMEOUT_S,
             max_output=2 * INLINE_REPLY,  # the script prints at most INLINE_REPLY bytes (more go to a file)
         )
@@ -189,12 +189,12 @@ class GuestdWorkspace(BaseWorkspace):
             )
         reply = _json_object(r.stdout)
         if "file" in reply:  # too long for exec's output: the script left it in a file
-            if reply["file"] != spill:
+            if reply["file"] != reply_file:
                 raise _bad_reply("it names a reply file the host did not give it")
             try:
-                data = client.download(spill, max_bytes=MAX_GIT_REPLY)
+                data = client.download(reply_file, max_bytes=MAX_GIT_REPLY)
             finally:
-                client.remove(spill)
+                client.remove(reply_file)
             assert isinstance(data, bytes)
             reply = _json_object(data)
         if isinstance(reply.get("error"), dict):
