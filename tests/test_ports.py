@@ -88,6 +88,28 @@ def gc(guest: Guestd) -> Iterator[Client]:
         yield c
 
 
+@pytest.fixture(autouse=True)
+def shared_client_socket_is_its_own(request: pytest.FixtureRequest) -> Iterator[None]:
+    """Twice in CI the shared client's connection was lost with ENOTCONN, which a connected Unix
+    socket does not give: its fd number had come to name another socket, so something in this
+    process closed a descriptor it did not own. This names the test during which that happens."""
+    if "gc" not in request.fixturenames:
+        yield
+        return
+    client: Client = request.getfixturevalue("gc")
+    transport = client._aio._conn.transport
+    assert transport is not None
+    fd = transport.get_extra_info("socket").fileno()
+    before = os.fstat(fd)
+    yield
+    try:
+        after = os.fstat(fd)
+    except OSError as e:
+        pytest.fail(f"the shared client's socket fd {fd} was closed during this test: {e}")
+    if (after.st_dev, after.st_ino) != (before.st_dev, before.st_ino):
+        pytest.fail(f"the shared client's socket fd {fd} names another file after this test: closed by someone else")
+
+
 def arun(guest: Guestd, body: Any) -> Any:
     """Run ``body(client)`` with a fresh AsyncClient of ``guest``."""
 
