@@ -113,8 +113,14 @@ def test_save_images_never_follows_a_link_nor_overwrites(fake_guest: Callable[..
     results = [{"kind": "display", "data": {"image/png": b"guest bytes"}} for _ in range(2)]
     g = fake_guest(answers({"code.run": code_reply(results=results)}))
     code, out, _ = guestctl(g.address, "--json", "code", "run", "--save-images", str(images), "x")
-    assert code == 1 and json.loads(out)["error"]["code"] == "client_error"
+    report = json.loads(out)  # a taken name skips that image; the run's result is still reported
+    assert code == 0 and report["saved_images"] == [] and report["images_not_saved"] == 2
+    assert report["images_name_taken"] == [str(images / "default-1-0.png"), str(images / "default-1-1.png")]
     assert victim.read_bytes() == b"host data" and (images / "default-1-1.png").read_bytes() == b"mine"
+    (images / "default-1-1.png").unlink()
+    code, out, err = guestctl(g.address, "code", "run", "--save-images", str(images), "x")
+    assert code == 0 and b"default-1-0.png exists, kept" in err and b"saved " in out, (out, err)
+    assert (images / "default-1-1.png").read_bytes() == b"guest bytes" and victim.read_bytes() == b"host data"
     code, _, err = guestctl(g.address, "code", "run", "--save-images", str(images), "--overwrite-images", "x")
     assert code == 0, err
     assert victim.read_bytes() == b"host data"  # the link itself was replaced, never followed

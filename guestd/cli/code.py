@@ -97,13 +97,16 @@ async def run_code(client: AsyncClient, ns: argparse.Namespace) -> int:
     if ns.keep:
         return await run_kept(client, ns, "code.run", present(code=source, **options))
     res = await client.code_run(source, **options)
-    saved, skipped = (
-        save_images(res, ns.save_images, ns.context, ns.max_images, ns.overwrite_images) if ns.save_images else ([], 0)
+    saved, skipped, taken = (
+        save_images(res, ns.save_images, ns.context, ns.max_images, ns.overwrite_images)
+        if ns.save_images
+        else ([], 0, [])
     )
     if ns.json:
         out = res.to_json()
         out["saved_images"] = saved
         out["images_not_saved"] = skipped
+        out["images_name_taken"] = taken
         print_json(out)
         return CODE_EXIT.get(res.status, 1)
     out_stream = terminal.stdout(ns.raw)
@@ -118,8 +121,10 @@ async def run_code(client: AsyncClient, ns: argparse.Namespace) -> int:
             print(terminal.text(value))
     for path in saved:
         print(f"[saved {field(path)}]")
-    if skipped:
-        print(f"guestctl: {skipped} images not saved (--max-images {ns.max_images})", file=sys.stderr)
+    for path in taken:
+        print(f"guestctl: {field(path)} exists, kept (--overwrite-images replaces it)", file=sys.stderr)
+    if skipped > len(taken):
+        print(f"guestctl: {skipped - len(taken)} images not saved (--max-images {ns.max_images})", file=sys.stderr)
     sys.stdout.flush()
     err_stream = terminal.stderr(ns.raw)
     err_stream.write(res.stderr)
@@ -136,13 +141,14 @@ async def run_code(client: AsyncClient, ns: argparse.Namespace) -> int:
 
 def save_images(
     res: CodeResult, directory: str, context: str | None, limit: int, overwrite: bool
-) -> tuple[list[str], int]:
-    """Write the run's image results into ``directory``; (their paths, images not saved).
+) -> tuple[list[str], int, list[str]]:
+    """Write the run's image results into ``directory``; (their paths, images not saved, the
+    paths of those not saved because the name was taken: the file there is kept).
 
     Names come from the host: ``<context>-<count>-<index>.<ext>``, the context as given on the
     command line with anything but ``[A-Za-z0-9_.-]`` replaced (nothing the guest sends names a
     file). Files are made inside the directory's fd, never through a symlink, and never replace
-    an existing file unless ``overwrite`` (then a new file is renamed over the name). At most
+    an existing name unless ``overwrite`` (then a new file is renamed over the name). At most
     ``limit`` are written; the reply's size (max_frame) bounds their bytes."""
     os.makedirs(directory, exist_ok=True)
     prefix = _SAFE_NAME.sub("_", context or "default")[:64]
@@ -153,17 +159,22 @@ def save_images(
         for mime, ext in IMAGE_EXT.items()
         if mime in r["data"]
     ]
-    saved = []
+    saved: list[str] = []
+    taken: list[str] = []
     dir_fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
     try:
         for i, ext, value in images[: max(0, limit)]:
             name = f"{prefix}-{count}-{i}.{ext}"
             data = value if isinstance(value, bytes) else str(value).encode()
-            _write_new(dir_fd, name, data, overwrite)
+            try:
+                _write_new(dir_fd, name, data, overwrite)
+            except FileExistsError:  # one taken name costs that image, not the others or the output
+                taken.append(os.path.join(directory, name))
+                continue
             saved.append(os.path.join(directory, name))
     finally:
         os.close(dir_fd)
-    return saved, len(images) - len(saved)
+    return saved, len(images) - len(saved), taken
 
 
 def _write_new(dir_fd: int, name: str, data: bytes, overwrite: bool) -> None:
