@@ -19,6 +19,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import os
+import threading
 import time
 from typing import TYPE_CHECKING, Any
 
@@ -30,6 +31,8 @@ if TYPE_CHECKING:
 SPILL_RESERVE_MAX = 64 * 1024 * 1024
 MAX_PENDING = 16 * 1024 * 1024
 MAX_FILES_SWEPT = 10_000
+WRITE_SLICE = 1024 * 1024  # bytes written per turn under _disk_lock
+_disk_lock = threading.Lock()  # the free-space check and the write it allows: one spill at a time
 _writing: set[str] = set()  # names of spill files still open for writing: never swept
 
 
@@ -116,10 +119,9 @@ class Spill:
             chunk = b"".join(self._pending)
             self._pending = []
             self._pending_bytes = 0
-            try:
-                n = await self.services.run_in_io(self._write_chunk, self._fd, chunk)
-            except OSError:
-                n, self.stopped = 0, "io_error"
+            n, failed = await self.services.run_in_io(self._write_chunk, self._fd, chunk)
+            if failed:
+                self.stopped = "io_error"
             self.written += n
             if n < len(chunk):
                 self.stopped = self.stopped or "disk_full"
@@ -127,15 +129,33 @@ class Spill:
                 self._pending_bytes = 0
                 return
 
-    def _write_chunk(self, fd: int, chunk: bytes) -> int:
-        """In an I/O thread: as much of ``chunk`` as keeps the reserve free."""
-        st = os.fstatvfs(fd)
-        room = max(0, st.f_bavail * st.f_frsize - self._reserve)
-        view = memoryview(chunk)[:room]
+    def _write_chunk(self, fd: int, chunk: bytes) -> tuple[int, bool]:
+        """In an I/O thread: as much of ``chunk`` as keeps the reserve free; the bytes written
+        and whether a write failed (those before the failure are on disk and counted).
+
+        The room is counted in whole blocks (a write that ends inside a block takes all of it)
+        with one block to spare (an extent or indirect block the file may need), and the check
+        and the write go together under ``_disk_lock``: two spills (a run's stdout and stderr,
+        or concurrent runs) never both take the same free space. At most ``WRITE_SLICE`` bytes
+        are written per turn, so one spill does not hold the others up for long."""
+        view = memoryview(chunk)
         done = 0
-        while done < len(view):
-            done += os.write(fd, view[done:])
-        return done
+        try:
+            while done < len(view):
+                with _disk_lock:
+                    st = os.fstatvfs(fd)
+                    reserve_blocks = -(-self._reserve // st.f_frsize) + 1
+                    room = max(0, (st.f_bavail - reserve_blocks) * st.f_frsize)
+                    piece = view[done : done + min(room, WRITE_SLICE)]
+                    if not piece:
+                        break
+                    while piece:
+                        n = os.write(fd, piece)
+                        done += n
+                        piece = piece[n:]
+        except OSError:
+            return done, True
+        return done, False
 
     async def close(self) -> SpillInfoRecord:
         """Everything accepted is on disk (or the reason it is not); the spill_info record."""
