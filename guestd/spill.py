@@ -87,7 +87,7 @@ class Spill:
         self.written = 0
         self.stopped: SpillInfoStopped | None = None
         self._pending: list[bytes] = []
-        self._pending_bytes = 0
+        self._pending_bytes = 0  # accepted, not yet on disk: in _pending or being written
         self._flusher: asyncio.Task[None] | None = None
         self.given_away = False  # a detached command's: the process table writes and closes it now
         st = os.fstatvfs(fd)
@@ -118,8 +118,9 @@ class Spill:
         while self._pending and self._fd is not None:
             chunk = b"".join(self._pending)
             self._pending = []
-            self._pending_bytes = 0
+            # ``_pending_bytes`` still counts the chunk: it waits for the disk until written.
             n, failed = await self.services.run_in_io(self._write_chunk, self._fd, chunk)
+            self._pending_bytes -= len(chunk)
             if failed:
                 self.stopped = "io_error"
             self.written += n
@@ -190,8 +191,13 @@ async def open_spills(services: Services, prefix: str) -> tuple[Spill, Spill]:
             os.close(dirfd)
             raise
 
+    def release(made: tuple[int, list[tuple[str, int]]]) -> None:
+        """The run went away while ``prepare`` ran: its fds are nobody's."""
+        for fd in (made[0], *(fd for _, fd in made[1])):
+            os.close(fd)
+
     try:
-        dirfd, files = await services.run_in_io(prepare)
+        dirfd, files = await services.acquire_in_io(prepare, release)
     except OSError as e:
         raise GuestdError(ErrorCode.UNAVAILABLE, f"spill directory: {e}", details={"field": "spill"}) from None
     os.close(dirfd)
