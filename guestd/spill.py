@@ -10,7 +10,9 @@ every write; at most ``MAX_PENDING`` bytes wait for the disk (writes run in gues
 threads, never on the event loop); the directory holds at most ``limits.max_spill_total``
 bytes (oldest files removed first when a spill starts) and files older than
 ``processes.retention_s`` are removed, except files still being written (a background
-process's, which may be quiet for longer than that). A spill that hits a bound stops
+process's, which may be quiet for longer than that) and those a kept background process's
+record names (they go with it: process.forget or its retention); those count towards the
+total all the same. A spill that hits a bound stops
 there: the file holds the stream's first ``bytes`` bytes and ``stopped`` says why.
 """
 
@@ -34,6 +36,7 @@ MAX_FILES_SWEPT = 10_000
 WRITE_SLICE = 1024 * 1024  # bytes written per turn under _disk_lock
 _disk_lock = threading.Lock()  # the free-space check and the write it allows: one spill at a time
 _writing: set[str] = set()  # names of spill files still open for writing: never swept
+_held: set[str] = set()  # names a background process's record gives: swept only with it (forget, retention)
 
 
 def spill_dir(services: Services) -> int:
@@ -52,21 +55,24 @@ def spill_dir(services: Services) -> int:
 
 
 def sweep(dirfd: int, retention_s: float, max_total: int) -> None:
-    """Remove spill files past their retention, then the oldest until under ``max_total``."""
+    """Remove spill files past their retention, then the oldest until under ``max_total``.
+    Files still being written or named by a kept background process count towards the total
+    but stay: a record never names a file that is gone, nor ``bytes`` a file that shrank."""
     now = time.time()
     files: list[tuple[float, int, str]] = []
+    kept = 0
     for i, name in enumerate(os.listdir(dirfd)):
         if i >= MAX_FILES_SWEPT:
             break
-        if name in _writing:
-            continue
         with contextlib.suppress(OSError):
             st = os.stat(name, dir_fd=dirfd, follow_symlinks=False)
-            if now - st.st_mtime > retention_s:
+            if name in _writing or name in _held:
+                kept += st.st_size
+            elif now - st.st_mtime > retention_s:
                 os.unlink(name, dir_fd=dirfd)
             else:
                 files.append((st.st_mtime, st.st_size, name))
-    total = sum(size for _, size, _ in files)
+    total = kept + sum(size for _, size, _ in files)
     for _, size, name in sorted(files):
         if total < max_total:
             break
@@ -93,6 +99,14 @@ class Spill:
         st = os.fstatvfs(fd)
         self._reserve = min(SPILL_RESERVE_MAX, st.f_blocks * st.f_frsize // 10)
         _writing.add(os.path.basename(path))
+
+    def hold(self) -> None:
+        """A background process's record names this file: the sweep leaves it (and counts it)
+        until ``let_go`` (process.forget or retention, which remove it themselves)."""
+        _held.add(os.path.basename(self.path))
+
+    def let_go(self) -> None:
+        _held.discard(os.path.basename(self.path))
 
     def info(self) -> SpillInfoRecord:
         """The spill_info record as it stands: the bytes on disk so far."""

@@ -295,3 +295,42 @@ def test_a_run_cancelled_while_its_spill_files_are_being_made_leaks_no_fd(tmp_pa
         asyncio.run(go())
         assert settled_fd_count(g.pid, before) == before, os.listdir(f"/proc/{g.pid}/fd")
         assert g.alive() and "Traceback" not in g.log(), g.log()
+
+
+def test_the_sweep_leaves_the_files_a_kept_process_names(fresh_guestd: object, tmp_path: object) -> None:
+    """limits.max_spill_total: a spill start removes the oldest files until the directory is
+    under it, but not the files a kept background process's record names (process.wait and
+    process.list give them; they go with process.forget): those count and stay, newer
+    unnamed files go first. Before, the process's file (the oldest) was removed and its
+    record went on naming it with its ``bytes``."""
+    from guestd.testing import limits_config
+
+    full = numbers(100_000)  # 588,895 bytes
+    config = limits_config(str(tmp_path), max_spill_total=1_000_000)
+    g = fresh_guestd("--config", config, "--runtime-dir", f"{tmp_path}/rt")  # type: ignore[operator]
+
+    async def go() -> None:
+        async with await AsyncClient.connect(g.address) as c:
+            pid = (await c.process_start("seq 1 100000", spill=True))["id"]
+            w = await c.process_wait(pid, timeout_s=60)
+            kept = w["stdout_spill"]
+            assert kept is not None and kept["bytes"] == len(full)
+            first = await c.exec("seq 1 100000", max_output=10, spill=True)
+            assert first.stdout_spill is not None
+            # Over the total now: this spill's start sweeps. The unnamed exec file goes.
+            second = await c.exec("seq 1 100000", max_output=10, spill=True)
+            assert second.stdout_spill is not None and second.stdout_spill["bytes"] == len(full)
+            assert not os.path.exists(first.stdout_spill["path"])
+            again = await c.process_wait(pid, timeout_s=10)
+            assert again["stdout_spill"] == kept
+            assert await c.read_file(kept["path"]) == full
+            listed = [p for p in await c.process_list() if p["id"] == pid]
+            assert listed[0]["stdout_spill"] == kept
+            # Forgotten: its files go with it.
+            await c.process_forget(pid)
+            await until(lambda: not os.path.exists(kept["path"]))
+            third = await c.exec("seq 1 100000", max_output=10, spill=True)
+            assert third.stdout_spill is not None and third.stdout_spill["bytes"] == len(full)
+
+    asyncio.run(go())
+    assert g.alive() and "Traceback" not in g.log(), g.log()
