@@ -334,3 +334,49 @@ def test_the_sweep_leaves_the_files_a_kept_process_names(fresh_guestd: object, t
 
     asyncio.run(go())
     assert g.alive() and "Traceback" not in g.log(), g.log()
+
+
+def test_sweeps_and_forget_racing_a_detached_quiet_spill(fresh_guestd: object, tmp_path: object) -> None:
+    """A detached exec (its spill handed to the process table) goes quiet while other spills
+    start and sweep a directory far over ``max_spill_total``: its files stay and end whole;
+    then process.forget races reads of them (file.read, process.wait): each read either has
+    the whole file or says not_found, the files go, no fd stays and nothing reaches the log."""
+    from guestd.testing import limits_config
+    from guestd.wire.errors import GuestdError
+
+    gate = f"{tmp_path}/go"
+    script = f"seq 1 50000; while [ ! -e {gate} ]; do sleep 0.01; done; seq 50001 100000"
+    full = numbers(100_000)
+    config = limits_config(str(tmp_path), max_spill_total=100_000)
+    g = fresh_guestd("--config", config, "--runtime-dir", f"{tmp_path}/rt")  # type: ignore[operator]
+    before = warm_up(g)
+
+    async def go() -> None:
+        async with await AsyncClient.connect(g.address) as c:
+            r = await c.exec(script, timeout_s=0.5, on_timeout="detach", spill=True, max_output=100)
+            assert r.detached is not None and r.stdout_spill is not None
+            # Quiet: eight spills start (and sweep) meanwhile, each over the total alone.
+            await asyncio.gather(*(c.exec("seq 1 30000", max_output=10, spill=True) for _ in range(8)))
+            open(gate, "w").close()
+            w = await c.process_wait(r.detached, timeout_s=60)
+            spill = w["stdout_spill"]
+            assert spill is not None and (spill["bytes"], spill["stopped"]) == (len(full), None), spill
+            assert await c.read_file(spill["path"]) == full
+
+            async def read() -> str:
+                try:
+                    return "whole" if await c.read_file(spill["path"]) == full else "torn"
+                except GuestdError as e:
+                    return e.code
+
+            async def forget() -> str:
+                await c.process_forget(r.detached)
+                return "forgot"
+
+            got = await asyncio.gather(*(read() for _ in range(4)), forget(), *(read() for _ in range(4)))
+            assert set(got) <= {"whole", "not_found", "forgot"}, got
+            await until(lambda: not os.path.exists(spill["path"]))
+
+    asyncio.run(go())
+    assert settled_fd_count(g.pid, before) == before
+    assert g.alive() and "Traceback" not in g.log(), g.log()
