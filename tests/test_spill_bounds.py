@@ -369,8 +369,10 @@ def test_sweeps_and_forget_racing_a_detached_quiet_spill(fresh_guestd: object, t
                 except GuestdError as e:
                     return e.code
 
+            pid = r.detached
+
             async def forget() -> str:
-                await c.process_forget(r.detached)
+                await c.process_forget(pid)
                 return "forgot"
 
             got = await asyncio.gather(*(read() for _ in range(4)), forget(), *(read() for _ in range(4)))
