@@ -10,7 +10,9 @@ every write; at most ``MAX_PENDING`` bytes wait for the disk (writes run in gues
 threads, never on the event loop); the directory holds at most ``limits.max_spill_total``
 bytes (oldest files removed first when a spill starts) and files older than
 ``processes.retention_s`` are removed, except files still being written (a background
-process's, which may be quiet for longer than that). A spill that hits a bound stops
+process's, which may be quiet for longer than that) and those a kept background process's
+record names (they go with it: process.forget or its retention); those count towards the
+total all the same. A spill that hits a bound stops
 there: the file holds the stream's first ``bytes`` bytes and ``stopped`` says why.
 """
 
@@ -19,6 +21,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import os
+import threading
 import time
 from typing import TYPE_CHECKING, Any
 
@@ -30,7 +33,10 @@ if TYPE_CHECKING:
 SPILL_RESERVE_MAX = 64 * 1024 * 1024
 MAX_PENDING = 16 * 1024 * 1024
 MAX_FILES_SWEPT = 10_000
+WRITE_SLICE = 1024 * 1024  # bytes written per turn under _disk_lock
+_disk_lock = threading.Lock()  # the free-space check and the write it allows: one spill at a time
 _writing: set[str] = set()  # names of spill files still open for writing: never swept
+_held: set[str] = set()  # names a background process's record gives: swept only with it (forget, retention)
 
 
 def spill_dir(services: Services) -> int:
@@ -49,21 +55,24 @@ def spill_dir(services: Services) -> int:
 
 
 def sweep(dirfd: int, retention_s: float, max_total: int) -> None:
-    """Remove spill files past their retention, then the oldest until under ``max_total``."""
+    """Remove spill files past their retention, then the oldest until under ``max_total``.
+    Files still being written or named by a kept background process count towards the total
+    but stay: a record never names a file that is gone, nor ``bytes`` a file that shrank."""
     now = time.time()
     files: list[tuple[float, int, str]] = []
+    kept = 0
     for i, name in enumerate(os.listdir(dirfd)):
         if i >= MAX_FILES_SWEPT:
             break
-        if name in _writing:
-            continue
         with contextlib.suppress(OSError):
             st = os.stat(name, dir_fd=dirfd, follow_symlinks=False)
-            if now - st.st_mtime > retention_s:
+            if name in _writing or name in _held:
+                kept += st.st_size
+            elif now - st.st_mtime > retention_s:
                 os.unlink(name, dir_fd=dirfd)
             else:
                 files.append((st.st_mtime, st.st_size, name))
-    total = sum(size for _, size, _ in files)
+    total = kept + sum(size for _, size, _ in files)
     for _, size, name in sorted(files):
         if total < max_total:
             break
@@ -84,12 +93,20 @@ class Spill:
         self.written = 0
         self.stopped: SpillInfoStopped | None = None
         self._pending: list[bytes] = []
-        self._pending_bytes = 0
+        self._pending_bytes = 0  # accepted, not yet on disk: in _pending or being written
         self._flusher: asyncio.Task[None] | None = None
         self.given_away = False  # a detached command's: the process table writes and closes it now
         st = os.fstatvfs(fd)
         self._reserve = min(SPILL_RESERVE_MAX, st.f_blocks * st.f_frsize // 10)
         _writing.add(os.path.basename(path))
+
+    def hold(self) -> None:
+        """A background process's record names this file: the sweep leaves it (and counts it)
+        until ``let_go`` (process.forget or retention, which remove it themselves)."""
+        _held.add(os.path.basename(self.path))
+
+    def let_go(self) -> None:
+        _held.discard(os.path.basename(self.path))
 
     def info(self) -> SpillInfoRecord:
         """The spill_info record as it stands: the bytes on disk so far."""
@@ -115,11 +132,11 @@ class Spill:
         while self._pending and self._fd is not None:
             chunk = b"".join(self._pending)
             self._pending = []
-            self._pending_bytes = 0
-            try:
-                n = await self.services.run_in_io(self._write_chunk, self._fd, chunk)
-            except OSError:
-                n, self.stopped = 0, "io_error"
+            # ``_pending_bytes`` still counts the chunk: it waits for the disk until written.
+            n, failed = await self.services.run_in_io(self._write_chunk, self._fd, chunk)
+            self._pending_bytes -= len(chunk)
+            if failed:
+                self.stopped = "io_error"
             self.written += n
             if n < len(chunk):
                 self.stopped = self.stopped or "disk_full"
@@ -127,15 +144,33 @@ class Spill:
                 self._pending_bytes = 0
                 return
 
-    def _write_chunk(self, fd: int, chunk: bytes) -> int:
-        """In an I/O thread: as much of ``chunk`` as keeps the reserve free."""
-        st = os.fstatvfs(fd)
-        room = max(0, st.f_bavail * st.f_frsize - self._reserve)
-        view = memoryview(chunk)[:room]
+    def _write_chunk(self, fd: int, chunk: bytes) -> tuple[int, bool]:
+        """In an I/O thread: as much of ``chunk`` as keeps the reserve free; the bytes written
+        and whether a write failed (those before the failure are on disk and counted).
+
+        The room is counted in whole blocks (a write that ends inside a block takes all of it)
+        with one block to spare (an extent or indirect block the file may need), and the check
+        and the write go together under ``_disk_lock``: two spills (a run's stdout and stderr,
+        or concurrent runs) never both take the same free space. At most ``WRITE_SLICE`` bytes
+        are written per turn, so one spill does not hold the others up for long."""
+        view = memoryview(chunk)
         done = 0
-        while done < len(view):
-            done += os.write(fd, view[done:])
-        return done
+        try:
+            while done < len(view):
+                with _disk_lock:
+                    st = os.fstatvfs(fd)
+                    reserve_blocks = -(-self._reserve // st.f_frsize) + 1
+                    room = max(0, (st.f_bavail - reserve_blocks) * st.f_frsize)
+                    piece = view[done : done + min(room, WRITE_SLICE)]
+                    if not piece:
+                        break
+                    while piece:
+                        n = os.write(fd, piece)
+                        done += n
+                        piece = piece[n:]
+        except OSError:
+            return done, True
+        return done, False
 
     async def close(self) -> SpillInfoRecord:
         """Everything accepted is on disk (or the reason it is not); the spill_info record."""
@@ -170,8 +205,13 @@ async def open_spills(services: Services, prefix: str) -> tuple[Spill, Spill]:
             os.close(dirfd)
             raise
 
+    def release(made: tuple[int, list[tuple[str, int]]]) -> None:
+        """The run went away while ``prepare`` ran: its fds are nobody's."""
+        for fd in (made[0], *(fd for _, fd in made[1])):
+            os.close(fd)
+
     try:
-        dirfd, files = await services.run_in_io(prepare)
+        dirfd, files = await services.acquire_in_io(prepare, release)
     except OSError as e:
         raise GuestdError(ErrorCode.UNAVAILABLE, f"spill directory: {e}", details={"field": "spill"}) from None
     os.close(dirfd)

@@ -12,6 +12,7 @@ so what a ring no longer holds (``[0, ring start)``) is still there at the same 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import signal
 import time
@@ -86,6 +87,7 @@ class ManagedProcess:
             if self.spills is not None:
                 abandon((self.spills["stdout"], self.spills["stderr"]))
             raise
+        self._hold_spills()
         for name in ("stdout", "stderr"):
             if name not in self._fds:
                 self._end_spill(name)  # merge_stderr or a pty: nothing comes on stderr
@@ -133,6 +135,7 @@ class ManagedProcess:
         self.pid = run.pid
         self.rings = rings
         self.spills = spills
+        self._hold_spills()
         self._fds = dict(fds)
         loop = asyncio.get_running_loop()
         for name, fd in self._fds.items():
@@ -199,6 +202,11 @@ class ManagedProcess:
             "stderr_spill": infos[1],
         }
 
+    def _hold_spills(self) -> None:
+        """This record names the spill files from now on: the directory sweep leaves them."""
+        for spill in (self.spills or {}).values():
+            spill.hold()
+
     def remove_spills(self) -> None:
         """process.forget: the files go with the process (after their pending writes)."""
         if self.spills is None:
@@ -207,12 +215,14 @@ class ManagedProcess:
 
         async def remove() -> None:
             for name, spill in spills.items():
-                closing = self._spill_closed.get(name)
-                await (asyncio.shield(closing) if closing is not None else spill.close())
                 try:
-                    os.unlink(spill.path)
-                except OSError:
-                    pass
+                    closing = self._spill_closed.get(name)
+                    with contextlib.suppress(Exception):
+                        await (asyncio.shield(closing) if closing is not None else spill.close())
+                    with contextlib.suppress(OSError):
+                        os.unlink(spill.path)
+                finally:
+                    spill.let_go()
 
         task = asyncio.get_running_loop().create_task(remove())
         task.add_done_callback(lambda t: t.cancelled() or t.exception())
