@@ -113,7 +113,7 @@ class Spill:
         return {"path": self.path, "bytes": self.written, "stopped": self.stopped}
 
     def write(self, data: bytes) -> None:
-        if self.stopped is not None or not data:
+        if self.stopped is not None or not data or self._fd is None:  # stopped, or closed
             return
         if self.accepted + len(data) > self.cap:
             data = data[: self.cap - self.accepted]
@@ -173,15 +173,25 @@ class Spill:
         return done, False
 
     async def close(self) -> SpillInfoRecord:
-        """Everything accepted is on disk (or the reason it is not); the spill_info record."""
-        if self._flusher is not None:
-            with contextlib.suppress(Exception):
-                await asyncio.shield(self._flusher)
+        """Everything accepted is on disk (or the reason it is not); the spill_info record.
+        Cancelled while a write is in flight, the file still closes: once that write is done
+        (its thread holds the fd number, so it is never closed under it)."""
+        flusher = self._flusher
+        if flusher is not None and not flusher.done():
+            try:
+                with contextlib.suppress(Exception):
+                    await asyncio.shield(flusher)
+            except asyncio.CancelledError:
+                flusher.add_done_callback(lambda _: self._close_file())
+                raise
+        self._close_file()
+        return self.info()
+
+    def _close_file(self) -> None:
         fd, self._fd = self._fd, None
         if fd is not None:
             os.close(fd)
         _writing.discard(os.path.basename(self.path))
-        return self.info()
 
 
 async def open_spills(services: Services, prefix: str) -> tuple[Spill, Spill]:
@@ -224,8 +234,12 @@ async def finish(reply: Any, spills: tuple[Spill, Spill] | None) -> Any:
     """``reply`` with ``stdout_spill`` / ``stderr_spill`` (every accepted byte on disk first).
     Files given away with a detached command go on growing: the reply has them as they stand."""
     if spills is not None:
-        for key, spill in zip(("stdout_spill", "stderr_spill"), spills, strict=True):
-            reply[key] = spill.info() if spill.given_away else await spill.close()
+        try:
+            for key, spill in zip(("stdout_spill", "stderr_spill"), spills, strict=True):
+                reply[key] = spill.info() if spill.given_away else await spill.close()
+        except BaseException:
+            abandon(spills)  # cancelled: the file not reached yet closes all the same
+            raise
     return reply
 
 

@@ -300,7 +300,42 @@ def test_a_run_cancelled_while_its_spill_files_are_being_made_leaks_no_fd(tmp_pa
                 assert (await c2.exec("echo after")).stdout == b"after\n"
 
         asyncio.run(go())
-        assert settled_fd_count(g.pid, before) == before, fd_targets(g.pid)
+        assert settled_fd_count(g.pid, before) == before, " ".join(fd_targets(g.pid))
+        assert g.alive() and "Traceback" not in g.log(), g.log()
+
+
+@needs_mounts
+@needs_freeze
+def test_a_run_cancelled_while_its_last_output_waits_for_the_disk_leaks_no_fd(tmp_path: object) -> None:
+    """exec spill: true whose command has ended while its last output is still being written
+    to a frozen disk: the reply waits for that write, and the request goes away then. Once the
+    disk thaws the two spill files are closed. Before, the cancel interrupted the files' close
+    after the run had handed them to the reply: two fds leaked per such run."""
+    import psutil
+
+    with private_fs_guestd("ext4", 64) as (g, rt):
+        rt_inside = rt.removeprefix(f"/proc/{g.pid}/root")
+        before = warm_up(g)
+
+        def command_running() -> bool:
+            return any(p.name() == "sleep" for p in psutil.Process(g.pid).children(recursive=True))
+
+        async def go() -> None:
+            c = await AsyncClient.connect(g.address)
+            run = asyncio.ensure_future(c.exec(["sh", "-c", "sleep 0.5; echo last"], spill=True))
+            await until(lambda: command_running() or run.done())
+            with frozen(g, rt_inside):
+                await until(lambda: io_thread_blocked(g.pid) or run.done())  # "last" waits for the disk
+                await until(lambda: not psutil.Process(g.pid).children(recursive=True))  # the command ended
+                assert not run.done()
+                run.cancel()
+                await c.close()
+                await until(lambda: fd_count(g.pid) <= before + 2)  # the connection's fd is gone
+            async with await AsyncClient.connect(g.address) as c2:
+                assert (await c2.exec("echo after")).stdout == b"after\n"
+
+        asyncio.run(go())
+        assert settled_fd_count(g.pid, before) == before, " ".join(fd_targets(g.pid))
         assert g.alive() and "Traceback" not in g.log(), g.log()
 
 
