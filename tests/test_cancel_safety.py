@@ -218,3 +218,49 @@ def test_a_watch_cancelled_before_its_watcher_is_ready_stops_the_watcher() -> No
         assert settled_fd_count(g.pid, before[0]) == before[0], " ".join(fd_targets(g.pid))
         assert settled_thread_count(g.pid, before[1]) == before[1]
         assert g.alive() and "Traceback" not in g.log(), g.log()
+
+
+@needs_mounts
+@needs_freeze
+def test_a_freezing_prepare_cancelled_after_the_freeze_still_thaws_after_freeze_max_s(scratch: str) -> None:
+    """snapshot.prepare freeze: true, freeze_max_s 0.3, cancelled after it froze the workload
+    while its sync waits for the (only) I/O thread, held by a write to the frozen disk: the
+    workload still thaws by itself after freeze_max_s, and new work is taken again. Before, the
+    thaw timer was set only after the sync: a prepare cancelled there left the workload frozen
+    and guestd quiesced until someone called snapshot.resume."""
+    config = f'io_threads = 1\n[workload]\ncgroup = "{scratch}/cancel-prepare"\n'
+    with private_fs_guestd("ext4", 64, config=config) as (g, rt):
+        rt_inside = rt.removeprefix(f"/proc/{g.pid}/root")
+
+        async def frozen_now(c: AsyncClient) -> bool:
+            return bool((await c.info()).raw["snapshot"]["frozen"])
+
+        async def go() -> None:
+            a = await AsyncClient.connect(g.address)
+            await a.write_file(rt_inside + "/warm", b"x")  # the I/O thread
+            with frozen(g, rt_inside):
+                write = asyncio.ensure_future(a.write_file(rt_inside + "/blocked", b"x"))
+                await until(lambda: io_thread_blocked(g.pid) or write.done())
+                assert not write.done()
+                busy = sockets(g.pid)
+                b = await AsyncClient.connect(g.address)
+                prep = asyncio.ensure_future(b.snapshot_prepare(freeze=True, freeze_max_s=0.3, timeout_s=0.1))
+                for _ in range(400):  # the workload is frozen; the prepare's sync waits
+                    if await frozen_now(a) or prep.done():
+                        break
+                    await asyncio.sleep(0.025)
+                assert await frozen_now(a) and not prep.done()
+                prep.cancel()
+                await b.close()
+                await until(lambda: sockets(g.pid) <= busy)  # guestd saw b go: the prepare is cancelled
+            await write
+            for _ in range(400):  # freeze_max_s (0.3 s) on: thawed with no resume
+                if not await frozen_now(a):
+                    break
+                await asyncio.sleep(0.025)
+            assert not await frozen_now(a)
+            assert (await a.exec("echo ok")).stdout == b"ok\n"  # not quiesced any more
+            await a.close()
+
+        asyncio.run(go())
+        assert g.alive() and "Traceback" not in g.log(), g.log()
