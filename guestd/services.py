@@ -12,7 +12,7 @@ from __future__ import annotations
 import asyncio
 import os
 import time
-from collections.abc import Awaitable, Callable, Mapping
+from collections.abc import Awaitable, Callable, Coroutine, Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 
@@ -117,6 +117,29 @@ class Writes:
         self.count -= 1
         if self.count == 0:
             self.idle.set()
+
+
+_to_the_end: set[asyncio.Task[Any]] = set()  # teardowns whose awaiter was cancelled, until they end
+
+
+async def to_the_end(teardown: Coroutine[Any, Any, R]) -> R:
+    """Await ``teardown`` (a kill, the wait for the exit, the release of what the run held) in a
+    task of its own: cancelling the awaiting request raises CancelledError in it as usual, and
+    the teardown still runs to its end. Written inline, the cancel would land in its wait for
+    the exit and skip the release after it: the fds, the pidfd and the leaf of a process that
+    was slow to die (asleep in the kernel, on a frozen or hung file system) stayed forever."""
+    task = asyncio.ensure_future(teardown)
+    _to_the_end.add(task)
+    task.add_done_callback(_teardown_done)
+    return await asyncio.shield(task)
+
+
+def _teardown_done(task: asyncio.Task[Any]) -> None:
+    _to_the_end.discard(task)
+    if not task.cancelled() and task.exception() is not None:  # read: never "exception never retrieved"
+        import logging
+
+        logging.getLogger("guestd").warning("a teardown failed: %r", task.exception())
 
 
 def derive(entropy: bytes, label: str, n: int = 32) -> bytes:

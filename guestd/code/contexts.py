@@ -40,7 +40,7 @@ import msgpack
 from guestd.capture import OutputCapture, capture_fields
 from guestd.children import usage_between
 from guestd.children.cgroups import guestd_running
-from guestd.services import derive, reseed_each
+from guestd.services import derive, reseed_each, to_the_end
 from guestd.wire.errors import ErrorCode, GuestdError, limit_error
 
 if TYPE_CHECKING:  # the generated message types: annotations only, never imported at run time
@@ -470,7 +470,11 @@ class Kernel:
                     pass
 
     async def shutdown(self) -> None:
-        """Kill now (a context's state is disposable) and release every file."""
+        """Kill now (a context's state is disposable) and release every file: all of it, also
+        when the request that asked is cancelled while the kernel is slow to die."""
+        await to_the_end(self._shutdown())
+
+    async def _shutdown(self) -> None:
         for r in self.readers:
             r.cancel()
         if self.readers:

@@ -140,13 +140,13 @@ class Watcher:
     # -- the thread ---------------------------------------------------------------------
     def _run(self) -> None:
         try:
-            self._add(b"", None)
-        except BaseException as exc:  # reported to whoever waits for ready
-            self.error = exc
-            self.ready.set()
-            return
-        self.ready.set()
-        try:
+            try:
+                self._add(b"", None)
+            except BaseException as exc:  # reported to whoever waits for ready
+                self.error = exc
+                return  # and the fds closed here: stop() may find this thread still alive
+            finally:
+                self.ready.set()
             while not self.stopping:
                 select.select([self.ifd, self.wake_r], [], [])
                 try:

@@ -243,9 +243,19 @@ def register_workspace(services: Services, fsys: FileSystem, ids: tuple[int, int
     # -- change feed ----------------------------------------------------------------------
     async def start_watcher(path: str, sink: Callable[[list[Any]], object]) -> Watcher:
         root_fd: int = await services.acquire_in_io(_os_call, os.close, fsys.open_dir, path)
-        watcher = Watcher(root_fd, sink)
+        try:
+            watcher = Watcher(root_fd, sink)
+        except BaseException:
+            os.close(root_fd)  # no inotify instance (fs.inotify.max_user_instances)
+            raise
         watcher.start()
-        await io(watcher.ready.wait)
+        try:
+            await io(watcher.ready.wait)
+        except BaseException:
+            # Cancelled while the first scan runs (or waits for an I/O thread): nobody would
+            # ever stop the watcher, its thread and its four fds. Its thread closes them.
+            watcher.stop()
+            raise
         if watcher.error is not None:
             watcher.stop()
             raise watcher.error

@@ -49,7 +49,7 @@ from guestd.capture import OutputCapture, OutputRing, capture_fields
 from guestd.children import DEVNULL, PIPE, Child, KilledBy, exit_info, usage_between
 from guestd.children.options import check_cwd, parse_signal
 from guestd.children.tree import descendants, read_chunk, set_winsize, signal_each, signal_group, write_all
-from guestd.services import derive, reseed_each
+from guestd.services import derive, reseed_each, to_the_end
 from guestd.shells.job import STATUS_MAX, JobFifos, PtyInput, ShellJob, StdinFifo
 from guestd.spill import Spill, abandon, finish, give_away_spills, open_spills
 from guestd.wire.errors import ErrorCode, GuestdError, limit_error
@@ -601,7 +601,11 @@ class Session:
         )
 
     async def kill(self) -> None:
-        """End bash and everything of the session, then drop its fds."""
+        """End bash and everything of the session, then drop its fds: all of it, also when the
+        request that asked is cancelled while bash is slow to die (asleep in the kernel)."""
+        await to_the_end(self._kill())
+
+    async def _kill(self) -> None:
         child = self.child
         if child is None:
             return

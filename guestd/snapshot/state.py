@@ -242,20 +242,41 @@ class SnapshotState:
         if quiesce or freeze or fsfreeze is not None:
             self.quiesced = True
             self.ready.clear()  # new work waits for restore (or resume); in-flight work finishes
+        loop = asyncio.get_running_loop()
+
+        def limit_the_freeze() -> None:
+            """What is frozen thaws by itself after freeze_max_s unless a resume or restore comes."""
+            if self._frozen_workload or self._fs_frozen is not None:
+                if self._thaw_timer is not None:
+                    self._thaw_timer.cancel()
+                self._thaw_timer = loop.call_later(freeze_max_s, self._thaw_expired)
+
+        # Armed in a finally: a prepare cancelled after its freeze (its host gone, at the sync
+        # or the fsfreeze) must not leave the workload frozen and guestd quiesced for good.
         try:
-            await asyncio.wait_for(self.services.writes.idle.wait(), timeout_s)
-            writes_done = True
-        except TimeoutError:
-            writes_done = False
-        frozen = await self._freeze_workload() if freeze else self.services.workload.is_frozen()
-        await self.services.run_in_io(os.sync)  # after the freeze: what the workload wrote is on disk
-        removed = self.priv.remove_seed_files()
-        if fsfreeze is not None and self._fs_frozen is None:
-            await self.services.run_in_io(self._freeze_fs, fsfreeze)
-        if self._frozen_workload or self._fs_frozen is not None:
-            if self._thaw_timer is not None:
-                self._thaw_timer.cancel()
-            self._thaw_timer = asyncio.get_running_loop().call_later(freeze_max_s, self._thaw_expired)
+            try:
+                await asyncio.wait_for(self.services.writes.idle.wait(), timeout_s)
+                writes_done = True
+            except TimeoutError:
+                writes_done = False
+            frozen = await self._freeze_workload() if freeze else self.services.workload.is_frozen()
+            await self.services.run_in_io(os.sync)  # after the freeze: what the workload wrote is on disk
+            removed = self.priv.remove_seed_files()
+            if fsfreeze is not None and self._fs_frozen is None:
+                fs_freeze = asyncio.ensure_future(self.services.run_in_io(self._freeze_fs, fsfreeze))
+                try:
+                    await asyncio.shield(fs_freeze)
+                except asyncio.CancelledError:
+
+                    def when_frozen(done: asyncio.Future[None]) -> None:  # the thread freezes it still
+                        if not done.cancelled():
+                            done.exception()  # read: a failure nobody waits for is not logged as lost
+                        limit_the_freeze()
+
+                    fs_freeze.add_done_callback(when_frozen)
+                    raise
+        finally:
+            limit_the_freeze()
         return {
             "writes_settled": writes_done,
             "synced": True,
