@@ -118,6 +118,21 @@ class Writes:
         if self.count == 0:
             self.idle.set()
 
+    async def landing(self, work: Awaitable[R]) -> R:
+        """Await ``work`` (a write in an I/O thread), counted in flight until the work itself is
+        done: when the request is cancelled its thread may still be writing, and
+        snapshot.prepare must not call that settled."""
+        fut = asyncio.ensure_future(work)
+        self.started()
+
+        def done(f: asyncio.Future[R]) -> None:
+            if not f.cancelled():
+                f.exception()  # read: the awaiter may be gone, the failure is reported to it or to nobody
+            self.finished()
+
+        fut.add_done_callback(done)
+        return await asyncio.shield(fut)
+
 
 _to_the_end: set[asyncio.Task[Any]] = set()  # teardowns whose awaiter was cancelled, until they end
 

@@ -264,3 +264,50 @@ def test_a_freezing_prepare_cancelled_after_the_freeze_still_thaws_after_freeze_
 
         asyncio.run(go())
         assert g.alive() and "Traceback" not in g.log(), g.log()
+
+
+def threads_in_d_state(pid: int) -> int:
+    """How many of guestd's threads sleep uninterruptibly (held by the frozen file system)."""
+    held = 0
+    for tid in os.listdir(f"/proc/{pid}/task"):
+        with contextlib.suppress(OSError), open(f"/proc/{pid}/task/{tid}/stat") as f:
+            stat = f.read()
+            held += stat[stat.rindex(")") + 2 :].startswith("D")
+    return held
+
+
+@needs_mounts
+@needs_freeze
+def test_a_write_cancelled_while_its_thread_still_writes_is_not_settled_for_prepare() -> None:
+    """file.write cancelled while its I/O thread is held by the frozen disk: the write is still
+    landing, so snapshot.prepare waits for it and says writes_settled false when its timeout
+    comes first. Before, the cancelled request counted its write as finished at once, and
+    prepare said settled with the write still in flight."""
+    with private_fs_guestd("ext4", 64) as (g, rt):
+        rt_inside = rt.removeprefix(f"/proc/{g.pid}/root")
+
+        async def go() -> None:
+            a = await AsyncClient.connect(g.address)
+            await a.write_file(rt_inside + "/warm", b"x")  # the I/O threads exist
+            idle = sockets(g.pid)
+            b = await AsyncClient.connect(g.address)
+            with frozen(g, rt_inside):
+                write = asyncio.ensure_future(b.write_file(rt_inside + "/landing", b"y" * 4096))
+                await until(lambda: io_thread_blocked(g.pid) or write.done())
+                assert not write.done()
+                write.cancel()
+                await b.close()
+                await connections_gone(g.pid, idle)  # the write's request is cancelled
+                prep = asyncio.ensure_future(a.snapshot_prepare(timeout_s=0.2))
+                # Its wait for writes ends (0.2 s); then its sync may wait for the thaw too.
+                await until(lambda: prep.done() or threads_in_d_state(g.pid) >= 2)
+            report = await prep
+            assert report["writes_settled"] is False, report
+            await a.snapshot_resume()
+            await until(lambda: os.path.exists(rt + "/landing"))  # the thread finished it after all
+            assert (await a.read_file(rt_inside + "/landing")) == b"y" * 4096
+            assert (await a.exec("echo ok")).stdout == b"ok\n"
+            await a.close()
+
+        asyncio.run(go())
+        assert g.alive() and "Traceback" not in g.log(), g.log()

@@ -594,11 +594,10 @@ def register(services: Services) -> None:
         return await io(read_range, fsys, a["path"], a["offset"], a["length"], limits.max_read)
 
     async def op_write(ctx: Request, a: FileWriteArgs) -> FileWriteReply:
-        services.writes.started()  # snapshot.prepare waits for these
-        try:
-            return await io(lambda: write_whole(fsys, a["path"], a["data"], a["flag"], a["perm"], a["parents"]))
-        finally:
-            services.writes.finished()
+        # snapshot.prepare waits for these, until the thread is done
+        return await services.writes.landing(
+            io(lambda: write_whole(fsys, a["path"], a["data"], a["flag"], a["perm"], a["parents"]))
+        )
 
     async def op_stat(ctx: Request, a: FileStatArgs) -> FileStatReply:
         return await io(stat_path, fsys, a["path"], a["follow"])

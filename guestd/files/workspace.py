@@ -80,11 +80,7 @@ def register_workspace(services: Services, fsys: FileSystem, ids: tuple[int, int
         return cast(T, await services.run_in_io(_os_call, fn, *args))
 
     async def edit(fn: Callable[..., T], *args: Any) -> T:
-        services.writes.started()  # snapshot.prepare waits for these
-        try:
-            return await io(fn, *args)
-        finally:
-            services.writes.finished()
+        return await services.writes.landing(io(fn, *args))  # snapshot.prepare waits for these
 
     # -- edit ---------------------------------------------------------------------------
     async def op_view(ctx: Request, a: FileViewArgs) -> FileViewReply:
