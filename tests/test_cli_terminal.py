@@ -78,8 +78,10 @@ class LocalTerminal:
         os.close(self.slave)
 
 
-# Prints its terminal's size, then each line typed and the size again.
-SIZE_LOOP = 'stty size; while read -r line; do echo "got:$line"; stty size; done'
+# Prints its terminal's size, then each line typed and the size again; "ready> " (printed by
+# bash's read itself) says it waits for a line: a ^C typed before, while bash waits for a stty
+# that has already exited, is lost (as in any terminal: CI saw guestctl wait on, read blocked).
+SIZE_LOOP = 'stty size; while read -r -p "ready> " line; do echo "got:$line"; stty size; done'
 
 
 def see_size_reach_the_command(term: LocalTerminal, size: bytes) -> None:
@@ -87,7 +89,7 @@ def see_size_reach_the_command(term: LocalTerminal, size: bytes) -> None:
     for attempt in range(50):
         mark = len(term.shown)
         term.type(f"probe{attempt}\r".encode())
-        seen = term.wait_for(rb"got:probe\d+\r\n(\d+ \d+)\r\n", mark)
+        seen = term.wait_for(rb"got:probe\d+\r\n(\d+ \d+)\r\nready> ", mark)
         if seen.group(1) == size:
             return
     pytest.fail(f"the resize never reached the command: {bytes(term.shown)!r}")
@@ -100,11 +102,11 @@ def test_shell_run_pty_from_a_terminal_follows_its_size_and_turns_ctrl_c_into_in
     session = guestd.guestctl("shell", "new").stdout.decode().strip()
     term = LocalTerminal(guestd.guestctl_argv("shell", "run", session, SIZE_LOOP, "--pty"), rows=30, cols=100)
     try:
-        term.wait_for(rb"30 100\r\n")
+        term.wait_for(rb"30 100\r\nready> ")
         assert termios.tcgetattr(term.slave)[3] & termios.ECHO == 0  # raw: the remote side echoes
         term.type(b"ada\r")
         after = term.wait_for(rb"got:ada\r\n").end()
-        term.wait_for(rb"30 100\r\n", after)
+        term.wait_for(rb"30 100\r\nready> ", after)
         term.resize(40, 120)
         see_size_reach_the_command(term, b"40 120")
         term.type(b"\x03")
@@ -120,11 +122,11 @@ def test_shell_run_pty_from_a_terminal_follows_its_size_and_turns_ctrl_c_into_in
 def test_exec_pty_from_a_terminal_starts_at_its_size_and_puts_its_modes_back(guestd: Guestd) -> None:
     """exec --pty: the remote terminal starts at the local size and follows a resize; what is
     typed (^C included, as a byte: the remote terminal raises the signal) goes through."""
-    term = LocalTerminal(guestd.guestctl_argv("exec", "--pty", "--", "sh", "-c", SIZE_LOOP), rows=33, cols=90)
+    term = LocalTerminal(guestd.guestctl_argv("exec", "--pty", "--", "bash", "-c", SIZE_LOOP), rows=33, cols=90)
     try:
-        term.wait_for(rb"33 90\r\n")
+        term.wait_for(rb"33 90\r\nready> ")
         term.type(b"hello\r")
-        term.wait_for(rb"got:hello\r\n")
+        term.wait_for(rb"got:hello\r\n33 90\r\nready> ")
         term.resize(35, 91)
         see_size_reach_the_command(term, b"35 91")
         term.type(b"\x03")  # a byte like any other: the remote terminal raises SIGINT itself
