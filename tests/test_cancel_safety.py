@@ -14,6 +14,7 @@ import contextlib
 import os
 
 import psutil
+import pytest
 
 from guestd.client.aio import AsyncClient
 from guestd.testing.rawwire import RawPeer
@@ -311,3 +312,40 @@ def test_a_write_cancelled_while_its_thread_still_writes_is_not_settled_for_prep
 
         asyncio.run(go())
         assert g.alive() and "Traceback" not in g.log(), g.log()
+
+
+def test_a_watcher_whose_first_scan_failed_is_stopped_without_touching_its_closed_fds(
+    tmp_path: object, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The watcher's thread owns its fds and closes them however it ends; stop() after a failed
+    first scan (start_watcher's error path) only wakes it. Before, stop() wrote its wake byte to
+    the number the thread had closed: EBADF raised out of stop() (this test, the thread done
+    first), or, with the thread between its close and its bookkeeping, a byte into whatever fd
+    took that number (in guestd: another connection's socket)."""
+    from guestd.files import watch
+
+    def failing_sink(changes: list[watch.Change]) -> None:
+        raise RuntimeError("the loop is gone")
+
+    monkeypatch.setattr(watch, "MAX_WATCHES", 0)  # the first watch reports overflow to the sink
+    root = os.open(str(tmp_path), os.O_RDONLY | os.O_DIRECTORY)
+    w = watch.Watcher(root, failing_sink)
+    fds = (w.ifd, w.wake_r, w.wake_w, root)
+    w.start()
+    assert w.ready.wait(10) and isinstance(w.error, RuntimeError)
+    assert w.thread is not None
+    w.thread.join(10)
+    assert not w.thread.is_alive()
+    for fd in fds:  # the thread closed them
+        with pytest.raises(OSError):
+            os.fstat(fd)
+    reused = os.pipe()  # takes the lowest free numbers: those the thread just closed
+    try:
+        w.stop()  # raised EBADF, or wrote into a reused number
+        assert w.sync(timeout=10) is False  # at once: the watcher has ended
+        os.set_blocking(reused[0], False)
+        with pytest.raises(BlockingIOError):
+            os.read(reused[0], 1)  # nothing was written into the pipe that took a number
+    finally:
+        for fd in reused:
+            os.close(fd)

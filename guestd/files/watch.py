@@ -73,6 +73,10 @@ class Watcher:
         self.names: dict[int, set[bytes]] = {}
         self.name_count = 0
         self.wake_r, self.wake_w = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
+        # The fds have one owner: the thread once started (it closes them however it ends),
+        # else stop(). Waking and closing take this lock, so a wake never writes to a number
+        # the thread has just closed (by then it may name another connection's socket).
+        self._fd_lock = threading.Lock()
         self.syncs: deque[threading.Event] = deque()
         self.stopping = False
         self.thread: threading.Thread | None = None
@@ -144,7 +148,7 @@ class Watcher:
                 self._add(b"", None)
             except BaseException as exc:  # reported to whoever waits for ready
                 self.error = exc
-                return  # and the fds closed here: stop() may find this thread still alive
+                return  # the fds are closed below, by this thread: their owner
             finally:
                 self.ready.set()
             while not self.stopping:
@@ -210,31 +214,40 @@ class Watcher:
             out.append(("modified", path, is_dir))
 
     def sync(self, timeout: float = 10.0) -> bool:
-        """Until every event queued in the kernel now has reached the sink (blocking)."""
+        """Until every event queued in the kernel now has reached the sink (blocking); False
+        at once when the watcher has ended."""
         done = threading.Event()
         self.syncs.append(done)
-        self._wake()
+        if not self._wake():
+            return False
         return done.wait(timeout)
 
-    def _wake(self) -> None:
-        try:
-            os.write(self.wake_w, b"x")
-        except BlockingIOError:
-            pass
+    def _wake(self) -> bool:
+        """Wake the thread; False when its fds are closed (it has ended)."""
+        with self._fd_lock:
+            if self.wake_w < 0:
+                return False
+            try:
+                os.write(self.wake_w, b"x")
+            except BlockingIOError:
+                pass  # the pipe is full: the thread has wakes enough to read
+            return True
 
     def stop(self) -> None:
         self.stopping = True
         self._wake()
-        if self.thread is None or not self.thread.is_alive():
+        if self.thread is None:  # never started: nobody else closes them
             self._close()
 
     def _close(self) -> None:
-        for fd in (self.ifd, self.wake_r, self.wake_w, self.root_fd):
-            try:
-                os.close(fd)
-            except OSError:
-                pass
-        self.ifd = self.wake_r = self.wake_w = self.root_fd = -1
+        with self._fd_lock:
+            for fd in (self.ifd, self.wake_r, self.wake_w, self.root_fd):
+                if fd >= 0:
+                    try:
+                        os.close(fd)
+                    except OSError:
+                        pass  # closed all the same (EINTR, EIO): the number is free
+            self.ifd = self.wake_r = self.wake_w = self.root_fd = -1
         while self.syncs:
             self.syncs.popleft().set()
 
