@@ -19,7 +19,7 @@ import pytest
 from guestd.client.aio import AsyncClient
 from guestd.testing.rawwire import RawPeer
 from guestd.wire.frames import Kind, encode_frame
-from tests.test_spill_bounds import (
+from tests.private_fs import (
     fd_count,
     fd_targets,
     frozen,
@@ -27,6 +27,7 @@ from tests.test_spill_bounds import (
     needs_freeze,
     needs_mounts,
     private_fs_guestd,
+    settled,
     settled_fd_count,
     until,
 )
@@ -57,15 +58,8 @@ def thread_count(pid: int) -> int:
     return len(os.listdir(f"/proc/{pid}/task"))
 
 
-def settled_thread_count(pid: int, want: int, polls: int = 200) -> int:
-    import time
-
-    for _ in range(polls):
-        n = thread_count(pid)
-        if n <= want:
-            return n
-        time.sleep(0.05)
-    return thread_count(pid)
+def settled_thread_count(pid: int, want: int) -> int:
+    return settled(lambda: thread_count(pid), want)
 
 
 async def listed_gone(c: AsyncClient, kind: str, ident: str) -> None:
