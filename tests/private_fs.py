@@ -33,9 +33,10 @@ def _can_mount() -> bool:
 
 needs_mounts = pytest.mark.skipif(not _can_mount(), reason="needs root and mount namespaces (unshare -m)")
 
-needs_freeze = pytest.mark.skipif(
-    shutil.which("fsfreeze") is None or shutil.which("mkfs.ext4") is None or shutil.which("nsenter") is None,
-    reason="needs fsfreeze, mkfs.ext4, nsenter",
+needs_freeze = pytest.mark.skipif(  # a loop-mounted ext4 (tmpfs cannot be frozen)
+    any(shutil.which(tool) is None for tool in ("fsfreeze", "mkfs.ext4", "nsenter"))
+    or not os.path.exists("/dev/loop-control"),
+    reason="needs fsfreeze, mkfs.ext4, nsenter and loop devices (/dev/loop-control)",
 )
 MIB = 1024 * 1024
 
