@@ -958,7 +958,8 @@ CODE_OPS: tuple[OpSpec, ...] = (
     OpSpec(
         "code.close",
         "code",
-        "Close a context and kill its kernel.",
+        "Close a context and kill its kernel (a close whose request is cancelled still ends the kernel and "
+        "releases it).",
         args=(_CODE_REF,),
         errors=("not_found",),
     ),
@@ -1209,7 +1210,7 @@ SHELL_OPS: tuple[OpSpec, ...] = (
     OpSpec(
         "shell.close",
         "shell",
-        "End a session.",
+        "End a session (a close whose request is cancelled still ends its bash and releases it).",
         args=(F("id", "str", "session id or name", True),),
         errors=("not_found",),
     ),
