@@ -122,36 +122,41 @@ class Writes:
         """Await ``work`` (a write in an I/O thread), counted in flight until the work itself is
         done: when the request is cancelled its thread may still be writing, and
         snapshot.prepare must not call that settled."""
-        fut = asyncio.ensure_future(work)
         self.started()
-
-        def done(f: asyncio.Future[R]) -> None:
-            if not f.cancelled():
-                f.exception()  # read: the awaiter may be gone, the failure is reported to it or to nobody
-            self.finished()
-
-        fut.add_done_callback(done)
-        return await asyncio.shield(fut)
+        return await run_on(work, lambda _: self.finished())
 
 
-_to_the_end: set[asyncio.Task[Any]] = set()  # teardowns whose awaiter was cancelled, until they end
+_running_on: set[asyncio.Future[Any]] = set()  # work whose awaiter may be gone, held until it ends
 
 
-async def to_the_end(teardown: Coroutine[Any, Any, R]) -> R:
-    """Await ``teardown`` (a kill, the wait for the exit, the release of what the run held) in a
-    task of its own: cancelling the awaiting request raises CancelledError in it as usual, and
-    the teardown still runs to its end. Written inline, the cancel would land in its wait for
-    the exit and skip the release after it: the fds, the pidfd and the leaf of a process that
-    was slow to die (asleep in the kernel, on a frozen or hung file system) stayed forever."""
-    task = asyncio.ensure_future(teardown)
-    _to_the_end.add(task)
-    task.add_done_callback(_teardown_done)
+async def run_on(work: Awaitable[R], on_done: Callable[[asyncio.Future[R]], None]) -> R:
+    """Await ``work`` in a task of its own, held until it ends: cancelling the awaiter raises
+    CancelledError in it as usual, and ``work`` runs on to its end; ``on_done`` gets it then
+    (its exception read, so a failure nobody awaits any more is never "never retrieved")."""
+    task = asyncio.ensure_future(work)
+    _running_on.add(task)
+
+    def done(f: asyncio.Future[R]) -> None:
+        _running_on.discard(f)
+        if not f.cancelled():
+            f.exception()
+        on_done(f)
+
+    task.add_done_callback(done)
     return await asyncio.shield(task)
 
 
-def _teardown_done(task: asyncio.Task[Any]) -> None:
-    _to_the_end.discard(task)
-    if not task.cancelled() and task.exception() is not None:  # read: never "exception never retrieved"
+async def to_the_end(teardown: Coroutine[Any, Any, R]) -> R:
+    """Await ``teardown`` (a kill, the wait for the exit, the release of what the run held) so
+    that it runs to its end even when the awaiting request is cancelled (:func:`run_on`).
+    Written inline, the cancel would land in its wait for the exit and skip the release after
+    it: the fds, the pidfd and the leaf of a process that was slow to die (asleep in the
+    kernel, on a frozen or hung file system) stayed forever."""
+    return await run_on(teardown, _log_failed_teardown)
+
+
+def _log_failed_teardown(task: asyncio.Future[Any]) -> None:
+    if not task.cancelled() and task.exception() is not None:
         import logging
 
         logging.getLogger("guestd").warning("a teardown failed: %r", task.exception())
