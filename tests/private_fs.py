@@ -79,10 +79,10 @@ def io_thread_blocked(pid: int) -> bool:
 
 
 @contextmanager
-def private_fs_guestd(fs: str, size_mib: int, config: str = "") -> Iterator[tuple[Guestd, str]]:
+def private_fs_guestd(fs: str, size_mib: int, config: str = "") -> Iterator[tuple[Guestd, str, str]]:
     """A guestd whose runtime directory is a ``size_mib`` MiB tmpfs or ext4 (``fs``) mounted in
     a private mount namespace of guestd's own; yields ``(guestd, runtime dir as seen from
-    here through /proc/<pid>/root)``."""
+    here through /proc/<pid>/root, runtime dir as guestd sees it)``."""
     top = tempfile.mkdtemp(prefix="guestd-spillfs-")
     rt = f"{top}/rt"
     os.mkdir(rt, 0o700)
@@ -102,7 +102,7 @@ def private_fs_guestd(fs: str, size_mib: int, config: str = "") -> Iterator[tupl
         args += ["--config", f"{top}/guestd.toml"]
     g = start_guestd(top, *args, wrapper=wrapper)
     try:
-        yield g, f"/proc/{g.pid}/root{rt}"
+        yield g, f"/proc/{g.pid}/root{rt}", rt
     finally:
         g.stop()
         shutil.rmtree(top, ignore_errors=True)
@@ -120,6 +120,11 @@ def settled(count: Callable[[], int], want: int, polls: int = 200) -> int:
             return n
         time.sleep(0.05)
     return count()
+
+
+def assert_fds_back_to(pid: int, want: int) -> None:
+    """guestd's fd count settles back to ``want``; else what its fds name is the message."""
+    assert settled_fd_count(pid, want) == want, " ".join(fd_targets(pid))
 
 
 def settled_fd_count(pid: int, want: int, polls: int = 200) -> int:

@@ -20,6 +20,7 @@ from guestd.client.aio import AsyncClient
 from guestd.testing.rawwire import RawPeer
 from guestd.wire.frames import Kind, encode_frame
 from tests.private_fs import (
+    assert_fds_back_to,
     fd_count,
     fd_targets,
     frozen,
@@ -28,7 +29,6 @@ from tests.private_fs import (
     needs_mounts,
     private_fs_guestd,
     settled,
-    settled_fd_count,
     until,
 )
 
@@ -79,8 +79,7 @@ def test_a_shell_close_cancelled_while_bash_cannot_die_yet_still_releases_the_se
     its SIGKILL waits for the thaw), cancelled while close waits for bash to be gone: once bash
     dies its pipes, control socket and pidfd are closed all the same. Before, the release came
     after that wait, with no try/finally: the fds leaked."""
-    with private_fs_guestd("ext4", 64) as (g, rt):
-        rt_inside = rt.removeprefix(f"/proc/{g.pid}/root")
+    with private_fs_guestd("ext4", 64) as (g, _rt, rt_inside):
         idle = sockets(g.pid)
         before: list[int] = []
 
@@ -115,7 +114,7 @@ def test_a_shell_close_cancelled_while_bash_cannot_die_yet_still_releases_the_se
             await connections_gone(g.pid, idle)
 
         asyncio.run(go())
-        assert settled_fd_count(g.pid, before[0]) == before[0], " ".join(fd_targets(g.pid))
+        assert_fds_back_to(g.pid, before[0])
         assert g.alive() and "Traceback" not in g.log(), g.log()
 
 
@@ -126,8 +125,7 @@ def test_a_code_close_cancelled_while_the_kernel_cannot_die_yet_still_releases_t
     frozen disk), cancelled while close waits for the kernel to be gone: once it dies its pidfd
     is closed and its ipc socket files are removed all the same. Before, both came after that
     wait, with no try/finally."""
-    with private_fs_guestd("ext4", 64, config="[code]\npool = 0\n") as (g, rt):
-        rt_inside = rt.removeprefix(f"/proc/{g.pid}/root")
+    with private_fs_guestd("ext4", 64, config="[code]\npool = 0\n") as (g, rt, rt_inside):
         idle = sockets(g.pid)
         before: list[int] = []
 
@@ -165,7 +163,7 @@ def test_a_code_close_cancelled_while_the_kernel_cannot_die_yet_still_releases_t
 
         left: list[str] = []
         asyncio.run(go())
-        assert settled_fd_count(g.pid, before[0]) == before[0], " ".join(fd_targets(g.pid))
+        assert_fds_back_to(g.pid, before[0])
         assert left == []  # the kernel's ipc socket files
         assert g.alive() and "Traceback" not in g.log(), g.log()
 
@@ -181,8 +179,7 @@ def test_a_watch_cancelled_before_its_watcher_is_ready_stops_the_watcher() -> No
     The two requests go in one write, so guestd starts both in one turn of its loop: the
     watch's directory open goes to the I/O thread first, the upload's temp file second (it
     blocks there, on the frozen disk), and the watch's wait for its scan queues behind it."""
-    with private_fs_guestd("ext4", 64, config="io_threads = 1\n") as (g, rt):
-        rt_inside = rt.removeprefix(f"/proc/{g.pid}/root")
+    with private_fs_guestd("ext4", 64, config="io_threads = 1\n") as (g, _rt, rt_inside):
         watched = os.path.join(g.workdir, "watched")
         os.mkdir(watched)
         idle = sockets(g.pid)
@@ -210,7 +207,7 @@ def test_a_watch_cancelled_before_its_watcher_is_ready_stops_the_watcher() -> No
             await connections_gone(g.pid, idle)
 
         asyncio.run(go())
-        assert settled_fd_count(g.pid, before[0]) == before[0], " ".join(fd_targets(g.pid))
+        assert_fds_back_to(g.pid, before[0])
         assert settled_thread_count(g.pid, before[1]) == before[1]
         assert g.alive() and "Traceback" not in g.log(), g.log()
 
@@ -224,8 +221,7 @@ def test_a_freezing_prepare_cancelled_after_the_freeze_still_thaws_after_freeze_
     thaw timer was set only after the sync: a prepare cancelled there left the workload frozen
     and guestd quiesced until someone called snapshot.resume."""
     config = f'io_threads = 1\n[workload]\ncgroup = "{scratch}/cancel-prepare"\n'
-    with private_fs_guestd("ext4", 64, config=config) as (g, rt):
-        rt_inside = rt.removeprefix(f"/proc/{g.pid}/root")
+    with private_fs_guestd("ext4", 64, config=config) as (g, _rt, rt_inside):
 
         async def frozen_now(c: AsyncClient) -> bool:
             return bool((await c.info()).raw["snapshot"]["frozen"])
@@ -278,8 +274,7 @@ def test_a_write_cancelled_while_its_thread_still_writes_is_not_settled_for_prep
     landing, so snapshot.prepare waits for it and says writes_settled false when its timeout
     comes first. Before, the cancelled request counted its write as finished at once, and
     prepare said settled with the write still in flight."""
-    with private_fs_guestd("ext4", 64) as (g, rt):
-        rt_inside = rt.removeprefix(f"/proc/{g.pid}/root")
+    with private_fs_guestd("ext4", 64) as (g, rt, rt_inside):
 
         async def go() -> None:
             a = await AsyncClient.connect(g.address)

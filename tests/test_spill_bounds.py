@@ -16,8 +16,8 @@ from guestd.client.aio import AsyncClient
 from guestd.spill import MAX_PENDING, SPILL_RESERVE_MAX
 from guestd.testing import Guestd
 from tests.private_fs import (
+    assert_fds_back_to,
     fd_count,
-    fd_targets,
     frozen,
     io_thread_blocked,
     needs_freeze,
@@ -65,7 +65,7 @@ def test_the_free_space_reserve_stops_a_spill_as_disk_full() -> None:
     keeps its reserve (min(64 MiB, 10% of its size)) free, and guestd goes on answering (an
     exec, and a spill that finds no room stops at byte 0)."""
     full = numbers(5_000_000)
-    with private_fs_guestd("tmpfs", 24) as (g, rt):
+    with private_fs_guestd("tmpfs", 24) as (g, rt, _):
 
         async def go() -> None:
             async with await AsyncClient.connect(g.address) as c:
@@ -100,7 +100,7 @@ def test_concurrent_spills_share_the_free_space_without_eating_the_reserve() -> 
     n = 1_200_000
     full = numbers(n)
     gen = f"seq 1 {n} & seq 1 {n} >&2; wait"
-    with private_fs_guestd("tmpfs", 32) as (g, rt):
+    with private_fs_guestd("tmpfs", 32) as (g, rt, _):
         fds_before = warm_up(g)
 
         async def go() -> None:
@@ -120,7 +120,7 @@ def test_concurrent_spills_share_the_free_space_without_eating_the_reserve() -> 
                 assert (await c.exec("echo ok")).stdout == b"ok\n"
 
         asyncio.run(go())
-        assert settled_fd_count(g.pid, fds_before) == fds_before
+        assert_fds_back_to(g.pid, fds_before)
         assert g.alive() and "Traceback" not in g.log(), g.log()
 
 
@@ -138,8 +138,7 @@ def test_a_disk_slower_than_the_command_stops_the_spill_as_behind(tmp_path: obje
     assert len(full) > 2 * MAX_PENDING
     gate, done = f"{tmp_path}/go", f"{tmp_path}/done"
     cmd = f"while [ ! -e {gate} ]; do sleep 0.01; done; seq 1 {n}; touch {done}"
-    with private_fs_guestd("ext4", 64) as (g, rt):
-        rt_inside = rt.removeprefix(f"/proc/{g.pid}/root")
+    with private_fs_guestd("ext4", 64) as (g, rt, rt_inside):
 
         async def go() -> None:
             async with await AsyncClient.connect(g.address) as c:
@@ -172,8 +171,7 @@ def test_a_run_cancelled_while_its_spill_files_are_being_made_leaks_no_fd(tmp_pa
     """exec spill: true whose request goes away while the I/O thread making its spill files is
     stuck on the (frozen) disk: once the disk thaws, the directory fd and the two files it
     opened are closed. Before, nothing awaited them: three fds leaked per such run."""
-    with private_fs_guestd("ext4", 64) as (g, rt):
-        rt_inside = rt.removeprefix(f"/proc/{g.pid}/root")
+    with private_fs_guestd("ext4", 64) as (g, _rt, rt_inside):
         before = warm_up(g)
 
         async def go() -> None:
@@ -189,7 +187,7 @@ def test_a_run_cancelled_while_its_spill_files_are_being_made_leaks_no_fd(tmp_pa
                 assert (await c2.exec("echo after")).stdout == b"after\n"
 
         asyncio.run(go())
-        assert settled_fd_count(g.pid, before) == before, " ".join(fd_targets(g.pid))
+        assert_fds_back_to(g.pid, before)
         assert g.alive() and "Traceback" not in g.log(), g.log()
 
 
@@ -202,8 +200,7 @@ def test_a_run_cancelled_while_its_last_output_waits_for_the_disk_leaks_no_fd(tm
     after the run had handed them to the reply: two fds leaked per such run."""
     import psutil
 
-    with private_fs_guestd("ext4", 64) as (g, rt):
-        rt_inside = rt.removeprefix(f"/proc/{g.pid}/root")
+    with private_fs_guestd("ext4", 64) as (g, _rt, rt_inside):
         before = warm_up(g)
 
         def command_running() -> bool:
@@ -224,7 +221,7 @@ def test_a_run_cancelled_while_its_last_output_waits_for_the_disk_leaks_no_fd(tm
                 assert (await c2.exec("echo after")).stdout == b"after\n"
 
         asyncio.run(go())
-        assert settled_fd_count(g.pid, before) == before, " ".join(fd_targets(g.pid))
+        assert_fds_back_to(g.pid, before)
         assert g.alive() and "Traceback" not in g.log(), g.log()
 
 
@@ -311,5 +308,5 @@ def test_sweeps_and_forget_racing_a_detached_quiet_spill(fresh_guestd: object, t
             await until(lambda: not os.path.exists(spill["path"]))
 
     asyncio.run(go())
-    assert settled_fd_count(g.pid, before) == before
+    assert_fds_back_to(g.pid, before)
     assert g.alive() and "Traceback" not in g.log(), g.log()
