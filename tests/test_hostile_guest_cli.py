@@ -125,6 +125,13 @@ def test_save_images_never_follows_a_link_nor_overwrites(fake_guest: Callable[..
     assert code == 0, err
     assert victim.read_bytes() == b"host data"  # the link itself was replaced, never followed
     assert (images / "default-1-0.png").read_bytes() == b"guest bytes" and not (images / "default-1-0.png").is_symlink()
+    (images / "default-1-1.png").unlink()
+    (images / "default-1-1.png").mkdir()  # a directory is never replaced, even with --overwrite-images
+    argv = ["--json", "code", "run", "--save-images", str(images), "--overwrite-images", "x"]
+    code, out, err = guestctl(g.address, *argv)
+    report = json.loads(out)
+    assert code == 0 and report["images_name_taken"] == [str(images / "default-1-1.png")], (out, err)
+    assert sorted(os.listdir(images)) == ["default-1-0.png", "default-1-1.png"]  # no temp file left
 
 
 # ----------------------------------------------------------------------------- defect 4

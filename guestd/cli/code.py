@@ -187,4 +187,8 @@ def _write_new(dir_fd: int, name: str, data: bytes, overwrite: bool) -> None:
     finally:
         os.close(fd)
     if overwrite:
-        os.rename(target, name, src_dir_fd=dir_fd, dst_dir_fd=dir_fd)  # replaces a link, never follows it
+        try:
+            os.rename(target, name, src_dir_fd=dir_fd, dst_dir_fd=dir_fd)  # replaces a link, never follows it
+        except IsADirectoryError:  # a directory is never replaced: the name is taken
+            os.unlink(target, dir_fd=dir_fd)
+            raise FileExistsError(name) from None
