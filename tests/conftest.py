@@ -3,7 +3,6 @@ them, and a fake guest for the client's side."""
 
 from __future__ import annotations
 
-import importlib.util
 import os
 import shutil
 import socket
@@ -17,10 +16,6 @@ from guestd.client import Client
 from guestd.testing import Guestd, StartGuestd, fakeguest, start_guestd
 from guestd.testing.rawwire import FAKE_GUEST_HELLO, RawPeer
 from guestd.wire.frames import Kind
-
-# Vendored third-party test suites run only in the integration venv (scripts/test.sh), through
-# tests/test_integrations_*.py; without their framework installed they are not even collected.
-collect_ignore = [] if importlib.util.find_spec("swerex") else ["third_party"]
 
 
 @pytest.fixture(scope="session")

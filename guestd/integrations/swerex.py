@@ -21,15 +21,18 @@ session runs nothing else: a normal action raises ``SessionBusyError`` at once.
 ``expect`` of a non-interactive action is not used: the command runs to its end (or its
 timeout), as guestd knows when a session command ends without matching a prompt.
 
-SWE-ReX 1.4.0 ``tests/test_execution.py`` (vendored in tests/third_party/swerex with a
-fixture shim, run by tests/test_integrations_swerex.py on both runtimes in the same run, on
-the same machine; 50 tests):
+SWE-ReX 1.4.0 ``tests/test_execution.py`` (50 tests; downloaded from the pinned sdist when
+tests/test_integrations_swerex.py runs, with our fixture shim tests/swerex_fixtures.py), run on
+both runtimes in the same run on the same machine, 2026-12-03:
 
-- guestd: 48 passed, 1 xfailed (upstream marks it xfail), 1 failed (``EXPECTED_PASSES``);
-- SWE-ReX ``LocalRuntime`` (in process, as the shim's ``SWEREX_RUNTIME=local``): 33 passed,
-  1 xfailed, 16 failed. 15 of its failures are output comparisons: its pexpect terminal adds
-  ``\r\n`` and echoed lines to the output (``'\r\nasdf\n\r\n\r\n'`` for ``asdf\n``);
-  guestd returns exactly what the command wrote. The test asserts guestd's passes >= its.
+- ``TERM`` unset (as SWE-ReX's own CI runs it): guestd and SWE-ReX ``LocalRuntime`` (in
+  process, the shim's ``SWEREX_RUNTIME=local``) each 48 passed, 1 failed
+  (``test_interrupt_pager``), 1 xfailed (upstream marks it xfail) (``EXPECTED_PASSES``);
+- ``TERM=xterm``: guestd the same; LocalRuntime 33 passed, 16 failed, 1 xfailed: its pexpect
+  bash then echoes and adds ``\r\n`` (``'\r\nasdf\n\r\n\r\n'`` for ``asdf\n``) in 15 output
+  comparisons. guestd returns exactly what the command wrote under any ``TERM``. The test
+  asserts guestd's passes >= LocalRuntime's with ``TERM`` unset, and that guestd's outcome does
+  not change with ``TERM``.
 
 The difference left, by design:
 

@@ -1,9 +1,12 @@
-"""Fixture shim for SWE-ReX 1.4.0's tests/test_execution.py (vendored here; MIT, see
-LICENSE.txt). Upstream's conftest starts SWE-ReX's HTTP server and yields a RemoteRuntime;
-here ``remote_runtime`` is a GuestdRuntime on a real local guestd, or SWE-ReX's own
-LocalRuntime when SWEREX_RUNTIME=local, or upstream's own set-up when SWEREX_RUNTIME=remote
-(SWE-ReX's HTTP server in a thread, LocalRuntime behind it, a RemoteRuntime to it: the
-baselines). ``_Action``/``_Command`` are upstream's (5 s default timeouts)."""
+"""Our fixture shim for SWE-ReX's own ``tests/test_execution.py`` (downloaded from its pinned
+sdist when the test runs: tests/upstream.py, tests/test_integrations_swerex.py; never stored here).
+
+That file takes a ``remote_runtime`` and a ``runtime_with_default_session`` fixture and imports
+``_Action``/``_Command`` (actions with 5 s default timeouts) from the conftest beside it; the
+conftest written beside it at test time imports them from this module. ``remote_runtime`` is a
+GuestdRuntime on a real local guestd; with SWEREX_RUNTIME=local it is SWE-ReX's own
+LocalRuntime, with SWEREX_RUNTIME=remote SWE-ReX's HTTP server in a thread with a LocalRuntime
+behind it and a RemoteRuntime to it (the baselines, run side by side in the same test)."""
 
 from __future__ import annotations
 
