@@ -408,6 +408,7 @@ class SpawnOrder:
     stderr: int
     pty: tuple[int, int] | None
     extra_fds: dict[int, int] | None
+    user: tuple[int, int] | None = None
 
 
 # pid, pidfd, leaf cgroup, guestd's ends of the pipes, and the Popen of the fallback spawn
@@ -455,13 +456,15 @@ class Children:
         stderr: int = PIPE,
         pty: tuple[int, int] | None = None,
         extra_fds: dict[int, int] | None = None,
+        user: tuple[int, int] | None = None,
     ) -> Child:
         """Start ``argv`` as a new run of ``kind``. Raises GuestdError (details.stage: cwd or spawn).
 
         ``stdin``/``stdout``/``stderr``: PIPE, DEVNULL, STDOUT (stderr) or an fd to give the
         child (the caller keeps it). ``pty=(rows, cols)``: all three on a new terminal that
         becomes the child's controlling tty; guestd's end is ``Child.pty``. ``extra_fds``:
-        {target fd in the child: fd here}.
+        {target fd in the child: fd here}. ``user``: (uid, gid) to run as instead of the
+        workload user (guestd as root only; grep's rg when there is no workload user).
         """
         if self.closing:
             raise GuestdError(ErrorCode.UNAVAILABLE, "guestd is stopping", details={"stage": "spawn"})
@@ -478,7 +481,7 @@ class Children:
         self._spawning += 1
         if self._watchdog is None or self._watchdog.done():
             self._watchdog = loop.create_task(self._watch_spawns())
-        order = SpawnOrder(argv, kind, run_id, env, cwd, stdin, stdout, stderr, pty, extra_fds)
+        order = SpawnOrder(argv, kind, run_id, env, cwd, stdin, stdout, stderr, pty, extra_fds, user)
         fut = loop.run_in_executor(self._pool, self._spawn_blocking, order)
         try:
             pid, pidfd, cgroup, fds, popen = await asyncio.shield(fut)
@@ -549,7 +552,7 @@ class Children:
                 raise GuestdError(
                     ErrorCode.UNAVAILABLE, f"cannot make the run's cgroup: {exc}", details={"stage": "spawn"}
                 ) from None
-            ids = self.workload_ids()
+            ids = o.user if o.user is not None and os.geteuid() == 0 else self.workload_ids()
             pid, pidfd, popen = self._start(o.argv, o.env, o.cwd, child_fds, ids, o.pty is not None, cgroup)
         except BaseException:
             for fd in list(ours.values()):

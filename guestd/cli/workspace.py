@@ -80,13 +80,19 @@ async def grep(client: AsyncClient, ns: argparse.Namespace) -> int:
     )
     if ns.json:
         for line in r.lines:
-            print_json({"kind": line.kind, "path": line.path, "line": line.line, "text": line.text})
+            fields = {"kind": line.kind, "path": line.path, "line": line.line, "text": line.text}
+            print_json({**fields, "truncated": line.truncated})
         print_json({"matches": r.matches, "files": r.files, "truncated": r.truncated, "timed_out": r.timed_out})
     else:
         for line in r.lines:
             sep = ":" if line.kind == "match" else "-"
             body = line.text.rstrip(b"\n").decode("utf-8", "backslashreplace")
-            print(f"{field(printable_path(line.path))}{sep}{line.line}{sep}{text(body)}")
+            cut = " [... cut: the line is longer than 4096 bytes]" if line.truncated else ""  # as rg marks it
+            print(f"{field(printable_path(line.path))}{sep}{line.line}{sep}{text(body)}{cut}")
+        if r.truncated:
+            print(f"guestctl: stopped at {r.matches} matching lines (--max)", file=sys.stderr)
+        if r.timed_out:
+            print("guestctl: the search timed out: what was found in time is shown", file=sys.stderr)
     return 0 if r.matches else 1  # as grep: 1 when nothing matched
 
 

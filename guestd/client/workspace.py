@@ -32,7 +32,7 @@ SEARCH_MARGIN = 30.0  # on top of a search's timeout_s: the trip there and back
 TREE_CHUNK = 1024 * 1024
 TREE_MEMORY_CAP = 256 * 1024 * 1024  # an in-memory tree download without max_bytes
 Progress = Callable[[int], None]
-GrepEngine = Literal["auto", "rg", "python"]
+GrepEngine = Literal["auto", "rg"]  # both ripgrep: the Python engine was removed (issue 29)
 
 
 def _present(**fields: Any) -> dict[str, Any]:
@@ -70,8 +70,8 @@ class GrepLine:
     kind: str  # "match" or "context"
     path: WirePath
     line: int
-    text: bytes  # with its newline; at most 4096 bytes
-    truncated: bool
+    text: bytes  # the line and a newline; at most 4096 bytes
+    truncated: bool  # the line was longer: text is its start (a match anywhere in it is reported)
 
 
 @dataclass(frozen=True)
@@ -297,7 +297,8 @@ class WorkspaceAPI:
         timeout_s: float | None = None,
         deadline: float | None = None,
     ) -> GrepResult:
-        """Matching lines (and ``context`` lines around them) under ``path``."""
+        """Matching lines (and ``context`` lines around them) under ``path``, found by ripgrep in the
+        guest (its regex syntax; a line longer than 4096 bytes comes cut, with ``truncated``)."""
         args = _present(
             path=path_to_wire(path),
             pattern=pattern,

@@ -1,51 +1,54 @@
-"""``file.glob`` and ``file.grep`` (issue 18).
+"""``file.glob`` and ``file.grep`` (issues 18 and 29).
 
-Both walk the tree as ripgrep does (``guestd.files.walk``: through fds, symlinks never
-followed, ``.git`` left out, overrides before ``.gitignore`` before hidden names), so the
-pure-Python engine and rg give the same files.
+glob walks the tree as ripgrep does (``guestd.files.walk``: through fds, symlinks never
+followed, ``.git`` left out, overrides before ``.gitignore`` before hidden names).
 
-Where grep runs rg, and as whom. rg opens paths by name while it walks; a workload that swaps
-a directory for a symlink mid-walk could point it elsewhere. So rg runs only where that gains
-the workload nothing: as the workload user (guestd is root and ``policy.workload_user`` is set:
-rg then reads only what the workload could read itself), or where guestd is not root at all
-(the workload then runs as guestd's own user). Otherwise (root, no workload user) ``auto``
-picks the Python engine, which reads every file through fds opened ``O_NOFOLLOW`` and checked
-to be regular before a read (a FIFO or device is never opened). rg starts in the directory
-guestd resolved (its cwd is that fd), so the root itself is never re-resolved by name.
+grep is ripgrep, in every deployment: one regex dialect (Rust's regex crate: linear time, no
+look-around or backreferences; a pattern it refuses is ``bad_request``). The in-process Python
+engine is gone (issue 29): a pathological pattern froze guestd with the GIL held. rg runs as a
+workload process through ``guestd.children``, so what a search costs (a regex over a huge
+tree, a 200 MiB line held whole) is paid by the workload's cgroup: its memory limit ends rg,
+never guestd. Without rg, grep is ``unavailable`` (install the ``ripgrep`` package;
+guestd-bake puts it in the image).
 
-Bounds: ``max_matches`` lines, each line's data at most ``MAX_LINE_BYTES``, ``timeout_s`` (rg
-is killed), one rg JSON record at most ``MAX_RG_RECORD`` bytes, 256 events or 50 ms per step.
+As whom. rg opens paths by name while it walks; a workload that swaps a directory for a
+symlink mid-walk could point it elsewhere. So rg never runs as root: as the workload user
+(guestd is root and ``policy.workload_user`` is set: rg then reads only what the workload could
+read itself), as guestd's own user where guestd is not root (the workload runs as that user
+too), and as ``nobody`` where guestd is root without a workload user (``search_user``). rg
+starts in the directory guestd resolved (its cwd is that fd), so the root itself is never
+re-resolved by name.
+
+Bounds: ``max_matches`` lines; each line's data at most ``MAX_LINE_BYTES`` (rg cuts longer
+lines itself and they are reported with ``truncated``: never dropped); ``timeout_s`` and a
+cancelled request kill rg; rg's output is read only as the client grants credit.
 """
 
 from __future__ import annotations
 
-import base64
+import asyncio
+import contextlib
 import heapq
-import json
 import os
-import re
-import select
 import shutil
 import stat as st
-import subprocess
-import threading
 import time
-from collections import deque
-from collections.abc import Generator, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
-from guestd.files.fs import FileSystem, reopen_regular
+from guestd.children import PIPE, Child, Children, KilledBy
+from guestd.children.tree import read_chunk
+from guestd.files.fs import FileSystem
 from guestd.files.ignore import glob_regex
 from guestd.files.walk import Filter, Walk
 from guestd.wire.errors import ErrorCode, GuestdError
+from guestd.wire.paths import path_to_wire
 
-MAX_LINE_BYTES = 4096  # of one line, in a grep event
-MAX_RG_RECORD = 16 * 1024 * 1024  # one JSON line of rg's output (a match in a huge line)
-BLOCK = 64 * 1024  # the Python engine reads this much at a time (and looks for NUL in it)
-MAX_CARRY = 1024 * 1024  # a line longer than this is searched in pieces
-STEP_EVENTS = 256
-STEP_S = 0.05
-RG_STDERR = 64 * 1024
+if TYPE_CHECKING:
+    from guestd.services import Request
+
+NOBODY = 65534
 
 
 # --------------------------------------------------------------------------- glob
@@ -83,6 +86,16 @@ def glob(
 
 # --------------------------------------------------------------------------- grep
 
+MAX_LINE_BYTES = 4096  # of one line, in a grep event (rg's --max-columns: longer lines come cut)
+# rg's preview of a cut line counts characters, not bytes: up to 4 bytes each, and its marker.
+OMITTED = b" [... omitted end of long line]"
+MAX_TEXT_KEPT = 4 * MAX_LINE_BYTES + len(OMITTED)
+MAX_RG_PATH = 1024 * 1024  # one path in rg's output (rg's own walk stays far below)
+READ_SIZE = 256 * 1024
+RG_STDERR = 64 * 1024
+RG_CWD_FD = 3  # the searched directory, as rg's fd 3: its cwd is /proc/self/fd/3
+KILL_WAIT_S = 5.0  # a SIGKILLed rg is gone within milliseconds; bounded anyway
+
 
 @dataclass
 class GrepQuery:
@@ -94,178 +107,52 @@ class GrepQuery:
     gitignore: bool = True
     hidden: bool = False
 
-    def regex(self) -> re.Pattern[bytes]:
-        raw = re.escape(self.pattern.encode()) if self.literal else self.pattern.encode()
-        try:
-            return re.compile(raw, re.MULTILINE | (re.IGNORECASE if self.ignore_case else 0))
-        except re.error as exc:
-            raise GuestdError(ErrorCode.BAD_REQUEST, f"bad regex: {exc}", details={"field": "pattern"}) from None
 
-
-# A step's events: (kind, path bytes, line, data, truncated), or None as a heartbeat.
+# One line of rg's output: (kind "match" or "context", path bytes, line, data, cut).
 Hit = tuple[str, bytes, int, bytes, bool]
-
-
-def _cut(line: bytes) -> tuple[bytes, bool]:
-    if len(line) > MAX_LINE_BYTES:
-        return line[:MAX_LINE_BYTES], True
-    return line, False
-
-
-def python_grep(root_fd: int, single: bytes | None, q: GrepQuery, deadline: float) -> Generator[Hit | None, None, None]:
-    """The pure-Python engine: every file met by the walk (or the one file ``single`` in
-    ``root_fd``), read in blocks through an fd checked to be a regular file."""
-    regex = q.regex()
-    if single is not None:
-        yield from _grep_file(root_fd, single, single, regex, q.context)
-        return
-    walk = Walk(root_fd, Filter(globs=q.globs, gitignore=q.gitignore, hidden=q.hidden, skip_git=True))
-    walk.deadline = deadline
-    for e in walk.entries():
-        if e.is_file:
-            yield from _grep_file(e.dirfd, e.name, e.rel, regex, q.context)
-            yield None
-
-
-def _grep_file(dirfd: int, name: bytes, rel: bytes, regex: re.Pattern[bytes], context: int) -> Iterator[Hit | None]:
-    try:
-        pathfd = os.open(name, os.O_PATH | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=dirfd)
-    except OSError:
-        return
-    try:
-        fd = reopen_regular(pathfd, os.O_RDONLY | os.O_NONBLOCK, os.fsdecode(rel))
-    except (OSError, GuestdError):
-        return  # swapped for a symlink, FIFO or device since the walk saw it: never opened
-    finally:
-        os.close(pathfd)
-    try:
-        yield from _grep_fd(fd, rel, regex, context)
-    finally:
-        os.close(fd)
-
-
-def _grep_fd(fd: int, rel: bytes, regex: re.Pattern[bytes], context: int) -> Iterator[Hit | None]:
-    """Lines of ``fd`` that ``regex`` matches (each line searched on its own, without its
-    newline, as rg does), with ``context`` lines around them. A regex search over the block
-    finds the next candidate line quickly; the candidate line is then checked alone."""
-    before: deque[tuple[int, bytes]] = deque(maxlen=context or 1)
-    after = 0  # context lines still owed after the last match
-    last_sent = 0
-    lineno = 0
-    carry = b""
-    search = regex.search
-    while True:
-        try:
-            block = os.read(fd, BLOCK)
-        except OSError:
-            return
-        if b"\0" in block:
-            return  # binary: this block is not searched and the file stops here (as rg's reader does)
-        eof = not block
-        buf = carry + block
-        if eof and not buf:
-            return
-        end = len(buf) if eof else buf.rfind(b"\n") + 1
-        if end <= 0:
-            if len(buf) <= MAX_CARRY:
-                carry = buf
-                continue
-            end = len(buf)  # a huge line without a newline: searched in pieces
-        carry = buf[end:]
-        pos = 0
-        while pos < end:
-            if not after:
-                m = search(buf, pos, end)
-                target = end if m is None else buf.rfind(b"\n", pos, m.start()) + 1
-                if target > pos:  # lines with no match and owed no context: counted, kept for context
-                    seg = buf[pos:target]
-                    if context:
-                        lines = seg.split(b"\n")
-                        if seg.endswith(b"\n"):
-                            lines.pop()
-                        keep = lines[-context:]
-                        first = lineno + len(lines) - len(keep)
-                        before.extend((first + i + 1, text) for i, text in enumerate(keep))
-                        lineno += len(lines)
-                    else:
-                        lineno += seg.count(b"\n") + (0 if seg.endswith(b"\n") else 1)
-                    pos = target
-                if m is None:
-                    break
-            nl = buf.find(b"\n", pos, end)
-            line_end = end if nl < 0 else nl + 1
-            line = buf[pos:line_end]
-            lineno += 1
-            body = line[:-1] if line.endswith(b"\n") else line
-            if search(body):
-                if context:
-                    for n, text in before:
-                        if n > last_sent:
-                            data, cut = _cut(text + b"\n")
-                            yield ("context", rel, n, data, cut)
-                    before.clear()
-                data, cut = _cut(line)
-                yield ("match", rel, lineno, data, cut)
-                last_sent = lineno
-                after = context
-            elif after:
-                data, cut = _cut(line)
-                yield ("context", rel, lineno, data, cut)
-                last_sent = lineno
-                after -= 1
-            elif context:
-                before.append((lineno, body))
-            pos = line_end
-        if eof:
-            return
-        yield None  # a heartbeat per block: a huge file without matches still lets a step end
 
 
 def rg_path() -> str | None:
     return shutil.which("rg")
 
 
-class Stepper:
-    """Drives a search generator from I/O threads, one step at a time, and closes it (and
-    what it holds) once, after any step in progress: a cancelled request never closes a
-    generator another thread is running."""
+def search_user(workload_ids: tuple[int, int] | None) -> tuple[int, int] | None:
+    """Whom rg runs as instead of the workload user: ``nobody`` when guestd is root and has no
+    workload user (rg then reads what everyone may read, never as root), else None (the
+    workload user, or guestd's own user when it is not root)."""
+    if os.geteuid() != 0 or workload_ids is not None:
+        return None
+    import pwd
 
-    def __init__(self, gen: Generator[Hit | None, None, None], fd: int) -> None:
-        self.gen = gen
-        self.fd = fd
-        self.lock = threading.Lock()
-        self.closed = False
-
-    def step(self) -> list[Hit] | None:
-        """Up to STEP_EVENTS hits, or what came within STEP_S; None at the end."""
-        with self.lock:
-            if self.closed:
-                return None
-            out: list[Hit] = []
-            until = time.monotonic() + STEP_S
-            for hit in self.gen:
-                if hit is not None:
-                    out.append(hit)
-                if len(out) >= STEP_EVENTS or time.monotonic() > until:
-                    return out
-            return out or None
-
-    def close(self) -> None:
-        with self.lock:
-            if self.closed:
-                return
-            self.closed = True
-            try:
-                self.gen.close()
-            finally:
-                os.close(self.fd)
+    try:
+        pw = pwd.getpwnam("nobody")
+        return pw.pw_uid, pw.pw_gid
+    except KeyError:
+        return NOBODY, NOBODY
 
 
 def rg_command(rg: str, q: GrepQuery, target: str) -> list[str]:
+    """rg's standard printer, not --json: ``PATH NUL LINE (: match | - context) TEXT NL`` with a
+    line longer than MAX_LINE_BYTES cut by rg itself (``--max-columns-preview``), so what guestd
+    reads per line is bounded whatever the file holds (--json ignores --max-columns and writes
+    the whole line, its line number after it)."""
     cmd = [
         rg,
-        "--json",
         "--no-config",
+        "--null",
+        "--with-filename",
+        "--line-number",
+        "--no-heading",
+        "--color",
+        "never",
+        "--no-context-separator",
+        "--field-match-separator",
+        ":",
+        "--field-context-separator",
+        "-",
+        "--max-columns",
+        str(MAX_LINE_BYTES),
+        "--max-columns-preview",
         "--no-ignore-global",
         "--no-ignore-exclude",
         "--no-ignore-parent",
@@ -290,112 +177,265 @@ def rg_command(rg: str, q: GrepQuery, target: str) -> list[str]:
     return [*cmd, "--regexp", q.pattern, "--", target]
 
 
-def _json_bytes(obj: dict[str, object]) -> bytes:
-    text = obj.get("text")
-    if isinstance(text, str):
-        return text.encode("utf-8", "surrogateescape")
-    raw = obj.get("bytes")
-    return base64.b64decode(raw) if isinstance(raw, str) else b""
+class RgOutputError(Exception):
+    """rg's output did not have the shape rg_command asks for."""
 
 
-def rg_grep(
-    rg: str, root_fd: int, single: bytes | None, q: GrepQuery, deadline: float, ids: tuple[int, int] | None
-) -> Generator[Hit | None, None, None]:
-    """ripgrep's matches, started in the directory ``root_fd`` (its cwd is that fd), as the
-    workload user when ``ids`` is given."""
-    target = os.fsdecode(single) if single is not None else "."
-    proc = subprocess.Popen(  # the argv is ours; the pattern is one argument after --regexp
-        rg_command(rg, q, target),
-        stdin=subprocess.DEVNULL,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        cwd=f"/proc/self/fd/{root_fd}",
-        pass_fds=(root_fd,),
-        start_new_session=True,
-        user=None if ids is None else ids[0],
-        group=None if ids is None else ids[1],
-        extra_groups=None if ids is None else [],
-    )
-    assert proc.stdout is not None and proc.stderr is not None
-    out = proc.stdout.fileno()
-    err = proc.stderr.fileno()
-    os.set_blocking(out, False)
-    os.set_blocking(err, False)
-    pending = b""
-    stderr = b""
-    try:
+_PATH, _NUMBER, _TEXT = 0, 1, 2
+_NOTICES = (b": WARNING: stopped searching binary file after match (found ", b": binary file matches (found ")
+
+
+class RgLines:
+    """rg's standard output parsed as it arrives, in bounded memory (sans-I/O).
+
+    A record is ``PATH NUL LINE SEP TEXT NL`` (SEP ``:`` for a match, ``-`` for context); a
+    path may hold newlines, never a NUL, so a path ends at the NUL. rg also prints a binary-file
+    notice, ``PATH: WARNING: stopped searching binary file ...)`` or ``PATH: binary file
+    matches ...)``, with no NUL: it ends up in front of the next path, and is taken off there
+    (its PATH is the file just reported, or the one file searched). A cut line (longer than
+    MAX_LINE_BYTES, so longer than rg's --max-columns) is rg's preview plus OMITTED: it is
+    reported cut; a line that merely ends with OMITTED is no longer than MAX_LINE_BYTES, so it
+    is never mistaken for one."""
+
+    def __init__(self, single: bytes | None) -> None:
+        self.single = single
+        self.last_path = single or b""
+        self.state = _PATH
+        self.path = bytearray()
+        self.number = bytearray()
+        self.kind = ""
+        self.text = bytearray()
+        self.text_over = False  # more than MAX_TEXT_KEPT came: the rest was not kept
+
+    def feed(self, data: bytes) -> list[Hit]:
+        out: list[Hit] = []
+        pos, n = 0, len(data)
+        while pos < n:
+            if self.state == _PATH:
+                end = data.find(b"\0", pos)
+                self.path += data[pos : n if end < 0 else end]
+                if len(self.path) > MAX_RG_PATH + 4096:
+                    raise RgOutputError("a path longer than 1 MiB")
+                if end < 0:
+                    break
+                pos = end + 1
+                self.state = _NUMBER
+            elif self.state == _NUMBER:
+                byte = data[pos]
+                pos += 1
+                if 0x30 <= byte <= 0x39 and len(self.number) < 20:
+                    self.number.append(byte)
+                elif byte in b":-" and self.number:
+                    self.kind = "match" if byte == 0x3A else "context"
+                    self.state = _TEXT
+                else:
+                    raise RgOutputError("no line number after a path")
+            else:
+                end = data.find(b"\n", pos)
+                piece = data[pos : n if end < 0 else end]
+                room = MAX_TEXT_KEPT - len(self.text)
+                if len(piece) > room:
+                    piece, self.text_over = piece[:room], True
+                self.text += piece
+                if end < 0:
+                    break
+                pos = end + 1
+                out.append(self._record())
+        return out
+
+    def _record(self) -> Hit:
+        path = self._without_notices(bytes(self.path))
+        self.last_path = path
+        text, cut = bytes(self.text), self.text_over
+        if len(text) > MAX_LINE_BYTES and text.endswith(OMITTED):
+            text, cut = text[: -len(OMITTED)], True  # rg cut it: longer than --max-columns
+        text += b"\n"
+        if len(text) > MAX_LINE_BYTES:
+            text, cut = text[:MAX_LINE_BYTES], True
+        line = int(self.number)
+        self.path.clear()
+        self.number.clear()
+        self.text.clear()
+        self.text_over = False
+        self.state = _PATH
+        if self.single is None and path.startswith(b"./"):
+            path = path[2:]
+        return (self.kind, path, line, text, cut)
+
+    def _without_notices(self, path: bytes) -> bytes:
         while True:
-            left = deadline - time.monotonic()
-            if left <= 0:
-                return
-            ready, _, _ = select.select([out, err], [], [], min(left, STEP_S))
-            if not ready:
-                yield None
-                continue
-            if err in ready:
-                try:
-                    chunk = os.read(err, 65536)
-                except BlockingIOError:
-                    chunk = b""
-                if chunk:
-                    stderr = (stderr + chunk)[-RG_STDERR:]
-            if out not in ready:
-                continue
-            try:
-                chunk = os.read(out, 1 << 20)
-            except BlockingIOError:
-                continue
-            if not chunk:
+            for known in {self.last_path, self.single or b""}:
+                if not known:
+                    continue
+                for notice in _NOTICES:
+                    start = known + notice
+                    end = path.find(b")\n", len(start))
+                    if path.startswith(start) and end >= 0:
+                        path = path[end + 2 :]
+                        break
+                else:
+                    continue
                 break
-            pending += chunk
-            lines = pending.split(b"\n")
-            pending = lines.pop()
-            if len(pending) > MAX_RG_RECORD:
-                pending = b""  # one absurd record: dropped (its line is longer than 16 MiB)
-            for raw in lines:
-                hit = _rg_record(raw, single)
-                if hit is not None:
-                    yield hit
-            yield None
-        code = proc.wait()
-        if code == 2 and not stderr.strip() == b"":
-            raise GuestdError(
-                ErrorCode.BAD_REQUEST,
-                "rg: " + stderr.decode("utf-8", "replace").strip()[-500:],
-                details={"field": "pattern"},
-            )
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
-        proc.stdout.close()
-        proc.stderr.close()
+            else:
+                return path
+            if len(path) > MAX_RG_PATH:
+                raise RgOutputError("a path longer than 1 MiB")
 
 
-def _rg_record(raw: bytes, single: bytes | None) -> Hit | None:
-    if not raw.startswith(b'{"type":"match"') and not raw.startswith(b'{"type":"context"'):
-        return None
+@dataclass
+class GrepOutcome:
+    matches: int = 0
+    files: int = 0
+    truncated: bool = False  # max_matches reached
+    timed_out: bool = False
+
+
+async def run_rg(
+    ctx: Request,
+    children: Children,
+    rg: str,
+    q: GrepQuery,
+    root_fd: int,
+    single: bytes | None,
+    user: tuple[int, int] | None,
+    max_matches: int,
+    deadline: float,
+) -> GrepOutcome:
+    """Run rg as a workload process (``guestd.children``: a run leaf under the workload's
+    limits, the workload user, OOM score 0, the fd limit guestd was given, frozen with the
+    workload) in the directory ``root_fd`` (its cwd is that fd, so the root is never
+    re-resolved by name), and stream its lines to ``ctx`` under the request's credit: rg's
+    output is read only as the client makes room, so rg waits on its pipe meanwhile. The
+    pipes are read through the event loop (no select(): guestd's fds pass 1024). rg is
+    killed at ``deadline``, after ``max_matches`` lines, or when the request is cancelled.
+    ``user``: run as this (uid, gid) instead of the workload user."""
+    loop = asyncio.get_running_loop()
+    target = "." if single is None else os.fsdecode(single)
+    child = await children.spawn(
+        rg_command(rg, q, target),
+        kind="grep",
+        env={},
+        cwd=f"/proc/self/fd/{RG_CWD_FD}",
+        stdout=PIPE,
+        stderr=PIPE,
+        extra_fds={RG_CWD_FD: root_fd},
+        user=user,
+    )
+    outcome = GrepOutcome()
+    stderr = bytearray()
+    assert child.stdout is not None and child.stderr is not None
+    out_fd, err_fd = child.stdout, child.stderr
+
+    def on_stderr() -> None:
+        data = read_chunk(err_fd, 65536)
+        if data is None:
+            return
+        if not data:
+            loop.remove_reader(err_fd)
+            return
+        stderr.extend(data)
+        del stderr[:-RG_STDERR]
+
+    loop.add_reader(err_fd, on_stderr)
+    child.watch()
+    ended = False
     try:
-        rec = json.loads(raw)
-    except ValueError:
-        return None
-    data = rec.get("data", {})
-    path = _json_bytes(data.get("path", {}))
-    if path.startswith(b"./"):
-        path = path[2:]
-    line = _json_bytes(data.get("lines", {}))
-    text, cut = _cut(line)
-    number = data.get("line_number")
-    if not isinstance(number, int) or not text:
-        return None
-    return (rec["type"], path, number, text, cut)
+        parser = RgLines(single)
+        files: set[bytes] = set()
+        try:
+            async with asyncio.timeout_at(deadline):
+                while not outcome.truncated:
+                    data = await _read(loop, out_fd)
+                    if not data:
+                        break
+                    for kind, rel, line, text, cut in parser.feed(data):
+                        fields: dict[str, object] = {"ev": kind, "path": path_to_wire(rel), "line": line}
+                        if cut:
+                            fields["truncated"] = True
+                        await ctx.wait_room(fields, len(text))
+                        if not ctx.active:
+                            raise asyncio.CancelledError
+                        ctx.push_data(fields, text)
+                        if kind == "match":
+                            outcome.matches += 1
+                            files.add(rel)
+                            if outcome.matches >= max_matches:
+                                outcome.truncated = True
+                                break
+                if not outcome.truncated:
+                    await child.exited  # its output ended: it has, or is about to
+                    ended = True
+        except TimeoutError:
+            outcome.timed_out = True
+        except RgOutputError as exc:
+            raise GuestdError(
+                ErrorCode.IO_ERROR, f"could not read rg's output: {exc}", details={"stage": "rg"}
+            ) from None
+        outcome.files = len(files)
+    finally:
+        loop.remove_reader(err_fd)
+        if not ended:
+            reason: KilledBy = "timeout" if outcome.timed_out else "cancel"
+            child.note_end(reason)
+            child.kill_now()
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(asyncio.shield(child.exited), KILL_WAIT_S)
+        child.release()
+    if ended:
+        _check_exit(child, bytes(stderr))
+    return outcome
+
+
+async def _read(loop: asyncio.AbstractEventLoop, fd: int) -> bytes:
+    """The next chunk of a non-blocking pipe, waiting on the event loop; b"" at its end."""
+    while True:
+        data = read_chunk(fd, READ_SIZE)
+        if data is not None:
+            return data
+        ready: asyncio.Future[None] = loop.create_future()
+        loop.add_reader(fd, _set_once, ready)
+        try:
+            await ready
+        finally:
+            loop.remove_reader(fd)
+
+
+def _set_once(fut: asyncio.Future[None]) -> None:
+    if not fut.done():
+        fut.set_result(None)
+
+
+def _check_exit(child: Child, stderr: bytes) -> None:
+    """rg ended by itself: a typed error when it failed (exit 2 with a message: the pattern),
+    or when something killed it (the workload's memory limit: rg holds a whole line)."""
+    info = child.exit_info()
+    if info["killed_by"] == "oom":
+        raise GuestdError(
+            ErrorCode.LIMIT,
+            "rg was killed by the workload's memory limit (it holds a whole line in memory: a line too long?)",
+            details={"stage": "rg", "killed_by": "oom", "limit": "workload.memory_max"},
+        )
+    if info["signal"] is not None:
+        raise GuestdError(
+            ErrorCode.UNAVAILABLE,
+            f"rg was killed by signal {info['signal']}",
+            details={"stage": "rg", "killed_by": info["killed_by"], "signal": info["signal"]},
+        )
+    message = stderr.decode("utf-8", "replace").strip()
+    if info["exit_code"] == 2 and message:
+        raise GuestdError(ErrorCode.BAD_REQUEST, "rg: " + message[-500:], details={"field": "pattern"})
 
 
 def open_target(fsys: FileSystem, path: str) -> tuple[int, bytes | None]:
-    """(a directory fd to search in, the file's name when ``path`` is a file)."""
+    """(an O_PATH fd of the directory to search in, the file's name when ``path`` is a file).
+    O_PATH: rg gets it as its cwd and could not list a directory through it."""
     info, _ = fsys.stat(path, True)
     if st.S_ISDIR(info.st_mode):
-        return fsys.open_dir(path), None
-    absolute = os.path.abspath(path)
-    head, name = os.path.split(absolute)
-    return fsys.open_dir(head or "/"), os.fsencode(name)
+        fd, single = fsys.open_dir(path), None
+    else:
+        head, name = os.path.split(os.path.abspath(path))
+        fd, single = fsys.open_dir(head or "/"), os.fsencode(name)
+    try:
+        return os.open(".", os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC, dir_fd=fd), single
+    finally:
+        os.close(fd)

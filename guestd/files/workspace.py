@@ -7,7 +7,6 @@ from __future__ import annotations
 import asyncio
 import os
 import threading
-import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, TypeVar, cast
 
@@ -19,7 +18,7 @@ from guestd.files.ignore import Overrides
 from guestd.files.walk import Filter
 from guestd.files.watch import Journal, Watcher, merge
 from guestd.wire.errors import ErrorCode, GuestdError
-from guestd.wire.paths import path_from_wire, path_to_wire
+from guestd.wire.paths import path_from_wire
 
 if TYPE_CHECKING:
     from guestd.services import Request, Services
@@ -56,14 +55,6 @@ T = TypeVar("T")
 MAX_WATCH_PENDING = 10_000  # changed paths a watch holds while its client reads no more: then overflow
 
 
-def rg_identity(ids: tuple[int, int] | None) -> tuple[bool, tuple[int, int] | None]:
-    """(may rg run, as whom): as the workload user when guestd is root and has one; as guestd
-    itself when it is not root; not at all when root without a workload user (see search)."""
-    if os.geteuid() != 0:
-        return True, None
-    return ids is not None, ids
-
-
 def register_workspace(services: Services, fsys: FileSystem, ids: tuple[int, int] | None) -> None:
     editor = Editor(fsys)
     closing: set[asyncio.Future[Any]] = set()  # closes that run after their request ended
@@ -74,7 +65,7 @@ def register_workspace(services: Services, fsys: FileSystem, ids: tuple[int, int
         closing.add(fut)
         fut.add_done_callback(closing.discard)
 
-    rg_allowed, rg_ids = rg_identity(ids)
+    rg_user = search.search_user(ids)  # grep's rg: nobody where the workload user would be root
 
     async def io(fn: Callable[..., T], *args: Any) -> T:
         return cast(T, await services.run_in_io(_os_call, fn, *args))
@@ -109,60 +100,32 @@ def register_workspace(services: Services, fsys: FileSystem, ids: tuple[int, int
         return cast("FileGlobReply", reply)
 
     async def op_grep(ctx: Request, a: FileGrepArgs) -> FileGrepReply:
+        rg = search.rg_path()
+        if rg is None:
+            raise GuestdError(
+                ErrorCode.UNAVAILABLE,
+                "grep needs ripgrep (rg) in the guest: install the ripgrep package (guestd-bake does)",
+                details={"reason": "no_rg"},
+            )
         q = search.GrepQuery(
             a["pattern"], a["literal"], a["ignore_case"], list(a["globs"]), a["context"], a["gitignore"], a["hidden"]
         )
-        rg = search.rg_path() if rg_allowed else None
-        engine = a["engine"]
-        if engine == "rg" and rg is None:
-            raise GuestdError(
-                ErrorCode.UNAVAILABLE,
-                "rg is not installed" if rg_allowed else "rg may not run here: guestd is root with no workload user",
-                details={"reason": "no_rg", "field": "engine"},
-            )
-        use_rg = rg is not None and engine != "python"
-        if not use_rg:
-            q.regex()  # a bad pattern is bad_request before anything streams
-        deadline = time.monotonic() + a["timeout_s"]
+        deadline = asyncio.get_running_loop().time() + a["timeout_s"]
         root_fd, single = await services.acquire_in_io(
             _os_call, lambda r: os.close(r[0]), search.open_target, fsys, a["path"]
         )
-        if use_rg:
-            assert rg is not None
-            gen = search.rg_grep(rg, root_fd, single, q, deadline, rg_ids)
-        else:
-            gen = search.python_grep(root_fd, single, q, deadline)
-        stepper = search.Stepper(gen, root_fd)
-        matches = 0
-        files: set[bytes] = set()
-        truncated = False
         try:
-            while not truncated:
-                batch = await io(stepper.step)
-                if batch is None:
-                    break
-                for kind, rel, line, data, cut in batch:
-                    fields: dict[str, Any] = {"ev": kind, "path": path_to_wire(os.fsdecode(rel)), "line": line}
-                    if cut:
-                        fields["truncated"] = True
-                    await ctx.wait_room(fields, len(data))
-                    if not ctx.active:
-                        raise asyncio.CancelledError
-                    ctx.push_data(fields, data)
-                    if kind == "match":
-                        matches += 1
-                        files.add(rel)
-                        if matches >= a["max_matches"]:
-                            truncated = True
-                            break
+            outcome = await search.run_rg(
+                ctx, services.children, rg, q, root_fd, single, rg_user, a["max_matches"], deadline
+            )
         finally:
-            close_later(stepper.close)
+            os.close(root_fd)
         return {
-            "matches": matches,
-            "files": len(files),
-            "truncated": truncated,
-            "timed_out": not truncated and time.monotonic() > deadline,
-            "engine": "rg" if use_rg else "python",
+            "matches": outcome.matches,
+            "files": outcome.files,
+            "truncated": outcome.truncated,
+            "timed_out": outcome.timed_out,
+            "engine": "rg",
         }
 
     # -- trees ----------------------------------------------------------------------------

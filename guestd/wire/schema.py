@@ -1633,10 +1633,20 @@ WORKSPACE_OPS: tuple[OpSpec, ...] = (
         "files",
         "Search file contents under path line by line, streaming one event per matching or context line within "
         "the request's credit. Files are walked as ripgrep walks them (symlinks not followed, .git left out, "
-        "overrides, .gitignore, hidden); binary files (a NUL byte) are skipped. Uses rg when the guest has it.",
+        "overrides, .gitignore, hidden); binary files (a NUL byte) are skipped. Always ripgrep (rg), run as a "
+        "workload process: in a run cgroup under the workload's limits, as the workload user (nobody when guestd is "
+        "root without one), killed at timeout_s or when the request is cancelled; a guest without rg answers "
+        "unavailable (details.reason no_rg).",
         args=(
             F("path", "path", "directory (or file) to search", True),
-            F("pattern", "str", "a regex (Rust regex syntax with rg, Python re without) or a literal", True, min_len=1),
+            F(
+                "pattern",
+                "str",
+                "a regex in ripgrep's syntax (Rust regex: linear time, no look-around or backreferences; one it "
+                "refuses is bad_request with rg's message) or a literal",
+                True,
+                min_len=1,
+            ),
             F("literal", "bool", "pattern is a fixed string", default=False),
             F("ignore_case", "bool", "case-insensitive", default=False),
             F("globs", "list<str>", "ripgrep --glob filters: glob includes, !glob excludes", default=[]),
@@ -1644,7 +1654,12 @@ WORKSPACE_OPS: tuple[OpSpec, ...] = (
             F("max_matches", "uint", "stop after this many matching lines", default=1000, ge=1, le=1_000_000),
             F("gitignore", "bool", "respect .gitignore files in the tree", default=True),
             F("hidden", "bool", "search names starting with a dot", default=False),
-            F("engine", "enum(auto|rg|python)", "auto: rg when installed", default="auto"),
+            F(
+                "engine",
+                "enum(auto|rg)",
+                "both mean ripgrep, the only engine (the Python engine was removed: one regex dialect everywhere)",
+                default="auto",
+            ),
             _TIMEOUT_S,
         ),
         result=(
@@ -1652,16 +1667,20 @@ WORKSPACE_OPS: tuple[OpSpec, ...] = (
             F("files", "uint", "files with a match", True),
             F("truncated", "bool", "max_matches was reached", True),
             F("timed_out", "bool", "timeout_s passed: the events sent are what was found in time", True),
-            F("engine", "enum(rg|python)", "what searched", True),
+            F("engine", "enum(rg)", "what searched: always rg", True),
         ),
         events=(
             F("ev", "enum(match|context)", "a matching line, or a context line around one", True),
             F("path", "path", "the file, relative to path (its name when path is a file)", True),
             F("line", "uint", "line number (1-based)", True),
-            F("data", "bin", "the line with its newline, at most 4096 bytes (never empty; counts against credit)"),
-            F("truncated", "bool", "the line was longer than 4096 bytes"),
+            F("data", "bin", "the line and a newline, at most 4096 bytes (never empty; counts against credit)"),
+            F(
+                "truncated",
+                "bool",
+                "the line was longer than 4096 bytes: data is its start; a match anywhere in it is still reported",
+            ),
         ),
-        errors=("not_found", "permission_denied", "bad_request", "unavailable"),
+        errors=("not_found", "permission_denied", "bad_request", "unavailable", "limit", "io_error"),
     ),
     OpSpec(
         "file.write_many",

@@ -1252,7 +1252,7 @@ class FileGlobReply(TypedDict):
     bound: NotRequired[Literal["entries", "depth", "deadline"] | None]
 
 
-FileGrepEngine = Literal["rg", "python"]
+FileGrepEngine = Literal["rg"]
 
 
 class FileGrepArgs(TypedDict):
@@ -1267,7 +1267,7 @@ class FileGrepArgs(TypedDict):
     max_matches: int
     gitignore: bool
     hidden: bool
-    engine: Literal["auto", "rg", "python"]
+    engine: Literal["auto", "rg"]
     timeout_s: float
 
 
@@ -1278,7 +1278,7 @@ class FileGrepReply(TypedDict):
     files: int
     truncated: bool
     timed_out: bool
-    engine: Literal["rg", "python"]
+    engine: Literal["rg"]
 
 
 class FileGrepEvent(TypedDict):
