@@ -374,7 +374,14 @@ async def run_rg(
         outcome.files = len(files)
     finally:
         loop.remove_reader(err_fd)
-        if not ended:
+        if ended:  # what rg wrote before it exited, whether or not the loop saw it yet
+            for _ in range(RG_STDERR // 65536 + 1):
+                data = read_chunk(err_fd, 65536)
+                if not data:
+                    break
+                stderr.extend(data)
+            del stderr[:-RG_STDERR]
+        else:
             reason: KilledBy = "timeout" if outcome.timed_out else "cancel"
             child.note_end(reason)
             child.kill_now()
