@@ -376,10 +376,10 @@ async def run_rg(
         loop.remove_reader(err_fd)
         if ended:  # what rg wrote before it exited, whether or not the loop saw it yet
             for _ in range(RG_STDERR // 65536 + 1):
-                data = read_chunk(err_fd, 65536)
-                if not data:
+                rest = read_chunk(err_fd, 65536)
+                if not rest:
                     break
-                stderr.extend(data)
+                stderr.extend(rest)
             del stderr[:-RG_STDERR]
         else:
             reason: KilledBy = "timeout" if outcome.timed_out else "cancel"
