@@ -28,7 +28,15 @@ def register(sub: Subcommands) -> None:
     f.add_argument("--address", default="127.0.0.1", help="host address to listen on (default 127.0.0.1)")
     f.add_argument("--guest-address", default=None, help="guest address to connect to (default 127.0.0.1)")
     f.add_argument("--reverse", action="store_true", help="guest -> host: the guest connects to GUEST_PORT")
-    add_command(sub, "ports", list_ports, help="list the guest's listening TCP sockets")
+    p = add_command(sub, "ports", list_ports, help="list the guest's listening TCP sockets")
+    p.add_argument(
+        "--port",
+        type=int,
+        action="append",
+        dest="ports",
+        metavar="GUEST_PORT",
+        help="only this port (repeatable): whole however many listeners the guest has",
+    )
     w = add_command(sub, "port-wait", port_wait, help="wait until a guest port accepts connections (exit 124: not)")
     w.add_argument("port", type=int, metavar="GUEST_PORT")
     w.add_argument("--timeout", type=float, default=None, help="seconds (the guest's default: 30)")
@@ -92,14 +100,32 @@ async def port_forward(client: AsyncClient, ns: argparse.Namespace) -> int:
 
 
 async def list_ports(client: AsyncClient, ns: argparse.Namespace) -> int:
-    listeners = await client.port_list()
+    listing = await client.port_list(ports=ns.ports)
     if ns.json:
-        print_json({"listeners": [dataclasses.asdict(x) for x in listeners]})
+        print_json(
+            {
+                "listeners": [dataclasses.asdict(x) for x in listing],
+                "total": listing.total,
+                "truncated": listing.truncated,
+                "owners_truncated": listing.owners_truncated,
+            }
+        )
         return 0
-    for x in listeners:
+    for x in listing:
         where = f"{x.address}:{x.port}" if x.family == "ipv4" else f"[{x.address}]:{x.port}"
         pid = "-" if x.pid is None else str(x.pid)
         print(f"{terminal.field(where):<28} pid {pid:<8} {terminal.field(x.command or '')[:80]}")
+    if listing.truncated:
+        print(
+            f"guestctl: {len(listing)} of {listing.total} listeners shown (the guest lists the lowest ports; "
+            "ask for one with --port)",
+            file=sys.stderr,
+        )
+    if listing.owners_truncated:
+        print(
+            "guestctl: the guest's search for owning processes stopped at its budget: some pids are missing",
+            file=sys.stderr,
+        )
     return 0
 
 

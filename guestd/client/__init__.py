@@ -2,7 +2,7 @@
 
 from guestd.client.aio import AsyncClient, ExecStream
 from guestd.client.connection import ConnectionClosed, GuestProtocolError
-from guestd.client.ports import Listener, PortForward, PortWait, ReverseForward
+from guestd.client.ports import Listener, PortForward, PortList, PortWait, PortWatch, ReverseForward
 from guestd.client.ports_sync import PortForwarder, ReverseForwarder
 from guestd.client.results import (
     CodeError,
@@ -36,7 +36,9 @@ __all__ = [
     "Listener",
     "PortForward",
     "PortForwarder",
+    "PortList",
     "PortWait",
+    "PortWatch",
     "ReverseForward",
     "ReverseForwarder",
     "ShellResult",

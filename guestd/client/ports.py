@@ -18,8 +18,9 @@ from __future__ import annotations
 
 import asyncio
 import errno
+import ipaddress
 from collections import deque
-from collections.abc import AsyncIterator, Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Literal
 
@@ -38,6 +39,7 @@ CONNECT_MARGIN = 10.0  # on top of the guest's connect_timeout_s: the trip there
 DEFAULT_CONNECT_TIMEOUT_S = 10.0  # port.connect's schema default, for the client's own deadline
 MAX_REVERSE_STREAMS = 64  # connections one reverse forward relays at once; more are refused
 REVERSE_CONNECT_TIMEOUT = 10.0  # connecting to a reverse forward's host destination
+OLD_GUEST_CUT = 4096  # listeners a guestd before issue 29 listed at most, without a total
 
 
 def _relay_exception(err: BaseException | None) -> Exception | None:
@@ -619,29 +621,106 @@ class PortWait:
         return cls(body["ready"], body["elapsed_s"], body.get("http_status"))
 
 
-async def watch(conn: ClientConnection, interval_s: float | None, poll_s: float) -> AsyncIterator[tuple[str, Listener]]:
-    """``("added" | "removed", Listener)`` as listeners come and go; the first poll reports every
-    current listener as added."""
-    known: dict[tuple[str, str, int], Listener] = {}
-    digest: str | None = None
-    while True:
-        args: dict[str, Any] = {"timeout_s": poll_s}
-        if digest is not None:
-            args["digest"] = digest
-        if interval_s is not None:
-            args["interval_s"] = interval_s
-        body = await conn.request("port.watch", args, poll_s + CONNECT_MARGIN)
-        digest = body["digest"]
+@dataclass(frozen=True)
+class PortList:
+    """``port_list``'s answer: the listeners (iterate it like a list of :class:`Listener`), and
+    whether that is all of them. The guest lists at most 4096, lowest ports first: ``total``
+    counts every listening socket it found, ``truncated`` says some were left out (ask with
+    ``ports`` for the ones you care about: that answer is whole). ``owners_truncated``: the
+    guest's search for owning processes stopped at its budget, so a missing ``pid`` may exist."""
+
+    listeners: tuple[Listener, ...]
+    total: int
+    truncated: bool
+    owners_truncated: bool = False
+
+    def __iter__(self) -> Iterator[Listener]:
+        return iter(self.listeners)
+
+    def __len__(self) -> int:
+        return len(self.listeners)
+
+    @classmethod
+    def from_body(cls, body: dict[str, Any]) -> PortList:
+        listeners = tuple(Listener.from_body(rec) for rec in body["listeners"])
+        # An older guestd sends neither, and cut its list at OLD_GUEST_CUT without saying.
+        total, truncated = body.get("total"), body.get("truncated")
+        if total is None:
+            total = len(listeners)
+        if truncated is None:
+            truncated = len(listeners) >= OLD_GUEST_CUT
+        if total < len(listeners):
+            raise GuestProtocolError(f"the guest listed {len(listeners)} listeners of a total of {total}")
+        return cls(listeners, total, bool(truncated), bool(body.get("owners_truncated")))
+
+
+def _order(listener: Listener) -> tuple[int, int, int]:
+    """Where the guest sorts ``listener`` (port, family, address): what a cut list leaves out."""
+    try:
+        address = int(ipaddress.ip_address(listener.address))
+    except ValueError:
+        address = 0
+    return (listener.port, 0 if listener.family == "ipv4" else 1, address)
+
+
+class PortWatch:
+    """``("added" | "removed", Listener)`` as listeners come and go (async iterator); the first
+    poll reports every current listener as added.
+
+    After each answer ``total`` and ``truncated`` say what the guest found. A cut answer lists
+    the lowest ports only: a known listener beyond its last entry is not reported removed (the
+    guest did not say), and one that appears there is reported once the list reaches it. Watch
+    with ``ports`` to see those ports whole however many listeners the others have."""
+
+    def __init__(
+        self, conn: ClientConnection, interval_s: float | None, poll_s: float, ports: list[int] | None
+    ) -> None:
+        self._conn = conn
+        self._interval_s = interval_s
+        self._poll_s = poll_s
+        self._ports = ports
+        self._known: dict[tuple[str, str, int], Listener] = {}
+        self._digest: str | None = None
+        self._pending: deque[tuple[str, Listener]] = deque()
+        self._closed = False
+        self.total = 0
+        self.truncated = False
+
+    def __aiter__(self) -> PortWatch:
+        return self
+
+    async def __anext__(self) -> tuple[str, Listener]:
+        while not self._pending:
+            if self._closed:
+                raise StopAsyncIteration
+            await self._poll()
+        return self._pending.popleft()
+
+    async def aclose(self) -> None:
+        self._closed = True
+        self._pending.clear()
+
+    async def _poll(self) -> None:
+        args = _present(timeout_s=self._poll_s, digest=self._digest, interval_s=self._interval_s, ports=self._ports)
+        body = await self._conn.request("port.watch", args, self._poll_s + CONNECT_MARGIN)
+        self._digest = body["digest"]
         if not body["changed"]:
-            continue
-        now = {listener.key: listener for listener in map(Listener.from_body, body["listeners"])}
-        for key, listener in known.items():
-            if key not in now:
-                yield "removed", listener
+            return
+        listing = PortList.from_body(body)
+        self.total, self.truncated = listing.total, listing.truncated
+        now = {listener.key: listener for listener in listing}
+        last = max((_order(x) for x in listing), default=None) if listing.truncated else None
+        for key, listener in list(self._known.items()):
+            if key in now:
+                continue
+            if last is not None and _order(listener) > last:
+                continue  # beyond the cut: the guest did not say whether it is still there
+            del self._known[key]
+            self._pending.append(("removed", listener))
         for key, listener in now.items():
-            if key not in known:
-                yield "added", listener
-        known = now
+            if key not in self._known:
+                self._known[key] = listener
+                self._pending.append(("added", listener))
 
 
 # --------------------------------------------------------------------------- the client's methods
@@ -717,10 +796,11 @@ class PortsAPI:
             raise
         return forward
 
-    async def port_list(self, *, deadline: float | None = 30.0) -> list[Listener]:
-        """The guest's listening TCP sockets, with the process holding each where guestd sees it."""
-        body = await self._conn.request("port.list", {}, deadline)
-        return [Listener.from_body(rec) for rec in body["listeners"]]
+    async def port_list(self, *, ports: list[int] | None = None, deadline: float | None = 30.0) -> PortList:
+        """The guest's listening TCP sockets, with the process holding each where guestd sees it;
+        ``ports``: those ports only. At most 4096 are listed: see ``total`` and ``truncated``."""
+        body = await self._conn.request("port.list", _present(ports=ports), deadline)
+        return PortList.from_body(body)
 
     async def port_wait(
         self,
@@ -742,9 +822,10 @@ class PortsAPI:
         return PortWait.from_body(body)
 
     def watch_ports(
-        self, *, interval_s: float | None = None, poll_s: float = 30.0
-    ) -> AsyncIterator[tuple[str, Listener]]:
+        self, *, interval_s: float | None = None, poll_s: float = 30.0, ports: list[int] | None = None
+    ) -> PortWatch:
         """``("added" | "removed", Listener)`` as listeners appear and disappear in the guest
-        (every current one is ``added`` first). The guest looks every ``interval_s``; each
-        long poll lasts at most ``poll_s``."""
-        return watch(self._conn, interval_s, poll_s)
+        (every current one is ``added`` first); ``ports``: those ports only. The guest looks every
+        ``interval_s``; each long poll lasts at most ``poll_s``. The iterator's ``total`` and
+        ``truncated`` say whether the guest's last answer was whole (:class:`PortWatch`)."""
+        return PortWatch(self._conn, interval_s, poll_s, ports)

@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Coroutine
 from typing import TYPE_CHECKING, Any, TypeVar
 
-from guestd.client.ports import REVERSE_CONNECT_TIMEOUT, Listener, PortForward, PortWait, ReverseForward
+from guestd.client.ports import REVERSE_CONNECT_TIMEOUT, PortForward, PortList, PortWait, ReverseForward
 
 if TYPE_CHECKING:
     from guestd.client.aio import AsyncClient
@@ -121,8 +121,8 @@ class SyncPortsAPI:
         )
         return ReverseForwarder(self, forward)
 
-    def port_list(self, *, deadline: float | None = 30.0) -> list[Listener]:
-        return self._run(self._aio.port_list(deadline=deadline))
+    def port_list(self, *, ports: list[int] | None = None, deadline: float | None = 30.0) -> PortList:
+        return self._run(self._aio.port_list(ports=ports, deadline=deadline))
 
     def port_wait(
         self,

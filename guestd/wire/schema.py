@@ -1370,6 +1370,28 @@ _GUEST_ADDRESS = F(
     default="127.0.0.1",
 )
 
+_WANTED_PORTS = F(
+    "ports",
+    "list<uint>?",
+    "only listeners on these ports (at most 1024, each 1..65535); nil: every port",
+)
+_LISTING = (
+    F("listeners", "list<listener>", "listening sockets, by port, then address: at most 4096", True),
+    F("total", "uint", "listening sockets found (on ports), listed or not; absent from an older guestd"),
+    F(
+        "truncated",
+        "bool",
+        "more sockets were found than listed (the highest ports are left out); absent from an older guestd, "
+        "which cut at 4096 without saying",
+    ),
+    F(
+        "owners_truncated",
+        "bool",
+        "the search for the processes holding them stopped at its budget (65,536 descriptors): a listener "
+        "without pid may have one",
+    ),
+)
+
 PORT_OPS: tuple[OpSpec, ...] = (
     OpSpec(
         "port.connect",
@@ -1440,8 +1462,12 @@ PORT_OPS: tuple[OpSpec, ...] = (
     OpSpec(
         "port.list",
         "port",
-        "The guest's listening TCP sockets (IPv4 and IPv6), with the process holding each.",
-        result=(F("listeners", "list<listener>", "listening sockets, by port", True),),
+        "The guest's listening TCP sockets (IPv4 and IPv6), one record per socket, with the process holding "
+        "each: at most 4096 (the lowest ports), total counts them all and truncated says the list was cut; "
+        "ports asks about those ports only (whole however many listeners the others have).",
+        args=(_WANTED_PORTS,),
+        result=_LISTING,
+        errors=("bad_request",),
     ),
     OpSpec(
         "port.watch",
@@ -1451,13 +1477,22 @@ PORT_OPS: tuple[OpSpec, ...] = (
         args=(
             F("digest", "str?", "the digest of the last reply; nil answers at once"),
             F("timeout_s", "float", "longest wait for a change", default=30.0, ge=0, le=3600),
-            F("interval_s", "float", "how often the guest looks", default=0.25, ge=0.02, le=60),
+            F(
+                "interval_s",
+                "float",
+                "how often the guest looks (at least ten times as long as one look takes)",
+                default=0.25,
+                ge=0.02,
+                le=60,
+            ),
+            _WANTED_PORTS,
         ),
         result=(
-            F("digest", "str", "names this set of listeners", True),
+            F("digest", "str", "names the whole set of listeners (of ports), also what the list leaves out", True),
             F("changed", "bool", "the set differs from the digest sent", True),
-            F("listeners", "list<listener>", "listening sockets now", True),
+            *_LISTING,
         ),
+        errors=("bad_request",),
     ),
     OpSpec(
         "port.wait",

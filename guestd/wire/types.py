@@ -1085,11 +1085,16 @@ class PortAcceptInput(TypedDict):
 class PortListArgs(TypedDict):
     """`port.list` args, as validated"""
 
+    ports: list[int] | None
+
 
 class PortListReply(TypedDict):
     """`port.list` result"""
 
     listeners: list[ListenerRecord]
+    total: NotRequired[int]
+    truncated: NotRequired[bool]
+    owners_truncated: NotRequired[bool]
 
 
 class PortWatchArgs(TypedDict):
@@ -1098,6 +1103,7 @@ class PortWatchArgs(TypedDict):
     digest: str | None
     timeout_s: float
     interval_s: float
+    ports: list[int] | None
 
 
 class PortWatchReply(TypedDict):
@@ -1106,6 +1112,9 @@ class PortWatchReply(TypedDict):
     digest: str
     changed: bool
     listeners: list[ListenerRecord]
+    total: NotRequired[int]
+    truncated: NotRequired[bool]
+    owners_truncated: NotRequired[bool]
 
 
 class PortWaitArgs(TypedDict):
