@@ -10,6 +10,9 @@ What lands in ROOT:
 - the shared libraries those binaries need that ROOT lacks (from this machine);
 - /usr/local/bin/{guestd,guestctl,guestd-python} and /sbin/guestd-init wrappers;
 - rootfs-overlay/ (systemd unit, default config, modules-load list, sysctl.d link protections);
+- the Debian packages guestd's ops run (GUEST_PACKAGES: ripgrep, for file.grep) when ROOT
+  lacks their program: the package from Debian (``apt-get download`` + ``dpkg -x`` into
+  ROOT, plus the shared libraries it needs that ROOT lacks), else this machine's program;
 - with --busybox, a static busybox as /bin/sh and friends when ROOT has no /bin/sh;
 - with --kernel-modules, the virtio/vsock modules of that kernel tree plus
   /etc/guestd/modules.list (load order for guestd-init);
@@ -33,6 +36,8 @@ PREFIX = "/opt/guestd/python"
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DEFAULT_OVERLAY = os.path.join(REPO, "rootfs-overlay")
 RUNTIME_DEPS = ["msgpack", "uvloop", "psutil", "jupyter_client", "ipykernel", "tqdm"]
+# Debian packages whose program guestd runs in the guest: package -> (program, what needs it).
+GUEST_PACKAGES = {"ripgrep": ("rg", "file.grep")}
 MODULES = ["virtio_pci", "virtio_console", "virtio-rng", "vsock", "vmw_vsock_virtio_transport", "vsock_loopback"]
 STDLIB_SKIP = {
     "site-packages",
@@ -138,6 +143,42 @@ def copy_libs(root: str, extra: list[str] | None = None) -> None:
         if not os.path.exists(target):
             os.makedirs(os.path.dirname(target), exist_ok=True)
             shutil.copy2(lib, target, follow_symlinks=True)
+
+
+def _program_in(root: str, program: str) -> str | None:
+    for d in ("/usr/bin", "/usr/local/bin", "/bin"):
+        if os.path.isfile(f"{root}{d}/{program}"):
+            return f"{d}/{program}"
+    return None
+
+
+def add_guest_packages(root: str, packages: dict[str, tuple[str, str]] = GUEST_PACKAGES) -> None:
+    """Each package whose program ROOT lacks: Debian's package unpacked into ROOT (no
+    maintainer scripts run; these packages have none that matter), with the libraries its
+    program needs; without apt-get, this machine's program (``--add``); else a warning."""
+    import tempfile
+
+    for package, (program, needed_by) in packages.items():
+        if _program_in(root, program) is not None:
+            continue
+        if shutil.which("apt-get") and shutil.which("dpkg"):
+            with tempfile.TemporaryDirectory(prefix="guestd-bake-deb-") as tmp:
+                got = subprocess.run(["apt-get", "download", package], cwd=tmp, capture_output=True, text=True)
+                debs = [f for f in os.listdir(tmp) if f.endswith(".deb")]
+                if got.returncode == 0 and debs:
+                    subprocess.run(["dpkg", "-x", os.path.join(tmp, debs[0]), root], check=True)
+                    found = _program_in(root, program)
+                    if found is not None:
+                        copy_libs(root, [root + found])
+                        log(f"{package} from Debian ({debs[0]}): {found}")
+                        continue
+                log(f"apt-get download {package} failed: {got.stderr.strip()[-300:]}")
+        here = shutil.which(program)
+        if here is not None:
+            add_paths(root, [here])
+            log(f"{package}: this machine's {here}")
+            continue
+        log(f"WARNING: no {package} for the image ({program} not on this machine either): {needed_by} is unavailable")
 
 
 def write_wrappers(root: str) -> None:
@@ -283,6 +324,7 @@ def bake(
             shutil.copy2("/bin/bash", root + "/bin/bash")
             copy_libs(root, ["/bin/bash"])
     add_workload_user(root)
+    add_guest_packages(root)
     if add:
         add_paths(root, add)
     if kernel_modules is not None:

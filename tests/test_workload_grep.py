@@ -273,3 +273,18 @@ def test_grep_works_while_guestds_fds_are_above_1024(scratch: str) -> None:
             g.stop()
     finally:
         shutil.rmtree(d, ignore_errors=True)
+
+
+def test_bake_puts_ripgrep_in_an_image_that_lacks_it(tmp_path: object) -> None:
+    """guestd-bake adds Debian's ripgrep (or this machine's rg) and the libraries it needs."""
+    import subprocess
+
+    from guestd.bake import add_guest_packages
+
+    root = f"{tmp_path}/root"
+    os.makedirs(root)
+    add_guest_packages(root)
+    rg = next(p for p in ("/usr/bin/rg", "/usr/local/bin/rg", "/bin/rg") if os.access(root + p, os.X_OK))
+    if os.geteuid() == 0:
+        out = subprocess.run(["chroot", root, rg, "--version"], capture_output=True, text=True, check=True)
+        assert out.stdout.startswith("ripgrep ")
