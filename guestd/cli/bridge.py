@@ -38,7 +38,9 @@ class TerminalBridge:
         self._pending: list[asyncio.Task[Any]] = []
 
     def spawn(self, request: Coroutine[Any, Any, Any]) -> None:
-        self._pending.append(self.loop.create_task(request))
+        task = self.loop.create_task(request)
+        task.add_done_callback(_typed_after_the_end)
+        self._pending.append(task)
 
     @contextlib.contextmanager
     def open(
@@ -76,3 +78,13 @@ class TerminalBridge:
                 termios.tcsetattr(self.fd, termios.TCSADRAIN, saved)
             for task in self._pending:
                 task.cancel()
+
+
+def _typed_after_the_end(task: asyncio.Task[Any]) -> None:
+    """Keys typed after the command ended (write_stdin's BrokenPipeError) are dropped, as a
+    terminal drops them; any other failure still surfaces when the task is collected."""
+    if task.cancelled():
+        return
+    exc = task.exception()  # retrieved: asyncio no longer reports it by itself
+    if exc is not None and not isinstance(exc, BrokenPipeError):
+        task.get_loop().call_exception_handler({"message": "sending input failed", "exception": exc, "task": task})

@@ -180,9 +180,18 @@ class ExecStream:
                 yield kind, ev["data"]
 
     async def write_stdin(self, data: bytes) -> None:
+        """Send ``data`` to the command's stdin (``stdin_stream`` or ``pty``), within the guest's
+        credit. Raises BrokenPipeError when the run ended (or stopped taking stdin) before all
+        of it was sent, saying how much was not: input to an ended command is never reported
+        as written. Bytes sent may still be in a pipe the command never reads, as with a local
+        pipe."""
         for i in range(0, len(data), UPLOAD_CHUNK):
             part = data[i : i + UPLOAD_CHUNK]
-            await self._call.send_input({"data": part})
+            sent = await self._call.send_input({"data": part})
+            if sent < len(part):
+                raise BrokenPipeError(
+                    f"the run took no more stdin: {len(data) - i - sent} of {len(data)} bytes were not delivered"
+                )
 
     async def close_stdin(self) -> None:
         await self._call.send_input({"eof": True})

@@ -154,8 +154,10 @@ class Call:
         if w is not None and not w.done():
             w.set_result(None)
 
-    async def send_input(self, body: dict[str, Any], timeout: float | None = None) -> None:
+    async def send_input(self, body: dict[str, Any], timeout: float | None = None) -> int:
         """Send INPUT; ``data`` is cut into frames within the guest's credit and max_frame.
+        Returns the data bytes sent: fewer than given when the request ended first (its final
+        frame came: the rest was never sent).
 
         ``timeout`` bounds each wait, for credit and for the transport alike.
         """
@@ -167,7 +169,7 @@ class Call:
                 session.send_input(self.stream, body)
                 self.conn.flush()
                 await self.conn.drain(timeout)
-            return
+            return 0
         fields = {k: v for k, v in body.items() if k != "data"}
         view = memoryview(data)
         while view and not self.future.done():
@@ -175,7 +177,7 @@ class Call:
             room = session.data_room(self.stream, fields)
             if room <= 0:
                 if not self.stream.open:
-                    return
+                    break
                 await self._wait("_credit_waiter", timeout)
                 continue
             piece = data if room >= len(view) and len(view) == len(data) else bytes(view[:room])
@@ -183,6 +185,7 @@ class Call:
             self.conn.flush()
             view = view[len(piece) :]
             await self.conn.drain(timeout)
+        return len(data) - len(view)
 
     def cancel(self) -> None:
         self.conn.session.cancel(self.stream, forget=False)

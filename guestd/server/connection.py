@@ -101,7 +101,23 @@ class RequestContext:
         return self.conn.write_paused
 
     async def drain(self) -> None:
-        await self.conn.drain()
+        """Until the connection takes more output, or this request has ended (its final frame
+        sent, or its connection gone): a producer never waits for a client that has left."""
+        if not self.stream.open or not self.conn.write_paused:
+            await self.conn.drain()  # returns at once (or raises: the connection is closing)
+            return
+        ended = asyncio.get_running_loop().create_future()
+        self._credit_waiters.append(ended)
+        drained = asyncio.ensure_future(self.conn.drain())
+        try:
+            await asyncio.wait((drained, ended), return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            if ended in self._credit_waiters:
+                self._credit_waiters.remove(ended)
+            if not drained.done():
+                drained.cancel()
+        if drained.done() and not drained.cancelled():
+            drained.result()  # the connection closed: raise as conn.drain() does
 
     # -- server -> client stream ------------------------------------------------------
     async def send_event(self, body: dict[str, Any]) -> None:
@@ -181,6 +197,13 @@ class RequestContext:
         for w in waiters:
             if not w.done():
                 w.set_result(None)
+
+    def end(self) -> None:
+        """The request is over (final frame sent, or forgotten with its connection): every task
+        still waiting for its credit or its connection's drain (a shielded final drain, a
+        paused reader) wakes, sees the stream closed and drops what is left instead of
+        holding its session, context or process for a client that will never read."""
+        self.on_credit()
 
     # -- client -> server input -------------------------------------------------------
     @property
@@ -333,6 +356,7 @@ class Connection(asyncio.BufferedProtocol):
         for ctx in list(self.requests.values()):
             self.session.forget(ctx.stream)
             ctx.cancel(reason)
+            ctx.end()
         self.requests.clear()
 
     def peer_reset(self) -> None:
@@ -476,6 +500,7 @@ class Connection(asyncio.BufferedProtocol):
             ctx = self.requests.pop(event.stream, None)
             if ctx is not None:
                 ctx.cancel("aborted")
+                ctx.end()
         elif isinstance(event, HelloReceived):
             self._on_hello(event.hello)
         elif isinstance(event, SessionReset):
@@ -574,6 +599,7 @@ class Connection(asyncio.BufferedProtocol):
             del self.requests[ctx.stream]
         if ctx.stream.open:
             self._finish_cancelled(ctx)
+        ctx.end()
 
 
 def _as_handler(inline: Any) -> Handler:

@@ -45,7 +45,7 @@ import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, Literal
 
-from guestd.capture import OutputCapture, OutputRing, capture_fields
+from guestd.capture import OutputCapture, OutputRing, capture_fields_off_loop
 from guestd.children import DEVNULL, PIPE, Child, KilledBy, exit_info, usage_between
 from guestd.children.options import check_cwd, parse_signal
 from guestd.children.tree import descendants, read_chunk, set_winsize, signal_each, signal_group, write_all
@@ -784,6 +784,12 @@ class Session:
                 restarted = not await self._interrupt()
                 if not restarted and self.child.cgroup is not None:
                     await self._kill_command_processes(self.child.cgroup)
+                elif job is not None and self.child.cgroup is None:
+                    # No leaf to empty: the job's own group (a terminal job is not in bash's)
+                    # ends now, not after its output has reached a client that may never read.
+                    pid = self._job_pid()
+                    if pid is not None:
+                        signal_group(pid, signal.SIGKILL)
             elif outcome == "exited":
                 restarted = True
                 bash_status = self.child.status
@@ -844,7 +850,7 @@ class Session:
             "interrupted": interrupted,
             "session_restarted": restarted,
             "cwd": path_to_wire(self.cwd),
-            **capture_fields(
+            **await capture_fields_off_loop(  # shaping may take a worker thread
                 caps[1],
                 caps[2],
                 streamed=a["stream"] and ctx is not None,
