@@ -24,7 +24,7 @@ import struct
 import sys
 import threading
 
-WS_GUID = b"258EAFA5-E914-47DA-95CA-C5AB0DC11B85"
+WS_GUID = b"258EAFA5-E914-47DA-95CA-C5AB0DC85B11"  # RFC 6455 section 1.3
 
 
 def ws_accept(key: str) -> str:
