@@ -1,248 +1,761 @@
-"""``file.apply_patch``: a unified diff across files, all or nothing (issue 18).
+"""``file.apply_patch``: a unified diff across files, all or nothing (issues 18 and 29).
 
-Every file is read through the file-system layer (``edit.read_at``: a regular file at a name
-resolved under the write roots, never a symlink's target), every hunk is placed on the bytes in
-memory, and only when every hunk of every file fits is anything written: each new content goes
-to its temp file (``AtomicFile``), then all are renamed into place, then deletions are done.
-A hunk fits at its stated line (shifted by the hunks before it) or, failing that, where its
-old lines occur exactly once after the previous hunk; otherwise it is reported
-(``conflict``, ``details.hunks``: file, hunk number, line, reason) and nothing changes.
-Names are relative to the patch's directory: absolute names and ``..`` are ``bad_request``.
+Three phases; nothing the workload can see changes before the third.
+
+1. Parse and validate the whole patch (``parse``, ``plan``). A name the patch gives more than
+   once is one file whose sections apply in order, each to the result of the one before; a
+   sequence that cannot be (a file created twice, deleted twice, changed after its deletion) is
+   ``bad_request`` naming the file.
+2. Stage (``_Stager``). Every file is read through the file-system layer (``edit.read_at``: a
+   regular file at a name resolved under the write roots, never a symlink's target) and its
+   hunks are placed on the bytes in memory. A hunk fits at its stated line or, failing that,
+   where its old lines occur exactly once after the previous hunk; otherwise it is reported
+   (``conflict``, ``details.hunks``: file, hunk number, line, reason) and nothing changes. Each
+   new content is written to a temp file beside its target (``.NAME.guestd-tmp-*``, recorded
+   first so that the next guestd removes it if this one dies); missing parents of a new file
+   are made now and removed again if the patch fails.
+3. Commit with rollback (``_Commit``). In patch order: a modified file is exchanged with its
+   temp file (``RENAME_EXCHANGE``, one atomic step: the old inode stays under the temp name), a
+   new file is renamed into place (``RENAME_NOREPLACE``), a deleted file is renamed aside. A
+   step that fails, or that displaces a file other than the one read (``changed_during_edit``),
+   undoes the steps before it in reverse: every file is back as it was, the same inode at the
+   same name. Only when every step is done are the old inodes unlinked. Residual: guestd killed
+   between two steps leaves the earlier files new and the later ones old (the names holding the
+   old inodes are temp names, removed by the next guestd's cleanup).
+
+Names are relative to the patch's directory: absolute names and ``..`` are ``bad_request``, and
+errors name the file as the patch does.
+
+Bounds (the patch, at most max_frame bytes, comes from the host; the files come from the
+workload). Parsing is one pass over the bytes with ``find`` and slices, no regex; a hunk
+header's numbers have at most 9 digits; at most 256 file sections. Placement scans forward with
+``bytes.count`` and ``bytes.find`` (C loops, linear worst case: CPython's two-way search), looks
+for a hunk's old lines only at line starts (the needle is a newline and the old lines) and for
+at most two places; every byte looked at, counting lines included, is charged to one budget of
+``MAX_PLACEMENT_SCAN`` bytes per patch, and a hunk that would pass it fails with reason
+``search_budget`` (so a hostile patch of many hunks that each miss their line costs at most the
+budget, about 0.5-1 s of scanning). Memory: the patch, its hunks (about its size), and one
+file's old and new bytes at a time (``max_edit_bytes`` each).
 """
 
 from __future__ import annotations
 
+import ctypes
+import errno
 import os
-import re
+import stat as st
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Literal
 
 from guestd.files.edit import MAX_EDIT_BYTES, read_at, same_file
-from guestd.files.fs import FileSystem, Place
-from guestd.files.handlers import AtomicFile
+from guestd.files.fs import TEMP_MARK, FileSystem, PendingTemps, Place, rename_noreplace
+from guestd.files.handlers import DEFAULT_PERM, _fsync_dirfd
 from guestd.wire.errors import ErrorCode, GuestdError, too_large
 
 if TYPE_CHECKING:
     from guestd.wire.types import PatchedFileRecord
 
-MAX_PATCH_FILES = 256  # files one patch may touch (each holds two fds until the commit)
+MAX_PATCH_FILES = 256  # file sections one patch may hold (each staged file holds a directory fd)
 MAX_REPORTED = 100  # failed hunks listed in the conflict's details
-_HUNK = re.compile(rb"^@@ -(\d+)(?:,(\d+))? \+(\d+)(?:,(\d+))? @@")
+MAX_PLACEMENT_SCAN = 256 * 1024 * 1024  # bytes looked at to place the hunks of one patch
+_MAX_DIGITS = 9  # a hunk header's numbers: a 16 MiB file has fewer lines than 10**9
+_NEWLINE = 0x0A
+Action = Literal["modify", "create", "delete"]
 
 
-@dataclass
+# --------------------------------------------------------------------------- parsing
+
+
+@dataclass(frozen=True, slots=True)
 class Hunk:
-    old_start: int
+    old_start: int  # as the header says (1-based; 0 for an insertion at the top)
     new_start: int
-    old: list[bytes] = field(default_factory=list)  # lines with their newlines
-    new: list[bytes] = field(default_factory=list)
+    old: bytes  # the old lines joined, each with its newline (but a last one without)
+    new: bytes
+    old_lines: int
+    new_lines: int
 
 
-@dataclass
-class FilePatch:
+@dataclass(slots=True)
+class Section:
+    """One ``---``/``+++`` header and its hunks."""
+
     old_name: bytes | None  # None: /dev/null (a new file)
     new_name: bytes | None  # None: /dev/null (a deleted file)
     hunks: list[Hunk] = field(default_factory=list)
 
     @property
+    def name(self) -> bytes:
+        name = self.new_name if self.new_name is not None else self.old_name
+        assert name is not None  # parse refuses /dev/null to /dev/null
+        return name
+
+    @property
     def creates(self) -> bool:
         """From /dev/null, or (diff -N) every hunk adds to an empty file: ``-0,0``."""
-        return self.old_name is None or all(h.old_start == 0 and not h.old for h in self.hunks)
+        return self.old_name is None or all(h.old_start == 0 and not h.old_lines for h in self.hunks)
 
     @property
     def deletes(self) -> bool:
         """To /dev/null, or (diff -N) every hunk leaves an empty file: ``+0,0``."""
-        return self.new_name is None or all(h.new_start == 0 and not h.new for h in self.hunks)
+        return self.new_name is None or all(h.new_start == 0 and not h.new_lines for h in self.hunks)
 
 
-def _bad(message: str) -> GuestdError:
-    return GuestdError(ErrorCode.BAD_REQUEST, message, details={"field": "patch"})
+def _bad(message: str, path: bytes | None = None) -> GuestdError:
+    details: dict[str, object] = {"field": "patch"}
+    if path is not None:
+        details["path"] = os.fsdecode(path)
+    return GuestdError(ErrorCode.BAD_REQUEST, message, details=details)
+
+
+def _line(patch: bytes, pos: int) -> tuple[bytes, int]:
+    """The line starting at ``pos`` with its newline, and where the next one starts."""
+    nl = patch.find(b"\n", pos)
+    end = len(patch) if nl < 0 else nl + 1
+    return patch[pos:end], end
 
 
 def _name(raw: bytes, strip: int) -> bytes | None:
-    raw = raw.split(b"\t")[0].rstrip(b"\r")
+    raw = raw.rstrip(b"\n").split(b"\t")[0].rstrip(b"\r")
     if raw == b"/dev/null":
         return None
     if raw.startswith(b'"'):
-        raise _bad(f"quoted file names are not supported: {raw!r}")
+        raise _bad(f"quoted file names are not supported: {raw[:200]!r}")
     parts = [p for p in raw.split(b"/") if p]
     if raw.startswith(b"/") and strip == 0:
-        raise _bad(f"absolute file name in the patch: {raw!r}")
+        raise _bad(f"absolute file name in the patch: {raw[:200]!r}")
     parts = parts[strip:]
     if not parts or b".." in parts:
-        raise _bad(f"file name {raw!r} leaves the patch's directory or is empty after strip {strip}")
+        raise _bad(f"file name {raw[:200]!r} leaves the patch's directory or is empty after strip {strip}")
     return b"/".join(p for p in parts if p != b".")
 
 
-def parse(patch: bytes, strip: int) -> list[FilePatch]:
-    files: list[FilePatch] = []
-    lines = patch.splitlines(keepends=True)
-    i = 0
-    while i < len(lines):
-        line = lines[i]
-        if line.startswith(b"--- ") and i + 1 < len(lines) and lines[i + 1].startswith(b"+++ "):
-            old = _name(line[4:].rstrip(b"\n"), strip)
-            new = _name(lines[i + 1][4:].rstrip(b"\n"), strip)
-            if old is None and new is None:
-                raise _bad("a file patch from /dev/null to /dev/null")
-            files.append(FilePatch(old, new))
-            i += 2
+def _number(line: bytes, pos: int) -> tuple[int, int]:
+    end = pos
+    while end < len(line) and end - pos <= _MAX_DIGITS and 0x30 <= line[end] <= 0x39:
+        end += 1
+    if end == pos or end - pos > _MAX_DIGITS:
+        raise _bad(f"malformed hunk header: {line[:80]!r}")
+    return int(line[pos:end]), end
+
+
+def _hunk_header(line: bytes) -> tuple[int, int, int, int]:
+    """``@@ -a[,b] +c[,d] @@...`` read by hand (no regex, so no backtracking)."""
+    old_start, pos = _number(line, 4)
+    old_len = 1
+    if line[pos : pos + 1] == b",":
+        old_len, pos = _number(line, pos + 1)
+    if line[pos : pos + 2] != b" +":
+        raise _bad(f"malformed hunk header: {line[:80]!r}")
+    new_start, pos = _number(line, pos + 2)
+    new_len = 1
+    if line[pos : pos + 1] == b",":
+        new_len, pos = _number(line, pos + 1)
+    if line[pos : pos + 3] != b" @@":
+        raise _bad(f"malformed hunk header: {line[:80]!r}")
+    return old_start, old_len, new_start, new_len
+
+
+def _hunk(patch: bytes, header: bytes, pos: int) -> tuple[Hunk, int]:
+    """The hunk whose header line is ``header``, its body starting at ``pos``; and where the
+    patch goes on after it."""
+    old_start, old_len, new_start, new_len = _hunk_header(header)
+    old, new = bytearray(), bytearray()
+    seen_old = seen_new = 0
+    last = b""  # the tag of the previous line, for a "\ No newline at end of file"
+    while pos < len(patch) and (seen_old < old_len or seen_new < new_len or patch[pos] == 0x5C):
+        body, pos = _line(patch, pos)
+        tag, text = body[:1], body[1:]
+        if tag == b"\\":  # the line before has no newline
+            sides = {b" ": (old, new), b"-": (old,), b"+": (new,)}.get(last, ())
+            for side in sides:
+                if side.endswith(b"\n"):
+                    del side[-1]
+                if side.endswith(b"\r"):
+                    del side[-1]
+            last = b""
             continue
-        m = _HUNK.match(line)
-        if m:
-            if not files:
+        if body in (b"\n", b"\r\n"):  # an empty context line whose space was stripped
+            tag, text = b" ", body
+        if tag == b" ":
+            old += text
+            new += text
+            seen_old += 1
+            seen_new += 1
+        elif tag == b"-":
+            old += text
+            seen_old += 1
+        elif tag == b"+":
+            new += text
+            seen_new += 1
+        else:
+            raise _bad(f"unexpected line in a hunk: {body[:80]!r}")
+        last = tag
+    if seen_old != old_len or seen_new != new_len:
+        raise _bad(f"the hunk at -{old_start} does not have the lines its header counts")
+    return Hunk(old_start, new_start, bytes(old), bytes(new), old_len, new_len), pos
+
+
+def parse(patch: bytes, strip: int) -> list[Section]:
+    """The patch's file sections in order, every hunk read; one pass over the bytes."""
+    sections: list[Section] = []
+    pos = 0
+    while pos < len(patch):
+        line, after = _line(patch, pos)
+        if line.startswith(b"--- ") and after < len(patch):
+            second, rest = _line(patch, after)
+            if second.startswith(b"+++ "):
+                old, new = _name(line[4:], strip), _name(second[4:], strip)
+                if old is None and new is None:
+                    raise _bad("a file patch from /dev/null to /dev/null")
+                if len(sections) == MAX_PATCH_FILES:
+                    raise GuestdError(
+                        ErrorCode.LIMIT,
+                        f"the patch touches more than {MAX_PATCH_FILES} files",
+                        details={"limit": "max_patch_files", "value": MAX_PATCH_FILES},
+                    )
+                sections.append(Section(old, new))
+                pos = rest
+                continue
+        if line.startswith(b"@@ -"):
+            if not sections:
                 raise _bad("a hunk before any file header")
-            old_len = int(m.group(2)) if m.group(2) is not None else 1
-            new_len = int(m.group(4)) if m.group(4) is not None else 1
-            hunk = Hunk(int(m.group(1)), int(m.group(3)))
-            i += 1
-            seen_old = seen_new = 0
-            last = b""  # the tag of the previous line, for a "\ No newline at end of file"
-            while i < len(lines) and (seen_old < old_len or seen_new < new_len or lines[i].startswith(b"\\")):
-                body = lines[i]
-                tag, text = body[:1], body[1:]
-                i += 1
-                if tag == b"\\":  # the line before has no newline
-                    sides = {b" ": (hunk.old, hunk.new), b"-": (hunk.old,), b"+": (hunk.new,)}.get(last, ())
-                    for side in sides:
-                        side[-1] = side[-1].removesuffix(b"\n").removesuffix(b"\r")
-                    continue
-                if body in (b"\n", b"\r\n"):  # an empty context line whose space was stripped
-                    tag, text = b" ", body
-                if tag == b" ":
-                    hunk.old.append(text)
-                    hunk.new.append(text)
-                    seen_old += 1
-                    seen_new += 1
-                elif tag == b"-":
-                    hunk.old.append(text)
-                    seen_old += 1
-                elif tag == b"+":
-                    hunk.new.append(text)
-                    seen_new += 1
-                else:
-                    raise _bad(f"unexpected line in a hunk: {body[:80]!r}")
-                last = tag
-            if seen_old != old_len or seen_new != new_len:
-                raise _bad(f"hunk at -{hunk.old_start} is shorter than its header says")
-            files[-1].hunks.append(hunk)
+            hunk, pos = _hunk(patch, line, after)
+            sections[-1].hunks.append(hunk)
             continue
-        i += 1
-    if not files:
+        pos = after  # diff --git, index, mode lines, prose: not the patch's business
+    if not sections:
         raise _bad("no file patches found (expected --- / +++ headers)")
-    if len(files) > MAX_PATCH_FILES:
-        raise GuestdError(
-            ErrorCode.LIMIT,
-            f"the patch touches more than {MAX_PATCH_FILES} files",
-            details={"limit": "max_patch_files", "value": MAX_PATCH_FILES},
-        )
-    return files
+    for section in sections:
+        if not section.hunks:
+            raise _bad(f"the patch names {os.fsdecode(section.name)} but has no hunk for it", section.name)
+    return sections
 
 
-def _find(lines: list[bytes], old: list[bytes], want: int, after: int) -> tuple[int | None, str]:
-    n = len(old)
-    if 0 <= want <= len(lines) - n and lines[want : want + n] == old and want >= after:
-        return want, ""
-    hits = [k for k in range(after, len(lines) - n + 1) if lines[k : k + n] == old]
-    if len(hits) == 1:
-        return hits[0], ""
-    return None, "context_mismatch" if not hits else "ambiguous"
+@dataclass(slots=True)
+class Target:
+    """One file the patch changes: its sections in patch order."""
+
+    name: bytes
+    sections: list[Section]
+    existed: bool  # the patch expects it to exist before (its first section creates nothing)
+
+
+def _check_sequence(name: bytes, section: Section, present: bool, previous: Section) -> None:
+    """A later section for a file must fit what the earlier ones left: ``present`` or not."""
+    shown = os.fsdecode(name)
+    if section.creates and present:
+        if previous.creates:
+            raise _bad(f"the patch creates {shown} twice", name)
+        raise _bad(f"the patch creates {shown}, which it changes in an earlier section", name)
+    if not section.creates and not present:
+        if section.deletes:
+            raise _bad(f"the patch deletes {shown} twice", name)
+        raise _bad(f"the patch changes {shown} after deleting it", name)
+
+
+def plan(sections: list[Section]) -> list[Target]:
+    """The files in order of first mention, their sections merged; a sequence that cannot
+    apply is ``bad_request`` before any file is looked at."""
+    targets: dict[bytes, Target] = {}
+    present: dict[bytes, bool] = {}  # after the sections so far (a deletion assumed to empty it)
+    for section in sections:
+        name = section.name
+        target = targets.get(name)
+        if target is None:
+            targets[name] = Target(name, [section], not section.creates)
+        else:
+            _check_sequence(name, section, present[name], target.sections[-1])
+            target.sections.append(section)
+        present[name] = not section.deletes
+    return list(targets.values())
+
+
+# --------------------------------------------------------------------------- placement
+
+
+class _OutOfBudget(Exception):
+    pass
+
+
+class _Scan:
+    """Bytes looked at while placing hunks, charged to one budget for the whole patch."""
+
+    def __init__(self, budget: int) -> None:
+        self.left = budget
+
+    def take(self, nbytes: int) -> None:
+        if nbytes > self.left:
+            self.left = 0
+            raise _OutOfBudget
+        self.left -= nbytes
+
+    def find(self, data: bytes, needle: bytes, start: int) -> int:
+        """``data.find(needle, start)`` within what is left of the budget."""
+        stop = min(len(data), start + self.left + len(needle))
+        at = data.find(needle, start, stop)
+        self.left -= min(self.left, (stop if at < 0 else at + len(needle)) - start)
+        if at < 0 and stop < len(data):
+            raise _OutOfBudget
+        return at
+
+    def newlines(self, data: bytes, start: int, stop: int) -> int:
+        self.take(stop - start)
+        return data.count(b"\n", start, stop)
+
+
+def _line_offset(data: bytes, off: int, count: int, scan: _Scan) -> int | None:
+    """The offset of the line ``count`` lines after the line starting at ``off``, or None past
+    the end (``len(data)`` is the place after the last line). A few lines on: one ``find`` each;
+    further: newlines counted in doubling windows, then the window halved down to the line."""
+    end = len(data)
+    if count <= 16:
+        for _ in range(count):
+            if off >= end:
+                return None
+            nl = scan.find(data, b"\n", off)
+            off = end if nl < 0 else nl + 1
+        return off
+    lo, need, step = off, count, 64
+    while True:
+        hi = min(end, lo + step)
+        found = scan.newlines(data, lo, hi)
+        if found >= need:
+            break
+        need -= found
+        if hi >= end:  # out of newlines: a last line without one is one more line
+            return end if need == 1 and off < end and not data.endswith(b"\n") else None
+        lo, step = hi, step * 2
+    while hi - lo > 1:  # [lo, hi) holds the need-th newline from lo
+        mid = (lo + hi) // 2
+        found = scan.newlines(data, lo, mid)
+        if found >= need:
+            hi = mid
+        else:
+            need -= found
+            lo = mid
+    return hi
+
+
+def _fits(data: bytes, hunk: Hunk, off: int, scan: _Scan) -> bool:
+    scan.take(len(hunk.old))
+    if not data.startswith(hunk.old, off):
+        return False
+    # old lines whose last has no newline end the file
+    return not hunk.old or hunk.old.endswith(b"\n") or off + len(hunk.old) == len(data)
+
+
+def _search(data: bytes, hunk: Hunk, after_line: int, after_off: int, scan: _Scan) -> tuple[int, int] | str:
+    """(line, offset) of the one place at or after the previous hunk's end where the hunk's old
+    lines are, or why there is none. Only line starts count: the needle is a newline and the
+    old lines (the first line of the range is checked on its own), and at most two are found."""
+    old = hunk.old
+    if not old:  # an insertion fits between any two lines: the end is the only single place
+        return (after_line, after_off) if after_off == len(data) else "ambiguous"
+    if not old.endswith(b"\n"):  # its last line has no newline: it can only end the file
+        at = len(data) - len(old)
+        scan.take(len(old))
+        if at >= after_off and (at == 0 or data[at - 1] == _NEWLINE) and data.endswith(old):
+            return after_line + scan.newlines(data, after_off, at), at
+        return "context_mismatch"
+    hits: list[int] = []
+    scan.take(len(old))
+    if data.startswith(old, after_off):
+        hits.append(after_off)
+    needle = b"\n" + old
+    pos = after_off
+    while len(hits) < 2:
+        nl = scan.find(data, needle, pos)
+        if nl < 0:
+            break
+        hits.append(nl + 1)
+        pos = nl + 1
+    if not hits:
+        return "context_mismatch"
+    if len(hits) > 1:
+        return "ambiguous"
+    return after_line + scan.newlines(data, after_off, hits[0]), hits[0]
+
+
+def apply_hunks(data: bytes, hunks: list[Hunk], scan: _Scan) -> tuple[bytes, list[tuple[int, str]]]:
+    """``data`` with the hunks placed in order (none before the end of the one before), and
+    the hunks that did not fit: (index, reason)."""
+    view = memoryview(data)
+    pieces: list[bytes | memoryview] = []
+    failed: list[tuple[int, str]] = []
+    after_line = after_off = 0  # where the previous hunk's old lines end
+    far_line = far_off = 0  # the furthest line whose offset is known (lines are found going forward)
+    for index, hunk in enumerate(hunks):
+        at: tuple[int, int] | str | None = None
+        try:
+            want = max(0, hunk.old_start - 1 if hunk.old_lines else hunk.old_start)
+            if want >= after_line:
+                base_line, base_off = (far_line, far_off) if after_line <= far_line <= want else (after_line, after_off)
+                off = _line_offset(data, base_off, want - base_line, scan)
+                if off is not None:
+                    far_line, far_off = want, off
+                    if _fits(data, hunk, off, scan):
+                        at = (want, off)
+            if at is None:
+                at = _search(data, hunk, after_line, after_off, scan)
+        except _OutOfBudget:
+            at = "search_budget"
+        if isinstance(at, str):
+            failed.append((index, at))
+            continue
+        line, off = at
+        pieces.append(view[after_off:off])
+        pieces.append(hunk.new)
+        after_line, after_off = line + hunk.old_lines, off + len(hunk.old)
+    pieces.append(view[after_off:])
+    return b"".join(pieces), failed
+
+
+# --------------------------------------------------------------------------- commit with rollback
+
+_libc = ctypes.CDLL(None, use_errno=True)
+_RENAME_EXCHANGE = 2
+
+
+def _exchange(dirfd: int, a: bytes, b: bytes) -> bool:
+    """renameat2(RENAME_EXCHANGE) of two names in ``dirfd``; False where the file system (or
+    libc) cannot, OSError for any other failure."""
+    fn = getattr(_libc, "renameat2", None)
+    if fn is None:
+        return False
+    if fn(dirfd, a, dirfd, b, _RENAME_EXCHANGE) == 0:
+        return True
+    err = ctypes.get_errno()
+    if err in (errno.EINVAL, errno.ENOSYS, errno.EOPNOTSUPP):
+        return False
+    raise OSError(err, os.strerror(err))
+
+
+def _named(exc: OSError, name: bytes) -> GuestdError:
+    """An OS failure as a typed error naming the file as the patch does (not an fd's path)."""
+    shown = os.fsdecode(name)
+    return GuestdError.from_os_error(OSError(exc.errno, exc.strerror, shown), path=shown)
+
+
+def _temp_name(place: Place) -> bytes:
+    return b"." + place.name[:200] + TEMP_MARK + os.urandom(6).hex().encode()
+
+
+@dataclass(slots=True)
+class _Staged:
+    name: bytes  # as the patch names it, for messages
+    place: Place  # the target's directory (fd, owned) and name in it
+    action: Action
+    read: os.stat_result | None  # the file the new content was made from (modify, delete)
+    temp: bytes = b""  # the new content's name beside the target, while it is there
+    inode: tuple[int, int] | None = None  # (st_dev, st_ino) of the new content
+    old_at: bytes = b""  # where the displaced old file is, once the step is done
+    done: bool = False
+    kept: bool = False  # the rollback could not put the old file back: it stays at old_at
+    # temp name -> its cleanup record, forgotten at the end unless the name could not be removed
+    records: dict[bytes, str] = field(default_factory=dict)
+
+
+class _Commit:
+    """The staged files, their commit in order, and the undoing of it."""
+
+    def __init__(self, fsys: FileSystem) -> None:
+        self.fsys = fsys
+        self.staged: list[_Staged] = []
+        self.made: list[str] = []  # directories made for new files, outermost first
+        self.finished = False
+
+    # -- staging ------------------------------------------------------------------------
+    def _record(self, s: _Staged, temp: bytes) -> None:
+        """Record a temp name before it exists: a guestd killed now has it removed by the next."""
+        if self.fsys.pending is not None:
+            s.records[temp] = self.fsys.pending.record(s.place, temp)
+
+    def stage_write(self, s: _Staged, content: bytes, mode: int, owner: tuple[int, int] | None) -> None:
+        """The new content in a temp file beside the target, complete and synced."""
+        self.staged.append(s)
+        d = s.place.dirfd
+        temp = _temp_name(s.place)
+        self._record(s, temp)
+        try:
+            fd = os.open(".", os.O_TMPFILE | os.O_WRONLY | os.O_CLOEXEC, 0o600, dir_fd=d)
+            anonymous = True
+        except OSError as exc:
+            if exc.errno not in (errno.EOPNOTSUPP, errno.EISDIR, errno.EINVAL):
+                raise
+            flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
+            fd = os.open(temp, flags, 0o600, dir_fd=d)
+            s.temp = temp
+            anonymous = False
+        try:
+            view = memoryview(content)
+            while view:
+                view = view[os.write(fd, view) :]
+            if owner is not None and os.geteuid() == 0:
+                os.fchown(fd, *owner)  # before the mode: a chown clears setuid and setgid
+            os.fchmod(fd, mode)
+            os.fsync(fd)
+            if anonymous:
+                os.link(f"/proc/self/fd/{fd}", temp, dst_dir_fd=d, follow_symlinks=True)
+                s.temp = temp
+            info = os.fstat(fd)
+            s.inode = (info.st_dev, info.st_ino)
+        finally:
+            os.close(fd)
+
+    def stage_delete(self, s: _Staged) -> None:
+        self.staged.append(s)
+
+    def make_parents(self, base: str, name: bytes) -> Place:
+        """The place of a new file whose directory is missing: each missing directory made
+        (owned as the file-system layer decides) and remembered, to be removed on failure."""
+        parts = name.split(b"/")
+        for depth in range(1, len(parts)):
+            path = os.path.join(base, os.fsdecode(b"/".join(parts[:depth])))
+            with self.fsys.place(path) as parent:
+                try:
+                    self.fsys.mkdir(parent, 0o777)
+                except FileExistsError:
+                    continue
+            self.made.append(path)
+        return self.fsys.place(os.path.join(base, os.fsdecode(name)))
+
+    # -- commit -------------------------------------------------------------------------
+    def commit(self) -> None:
+        """Every staged step in order; on a failure the steps done are undone in reverse and
+        the error raised (naming any old file that could not be put back, and where it is)."""
+        for s in self.staged:
+            try:
+                self._step(s)
+            except (OSError, GuestdError) as exc:
+                err = exc if isinstance(exc, GuestdError) else _named(exc, s.name)
+                kept = self._rollback()
+                if kept:
+                    raise GuestdError(
+                        err.code,
+                        err.message + "; not restored: " + ", ".join(k["path"] for k in kept),
+                        errno=err.errno,
+                        details={**err.details, "not_restored": kept},
+                    ) from None
+                raise err from None
+        self._finish()
+
+    def _step(self, s: _Staged) -> None:
+        d, target = s.place.dirfd, s.place.name
+        if s.action == "create":
+            try:
+                rename_noreplace(Place(d, s.temp, s.place.path, None), s.place)
+            except FileExistsError:
+                raise GuestdError(
+                    ErrorCode.EXISTS,
+                    f"the patch creates {os.fsdecode(s.name)}, which was created meanwhile",
+                    details={"path": os.fsdecode(s.name)},
+                ) from None
+            s.temp, s.done = b"", True
+            return
+        if s.action == "modify" and _exchange(d, s.temp, target):
+            s.old_at, s.temp, s.done = s.temp, b"", True
+        else:  # a deletion; or a modification where the file system cannot exchange
+            aside = _temp_name(s.place)
+            self._record(s, aside)
+            rename_noreplace(Place(d, target, s.place.path, None), Place(d, aside, s.place.path, None))
+            s.old_at, s.done = aside, True
+            if s.action == "modify":  # the name is missing for this instant only
+                rename_noreplace(Place(d, s.temp, s.place.path, None), s.place)
+                s.temp = b""
+        assert s.read is not None
+        now = os.stat(s.old_at, dir_fd=d, follow_symlinks=False)
+        if not same_file(now, s.read):
+            raise GuestdError(
+                ErrorCode.CONFLICT,
+                f"{os.fsdecode(s.name)} changed while the patch was applied; nothing was changed",
+                details={"path": os.fsdecode(s.name), "reason": "changed_during_edit"},
+            )
+
+    def _rollback(self) -> list[dict[str, str]]:
+        """Undo the steps done, last first; returns the old files left at a temp name."""
+        kept: list[dict[str, str]] = []
+        for s in reversed(self.staged):
+            if not s.done:
+                continue
+            d, target = s.place.dirfd, s.place.name
+            try:
+                if s.action == "create":
+                    now = os.stat(target, dir_fd=d, follow_symlinks=False)
+                    if (now.st_dev, now.st_ino) == s.inode:
+                        os.unlink(target, dir_fd=d)
+                elif s.action == "modify":  # the old inode back over the new one
+                    os.rename(s.old_at, target, src_dir_fd=d, dst_dir_fd=d)
+                else:
+                    rename_noreplace(Place(d, s.old_at, s.place.path, None), s.place)
+                s.old_at, s.done = b"", False
+            except OSError:
+                if s.old_at:
+                    s.kept = True
+                    kept.append({"path": os.fsdecode(s.name), "kept_at": os.fsdecode(s.old_at)})
+        return kept
+
+    def _finish(self) -> None:
+        """Every step done: the old inodes go, the directories are synced."""
+        self.finished = True
+        synced: set[tuple[int, int]] = set()
+        for s in self.staged:
+            d = s.place.dirfd
+            if s.old_at:
+                try:
+                    os.unlink(s.old_at, dir_fd=d)
+                except FileNotFoundError:
+                    pass
+                except OSError:
+                    s.records.pop(s.old_at, None)  # stays recorded: the next guestd removes it
+                s.old_at = b""
+            where = os.fstat(d)
+            if (where.st_dev, where.st_ino) not in synced:
+                synced.add((where.st_dev, where.st_ino))
+                _fsync_dirfd(d)
+
+    def close(self) -> None:
+        """What is left of a patch that did not commit goes (temp files, directories made,
+        but never an old file a rollback could not restore); fds are closed. A temp name that
+        cannot be removed stays recorded, for the next guestd's cleanup."""
+        for s in self.staged:
+            for name in (s.temp, b"" if s.kept else s.old_at):
+                if name:
+                    try:
+                        os.unlink(name, dir_fd=s.place.dirfd)
+                    except FileNotFoundError:
+                        pass
+                    except OSError:
+                        s.records.pop(name, None)  # stays recorded: the next guestd removes it
+            for record in s.records.values():  # the names are gone (or kept on purpose)
+                PendingTemps.forget(record)
+            s.place.close()
+        if not self.finished:
+            for path in reversed(self.made):  # only while empty: never what the workload put there
+                try:
+                    with self.fsys.place(path) as place:
+                        os.rmdir(place.name, dir_fd=place.dirfd)
+                except (OSError, GuestdError):
+                    pass
+
+
+# --------------------------------------------------------------------------- apply
 
 
 def apply(fsys: FileSystem, base: str, patch: bytes, strip: int) -> list[PatchedFileRecord]:
-    files = parse(patch, strip)
-    plans: list[tuple[FilePatch, Place, bytes | None, os.stat_result | None]] = []
-    failed: list[dict[str, object]] = []
+    targets = plan(parse(patch, strip))
+    stager = _Stager(fsys, base)
     try:
-        for fp in files:
-            name = fp.new_name if fp.new_name is not None else fp.old_name
-            assert name is not None
-            place = fsys.place(os.path.join(base, os.fsdecode(name)), parents=fp.creates)
+        out: list[PatchedFileRecord] = []
+        for target in targets:
             try:
-                if fp.creates:
-                    old, info = b"", None
-                    try:
-                        os.stat(place.name, dir_fd=place.dirfd, follow_symlinks=False)
-                        raise GuestdError(
-                            ErrorCode.EXISTS,
-                            f"the patch creates {place.path}, which exists",
-                            details={"path": place.path},
-                        )
-                    except FileNotFoundError:
-                        pass
-                else:
-                    old, info = read_at(place)
-            except BaseException:
-                place.close()
-                raise
-            lines = old.splitlines(keepends=True)
-            delta = 0
-            after = 0
-            for k, h in enumerate(fp.hunks, 1):
-                want = (h.old_start - 1 if h.old else h.old_start) + delta
-                at, why = _find(lines, h.old, max(0, want), after)
-                if at is None:
-                    if len(failed) < MAX_REPORTED:
-                        failed.append({"path": os.fsdecode(name), "hunk": k, "line": h.old_start, "reason": why})
-                    continue
-                lines[at : at + len(h.old)] = h.new
-                delta += len(h.new) - len(h.old)
-                after = at + len(h.new)
-            new = None if fp.deletes and not any(lines) else b"".join(lines)
-            if new is not None and len(new) > MAX_EDIT_BYTES:
-                place.close()
-                raise too_large("max_edit_bytes", len(new), f"the patch makes {place.path} too large")
-            plans.append((fp, place, new, info))
-        if failed:
+                action = stager.stage(target)
+            except OSError as exc:
+                raise _named(exc, target.name) from None
+            if action is not None:
+                hunks = sum(len(s.hunks) for s in target.sections)
+                out.append({"path": os.fsdecode(target.name), "action": action, "hunks": hunks})
+        if stager.failures:
             raise GuestdError(
                 ErrorCode.CONFLICT,
-                f"{len(failed)} hunk(s) do not apply; nothing was changed",
-                details={"reason": "hunks_failed", "hunks": failed},
+                f"{stager.failures} hunk(s) do not apply; nothing was changed",
+                details={"reason": "hunks_failed", "hunks": stager.failed},
             )
-        return _write(fsys, plans)
-    finally:
-        for _, place, _, _ in plans:
-            place.close()
-
-
-def _write(
-    fsys: FileSystem, plans: list[tuple[FilePatch, Place, bytes | None, os.stat_result | None]]
-) -> list[PatchedFileRecord]:
-    prepared: list[tuple[AtomicFile, os.stat_result | None]] = []
-    deletes: list[tuple[Place, os.stat_result]] = []
-    out: list[PatchedFileRecord] = []
-    try:
-        for fp, place, new, info in plans:
-            name = fp.new_name if fp.new_name is not None else fp.old_name
-            assert name is not None
-            if new is None:
-                assert info is not None
-                deletes.append((place, info))
-                out.append({"path": os.fsdecode(name), "action": "delete", "hunks": len(fp.hunks)})
-                continue
-            dup = Place(os.dup(place.dirfd), place.name, place.path, place.owner)
-            f = AtomicFile(dup, "overwrite" if info is not None else "create", None, fsys.pending)
-            prepared.append((f, info))
-            f.write(new)
-            if info is None:
-                out.append({"path": os.fsdecode(name), "action": "create", "hunks": len(fp.hunks)})
-            else:
-                out.append({"path": os.fsdecode(name), "action": "modify", "hunks": len(fp.hunks)})
-        for f, info in prepared:  # changed since it was read: conflict, before anything moves
-            if info is not None:
-                now = os.stat(f.place.name, dir_fd=f.place.dirfd, follow_symlinks=False)
-                if not same_file(now, info):
-                    raise GuestdError(
-                        ErrorCode.CONFLICT,
-                        f"{f.path} changed while the patch was applied; nothing was changed",
-                        details={"path": f.path, "reason": "changed_during_edit"},
-                    )
-        while prepared:
-            prepared[0][0].commit()
-            prepared.pop(0)
-        for place, _ in deletes:
-            os.unlink(place.name, dir_fd=place.dirfd)
+        stager.commit.commit()
         return out
     finally:
-        for f, _ in prepared:
-            f.abort()
+        stager.commit.close()
+
+
+class _Stager:
+    """Each file read, its sections applied in memory and, while no hunk has failed, staged."""
+
+    def __init__(self, fsys: FileSystem, base: str) -> None:
+        self.fsys = fsys
+        self.base = base
+        self.scan = _Scan(MAX_PLACEMENT_SCAN)
+        self.commit = _Commit(fsys)
+        self.failures = 0
+        self.failed: list[dict[str, object]] = []  # the first MAX_REPORTED
+        self.seen: dict[tuple[int, int, bytes], bytes] = {}  # (directory, name) -> the patch's name
+
+    def _fail(self, shown: str, number: int, line: int, reason: str) -> None:
+        self.failures += 1
+        if len(self.failed) < MAX_REPORTED:
+            self.failed.append({"path": shown, "hunk": number, "line": line, "reason": reason})
+
+    def stage(self, target: Target) -> Action | None:
+        """The action the patch takes on ``target`` (None: nothing, created and deleted again)."""
+        shown = os.fsdecode(target.name)
+        place: Place | None
+        try:
+            place = self.fsys.place(os.path.join(self.base, shown))
+        except FileNotFoundError:
+            if target.existed:
+                raise
+            place = None  # a new file in a directory that is missing: made when it is staged
+        try:
+            data, read = b"", None
+            if place is not None:
+                place.path = shown
+                self._check_new_name(target, place)
+                if target.existed:
+                    data, read = read_at(place)
+            present = target.existed
+            number = 0  # hunks of this file in the sections before, for the report
+            for i, section in enumerate(target.sections):
+                if i:
+                    _check_sequence(target.name, section, present, target.sections[i - 1])
+                new, bad = apply_hunks(data if present else b"", section.hunks, self.scan)
+                for index, reason in bad:
+                    self._fail(shown, number + index + 1, section.hunks[index].old_start, reason)
+                if bad:
+                    return None
+                if section.deletes and not new:
+                    present, data = False, b""
+                elif section.new_name is None:  # to /dev/null, but lines the patch does not know remain
+                    last = section.hunks[-1]
+                    self._fail(shown, number + len(section.hunks), last.old_start, "not_empty")
+                    return None
+                else:
+                    present, data = True, new
+                if len(data) > MAX_EDIT_BYTES:
+                    raise too_large("max_edit_bytes", len(data), f"the patch makes {shown} too large")
+                number += len(section.hunks)
+            if not target.existed and not present:
+                return None
+            action: Action = "delete" if not present else "modify" if target.existed else "create"
+            if self.failures:
+                return action  # not staged: the patch fails anyway
+            if place is None:
+                place = self.commit.make_parents(self.base, target.name)
+                place.path = shown
+            s = _Staged(target.name, place, action, read)
+            place = None  # the staged file owns it now
+            if action == "delete":
+                self.commit.stage_delete(s)
+            else:
+                mode, owner = DEFAULT_PERM, s.place.owner
+                if read is not None:  # a replaced file keeps its mode and owner
+                    mode, owner = st.S_IMODE(read.st_mode), (read.st_uid, read.st_gid)
+                self.commit.stage_write(s, data, mode, owner)
+            return action
+        finally:
+            if place is not None:
+                place.close()
+
+    def _check_new_name(self, target: Target, place: Place) -> None:
+        """Two names of the patch for one file are refused; a file to create must not exist."""
+        shown = os.fsdecode(target.name)
+        where = os.fstat(place.dirfd)
+        key = (where.st_dev, where.st_ino, place.name)
+        if key in self.seen:
+            raise _bad(f"{os.fsdecode(self.seen[key])} and {shown} in the patch are the same file", target.name)
+        self.seen[key] = target.name
+        if target.existed:
+            return
+        try:
+            os.stat(place.name, dir_fd=place.dirfd, follow_symlinks=False)
+        except FileNotFoundError:
+            return
+        raise GuestdError(ErrorCode.EXISTS, f"the patch creates {shown}, which exists", details={"path": shown})
