@@ -7,7 +7,12 @@ stream; every entry is created with ``*at`` calls in a directory fd resolved wit
 target (``.<name>.guestd-tree-<random>``, mode 0700 and guestd's while it fills, so the
 workload can neither see nor change what is being extracted). Refused with ``bad_request``
 and ``details.entry``: absolute names, ``..``, a symlink whose target is absolute or climbs
-out of the tree, hard links, devices, FIFOs, and any path through a symlink. On success the
+out of the tree, hard links, devices, FIFOs, and any path through a symlink. A symlink's
+target must stay in the tree both read as text and resolved through the links the archive
+itself made (``Links``: once every entry is in, each target is resolved over a trie of the
+archive's links, a name that is no link counting as a directory whether it exists or not, so
+``a/b/c/up -> ../..`` then ``a/b/c/esc -> up/../../../..`` is refused whatever the order of
+the two); a chain of more than 40 links, or a loop, is refused too. On success the
 temp directory gets its final mode and owner and is renamed into place (``RENAME_NOREPLACE``;
 with ``replace``, exchanged with the old tree, which is then removed); on any failure it is
 removed: nothing half-extracted is left at the target. Modes lose setuid and setgid. New
@@ -137,6 +142,129 @@ def _link_stays_inside(parts: list[str], target: str) -> bool:
     return True
 
 
+MAX_LINK_HOPS = 40  # links followed in one resolution, as the kernel's MAXSYMLINKS
+
+
+class _LinkNode:
+    """A name on the path of a link the archive made (the link itself, or a directory above)."""
+
+    __slots__ = ("children", "name", "parent", "resolved", "target")
+
+    def __init__(self, parent: _LinkNode | None, name: str) -> None:
+        self.parent = parent
+        self.name = name
+        self.children: dict[str, _LinkNode] | None = None
+        self.target: str | None = None  # set while a link of the archive is at this name
+        self.resolved: tuple[_LinkNode, int, int] | None = None  # see Links._resolve
+
+
+class _LeavesTree(Exception):
+    pass
+
+
+class _TooManyLinks(Exception):
+    pass
+
+
+class Links:
+    """The symlinks an archive made, as a trie of their paths, to check at the end that every
+    link's target, followed through the others, stays in the tree.
+
+    Resolution is lexical over the trie: ``..`` goes to the parent (above the root: out), a
+    name that is a link of the archive is followed (at most MAX_LINK_HOPS in one resolution),
+    and any other name counts as a directory, whether it exists or not (a link that leaves
+    the tree once the workload makes a missing directory is refused now). Each link is
+    resolved once and remembered, so the check is linear in the bytes of the link targets."""
+
+    def __init__(self) -> None:
+        self.root = _LinkNode(None, "")
+        self.order: list[_LinkNode] = []  # the links in archive order (one node per name)
+
+    def add(self, parts: list[str], target: str) -> None:
+        node = self.root
+        for name in parts:
+            if node.children is None:
+                node.children = {}
+            child = node.children.get(name)
+            if child is None:
+                child = node.children[name] = _LinkNode(node, name)
+            node = child
+        if node.target is None:
+            self.order.append(node)
+        node.target = target
+
+    def remove(self, parts: list[str]) -> None:
+        """The link at ``parts`` was replaced by a file."""
+        node: _LinkNode | None = self.root
+        for name in parts:
+            node = node.children.get(name) if node is not None and node.children else None
+        if node is not None:
+            node.target = None
+
+    def check(self) -> None:
+        """Refuse the first link (in archive order) that leads out or loops."""
+        for node in self.order:
+            if node.target is None:
+                continue
+            try:
+                self._resolve(node, 0)
+            except _LeavesTree:
+                raise refused(
+                    self._entry(node), "link_out", f"symlink to {node.target!r} leads out of the tree"
+                ) from None
+            except _TooManyLinks:
+                raise refused(
+                    self._entry(node),
+                    "link_loop",
+                    f"symlink to {node.target!r} goes through more than {MAX_LINK_HOPS} links or loops",
+                ) from None
+
+    @staticmethod
+    def _entry(node: _LinkNode) -> str:
+        names: list[str] = []
+        at: _LinkNode | None = node
+        while at is not None and at.parent is not None:
+            names.append(at.name)
+            at = at.parent
+        return "/".join(reversed(names))
+
+    def _resolve(self, link: _LinkNode, depth: int) -> tuple[_LinkNode, int, int]:
+        """Where ``link``'s target leads: (the trie node reached, names below it that hold no
+        link, links followed to get there, itself included, as the kernel counts them)."""
+        if link.resolved is not None:
+            if link.resolved[0] is link:  # being resolved: a loop
+                raise _TooManyLinks
+            return link.resolved
+        assert link.target is not None and link.parent is not None
+        link.resolved = (link, 0, 0)
+        where, below, hops = link.parent, 0, 1
+        for name in link.target.split("/"):
+            if name in ("", "."):
+                continue
+            if name == "..":
+                if below:
+                    below -= 1
+                elif where.parent is None:
+                    raise _LeavesTree
+                else:
+                    where = where.parent
+                continue
+            child = where.children.get(name) if not below and where.children else None
+            if child is None:
+                below += 1
+            elif child.target is None:
+                where = child
+            else:
+                if depth >= MAX_LINK_HOPS:
+                    raise _TooManyLinks
+                where, below, used = self._resolve(child, depth + 1)
+                hops += used
+                if hops > MAX_LINK_HOPS:
+                    raise _TooManyLinks
+        link.resolved = (where, below, hops)
+        return link.resolved
+
+
 class Extractor:
     def __init__(self, place: Place, owner: Owner) -> None:
         self.place = place
@@ -148,13 +276,15 @@ class Extractor:
         self.dirs: list[tuple[list[str], int, float]] = []  # (parts, mode, mtime) set at the end
         self.root_meta: tuple[int, float] | None = None
         self.cached: tuple[str, int] | None = None  # the last parent directory: (rel, fd)
+        self.links = Links()
 
     def run(self, source: io.RawIOBase, replace: bool) -> tuple[int, int]:
         os.mkdir(self.tmp, 0o700, dir_fd=self.place.dirfd)
         try:
             self.root = os.open(self.tmp, _DIR, dir_fd=self.place.dirfd)
             with tarfile.open(fileobj=source, mode="r|*", errors="surrogateescape") as tar:
-                for m in tar:
+                while (m := tar.next()) is not None:
+                    tar.members.clear()  # type: ignore[attr-defined]  # tarfile keeps every member it read
                     self.entries += 1
                     if self.entries > MAX_TREE_ENTRIES:
                         raise GuestdError(
@@ -163,6 +293,7 @@ class Extractor:
                             details={"limit": "max_tree_entries", "value": MAX_TREE_ENTRIES},
                         )
                     self._entry(tar, m)
+            self.links.check()
             self._finish_dirs()
             self._commit(replace)
             return self.entries, self.bytes
@@ -238,9 +369,11 @@ class Extractor:
                         raise refused(name, "duplicate", "a directory over a file of the same name") from None
                 self.dirs.append((parts, mode, m.mtime))
                 return
-            self._clear(parent, last, name)
+            if self._clear(parent, last, name):
+                self.links.remove(parts)
             if m.issym():
                 os.symlink(m.linkname, last, dir_fd=parent)
+                self.links.add(parts, m.linkname)
                 if self.owner is not None:
                     os.chown(last, *self.owner, dir_fd=parent, follow_symlinks=False)
                 os.utime(last, ns=(int(m.mtime * 1e9),) * 2, dir_fd=parent, follow_symlinks=False)
@@ -275,15 +408,17 @@ class Extractor:
             os.chown(last, *self.owner, dir_fd=parent, follow_symlinks=False)
 
     @staticmethod
-    def _clear(parent: int, last: str, name: str) -> None:
-        """A later entry of the same name replaces an earlier file or link (as tar does)."""
+    def _clear(parent: int, last: str, name: str) -> bool:
+        """A later entry of the same name replaces an earlier file or link (as tar does).
+        Returns whether a link was replaced."""
         try:
             info = os.stat(last, dir_fd=parent, follow_symlinks=False)
         except FileNotFoundError:
-            return
+            return False
         if st.S_ISDIR(info.st_mode):
             raise refused(name, "duplicate", "a file over a directory of the same name")
         os.unlink(last, dir_fd=parent)
+        return st.S_ISLNK(info.st_mode)
 
     def _finish_dirs(self) -> None:
         """Modes and mtimes of directories, deepest first (creating entries changes mtimes)."""
