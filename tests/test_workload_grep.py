@@ -288,3 +288,59 @@ def test_bake_puts_ripgrep_in_an_image_that_lacks_it(tmp_path: object) -> None:
     if os.geteuid() == 0:
         out = subprocess.run(["chroot", root, rg, "--version"], capture_output=True, text=True, check=True)
         assert out.stdout.startswith("ripgrep ")
+
+
+def _rg_json(tree: str, pattern: str, *flags: str) -> set[tuple[str, bytes, int, bytes]]:
+    """ripgrep's own --json answer: (kind, path, line, the line and a newline, cut to 4096)."""
+    import base64
+    import json
+    import subprocess
+
+    out = subprocess.run(
+        ["rg", "--json", "--no-config", *flags, "--regexp", pattern, "--", "."], cwd=tree, capture_output=True
+    ).stdout
+    found = set()
+    for raw in out.splitlines():
+        rec = json.loads(raw)
+        if rec["type"] in ("match", "context"):
+            d = rec["data"]
+
+            def text(obj: dict[str, str]) -> bytes:
+                return obj["text"].encode() if "text" in obj else base64.b64decode(obj["bytes"])
+
+            line = text(d["lines"])
+            line = line if line.endswith(b"\n") else line + b"\n"
+            found.add((rec["type"], text(d["path"]).removeprefix(b"./"), d["line_number"], line[:4096]))
+    return found
+
+
+def test_rg_lines_reads_rgs_printer_as_rg_json_does(tmp_path: object) -> None:
+    """The parser of rg's standard printer against rg's --json on names with newlines, colons
+    and NUL-free lookalikes of rg's binary notice, binary files that stop after a match, a line
+    ending like rg's cut marker, and long lines; fed whole and byte by byte."""
+    import subprocess
+
+    from guestd.files.search import OMITTED, GrepQuery, RgLines, rg_command
+
+    tree = f"{tmp_path}/t"
+    os.makedirs(tree)
+    names = [b"plain.txt", b"new\nline.txt", b"colon:1:x.txt", b"late.dat: WARNING: x", b"\xffbad.txt"]
+    for name in names:
+        with open(os.path.join(os.fsencode(tree), name), "wb") as f:
+            f.write(b"one needle\nnothing\nneedle two\n")
+    with open(f"{tree}/late.dat", "wb") as f:  # a NUL after the first buffer: rg stops after the match
+        f.write(b"needle first\n" + b"filler line\n" * 200_000 + b"\0needle after\n")
+    with open(f"{tree}/marker.txt", "wb") as f:  # short lines that end like rg's cut marker
+        f.write(b"needle" + OMITTED + b"\n" + b"x" * 5000 + b"needle" + OMITTED + b"\n")
+    with open(f"{tree}/long.txt", "wb") as f:
+        f.write("é".encode() * 3000 + b"needle\n" + b"y" * 4095 + b"needle\n" + b"z" * 4089 + b"needle\n")
+    for flags in ([], ["--context", "1"]):
+        argv = rg_command("rg", GrepQuery("needle", context=1 if flags else 0), ".")
+        out = subprocess.run(argv, cwd=tree, capture_output=True, check=True).stdout
+        assert b"WARNING: stopped searching binary file" in out  # the notice is there to be taken off
+        whole = RgLines(None).feed(out)
+        bytewise = RgLines(None)
+        assert [hit for i in range(len(out)) for hit in bytewise.feed(out[i : i + 1])] == whole
+        assert {(k, p, n, t) for k, p, n, t, _cut in whole} == _rg_json(tree, "needle", *flags)
+        cut = {(p, n) for _k, p, n, _t, c in whole if c}
+        assert cut == {(b"long.txt", 1), (b"long.txt", 2), (b"marker.txt", 2)}  # longer than 4096 bytes, only

@@ -263,23 +263,15 @@ class RgLines:
         return (self.kind, path, line, text, cut)
 
     def _without_notices(self, path: bytes) -> bytes:
-        while True:
-            for known in {self.last_path, self.single or b""}:
-                if not known:
-                    continue
-                for notice in _NOTICES:
-                    start = known + notice
-                    end = path.find(b")\n", len(start))
-                    if path.startswith(start) and end >= 0:
-                        path = path[end + 2 :]
-                        break
-                else:
-                    continue
-                break
-            else:
-                return path
-            if len(path) > MAX_RG_PATH:
-                raise RgOutputError("a path longer than 1 MiB")
+        starts = [known + notice for known in {self.last_path, self.single or b""} if known for notice in _NOTICES]
+        stripped = True
+        while stripped:  # each turn takes a whole notice off the front, or ends
+            stripped = False
+            for start in starts:
+                end = path.find(b")\n", len(start)) if path.startswith(start) else -1
+                if end >= 0:
+                    path, stripped = path[end + 2 :], True
+        return path
 
 
 @dataclass
@@ -311,16 +303,26 @@ async def run_rg(
     ``user``: run as this (uid, gid) instead of the workload user."""
     loop = asyncio.get_running_loop()
     target = "." if single is None else os.fsdecode(single)
-    child = await children.spawn(
-        rg_command(rg, q, target),
-        kind="grep",
-        env={},
-        cwd=f"/proc/self/fd/{RG_CWD_FD}",
-        stdout=PIPE,
-        stderr=PIPE,
-        extra_fds={RG_CWD_FD: root_fd},
-        user=user,
-    )
+    try:
+        child = await children.spawn(
+            rg_command(rg, q, target),
+            kind="grep",
+            env={},
+            cwd=f"/proc/self/fd/{RG_CWD_FD}",
+            stdout=PIPE,
+            stderr=PIPE,
+            extra_fds={RG_CWD_FD: root_fd},
+            user=user,
+        )
+    except GuestdError as exc:
+        if exc.details.get("stage") != "cwd":
+            raise
+        raise GuestdError(  # the cwd is fd 3: say what it stands for
+            exc.code,
+            f"rg (run as the workload user) cannot enter the directory searched: {exc.message.split(':')[0]}",
+            errno=exc.errno,
+            details={"stage": "cwd"},
+        ) from None
     outcome = GrepOutcome()
     stderr = bytearray()
     assert child.stdout is not None and child.stderr is not None
@@ -429,8 +431,9 @@ def _check_exit(child: Child, stderr: bytes) -> None:
             details={"stage": "rg", "killed_by": info["killed_by"], "signal": info["signal"]},
         )
     message = stderr.decode("utf-8", "replace").strip()
-    if info["exit_code"] == 2 and message:
-        raise GuestdError(ErrorCode.BAD_REQUEST, "rg: " + message[-500:], details={"field": "pattern"})
+    if info["exit_code"] == 2 and message:  # with --no-messages rg says only what stops it
+        culprit = "globs" if "glob" in message else "pattern"
+        raise GuestdError(ErrorCode.BAD_REQUEST, "rg: " + message[-500:], details={"field": culprit})
 
 
 def open_target(fsys: FileSystem, path: str) -> tuple[int, bytes | None]:
