@@ -222,6 +222,24 @@ def test_a_cancelled_grep_kills_rg(contained_grep: tuple[Guestd, str, str]) -> N
     asyncio.run(main())
 
 
+def test_a_directory_the_workload_user_may_not_enter_is_permission_denied(
+    contained_grep: tuple[Guestd, str, str],
+) -> None:
+    """rg reads only what the workload user may: guestd (root) resolved the directory, rg may
+    not enter it, and the error says so (not /proc/self/fd/3)."""
+    g, tree, _ = contained_grep
+    os.makedirs(f"{tree}/private")
+    with open(f"{tree}/private/a.txt", "w") as f:
+        f.write("needle\n")
+    os.chmod(f"{tree}/private", 0o700)
+    with g.client() as c:
+        for path in (f"{tree}/private", f"{tree}/private/a.txt"):
+            with pytest.raises(GuestdError) as err:
+                c.grep(path, "needle", deadline=60)
+            assert err.value.code == "permission_denied" and "directory searched" in err.value.message
+        assert c.grep(tree, "needle", deadline=60).matches == 1  # the rest of the tree: plain.txt
+
+
 def test_rg_runs_as_nobody_where_guestd_is_root_without_a_workload_user(
     as_root_without_user: tuple[Guestd, str],
 ) -> None:
