@@ -8,8 +8,9 @@ truncation is never silent.
 
 from __future__ import annotations
 
+import asyncio
 from collections import deque
-from typing import TYPE_CHECKING, TypedDict
+from typing import TYPE_CHECKING, NamedTuple, TypedDict
 
 if TYPE_CHECKING:
     from guestd.spill import Spill
@@ -89,6 +90,12 @@ class CapturedFields(TypedDict):
     stderr_gap_at: int | None
 
 
+# Kept bytes shaped on the event loop; more are shaped in a worker thread. Shaping is linear
+# but its worst case (short lines each redrawn) is about 0.2 us a byte on a loaded 2-core
+# guest (bench/shaping.py), so 16 KiB stays under ~4 ms of loop time.
+SHAPE_ON_LOOP_BYTES = 16 * 1024
+
+
 def capture_fields(
     stdout: OutputCapture,
     stderr: OutputCapture,
@@ -100,23 +107,11 @@ def capture_fields(
 
     When the output was streamed as events it is not repeated: empty data, nothing dropped.
     ``strip_ansi`` / ``collapse_cr`` shape the returned bytes (guestd.shaping); the counts
-    stay those of the raw stream.
+    stay those of the raw stream. Shapes on the calling thread: on the event loop, use
+    :func:`capture_fields_off_loop`.
     """
     if (strip_ansi or collapse_cr) and not streamed:
-        from guestd.shaping import shape
-
-        out: dict[str, object] = {}
-        for name, cap in (("stdout", stdout), ("stderr", stderr)):
-            if not cap.dropped:  # one piece: a line across head and tail is shaped whole
-                head, tail = b"", shape(cap.data(), strip_ansi, collapse_cr)
-            else:
-                head = shape(bytes(cap._head), strip_ansi, collapse_cr)
-                tail = shape(b"".join(cap._tail), strip_ansi, collapse_cr)
-            out[name] = head + tail
-            out[f"{name}_bytes"] = cap.total
-            out[f"{name}_dropped"] = cap.dropped
-            out[f"{name}_gap_at"] = len(head) if cap.dropped else None
-        return out  # type: ignore[return-value]
+        return _shaped_fields(_kept(stdout), _kept(stderr), strip_ansi, collapse_cr)
     return {
         "stdout": b"" if streamed else stdout.data(),
         "stdout_bytes": stdout.total,
@@ -127,6 +122,54 @@ def capture_fields(
         "stderr_dropped": 0 if streamed else stderr.dropped,
         "stderr_gap_at": None if streamed else stderr.gap_at,
     }
+
+
+async def capture_fields_off_loop(
+    stdout: OutputCapture,
+    stderr: OutputCapture,
+    streamed: bool = False,
+    strip_ansi: bool = False,
+    collapse_cr: bool = False,
+) -> CapturedFields:
+    """:func:`capture_fields`, shaping more than :data:`SHAPE_ON_LOOP_BYTES` in a worker
+    thread so the loop keeps answering (issue 29: a 1 MiB redraw line once held it 22-29 s).
+    The kept bytes and counts are taken on the loop first: output still read meanwhile is
+    in neither, so the reply stays consistent."""
+    shaping = (strip_ansi or collapse_cr) and not streamed
+    if not shaping or stdout.kept + stderr.kept <= SHAPE_ON_LOOP_BYTES:
+        return capture_fields(stdout, stderr, streamed, strip_ansi, collapse_cr)
+    kept = _kept(stdout), _kept(stderr)
+    return await asyncio.to_thread(_shaped_fields, *kept, strip_ansi, collapse_cr)
+
+
+class _Kept(NamedTuple):
+    """What a capture holds, taken at one moment: ``head`` is empty when nothing was dropped
+    (the whole is one piece, so a line across head and tail is shaped whole)."""
+
+    head: bytes
+    tail: bytes
+    total: int
+    dropped: int
+
+
+def _kept(cap: OutputCapture) -> _Kept:
+    if not cap.dropped:
+        return _Kept(b"", cap.data(), cap.total, 0)
+    return _Kept(bytes(cap._head), b"".join(cap._tail), cap.total, cap.dropped)
+
+
+def _shaped_fields(stdout: _Kept, stderr: _Kept, strip_ansi: bool, collapse_cr: bool) -> CapturedFields:
+    from guestd.shaping import shape
+
+    out: dict[str, object] = {}
+    for name, kept in (("stdout", stdout), ("stderr", stderr)):
+        head = shape(kept.head, strip_ansi, collapse_cr)
+        tail = shape(kept.tail, strip_ansi, collapse_cr)
+        out[name] = head + tail
+        out[f"{name}_bytes"] = kept.total
+        out[f"{name}_dropped"] = kept.dropped
+        out[f"{name}_gap_at"] = len(head) if kept.dropped else None
+    return out  # type: ignore[return-value]
 
 
 class OutputRing:

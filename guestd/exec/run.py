@@ -13,7 +13,7 @@ import os
 import time
 from typing import TYPE_CHECKING, Any
 
-from guestd.capture import OutputCapture, OutputRing, capture_fields
+from guestd.capture import OutputCapture, OutputRing, capture_fields_off_loop
 from guestd.children import Child, KilledBy, run_figures
 from guestd.children.options import parse_signal
 from guestd.children.tree import read_chunk, write_all
@@ -190,7 +190,7 @@ class ExecRun:
         finally:
             detached.cancel()
         if self.detached is not None:
-            return self.result()
+            return await self.result()
         if self.kill_task is not None:
             await self.kill_task  # a timed-out tree is gone before we answer
         if not self.pipes_done.is_set():
@@ -209,7 +209,7 @@ class ExecRun:
                 await self._drain_to_client(which)
             else:
                 self._drain_now(which)
-        return self.result()
+        return await self.result()
 
     def _drain_now(self, which: int) -> None:
         fd = self.fds[which]
@@ -238,7 +238,7 @@ class ExecRun:
             self.caps[which].total += len(data)
             self.ctx.push_data(fields, data)
 
-    def result(self) -> ExecReply:
+    async def result(self) -> ExecReply:
         status = self.child.status if self.child.status is not None else 0
         exit_code = os.waitstatus_to_exitcode(status)
         running = self.detached is not None
@@ -246,7 +246,7 @@ class ExecRun:
             "exit_code": exit_code if exit_code >= 0 and not running else None,
             "signal": -exit_code if exit_code < 0 and not running else None,
             "timed_out": self.timed_out,
-            **capture_fields(
+            **await capture_fields_off_loop(  # shaping may take a worker thread
                 self.caps[1],
                 self.caps[2],
                 streamed=self.stream,
