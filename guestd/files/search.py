@@ -211,6 +211,11 @@ class RgLines:
         out: list[Hit] = []
         pos, n = 0, len(data)
         while pos < n:
+            if self.state == _PATH and not self.path:
+                end = self._whole_record(data, pos, out)
+                if end >= 0:  # the common case: a record whole in this chunk, cut with find()
+                    pos = end
+                    continue
             if self.state == _PATH:
                 end = data.find(b"\0", pos)
                 self.path += data[pos : n if end < 0 else end]
@@ -240,27 +245,43 @@ class RgLines:
                 if end < 0:
                     break
                 pos = end + 1
-                out.append(self._record())
+                out.append(self._hit(bytes(self.path), int(self.number), self.kind, bytes(self.text), self.text_over))
+                self.path.clear()
+                self.number.clear()
+                self.text.clear()
+                self.text_over = False
+                self.state = _PATH
         return out
 
-    def _record(self) -> Hit:
-        path = self._without_notices(bytes(self.path))
+    def _whole_record(self, data: bytes, pos: int, out: list[Hit]) -> int:
+        """The record at ``pos`` when all of it is in ``data`` (its end), else -1."""
+        nul = data.find(b"\0", pos)
+        if nul < 0:
+            return -1
+        colon, dash = data.find(b":", nul + 1, nul + 22), data.find(b"-", nul + 1, nul + 22)
+        sep = colon if dash < 0 or 0 <= colon < dash else dash
+        end = data.find(b"\n", sep + 1) if sep > nul + 1 else -1
+        number = data[nul + 1 : sep]
+        if end < 0 or not number.isdigit() or nul - pos > MAX_RG_PATH:
+            return -1  # partial, or not the usual shape: the byte-wise path decides
+        text = data[sep + 1 : end]
+        over = len(text) > MAX_TEXT_KEPT
+        kind = "match" if sep == colon else "context"
+        out.append(self._hit(data[pos:nul], int(number), kind, text[:MAX_TEXT_KEPT] if over else text, over))
+        return end + 1
+
+    def _hit(self, path: bytes, line: int, kind: str, text: bytes, cut: bool) -> Hit:
+        if b": " in path:  # a binary-file notice starts "PATH: " (rare: no copy of the rest otherwise)
+            path = self._without_notices(path)
         self.last_path = path
-        text, cut = bytes(self.text), self.text_over
         if len(text) > MAX_LINE_BYTES and text.endswith(OMITTED):
             text, cut = text[: -len(OMITTED)], True  # rg cut it: longer than --max-columns
         text += b"\n"
         if len(text) > MAX_LINE_BYTES:
             text, cut = text[:MAX_LINE_BYTES], True
-        line = int(self.number)
-        self.path.clear()
-        self.number.clear()
-        self.text.clear()
-        self.text_over = False
-        self.state = _PATH
         if self.single is None and path.startswith(b"./"):
             path = path[2:]
-        return (self.kind, path, line, text, cut)
+        return (kind, path, line, text, cut)
 
     def _without_notices(self, path: bytes) -> bytes:
         starts = [known + notice for known in {self.last_path, self.single or b""} if known for notice in _NOTICES]

@@ -242,3 +242,44 @@ def test_a_memory_hog_is_reported_as_oom_in_the_shipped_config(vm: GuestVM) -> N
             c.shell_close(sid)
         finally:
             c.write_file(limit, "max", flag="append")
+
+
+def test_a_200_mib_line_grepped_under_the_memory_limit_fails_the_run_not_guestd(vm: GuestVM, tmp_path: object) -> None:
+    """Issue 29: rg holds a whole line in memory (631 MiB for a 200 MiB line, outside every
+    limit before). Now rg is a workload process: under the workload's memory limit the OOM
+    killer ends rg, the grep fails with limit (killed_by oom), and guestd answers on, its
+    memory untouched. The file is written by guestd (the workload writing it into this
+    initramfs's tmpfs would charge its 200 MiB to the workload cgroup itself)."""
+    limit = "/sys/fs/cgroup/guestd-workload/memory.max"
+    line = f"{tmp_path}/oneline.txt"
+    with open(line, "wb") as f:
+        for _ in range(200):
+            f.write(b"x" * (1 << 20))
+        f.write(b"NEEDLE\n")
+    with vm.client(timeout_s=300) as c:
+        pid = int(c.info().raw["pid"])
+        c.upload(line, "/workspace/bigline/oneline.txt", parents=True, deadline=900)
+        os.unlink(line)
+        c.write_file("/workspace/bigline/small.txt", "NEEDLE\n")
+
+        def rss_kib() -> int:
+            status = c.read_file(f"/proc/{pid}/status").decode()
+            return int(next(ln for ln in status.splitlines() if ln.startswith("VmRSS:")).split()[1])
+
+        before = rss_kib()
+        c.write_file(limit, str(128 << 20), flag="append")
+        try:
+            with pytest.raises(GuestdError) as err:
+                c.grep("/workspace/bigline", "NEEDLE", timeout_s=600, deadline=900)  # the walk: rg reads, no mmap
+            assert err.value.code == "limit" and err.value.details["killed_by"] == "oom", err.value
+            assert c.ping() > 0 and int(c.info().raw["pid"]) == pid  # the same guestd answers
+            assert rss_kib() - before < 64 << 10  # KiB: guestd held none of the line
+            assert c.grep("/workspace/bigline/small.txt", "NEEDLE", deadline=300).matches == 1
+        finally:
+            c.write_file(limit, "max", flag="append")
+        r = c.grep("/workspace/bigline", "NEEDLE", timeout_s=600, deadline=900)  # without the limit: found, cut
+        assert r.matches == 2 and sorted((ln.path, ln.truncated) for ln in r.lines) == [
+            ("oneline.txt", True),
+            ("small.txt", False),
+        ]
+        c.remove("/workspace/bigline", recursive=True)
