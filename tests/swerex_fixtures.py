@@ -1,27 +1,33 @@
 """Our fixture shim for SWE-ReX's own ``tests/test_execution.py`` (downloaded from its pinned
 sdist when the test runs: tests/upstream.py, tests/test_integrations_swerex.py; never stored here).
 
-That file takes a ``remote_runtime`` and a ``runtime_with_default_session`` fixture and imports
-``_Action``/``_Command`` (actions with 5 s default timeouts) from the conftest beside it; the
-conftest written beside it at test time imports them from this module. ``remote_runtime`` is a
-GuestdRuntime on a real local guestd; with SWEREX_RUNTIME=local it is SWE-ReX's own
-LocalRuntime, with SWEREX_RUNTIME=remote SWE-ReX's HTTP server in a thread with a LocalRuntime
-behind it and a RemoteRuntime to it (the baselines, run side by side in the same test)."""
+What that file needs from the conftest beside it is an interface: fixtures named
+``remote_runtime`` and ``runtime_with_default_session``, and the names ``_Action`` and
+``_Command`` (a BashAction and a Command whose timeout defaults to 5 s), as in upstream's
+https://github.com/SWE-agent/SWE-ReX/blob/v1.4.0/tests/conftest.py. The conftest written beside
+it at test time imports them from this module. ``remote_runtime`` is a GuestdRuntime on a real
+local guestd, or with SWEREX_RUNTIME=local SWE-ReX's own LocalRuntime (the baseline, run side
+by side in the same test)."""
 
 from __future__ import annotations
 
 import os
-import socket
 import tempfile
-import threading
-import time
 from collections.abc import AsyncIterator, Iterator
 
 import pytest
-from swerex.runtime.abstract import AbstractRuntime, BashAction, CloseSessionRequest, Command, CreateSessionRequest
+from swerex.runtime.abstract import (
+    AbstractRuntime,
+    BashAction,
+    CloseBashSessionRequest,
+    Command,
+    CreateBashSessionRequest,
+)
 
 from guestd.integrations.swerex import GuestdRuntime
 from guestd.testing.local import start_guestd
+
+UPSTREAM_DEFAULT_TIMEOUT_S = 5.0
 
 
 @pytest.fixture(scope="session")
@@ -34,54 +40,35 @@ def guestd_address() -> Iterator[str]:
             g.stop()
 
 
-@pytest.fixture(scope="session")
-def swerex_server_port() -> int:
-    import uvicorn
-    from swerex.server import app
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = int(s.getsockname()[1])
-    threading.Thread(
-        target=lambda: uvicorn.run(app, host="127.0.0.1", port=port, log_level="error"), daemon=True
-    ).start()
-    for _ in range(100):
-        try:
-            socket.create_connection(("127.0.0.1", port), timeout=1).close()
-            return port
-        except OSError:
-            time.sleep(0.1)
-    pytest.fail("the SWE-ReX server did not start")
-
-
 @pytest.fixture
 async def remote_runtime(request: pytest.FixtureRequest) -> AsyncIterator[AbstractRuntime]:
-    r: AbstractRuntime
+    runtime: AbstractRuntime
     if os.environ.get("SWEREX_RUNTIME") == "local":
         from swerex.runtime.local import LocalRuntime
 
-        r = LocalRuntime()
-    elif os.environ.get("SWEREX_RUNTIME") == "remote":
-        from swerex.runtime.remote import RemoteRuntime
-
-        r = RemoteRuntime(host="http://127.0.0.1", port=request.getfixturevalue("swerex_server_port"), auth_token="")
+        runtime = LocalRuntime()
     else:
-        r = GuestdRuntime(request.getfixturevalue("guestd_address"))
-    yield r
-    await r.close()
+        runtime = GuestdRuntime(request.getfixturevalue("guestd_address"))
+    try:
+        yield runtime
+    finally:
+        await runtime.close()
 
 
 @pytest.fixture
 async def runtime_with_default_session(remote_runtime: AbstractRuntime) -> AsyncIterator[AbstractRuntime]:
-    r = await remote_runtime.create_session(CreateSessionRequest())  # type: ignore[operator]
-    assert r.success if hasattr(r, "success") else True
-    yield remote_runtime
-    await remote_runtime.close_session(CloseSessionRequest())  # type: ignore[operator]
+    """The runtime with its session named "default" open (the name both runtimes use when the
+    test's actions name none)."""
+    await remote_runtime.create_session(CreateBashSessionRequest())
+    try:
+        yield remote_runtime
+    finally:
+        await remote_runtime.close_session(CloseBashSessionRequest())
 
 
 class _Action(BashAction):
-    timeout: float | None = 5
+    timeout: float | None = UPSTREAM_DEFAULT_TIMEOUT_S
 
 
 class _Command(Command):
-    timeout: float | None = 5
+    timeout: float | None = UPSTREAM_DEFAULT_TIMEOUT_S

@@ -89,7 +89,8 @@ def test_swerex_suite_on_guestd_passes_at_least_as_many_as_local_runtime(upstrea
     guestd_xterm = run_suite(upstream_suite, "guestd", tmp_path, term="xterm")
     local_xterm = run_suite(upstream_suite, "local", tmp_path, term="xterm")
     print(
-        "SWE-ReX 1.4.0 tests/test_execution.py, same machine, same run:\n"
+        f"SWE-ReX 1.4.0 tests/test_execution.py, same machine, same run (load {os.getloadavg()[0]:.1f} on "
+        f"{os.cpu_count()} CPUs; LocalRuntime's pexpect waits time out on a loaded machine):\n"
         f"  TERM unset:  guestd {counts(guestd)}; LocalRuntime {counts(local)}\n"
         f"  TERM=xterm:  guestd {counts(guestd_xterm)}; LocalRuntime {counts(local_xterm)}"
     )
