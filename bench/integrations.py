@@ -157,6 +157,25 @@ def collect(address: str, n: int, only: list[str]) -> list[Row]:
     return rows
 
 
+DISTRIBUTIONS = {"swerex": "swe-rex", "minisweagent": "mini-swe-agent", "openhands": "openhands-sdk"}
+
+
+def conditions(only: list[str]) -> str:
+    """What the figures hold under: versions, TERM (LocalRuntime's pexpect bash behaves differently
+    with a terminal type set), the machine's load."""
+    import importlib.metadata
+
+    versions = []
+    for name in only:
+        try:
+            versions.append(f"{DISTRIBUTIONS[name]} {importlib.metadata.version(DISTRIBUTIONS[name])}")
+        except importlib.metadata.PackageNotFoundError:
+            versions.append(f"{DISTRIBUTIONS[name]} (in .venv-oh)")
+    term = os.environ.get("TERM") or "unset"
+    load = os.getloadavg()[0]
+    return f"Conditions: {', '.join(versions)}; TERM {term}; load {load:.1f} on {os.cpu_count()} CPUs."
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--n", type=int, default=200)
@@ -173,6 +192,8 @@ def main() -> None:
             rows = collect(g.address, n, only)
         finally:
             g.stop()
+    print(conditions(only))
+    print()
     print(f"| framework call (`echo hi`, n={n}) | runtime | median ms | p90 ms |")
     print("|---|---|---|---|")
     for what, runtime, samples in rows:

@@ -219,6 +219,26 @@ def measure_swerex(tmp: str, n: int, venv_bin: str) -> dict[str, Any]:
     return res
 
 
+# The peers' versions are pinned, and what ran is recorded beside every figure (peer_versions).
+PEER_PACKAGES = ("swe-rex==1.4.0", "aiohttp==3.14.5", "matplotlib")
+
+
+def peer_versions(venv_bin: str | None) -> dict[str, str]:
+    """What each peer is, as it reports itself: printed next to its figures."""
+    import shutil
+
+    versions: dict[str, str] = {}
+    if shutil.which("qemu-ga") is not None:
+        out = subprocess.run(["qemu-ga", "--version"], capture_output=True, text=True, check=False, timeout=30)
+        versions["qemu-ga"] = (out.stdout or out.stderr).strip().splitlines()[0] if (out.stdout or out.stderr) else "?"
+    if venv_bin is not None:
+        py = os.path.join(venv_bin, "python")
+        code = "import importlib.metadata as m; print(m.version('swe-rex'))"
+        out = subprocess.run([py, "-c", code], capture_output=True, text=True, check=False, timeout=60)
+        versions["SWE-ReX"] = f"swe-rex {out.stdout.strip() or '?'}"
+    return versions
+
+
 def ensure_peers(venv: str) -> tuple[bool, str | None]:
     """qemu-ga from Debian (installed as root when missing) and a venv with swe-rex and matplotlib."""
     import shutil
@@ -228,7 +248,7 @@ def ensure_peers(venv: str) -> tuple[bool, str | None]:
     if not os.path.exists(os.path.join(venv, "bin", "swerex-remote")):
         subprocess.run([sys.executable, "-m", "venv", venv], check=True)
         r = subprocess.run(
-            [os.path.join(venv, "bin", "pip"), "install", "-q", "swe-rex", "aiohttp", "matplotlib"],
+            [os.path.join(venv, "bin", "pip"), "install", "-q", *PEER_PACKAGES],
             capture_output=True,
             check=False,
         )

@@ -950,8 +950,8 @@ def render_extra(res: dict[str, Any]) -> str:
         f"{cc['clients']} clients running `exec true` in a loop: {cc['execs_per_s']:.0f} execs/s in total; "
         f"meanwhile another client's ping p50 / p99 = {cc['ping_under_load']['p50_ms']:.2f} / "
         f"{cc['ping_under_load']['p99_ms']:.2f} ms. 1000 pings in flight on one connection: all answered in "
-        f"{cc['burst_1000_pings_ms']:.1f} ms. (qemu-ga serves one client at a time; a SWE-ReX `/execute` blocks "
-        "its whole server: see shared/baselines.)",
+        f"{cc['burst_1000_pings_ms']:.1f} ms. (qemu-ga serves one client at a time on its channel; a SWE-ReX "
+        "`/execute` blocks its whole server: the peers' rows below, measured in this run.)",
         "",
         "## Start-up import cost",
         "",
@@ -976,6 +976,7 @@ def render_peers(res: dict[str, Any]) -> str:
         return "\n## Side by side with peers\n\nNot run in --quick mode (the full run starts qemu-ga and SWE-ReX).\n"
     g, fl = res["guestd"], res["floor"]
     names = ["guestd", *peers]
+    versions = ", ".join(f"{k}: {v}" for k, v in (res.get("peer_versions") or {}).items())
 
     def cell(name: str, get: Any) -> str:
         src = g if name == "guestd" else peers[name]
@@ -1024,7 +1025,8 @@ def render_peers(res: dict[str, Any]) -> str:
         "",
         "## Side by side with peers",
         "",
-        "Same machine, same run, one peer at a time, same CPU pinning; each started and stopped by the harness.",
+        "Same machine, same run, one peer at a time, same CPU pinning; each started and stopped by the harness. "
+        f"Peers: {versions or 'versions not recorded'}.",
         "",
         "| workload | " + " | ".join(names) + " | floor | guestd vs best peer |",
         "|---|" + "---|" * (len(names) + 2),
@@ -1046,10 +1048,12 @@ def render_peers(res: dict[str, Any]) -> str:
     lines += [
         "",
         "guestd's exec keeps the last 64 KiB per stream by default (up to 1 MiB, or everything in stream mode) and "
-        "says how much it dropped; qemu-ga keeps the head of the output (16 MiB cap, no streaming, no timeout) "
+        "says how much it dropped; qemu-ga keeps the head of the output (16 MiB cap, no streaming, no timeout; "
+        "`guest-exec` in https://gitlab.com/qemu-project/qemu/-/blob/master/qga/commands.c) "
         "and moves files as base64 JSON; "
-        "SWE-ReX files are text only (a binary round trip is corrupted: 'binary-safe' no) and one exec blocks its "
-        "whole server. qemu-ga, a C daemon, answers a no-op faster than a Python server (and faster than the "
+        "SWE-ReX files are text only (a binary round trip is corrupted: 'binary-safe' no, measured here) and one "
+        "exec blocks its whole server (measured here: the concurrency row). qemu-ga, a C daemon, answers a "
+        "no-op faster than a Python server (and faster than the "
         "Python echo floor), starts in a few ms and idles in 4 MiB: guestd cannot beat a C daemon there. exec "
         "`true` against qemu-ga is within run-to-run noise (each wins some runs). guestd wins every workload with "
         "data in it: output, files (30-80x), shells (~90x vs SWE-ReX), and start-up and memory against SWE-ReX.",
@@ -1093,9 +1097,10 @@ async def amain(quick: bool) -> dict[str, Any]:
         res["restore"] = await measure_restore(tmp, [0, 1] if quick else [0, 1, 8], 10 if quick else 30)
         res["peers"] = {}
         if not quick:
-            from bench.peers import ensure_peers, measure_qga, measure_swerex
+            from bench.peers import ensure_peers, measure_qga, measure_swerex, peer_versions
 
             has_qga, venv_bin = ensure_peers(os.path.join(HERE, ".peers-venv"))
+            res["peer_versions"] = peer_versions(venv_bin)
             if has_qga:
                 res["peers"]["qemu-ga"] = await asyncio.to_thread(measure_qga, tmp, n_ping)
             if venv_bin is not None:
