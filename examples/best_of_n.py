@@ -14,7 +14,10 @@ the snapshot is QMP ``stop`` + ``migrate`` to a file, each clone a new QEMU proc
 ``-incoming defer`` + ``migrate-incoming`` + ``cont``, and the host talks to guestd over
 virtio-serial.
 
-With Firecracker the same flow is:
+With Firecracker the same flow is (its snapshot API and what a restore does to vsock are
+Firecracker's, documented in
+https://github.com/firecracker-microvm/firecracker/blob/main/docs/snapshotting/snapshot-support.md
+and .../docs/vsock.md; not run here):
 
 - parent: ``guestd.snapshot_prepare()``; ``PATCH /vm {"state": "Paused"}``;
   ``PUT /snapshot/create {"snapshot_type": "Full", "snapshot_path": ..., "mem_file_path": ...}``;
