@@ -9,12 +9,15 @@ by a Python object per line.
 
 from __future__ import annotations
 
+import codecs
 import json
 import math
 import os
 import shlex
 import subprocess
 import sys
+import tempfile
+import threading
 from collections.abc import Callable, Iterator
 
 import pytest
@@ -22,8 +25,12 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from guestd import shaping
-from guestd.testing import Guestd, scratch_guestd
+from guestd.client import Client
+from guestd.client.workspace import EditResult, View
+from guestd.files import edit
+from guestd.testing import Guestd, scratch_guestd, workspace_guestd
 from guestd.testing.local import REPO
+from guestd.wire.errors import GuestdError
 
 # ----------------------------------------------------------------------------- reference models
 
@@ -111,6 +118,7 @@ REDRAWN = b"x" + b"y" * (512 * 1024 - 1) + b"x"
 PINGER = """
 import json, sys, threading, time
 from guestd.client import Client
+from guestd.client.workspace import EditResult, View
 stop = threading.Event()
 threading.Thread(target=lambda: (sys.stdin.read(), stop.set()), daemon=True).start()
 rtts = []
@@ -192,3 +200,195 @@ def test_shaping_a_cut_output_in_a_thread_keeps_the_gap_between_shaped_head_and_
     raw = line * 40000
     assert r.stdout[: r.stdout_gap_at] == terminal_reference(ansi_reference(raw[:100_000]))
     assert r.stdout[r.stdout_gap_at :] == terminal_reference(ansi_reference(raw[-100_000:]))
+
+
+# ----------------------------------------------------------------------------- editor lines
+
+
+def reference_lines(data: bytes) -> list[bytes]:
+    """The file's lines as the editor counts them: a final newline starts no new line."""
+    lines = data.split(b"\n")
+    if data.endswith(b"\n") or not data:
+        lines.pop()
+    return lines
+
+
+def view_reference(data: bytes, first: int, last: int, budget: int) -> tuple[str, int, bool]:
+    """A view's text, last line shown and cut flag, from the list of lines: lines while they fit
+    the budget; a first line of ``budget`` bytes or more is shown cut to them."""
+    lines = reference_lines(data)
+    out: list[str] = []
+    used, shown = 0, first - 1
+    for n in range(first, last + 1):
+        line = lines[n - 1]
+        if len(line) >= budget:
+            if out:
+                break
+            return f"{n:6d}\t" + codecs.getincrementaldecoder("utf-8")("replace").decode(line[:budget]) + "\n", n, True
+        text = f"{n:6d}\t" + line.decode("utf-8", "replace") + "\n"
+        if used + len(text.encode()) > budget and out:
+            break
+        out.append(text)
+        used += len(text.encode())
+        shown = n
+    return "".join(out), shown, False
+
+
+file_bytes = st.lists(st.sampled_from([b"a", b"bc", b"\n", b"\n\n", b"\xe2\x82\xac", b"\xff", b"xyz" * 9])).map(
+    b"".join
+)
+
+
+@given(file_bytes, st.sampled_from([1, 2, 7, 64, 1 << 16]))
+def test_lines_are_found_by_counting_as_the_list_of_lines_says(data: bytes, block: int) -> None:
+    lines = reference_lines(data)
+    assert edit.count_lines(data) == len(lines)
+    offset = 0
+    for n, line in enumerate(lines, 1):
+        assert edit.line_offset(data, n) == offset
+        if n > 1:
+            assert edit.nth_newline(data, n - 1, block=block) == offset - 1
+        offset += len(line) + 1
+    assert edit.nth_newline(data, data.count(b"\n") + 1, block=block) == -1
+
+
+@given(file_bytes, st.data(), st.sampled_from([10, 33, 64, 1 << 18]), st.sampled_from([1, 5, 64, 1 << 20]))
+def test_a_view_read_in_chunks_is_the_view_of_the_list_of_lines(
+    data: bytes, draw: st.DataObject, budget: int, chunk_size: int
+) -> None:
+    total = len(reference_lines(data))
+    if not total:
+        return
+    first = draw.draw(st.integers(1, total))
+    last = draw.draw(st.integers(first, total))
+    want = view_reference(data, first, last, budget)
+    assert edit.numbered(data, edit.line_offset(data, first), first, last, budget) == want
+    with tempfile.TemporaryFile() as f:
+        f.write(data)
+        f.flush()
+        counted, window, complete = edit.view_scan(f.fileno(), first, keep=budget, chunk_size=chunk_size)
+    assert counted == total and len(window) <= budget
+    assert edit.numbered(window, 0, first, last, budget, complete) == want
+
+
+@given(file_bytes, file_bytes, file_bytes)
+def test_common_prefix_and_suffix_are_the_byte_by_byte_ones(head: bytes, a: bytes, b: bytes) -> None:
+    x, y = head + a + head, head + b + head
+    n = min(len(x), len(y))
+    prefix = next((i for i in range(n) if x[i] != y[i]), n)
+    suffix = next((k for k in range(n - prefix) if x[-1 - k] != y[-1 - k]), n - prefix)
+    assert edit._common_prefix(x, y) == prefix
+    assert edit._common_suffix(x, y, n - prefix) == suffix
+
+
+# ----------------------------------------------------------------------------- editor memory
+
+MAX_GROWTH = 64 * MIB  # the issue's bound on guestd's growth for these files
+
+
+def status_bytes(pid: int, field: str) -> int:
+    with open(f"/proc/{pid}/status") as f:
+        return next(int(line.split()[1]) * 1024 for line in f if line.startswith(field + ":"))
+
+
+def peak_growth(g: Guestd, action: Callable[[], None]) -> int:
+    """How far above its resident size before ``action`` guestd's peak went during it (the
+    peak is reset first where the kernel lets us: ``5 > clear_refs``)."""
+    try:
+        with open(f"/proc/{g.pid}/clear_refs", "w") as f:
+            f.write("5")
+    except OSError:
+        pass  # the peak then holds guestd's whole life: a fresh guestd keeps it meaningful
+    before = status_bytes(g.pid, "VmRSS")
+    action()
+    return status_bytes(g.pid, "VmHWM") - before
+
+
+@pytest.fixture
+def big_file_guestd() -> Iterator[tuple[Guestd, str]]:
+    """A fresh guestd with a workspace (memory figures of its own) and a warmed-up editor."""
+    with workspace_guestd("guestd-bigedit-") as (g, ws):
+        with open(f"{ws}/warm.txt", "wb") as f:
+            f.write(b"a\nb\n")
+        with g.client() as c:
+            c.view(f"{ws}/warm.txt")
+            c.str_replace(f"{ws}/warm.txt", "a", "b")
+        yield g, ws
+
+
+NEWLINES = b"\n" * edit.MAX_EDIT_BYTES  # 16 MiB, 16 Mi lines: the largest file the editor takes
+
+
+def test_four_concurrent_views_of_16mib_of_newlines_grow_guestd_by_file_sized_buffers(
+    big_file_guestd: tuple[Guestd, str],
+) -> None:
+    """Issue 29 (10). Before: a list of 16 Mi Python ints per view, guestd +665 MiB each
+    (2.6 GiB for four at once)."""
+    g, ws = big_file_guestd
+    path = f"{ws}/newlines"
+    with open(path, "wb") as f:
+        f.write(NEWLINES)
+    lines = len(NEWLINES)
+    ranges = [(None, None), (lines - 2, None), (lines // 2, lines // 2 + 1), (1, 3)]
+    views: dict[int, View] = {}
+
+    def view(i: int) -> None:
+        with g.client() as c:
+            views[i] = c.view(path, start_line=ranges[i][0], end_line=ranges[i][1], deadline=120)
+
+    def four_at_once() -> None:
+        threads = [threading.Thread(target=view, args=(i,)) for i in range(4)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(150)
+
+    grown = peak_growth(g, four_at_once)
+    assert grown < MAX_GROWTH, f"guestd grew by {grown / MIB:.0f} MiB for four views"
+    whole, end, middle, top = (views[i] for i in range(4))
+    assert all(v.total_lines == lines for v in (whole, end, middle, top))
+    # "     1\t\n" is 8 bytes: 256 KiB of them, then truncated
+    assert (whole.start_line, whole.end_line, whole.truncated) == (1, edit.MAX_VIEW_BYTES // 8, True)
+    assert (end.content, end.end_line, end.truncated) == (f"{lines - 2}\t\n{lines - 1}\t\n{lines}\t\n", lines, False)
+    assert middle.content == f"{lines // 2}\t\n{lines // 2 + 1}\t\n"
+    assert top.content == "     1\t\n     2\t\n     3\t\n"
+
+
+def test_edits_of_16mib_of_newlines_grow_guestd_by_file_sized_buffers(big_file_guestd: tuple[Guestd, str]) -> None:
+    """Issue 29 (10). Before: the snippet after each edit listed every line's offset (one
+    str_replace peaked at +743 MiB), and a str_replace matching everywhere listed every match."""
+    g, ws = big_file_guestd
+    path = f"{ws}/newlines"
+    half = len(NEWLINES) // 2
+    with open(path, "wb") as f:
+        f.write(NEWLINES[:half] + b"marker\n" + NEWLINES[half + 7 :])  # still 16 MiB
+    marker_line = half + 1
+    edits: list[EditResult] = []
+
+    def measured(action: Callable[[Client], None]) -> None:
+        def run() -> None:
+            with g.client() as c:
+                action(c)
+
+        grown = peak_growth(g, run)
+        assert grown < MAX_GROWTH, f"guestd grew by {grown / MIB:.0f} MiB"
+
+    def conflict(c: Client) -> None:
+        with pytest.raises(GuestdError) as everywhere:
+            c.str_replace(path, "\n\n", "x", deadline=120)
+        assert everywhere.value.code == "conflict" and everywhere.value.details["lines"][:3] == [1, 3, 5]
+        with open(path, "rb") as current:
+            assert everywhere.value.details["matches"] == current.read().count(b"\n\n")
+
+    measured(lambda c: edits.append(c.str_replace(path, "marker", "MARKER", deadline=120)))
+    measured(conflict)
+    measured(lambda c: edits.append(c.replace_lines(path, 10, 19, "", deadline=120)))  # room for the insert
+    measured(lambda c: edits.append(c.insert(path, 5, "inserted", deadline=120)))
+    measured(lambda c: edits.append(c.undo(path, deadline=120)))
+    replaced, deleted, inserted, undone = edits
+    assert f"{marker_line}\tMARKER\n" in replaced.snippet
+    assert replaced.start_line == marker_line - edit.SNIPPET_LINES
+    assert (deleted.start_line, inserted.snippet.count("inserted")) == (6, 1)
+    assert undone.undo_depth == 2 and "inserted" not in undone.snippet
+    with open(path, "rb") as edited:
+        assert edited.read() == NEWLINES[: half - 10] + b"MARKER\n" + NEWLINES[half + 7 :]
