@@ -1,37 +1,59 @@
-"""The change feed (issue 18): ``file.watch`` streams, ``file.changes`` and exec's
-``report_changes`` from one inotify watcher of a tree.
+"""The change feed (issue 18, bounded by issue 29): ``file.watch`` streams, ``file.changes`` and
+exec's ``report_changes`` from one inotify watcher of a tree.
 
-A :class:`Watcher` runs on a thread of its own: it watches every directory of the tree (each
-added through ``/proc/self/fd/N`` of a directory fd opened from the root with ``openat2``
-``RESOLVE_BENEATH | RESOLVE_NO_SYMLINKS``, so a directory swapped for a symlink is never
-watched in its place), follows new directories (scanned when they appear: what was made in them
-before the watch is reported as created), drops the watches of directories moved away, and
-hands batches of ``(kind, path, is_dir)`` to a sink; the kernel's queue overflow
-(``IN_Q_OVERFLOW``), more than ``MAX_WATCHES`` directories, or a sink that cannot keep up are
-reported as ``overflow``, never dropped in silence. Names in each watched directory are kept
-(at most ``MAX_NAMES`` in all) so that a rename over an existing name (``git``'s
-``HEAD.lock`` -> ``HEAD``) is a modification, not a creation.
+A :class:`Watcher` runs on a thread of its own. It watches every directory of the tree as a
+:class:`Node` (its watch descriptor, parent and name: never a stored path, so a directory moved
+within the tree is one re-parenting however much lies below it; inotify watches follow the inode).
+Directories that appear (made, or moved in from outside) are scanned lazily: queued, deduplicated
+and scanned between two reads of the kernel's queue, each scan with a budget of entries, so a
+workload renaming a huge directory back and forth costs one scan per batch, not one per rename.
+Each directory is opened from the root with ``openat2`` ``RESOLVE_BENEATH | RESOLVE_NO_SYMLINKS``
+(a directory swapped for a symlink is never watched in its place), its children ``O_NOFOLLOW``
+from its fd.
+
+Changes are handed on as they come, in batches of at most ``BATCH_BYTES``, never held until the
+kernel's queue is empty. Every bound is said, never silent: the kernel's ``IN_Q_OVERFLOW``, a scan
+past its budget or depth, more than ``MAX_WATCHES`` directories (all watchers of guestd together)
+or the kernel's ``max_user_watches``, a consumer's backlog past its bound in bytes
+(:class:`Handoff`, :class:`Journal`), and a watcher thread that died are ``overflow`` (or, for a
+``file.watch``, a typed error ending it): the caller rescans. Names in each watched directory are
+kept (``MAX_NAMES_BYTES`` for all watchers) so that a rename over an existing name (``git``'s
+``HEAD.lock`` -> ``HEAD``) is a modification, not a creation. guestd's own temporary names
+(``file.write``'s ``O_TMPFILE`` inode, named ``#<inode>`` by the kernel, and its named temp files)
+are never reported.
 """
 
 from __future__ import annotations
 
+import array
+import asyncio
 import ctypes
 import errno
+import fcntl
+import logging
 import os
+import re
 import select
 import struct
+import termios
 import threading
+import time
 from collections import deque
 from collections.abc import Callable
-from typing import TYPE_CHECKING
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
 
-from guestd.files.fs import RESOLVE_BENEATH, RESOLVE_NO_MAGICLINKS, RESOLVE_NO_SYMLINKS, openat2
-from guestd.files.walk import DIR_FLAGS, Filter, Walk
+from guestd.files.fs import RESOLVE_BENEATH, RESOLVE_NO_MAGICLINKS, RESOLVE_NO_SYMLINKS, TEMP_MARK, openat2
+from guestd.files.walk import DIR_FLAGS, MAX_DEPTH
+from guestd.wire.errors import ErrorCode, GuestdError
 
 if TYPE_CHECKING:
+    from guestd.services import Services
     from guestd.wire.types import ChangeReportRecord
 
-IN_ACCESS = 0x1
+log = logging.getLogger("guestd.watch")
+
+
 IN_MODIFY = 0x2
 IN_ATTRIB = 0x4
 IN_CLOSE_WRITE = 0x8
@@ -39,8 +61,6 @@ IN_MOVED_FROM = 0x40
 IN_MOVED_TO = 0x80
 IN_CREATE = 0x100
 IN_DELETE = 0x200
-IN_DELETE_SELF = 0x400
-IN_MOVE_SELF = 0x800
 IN_Q_OVERFLOW = 0x4000
 IN_IGNORED = 0x8000
 IN_ONLYDIR = 0x01000000
@@ -48,30 +68,116 @@ IN_ISDIR = 0x40000000
 IN_NONBLOCK = os.O_NONBLOCK
 IN_CLOEXEC = os.O_CLOEXEC
 MASK = IN_MODIFY | IN_ATTRIB | IN_CLOSE_WRITE | IN_MOVED_FROM | IN_MOVED_TO | IN_CREATE | IN_DELETE | IN_ONLYDIR
+MODIFIED = IN_MODIFY | IN_ATTRIB | IN_CLOSE_WRITE
 
-MAX_WATCHES = 65_536  # directories one watcher follows; more is an overflow
-MAX_NAMES = 1_000_000  # names remembered to tell a replacement from a creation
+MAX_WATCHES = 65_536  # directories watched by all of guestd's watchers together; more: overflow
+MAX_NAMES_BYTES = 16 << 20  # names remembered (all watchers) to tell a replacement from a creation
+START_BUDGET = 2_000_000  # entries the first scan of a tree looks at; past it the watch is incomplete
+SCAN_BUDGET = 100_000  # entries one scan of a directory that appeared looks at; past it: overflow for it
+BATCH_SCAN_BUDGET = 100_000  # entries scanned between two reads of the kernel's queue (more waits)
+MAX_SCANS = 4096  # directories waiting for their scan; more: overflow for them
+MAX_SCAN_TRIES = 8  # a scan whose parent's path is stale (a move not read yet) is tried again
+READ_SIZE = 64 << 10  # bytes of events read at once (at most 4,096 events: one batch)
+BATCH_BYTES = 256 << 10  # changes handed to the sink at once
+MAX_HANDOFF_BYTES = 4 << 20  # changes waiting for a file.watch's event loop; more: overflow
 MAX_JOURNAL = 100_000  # changes the workspace journal keeps
+MAX_JOURNAL_BYTES = 16 << 20  # ... and their bytes; older changes go (a cursor before them: overflow)
 MAX_REPORT = 1000  # paths per list in a change report
+DUTY = 0.5  # of one CPU that busy watchers (all together) use at most
+YIELD_S = 0.001  # work between two offers of the GIL
+SYNC_S = 5.0  # how long a journal report waits for the watcher to read what the kernel holds
+CHANGE_COST = 96  # bytes a kept change costs besides its path (tuple, seq, bytes header)
+NAME_COST = 80  # bytes a remembered name costs besides itself (set slot, bytes header)
+
 _EVENT = struct.Struct("iIII")
 _RESOLVE = RESOLVE_BENEATH | RESOLVE_NO_SYMLINKS | RESOLVE_NO_MAGICLINKS
+# file.write's temp names (guestd.files.handlers.AtomicFile): an O_TMPFILE inode, which the
+# kernel names "#<inode number>" in its events though no such name ever exists, and the named
+# temp file "." + name + TEMP_MARK + 12 hex digits (an overwrite's link, or where O_TMPFILE is missing).
+_TMPFILE_NAME = re.compile(rb"#[0-9]+\Z")
+_TEMP_NAME = re.compile(rb"\..*" + re.escape(TEMP_MARK) + rb"[0-9a-f]{12}\Z", re.DOTALL)
 _libc = ctypes.CDLL(None, use_errno=True)
 
 Change = tuple[str, bytes, bool]  # (created | modified | deleted | overflow, path, is_dir)
 Sink = Callable[[list[Change]], object]
 
 
+def change_cost(path: bytes) -> int:
+    return CHANGE_COST + len(path)
+
+
+class _Budget:
+    """A count shared by every watcher of this guestd (watched directories, remembered bytes)."""
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.used = 0
+
+    def take(self, n: int, limit: int) -> bool:
+        with self.lock:
+            if self.used + n > limit:
+                return False
+            self.used += n
+            return True
+
+    def give(self, n: int) -> None:
+        with self.lock:
+            self.used -= n
+
+
+WATCHES = _Budget()
+NAMES = _Budget()
+BUSY = threading.Lock()  # one watcher works at a time
+
+
+@dataclass(eq=False, slots=True)
+class Node:
+    """A watched directory: ``parent`` None for the root of the tree."""
+
+    wd: int
+    parent: Node | None
+    name: bytes
+    children: dict[bytes, Node] | None = None  # watched subdirectories by name
+    names: set[bytes] | None = None  # every name in it; None: not known (a bound)
+    names_cost: int = 0
+    path: bytes = b""  # cached; valid while path_gen is the watcher's gen
+    path_gen: int = -1
+
+
+def _ours(name: bytes, mask: int, names: set[bytes] | None) -> bool:
+    """An event about one of guestd's own temporary names (never a change of the tree)."""
+    if _TEMP_NAME.match(name):
+        return True
+    # An O_TMPFILE inode's events name "#<inode>": a name the directory does not hold.
+    return bool(mask & MODIFIED) and (names is None or name not in names) and _TMPFILE_NAME.match(name) is not None
+
+
 class Watcher:
-    def __init__(self, root_fd: int, sink: Sink) -> None:
+    def __init__(self, root_fd: int, sink: Sink, on_end: Callable[[BaseException], object] | None = None) -> None:
         self.root_fd = root_fd  # owned
         self.sink = sink
+        self.on_end = on_end  # called (on the thread) when the thread dies of an error
         self.ifd = _libc.inotify_init1(IN_NONBLOCK | IN_CLOEXEC)
         if self.ifd < 0:
             err = ctypes.get_errno()
             raise OSError(err, os.strerror(err), "inotify_init1")
-        self.paths: dict[int, bytes] = {}  # wd -> directory path relative to the root (b"" the root)
-        self.names: dict[int, set[bytes]] = {}
-        self.name_count = 0
+        self.nodes: dict[int, Node] = {}  # wd -> node
+        self.gen = 0  # bumped when a directory moves: cached paths are recomputed
+        self.names_bytes = 0  # this watcher's part of NAMES
+        self.scans: dict[
+            tuple[int, bytes], tuple[Node, bytes, int, int]
+        ] = {}  # (parent wd, name) -> (parent, name, seq, tries)
+        self.scan_seq = 0
+        self.moved_from: tuple[int, Node] | None = (
+            None  # (cookie, node) of a directory moved away, until its other half
+        )
+        self.batch: list[Change] = []
+        self.batch_bytes = 0
+        self.consumed = 0  # bytes of events read from the kernel
+        self.waiting: list[tuple[int, int, threading.Event]] = []  # syncs: (bytes to read, scans to end, done)
+        self.ticks = 0
+        self.yielded = 0.0  # when _tick last let the GIL go
+        self.incomplete = False  # some directory of the tree is not watched (a bound was reached)
         self.wake_r, self.wake_w = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
         # The fds have one owner: the thread once started (it closes them however it ends),
         # else stop(). Waking and closing take this lock, so a wake never writes to a number
@@ -83,144 +189,442 @@ class Watcher:
         self.ready = threading.Event()
         self.error: BaseException | None = None
 
-    # -- set up -----------------------------------------------------------------------
+    @property
+    def alive(self) -> bool:
+        """Started, and its thread still reads the kernel's events."""
+        return self.thread is not None and self.thread.is_alive() and self.error is None and not self.stopping
+
+    # -- the thread ---------------------------------------------------------------------
     def start(self) -> None:
         self.thread = threading.Thread(target=self._run, name="guestd-watch", daemon=True)
         self.thread.start()
 
-    def _add(self, rel: bytes, out: list[Change] | None) -> None:
-        """Watch the directory ``rel`` and everything below it; with ``out``, what is found is
-        reported as created (it appeared before its directory was watched)."""
-        try:
-            fd = openat2(self.root_fd, rel or b".", DIR_FLAGS, 0, _RESOLVE)
-        except OSError:
-            return  # gone, or a symlink now: nothing to watch
-        try:
-            self._watch(fd, rel)
-            walk = Walk(fd, Filter(hidden=True, skip_git=False), max_entries=MAX_WATCHES * 4)
-            for e in walk.entries():
-                path = rel + b"/" + e.rel if rel else e.rel
-                if out is not None:
-                    out.append(("created", path, e.is_dir))
-                if e.is_dir:
-                    try:
-                        sub = os.open(e.name, DIR_FLAGS, dir_fd=e.dirfd)
-                    except OSError:
-                        continue
-                    try:
-                        self._watch(sub, path)
-                    finally:
-                        os.close(sub)
-        finally:
-            os.close(fd)
-
-    def _watch(self, fd: int, rel: bytes) -> None:
-        if len(self.paths) >= MAX_WATCHES:
-            self.sink([("overflow", rel, True)])
-            return
-        wd = _libc.inotify_add_watch(self.ifd, f"/proc/self/fd/{fd}".encode(), MASK)
-        if wd < 0:
-            if ctypes.get_errno() == errno.ENOSPC:  # fs.inotify.max_user_watches
-                self.sink([("overflow", rel, True)])
-            return
-        self.paths[wd] = rel
-        if self.name_count < MAX_NAMES:
-            try:
-                with os.scandir(fd) as it:
-                    names = {os.fsencode(e.name) for e in it}
-            except OSError:
-                names = set()
-            old = self.names.get(wd)
-            self.name_count += len(names) - (len(old) if old else 0)
-            self.names[wd] = names
-
-    def _unwatch_below(self, rel: bytes) -> None:
-        for wd, path in list(self.paths.items()):
-            if path == rel or path.startswith(rel + b"/"):
-                _libc.inotify_rm_watch(self.ifd, wd)
-                del self.paths[wd]
-                self.name_count -= len(self.names.pop(wd, ()))
-
-    # -- the thread ---------------------------------------------------------------------
     def _run(self) -> None:
+        died: BaseException | None = None
         try:
             try:
-                self._add(b"", None)
+                self._scan(None, b"", report=False, budget=START_BUDGET)
+                self._flush()
             except BaseException as exc:  # reported to whoever waits for ready
                 self.error = exc
                 return  # the fds are closed below, by this thread: their owner
             finally:
                 self.ready.set()
-            while not self.stopping:
-                select.select([self.ifd, self.wake_r], [], [])
+            self._loop()
+        except BaseException as exc:
+            if not self.stopping:
+                # Never silent: the feed's users are told (file.watch ends with an error, the
+                # journal reports overflow), and the log says why.
+                self.error = died = exc
+                log.error("the watcher of a tree ended: %r", exc, exc_info=exc)
+        finally:
+            self._close()
+            if died is not None and self.on_end is not None:
+                try:
+                    self.on_end(died)
+                except BaseException as exc:  # the loop is gone: nobody to tell
+                    log.debug("a watcher's end was not delivered: %r", exc)
+
+    def _loop(self) -> None:
+        # poll, not select: guestd raises its fd limit, and select() fails for fds >= 1024.
+        poller = select.poll()
+        poller.register(self.ifd, select.POLLIN)
+        poller.register(self.wake_r, select.POLLIN)
+        while not self.stopping:
+            with BUSY:
+                started = time.thread_time()
+                busy = self._step()
+                if busy:
+                    # A storm of events: all watchers together use at most DUTY of one CPU
+                    # (the lock is held while this one rests), the rest waits in the kernel's
+                    # bounded queue (its overflow is said). The event loop has the GIL meanwhile.
+                    time.sleep((time.thread_time() - started) * (1 - DUTY) / DUTY)
+            if not busy:
+                poller.poll()  # nothing read and nothing to scan: until events or a wake
                 try:
                     os.read(self.wake_r, 4096)
                 except BlockingIOError:
                     pass
-                self._drain()
-                while self.syncs:
-                    self.syncs.popleft().set()
-        finally:
-            self._close()
 
-    def _drain(self) -> None:
-        out: list[Change] = []
-        while True:
-            try:
-                data = os.read(self.ifd, 256 * 1024)
-            except BlockingIOError:
-                break
-            except OSError:
-                break
-            pos = 0
-            while pos + _EVENT.size <= len(data):
-                wd, mask, _cookie, length = _EVENT.unpack_from(data, pos)
-                name = data[pos + _EVENT.size : pos + _EVENT.size + length].rstrip(b"\0")
-                pos += _EVENT.size + length
-                self._event(wd, mask, name, out)
-        if out:
-            self.sink(out)
+    def _tick(self) -> None:
+        """Every ``YIELD_S`` of work, let the event loop take the GIL if it waits for it (a ping
+        answers within about a millisecond, not at CPython's next 5 ms switch interval)."""
+        self.ticks += 1
+        if self.ticks % 64 == 0:
+            now = time.monotonic()
+            if now - self.yielded >= YIELD_S:
+                time.sleep(0)
+                self.yielded = time.monotonic()
 
-    def _event(self, wd: int, mask: int, name: bytes, out: list[Change]) -> None:
+    def _step(self) -> bool:
+        """Read one batch of events, handle them, run the scans they queued (within a budget)
+        and hand the changes on; True when there may be more to do at once."""
+        while self.syncs:
+            # What the kernel holds now is read before anything queued later: this sync is
+            # done once that many more bytes are read (and the scans they queue are done).
+            self.waiting.append((self.consumed + self._queued(), -1, self.syncs.popleft()))
+        try:
+            data = os.read(self.ifd, READ_SIZE)
+        except BlockingIOError:
+            data = b""
+        self.consumed += len(data)
+        pos = 0
+        while pos + _EVENT.size <= len(data):
+            wd, mask, cookie, length = _EVENT.unpack_from(data, pos)
+            name = data[pos + _EVENT.size : pos + _EVENT.size + length].rstrip(b"\0")
+            pos += _EVENT.size + length
+            self._event(wd, mask, cookie, name)
+            self._tick()
+        if not data and self.moved_from is not None:
+            self._moved_out()  # the queue is empty: its other half is not coming
+        spent = 0
+        while self.scans and spent < BATCH_SCAN_BUDGET:
+            key = next(iter(self.scans))
+            parent, name, _seq, tries = self.scans.pop(key)
+            if self.nodes.get(parent.wd) is not parent:
+                continue  # its directory is gone or moved away: so is this one
+            looked = self._scan(parent, name, report=True, budget=SCAN_BUDGET)
+            if looked < 0:  # the parent's path names another directory: a move not read yet?
+                if tries + 1 < MAX_SCAN_TRIES and self._queued() > 0:
+                    self.scan_seq += 1
+                    self.scans[key] = (parent, name, self.scan_seq, tries + 1)
+                    break  # read the events that explain it first, then try again
+                self._lost(self._join(parent, name))  # none to read: this view of the tree is lost
+                continue
+            spent += max(looked, 1)
+        self._flush()
+        self._release_syncs(bool(data))
+        return bool(data) or bool(self.scans)
+
+    def _queued(self) -> int:
+        buf = array.array("i", [0])
+        try:
+            fcntl.ioctl(self.ifd, termios.FIONREAD, buf)
+        except OSError:
+            return 0
+        return buf[0]
+
+    def _release_syncs(self, read_some: bool) -> None:
+        if not self.waiting:
+            return
+        first_scan = min((seq for _, _, seq, _ in self.scans.values()), default=self.scan_seq + 1)
+        still: list[tuple[int, int, threading.Event]] = []
+        for want_bytes, want_scan, done in self.waiting:
+            if want_scan < 0 and (self.consumed >= want_bytes or not read_some):
+                want_scan = self.scan_seq  # the events are read: now the scans they queued
+            if want_scan >= 0 and first_scan > want_scan:
+                done.set()
+            else:
+                still.append((want_bytes, want_scan, done))
+        self.waiting = still
+
+    # -- events -------------------------------------------------------------------------
+    def _event(self, wd: int, mask: int, cookie: int, name: bytes) -> None:
         if mask & IN_Q_OVERFLOW:
-            out.append(("overflow", b"", False))
+            self._emit("overflow", b"", False)
             return
+        if self.moved_from is not None and not (mask & IN_MOVED_TO and cookie == self.moved_from[0]):
+            self._moved_out()  # the other half of a move is the very next event, or none is coming
         if mask & IN_IGNORED:
-            self.paths.pop(wd, None)
-            self.name_count -= len(self.names.pop(wd, ()))
+            gone = self.nodes.get(wd)
+            if gone is not None:
+                self._drop(gone, remove_watches=False)  # removed (and its watch with it)
             return
-        base = self.paths.get(wd)
-        if base is None or not name:
+        parent = self.nodes.get(wd)
+        if parent is None or not name or _ours(name, mask, parent.names):
             return
-        path = base + b"/" + name if base else name
+        path = self._join(parent, name)
         is_dir = bool(mask & IN_ISDIR)
-        names = self.names.get(wd)
+        child = parent.children.get(name) if parent.children else None
+        if mask & IN_MOVED_TO and is_dir and self.moved_from is not None:
+            moved = self.moved_from[1]
+            self.moved_from = None
+            if self.nodes.get(moved.wd) is moved and not self._inside(parent, moved):
+                self._remember(parent, name)
+                self._attach(moved, parent, name)
+                # Its watches moved with it: one change at each end, whatever it holds (a
+                # rename storm of a huge directory costs nothing per entry).
+                self._emit("created", path, True)
+                return
+            if self.nodes.get(moved.wd) is moved:
+                self._drop(moved)
         if mask & (IN_CREATE | IN_MOVED_TO):
-            existed = names is not None and name in names
-            if names is not None and not existed:
-                names.add(name)
-                self.name_count += 1
-            out.append(("modified" if existed and not is_dir else "created", path, is_dir))
+            existed = self._remember(parent, name)
+            self._emit("modified" if existed and not is_dir else "created", path, is_dir)
             if is_dir:
-                self._add(path, out)
+                self._queue_scan(parent, name)
         elif mask & (IN_DELETE | IN_MOVED_FROM):
-            if names is not None and name in names:
-                names.discard(name)
-                self.name_count -= 1
-            out.append(("deleted", path, is_dir))
-            if is_dir:
-                self._unwatch_below(path)
-        elif mask & (IN_MODIFY | IN_CLOSE_WRITE | IN_ATTRIB) and not is_dir:
-            out.append(("modified", path, is_dir))
+            self._forget(parent, name)
+            self._emit("deleted", path, is_dir)
+            if child is not None:
+                if mask & IN_MOVED_FROM:
+                    self.moved_from = (cookie, child)  # in again under another name, or out of the tree
+                else:
+                    self._drop(child, remove_watches=False)
+        elif mask & MODIFIED and not is_dir:
+            self._emit("modified", path, False)
+
+    def _moved_out(self) -> None:
+        assert self.moved_from is not None
+        node = self.moved_from[1]
+        self.moved_from = None
+        if self.nodes.get(node.wd) is node:
+            self._drop(node)
+
+    # -- the tree -------------------------------------------------------------------------
+    def _join(self, parent: Node, name: bytes) -> bytes:
+        base = self._path(parent)
+        return base + b"/" + name if base else name
+
+    def _path(self, node: Node) -> bytes:
+        if node.path_gen == self.gen:
+            return node.path
+        parts: list[bytes] = []
+        n: Node | None = node
+        while n is not None and n.parent is not None:
+            parts.append(n.name)
+            n = n.parent
+        node.path = b"/".join(reversed(parts))
+        node.path_gen = self.gen
+        return node.path
+
+    @staticmethod
+    def _inside(node: Node, top: Node) -> bool:
+        """``node`` is ``top`` or below it (moving ``top`` there would make a cycle)."""
+        n: Node | None = node
+        while n is not None:
+            if n is top:
+                return True
+            n = n.parent
+        return False
+
+    def _attach(self, node: Node, parent: Node, name: bytes) -> None:
+        """``node`` is now ``parent``'s child ``name`` (a directory moved within the tree)."""
+        old_parent = node.parent
+        if old_parent is not None and old_parent.children and old_parent.children.get(node.name) is node:
+            del old_parent.children[node.name]
+        node.parent, node.name = parent, name
+        if parent.children is None:
+            parent.children = {}
+        replaced = parent.children.get(name)
+        if replaced is not None and replaced is not node:
+            self._drop(replaced)  # an empty directory the move replaced
+        parent.children[name] = node
+        self.gen += 1
+
+    def _drop(self, node: Node, remove_watches: bool = True) -> None:
+        """Stop following ``node`` and everything below it (gone, or moved out of the tree)."""
+        parent = node.parent
+        if parent is not None and parent.children and parent.children.get(node.name) is node:
+            del parent.children[node.name]
+        stack = [node]
+        while stack:
+            n = stack.pop()
+            if n.children:
+                stack.extend(n.children.values())
+                n.children = None
+            if self.nodes.get(n.wd) is n:
+                del self.nodes[n.wd]
+                WATCHES.give(1)
+                if remove_watches:
+                    _libc.inotify_rm_watch(self.ifd, n.wd)
+            self._set_names(n, None)
+
+    def _remember(self, parent: Node, name: bytes) -> bool:
+        """Add ``name`` to what ``parent`` holds; whether it was there already."""
+        names = parent.names
+        if names is None:
+            return False
+        if name in names:
+            return True
+        cost = len(name) + NAME_COST
+        if NAMES.take(cost, MAX_NAMES_BYTES):
+            names.add(name)
+            parent.names_cost += cost
+            self.names_bytes += cost
+        else:
+            self._set_names(parent, None)  # no room: this directory's names are not known
+        return False
+
+    def _forget(self, parent: Node, name: bytes) -> None:
+        if parent.names is not None and name in parent.names:
+            parent.names.discard(name)
+            cost = len(name) + NAME_COST
+            parent.names_cost -= cost
+            self.names_bytes -= cost
+            NAMES.give(cost)
+
+    def _set_names(self, node: Node, names: set[bytes] | None, cost: int = 0) -> None:
+        """Replace ``node``'s names (``cost`` already taken from NAMES)."""
+        if node.names_cost:
+            NAMES.give(node.names_cost)
+            self.names_bytes -= node.names_cost
+        node.names, node.names_cost = names, cost
+        self.names_bytes += cost
+
+    def _watch(self, fd: int, parent: Node | None, name: bytes) -> Node | None:
+        """The node of the directory open at ``fd`` (``parent``'s child ``name``); None when
+        it cannot be watched (a bound: said as overflow)."""
+        wd = _libc.inotify_add_watch(self.ifd, f"/proc/self/fd/{fd}".encode(), MASK)
+        if wd < 0:
+            err = ctypes.get_errno()
+            if err == errno.ENOSPC:  # fs.inotify.max_user_watches
+                self._lost(self._join(parent, name) if parent else b"")
+                return None
+            if err in (errno.ENOENT, errno.ENOTDIR):
+                return None  # removed meanwhile
+            raise OSError(err, os.strerror(err), "inotify_add_watch")
+        node = self.nodes.get(wd)
+        if node is not None:  # watched already (the same inode): where it is now
+            if parent is not None and (node.parent is not parent or node.name != name):
+                if self._inside(parent, node):
+                    return None  # our view of the tree is behind: the moves' events will say
+                self._attach(node, parent, name)
+            return node
+        if not WATCHES.take(1, MAX_WATCHES):
+            _libc.inotify_rm_watch(self.ifd, wd)
+            self._lost(self._join(parent, name) if parent else b"")
+            return None
+        node = Node(wd, parent, name)
+        self.nodes[wd] = node
+        if parent is not None:
+            if parent.children is None:
+                parent.children = {}
+            replaced = parent.children.get(name)
+            if replaced is not None:
+                self._drop(replaced)
+            parent.children[name] = node
+        return node
+
+    def _queue_scan(self, parent: Node, name: bytes) -> None:
+        key = (parent.wd, name)
+        if key in self.scans:
+            return  # once is enough: the scan sees the directory as it is then
+        if len(self.scans) >= MAX_SCANS:
+            self._lost(self._join(parent, name))
+            return
+        self.scan_seq += 1
+        self.scans[key] = (parent, name, self.scan_seq, 0)
+
+    def _lost(self, path: bytes) -> None:
+        """Part of the tree below ``path`` is not watched (a bound): overflow, for good."""
+        self.incomplete = True
+        self._emit("overflow", path, True)
+
+    def _scan(self, parent: Node | None, name: bytes, *, report: bool, budget: int) -> int:
+        """Watch the directory ``name`` of ``parent`` (the root: None) and every directory below
+        it, depth first, at most ``budget`` entries looked at; with ``report`` what is found is
+        reported as created (it appeared before its directory was watched). Returns the entries
+        looked at, -1 when ``parent``'s path names another directory now (a move not yet read)."""
+        try:
+            if parent is None:
+                top = openat2(self.root_fd, b".", DIR_FLAGS, 0, _RESOLVE)
+            else:
+                pfd = openat2(self.root_fd, self._path(parent) or b".", DIR_FLAGS, 0, _RESOLVE)
+                try:
+                    wd = _libc.inotify_add_watch(self.ifd, f"/proc/self/fd/{pfd}".encode(), MASK)
+                    if wd != parent.wd:
+                        return -1
+                    top = os.open(name, DIR_FLAGS, dir_fd=pfd)
+                finally:
+                    os.close(pfd)
+        except OSError:
+            return 0  # gone, or a symlink or a file now: its own events say so
+        looked = 0
+        base = self._join(parent, name) if parent is not None else b""
+        # (fd, node, its path, subdirectory names still to enter): one fd per level
+        stack: list[tuple[int, Node, bytes, list[bytes]]] = []
+        fd, at_parent, at_name, at_path = top, parent, name, base
+        try:
+            while True:
+                if fd >= 0:
+                    node = self._watch(fd, at_parent, at_name)
+                    if node is not None:
+                        subdirs, looked = self._list(fd, node, at_path, report, looked, budget)
+                        if looked > budget:
+                            os.close(fd)
+                            self._lost(at_path)  # past the budget: what is below is not followed
+                            return looked
+                        if len(stack) >= MAX_DEPTH and subdirs:
+                            self._lost(at_path)
+                            subdirs = []
+                        stack.append((fd, node, at_path, subdirs))
+                    else:
+                        os.close(fd)
+                    fd = -1
+                if not stack:
+                    return looked
+                dfd, dnode, dpath, todo = stack[-1]
+                if not todo:
+                    stack.pop()
+                    os.close(dfd)
+                    continue
+                at_name = todo.pop()
+                at_parent, at_path = dnode, dpath + b"/" + at_name if dpath else at_name
+                try:
+                    fd = os.open(at_name, DIR_FLAGS, dir_fd=dfd)
+                except OSError:
+                    fd = -1  # gone, or swapped for a symlink: not entered
+        finally:
+            for dfd, _, _, _ in stack:
+                os.close(dfd)
+
+    def _list(
+        self, fd: int, node: Node, path: bytes, report: bool, looked: int, budget: int
+    ) -> tuple[list[bytes], int]:
+        """Read ``node``'s names (open at ``fd``): its subdirectories, the entries looked at."""
+        subdirs: list[bytes] = []
+        names: set[bytes] | None = set()
+        cost = 0
+        try:
+            with os.scandir(fd) as it:
+                for e in it:
+                    looked += 1
+                    self._tick()
+                    if looked > budget:
+                        names = None  # cut short: not known
+                        break
+                    name = os.fsencode(e.name)
+                    try:
+                        is_dir = e.is_dir(follow_symlinks=False)
+                    except OSError:
+                        continue
+                    if _TEMP_NAME.match(name):
+                        continue
+                    if names is not None:
+                        names.add(name)
+                        cost += len(name) + NAME_COST
+                    if is_dir:
+                        subdirs.append(name)
+                    if report:
+                        self._emit("created", path + b"/" + name if path else name, is_dir)
+        except OSError:
+            names = None
+        if names is not None and not NAMES.take(cost, MAX_NAMES_BYTES):
+            names, cost = None, 0
+        self._set_names(node, names, cost if names is not None else 0)
+        return subdirs, looked
+
+    # -- handing on -------------------------------------------------------------------------
+    def _emit(self, kind: str, path: bytes, is_dir: bool) -> None:
+        self.batch.append((kind, path, is_dir))
+        self.batch_bytes += change_cost(path)
+        if self.batch_bytes >= BATCH_BYTES:
+            self._flush()
+
+    def _flush(self) -> None:
+        if self.batch:
+            batch, self.batch, self.batch_bytes = self.batch, [], 0
+            self.sink(batch)
 
     def sync(self, timeout: float = 10.0) -> bool:
-        """Until every event queued in the kernel now has reached the sink (blocking); False
-        at once when the watcher has ended."""
+        """Until every event queued in the kernel now has reached the sink, with the scans
+        it asked for (blocking); False when the watcher has ended or the timeout passed."""
         done = threading.Event()
         self.syncs.append(done)
         if not self._wake():
             return False
-        return done.wait(timeout)
+        return done.wait(timeout) and self.alive
 
     def _wake(self) -> bool:
         """Wake the thread; False when its fds are closed (it has ended)."""
@@ -248,11 +652,19 @@ class Watcher:
                     except OSError:
                         pass  # closed all the same (EINTR, EIO): the number is free
             self.ifd = self.wake_r = self.wake_w = self.root_fd = -1
+        # What this watcher held of the shared bounds goes back.
+        WATCHES.give(len(self.nodes))
+        self.nodes = {}
+        NAMES.give(self.names_bytes)
+        self.names_bytes = 0
         while self.syncs:
             self.syncs.popleft().set()
+        for _, _, done in self.waiting:
+            done.set()
+        self.waiting = []
 
 
-# --------------------------------------------------------------------------- coalescing
+# --------------------------------------------------------------------------- consumers
 
 
 def merge(first: str, last: str) -> str | None:
@@ -264,15 +676,73 @@ def merge(first: str, last: str) -> str | None:
     return "modified"
 
 
+class Handoff:
+    """Changes from a watcher's thread to an event loop (``file.watch``): at most ``max_bytes``
+    wait; past that they are dropped and one overflow is said in their place, as the kernel
+    does with ``IN_Q_OVERFLOW``. One wake is scheduled on the loop at a time."""
+
+    def __init__(
+        self, loop: asyncio.AbstractEventLoop, wake: Callable[[], None], max_bytes: int = MAX_HANDOFF_BYTES
+    ) -> None:
+        self.loop = loop
+        self.wake = wake
+        self.max_bytes = max_bytes
+        self.lock = threading.Lock()
+        self.changes: list[Change] = []
+        self.nbytes = 0
+        self.overflow = False
+        self.ended: BaseException | None = None
+        self.scheduled = False
+
+    def put(self, changes: list[Change]) -> None:
+        """On the watcher's thread."""
+        with self.lock:
+            for change in changes:
+                cost = change_cost(change[1])
+                if change[0] == "overflow" or self.nbytes + cost > self.max_bytes:
+                    self.overflow = True
+                else:
+                    self.changes.append(change)
+                    self.nbytes += cost
+            schedule = not self.scheduled
+            self.scheduled = True
+        if schedule:
+            self.loop.call_soon_threadsafe(self._woken)
+
+    def end(self, error: BaseException) -> None:
+        """On the watcher's thread, when it died."""
+        with self.lock:
+            self.ended = error
+            schedule = not self.scheduled
+            self.scheduled = True
+        if schedule:
+            self.loop.call_soon_threadsafe(self._woken)
+
+    def _woken(self) -> None:
+        with self.lock:
+            self.scheduled = False
+        self.wake()
+
+    def take(self) -> tuple[list[Change], bool, BaseException | None]:
+        """On the loop: the changes waiting, whether some were lost, and the watcher's death."""
+        with self.lock:
+            changes, overflow = self.changes, self.overflow
+            self.changes, self.nbytes, self.overflow = [], 0, False
+            return changes, overflow, self.ended
+
+
 class Journal:
-    """The workspace's change journal: numbered changes, the last ``MAX_JOURNAL`` kept."""
+    """The workspace's change journal: numbered changes, the last ``MAX_JOURNAL`` (and at most
+    ``MAX_JOURNAL_BYTES``) kept. A cursor from before the oldest kept change, a kernel overflow
+    or a watcher that ended after it: the report says overflow."""
 
     def __init__(self) -> None:
         self.lock = threading.Lock()
-        self.entries: deque[tuple[int, Change]] = deque(maxlen=MAX_JOURNAL)
+        self.entries: deque[tuple[int, Change]] = deque()
+        self.nbytes = 0
         self.seq = 0
-        self.overflow_at = -1  # the seq of the last kernel overflow
-        self.watcher: Watcher | None = None
+        self.overflow_at = -1  # the seq of the last overflow (changes lost then)
+        self.dropped_at = -1  # the seq of the newest change dropped for room
 
     def add(self, changes: list[Change]) -> None:
         with self.lock:
@@ -280,22 +750,32 @@ class Journal:
                 self.seq += 1
                 if c[0] == "overflow":
                     self.overflow_at = self.seq
+                    continue
                 self.entries.append((self.seq, c))
+                self.nbytes += change_cost(c[1])
+            while self.entries and (len(self.entries) > MAX_JOURNAL or self.nbytes > MAX_JOURNAL_BYTES):
+                seq, old = self.entries.popleft()
+                self.nbytes -= change_cost(old[1])
+                self.dropped_at = seq
 
     def cursor(self) -> int:
         with self.lock:
             return self.seq
 
-    def report(self, cursor: int) -> ChangeReportRecord:
+    def report(self, cursor: int, complete: bool = True) -> ChangeReportRecord:
+        """What changed since ``cursor``; ``complete`` False: the watcher cannot vouch for it
+        (it ended, is behind, or does not watch all of the tree): overflow."""
+        since: list[Change] = []
         with self.lock:
-            lost = bool(self.entries) and self.entries[0][0] > cursor + 1
-            overflow = lost or self.overflow_at > cursor
-            state: dict[bytes, tuple[str, str]] = {}
-            for seq, (kind, path, _is_dir) in self.entries:
-                if seq <= cursor or kind == "overflow":
-                    continue
-                first = state.get(path)
-                state[path] = (first[0] if first else kind, kind)
+            overflow = not complete or self.overflow_at > cursor or self.dropped_at > cursor
+            for seq, change in reversed(self.entries):  # only the changes since cursor are looked at
+                if seq <= cursor:
+                    break
+                since.append(change)
+        state: dict[bytes, tuple[str, str]] = {}
+        for kind, path, _is_dir in reversed(since):
+            first = state.get(path)
+            state[path] = (first[0] if first else kind, kind)
         lists: dict[str, list[bytes]] = {"created": [], "modified": [], "deleted": []}
         for path, (first_kind, last_kind) in state.items():
             net = merge(first_kind, last_kind)
@@ -312,3 +792,48 @@ class Journal:
             "truncated": any(len(v) > MAX_REPORT for v in lists.values()),
             "overflow": overflow,
         }
+
+
+class WorkspaceChanges:
+    """The workspace's journal (``services.changes``), its watcher started on first use and
+    again after one ended (the changes meanwhile: overflow)."""
+
+    def __init__(self, services: Services, start: Callable[..., Any]) -> None:
+        self.services = services
+        self.start = start  # (path, sink) -> a ready Watcher
+        self.journal = Journal()
+        self.watcher: Watcher | None = None
+        self.lock = asyncio.Lock()
+
+    async def _watcher(self) -> Watcher:
+        async with self.lock:
+            if self.watcher is not None and not self.watcher.alive:
+                # Its thread died (logged): what changed since is not known.
+                self.journal.add([("overflow", b"", False)])
+                self.watcher.stop()
+                self.watcher = None
+            if self.watcher is None:
+                workspace = self.services.config.workspace
+                if not workspace:
+                    raise GuestdError(
+                        ErrorCode.UNAVAILABLE,
+                        "no workspace is configured: no change journal",
+                        details={"reason": "no_workspace"},
+                    )
+                self.watcher = await self.start(workspace, self.journal.add)
+            return self.watcher
+
+    async def _synced(self) -> bool:
+        """Whether the journal holds every change made until now."""
+        watcher = await self._watcher()
+        synced: bool = await self.services.run_in_io(watcher.sync, SYNC_S)
+        return synced and not watcher.incomplete
+
+    async def begin(self) -> int:
+        await self._synced()
+        return self.journal.cursor()
+
+    async def report(self, cursor: int) -> dict[str, Any]:
+        complete = await self._synced()
+        # Off the loop: up to MAX_JOURNAL changes are merged and sorted.
+        return dict(await self.services.run_in_io(self.journal.report, cursor, complete))

@@ -16,7 +16,7 @@ from guestd.files.fs import FileSystem
 from guestd.files.handlers import _os_call
 from guestd.files.ignore import Overrides
 from guestd.files.walk import Filter
-from guestd.files.watch import Journal, Watcher, merge
+from guestd.files.watch import Handoff, Watcher, WorkspaceChanges, change_cost, merge
 from guestd.wire.errors import ErrorCode, GuestdError
 from guestd.wire.paths import path_from_wire
 
@@ -53,6 +53,8 @@ if TYPE_CHECKING:
 
 T = TypeVar("T")
 MAX_WATCH_PENDING = 10_000  # changed paths a watch holds while its client reads no more: then overflow
+MAX_WATCH_PENDING_BYTES = 4 << 20  # ... and their bytes (paths are up to 4 KiB each)
+OVERFLOW_EVERY_S = 1.0  # overflow events of one watch at most this often (they take no credit)
 
 
 def register_workspace(services: Services, fsys: FileSystem, ids: tuple[int, int] | None) -> None:
@@ -200,10 +202,12 @@ def register_workspace(services: Services, fsys: FileSystem, ids: tuple[int, int
         return {"entries": arch.entries, "bytes": sent, "skipped": arch.skipped}
 
     # -- change feed ----------------------------------------------------------------------
-    async def start_watcher(path: str, sink: Callable[[list[Any]], object]) -> Watcher:
+    async def start_watcher(
+        path: str, sink: Callable[[list[Any]], object], on_end: Callable[[BaseException], object] | None = None
+    ) -> Watcher:
         root_fd: int = await services.acquire_in_io(_os_call, os.close, fsys.open_dir, path)
         try:
-            watcher = Watcher(root_fd, sink)
+            watcher = Watcher(root_fd, sink, on_end)
         except BaseException:
             os.close(root_fd)  # no inotify instance (fs.inotify.max_user_instances)
             raise
@@ -221,28 +225,18 @@ def register_workspace(services: Services, fsys: FileSystem, ids: tuple[int, int
         return watcher
 
     async def op_watch(ctx: Request, a: FileWatchArgs) -> FileWatchReply:
-        loop = asyncio.get_running_loop()
         flt = Overrides([*a["include"], *("!" + g for g in a["exclude"])])
         pending: dict[bytes, tuple[str, str, bool]] = {}  # path -> (first kind, last kind, is_dir)
+        pending_bytes = 0
         overflow = False
+        loop = asyncio.get_running_loop()
+        said_overflow = -OVERFLOW_EVERY_S  # when the last overflow event was sent (loop time)
+        deferred = False  # a wake is set for an overflow event not sent yet
         wake = asyncio.Event()
-
-        def take(changes: list[Any]) -> None:
-            nonlocal overflow
-            for kind, path, is_dir in changes:
-                if kind == "overflow":
-                    overflow = True
-                elif flt.decide(path, is_dir) != "skip":
-                    seen = pending.get(path)
-                    if seen is not None:
-                        pending[path] = (seen[0], kind, is_dir)
-                    elif len(pending) >= MAX_WATCH_PENDING:
-                        overflow = True
-                    else:
-                        pending[path] = (kind, kind, is_dir)
-            wake.set()
-
-        watcher = await start_watcher(a["path"], lambda changes: loop.call_soon_threadsafe(take, changes))
+        # The watcher's thread hands changes over a bounded backlog (a slow loop or client
+        # costs an overflow, never memory); only this loop touches pending.
+        handoff = Handoff(loop, wake.set)
+        watcher = await start_watcher(a["path"], handoff.put, handoff.end)
         sent = 0
         try:
             await ctx.send_event({"ev": "ready"})
@@ -251,13 +245,38 @@ def register_workspace(services: Services, fsys: FileSystem, ids: tuple[int, int
                 wake.clear()
                 if a["latency_s"]:
                     await asyncio.sleep(a["latency_s"])  # the coalescing window
+                changes, lost, ended = handoff.take()
+                overflow = overflow or lost
+                for i, (kind, path, is_dir) in enumerate(changes):
+                    if i % 512 == 511:
+                        await asyncio.sleep(0)  # a 4 MiB backlog is taken in steps: pings go between
+                    if kind == "overflow":
+                        overflow = True
+                    elif flt.decide(path, is_dir) != "skip":
+                        seen = pending.get(path)
+                        if seen is not None:
+                            pending[path] = (seen[0], kind, is_dir)
+                        elif len(pending) >= MAX_WATCH_PENDING or pending_bytes >= MAX_WATCH_PENDING_BYTES:
+                            overflow = True
+                        else:
+                            pending[path] = (kind, kind, is_dir)
+                            pending_bytes += change_cost(path)
                 if overflow:
-                    overflow = False
-                    await ctx.send_event({"ev": "overflow"})
-                    sent += 1
+                    # Overflow events take no credit: at most one a second (a client that does
+                    # not read holds a bounded count of them), the next one deferred, never lost.
+                    wait = said_overflow + OVERFLOW_EVERY_S - loop.time()
+                    if wait <= 0:
+                        await ctx.send_event({"ev": "overflow"})
+                        said_overflow = loop.time()
+                        overflow = deferred = False
+                        sent += 1
+                    elif not deferred:
+                        deferred = True
+                        loop.call_later(wait, wake.set)
                 while pending:
                     path = next(iter(pending))
                     first, last, is_dir = pending.pop(path)
+                    pending_bytes -= change_cost(path)
                     net = merge(first, last)
                     if net is None:
                         continue  # made and removed within the window: no effect to report
@@ -267,6 +286,14 @@ def register_workspace(services: Services, fsys: FileSystem, ids: tuple[int, int
                         break
                     ctx.push_data(fields, path)
                     sent += 1
+                    if sent % 64 == 0:
+                        await asyncio.sleep(0)  # thousands of events in a row: pings go between
+                if ended is not None and not pending:
+                    raise GuestdError(
+                        ErrorCode.UNAVAILABLE,
+                        f"the watcher ended: {ended!r}",
+                        details={"reason": "watcher_ended"},
+                    )
             return {"events": sent}
         finally:
             watcher.stop()
@@ -301,40 +328,3 @@ def register_workspace(services: Services, fsys: FileSystem, ids: tuple[int, int
 
 def empty_report() -> Any:
     return {"created": [], "modified": [], "deleted": [], "total": 0, "truncated": False, "overflow": False}
-
-
-class WorkspaceChanges:
-    """The workspace's journal (``services.changes``), started on first use."""
-
-    def __init__(self, services: Services, start: Callable[..., Any]) -> None:
-        self.services = services
-        self.start = start
-        self.journal: Journal | None = None
-        self.lock = asyncio.Lock()
-
-    async def _journal(self) -> Journal:
-        async with self.lock:
-            if self.journal is None:
-                workspace = self.services.config.workspace
-                if not workspace:
-                    raise GuestdError(
-                        ErrorCode.UNAVAILABLE,
-                        "no workspace is configured: no change journal",
-                        details={"reason": "no_workspace"},
-                    )
-                journal = Journal()
-                journal.watcher = await self.start(workspace, journal.add)
-                self.journal = journal
-            return self.journal
-
-    async def _synced(self) -> Journal:
-        journal = await self._journal()
-        assert journal.watcher is not None
-        await self.services.run_in_io(journal.watcher.sync)
-        return journal
-
-    async def begin(self) -> int:
-        return (await self._synced()).cursor()
-
-    async def report(self, cursor: int) -> dict[str, Any]:
-        return dict((await self._synced()).report(cursor))
