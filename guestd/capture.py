@@ -91,9 +91,9 @@ class CapturedFields(TypedDict):
 
 
 # Kept bytes shaped on the event loop; more are shaped in a worker thread. Shaping is linear
-# but its worst case (short lines each redrawn) is about 0.2 us a byte on a loaded 2-core
-# guest (bench/shaping.py), so 16 KiB stays under ~4 ms of loop time.
-SHAPE_ON_LOOP_BYTES = 16 * 1024
+# but its worst case (short lines each redrawn) is 0.2-0.35 us a byte on a loaded 2-core
+# machine (bench/shaping.py), so 8 KiB stays under ~3 ms of loop time.
+SHAPE_ON_LOOP_BYTES = 8 * 1024
 
 
 def capture_fields(

