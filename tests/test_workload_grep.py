@@ -226,7 +226,7 @@ def test_a_directory_the_workload_user_may_not_enter_is_permission_denied(
     contained_grep: tuple[Guestd, str, str],
 ) -> None:
     """rg reads only what the workload user may: guestd (root) resolved the directory, rg may
-    not enter it, and the error says so (not /proc/self/fd/3)."""
+    not enter it, and the error says so (not /proc/self/fd/N)."""
     g, tree, _ = contained_grep
     os.makedirs(f"{tree}/private")
     with open(f"{tree}/private/a.txt", "w") as f:
@@ -234,6 +234,11 @@ def test_a_directory_the_workload_user_may_not_enter_is_permission_denied(
     os.chmod(f"{tree}/private", 0o700)
     with g.client() as c:
         for path in (f"{tree}/private", f"{tree}/private/a.txt"):
+            if os.environ.get("GUESTD_NATIVE_SPAWN") == "0":
+                # subprocess changes directory before the drop to the workload user (Children's
+                # fallback, every run alike): rg starts there and reads nothing of it
+                assert c.grep(path, "needle", deadline=60).matches == 0
+                continue
             with pytest.raises(GuestdError) as err:
                 c.grep(path, "needle", deadline=60)
             assert err.value.code == "permission_denied" and "directory searched" in err.value.message

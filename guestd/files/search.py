@@ -40,7 +40,7 @@ from typing import TYPE_CHECKING
 from guestd.children import PIPE, Child, Children, KilledBy
 from guestd.children.tree import read_chunk
 from guestd.files.fs import FileSystem
-from guestd.files.ignore import glob_regex
+from guestd.files.ignore import find_glob
 from guestd.files.walk import Filter, Walk
 from guestd.wire.errors import ErrorCode, GuestdError
 from guestd.wire.paths import path_to_wire
@@ -57,7 +57,7 @@ NOBODY = 65534
 def glob(
     fsys: FileSystem, path: str, pattern: str, gitignore: bool, hidden: bool, max_results: int, timeout_s: float
 ) -> dict[str, object]:
-    rule = glob_regex(pattern, anchored=True)
+    rule = find_glob(pattern)  # ripgrep's --glob meaning, as grep's globs (see ignore.find_glob)
     fd = fsys.open_dir(path)
     try:
         walk = Walk(fd, Filter(gitignore=gitignore, hidden=hidden, skip_git=gitignore))
@@ -66,10 +66,9 @@ def glob(
 
         def matching() -> Iterator[bytes]:
             nonlocal total
-            for e in walk.entries():
-                if rule.match(e.rel):
-                    total += 1
-                    yield e.rel
+            for e in walk.matching(rule):
+                total += 1
+                yield e.rel
 
         first = heapq.nsmallest(max_results, matching())
     finally:
@@ -93,7 +92,6 @@ MAX_TEXT_KEPT = 4 * MAX_LINE_BYTES + len(OMITTED)
 MAX_RG_PATH = 1024 * 1024  # one path in rg's output (rg's own walk stays far below)
 READ_SIZE = 256 * 1024
 RG_STDERR = 64 * 1024
-RG_CWD_FD = 3  # the searched directory, as rg's fd 3: its cwd is /proc/self/fd/3
 KILL_WAIT_S = 5.0  # a SIGKILLed rg is gone within milliseconds; bounded anyway
 
 
@@ -329,16 +327,18 @@ async def run_rg(
             rg_command(rg, q, target),
             kind="grep",
             env={},
-            cwd=f"/proc/self/fd/{RG_CWD_FD}",
+            # The same number in the child: the subprocess fallback changes directory before
+            # it places extra fds, the native spawn after (and keeps only what it placed).
+            cwd=f"/proc/self/fd/{root_fd}",
             stdout=PIPE,
             stderr=PIPE,
-            extra_fds={RG_CWD_FD: root_fd},
+            extra_fds={root_fd: root_fd},
             user=user,
         )
     except GuestdError as exc:
         if exc.details.get("stage") != "cwd":
             raise
-        raise GuestdError(  # the cwd is fd 3: say what it stands for
+        raise GuestdError(  # the cwd is an fd: say what it stands for
             exc.code,
             f"rg (run as the workload user) cannot enter the directory searched: {exc.message.split(':')[0]}",
             errno=exc.errno,
