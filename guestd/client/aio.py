@@ -58,6 +58,7 @@ DEFAULT_DEADLINE = 300.0  # a request with no bound of its own in the guest
 UNBOUNDED_RUN_DEADLINE = DEFAULT_DEADLINE * 12  # a run with no guest timeout at all: one hour
 REPLY_MARGIN = 30.0  # on top of a guest-enforced bound: the guest's own clean-up and the trip back
 KERNEL_MARGIN = 120.0  # on top of a cell's timeout: a kernel start (default context) and a restart
+KERNEL_START_CAP_S = 300.0  # guestd's longest default kernel start (code.create without start_timeout_s)
 SHELL_STOP_S = 5.0  # a timed-out shell command: INT, TERM, KILL 1 s apart (guestd/shells.py), then a restart
 PREPARE_MARGIN = 90.0  # on top of snapshot.prepare's wait for writes: the filesystem sync after it
 DOWNLOAD_MEMORY_CAP = 256 * 1024 * 1024  # an in-memory download without max_bytes
@@ -768,13 +769,21 @@ class AsyncClient(PortsAPI, WorkspaceAPI):
         env: dict[str, str] | None = None,
         name: str | None = None,
         kernel: str | None = None,
-        deadline: float | None = 120.0,
+        start_timeout_s: float | None = None,
+        deadline: float | None = None,
     ) -> dict[str, Any]:
         """Create a context (returns ``{"id", "name", "pid", "pooled", "existing", "kernel"}``): guestd's
         own Python kernel, or with ``kernel`` any kernelspec installed in the guest (``"bash"``); an
-        unknown name raises ``not_found`` whose ``details["installed"]`` lists the kernels there are."""
+        unknown name raises ``not_found`` whose ``details["installed"]`` lists the kernels there are.
+
+        ``start_timeout_s`` bounds the kernel's start (and the context's restarts), at most 600 s;
+        without it guestd waits while the kernel makes progress, at most 300 s. A start that fails
+        is ``unavailable`` (``details["reason"]``), its kernel already ended. ``deadline``: that
+        wait plus a margin unless given (reaching it cancels the create, which ends the kernel)."""
         wire_cwd = None if cwd is None else path_to_wire(cwd)
-        args = present(cwd=wire_cwd, env=env, name=name, kernel=kernel)
+        args = present(cwd=wire_cwd, env=env, name=name, kernel=kernel, start_timeout_s=_seconds(start_timeout_s))
+        if deadline is None:
+            deadline = (KERNEL_START_CAP_S if start_timeout_s is None else start_timeout_s) + REPLY_MARGIN
         return await self._conn.request("code.create", args, deadline)
 
     async def code_run(

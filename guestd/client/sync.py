@@ -284,9 +284,14 @@ class Client(SyncPortsAPI, SyncWorkspaceAPI):
         env: dict[str, str] | None = None,
         name: str | None = None,
         kernel: str | None = None,
-        deadline: float | None = 120.0,
+        start_timeout_s: float | None = None,
+        deadline: float | None = None,
     ) -> dict[str, Any]:
-        return self._run(self._aio.code_create(cwd=cwd, env=env, name=name, kernel=kernel, deadline=deadline))
+        return self._run(
+            self._aio.code_create(
+                cwd=cwd, env=env, name=name, kernel=kernel, start_timeout_s=start_timeout_s, deadline=deadline
+            )
+        )
 
     def code_run(
         self,

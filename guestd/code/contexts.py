@@ -5,7 +5,8 @@ guestd that never runs code does not pay for it in memory or start-up time.
 
 Every wait on a kernel is bounded: runs have a deadline (interrupt, then restart
 after a grace), kernel death is seen at once through a pidfd, and start-up has
-its own timeout (then ``unavailable``).
+its own wait, the host's or one that follows the kernel's progress (then
+``unavailable``, and the kernel is ended: guestd.code.start).
 
 Trust between contexts (SECURITY.md, "code contexts"): every kernel runs as the one
 workload user, so contexts are one trust domain with each other and with every workload
@@ -40,6 +41,8 @@ import msgpack
 from guestd.capture import OutputCapture, capture_fields
 from guestd.children import usage_between
 from guestd.children.cgroups import guestd_running
+from guestd.children.tree import alive, descendants
+from guestd.code.start import StartWait, kernel_pids, within, work_done
 from guestd.services import derive, reseed_each, to_the_end
 from guestd.wire.errors import ErrorCode, GuestdError, limit_error
 
@@ -61,8 +64,10 @@ if TYPE_CHECKING:  # the generated message types: annotations only, never import
 log = logging.getLogger("guestd.code")
 
 ANSI = re.compile(r"\x1b\[[0-9;?]*[ -/]*[@-~]")
-KERNEL_START_TIMEOUT_S = 30.0  # then code.create (or the restart) fails as unavailable
 MAX_RESULTS = 64
+POOL_RETRY_S = 5.0  # after a pool kernel failed to start; doubled after each failure in a row
+POOL_RETRY_MAX_S = 300.0
+GONE_WAIT_S = 5.0  # a SIGKILLed kernel's processes are gone within milliseconds; bounded anyway
 DEFAULT_CONTEXT = "default"
 
 
@@ -243,7 +248,9 @@ class Kernel:
         self.readers: list[asyncio.Future[None]] = []
         self.current: RunState | None = None  # the run whose messages the readers deliver
 
-    async def start(self, cwd: str | None, env: dict[str, str] | None) -> None:
+    async def start(self, cwd: str | None, env: dict[str, str] | None, wait: StartWait) -> None:
+        """Start the kernel and wait (``wait``) until it answers. A start that fails or is
+        cancelled leaves the kernel to the caller, who ends it with :meth:`shutdown`."""
         from jupyter_client.manager import AsyncKernelManager
 
         kdir = self.services.kernel_dir()
@@ -289,33 +296,39 @@ class Kernel:
         for number, name in enumerate(("shell", "iopub", "stdin", "hb", "control"), start=1):
             setattr(km, f"{name}_port", number)  # ipc: the socket paths are <ip>-<number>
         km.session.key = secrets.token_hex(32).encode()
+        channel = None
         if self.spec is not None:
             await self._start_foreign(km, kdir, kenv, cwd, ids)
         else:
-            await self._start_own(km, kenv, cwd, ids)
-        self._write_pidfile()
+            channel = await self._start_own(kenv, cwd)
         assert self.child is not None
+        # Watched and recorded from the spawn on: a kernel that dies, or whose start is given up,
+        # is reaped (and a crashed guestd's successor finds its pid file) however far it came.
         self.child.watch(self._on_exit, 0.2)
-        # No parent: jupyter_client would ask the manager whether the kernel lives, and the manager
-        # did not start it (guestd.children did), so it would say no; self.died answers instead.
-        kc = km.client(parent=None, context=_zmq_context(self.services.config.limits))
-        kc.start_channels(hb=False)  # liveness comes from the pidfd; no heartbeat thread
-        self.kc = kc
+        self._write_pidfile()
+        child = self.child
+        cgroup_pids = child.cgroup.pids if child.cgroup is not None else None
         try:
-            await self._wait_ready(kc)
+            await within(
+                wait, self._come_up(km, channel, ids), self.died, lambda: work_done(kernel_pids(child.pid, cgroup_pids))
+            )
         finally:
+            if channel is not None:
+                channel.close()
             self._remove_connection_file()  # a foreign kernel has read it by now (or failed)
         # From here on guestd reads the channels itself: one long-lived reader per socket that
         # hands each message to the run in progress, with a lean decode (no date parsing, no
         # protocol adaptation) instead of jupyter_client's per-call poll + deserialize.
+        kc = self.kc
         self.readers = [
             asyncio.ensure_future(self._reader(kc.iopub_channel.socket, "iopub")),
             asyncio.ensure_future(self._reader(kc.shell_channel.socket, "shell")),
             asyncio.ensure_future(self._reader(kc.stdin_channel.socket, "stdin")),
         ]
 
-    async def _start_own(self, km: Any, kenv: dict[str, str], cwd: str | None, ids: tuple[int, int] | None) -> None:
-        """guestd's Python kernel: the key over a socketpair once it is non-dumpable."""
+    async def _start_own(self, kenv: dict[str, str], cwd: str | None) -> socket.socket:
+        """guestd's Python kernel; returns guestd's end of the socketpair the key goes over
+        (:meth:`_come_up` hands it over once the kernel is non-dumpable)."""
         from guestd.children import DEVNULL
 
         ours, theirs = socket.socketpair()
@@ -333,13 +346,13 @@ class Kernel:
                 stdout=DEVNULL,
                 stderr=DEVNULL,
             )
+        except BaseException:
+            ours.close()
+            raise
         finally:
             theirs.close()
         self.pid = self.child.pid
-        try:
-            await hand_over_connection(ours, self.child.pid, km.get_connection_info(session=False), ids)
-        finally:
-            ours.close()
+        return ours
 
     async def _start_foreign(
         self, km: Any, kdir: str, kenv: dict[str, str], cwd: str | None, ids: tuple[int, int] | None
@@ -381,17 +394,22 @@ class Kernel:
             except OSError:
                 pass
 
-    async def _wait_ready(self, kc: Any) -> None:
-        ready: asyncio.Future[Any] = asyncio.ensure_future(kc.wait_for_ready(timeout=KERNEL_START_TIMEOUT_S))
-        waitset: set[asyncio.Future[Any]] = {ready, self.died}
-        done, _ = await asyncio.wait(waitset, timeout=KERNEL_START_TIMEOUT_S + 1, return_when=asyncio.FIRST_COMPLETED)
-        if ready not in done:
-            ready.cancel()
-            why = self.died.result() if self.died.done() else f"not ready within {KERNEL_START_TIMEOUT_S:g} s"
-            raise GuestdError(ErrorCode.UNAVAILABLE, f"kernel failed to start: {why}", details={"stage": "start"})
+    async def _come_up(self, km: Any, channel: socket.socket | None, ids: tuple[int, int] | None) -> None:
+        """From spawned to answering: the key handed over (guestd's own kernel), the channels
+        opened, the first kernel_info answered. Unbounded here: :func:`within` bounds it."""
+        if channel is not None:
+            try:
+                await hand_over_connection(channel, self.pid, km.get_connection_info(session=False), ids)
+            finally:
+                channel.close()  # the kernel reads its connection info to the end of the stream
+        # No parent: jupyter_client would ask the manager whether the kernel lives, and the manager
+        # did not start it (guestd.children did), so it would say no; self.died answers instead.
+        kc = km.client(parent=None, context=_zmq_context(self.services.config.limits))
+        kc.start_channels(hb=False)  # liveness comes from the pidfd; no heartbeat thread
+        self.kc = kc
         try:
-            ready.result()
-        except Exception as exc:  # jupyter_client's own timeout (RuntimeError) or a dead kernel
+            await kc.wait_for_ready(timeout=None)
+        except Exception as exc:  # a kernel that died before it answered
             raise GuestdError(
                 ErrorCode.UNAVAILABLE, f"kernel failed to start: {exc}", details={"stage": "start"}
             ) from None
@@ -487,12 +505,21 @@ class Kernel:
                 pass
         if self.child is not None:
             # The whole run: what cells started in sessions of their own dies with the kernel.
+            # Without a leaf cgroup, its processes are those found under it now.
+            cg = self.child.cgroup
+            tree = descendants(self.pid) if cg is None and self.child.running else []
             self.child.kill_now()
             if self.alive:
                 try:
-                    await asyncio.wait_for(asyncio.shield(self.died), 5.0)
+                    await asyncio.wait_for(asyncio.shield(self.died), GONE_WAIT_S)  # reaped by the watch
                 except TimeoutError:
                     log.warning("kernel %s (pid %d) did not exit after SIGKILL", self.kid, self.pid)
+            # Answer only once they are all gone: the next request must not find a kernel whose
+            # start was given up still in the workload's cgroup (issue 29).
+            loop = asyncio.get_running_loop()
+            deadline = loop.time() + GONE_WAIT_S
+            while (cg.populated() if cg is not None else alive(tree)) and loop.time() < deadline:
+                await asyncio.sleep(0.02)
             self.child.release()
         if self.km is not None:
             try:
@@ -774,6 +801,7 @@ class CodeContext:
         cwd: str | None,
         env: dict[str, str] | None,
         spec: ForeignSpec | None = None,
+        start_wait: StartWait | None = None,
     ) -> None:
         self.manager = manager
         self.id = cid
@@ -781,6 +809,7 @@ class CodeContext:
         self.cwd = cwd
         self.env = env
         self.spec = spec  # None: guestd's own Python kernel
+        self.start_wait = start_wait or StartWait()  # its kernel's starts: the first and every restart
         self.kernel: Kernel | None = None
         self.lock = asyncio.Lock()
         self.waiting = 0
@@ -1051,11 +1080,8 @@ class CodeContext:
             return True
         k = Kernel(self.manager.services, self.manager.new_kernel_id(), self.spec)
         self.kernel = k
-        try:
-            await k.start(self.cwd, self.env)
-        except BaseException:
-            await k.shutdown()
-            raise
+        # Failed, given up or cancelled: the caller ends the kernel (self.kernel) before it answers.
+        await k.start(self.cwd, self.env, self.start_wait)
         return False
 
     async def restart(self) -> int:
@@ -1066,7 +1092,12 @@ class CodeContext:
             await old.shutdown()
         self.restarts += 1
         self.execution_count = 0
-        await self.start_kernel(None)
+        try:
+            await self.start_kernel(None)
+        except BaseException:
+            if self.kernel is not None:
+                await self.kernel.shutdown()
+            raise
         assert self.kernel is not None
         return self.kernel.pid
 
@@ -1114,10 +1145,17 @@ class Contexts:
         return c
 
     async def create(
-        self, cwd: str | None, env: dict[str, str] | None, name: str | None, kernel: str | None = None
+        self,
+        cwd: str | None,
+        env: dict[str, str] | None,
+        name: str | None,
+        kernel: str | None = None,
+        start_timeout_s: float | None = None,
     ) -> tuple[CodeContext, bool, bool]:
         """Returns (context, pooled, existing). A name that exists returns that context.
-        ``kernel``: None or "python" for guestd's own kernel, else an installed kernelspec."""
+        ``kernel``: None or "python" for guestd's own kernel, else an installed kernelspec.
+        ``start_timeout_s``: the wait for this context's kernel starts (restarts too); None:
+        guestd's default, which follows the kernel's progress (guestd.code.start)."""
         if name is not None:
             for ctx in self.contexts.values():
                 if ctx.name == name:
@@ -1133,13 +1171,13 @@ class Contexts:
         if kernel is not None and kernel != PYTHON_KERNEL:
             spec = await self.services.run_in_io(find_kernelspec, kernel)
         cid = "c" + os.urandom(6).hex()
-        ctx = CodeContext(self, cid, name, cwd, env, spec)
+        ctx = CodeContext(self, cid, name, cwd, env, spec, StartWait(start_timeout_s))
         self.contexts[cid] = ctx  # reserved now so concurrent creates count against the limit
         try:
             pooled = self._take_pooled() if spec is None else None  # the pool holds guestd's kernels only
             was_pooled = await ctx.start_kernel(pooled)
         except BaseException:
-            self.contexts.pop(cid, None)
+            self.contexts.pop(cid, None)  # first: no one finds the context while its kernel ends
             if ctx.kernel is not None:
                 await ctx.kernel.shutdown()
             raise
@@ -1173,19 +1211,23 @@ class Contexts:
             self._refill = asyncio.get_running_loop().create_task(self._refill_pool())
 
     async def _refill_pool(self) -> None:
-        # One kernel at a time: a start costs ~1 s of CPU, and the workload comes first.
+        # One kernel at a time: a start costs ~1 s of CPU, and the workload comes first. A guest
+        # too slow (or broken) to start one is retried less and less often, not every 5 s.
+        backoff = POOL_RETRY_S
         while len(self.pool) < self.services.config.code_pool:
             k = Kernel(self.services, self.new_kernel_id())
             try:
-                await k.start(None, None)
+                await k.start(None, None, StartWait())
             except asyncio.CancelledError:
                 await k.shutdown()
                 raise
             except Exception as exc:
-                log.warning("pool kernel failed to start: %s", exc)
+                log.warning("pool kernel failed to start (next try in %g s): %s", backoff, exc)
                 await k.shutdown()
-                await asyncio.sleep(5)
+                await asyncio.sleep(backoff)
+                backoff = min(backoff * 2, POOL_RETRY_MAX_S)
                 continue
+            backoff = POOL_RETRY_S
             self.pool.append(k)
 
     def busy(self) -> dict[str, list[str]]:
@@ -1233,8 +1275,8 @@ async def hand_over_connection(
         return GuestdError(ErrorCode.UNAVAILABLE, f"kernel failed to start: {why}", details={"stage": "start"})
 
     try:
-        asked = await asyncio.wait_for(loop.sock_recv(channel, 16), KERNEL_START_TIMEOUT_S)
-    except (TimeoutError, OSError) as exc:
+        asked = await loop.sock_recv(channel, 16)  # bounded by the start's wait (guestd.code.start)
+    except OSError as exc:
         raise refused(f"it never asked for its key ({exc!r})") from None
     if asked != b"ready\n":
         raise refused("it ended before asking for its key")

@@ -68,7 +68,7 @@ def register(services: Services) -> None:
         return contexts().find(ref if ref is not None else "default")
 
     async def op_create(ctx: Request, a: CodeCreateArgs) -> CodeCreateReply:
-        c, pooled, existing = await contexts().create(a["cwd"], a["env"], a["name"], a["kernel"])
+        c, pooled, existing = await contexts().create(a["cwd"], a["env"], a["name"], a["kernel"], a["start_timeout_s"])
         assert c.kernel is not None
         return {
             "id": c.id,

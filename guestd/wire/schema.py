@@ -871,7 +871,9 @@ CODE_OPS: tuple[OpSpec, ...] = (
         "code.create",
         "code",
         "Create a persistent context: guestd's own Python kernel (from the warm pool when one is ready), or "
-        "any Jupyter kernelspec installed in the guest. A name that already exists returns that context.",
+        "any Jupyter kernelspec installed in the guest. A name that already exists returns that context. "
+        "A kernel that fails to start, or whose start is given up or cancelled, is ended (its whole run) "
+        "before the answer.",
         args=(
             F("cwd", "path?", "working directory of the kernel"),
             F("env", "map<str,str>?", "environment variables added to the kernel's"),
@@ -882,6 +884,16 @@ CODE_OPS: tuple[OpSpec, ...] = (
                 'nil or "python": guestd\'s own Python kernel; another name: that installed kernelspec (an unknown '
                 "name is not_found with details.installed)",
                 min_len=1,
+            ),
+            F(
+                "start_timeout_s",
+                "float?",
+                "the longest wait for the kernel to start, this one and the context's restarts (a kernel not ready "
+                "by then is ended, and the create fails unavailable, details.reason start_timeout); nil: guestd "
+                "waits while the kernel makes progress (uses CPU or reads), gives up after 30 s without any "
+                "(details.reason no_progress) and after 300 s in all. Not for a pooled kernel (already started)",
+                gt=0,
+                le=600,
             ),
         ),
         result=(

@@ -498,6 +498,7 @@ class CodeCreateArgs(TypedDict):
     env: dict[str, str] | None
     name: str | None
     kernel: str | None
+    start_timeout_s: float | None
 
 
 class CodeCreateReply(TypedDict):
