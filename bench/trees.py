@@ -83,6 +83,7 @@ def main() -> None:
     ap.add_argument("--files", type=int, default=50_000)
     ap.add_argument("--grep-only", action="store_true", help="only the grep rows (printed, TREES.md left alone)")
     ns = ap.parse_args()
+    load_before = os.getloadavg()[0]  # other work on the machine skews every figure: stated with them
     top = tempfile.mkdtemp(prefix="guestd-bench-trees-")
     os.chmod(top, 0o755)
     ws = f"{top}/ws"
@@ -196,7 +197,8 @@ def main() -> None:
         [
             "# Trees and search benchmark (bench/trees.py)",
             "",
-            "guestd in its own process (workspace, workload user nobody), the client here, one machine.",
+            "guestd in its own process (workspace, workload user nobody), the client here, one machine"
+            f" ({os.cpu_count()} CPUs, load average {load_before:.1f} before the run, {os.getloadavg()[0]:.1f} after).",
             "Floors measured in the same run, interleaved, best of 3: `tar -c | unix socket | tar -x` for",
             "uploads, `tar -c | unix socket | cat` for downloads, `rg` run directly for grep (the printer",
             "guestd asks rg for, into a pipe; guestd: rg as a workload process, each line an event to the client).",
