@@ -125,8 +125,11 @@ def main() -> None:
     from guestd.ports import listeners
 
     listing = _timed("scan (new)", listeners.scan, ns.runs)
-    _timed("describe (new: owner search + records)", lambda: listeners.describe(listing), ns.runs)
-    print(f"\nnew: total {listing.total}, listed {len(listing.sockets)}, truncated {listing.truncated}")
+    _, searched_all = _timed("describe (new: owner search + records)", lambda: listeners.describe(listing), ns.runs)
+    print(
+        f"\nnew: total {listing.total}, listed {len(listing.sockets)}, truncated {listing.truncated}, "
+        f"owners_truncated {not searched_all}"
+    )
     if ns.old:
         sys.path.insert(0, ns.old)
         old = importlib.import_module("old_listeners")

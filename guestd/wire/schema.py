@@ -1399,7 +1399,7 @@ _LISTING = (
     F(
         "owners_truncated",
         "bool",
-        "the search for the processes holding them stopped at its budget (65,536 descriptors): a listener "
+        "the search for the processes holding them stopped at its budget (32,768 descriptors): a listener "
         "without pid may have one",
     ),
 )
