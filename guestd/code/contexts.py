@@ -63,7 +63,7 @@ if TYPE_CHECKING:  # the generated message types: annotations only, never import
 
 log = logging.getLogger("guestd.code")
 
-ANSI = re.compile(r"\x1b\[[0-9;?]*[ -/]*[@-~]")
+ANSI = re.compile(r"\x1b\[[0-9;?]*+[ -/]*+[@-~]")  # possessive: linear on an unterminated run
 MAX_RESULTS = 64
 POOL_RETRY_S = 5.0  # after a pool kernel failed to start; doubled after each failure in a row
 POOL_RETRY_MAX_S = 300.0
@@ -221,14 +221,17 @@ def find_kernelspec(name: str) -> ForeignSpec:
 
 
 def foreign_command(spec: ForeignSpec, connection_file: str) -> list[str]:
-    """The kernelspec's argv with its placeholders filled, as jupyter_client's
-    ``format_kernel_cmd`` does (``python`` is guestd's own interpreter)."""
-    pythons = {"python", f"python{sys.version_info[0]}", f"python{sys.version_info[0]}.{sys.version_info[1]}"}
-    argv = list(spec.argv)
-    if argv[0] in pythons:
-        argv[0] = sys.executable
-    subs = {"connection_file": connection_file, "resource_dir": spec.resource_dir, "prefix": sys.prefix}
-    return [re.sub(r"\{([A-Za-z0-9_]+)\}", lambda m: subs.get(m.group(1), m.group(0)), a) for a in argv]
+    """The kernelspec's argv with its placeholders filled: ``{connection_file}``,
+    ``{resource_dir}`` and ``{prefix}``, the ones the kernelspec format defines
+    (https://jupyter-client.readthedocs.io/en/stable/kernels.html#kernel-specs); any other
+    brace text is the kernel's own and stays. A bare ``python`` (or ``python3``,
+    ``python3.N``) as the program is guestd's own interpreter."""
+    own_names = {"python", f"python{sys.version_info[0]}", f"python{sys.version_info[0]}.{sys.version_info[1]}"}
+    filled = {"{connection_file}": connection_file, "{resource_dir}": spec.resource_dir, "{prefix}": sys.prefix}
+    command = [sys.executable if i == 0 and word in own_names else word for i, word in enumerate(spec.argv)]
+    for placeholder, value in filled.items():
+        command = [word.replace(placeholder, value) for word in command]
+    return command
 
 
 class Kernel:

@@ -36,7 +36,9 @@ _max_content = 0  # bytes of one message's content; 0: no cap (set by main from 
 
 
 def pack_message(obj: Any) -> bytes:
-    """jupyter_client's json_packer, except for how lone surrogates are written.
+    """The same JSON as jupyter_client's default packer (``json_packer`` in
+    https://github.com/jupyter/jupyter_client/blob/main/jupyter_client/session.py: what the
+    frontend expects to read), except for how lone surrogates are written.
 
     Python str allows lone surrogates (``print('\\ud800')``, or a non-UTF-8 file name from
     os.fsdecode) and UTF-8 does not: the stock packer raises, and the stream text, the
