@@ -120,7 +120,9 @@ def test_code_commands(tmp_path: object) -> None:
         assert r.returncode == 1 and r.stdout == b"from stdin\n" and b"ZeroDivisionError" in r.stderr
         r = g.guestctl("code", "run", "--timeout", "0.5", "while True: pass")
         assert r.returncode == 124 and b"timeout" in r.stderr
-        new = json.loads(g.guestctl("--json", "code", "new", "--name", "cli").stdout)
+        r = g.guestctl("--json", "code", "new", "--name", "too-quick", "--start-timeout", "0.001")
+        assert r.returncode != 0 and json.loads(r.stdout)["error"]["details"]["reason"] == "start_timeout", r.stdout
+        new = json.loads(g.guestctl("--json", "code", "new", "--name", "cli", "--start-timeout", "120").stdout)
         png = (
             "import base64\nfrom IPython.display import Image, display\n"
             "display(Image(data=base64.b64decode("

@@ -31,6 +31,13 @@ def register(sub: Subcommands) -> None:
     cn.add_argument(
         "--kernel", default=None, metavar="NAME", help="a kernelspec installed in the guest (default: guestd's Python)"
     )
+    cn.add_argument(
+        "--start-timeout",
+        type=float,
+        default=None,
+        metavar="S",
+        help="the longest wait for the kernel to start (default: while it makes progress, at most 300 s)",
+    )
     cr = add_command(
         code, "run", run_code, help="run CODE ('-' reads stdin) in a context (default: one made on first use)"
     )
@@ -52,7 +59,9 @@ def register(sub: Subcommands) -> None:
 
 async def create(client: AsyncClient, ns: argparse.Namespace) -> int:
     env = parse_env(ns.env)
-    out = await client.code_create(cwd=ns.cwd, env=env or None, name=ns.name, kernel=ns.kernel)
+    out = await client.code_create(
+        cwd=ns.cwd, env=env or None, name=ns.name, kernel=ns.kernel, start_timeout_s=ns.start_timeout
+    )
     print_json(out) if ns.json else print(field(out["id"]))
     return 0
 

@@ -57,8 +57,10 @@ CONNECT_TIMEOUT = 10.0  # connect + handshake
 DEFAULT_DEADLINE = 300.0  # a request with no bound of its own in the guest
 UNBOUNDED_RUN_DEADLINE = DEFAULT_DEADLINE * 12  # a run with no guest timeout at all: one hour
 REPLY_MARGIN = 30.0  # on top of a guest-enforced bound: the guest's own clean-up and the trip back
-KERNEL_MARGIN = 120.0  # on top of a cell's timeout: a kernel start (default context) and a restart
 KERNEL_START_CAP_S = 300.0  # guestd's longest default kernel start (code.create without start_timeout_s)
+# On top of a cell's timeout: the default context's first start (or a restart) may take as long
+# as guestd's default start wait allows on a slow guest.
+KERNEL_MARGIN = KERNEL_START_CAP_S
 SHELL_STOP_S = 5.0  # a timed-out shell command: INT, TERM, KILL 1 s apart (guestd/shells.py), then a restart
 PREPARE_MARGIN = 90.0  # on top of snapshot.prepare's wait for writes: the filesystem sync after it
 DOWNLOAD_MEMORY_CAP = 256 * 1024 * 1024  # an in-memory download without max_bytes
