@@ -1549,7 +1549,13 @@ RECORDS.update(
             F("deleted", "list<path>", "paths deleted, sorted", True),
             F("total", "uint", "changed paths in all, listed or not", True),
             F("truncated", "bool", "more than the lists hold (limits: 1000 paths per list)", True),
-            F("overflow", "bool", "the kernel's event queue overflowed: changes may be missing", True),
+            F(
+                "overflow",
+                "bool",
+                "changes may be missing, rescan: the kernel's event queue or guestd's bounded backlog overflowed, "
+                "a directory past the watcher's bounds is not followed, or the watcher ended",
+                True,
+            ),
         ),
     }
 )
@@ -1796,8 +1802,10 @@ WORKSPACE_OPS: tuple[OpSpec, ...] = (
         "file.watch",
         "files",
         "Watch a directory tree (inotify) until cancelled: one event per changed path, its relative path as data "
-        "under the request's credit, changes to one path coalesced while credit is out, new directories followed, "
-        "and an overflow event (never silence) when changes were lost.",
+        "under the request's credit, changes to one path coalesced while credit is out, new directories followed "
+        "(what a directory made or moved in from outside holds is reported as created; a directory moved within "
+        "the tree is one change at each end), guestd's own temp names never reported, and an overflow event "
+        "(never silence) when changes were lost. A watcher that fails ends the watch with unavailable.",
         args=(
             F("path", "path", "directory to watch", True),
             F("include", "list<str>", "globs: only matching files are reported", default=[]),
@@ -1813,12 +1821,17 @@ WORKSPACE_OPS: tuple[OpSpec, ...] = (
         ),
         result=(F("events", "uint", "events sent", True),),
         events=(
-            F("ev", "enum(ready|change|overflow)", "ready: the watch is set up; overflow: changes were lost", True),
+            F(
+                "ev",
+                "enum(ready|change|overflow)",
+                "ready: the watch is set up; overflow: changes were lost, rescan (at most one a second)",
+                True,
+            ),
             F("kind", "enum(created|modified|deleted)", "change: what happened to the path"),
             F("dir", "bool", "change: the path is a directory"),
             F("data", "bin", "change: the path relative to path, as bytes"),
         ),
-        errors=("not_found", "not_a_directory", "permission_denied", "limit"),
+        errors=("not_found", "not_a_directory", "permission_denied", "limit", "unavailable"),
     ),
     OpSpec(
         "file.changes",
