@@ -535,8 +535,9 @@ class Watcher:
                     top = os.open(name, DIR_FLAGS, dir_fd=pfd)
                 finally:
                     os.close(pfd)
-        except OSError:
-            return 0  # gone, or a symlink or a file now: its own events say so
+        except OSError as exc:
+            self._not_entered(exc, self._join(parent, name) if parent is not None else b"")
+            return 0
         looked = 0
         base = self._join(parent, name) if parent is not None else b""
         # (fd, node, its path, subdirectory names still to enter): one fd per level
@@ -570,11 +571,19 @@ class Watcher:
                 at_parent, at_path = dnode, dpath + b"/" + at_name if dpath else at_name
                 try:
                     fd = os.open(at_name, DIR_FLAGS, dir_fd=dfd)
-                except OSError:
-                    fd = -1  # gone, or swapped for a symlink: not entered
+                except OSError as exc:
+                    self._not_entered(exc, at_path)
+                    fd = -1
         finally:
             for dfd, _, _, _ in stack:
                 os.close(dfd)
+
+    def _not_entered(self, exc: OSError, path: bytes) -> None:
+        """A directory that could not be opened: gone, or a symlink or a file now (its own
+        events say so), or not readable by guestd or past its fds: then it is not followed,
+        and that is said."""
+        if exc.errno not in (errno.ENOENT, errno.ENOTDIR, errno.ELOOP):
+            self._lost(path)
 
     def _list(
         self, fd: int, node: Node, path: bytes, report: bool, looked: int, budget: int
@@ -607,6 +616,7 @@ class Watcher:
                         self._emit("created", path + b"/" + name if path else name, is_dir)
         except OSError:
             names = None
+            self._lost(path)  # could not be read to its end: what it holds may not be followed
         if names is not None and not NAMES.take(cost, MAX_NAMES_BYTES):
             names, cost = None, 0
         self._set_names(node, names, cost if names is not None else 0)
