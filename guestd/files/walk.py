@@ -5,20 +5,30 @@ Every step is an ``*at`` call on the fd of the directory above, subdirectories a
 ``O_DIRECTORY | O_NOFOLLOW`` and symlinks are reported, never followed: a directory the
 workload swaps for a symlink mid-walk fails to open (ELOOP/ENOTDIR) and is skipped, so nothing
 outside the tree is ever listed or read. Bounded: ``max_entries`` looked at, ``max_depth``
-levels (one fd each), and a deadline; each bound reached is reported, never silent.
+levels (one fd each), the ``.gitignore`` rules held along one path (``MAX_IGNORE_HELD``), and a
+deadline that matching observes too (a ``wildcard.Budget``: a hostile ``.gitignore`` costs at
+most O(path x glob) per entry and stops the walk at the deadline); each bound reached is
+reported in ``truncated``, never silent.
 """
 
 from __future__ import annotations
 
 import os
 import stat as st
-import time
-from collections.abc import Iterator
+from collections.abc import Generator, Iterator
 from dataclasses import dataclass, field
 
-from guestd.files.ignore import Overrides, RuleSet, read_ignore_file
+from guestd.files.ignore import Overrides, Rule, RuleSet, read_ignore_file
+from guestd.files.wildcard import Budget, OutOfTime, TooCostly
 
 MAX_DEPTH = 256  # directory levels below the root (each holds one fd while the walk is in it)
+# What the compiled .gitignore files of one directory and those above it may hold together
+# (their cost estimate, in bytes): up to 256 levels each with a 1 MiB file of hostile globs
+# would otherwise be gigabytes in guestd. Real ones hold kilobytes; a 1 MiB file of 10,000
+# names about 5 MiB. A directory whose .gitignore would pass it is listed but not entered
+# (truncated "depth": the path got too heavy to go further, as it can get too deep).
+MAX_IGNORE_HELD = 16 * 1024 * 1024
+ENTRY_STEPS = 200  # budget steps per entry (a stat and the filter): the clock is read every ~250
 DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
 
 
@@ -66,32 +76,49 @@ class Walk:
     scanned: int = 0
     truncated: str | None = None  # which bound stopped the walk: entries, depth, deadline
     errors: int = 0  # directories that could not be opened or listed (vanished, swapped, denied)
+    budget: Budget = field(default_factory=Budget, repr=False)  # matching's time budget (the deadline)
 
-    def entries(self) -> Iterator[Entry]:
-        """Every entry the filter takes, directories before their contents, names in byte order."""
-        root_ignores: list[tuple[bytes, RuleSet]] = []
-        if self.filter.gitignore:
-            rules = read_ignore_file(self.root_fd)
-            if rules is not None:
-                root_ignores.append((b"", rules))
-        # (fd, rel of the directory, sorted names still to visit, ignore chain); fd owned unless root
-        stack: list[tuple[int, bytes, list[bytes], list[tuple[bytes, RuleSet]]]] = []
-        names = self._names(self.root_fd)
-        if names is None:
-            return
-        stack.append((self.root_fd, b"", names, root_ignores))
+    def stop(self) -> None:
+        """From any thread: the walk ends at its next step, or within milliseconds of a match
+        (truncated "deadline")."""
+        self.budget.stop()
+
+    def matching(self, rule: Rule) -> Iterator[Entry]:
+        """The entries whose path ``rule`` matches (``file.glob``'s pattern), matched under the
+        walk's budget: past the deadline the walk ends, truncated "deadline"."""
+        entries = self.entries()
         try:
+            for e in entries:
+                if rule.matches(e.rel, e.is_dir, self.budget):
+                    yield e
+        except OutOfTime:
+            self.truncated = "deadline"
+        finally:
+            entries.close()
+
+    def entries(self) -> Generator[Entry, None, None]:
+        """Every entry the filter takes, directories before their contents, names in byte order."""
+        if self.budget.deadline is None:  # set by stop() already, or the walk's own deadline
+            self.budget.deadline = self.deadline
+        # (fd, rel of the directory, sorted names still to visit, ignore chain, its cost); fd owned unless root
+        stack: list[tuple[int, bytes, list[bytes], list[tuple[bytes, RuleSet]], int]] = []
+        try:
+            root_ignores = self._ignores(self.root_fd, b"", [], 0)
+            if root_ignores is None:
+                return  # the root's own .gitignore is over the bound: nothing is listed
+            names = self._names(self.root_fd)
+            if names is None:
+                return
+            stack.append((self.root_fd, b"", names, *root_ignores))
             while stack:
-                fd, here, todo, ignores = stack[-1]
+                fd, here, todo, ignores, held = stack[-1]
                 if not todo:
                     stack.pop()
                     if fd != self.root_fd:
                         os.close(fd)
                     continue
                 name = todo.pop()
-                if self.deadline is not None and self.scanned % 256 == 0 and time.monotonic() > self.deadline:
-                    self.truncated = "deadline"
-                    return
+                self.budget.spend(ENTRY_STEPS)
                 self.scanned += 1
                 if self.scanned > self.max_entries:
                     self.truncated = "entries"
@@ -119,16 +146,33 @@ class Walk:
                 if sub_names is None:
                     os.close(sub)
                     continue
-                sub_ignores = ignores
-                if self.filter.gitignore:
-                    rules = read_ignore_file(sub)
-                    if rules is not None:
-                        sub_ignores = [*ignores, (rel, rules)]
-                stack.append((sub, rel, sub_names, sub_ignores))
+                sub_ignores = self._ignores(sub, rel, ignores, held)
+                if sub_ignores is None:
+                    os.close(sub)
+                    continue
+                stack.append((sub, rel, sub_names, *sub_ignores))
+        except OutOfTime:
+            self.truncated = "deadline"
         finally:
-            for fd, _, _, _ in stack:
+            for fd, _, _, _, _ in stack:
                 if fd != self.root_fd:
                     os.close(fd)
+
+    def _ignores(
+        self, fd: int, rel: bytes, above: list[tuple[bytes, RuleSet]], held: int
+    ) -> tuple[list[tuple[bytes, RuleSet]], int] | None:
+        """The ignore chain in the directory ``fd`` (``above`` plus its own .gitignore) and what
+        it holds; None (truncated "depth") when its .gitignore would pass ``MAX_IGNORE_HELD``."""
+        if not self.filter.gitignore:
+            return above, held
+        try:
+            rules = read_ignore_file(fd, budget=self.budget, max_cost=MAX_IGNORE_HELD - held)
+        except TooCostly:
+            self.truncated = "depth"
+            return None
+        if rules is None:
+            return above, held
+        return [*above, (rel, rules)], held + rules.cost
 
     def _names(self, fd: int) -> list[bytes] | None:
         """The names in ``fd``, sorted so that pop() gives them in byte order."""
@@ -143,13 +187,13 @@ class Walk:
 
     def _takes(self, rel: bytes, name: bytes, is_dir: bool, ignores: list[tuple[bytes, RuleSet]]) -> bool:
         f = self.filter
-        said = f.overrides.decide(rel, is_dir)
+        said = f.overrides.decide(rel, is_dir, self.budget)
         if said is not None:
             return said == "take"
         if f.gitignore:
             for base, rules in reversed(ignores):
                 sub = rel[len(base) + 1 :] if base else rel
-                hit = rules.matched(sub, is_dir)
+                hit = rules.matched(sub, is_dir, self.budget)
                 if hit is True:
                     return False
                 if hit is False:
