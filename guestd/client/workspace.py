@@ -270,6 +270,11 @@ class WorkspaceAPI:
         timeout_s: float | None = None,
         deadline: float | None = None,
     ) -> GlobResult:
+        """Paths under ``path`` that ``pattern`` matches, sorted by bytes (``max_results`` of
+        ``total``). ``pattern`` is one glob read as :meth:`grep`'s ``globs`` are (ripgrep's
+        ``--glob``): without a ``/`` it matches a name at any depth (``*.py``), with one it is
+        anchored to ``path`` (``src/*.py``; ``/*.py`` for the top only; ``**/`` crosses
+        directories); a trailing ``/`` matches directories only."""
         args = _present(
             path=path_to_wire(path),
             pattern=pattern,
