@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import time
 import uuid
@@ -31,11 +32,12 @@ pytest.importorskip("openhands.sdk")
 from openhands.sdk import Agent
 from openhands.sdk.conversation.state import ConversationState
 from openhands.sdk.git.exceptions import GitError, GitPathError, GitRepositoryError
+from openhands.sdk.git.models import GitDiff
 from openhands.sdk.testing import TestLLM
 from openhands.sdk.workspace import BaseWorkspace, LocalWorkspace
 
 from guestd.integrations.openhands import GuestdWorkspace
-from guestd.testing.local import Guestd
+from guestd.testing.local import Guestd, StartGuestd
 
 GIT_ENV = {
     **os.environ,
@@ -66,11 +68,12 @@ def git(cwd: Path, *args: str) -> str:
 
 
 def outcome(call: Callable[[], Any]) -> Any:
-    """A result, or the exception's type and message (the SDK's git calls raise)."""
+    """A result, or the exception's type (the SDK's git calls raise). The messages are each
+    implementation's own words; the class is the interface."""
     try:
         return call()
     except GitError as e:
-        return (type(e).__name__, str(e))
+        return (type(e).__name__,)
 
 
 def same(local: BaseWorkspace, guest: BaseWorkspace, call: Callable[[BaseWorkspace], Any]) -> Any:
@@ -267,8 +270,8 @@ def test_git_nested_repositories_and_errors(pair: tuple[LocalWorkspace, GuestdWo
 
 
 def test_git_diff_of_large_files(pair: tuple[LocalWorkspace, GuestdWorkspace], tmp_path: Path) -> None:
-    """Past what exec keeps of stdout the script's reply comes back through a file, which is
-    removed; past the SDK's 1 MB limit both raise GitPathError."""
+    """Files up to the SDK's 1 MiB limit are diffed, larger ones raise GitPathError on both
+    sides; an original past what one guestd reply holds (1 MiB here) comes back whole."""
     local, guest = pair
     repo = tmp_path / "big"
     repo.mkdir()
@@ -282,40 +285,340 @@ def test_git_diff_of_large_files(pair: tuple[LocalWorkspace, GuestdWorkspace], t
     (repo / "big.txt").write_text(line * 8999 + "changed\n")
     (repo / "mid.txt").write_text(line * 1499 + "changed\n")
     assert same(local, guest, lambda w: w.git_diff("big/mid.txt")).modified.endswith("changed")
-    spills = set(Path("/tmp").glob("guestd-oh-git-*.json"))
     d = same(local, guest, lambda w: w.git_diff("big/big.txt"))
     assert d.modified.endswith("changed") and len(d.original) > 500_000
-    assert set(Path("/tmp").glob("guestd-oh-git-*.json")) == spills
     (repo / "huge.txt").write_text(line * 17001)
     with pytest.raises(GitPathError):
         guest.git_diff("big/huge.txt")
     same(local, guest, lambda w: w.git_diff("big/huge.txt"))
+    (repo / "huge.txt").write_text("shrunk\n")  # its original (1.1 MB) is more than one reply holds
+    d = same(local, guest, lambda w: w.git_diff("big/huge.txt"))
+    assert (d.modified, len(d.original)) == ("shrunk", len(line) * 17000 - 1)
 
 
-def test_a_workload_standing_in_for_the_git_script_cannot_make_the_host_remove_a_file(
-    guestd: Guestd, tmp_path: Path
+# -- names and repositories the SDK's own code gets wrong; a workload standing in for git ------
+# File names as bytes: whitespace and quotes that git's text output quotes or splits, a name that
+# is not UTF-8, names that look like options or globs.
+HOSTILE = {
+    "space": b"with space.txt",
+    "tab": b"tab\there",
+    "newline": b"new\nline",
+    "quotes": b"quote\"d'",
+    "backslash": b"back\\slash",
+    "blanks": b" lead and trail ",
+    "latin": "na\u00efve.txt".encode(),
+    "bytes": b"bad\xff\xfe.txt",
+    "dash": b"-starts-with-dash",
+    "glob": b"*glob?[x]",
+    "colon": b":colon:",
+}
+
+
+def put(directory: Path, raw: bytes, data: bytes) -> None:
+    with open(os.fsencode(directory) + b"/" + raw, "wb") as f:
+        f.write(data)
+
+
+def text_of(data: bytes) -> str:
+    """What GitDiff holds for these bytes (the SDK's form: lines joined by \\n)."""
+    return "\n".join(data.decode("utf-8", "replace").splitlines())
+
+
+def test_git_changes_and_diffs_keep_hostile_names_exact(
+    pair: tuple[LocalWorkspace, GuestdWorkspace], tmp_path: Path
 ) -> None:
-    """The git script runs as the workload, which can replace it (here: the guest's "python").
-    Its reply once named the file the host then downloaded (unbounded) and removed through
-    guestd: any file guestd may remove. Now only the file the host named is read (bounded)
-    and removed; another name, or a reply that is not the script's JSON, is GitCommandError."""
+    """Every name comes back as its bytes (an os str: surrogate escapes where it is not UTF-8)
+    and names the same file when passed back to git_diff. The SDK's own code reads git's
+    quoted text split on whitespace: it raises for the space in a changed name and returns
+    C-quoted names, so there is no LocalWorkspace result to compare with here."""
+    _, guest = pair
+    repo = tmp_path / "repo"
+    repo.mkdir()
+    git(repo, "init", "-q")
+    for raw in HOSTILE.values():
+        put(repo, raw, b"old " + raw + b"\n")
+    git(repo, "add", ".")
+    git(repo, "commit", "-q", "-m", "one")
+    modified = [HOSTILE[k] for k in ("space", "tab", "newline", "quotes", "backslash", "blanks", "bytes")]
+    for raw in modified:
+        put(repo, raw, b"new\r\n" + raw)
+    renamed = b"renamed\n\xfe"
+    git(repo, "mv", "--", os.fsdecode(HOSTILE["dash"]), os.fsdecode(renamed))
+    os.unlink(os.fsencode(repo) + b"/" + HOSTILE["glob"])
+    untracked = [b"untracked \n\xff", b"\x01control"]
+    for raw in untracked:
+        put(repo, raw, b"u")
+    expected = {("UPDATED", os.fsdecode(raw)) for raw in modified} | {
+        ("DELETED", os.fsdecode(HOSTILE["dash"])),
+        ("ADDED", os.fsdecode(renamed)),
+        ("DELETED", os.fsdecode(HOSTILE["glob"])),
+        *(("ADDED", os.fsdecode(raw)) for raw in untracked),
+    }
+    changes = guest.git_changes("repo")
+    assert {(c.status.value, str(c.path)) for c in changes} == expected
+    assert [str(c.path) for c in changes] == sorted(str(c.path) for c in changes)
+    for c in changes:  # each listed name opens its own diff
+        d = guest.git_diff(Path("repo") / c.path)
+        raw = os.fsencode(str(c.path))
+        if raw in modified:  # what is not UTF-8 on disk has no modified text (as in the SDK)
+            on_disk = "" if raw == HOSTILE["bytes"] else text_of(b"new\r\n" + raw)
+            assert (d.original, d.modified) == (text_of(b"old " + raw), on_disk)
+        elif raw == renamed:
+            assert (d.original, d.modified) == ("", text_of(b"old " + HOSTILE["dash"]))
+        elif raw in (HOSTILE["dash"], HOSTILE["glob"]):
+            assert (d.original, d.modified) == (text_of(b"old " + raw), "")
+        else:
+            assert (d.original, d.modified) == ("", "u")
+
+
+def test_git_nested_repositories_with_hostile_names(
+    pair: tuple[LocalWorkspace, GuestdWorkspace], tmp_path: Path
+) -> None:
+    """Repositories one level down, named with a newline and with bytes that are not UTF-8, as
+    LocalWorkspace finds them; a dangling .git link and a dot-named repository are left out."""
+    local, guest = pair
+    ws = tmp_path / "ws"
+    ws.mkdir()
+    for raw in (b"n\nested", b"r\xfe", b"plain", b".hidden"):
+        inner = Path(os.fsdecode(os.fsencode(ws) + b"/" + raw))
+        inner.mkdir()
+        git(inner, "init", "-q")
+        (inner / "tracked").write_text("1")
+        git(inner, "add", ".")
+        git(inner, "commit", "-q", "-m", "c")
+        (inner / "tracked").write_text("2")
+        (inner / "new").write_text("n")
+    (ws / "broken").mkdir()
+    (ws / "broken" / ".git").symlink_to("nowhere")
+    changes = same(local, guest, lambda w: w.git_changes("ws"))
+    assert [(c.status.value, str(c.path)) for c in changes] == [
+        ("ADDED", "n\nested/new"),
+        ("UPDATED", "n\nested/tracked"),
+        ("ADDED", "plain/new"),
+        ("UPDATED", "plain/tracked"),
+        ("ADDED", os.fsdecode(b"r\xfe/new")),
+        ("UPDATED", os.fsdecode(b"r\xfe/tracked")),
+    ]
+
+
+def test_git_diff_never_opens_what_is_not_a_file(pair: tuple[LocalWorkspace, GuestdWorkspace], tmp_path: Path) -> None:
+    """A FIFO is reported without being opened (an open would wait for a writer forever); links
+    are followed as Path.resolve() follows them; a link loop is GitPathError."""
+    local, guest = pair
+    repo = tmp_path / "repo"
+    repo.mkdir()
+    git(repo, "init", "-q")
+    (repo / "a.txt").write_text("a\n")
+    git(repo, "add", ".")
+    git(repo, "commit", "-q", "-m", "c")
+    (repo / "a.txt").write_text("b\n")
+    os.mkfifo(repo / "fifo")
+    (repo / "link").symlink_to("a.txt")
+    (repo / "dir-link").symlink_to(".")
+    (repo / "device").symlink_to("/dev/zero")
+    (repo / "loop1").symlink_to("loop2")
+    (repo / "loop2").symlink_to("loop1")
+    assert guest.git_diff("repo/fifo") == GitDiff(modified="", original="")
+    assert same(local, guest, lambda w: w.git_diff("repo/link")) == GitDiff(modified="b", original="a")
+    assert same(local, guest, lambda w: w.git_diff("repo/dir-link/dir-link/../repo/a.txt")).original == "a"
+    assert same(local, guest, lambda w: w.git_diff("repo/device")) == ("GitRepositoryError",)
+    with pytest.raises(GitPathError):
+        guest.git_diff("repo/loop1")
+
+
+def test_git_repository_states_as_local_workspace(pair: tuple[LocalWorkspace, GuestdWorkspace], tmp_path: Path) -> None:
+    """No commits, an orphan branch, a detached HEAD, an origin whose HEAD is not recorded
+    (asked of the remote), binary and CRLF files: the same results as LocalWorkspace."""
+    local, guest = pair
+    repo = tmp_path / "repo"
+    repo.mkdir()
+    git(repo, "init", "-q")
+    (repo / "staged.txt").write_text("s\n")
+    git(repo, "add", ".")
+    (repo / "loose.txt").write_text("l\n")
+    assert len(check_git(local, guest, "repo", ["repo/staged.txt", "repo/loose.txt"])) == 2
+    git(repo, "commit", "-q", "-m", "c")
+    (repo / "bin").write_bytes(b"\x00\xff\xfe binary")
+    (repo / "crlf.txt").write_bytes(b"one\r\ntwo\r\n\r\n")
+    git(repo, "add", ".")
+    git(repo, "commit", "-q", "-m", "d")
+    (repo / "bin").write_bytes(b"\x00\xfd changed")
+    (repo / "crlf.txt").write_bytes(b"one\rtwo\n")
+    check_git(local, guest, "repo", ["repo/bin", "repo/crlf.txt", "repo/staged.txt"])
+    git(repo, "checkout", "-q", "--detach")
+    (repo / "staged.txt").write_text("detached\n")
+    check_git(local, guest, "repo", ["repo/staged.txt"])
+    git(repo, "checkout", "-q", "--orphan", "lone")
+    check_git(local, guest, "repo", ["repo/staged.txt", "repo/bin"])
+    # a clone whose origin/HEAD was dropped: the default branch is asked of origin itself
+    seed = tmp_path / "seed"
+    seed.mkdir()
+    git(seed, "init", "-q")
+    (seed / "f").write_text("f\n")
+    git(seed, "add", ".")
+    git(seed, "commit", "-q", "-m", "seed")
+    git(tmp_path, "clone", "-q", str(seed), "clone")
+    clone = tmp_path / "clone"
+    git(clone, "checkout", "-q", "-b", "work")
+    git(clone, "remote", "set-head", "origin", "-d")
+    git(clone, "branch", "-q", "-D", "main")  # no local main to fall back on either
+    (clone / "extra.txt").write_text("e\n")
+    git(clone, "add", ".")
+    git(clone, "commit", "-q", "-m", "work")
+    changes = check_git(local, guest, "clone", ["clone/extra.txt"])
+    assert [(c.status.value, str(c.path)) for c in changes] == [("ADDED", "extra.txt")]
+
+
+def test_git_type_changes_and_sha256_repositories(pair: tuple[LocalWorkspace, GuestdWorkspace], tmp_path: Path) -> None:
+    """Where the SDK's own code fails: a file that became a link (git's status T; the SDK raises
+    GitCommandError) is UPDATED, and a SHA-256 repository without commits is compared with its
+    own empty tree (the SDK uses SHA-1's)."""
+    local, guest = pair
+    repo = tmp_path / "repo"
+    repo.mkdir()
+    git(repo, "init", "-q")
+    (repo / "t").write_text("file\n")
+    git(repo, "add", ".")
+    git(repo, "commit", "-q", "-m", "c")
+    (repo / "t").unlink()
+    (repo / "t").symlink_to("elsewhere")
+    assert outcome(lambda: local.git_changes("repo")) == ("GitCommandError",)
+    assert [(c.status.value, str(c.path)) for c in guest.git_changes("repo")] == [("UPDATED", "t")]
+    wide = tmp_path / "wide"
+    wide.mkdir()
+    git(wide, "init", "-q", "--object-format=sha256")
+    (wide / "f").write_text("f\n")
+    git(wide, "add", ".")
+    assert [(c.status.value, str(c.path)) for c in guest.git_changes("wide")] == [("ADDED", "f")]
+    assert guest.git_diff("wide/f") == GitDiff(modified="f", original="")
+
+
+def test_git_lists_longer_than_one_reply_come_back_whole(fresh_guestd: StartGuestd, tmp_path: Path) -> None:
+    """A guestd that returns 4 KiB of a stream per reply: longer git output is read back
+    from guestd's spill file (then removed), whole; the lists equal LocalWorkspace's."""
+    runtime = tmp_path / "runtime"
+    config = tmp_path / "guestd.toml"
+    config.write_text(f'runtime_dir = "{runtime}"\n[limits]\nmax_output = 4096\n')
+    g = fresh_guestd("--config", str(config))
+    work = tmp_path / "work"
+    repo = work / "repo"
+    repo.mkdir(parents=True)
+    git(repo, "init", "-q")
+    for i in range(150):
+        (repo / f"tracked-file-with-a-rather-long-name-{i:04d}.txt").write_text("1\n")
+    git(repo, "add", ".")
+    git(repo, "commit", "-q", "-m", "c")
+    for i in range(150):
+        (repo / f"tracked-file-with-a-rather-long-name-{i:04d}.txt").write_text("2\n")
+        (repo / f"untracked-file-with-a-rather-long-name-{i:04d}.txt").write_text("u\n")
+    (repo / "tracked-file-with-a-rather-long-name-0000.txt").write_text("x" * 20_000)
+    with GuestdWorkspace(address=g.address, working_dir=str(work)) as guest:
+        local = LocalWorkspace(working_dir=work)
+        changes = check_git(local, guest, "repo", ["repo/tracked-file-with-a-rather-long-name-0000.txt"])
+    assert len(changes) == 300
+    assert list((runtime / "spill").iterdir()) == []
+
+
+def fake_git(directory: Path, replies: dict[str, bytes]) -> str:
+    """A "git" the workload put in its place: for the subcommands in ``replies`` it prints the
+    bytes given and exits 0; the others go to the real git."""
+    answers = directory / "answers"
+    answers.mkdir(exist_ok=True)
+    for sub, data in replies.items():
+        (answers / sub).write_bytes(data)
+    real = shutil.which("git")
+    assert real is not None
+    fake = directory / "fake-git"
+    fake.write_text(f'#!/bin/bash\nif [ -f "{answers}/$1" ]; then cat "{answers}/$1"; exit 0; fi\nexec {real} "$@"\n')
+    fake.chmod(0o755)
+    return str(fake)
+
+
+@pytest.mark.parametrize(
+    ("call", "sub", "reply"),
+    [
+        ("changes", "rev-parse", b"not an object id\n"),
+        ("changes", "rev-list", b"zz\n"),
+        ("changes", "symbolic-ref", b"refs/heads/x\nrefs/heads/y\n"),
+        ("changes", "diff", b"Q\0name\0"),
+        ("changes", "diff", b"M\0"),
+        ("changes", "diff", b"M\0no terminator"),
+        ("changes", "diff", b"R100\0only-one\0"),
+        ("changes", "ls-files", b"a\0\0b\0"),
+        ("diff", "cat-file", b"garbage\n"),
+        ("diff", "rev-parse", b"../../etc/passwd\n"),
+    ],
+)
+def test_a_workload_standing_in_for_git_gets_git_command_errors(
+    guestd: Guestd, tmp_path: Path, call: str, sub: str, reply: bytes
+) -> None:
+    """What git prints is checked before it is used: a forged answer is GitCommandError, never
+    another exception nor a wrong list, and never makes the host touch a file."""
     from openhands.sdk.git.exceptions import GitCommandError
 
+    repo = tmp_path / "repo"
+    repo.mkdir()
+    git(repo, "init", "-q")
+    (repo / "a.txt").write_text("a\n")
+    git(repo, "add", ".")
+    git(repo, "commit", "-q", "-m", "c")
+    (repo / "a.txt").write_text("b\n")
     victim = tmp_path / "victim"
     victim.write_text("keep me")
-    fake = tmp_path / "fake-python"
-    replies = (
-        json.dumps({"file": str(victim)}),
-        "[1, 2]",
-        "not json",
-        json.dumps({"ok": [["X", "a"]]}),
-        json.dumps({"nothing": 1}),
-        json.dumps({"error": "not an object"}),
-    )
-    for reply in replies:
-        fake.write_text(f"#!/bin/sh\ncat <<'EOF'\n{reply}\nEOF\n")
-        fake.chmod(0o755)
-        ws = GuestdWorkspace(address=guestd.address, working_dir=str(tmp_path), python=str(fake))
-        with ws, pytest.raises(GitCommandError):
-            ws.git_changes(".")
+    fake = fake_git(tmp_path, {sub: reply})
+    ws = GuestdWorkspace(address=guestd.address, working_dir=str(tmp_path), git=fake)
+    with ws, pytest.raises(GitCommandError):
+        if call == "changes":
+            ws.git_changes("repo")
+        else:
+            ws.git_diff("repo/a.txt")
     assert victim.read_text() == "keep me"
+
+
+def test_git_output_past_its_bound_is_an_error(guestd: Guestd, tmp_path: Path) -> None:
+    """A list longer than the host reads back (64 MiB) is GitCommandError, never a cut list."""
+    from openhands.sdk.git.exceptions import GitCommandError
+
+    repo = tmp_path / "repo"
+    repo.mkdir()
+    git(repo, "init", "-q")
+    answers = tmp_path / "flood"
+    answers.write_text(f"#!/bin/bash\nhead -c {64 * 1024 * 1024 + 1} /dev/zero | tr '\\0' 'a'\n")
+    answers.chmod(0o755)
+    real = shutil.which("git")
+    fake = tmp_path / "fake-git"
+    fake.write_text(f'#!/bin/bash\nif [ "$1" = ls-files ]; then exec {answers}; fi\nexec {real} "$@"\n')
+    fake.chmod(0o755)
+    ws = GuestdWorkspace(address=guestd.address, working_dir=str(tmp_path), git=str(fake))
+    with ws, pytest.raises(GitCommandError, match="more than"):
+        ws.git_changes("repo")
+
+
+# -- the parsers, without a guest ------------------------------------------------------------
+def test_name_status_parser() -> None:
+    from openhands.sdk.git.exceptions import GitCommandError
+
+    from guestd.integrations._openhands_git import Ran, parse_name_status, parse_nested_repositories
+
+    ran = Ran(argv=["git", "diff"], cwd="/r", exit_code=0, stdout=b"", stdout_bytes=0, stderr=b"")
+    listed = b"M\0a\nb\0R087\0old name\0new\tname\0C100\0src\0copy\0T\0link\0U\0conflict\0A\0\xff\0D\0-x\0"
+    assert [(s.value, n) for s, n in parse_name_status(listed, ran)] == [
+        ("UPDATED", b"a\nb"),
+        ("DELETED", b"old name"),
+        ("ADDED", b"new\tname"),
+        ("ADDED", b"copy"),
+        ("UPDATED", b"link"),
+        ("UPDATED", b"conflict"),
+        ("ADDED", b"\xff"),
+        ("DELETED", b"-x"),
+    ]
+    assert parse_name_status(b"", ran) == []
+    for bad in (b"M\0a", b"X\0a\0", b"M\0\0", b"R100\0a\0", b"MM\0a\0", b"M1234\0a\0", b"\0"):
+        with pytest.raises(GitCommandError):
+            parse_name_status(bad, ran)
+    assert parse_nested_repositories(b"b/.git\0a\n/.git\0\xfe/.git\0b/.git\0", ran) == sorted(
+        ["a\n", "b", os.fsdecode(b"\xfe")]
+    )
+    for bad in (b"x\0", b".hid/.git\0", b"a/b/.git\0", b"/.git\0", b"a/.git"):
+        with pytest.raises(GitCommandError):
+            parse_nested_repositories(bad, ran)

@@ -20,12 +20,13 @@ work happens: ``execute_command``, ``file_upload``, ``file_download``, ``git_cha
   the file (``file.upload``/``file.download``), create the destination's parent directories,
   keep the file's permission bits (``LocalWorkspace`` uses ``shutil.copy2``), and report
   failures in the ``FileOperationResult`` instead of raising, as both SDK workspaces do.
-- ``git_changes(path)`` and ``git_diff(path)`` return what the SDK's ``get_git_changes`` and
-  ``get_git_diff`` return for that path in the guest: the SDK runs them where the files are
-  (in process, or in its agent server), so the same steps run in the guest as one
-  standard-library script (``guestd/integrations/_openhands_git.py``, needs ``python3`` and
-  ``git`` in the guest); their errors are the SDK's ``GitRepositoryError``,
-  ``GitCommandError`` and ``GitPathError``.
+- ``git_changes(path)`` and ``git_diff(path)`` return what ``LocalWorkspace`` returns for that
+  path, for the files in the guest: worked out on the host from git processes guestd runs in
+  the guest (``guestd/integrations/_openhands_git.py``; the guest needs ``git`` and ``bash``),
+  with exact file names (newlines, quotes, bytes that are not UTF-8) where the SDK's own code
+  quotes or refuses them. Errors are the SDK's ``GitRepositoryError``, ``GitCommandError`` and
+  ``GitPathError``, never another type; what git prints is bounded and checked, since the
+  workload can stand in for git.
 - Relative guest paths (``cwd``, upload destinations, download sources, git paths) are
   relative to ``working_dir``, as ``RemoteWorkspace`` joins them.
 
@@ -43,26 +44,20 @@ compares the SDK's result objects.
 
 from __future__ import annotations
 
-import json
 import os
 import posixpath
 import stat
 from pathlib import Path
 from typing import Any
 
-from openhands.sdk.git.exceptions import GitCommandError, GitPathError, GitRepositoryError
-from openhands.sdk.git.models import GitChange, GitChangeStatus, GitDiff
+from openhands.sdk.git.models import GitChange, GitDiff
 from openhands.sdk.workspace import BaseWorkspace, CommandResult, FileOperationResult
-from pydantic import Field, PrivateAttr, ValidationError
+from pydantic import Field, PrivateAttr
 
 from guestd.client import Client, GuestdError
-from guestd.integrations._openhands_git import INLINE_REPLY
+from guestd.integrations import _openhands_git as guest_git
 
-__all__ = ["GIT_SCRIPT", "GuestdWorkspace"]
-
-GIT_SCRIPT = (Path(__file__).parent / "_openhands_git.py").read_text()
-GIT_TIMEOUT_S = 120.0  # one git_changes/git_diff: a few git commands, each bounded at 30 s in the guest
-MAX_GIT_REPLY = 64 * 1024 * 1024  # a git_diff reply read back from its file (two files of the SDK's max size fit)
+__all__ = ["GuestdWorkspace"]
 
 
 def _text(data: bytes) -> str:
@@ -78,7 +73,7 @@ class GuestdWorkspace(BaseWorkspace):
     max_output: int = Field(
         default=1024 * 1024, description="Bytes of stdout and of stderr kept per command (the tail)."
     )
-    python: str = Field(default="python3", description="The guest's Python, for git_changes and git_diff.")
+    git: str = Field(default="git", description="The guest's git program, for git_changes and git_diff.")
 
     _client: Client | None = PrivateAttr(default=None)
 
@@ -158,82 +153,9 @@ class GuestdWorkspace(BaseWorkspace):
 
     # -- git --------------------------------------------------------------------------------
     def git_changes(self, path: str | Path) -> list[GitChange]:
-        changes = self._git("changes", path)
-        try:
-            return [GitChange(status=GitChangeStatus(status), path=Path(p)) for status, p in changes]
-        except (TypeError, ValueError) as e:  # what the guest printed is not a change list
-            raise _bad_reply(e) from None
+        with guest_git.git_failures(self.git):
+            return guest_git.changes(self._guest(), self.git, self._path(path))
 
     def git_diff(self, path: str | Path) -> GitDiff:
-        try:
-            return GitDiff.model_validate(self._git("diff", path))
-        except ValidationError as e:
-            raise _bad_reply(e) from None
-
-    def _git(self, what: str, path: str | Path) -> Any:
-        client = self._guest()
-        # What the guest prints is untrusted (the workload can stand in for the script): the
-        # only file the host reads back and removes is the one it named, read with a bound.
-        reply_file = f"/tmp/guestd-oh-git-{os.urandom(12).hex()}.json"
-        r = client.exec(
-            [self.python, "-c", GIT_SCRIPT, what, self._path(path), reply_file],
-            timeout_s=GIT_TIMEOUT_S,
-            max_output=2 * INLINE_REPLY,  # the script prints at most INLINE_REPLY bytes (more go to a file)
-        )
-        if not r.ok:
-            raise GitCommandError(
-                f"guestd: the git script ended with {r.shell_exit_code()}: {_text(r.stderr)[-2000:]}",
-                command=[self.python, "-c", "<git script>", what],
-                exit_code=r.shell_exit_code(),
-                stderr=_text(r.stderr),
-            )
-        reply = _json_object(r.stdout)
-        if "file" in reply:  # too long for exec's output: the script left it in a file
-            if reply["file"] != reply_file:
-                raise _bad_reply("it names a reply file the host did not give it")
-            try:
-                data = client.download(reply_file, max_bytes=MAX_GIT_REPLY)
-            finally:
-                client.remove(reply_file)
-            assert isinstance(data, bytes)
-            reply = _json_object(data)
-        if isinstance(reply.get("error"), dict):
-            raise _git_error(reply["error"])
-        if "ok" not in reply:
-            raise _bad_reply("neither ok nor an error object")
-        return reply["ok"]
-
-
-def _bad_reply(why: object) -> GitCommandError:
-    message = f"guestd: the git script's reply is malformed: {why}"
-    return GitCommandError(message, command=["<git script>"], exit_code=-1)
-
-
-def _json_object(data: bytes) -> dict[str, Any]:
-    """The git script's reply: a JSON object, or GitCommandError (never another exception type)."""
-    try:
-        reply = json.loads(data)
-    except ValueError as e:
-        raise _bad_reply(e) from None
-    if not isinstance(reply, dict):
-        raise _bad_reply(f"not a JSON object: {_text(data[:200])!r}")
-    return reply
-
-
-def _git_error(e: dict[str, Any]) -> Exception:
-    """The SDK's exception for the script's ``{"type", "message", ...}``."""
-    kind, message = e.get("type"), str(e.get("message", ""))
-    err: Exception
-    if kind == "GitRepositoryError":
-        err = GitRepositoryError(message)
-    elif kind == "GitPathError":
-        err = GitPathError(message)
-    else:
-        command, exit_code = e.get("command"), e.get("exit_code")
-        err = GitCommandError(
-            message,
-            command=[str(c) for c in command] if isinstance(command, list) else [],
-            exit_code=exit_code if isinstance(exit_code, int) else -1,
-            stderr=str(e.get("stderr", "")),
-        )
-    return err
+        with guest_git.git_failures(self.git):
+            return guest_git.diff(self._guest(), self.git, self._path(path))
