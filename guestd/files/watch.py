@@ -79,6 +79,8 @@ SCAN_BUDGET = 100_000  # entries one scan of a directory that appeared looks at;
 BATCH_SCAN_BUDGET = 100_000  # entries scanned between two reads of the kernel's queue (more waits)
 MAX_SCANS = 4096  # directories waiting for their scan; more: overflow for them
 MAX_SCAN_TRIES = 8  # a scan whose parent's path is stale (a move not read yet) is tried again
+MAX_LIMBO = 16  # directories moved out of the tree whose watches are kept in case they come back
+LIMBO_S = 2.0  # ... for at most this long
 READ_SIZE = 64 << 10  # bytes of events read at once (at most 4,096 events: one batch)
 BATCH_BYTES = 256 << 10  # changes handed to the sink at once
 MAX_HANDOFF_BYTES = 4 << 20  # changes waiting for a file.watch's event loop; more: overflow
@@ -151,6 +153,18 @@ class Node:
     path_gen: int = -1
 
 
+def _subtree(node: Node) -> list[Node]:
+    """``node`` and every node below it."""
+    out = [node]
+    i = 0
+    while i < len(out):
+        children = out[i].children
+        if children:
+            out.extend(children.values())
+        i += 1
+    return out
+
+
 def _ours(name: bytes, mask: int, names: set[bytes] | None) -> bool:
     """An event about one of guestd's own temporary names (never a change of the tree)."""
     if _TEMP_NAME.match(name):
@@ -182,6 +196,11 @@ class Watcher:
         self.batch_bytes = 0
         self.consumed = 0  # bytes of events read from the kernel
         self.waiting: list[tuple[int, int, threading.Event]] = []  # syncs: (bytes to read, scans to end, done)
+        # Directories moved out of the tree, still watched a while: root wd -> (node, since,
+        # changed meanwhile); and every wd of theirs -> its root's wd.
+        self.limbo: dict[int, tuple[Node, float, bool]] = {}
+        self.limbo_of: dict[int, int] = {}
+        self.known = False  # set by _watch: the directory was followed already (or came back from limbo)
         self.ticks = 0
         self.yielded = 0.0  # when _tick last let the GIL go
         self.incomplete = False  # some directory of the tree is not watched (a bound was reached)
@@ -247,7 +266,8 @@ class Watcher:
                     # bounded queue (its overflow is said). The event loop has the GIL meanwhile.
                     time.sleep((time.thread_time() - started) * (1 - DUTY) / DUTY)
             if not busy:
-                poller.poll()  # nothing read and nothing to scan: until events or a wake
+                # Nothing read and nothing to scan: until events or a wake (or limbo's end).
+                poller.poll(LIMBO_S * 1000 if self.limbo else None)
                 try:
                     os.read(self.wake_r, 4096)
                 except BlockingIOError:
@@ -284,6 +304,8 @@ class Watcher:
             self._tick()
         if not data and self.moved_from is not None:
             self._moved_out()  # the queue is empty: its other half is not coming
+        if self.limbo:
+            self._evict_old()
         spent = 0
         while self.scans and spent < BATCH_SCAN_BUDGET:
             key = next(iter(self.scans))
@@ -329,6 +351,8 @@ class Watcher:
     def _event(self, wd: int, mask: int, cookie: int, name: bytes) -> None:
         if mask & IN_Q_OVERFLOW:
             self._emit("overflow", b"", False)
+            for root_wd, (node, since, _changed) in self.limbo.items():
+                self.limbo[root_wd] = (node, since, True)  # its events may be among those lost
             return
         if self.moved_from is not None and not (mask & IN_MOVED_TO and cookie == self.moved_from[0]):
             self._moved_out()  # the other half of a move is the very next event, or none is coming
@@ -336,9 +360,14 @@ class Watcher:
             gone = self.nodes.get(wd)
             if gone is not None:
                 self._drop(gone, remove_watches=False)  # removed (and its watch with it)
+            else:
+                self._in_limbo(wd, mask)
             return
         parent = self.nodes.get(wd)
-        if parent is None or not name or _ours(name, mask, parent.names):
+        if parent is None:
+            self._in_limbo(wd, mask)
+            return
+        if not name or _ours(name, mask, parent.names):
             return
         path = self._join(parent, name)
         is_dir = bool(mask & IN_ISDIR)
@@ -372,11 +401,51 @@ class Watcher:
             self._emit("modified", path, False)
 
     def _moved_out(self) -> None:
+        """The directory moved away has left the tree. Its watches are kept a while (limbo):
+        if it comes back unchanged (a workload moving a huge directory out and in again) it
+        is put back as it was, not walked again; any event in it meanwhile marks it changed."""
         assert self.moved_from is not None
         node = self.moved_from[1]
         self.moved_from = None
-        if self.nodes.get(node.wd) is node:
-            self._drop(node)
+        if self.nodes.get(node.wd) is not node:
+            return
+        parent = node.parent
+        if parent is not None and parent.children and parent.children.get(node.name) is node:
+            del parent.children[node.name]
+        node.parent = None
+        for n in _subtree(node):
+            del self.nodes[n.wd]
+            self.limbo_of[n.wd] = node.wd
+        self.limbo[node.wd] = (node, time.monotonic(), False)
+        while len(self.limbo) > MAX_LIMBO:
+            self._evict(next(iter(self.limbo)))
+
+    def _evict(self, root_wd: int) -> None:
+        """Stop watching a directory in limbo for good."""
+        node, _since, _changed = self.limbo.pop(root_wd)
+        for n in _subtree(node):
+            if self.limbo_of.pop(n.wd, None) is not None:
+                WATCHES.give(1)
+                _libc.inotify_rm_watch(self.ifd, n.wd)
+            self._set_names(n, None)
+        node.children = None
+
+    def _evict_old(self) -> None:
+        now = time.monotonic()
+        for root_wd, (_node, since, _changed) in list(self.limbo.items()):
+            if now - since > LIMBO_S:
+                self._evict(root_wd)
+
+    def _in_limbo(self, wd: int, mask: int) -> None:
+        """An event in a directory in limbo: it changed while out of the tree."""
+        root_wd = self.limbo_of.get(wd)
+        if root_wd is None:
+            return
+        node, since, _changed = self.limbo[root_wd]
+        self.limbo[root_wd] = (node, since, True)
+        if mask & IN_IGNORED:  # that directory is gone: its watch with it
+            self.limbo_of.pop(wd, None)
+            WATCHES.give(1)
 
     # -- the tree -------------------------------------------------------------------------
     def _join(self, parent: Node, name: bytes) -> bytes:
@@ -481,12 +550,29 @@ class Watcher:
             if err in (errno.ENOENT, errno.ENOTDIR):
                 return None  # removed meanwhile
             raise OSError(err, os.strerror(err), "inotify_add_watch")
+        root_wd = self.limbo_of.get(wd)
+        if root_wd is not None:
+            limbo_root, _since, changed = self.limbo[root_wd]
+            if root_wd == wd and not changed and parent is not None and not self._inside(parent, limbo_root):
+                # Back unchanged: put back with everything below, nothing walked again.
+                del self.limbo[root_wd]
+                for n in _subtree(limbo_root):
+                    del self.limbo_of[n.wd]
+                    self.nodes[n.wd] = n
+                self._attach(limbo_root, parent, name)
+                self.known = True
+                return limbo_root
+            self._evict(root_wd)  # changed meanwhile (or only a part came back): walked anew
+            wd = _libc.inotify_add_watch(self.ifd, f"/proc/self/fd/{fd}".encode(), MASK)
+            if wd < 0:
+                return None
         node = self.nodes.get(wd)
         if node is not None:  # watched already (the same inode): where it is now
             if parent is not None and (node.parent is not parent or node.name != name):
                 if self._inside(parent, node):
                     return None  # our view of the tree is behind: the moves' events will say
                 self._attach(node, parent, name)
+            self.known = True
             return node
         if not WATCHES.take(1, MAX_WATCHES):
             _libc.inotify_rm_watch(self.ifd, wd)
@@ -546,8 +632,13 @@ class Watcher:
         try:
             while True:
                 if fd >= 0:
+                    self.known = False
                     node = self._watch(fd, at_parent, at_name)
-                    if node is not None:
+                    if node is not None and self.known:
+                        # Followed already (a queued scan that a move overtook, or back from
+                        # limbo as it was): its changes were and are reported, nothing to list.
+                        os.close(fd)
+                    elif node is not None:
                         subdirs, looked = self._list(fd, node, at_path, report, looked, budget)
                         if looked > budget:
                             os.close(fd)
@@ -670,8 +761,8 @@ class Watcher:
                         pass  # closed all the same (EINTR, EIO): the number is free
             self.ifd = self.wake_r = self.wake_w = self.root_fd = -1
         # What this watcher held of the shared bounds goes back.
-        WATCHES.give(len(self.nodes))
-        self.nodes = {}
+        WATCHES.give(len(self.nodes) + len(self.limbo_of))
+        self.nodes, self.limbo, self.limbo_of = {}, {}, {}
         NAMES.give(self.names_bytes)
         self.names_bytes = 0
         while self.syncs:
