@@ -77,6 +77,27 @@ def _want(key: str, value: Any, typ: type | tuple[type, ...]) -> Any:
     return value
 
 
+# The words each [workload] limit takes besides a whole number (bytes for memory, processes
+# and threads for pids); "N%" is a share of the workload's own pids.max.
+_CGROUP_WORDS = {
+    "workload.memory_max": ("max", "auto"),
+    "workload.pids_max": ("max",),
+    "workload.run_pids_max": ("max", "%"),
+}
+
+
+def _cgroup_value(key: str, value: Any) -> str:
+    """A [workload] limit as the cgroup file takes it (or "auto" / "N%", resolved at start)."""
+    text = str(_want(key, value, (str, int))).strip()
+    words = _CGROUP_WORDS[key]
+    if (text.isdigit() and int(text) > 0) or (text in words and text != "%"):
+        return text
+    if "%" in words and text.endswith("%") and text[:-1].isdigit() and 1 <= int(text[:-1]) <= 100:
+        return text
+    allowed = " or ".join(["a number > 0", *(f'"{w}"' if w != "%" else '"N%" (1..100)' for w in words)])
+    raise ConfigError(f"config key {key!r} must be {allowed}, not {value!r}")
+
+
 def load_config_file(path: str, cfg: Config) -> Config:
     """Apply a TOML config file (see rootfs-overlay/etc/guestd/guestd.toml) onto ``cfg``.
 
@@ -155,10 +176,16 @@ def load_config_file(path: str, cfg: Config) -> Config:
             for k, v in _want("workload", value, dict).items():
                 if k == "cgroup":
                     wl.cgroup = _want("workload.cgroup", v, str)
-                elif k in ("memory_max", "pids_max"):
-                    setattr(wl, k, str(_want(f"workload.{k}", v, (str, int))))
+                elif k in ("memory_max", "pids_max", "run_pids_max"):
+                    setattr(wl, k, _cgroup_value(f"workload.{k}", v))
+                elif k == "memory_reserve":
+                    wl.memory_reserve = _want("workload.memory_reserve", v, int)
+                    if wl.memory_reserve < 0:
+                        raise ConfigError("workload.memory_reserve must be >= 0 (bytes)")
                 elif k == "cpu_weight":
                     wl.cpu_weight = _want("workload.cpu_weight", v, int)
+                    if not 1 <= wl.cpu_weight <= 10_000:
+                        raise ConfigError("workload.cpu_weight must be 1..10000")
                 else:
                     raise ConfigError(f"unknown config key workload.{k}")
         elif key == "limits":

@@ -1,10 +1,12 @@
 """guestd-init: a minimal PID 1 for images without systemd (Firecracker-style rootfs, initramfs).
 
-As PID 1 it mounts the basics, loads the modules guestd needs, names the virtio
-serial ports (no udev), then supervises guestd: restarts it whenever it exits
-(with a short backoff), reaps every orphan re-parented to PID 1, and powers the
-VM off cleanly on SIGTERM or SIGUSR2 (reboots on SIGINT, i.e. ctrl-alt-del).
-Not as PID 1 (under another init or in a test) it only supervises.
+As PID 1 it mounts the basics, sizes the RAM-backed file systems (``size_ram_mounts``),
+loads the modules guestd needs, names the virtio serial ports (no udev), then supervises
+guestd: restarts it whenever it exits (with a short backoff), reaps every orphan re-parented
+to PID 1, and powers the VM off cleanly on SIGTERM or SIGUSR2 (reboots on SIGINT, i.e.
+ctrl-alt-del). Not as PID 1 (under another init or in a test) it only supervises.
+``guestd-init --size-ram-mounts`` only sizes the mounts (systemd images run it once at boot:
+rootfs-overlay's guestd-ram-mounts.service).
 """
 
 from __future__ import annotations
@@ -54,6 +56,99 @@ def mount_basics() -> None:
             mount(src, target, fstype, 0, data)
     if os.path.exists("/sys/fs/cgroup") and not os.path.ismount("/sys/fs/cgroup"):
         mount("cgroup2", "/sys/fs/cgroup", "cgroup2")
+
+
+# The workload's RAM-backed file systems (the initramfs's root, a tmpfs holding the workspace
+# and $HOME; /tmp; /dev/shm) are sized once at boot as shares of what the workload may hold:
+# MemAvailable less guestd's [workload] memory_reserve, the share memory_max "auto" gives it.
+# The kernel's defaults (50% of RAM each, 100% and more together) let files alone pin the
+# guest's memory: tmpfs pages are freed by no OOM kill. Together 75%: a workload filling them
+# meets ENOSPC before its memory.max, a quarter of its share stays for its processes (an
+# earlier shell, a code kernel), and with memory_max "max" files still cannot take the
+# system's share. "/" gets free space on top of the image's own files. On a RAM root, /tmp
+# becomes a tmpfs of its own (as guestd-init mounts it, and Debian 13 does): a full workspace
+# leaves programs their temp directory (a starting Python kernel needs one).
+RAM_MOUNT_SHARES = {"/": 0.45, "/tmp": 0.15, "/dev/shm": 0.15}
+RAM_FS_TYPES = ("tmpfs", "rootfs")
+_MS_NOSUID, _MS_NODEV, _MS_REMOUNT = 2, 4, 32
+# statvfs f_flag -> mount flag: a remount keeps nosuid, nodev, noexec... only when it passes them.
+_KEEP_FLAGS = {
+    os.ST_RDONLY: 1,
+    os.ST_NOSUID: 2,
+    os.ST_NODEV: 4,
+    os.ST_NOEXEC: 8,
+    os.ST_SYNCHRONOUS: 16,
+    os.ST_MANDLOCK: 64,
+    os.ST_NOATIME: 1024,
+    os.ST_NODIRATIME: 2048,
+    os.ST_RELATIME: 1 << 21,
+}
+
+
+def ram_mounts(mountinfo: str = "/proc/self/mountinfo") -> dict[str, str]:
+    """{mount point: file system type} of the RAM-backed mounts RAM_MOUNT_SHARES names (the
+    last mount at a point is the visible one)."""
+    found: dict[str, str] = {}
+    with open(mountinfo) as f:
+        for line in f:
+            left, _, right = line.partition(" - ")
+            point, fstype = left.split()[4], right.split()[0]
+            if point in RAM_MOUNT_SHARES:
+                found[point] = fstype
+    return {p: t for p, t in found.items() if t in RAM_FS_TYPES}
+
+
+def ram_mount_sizes(share: int, mounts: dict[str, str], used_by_root: int, page: int = 4096) -> dict[str, int]:
+    """Each mount's size= in bytes: its fraction of ``share`` (/tmp's goes to "/" when /tmp is
+    no mount of its own), and "/" on top of what the image already uses there."""
+    fractions = {p: f for p, f in RAM_MOUNT_SHARES.items() if p in mounts}
+    if "/" in fractions and "/tmp" not in fractions:
+        fractions["/"] += RAM_MOUNT_SHARES["/tmp"]
+    sizes = {p: int(share * f) for p, f in fractions.items()}
+    if "/" in sizes:
+        sizes["/"] += used_by_root
+    return {p: max(page, -(-size // page) * page) for p, size in sizes.items()}
+
+
+def size_ram_mounts(config: str = CONFIG, meminfo: str = "/proc/meminfo") -> dict[str, int]:
+    """Remount the workload's RAM-backed file systems with their sizes (see RAM_MOUNT_SHARES);
+    returns what was applied. A mount the kernel refuses to resize (a ramfs root) is logged."""
+    from guestd.children.cgroups import DEFAULT_MEMORY_RESERVE, auto_memory_max
+    from guestd.config import Config, ConfigError, load_config_file
+
+    reserve = DEFAULT_MEMORY_RESERVE
+    if os.path.exists(config):
+        try:
+            reserve = load_config_file(config, Config()).workload.memory_reserve
+        except ConfigError as exc:
+            log(f"{exc}: sizing RAM mounts with the default reserve")
+    share = auto_memory_max(reserve, meminfo).limit
+    mounts = ram_mounts()
+    root = os.statvfs("/") if "/" in mounts else None
+    used = (root.f_blocks - root.f_bfree) * root.f_frsize if root is not None else 0
+    applied: dict[str, int] = {}
+    new_tmp = "/" in mounts and "/tmp" not in mounts and not os.path.ismount("/tmp")
+    if new_tmp:  # before the others: if it fails, its share stays with "/"
+        size = ram_mount_sizes(share, {"/tmp": "tmpfs"}, 0)["/tmp"]
+        os.makedirs("/tmp", exist_ok=True)
+        data = f"mode=1777,size={size}".encode()
+        if _libc.mount(b"tmpfs", b"/tmp", b"tmpfs", _MS_NOSUID | _MS_NODEV, data) == 0:
+            mounts["/tmp"], applied["/tmp"] = "tmpfs", size
+        else:
+            log(f"mount a tmpfs on /tmp: {os.strerror(ctypes.get_errno())}")
+    for point, size in ram_mount_sizes(share, mounts, used).items():
+        if point in applied:
+            continue
+        flags = _MS_REMOUNT
+        for st_flag, ms_flag in _KEEP_FLAGS.items():
+            if os.statvfs(point).f_flag & st_flag:
+                flags |= ms_flag
+        if _libc.mount(None, point.encode(), None, flags, f"size={size}".encode()) != 0:
+            log(f"size {point} ({mounts[point]}) to {size >> 20} MiB: {os.strerror(ctypes.get_errno())}")
+            continue
+        applied[point] = size
+    log("RAM-backed mounts: " + ", ".join(f"{p} {b >> 20} MiB" for p, b in applied.items()))
+    return applied
 
 
 # The kernel's defaults (0) let the workload hard-link a root file where the host will write
@@ -230,6 +325,9 @@ def shutdown(action: str) -> None:
 
 
 def main() -> None:
+    if sys.argv[1:] == ["--size-ram-mounts"]:
+        size_ram_mounts()
+        return
     pid1 = os.getpid() == 1
     for name in os.environ.pop("GUESTD_PRIVATE_ENV", "").split(","):
         if name:
@@ -238,6 +336,7 @@ def main() -> None:
         os.environ["PATH"] = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
         os.environ.setdefault("HOME", "/root")
         mount_basics()
+        size_ram_mounts()
         protect_links()
         load_modules()
         link_virtio_ports()

@@ -1,11 +1,20 @@
 """The workload's cgroup v2, and one leaf cgroup per run inside it.
 
 The workload cgroup (default /sys/fs/cgroup/guestd-workload) carries the limits that keep
-guestd alive: a fork bomb hits pids.max, a memory hog meets the OOM killer inside it, a CPU
-spinner gets cpu.weight 1 against guestd's 100. Every run (an exec, a background process, a
-shell session, a code kernel) gets a leaf of its own below it, and its first process is
-created inside that leaf (clone3 CLONE_INTO_CGROUP), so nothing the run forks, double-forks
-or re-forks can leave it: ending the run is one write to the leaf's ``cgroup.kill``.
+guestd and the guest's own system alive: a fork bomb hits pids.max, a memory hog (RAM-backed
+files it writes included: tmpfs pages are charged to the cgroup that touches them) meets the
+OOM killer inside it (memory.max ``"auto"``: what is not in use at start, less a reserve; see
+``auto_memory_max``), a CPU spinner gets cpu.weight 1 against guestd's 100. Every run (an
+exec, a background process, a shell session, a code kernel) gets a leaf of its own below it,
+and its first process is created inside that leaf (clone3 CLONE_INTO_CGROUP), so nothing the
+run forks, double-forks or re-forks can leave it: ending the run is one write to the leaf's
+``cgroup.kill``.
+
+Runs share the workload fairly: the ``pids`` and ``cpu`` controllers are enabled on the
+leaves, each leaf gets its own pids.max (``run_pids_max``, below the workload's, so one run's
+fork bomb leaves the others and the host room to fork and start runs) and the same cpu.weight
+(the kernel's default, 100: the workload's CPU is split per run, not per process). Hosts
+whose cgroup v2 lacks a controller get the leaves all the same, without that share.
 
 Leaves are named ``<kind>-<guestd pid>-<id>``. A guestd that starts and finds leaves whose
 guestd is gone (it was killed) ends their processes and removes them: see
@@ -27,12 +36,96 @@ from dataclasses import dataclass
 log = logging.getLogger("guestd.cgroups")
 
 
+MIB = 1 << 20
+# "auto": RAM kept out of the workload's reach on top of what is in use when guestd starts: room
+# for guestd's own growth (connections, buffers, its I/O threads), the services that start
+# after it, journald's RAM journal and the kernel's own allocations. Measured in the shipped
+# systemd image (2 GiB): see rootfs-overlay/etc/guestd/guestd.toml.
+DEFAULT_MEMORY_RESERVE = 256 * MIB
+
+
 @dataclass
 class WorkloadConfig:
     cgroup: str = ""  # "" disables; e.g. "/sys/fs/cgroup/guestd-workload"
-    memory_max: str = "max"  # bytes, or "max"
+    memory_max: str = "auto"  # bytes, "max" (no limit) or "auto" (see auto_memory_max)
+    memory_reserve: int = DEFAULT_MEMORY_RESERVE  # bytes, for "auto"
     pids_max: str = "max"
+    run_pids_max: str = "25%"  # each run's leaf: a number, "N%" of pids_max, or "max"
     cpu_weight: int = 1  # 1..10000; guestd (in the parent) keeps the default 100
+
+
+# Charged to the workload cgroup and not counted by MemAvailable: what a guestd that starts
+# again finds held by the workload it restarts into (its tmpfs files above all) is the
+# workload's to keep, not "in use by the system".
+_UNRECLAIMABLE = ("anon", "shmem", "kernel_stack", "pagetables", "slab_unreclaimable", "percpu", "sock")
+
+
+@dataclass(frozen=True)
+class AutoMemory:
+    """memory.max ``"auto"``, computed once at start: MemTotal, less what is in use outside
+    the workload (the kernel, the image's RAM-backed files, guestd, the system's services:
+    MemTotal - MemAvailable, less what the workload cgroup itself holds), less a reserve
+    for their growth. All in bytes."""
+
+    total: int
+    in_use: int
+    reserve: int
+    limit: int
+
+    def describe(self) -> str:
+        return (
+            f"auto: MemTotal {self.total // MIB} MiB - {self.in_use // MIB} MiB in use at start"
+            f" - {self.reserve // MIB} MiB reserve"
+        )
+
+
+def read_meminfo(path: str = "/proc/meminfo") -> dict[str, int]:
+    """/proc/meminfo's fields in bytes (its "kB" are KiB)."""
+    fields: dict[str, int] = {}
+    for line in _read(path).splitlines():
+        name, _, rest = line.partition(":")
+        parts = rest.split()
+        if parts and parts[0].isdigit():
+            fields[name] = int(parts[0]) * (1024 if parts[1:] == ["kB"] else 1)
+    return fields
+
+
+def held_by(cgroup: str | None) -> int:
+    """Bytes the cgroup holds that reclaim cannot give back (anon, tmpfs, kernel): 0 without
+    it or its memory.stat."""
+    if cgroup is None:
+        return 0
+    try:
+        stat = _read(os.path.join(cgroup, "memory.stat"))
+    except OSError:
+        return 0
+    held = 0
+    for line in stat.splitlines():
+        name, _, value = line.partition(" ")
+        if name in _UNRECLAIMABLE and value.strip().isdigit():
+            held += int(value)
+    return held
+
+
+def auto_memory_max(reserve: int, meminfo_path: str = "/proc/meminfo", workload: str | None = None) -> AutoMemory:
+    """The workload's memory.max for ``"auto"``. The reserve shrinks to at most half of what
+    the workload could have (a small VM still runs commands), and the result says so."""
+    info = read_meminfo(meminfo_path)
+    total, available = info["MemTotal"], info["MemAvailable"]
+    for_workload = min(total, available + held_by(workload))
+    reserve = max(0, min(reserve, for_workload // 2))
+    limit = (for_workload - reserve) // 4096 * 4096  # memory.max rounds down to pages anyway
+    return AutoMemory(total=total, in_use=total - for_workload, reserve=reserve, limit=limit)
+
+
+def run_pids_limit(value: str, workload_pids_max: str, threads_max_path: str = "/proc/sys/kernel/threads-max") -> str:
+    """Each run's pids.max: ``value`` as a number or "max", or "N%" of the workload's pids.max
+    (of the kernel's threads-max when that is "max"), at least 1."""
+    value = value.strip()
+    if not value.endswith("%"):
+        return value
+    whole = workload_pids_max if workload_pids_max != "max" else _read(threads_max_path).strip()
+    return str(max(1, int(whole) * int(value[:-1]) // 100))
 
 
 def _write(path: str, value: str) -> None:
@@ -248,26 +341,35 @@ class WorkloadCgroup:
         self.status = "disabled"
         self.ended_at_start = 0  # processes of a previous guestd's runs ended by setup()
         self.run_memory = False  # each leaf has its own memory.events (per-run OOM kills)
+        self.run_controllers: list[str] = []  # enabled on the leaves
+        self.memory_max = cfg.memory_max  # as written ("auto" resolved to bytes)
+        self.auto_memory: AutoMemory | None = None
+        self.run_pids_max: str | None = None  # written into each leaf (pids on the leaves)
 
-    def _enable_run_memory(self) -> bool:
-        """The memory controller on every leaf, so an OOM kill is counted in the victim's own
-        run (memory.events oom_kill; the kernel charges it to the victim's cgroup and its
-        ancestors) and the limit stays the workload cgroup's. Possible only once no process is
-        directly in the workload cgroup (cgroup v2's no-internal-process rule): leftovers were
-        just killed, and dying processes leave within milliseconds."""
+    def _enable_run_controllers(self, wanted: list[str]) -> list[str]:
+        """Enable ``wanted`` on every leaf, each on its own (one a kernel refuses leaves the
+        others): memory, so an OOM kill is counted in the victim's own run (memory.events
+        oom_kill; the kernel charges it to the victim's cgroup and its ancestors) while the
+        limit stays the workload cgroup's; pids and cpu for a share per run. Possible only
+        once no process is directly in the workload cgroup (cgroup v2's no-internal-process
+        rule): leftovers were just killed, and dying processes leave within milliseconds."""
         assert self.path is not None
         control = os.path.join(self.path, "cgroup.subtree_control")
-        for _ in range(100):
-            try:
-                _write(control, "+memory")
-                return True
-            except OSError as exc:
-                if exc.errno != errno.EBUSY:
-                    log.warning("no per-run memory accounting: %s", exc)
-                    return False
-                time.sleep(0.01)  # at start-up, before serving: nothing else waits
-        log.warning("no per-run memory accounting: processes stay in %s", self.path)
-        return False
+        enabled: list[str] = []
+        for name in wanted:
+            for _ in range(100):
+                try:
+                    _write(control, "+" + name)
+                    enabled.append(name)
+                    break
+                except OSError as exc:
+                    if exc.errno != errno.EBUSY:
+                        log.warning("no per-run %s controller: %s", name, exc)
+                        break
+                    time.sleep(0.01)  # at start-up, before serving: nothing else waits
+            else:
+                log.warning("no per-run %s controller: processes stay in %s", name, self.path)
+        return enabled
 
     def setup(self) -> None:
         c = self.cfg
@@ -281,31 +383,62 @@ class WorkloadCgroup:
         try:
             os.makedirs(c.cgroup, exist_ok=True)
             available = set(_read(os.path.join(parent, "cgroup.controllers")).split())
-            wanted = [n for n in ("memory", "pids", "cpu") if n in available]
+            wanted: list[str] = [n for n in ("memory", "pids", "cpu") if n in available]
             if wanted:
                 _write(os.path.join(parent, "cgroup.subtree_control"), " ".join("+" + n for n in wanted))
-            limits = {"memory": ("memory.max", c.memory_max), "pids": ("pids.max", c.pids_max)}
-            limits["cpu"] = ("cpu.weight", str(c.cpu_weight))
-            for controller in wanted:
-                name, value = limits[controller]
-                _write(os.path.join(c.cgroup, name), str(value))
-        except OSError as exc:
+            if "pids" in wanted:
+                _write(os.path.join(c.cgroup, "pids.max"), c.pids_max)
+                self.run_pids_max = run_pids_limit(c.run_pids_max, c.pids_max)
+            if "cpu" in wanted:
+                _write(os.path.join(c.cgroup, "cpu.weight"), str(c.cpu_weight))
+        except (OSError, ValueError) as exc:
             self.status = f"unavailable: {exc}"
             log.warning("workload cgroup %s", self.status)
             return
         self.path = c.cgroup
         self.ended_at_start = self.end_leftovers()
-        self.run_memory = "memory" in wanted and self._enable_run_memory()
-        missing = [n for n in ("memory", "pids", "cpu") if n not in wanted]
-        self.status = (
-            f"active: {c.cgroup} (memory.max={c.memory_max}, pids.max={c.pids_max}, cpu.weight={c.cpu_weight}"
-            + (f"; no {'/'.join(missing)} controller" if missing else "")
-            + "; a cgroup per run"
-            + (" with memory accounting)" if self.run_memory else ")")
-        )
+        try:
+            if "memory" in wanted:
+                # After the leftovers are gone: "auto" counts what they held as in use otherwise.
+                if c.memory_max == "auto":
+                    self.auto_memory = auto_memory_max(c.memory_reserve, workload=c.cgroup)
+                    self.memory_max = str(self.auto_memory.limit)
+                _write(os.path.join(c.cgroup, "memory.max"), self.memory_max)
+        except (OSError, KeyError, ValueError) as exc:
+            self.path = None
+            self.status = f"unavailable: memory.max={c.memory_max}: {exc}"
+            log.warning("workload cgroup %s", self.status)
+            return
+        self.run_controllers = self._enable_run_controllers(wanted)
+        self.run_memory = "memory" in self.run_controllers
+        if "pids" not in self.run_controllers:
+            self.run_pids_max = None
+        self.status = self._describe(wanted)
         if self.ended_at_start:
             log.warning("ended %d process(es) of runs a previous guestd left", self.ended_at_start)
         log.info("workload cgroup %s", self.status)
+
+    def _describe(self, wanted: list[str]) -> str:
+        """info.workload_cgroup: the limits as written, and each run's share."""
+        c = self.cfg
+        memory = f"memory.max={self.memory_max}"
+        if self.auto_memory is not None:
+            memory += f" ({self.auto_memory.describe()})"
+        missing = [n for n in ("memory", "pids", "cpu") if n not in wanted]
+        shares = ["memory accounting"] if self.run_memory else []
+        if self.run_pids_max is not None:
+            shares.append(f"pids.max={self.run_pids_max}")
+        if "cpu" in self.run_controllers:
+            shares.append("an equal cpu.weight")
+        each = ""
+        if shares:
+            each = " with " + ", ".join(shares[:-1]) + (" and " if len(shares) > 1 else "") + shares[-1]
+            each += " each" if self.run_pids_max is not None or "cpu" in self.run_controllers else ""
+        return (
+            f"active: {c.cgroup} ({memory}, pids.max={c.pids_max}, cpu.weight={c.cpu_weight}"
+            + (f"; no {'/'.join(missing)} controller" if missing else "")
+            + f"; a cgroup per run{each})"
+        )
 
     def set_frozen(self, frozen: bool) -> bool:
         """cgroup.freeze on the whole workload (every run's leaf with it); False without a
@@ -326,6 +459,8 @@ class WorkloadCgroup:
         path = os.path.join(self.path, f"{kind}-{os.getpid()}-{run_id}")  # the owner's pid: see end_leftovers
         os.mkdir(path)
         try:
+            if self.run_pids_max is not None:  # before the first process: its forks count from 1
+                _write(os.path.join(path, "pids.max"), self.run_pids_max)
             fd = os.open(path, os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC)
         except OSError:
             with contextlib.suppress(OSError):

@@ -41,7 +41,7 @@ pool = 0
 [workload]
 cgroup = "/sys/fs/cgroup/guestd-workload"
 memory_max = 268435456   # 256 MiB: a memory hog is OOM-killed inside the cgroup
-pids_max = 256           # a fork bomb stops here
+pids_max = 256           # a fork bomb stops here, and one run's at 64 (run_pids_max: 25% by default)
 cpu_weight = 1
 """
 
