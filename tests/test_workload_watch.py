@@ -414,3 +414,53 @@ def test_the_backlog_bound_is_said_as_overflow_not_memory() -> None:
         "truncated": False,
         "overflow": False,
     }
+
+
+def test_directories_moved_in_are_listed_within_a_budget_and_moves_are_one_change(
+    tmp_path: object, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A directory moved within the tree is one change at each end (its watches follow the
+    inode: nothing is walked); one moved in from outside is walked and what it holds reported as
+    created, at most SCAN_BUDGET entries (past it: overflow, and the watch is incomplete); one
+    moved out and back unchanged is put back as it was (limbo), changed meanwhile walked anew."""
+    monkeypatch.setattr(watch, "SCAN_BUDGET", 50)
+    top = str(tmp_path)
+    ws, out = f"{top}/ws", f"{top}/out"
+    for d in (f"{ws}/a/sub", f"{out}/small/sub", f"{out}/huge"):
+        os.makedirs(d)
+    for i in range(3):
+        with open(f"{out}/small/sub/f{i}", "w"):
+            pass
+    for i in range(80):
+        with open(f"{out}/huge/f{i:02d}", "w"):
+            pass
+    got: list[watch.Change] = []
+    w = watch.Watcher(os.open(ws, os.O_RDONLY | os.O_DIRECTORY), got.extend)
+    w.start()
+
+    def after(action: object) -> list[watch.Change]:
+        start = len(got)
+        action()  # type: ignore[operator]
+        assert w.sync(30)
+        return got[start:]
+
+    try:
+        assert w.ready.wait(10) and w.error is None
+        assert after(lambda: os.rename(f"{ws}/a", f"{ws}/b")) == [("deleted", b"a", True), ("created", b"b", True)]
+        assert after(lambda: open(f"{ws}/b/sub/x", "w").close())[0] == ("created", b"b/sub/x", False)
+        assert sorted(after(lambda: os.rename(f"{out}/small", f"{ws}/small"))) == [
+            ("created", b"small", True),
+            ("created", b"small/sub", True),
+            *(("created", b"small/sub/f%d" % i, False) for i in range(3)),
+        ]
+        assert not w.incomplete
+        assert after(lambda: os.rename(f"{ws}/small", f"{out}/small")) == [("deleted", b"small", True)]
+        assert after(lambda: os.rename(f"{out}/small", f"{ws}/small")) == [("created", b"small", True)]
+        assert after(lambda: open(f"{ws}/small/sub/y", "w").close())[0] == ("created", b"small/sub/y", False)
+        moved_in = after(lambda: os.rename(f"{out}/huge", f"{ws}/huge"))
+        assert ("overflow", b"huge", True) in moved_in and len(moved_in) <= 52
+        assert w.incomplete
+    finally:
+        w.stop()
+        assert w.thread is not None
+        w.thread.join(10)
