@@ -1,5 +1,5 @@
-"""Walking a directory tree through fds: the walk under ``file.glob``, ``file.grep``'s fallback,
-``tree.download``, ``file.view`` of a directory and the change feed's watches.
+"""Walking a directory tree through fds: the walk under ``file.glob``, ``tree.download``,
+``file.view`` of a directory and the change feed's watches.
 
 Every step is an ``*at`` call on the fd of the directory above, subdirectories are opened
 ``O_DIRECTORY | O_NOFOLLOW`` and symlinks are reported, never followed: a directory the

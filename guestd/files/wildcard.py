@@ -2,9 +2,10 @@
 tree include/exclude and watch filters (issue 29).
 
 A glob used to become a Python ``re``; ``*a*a*a*a*a*a*a*a*a*a*a*a*b`` against a name of 200
-``a`` then backtracked for hours while holding the GIL (no timeout, ping or SIGTERM got
-through). Here a glob is compiled to path segments, each a list of fixed-size chunks between
-its ``*``, and matched in two greedy passes that never go back further than the last star:
+``a`` then backtracked through every way of sharing the a's among twelve stars, holding the
+GIL all along (no timeout, ping or SIGTERM got through). Here a glob is compiled to path
+segments, each a list of fixed-size chunks between its ``*``, and matched in two greedy passes
+that never go back further than the last star:
 
 - in a segment, each chunk between stars is found at its leftmost place after the previous one
   (``bytes.find`` on its longest literal run, or on a class's 0/1 map made by
