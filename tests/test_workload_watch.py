@@ -9,6 +9,7 @@ say overflow; the bound on watched directories is said, not silent."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import shutil
 import subprocess
@@ -26,6 +27,7 @@ from guestd.files import watch
 from guestd.testing import Guestd
 from guestd.testing.local import NOBODY, REPO, start_guestd
 from guestd.testing.rawwire import RawPeer
+from guestd.wire.errors import GuestdError
 
 MiB = 1 << 20
 FILES = 20_000  # in the directory the storm renames
@@ -119,6 +121,18 @@ asyncio.run(main())
 """
 
 
+# The workload: renames argv[1] to argv[2] and back for argv[4] seconds, then makes argv[3].
+STORM = """
+import os, sys, time
+a, b, made, seconds = sys.argv[1:5]
+end = time.monotonic() + float(seconds)
+while time.monotonic() < end:
+    os.rename(a, b)
+    os.rename(b, a)
+open(made, "w").close()
+"""
+
+
 @contextmanager
 def echo_server() -> Iterator[str]:
     """A trivial asyncio echo server in a process of its own; yields its socket's path."""
@@ -178,13 +192,7 @@ def test_a_rename_storm_costs_guestd_under_64_mib_and_the_journal_says_what_it_l
             storm = workload(
                 [
                     "-c",
-                    "import os, sys, time\n"
-                    "a, b, made, seconds = sys.argv[1:5]\n"
-                    "end = time.monotonic() + float(seconds)\n"
-                    "while time.monotonic() < end:\n"
-                    "    os.rename(a, b)\n"
-                    "    os.rename(b, a)\n"
-                    "open(made, 'w').close()\n",
+                    STORM,
                     f"{ws}/big",
                     other,
                     f"{ws}/made-after-the-storm",
@@ -244,6 +252,25 @@ def test_a_rename_storm_costs_guestd_under_64_mib_and_the_journal_says_what_it_l
 
         asyncio.run(main())
         assert g.alive() and "Traceback" not in g.log(), g.log()
+
+        # SIGTERM in a storm, a journal report waiting for the watcher: guestd ends within 2 s.
+        storm = workload(["-c", STORM, f"{ws}/big", other, f"{ws}/unused", "10"])
+        try:
+
+            async def report_in_flight() -> None:
+                async with await AsyncClient.connect(g.address) as c:
+                    cursor = (await c.changes()).cursor
+                    in_flight = asyncio.ensure_future(c.changes(cursor))
+                    await asyncio.sleep(0.2)
+                    g.proc.terminate()
+                    await asyncio.get_running_loop().run_in_executor(None, g.proc.wait, 2)
+                    with contextlib.suppress(GuestdError):  # answered, or cut by the shutdown
+                        await in_flight
+
+            asyncio.run(report_in_flight())
+        finally:
+            storm.kill()
+            storm.wait(10)
 
 
 def test_the_journal_and_a_watch_work_with_guestd_fd_numbers_above_1024() -> None:
