@@ -174,6 +174,9 @@ def _ours(name: bytes, mask: int, names: set[bytes] | None) -> bool:
 
 
 class Watcher:
+    """One inotify instance following a tree on a thread of its own, handing ``Change`` batches
+    to ``sink`` (on that thread); ``on_end`` is told if the thread dies of an error."""
+
     def __init__(self, root_fd: int, sink: Sink, on_end: Callable[[BaseException], object] | None = None) -> None:
         self.root_fd = root_fd  # owned
         self.sink = sink
@@ -185,22 +188,21 @@ class Watcher:
         self.nodes: dict[int, Node] = {}  # wd -> node
         self.gen = 0  # bumped when a directory moves: cached paths are recomputed
         self.names_bytes = 0  # this watcher's part of NAMES
-        self.scans: dict[
-            tuple[int, bytes], tuple[Node, bytes, int, int]
-        ] = {}  # (parent wd, name) -> (parent, name, seq, tries)
+        # Directories waiting for their scan: (parent wd, name) -> (parent, name, seq, tries).
+        self.scans: dict[tuple[int, bytes], tuple[Node, bytes, int, int]] = {}
         self.scan_seq = 0
-        self.moved_from: tuple[int, Node] | None = (
-            None  # (cookie, node) of a directory moved away, until its other half
-        )
+        # (cookie, node) of a directory moved away, until the other half of the move.
+        self.moved_from: tuple[int, Node] | None = None
         self.batch: list[Change] = []
         self.batch_bytes = 0
         self.consumed = 0  # bytes of events read from the kernel
-        self.waiting: list[tuple[int, int, threading.Event]] = []  # syncs: (bytes to read, scans to end, done)
+        # Syncs being served: (bytes to read, scans to end, done).
+        self.waiting: list[tuple[int, int, threading.Event]] = []
         # Directories moved out of the tree, still watched a while: root wd -> (node, since,
         # changed meanwhile); and every wd of theirs -> its root's wd.
         self.limbo: dict[int, tuple[Node, float, bool]] = {}
         self.limbo_of: dict[int, int] = {}
-        self.known = False  # set by _watch: the directory was followed already (or came back from limbo)
+        self.known = False  # set by _watch: that directory was followed already (or back from limbo)
         self.ticks = 0
         self.yielded = 0.0  # when _tick last let the GIL go
         self.incomplete = False  # some directory of the tree is not watched (a bound was reached)
