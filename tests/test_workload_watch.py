@@ -491,3 +491,47 @@ def test_directories_moved_in_are_listed_within_a_budget_and_moves_are_one_chang
         w.stop()
         assert w.thread is not None
         w.thread.join(10)
+
+
+def test_at_the_kernels_watch_limit_the_journal_and_a_watch_say_overflow(tmp_path: object) -> None:
+    """guestd in a user namespace whose fs.inotify max_user_watches (user.max_inotify_watches)
+    is 8, a workspace of 20 directories: the directories past the limit are not followed, and
+    that is said: the journal reports overflow for every cursor (before: the overflow was
+    journaled before the first cursor and every report said overflow false, while changes in
+    12 directories went unseen) and a watch sends overflow."""
+    unshare = shutil.which("unshare")
+    probe = subprocess.run(
+        [unshare or "unshare", "-Ur", "sh", "-c", "echo 8 > /proc/sys/user/max_inotify_watches"],
+        capture_output=True,
+        check=False,
+    )
+    if unshare is None or probe.returncode != 0:
+        pytest.skip(f"no user namespace with its own inotify limits here: {probe.stderr!r}")
+    top = str(tmp_path)
+    ws = f"{top}/ws"
+    for i in range(20):
+        os.makedirs(f"{ws}/d{i:02d}")
+    with open(f"{top}/guestd.toml", "w") as f:
+        f.write(f'workspace = "{ws}"\n')
+    limit = ["sh", "-c", 'echo 8 > /proc/sys/user/max_inotify_watches && exec "$@"', "sh"]
+    g = start_guestd(top, "--config", f"{top}/guestd.toml", wrapper=[unshare, "-Ur", *limit])
+    try:
+
+        async def main() -> None:
+            async with await AsyncClient.connect(g.address) as c:
+                cursor = (await c.changes()).cursor
+                for i in range(20):
+                    with open(f"{ws}/d{i:02d}/made", "w"):
+                        pass
+                report = await c.changes(cursor, deadline=15)
+                assert report.overflow, report
+                w = c.watch(ws, latency_s=0)
+                await w.wait_ready()
+                it = w.__aiter__()
+                assert (await asyncio.wait_for(it.__anext__(), 30)).kind == "overflow"
+                await w.close()
+
+        asyncio.run(main())
+    finally:
+        g.stop()
+    assert "Traceback" not in g.log(), g.log()
