@@ -1663,11 +1663,20 @@ WORKSPACE_OPS: tuple[OpSpec, ...] = (
     OpSpec(
         "file.glob",
         "files",
-        "Paths under path whose relative path matches pattern (gitignore glob syntax, anchored; ** crosses "
-        "directories), sorted by bytes, at most max_results. Symlinks are listed, never followed.",
+        "Paths under path that match pattern, one glob read as file.grep's globs are (ripgrep's --glob): "
+        "without / it matches a name at any depth, with / it is anchored at path, ** crosses directories, "
+        "a trailing / matches directories only; sorted by bytes, at most max_results. Symlinks are listed, "
+        "never followed. Matching takes time linear in the path and the glob, and timeout_s covers it.",
         args=(
             F("path", "path", "directory to search", True),
-            F("pattern", "str", "glob over the relative path, e.g. **/*.py", True, min_len=1),
+            F(
+                "pattern",
+                "str",
+                "e.g. *.py (any depth), src/**/*.py, /*.py (the top only); blank, # or ! patterns and ones "
+                "that do not compile are bad_request",
+                True,
+                min_len=1,
+            ),
             F("gitignore", "bool", "leave out what .gitignore files in the tree ignore", default=False),
             F("hidden", "bool", "include names starting with a dot", default=True),
             F("max_results", "uint", "most paths returned", default=10_000, ge=1, le=1_000_000),
@@ -1677,7 +1686,12 @@ WORKSPACE_OPS: tuple[OpSpec, ...] = (
             F("paths", "list<path>", "matching paths relative to path, sorted by bytes", True),
             F("total", "uint", "matching paths found, returned or not", True),
             F("truncated", "bool", "total > max_results, or the walk stopped at a bound (see bound)", True),
-            F("bound", "enum(entries|depth|deadline)?", "the bound that stopped the walk early"),
+            F(
+                "bound",
+                "enum(entries|depth|deadline)?",
+                "the bound that stopped the walk early (depth: also a directory not entered because the "
+                ".gitignore rules along its path are too costly to hold)",
+            ),
         ),
         errors=("not_found", "not_a_directory", "permission_denied", "bad_request"),
     ),
