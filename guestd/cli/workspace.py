@@ -17,7 +17,9 @@ from guestd.wire.paths import printable_path
 def register(sub: Subcommands) -> None:
     f = add_command(sub, "find", find, help="guest paths under :DIR matching --glob (sorted)")
     f.add_argument("path", metavar=":DIR")
-    f.add_argument("--glob", required=True, help="a glob as grep's --glob: '*.py' at any depth, 'src/**/*.py' under src, '/*.py' the top only")
+    f.add_argument(
+        "--glob", required=True, help="a glob as grep's --glob: '*.py' at any depth, 'src/**/*.py', '/*.py' top only"
+    )
     f.add_argument("--gitignore", action="store_true", help="leave out what .gitignore files ignore")
     f.add_argument("--max", type=int, default=None, help="most results")
     g = add_command(sub, "grep", grep, help="search guest files (ripgrep's rules)")
