@@ -535,3 +535,51 @@ def test_at_the_kernels_watch_limit_the_journal_and_a_watch_say_overflow(tmp_pat
     finally:
         g.stop()
     assert "Traceback" not in g.log(), g.log()
+
+
+def test_the_journal_says_overflow_and_starts_a_new_watcher_when_its_watcher_died(tmp_path: object) -> None:
+    """WorkspaceChanges (the journal behind file.changes and report_changes) over a real
+    watcher whose thread dies: the report for a cursor from before says overflow (before: "no
+    changes" for good), and a new watcher follows the tree from then on, its cursors going on
+    from the old ones. Only the services it needs are stood in for (the workspace, I/O threads)."""
+    ws = str(tmp_path)
+
+    class Config:
+        workspace = ws
+
+    class Services:
+        config = Config()
+
+        async def run_in_io(self, fn: object, *args: object) -> object:
+            return await asyncio.to_thread(fn, *args)  # type: ignore[arg-type]
+
+    async def start(path: str, sink: watch.Sink) -> watch.Watcher:
+        w = watch.Watcher(os.open(path, os.O_RDONLY | os.O_DIRECTORY), sink)
+        w.start()
+        await asyncio.to_thread(w.ready.wait, 10)
+        return w
+
+    def broken() -> bool:
+        raise OSError(5, "Input/output error")
+
+    async def main() -> None:
+        feed = watch.WorkspaceChanges(Services(), start)  # type: ignore[arg-type]
+        cursor = await feed.begin()
+        first = feed.watcher
+        assert first is not None and first.alive
+        first._step = broken  # type: ignore[method-assign]
+        assert not await asyncio.to_thread(first.sync, 10)  # woken, it dies
+        with open(f"{ws}/made-meanwhile", "w"):
+            pass
+        report = await feed.report(cursor)
+        assert report["overflow"] is True
+        assert feed.watcher is not first and feed.watcher is not None and feed.watcher.alive
+        later = await feed.begin()
+        assert later > cursor
+        with open(f"{ws}/made-later", "w"):
+            pass
+        report = await feed.report(later)
+        assert report["created"] == ["made-later"] and report["overflow"] is False
+        feed.watcher.stop()
+
+    asyncio.run(main())
