@@ -1,10 +1,13 @@
 """The change feed under a hostile workload (issue 29, defects 3 and 4; issue 32's temp names),
-against a real guestd: a rename storm of a 20,000-file directory costs guestd a bounded amount
-of memory and the journal says either what was made or that it lost changes (never "nothing
-changed"); the watcher and the journal work with guestd's fd numbers above 1024 (select()
-failed there and the watcher's thread died in silence); ``file.write``'s temp names never
-show up; a watcher whose thread dies ends its watch with a typed error and makes the journal
-say overflow; the bound on watched directories is said, not silent."""
+against a real guestd unless said: a rename storm of a 20,000-file directory (within the
+workspace, or out of it and in again) costs guestd a bounded amount of memory, pings answer,
+SIGTERM ends guestd, and the journal says either what was made or that it lost changes (never
+"nothing changed"); the watcher and the journal work with guestd's fd numbers above 1024
+(select() failed there and the watcher's thread died in silence); ``file.write``'s temp names
+never show up; at the kernel's max_user_watches the journal and a watch say overflow. In
+process: a watcher whose thread dies tells its users and the journal starts a new one; the
+bounds on watched directories, on the backlog and on the journal are said as overflow;
+directories moved in are listed within a budget, moves within the tree are one change."""
 
 from __future__ import annotations
 
