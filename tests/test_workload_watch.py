@@ -586,3 +586,28 @@ def test_the_journal_says_overflow_and_starts_a_new_watcher_when_its_watcher_die
         feed.watcher.stop()
 
     asyncio.run(main())
+
+
+def test_a_watchs_globs_are_matched_on_its_watchers_thread() -> None:
+    """include/exclude of file.watch (matched on the watcher's thread, its CPU bounded, not on
+    guestd's event loop): only the files they take are reported."""
+    with workspace("guestd-watchglobs-") as (g, ws):
+
+        async def main() -> None:
+            async with await AsyncClient.connect(g.address) as c:
+                w = c.watch(ws, include=["*.py"], exclude=["skip/**"], latency_s=0)
+                await w.wait_ready()
+                os.makedirs(f"{ws}/skip")
+                for name in ("a.py", "b.txt", "skip/c.py", "end.py"):
+                    with open(f"{ws}/{name}", "w"):
+                        pass
+                files: set[bytes] = set()
+                it = w.__aiter__()
+                while b"end.py" not in files:  # bounded: each wait is
+                    change = await asyncio.wait_for(it.__anext__(), 30)
+                    if not change.is_dir:
+                        files.add(change.path)
+                assert files == {b"a.py", b"end.py"}
+                await w.close()
+
+        asyncio.run(main())

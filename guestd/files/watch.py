@@ -792,10 +792,17 @@ class Handoff:
     does with ``IN_Q_OVERFLOW``. One wake is scheduled on the loop at a time."""
 
     def __init__(
-        self, loop: asyncio.AbstractEventLoop, wake: Callable[[], None], max_bytes: int = MAX_HANDOFF_BYTES
+        self,
+        loop: asyncio.AbstractEventLoop,
+        wake: Callable[[], None],
+        keep: Callable[[bytes, bool], bool] | None = None,
+        max_bytes: int = MAX_HANDOFF_BYTES,
     ) -> None:
         self.loop = loop
         self.wake = wake
+        # The watch's include/exclude globs, matched on the watcher's thread (its CPU bounded
+        # by DUTY, the GIL offered as it goes), not on the event loop.
+        self.keep = keep
         self.max_bytes = max_bytes
         self.lock = threading.Lock()
         self.changes: list[Change] = []
@@ -806,6 +813,9 @@ class Handoff:
 
     def put(self, changes: list[Change]) -> None:
         """On the watcher's thread."""
+        keep = self.keep
+        if keep is not None:
+            changes = [c for c in changes if c[0] == "overflow" or keep(c[1], c[2])]
         with self.lock:
             for change in changes:
                 cost = change_cost(change[1])

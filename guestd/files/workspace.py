@@ -235,7 +235,7 @@ def register_workspace(services: Services, fsys: FileSystem, ids: tuple[int, int
         wake = asyncio.Event()
         # The watcher's thread hands changes over a bounded backlog (a slow loop or client
         # costs an overflow, never memory); only this loop touches pending.
-        handoff = Handoff(loop, wake.set)
+        handoff = Handoff(loop, wake.set, keep=lambda path, is_dir: flt.decide(path, is_dir) != "skip")
         watcher = await start_watcher(a["path"], handoff.put, handoff.end)
         sent = 0
         try:
@@ -252,7 +252,7 @@ def register_workspace(services: Services, fsys: FileSystem, ids: tuple[int, int
                         await asyncio.sleep(0)  # a 4 MiB backlog is taken in steps: pings go between
                     if kind == "overflow":
                         overflow = True
-                    elif flt.decide(path, is_dir) != "skip":
+                    else:
                         seen = pending.get(path)
                         if seen is not None:
                             pending[path] = (seen[0], kind, is_dir)
