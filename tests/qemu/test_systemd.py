@@ -228,6 +228,7 @@ def test_a_memory_hog_is_reported_as_oom_in_the_shipped_config(vm: GuestVM) -> N
         r = c.exec(["sh", "-c", "head -c 48M /dev/zero | tail >/dev/null"], timeout_s=120)
         assert (r.exit_code, r.killed_by, r.oom_killed) == (0, None, False), r
         assert r.max_rss_bytes is not None and r.max_rss_bytes >= 48 << 20
+        shipped = c.read_file(limit).strip()  # "auto" as computed at start (issue 35)
         c.write_file(limit, str(96 << 20), flag="append")  # cgroupfs: written in place
         try:
             r = c.exec(["tail", "/dev/zero"], timeout_s=120)
@@ -241,7 +242,7 @@ def test_a_memory_hog_is_reported_as_oom_in_the_shipped_config(vm: GuestVM) -> N
             assert (sr.exit_code, sr.killed_by, sr.oom_killed) == (137, "oom", True), sr
             c.shell_close(sid)
         finally:
-            c.write_file(limit, "max", flag="append")
+            c.write_file(limit, shipped, flag="append")
 
 
 def test_a_200_mib_line_grepped_under_the_memory_limit_fails_the_run_not_guestd(vm: GuestVM, tmp_path: object) -> None:
@@ -267,6 +268,7 @@ def test_a_200_mib_line_grepped_under_the_memory_limit_fails_the_run_not_guestd(
             return int(next(ln for ln in status.splitlines() if ln.startswith("VmRSS:")).split()[1])
 
         before = rss_kib()
+        shipped = c.read_file(limit).strip()  # "auto" as computed at start (issue 35)
         c.write_file(limit, str(128 << 20), flag="append")
         try:
             with pytest.raises(GuestdError) as err:
@@ -276,10 +278,127 @@ def test_a_200_mib_line_grepped_under_the_memory_limit_fails_the_run_not_guestd(
             assert rss_kib() - before < 64 << 10  # KiB: guestd held none of the line
             assert c.grep("/workspace/bigline/small.txt", "NEEDLE", deadline=300).matches == 1
         finally:
-            c.write_file(limit, "max", flag="append")
-        r = c.grep("/workspace/bigline", "NEEDLE", timeout_s=600, deadline=900)  # without the limit: found, cut
+            c.write_file(limit, shipped, flag="append")
+        r = c.grep("/workspace/bigline", "NEEDLE", timeout_s=600, deadline=900)  # under the shipped limit: found, cut
         assert r.matches == 2 and sorted((ln.path, ln.truncated) for ln in r.lines) == [
             ("oneline.txt", True),
             ("small.txt", False),
         ]
         c.remove("/workspace/bigline", recursive=True)
+
+
+WORKLOAD = "/sys/fs/cgroup/guestd-workload"
+# Every process forks copies of itself in a loop (dash: a process whose fork is refused exits,
+# its parent forks again): its run's pids.max is reached within seconds under TCG and stays full.
+FORK_BOMB = ["sh", "-c", "b() { while :; do b & done; }; b 2>/dev/null"]
+
+
+def _leaf_of(c: Client, pid: int) -> str:
+    """The cgroup directory a workload process runs in (read by guestd, as root)."""
+    return "/sys/fs/cgroup" + c.read_file(f"/proc/{pid}/cgroup").decode().strip().removeprefix("0::")
+
+
+def _grows(c: Client, path: str, by: int, within_s: float) -> bool:
+    """Does the file grow by ``by`` bytes within ``within_s`` (polled)?"""
+
+    def size() -> int:
+        return c.stat(path).size if c.exists(path) else 0
+
+    start, deadline = size(), time.monotonic() + within_s
+    while time.monotonic() < deadline:
+        if size() >= start + by:
+            return True
+        time.sleep(0.2)
+    return False
+
+
+def test_a_fork_bomb_leaves_other_runs_their_forks_and_cpu(vm: GuestVM) -> None:
+    """Issue 35, defect 1, in the shipped config: a background process's fork bomb takes its
+    own run's share (a pids.max and an equal cpu.weight per leaf), not every run's: another
+    exec answers within 5 s, another background process's heartbeat beats on, a new shell
+    session forks. Before, the bomb's spinners shared one pid budget and one CPU share with
+    every run (5,224 workload pids: exec echo timed out, the heartbeat stopped)."""
+    hb = "/tmp/fair-heartbeat"
+    with vm.client(timeout_s=300) as c:
+        status = c.info().raw["workload_cgroup"]
+        assert "and an equal cpu.weight each" in status, status
+        workload_pids = int(c.read_file(f"{WORKLOAD}/pids.max"))
+        beat = c.process_start(f"while :; do echo b >> {hb}; sleep 0.1; done")
+        bomb = c.process_start(FORK_BOMB)
+        try:
+            assert _grows(c, hb, 4, 60), "the heartbeat never started"
+            leaf = _leaf_of(c, bomb["pid"])
+            run_pids = int(c.read_file(f"{leaf}/pids.max"))
+            assert f"pids.max={run_pids} " in status and run_pids < workload_pids, (run_pids, status)
+            # Until the bomb holds its whole share: its leaf counts refused forks (bounded wait).
+            deadline = time.monotonic() + 300
+            while b"max 0" in c.read_file(f"{leaf}/pids.events"):
+                assert time.monotonic() < deadline, c.read_file(f"{leaf}/pids.current")
+                time.sleep(0.5)
+            for _ in range(3):  # each one a fork in a leaf of its own, answered within 5 s
+                assert c.exec(["echo", "x"], timeout_s=30, deadline=5).stdout == b"x\n"
+            assert _grows(c, hb, 10, 10), "the heartbeat stopped"
+            sid = c.shell_create(deadline=30)["id"]
+            assert c.shell_run(sid, "/bin/echo y", timeout_s=30, deadline=10).stdout == b"y\n"
+            c.shell_close(sid)
+            assert int(c.read_file(f"{leaf}/pids.current")) <= run_pids
+        finally:
+            for p in (bomb, beat):
+                c.process_signal(p["id"], "KILL")  # cgroup.kill: the whole bomb at once
+        assert c.process_wait(bomb["id"], timeout_s=120)["state"] == "exited"
+
+
+def _root_services(c: Client) -> dict[str, int]:
+    """pid of each root service the guest's OOM killer took before (issue 35); no fork per pid."""
+    each = 'for p in /proc/[0-9]*; do read -r n < "$p/comm" && echo "${p#/proc/} $n"; done 2>/dev/null'
+    out = c.exec(["sh", "-c", each], timeout_s=120).stdout.decode()
+    wanted = {"systemd-journal", "systemd-udevd", "agetty"}
+    return {name: int(pid) for pid, _, name in (ln.partition(" ") for ln in out.splitlines()) if name in wanted}
+
+
+def _proc_field(c: Client, path: str, name: str) -> int:
+    """A number from /proc/vmstat or /proc/meminfo (read by guestd)."""
+    return int(next(ln.split()[1] for ln in c.read_file(path).decode().splitlines() if ln.split()[0] == name))
+
+
+def test_filling_ram_backed_files_meets_the_workloads_own_limit(vm: GuestVM) -> None:
+    """Issue 35, defect 2, in the shipped config: the workload fills /workspace (on the RAM
+    root) and /dev/shm to ENOSPC, both sized at boot below its memory.max ("auto"), without
+    one OOM kill in the guest: root services and an earlier shell session live on, the system
+    keeps its reserve, and the host still starts a code context. A memory hog on top of the
+    files then meets the OOM killer inside the workload cgroup, and only the hog dies. Before,
+    the fill left 24 MiB of 1,966 available and the guest's OOM killer took root services,
+    shells and a starting kernel."""
+    with vm.client(timeout_s=300) as c:
+        status = c.info().raw["workload_cgroup"]
+        assert "(auto: MemTotal" in status, status
+        limit = int(c.read_file(f"{WORKLOAD}/memory.max"))
+        services = _root_services(c)
+        assert set(services) == {"systemd-journal", "systemd-udevd", "agetty"}, services
+        sid = c.shell_create(cwd="/tmp")["id"]
+        bash = c.shell_run(sid, "echo $$", timeout_s=60).stdout
+        kills = _proc_field(c, "/proc/vmstat", "oom_kill")  # every OOM kill, a cgroup's or the guest's
+        try:
+            for path in ("/workspace/fill", "/dev/shm/fill"):
+                r = c.exec(["dd", "if=/dev/zero", f"of={path}", "bs=1M"], timeout_s=600)
+                assert (r.exit_code, r.oom_killed, b"No space left on device" in r.stderr) == (1, False, True), r
+            held = int(c.read_file(f"{WORKLOAD}/memory.current"))  # the files are the workload's
+            assert c.stat("/workspace/fill").size + c.stat("/dev/shm/fill").size <= held <= limit
+            assert _proc_field(c, "/proc/vmstat", "oom_kill") == kills, "an OOM kill in the guest"
+            assert _proc_field(c, "/proc/meminfo", "MemAvailable:") >= 256 << 10, "the system's reserve is gone"
+            assert _root_services(c) == services
+            assert c.shell_run(sid, "echo $$", timeout_s=60).stdout == bash
+            ctx = c.code_create(deadline=300)["id"]
+            assert c.code_run("6 * 7", context=ctx, timeout_s=300).text == "42"
+            # The files stay; memory the workload asks for on top meets its own limit.
+            r = c.exec(["tail", "/dev/zero"], timeout_s=300)
+            assert (r.killed_by, r.oom_killed) == ("oom", True), r
+            assert _root_services(c) == services
+            assert c.shell_run(sid, "echo $$", timeout_s=60).stdout == bash
+            assert c.code_run("6 * 7", context=ctx, timeout_s=300).text == "42"
+            c.code_close(ctx)
+        finally:
+            for path in ("/workspace/fill", "/dev/shm/fill"):
+                if c.exists(path):
+                    c.remove(path)
+            c.shell_close(sid)
