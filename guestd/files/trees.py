@@ -12,7 +12,9 @@ target must stay in the tree both read as text and resolved through the links th
 itself made (``Links``: once every entry is in, each target is resolved over a trie of the
 archive's links, a name that is no link counting as a directory whether it exists or not, so
 ``a/b/c/up -> ../..`` then ``a/b/c/esc -> up/../../../..`` is refused whatever the order of
-the two); a chain of more than 40 links, or a loop, is refused too. On success the
+the two); a chain of more than 40 links, a loop, or a target of 4096 bytes or more is refused
+too. What waits for the end (directories' modes and mtimes, the links) is bounded in bytes
+(``MAX_TREE_REMEMBERED``), and tarfile's own list of the members read is dropped as it grows. On success the
 temp directory gets its final mode and owner and is renamed into place (``RENAME_NOREPLACE``;
 with ``replace``, exchanged with the old tree, which is then removed); on any failure it is
 removed: nothing half-extracted is left at the target. Modes lose setuid and setgid. New
@@ -35,6 +37,7 @@ import threading
 from collections.abc import Callable, Generator, Iterator
 
 from guestd.files.fs import (
+    PATH_MAX,
     RESOLVE_BENEATH,
     RESOLVE_NO_MAGICLINKS,
     RESOLVE_NO_SYMLINKS,
@@ -50,6 +53,13 @@ from guestd.files.walk import Filter, Walk
 from guestd.wire.errors import ErrorCode, GuestdError
 
 MAX_TREE_ENTRIES = 1_000_000  # entries one archive may hold
+# What the extraction remembers until the end, in bytes of guestd's memory (counted as measured:
+# a directory entry's mode and mtime, set last, about 170 bytes and its path; a link, checked once
+# all are in, about 350 bytes per name on its path and its target): about 190,000 links or 330,000
+# directories; beyond, the upload is refused (limit max_tree_remembered).
+MAX_TREE_REMEMBERED = 64 * 1024 * 1024
+_DIR_COST = 200
+_LINK_NODE_COST = 350
 MAX_WRITE_MANY = 256  # files one file.write_many may write (each holds two fds until the commit)
 COPY = 1024 * 1024
 _DIR = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
@@ -180,18 +190,21 @@ class Links:
         self.root = _LinkNode(None, "")
         self.order: list[_LinkNode] = []  # the links in archive order (one node per name)
 
-    def add(self, parts: list[str], target: str) -> None:
-        node = self.root
+    def add(self, parts: list[str], target: str) -> int:
+        """A link at ``parts``; returns how many names the trie grew by."""
+        node, grew = self.root, 0
         for name in parts:
             if node.children is None:
                 node.children = {}
             child = node.children.get(name)
             if child is None:
                 child = node.children[name] = _LinkNode(node, name)
+                grew += 1
             node = child
         if node.target is None:
             self.order.append(node)
         node.target = target
+        return grew
 
     def remove(self, parts: list[str]) -> None:
         """The link at ``parts`` was replaced by a file."""
@@ -273,7 +286,8 @@ class Extractor:
         self.root = -1
         self.entries = 0
         self.bytes = 0
-        self.dirs: list[tuple[list[str], int, float]] = []  # (parts, mode, mtime) set at the end
+        self.dirs: list[tuple[str, int, float]] = []  # (relative path, mode, mtime) set at the end
+        self.remembered = 0  # bytes, against MAX_TREE_REMEMBERED
         self.root_meta: tuple[int, float] | None = None
         self.cached: tuple[str, int] | None = None  # the last parent directory: (rel, fd)
         self.links = Links()
@@ -355,6 +369,8 @@ class Extractor:
             raise refused(name, "fifo", "FIFOs are not extracted")
         if not (m.isdir() or m.isreg() or m.issym()):
             raise refused(name, "type", "an entry of an unknown type")
+        if m.issym() and len(os.fsencode(m.linkname)) >= PATH_MAX:
+            raise refused(name, "link_long", f"symlink target of {len(os.fsencode(m.linkname))} bytes")
         if m.issym() and not _link_stays_inside(parts, m.linkname):
             raise refused(name, "link_out", f"symlink to {m.linkname!r} points out of the tree")
         parent = self._parent(parts, name)
@@ -367,13 +383,15 @@ class Extractor:
                 except FileExistsError:
                     if not st.S_ISDIR(os.stat(last, dir_fd=parent, follow_symlinks=False).st_mode):
                         raise refused(name, "duplicate", "a directory over a file of the same name") from None
-                self.dirs.append((parts, mode, m.mtime))
+                rel = "/".join(parts)
+                self._remember(_DIR_COST + len(rel))
+                self.dirs.append((rel, mode, m.mtime))
                 return
             if self._clear(parent, last, name):
                 self.links.remove(parts)
             if m.issym():
                 os.symlink(m.linkname, last, dir_fd=parent)
-                self.links.add(parts, m.linkname)
+                self._remember(_LINK_NODE_COST * self.links.add(parts, m.linkname) + len(m.linkname))
                 if self.owner is not None:
                     os.chown(last, *self.owner, dir_fd=parent, follow_symlinks=False)
                 os.utime(last, ns=(int(m.mtime * 1e9),) * 2, dir_fd=parent, follow_symlinks=False)
@@ -403,6 +421,16 @@ class Extractor:
         finally:
             os.close(parent)
 
+    def _remember(self, nbytes: int) -> None:
+        self.remembered += nbytes
+        if self.remembered > MAX_TREE_REMEMBERED:
+            raise GuestdError(
+                ErrorCode.LIMIT,
+                f"the archive has more directories and symlinks than guestd keeps in mind"
+                f" ({MAX_TREE_REMEMBERED >> 20} MiB: about 190,000 links or 330,000 directories)",
+                details={"limit": "max_tree_remembered", "value": MAX_TREE_REMEMBERED},
+            )
+
     def _own_at(self, parent: int, last: str) -> None:
         if self.owner is not None:
             os.chown(last, *self.owner, dir_fd=parent, follow_symlinks=False)
@@ -422,8 +450,7 @@ class Extractor:
 
     def _finish_dirs(self) -> None:
         """Modes and mtimes of directories, deepest first (creating entries changes mtimes)."""
-        for parts, mode, mtime in sorted(self.dirs, key=lambda d: -len(d[0])):
-            rel = "/".join(parts)
+        for rel, mode, mtime in sorted(self.dirs, key=lambda d: -d[0].count("/")):
             try:
                 fd = openat2(self.root, rel, _DIR, 0, _RESOLVE)
             except OSError:
