@@ -126,3 +126,8 @@ def test_a_link_replaced_by_a_later_file_no_longer_counts(c: Client, env: tuple[
     data = archive(("a/b/c/up", "."), ("a/b/c/up", "../.."), ("a/b/c/esc", "up/../../../.."))
     err = refused(c, ws, data, "relinked")  # and a later link's target is the one checked
     assert err.details == {"entry": "a/b/c/esc", "reason": "link_out"}
+
+
+def test_a_link_target_too_long_for_the_kernel_is_refused_by_name(c: Client, env: tuple[Guestd, str]) -> None:
+    err = refused(c, env[1], archive(("ok", "x"), ("long", "a/" * 2048)), "long-target")
+    assert err.details == {"entry": "long", "reason": "link_long"}

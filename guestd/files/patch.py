@@ -60,6 +60,7 @@ MAX_REPORTED = 100  # failed hunks listed in the conflict's details
 MAX_PLACEMENT_SCAN = 256 * 1024 * 1024  # bytes looked at to place the hunks of one patch
 _MAX_DIGITS = 9  # a hunk header's numbers: a 16 MiB file has fewer lines than 10**9
 _NEWLINE = 0x0A
+_WINDOW = 1 << 20  # bytes one find or count looks at (about 1 ms holding the GIL)
 Action = Literal["modify", "create", "delete"]
 
 
@@ -279,7 +280,9 @@ class _OutOfBudget(Exception):
 
 
 class _Scan:
-    """Bytes looked at while placing hunks, charged to one budget for the whole patch."""
+    """Bytes looked at while placing hunks, charged to one budget for the whole patch. Scans go
+    in windows of about ``_WINDOW`` bytes: ``bytes.find`` and ``count`` hold the GIL, and a
+    16 MiB scan in one call would hold it (and every other request) for 15-60 ms."""
 
     def __init__(self, budget: int) -> None:
         self.left = budget
@@ -292,16 +295,23 @@ class _Scan:
 
     def find(self, data: bytes, needle: bytes, start: int) -> int:
         """``data.find(needle, start)`` within what is left of the budget."""
-        stop = min(len(data), start + self.left + len(needle))
-        at = data.find(needle, start, stop)
-        self.left -= min(self.left, (stop if at < 0 else at + len(needle)) - start)
-        if at < 0 and stop < len(data):
+        end = min(len(data), start + self.left + len(needle))
+        step = max(_WINDOW, len(needle))  # windows overlap by len(needle) - 1: no match is cut
+        pos = start
+        while True:
+            stop = min(end, pos + step + len(needle) - 1)
+            at = data.find(needle, pos, stop)
+            if at >= 0 or stop >= end:
+                break
+            pos += step
+        self.left -= min(self.left, (end if at < 0 else at + len(needle)) - start)
+        if at < 0 and end < len(data):
             raise _OutOfBudget
         return at
 
     def newlines(self, data: bytes, start: int, stop: int) -> int:
         self.take(stop - start)
-        return data.count(b"\n", start, stop)
+        return sum(data.count(b"\n", pos, min(stop, pos + _WINDOW)) for pos in range(start, stop, _WINDOW))
 
 
 def _line_offset(data: bytes, off: int, count: int, scan: _Scan) -> int | None:
@@ -325,7 +335,7 @@ def _line_offset(data: bytes, off: int, count: int, scan: _Scan) -> int | None:
         need -= found
         if hi >= end:  # out of newlines: a last line without one is one more line
             return end if need == 1 and off < end and not data.endswith(b"\n") else None
-        lo, step = hi, step * 2
+        lo, step = hi, min(step * 2, _WINDOW)
     while hi - lo > 1:  # [lo, hi) holds the need-th newline from lo
         mid = (lo + hi) // 2
         found = scan.newlines(data, lo, mid)
