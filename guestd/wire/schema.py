@@ -1658,7 +1658,16 @@ WORKSPACE_OPS: tuple[OpSpec, ...] = (
             F("strip", "uint", "leading path components to drop from names (patch -p)", default=1, le=32),
         ),
         result=(F("files", "list<patched_file>", "each file changed, in patch order", True),),
-        errors=("conflict", "bad_request", "not_found", "not_a_file", "permission_denied", "too_large", "exists"),
+        errors=(
+            "conflict",
+            "bad_request",
+            "not_found",
+            "not_a_file",
+            "permission_denied",
+            "too_large",
+            "exists",
+            "limit",
+        ),
     ),
     OpSpec(
         "file.glob",
