@@ -19,6 +19,7 @@ import signal
 import subprocess
 import tarfile
 import threading
+import time
 import warnings
 from collections.abc import Callable, Iterator
 from io import BytesIO
@@ -569,3 +570,26 @@ def test_a_gitignore_too_costly_to_hold_leaves_its_directory_unentered_and_says_
     assert r.truncated and r.bound == "depth"
     whole = c.glob(root, "**", gitignore=False)
     assert b"sub/inside.txt" in {os.fsencode(p) for p in whole.paths} and not whole.truncated
+
+
+def test_a_cancelled_download_stops_its_costly_walk() -> None:
+    """A tree.download cancelled while its I/O thread matches a hostile .gitignore: the walk ends
+    within a moment (Archive.close stops it before taking its lock), instead of burning a CPU
+    in guestd until the whole tree has been matched."""
+    import psutil
+
+    with workspace_guestd("guestd-patterns-cancel-", prepare=lambda top, ws: _plant_heavy(ws)) as (g, ws):
+        proc = psutil.Process(g.proc.pid)
+        with g.client() as client, pytest.raises((GuestdError, TimeoutError)):
+            client.download_tree(f"{ws}/heavy", gitignore=True, deadline=1.0)  # cancelled mid-walk
+
+        def busy_share(window_s: float = 0.5) -> float:
+            before, t0 = sum(proc.cpu_times()[:2]), time.monotonic()
+            time.sleep(window_s)
+            return (sum(proc.cpu_times()[:2]) - before) / (time.monotonic() - t0)
+
+        deadline = time.monotonic() + 3  # the walk left alone takes longer than this (about 8 s here)
+        share = busy_share()
+        while share > 0.2 and time.monotonic() < deadline:
+            share = busy_share()
+        assert share <= 0.2, f"guestd still spends {share:.0%} of a CPU on a cancelled download"

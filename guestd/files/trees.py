@@ -533,6 +533,9 @@ class Archive:
             return next(self.gen, None)
 
     def close(self) -> None:
+        # A download cancelled while its I/O thread walks (a costly .gitignore, a huge tree)
+        # holds the lock: stop the walk first, so the thread lets go within milliseconds.
+        self.walk.stop()
         with self.lock:
             if not self.closed:
                 self.closed = True
