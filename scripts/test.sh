@@ -32,7 +32,8 @@ if [ "$#" = 0 ]; then
   # The subprocess fallback (machines where the C extension cannot be built) keeps its promises too.
   echo "== pytest, spawn fallback (GUESTD_NATIVE_SPAWN=0)"
   GUESTD_NATIVE_SPAWN=0 .venv/bin/python -m pytest -q -p no:cacheprovider \
-    tests/test_exec.py tests/test_processes.py tests/test_shells.py tests/test_containment.py tests/test_runs.py
+    tests/test_exec.py tests/test_processes.py tests/test_shells.py tests/test_containment.py tests/test_runs.py \
+    tests/test_workload_grep.py
   # guestd.integrations against the real frameworks (pinned in scripts/integrations-requirements.txt),
   # in a venv of their own; skipped with the reason when it cannot be built (no PyPI).
   echo "== integrations: SWE-ReX, mini-swe-agent (.venv-int)"
