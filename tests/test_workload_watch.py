@@ -20,7 +20,7 @@ import sys
 import tempfile
 import threading
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager
 
 import pytest
 
@@ -28,7 +28,7 @@ from guestd.client import AsyncClient
 from guestd.client.workspace import Change
 from guestd.files import watch
 from guestd.testing import Guestd
-from guestd.testing.local import NOBODY, REPO, start_guestd
+from guestd.testing.local import NOBODY, REPO, start_guestd, workspace_guestd
 from guestd.testing.rawwire import RawPeer
 from guestd.wire.errors import GuestdError
 
@@ -37,29 +37,10 @@ FILES = 20_000  # in the directory the storm renames
 STORM_S = 5.0
 
 
-@contextmanager
-def workspace(prefix: str, limits: str = "") -> Iterator[tuple[Guestd, str]]:
+def workspace(prefix: str, limits: str = "") -> AbstractContextManager[tuple[Guestd, str]]:
     """A guestd whose workspace is a new directory (owned by nobody when run as root), with
     ``limits`` lines added to its config's ``[limits]``; yields ``(guestd, workspace)``."""
-    top = tempfile.mkdtemp(prefix=prefix)
-    try:
-        os.chmod(top, 0o755)
-        ws = f"{top}/ws"
-        os.makedirs(ws)
-        config = f'workspace = "{ws}"\n'
-        if os.geteuid() == 0:
-            os.chown(ws, NOBODY, NOBODY)
-            config += '[policy]\nworkload_user = "nobody"\n'
-        config += "[limits]\n" + limits
-        with open(f"{top}/guestd.toml", "w") as f:
-            f.write(config)
-        g = start_guestd(top, "--config", f"{top}/guestd.toml")
-        try:
-            yield g, ws
-        finally:
-            g.stop()
-    finally:
-        shutil.rmtree(top, ignore_errors=True)
+    return workspace_guestd(prefix, limits=limits)
 
 
 def memory(pid: int) -> tuple[int, int]:

@@ -194,10 +194,13 @@ def scratch_guestd(prefix: str, *args: str) -> Iterator[Guestd]:
 
 
 @contextmanager
-def workspace_guestd(prefix: str, *, prepare: Callable[[str, str], None] | None = None) -> Iterator[tuple[Guestd, str]]:
+def workspace_guestd(
+    prefix: str, *, prepare: Callable[[str, str], None] | None = None, limits: str = ""
+) -> Iterator[tuple[Guestd, str]]:
     """A guestd whose workspace is a new directory; yields ``(guestd, workspace)`` and removes
     both after. As root the workload user is nobody, who owns the workspace. ``prepare(top,
-    workspace)`` runs before the start (to plant files, or a directory outside beside it)."""
+    workspace)`` runs before the start (to plant files, or a directory outside beside it);
+    ``limits`` are lines for the config's ``[limits]`` table."""
     top = tempfile.mkdtemp(prefix=prefix)
     try:
         os.chmod(top, 0o755)
@@ -207,6 +210,8 @@ def workspace_guestd(prefix: str, *, prepare: Callable[[str, str], None] | None 
         if os.geteuid() == 0:
             os.chown(ws, NOBODY, NOBODY)
             config += '[policy]\nworkload_user = "nobody"\n'
+        if limits:
+            config += "[limits]\n" + limits
         if prepare is not None:
             prepare(top, ws)
         with open(f"{top}/guestd.toml", "w") as f:
