@@ -84,15 +84,15 @@ def test_swerex_suite_on_guestd_passes_at_least_as_many_as_local_runtime(upstrea
     guestd_passes = sorted(n for n, o in guestd.items() if o == "passed")
     local_passes = sorted(n for n, o in local.items() if o == "passed")
     # The condition the comparison holds under: LocalRuntime's pexpect bash echoes and adds \r\n
-    # when TERM names a terminal (TERM=xterm: 33 passed, 16 failed on 2026-12-03); guestd's
-    # outcome does not depend on TERM (checked below), so the fair baseline is TERM unset.
+    # when TERM names a terminal (TERM=xterm: 33 passed, 16 failed on 2026-12-03, an idle
+    # machine; not re-run here, to keep CI in budget); guestd's outcome does not depend on TERM
+    # (checked below), so the fair baseline is TERM unset.
     guestd_xterm = run_suite(upstream_suite, "guestd", tmp_path, term="xterm")
-    local_xterm = run_suite(upstream_suite, "local", tmp_path, term="xterm")
     print(
         f"SWE-ReX 1.4.0 tests/test_execution.py, same machine, same run (load {os.getloadavg()[0]:.1f} on "
         f"{os.cpu_count()} CPUs; LocalRuntime's pexpect waits time out on a loaded machine):\n"
         f"  TERM unset:  guestd {counts(guestd)}; LocalRuntime {counts(local)}\n"
-        f"  TERM=xterm:  guestd {counts(guestd_xterm)}; LocalRuntime {counts(local_xterm)}"
+        f"  TERM=xterm:  guestd {counts(guestd_xterm)}"
     )
     assert len(guestd) == len(local) >= 49, (guestd, local)  # the whole file ran on both
     failing = {n for n, o in guestd.items() if o in ("failure", "error")}
