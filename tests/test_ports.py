@@ -474,7 +474,7 @@ def test_port_list_and_the_watch_see_a_listener_come_and_go(guest: Guestd, gc: C
         assert listener.pid == started["pid"]
         await c.process_signal(started["id"], "KILL")
         await until("removed", 18098)
-        await changes.aclose()  # type: ignore[attr-defined]
+        await changes.aclose()
 
     arun(guest, body)
 
