@@ -13,6 +13,7 @@ reported in ``truncated``, never silent.
 
 from __future__ import annotations
 
+import heapq
 import os
 import stat as st
 from collections.abc import Generator, Iterator
@@ -62,6 +63,9 @@ class Filter:
 
     def __post_init__(self) -> None:
         self.overrides = Overrides((["!.git"] if self.skip_git else []) + self.globs)
+
+
+SORT_CHUNK = 16_384  # names sorted in one call (a few ms); larger directories are merged lazily
 
 
 @dataclass
@@ -142,7 +146,7 @@ class Walk:
                 except OSError:
                     self.errors += 1  # swapped for a symlink or a file, removed, or denied: not entered
                     continue
-                sub_names = self._names(sub)
+                sub_names = self._names(sub, pending=sum(len(level[2]) for level in stack))
                 if sub_names is None:
                     os.close(sub)
                     continue
@@ -174,16 +178,30 @@ class Walk:
             return above, held
         return [*above, (rel, rules)], held + rules.cost
 
-    def _names(self, fd: int) -> list[bytes] | None:
-        """The names in ``fd``, sorted so that pop() gives them in byte order."""
+    def _names(self, fd: int, pending: int = 0) -> list[bytes] | None:
+        """The names in ``fd``, sorted so that pop() gives them in byte order.
+
+        A workload directory may hold millions of names: at most what the walk may still look
+        at (``max_entries`` less what it scanned and the ``pending`` names already listed) is
+        read, one more to say it was cut (the walk then stops, truncated "entries"), so the
+        names held stay within ``max_entries``. They are sorted in chunks merged lazily: one
+        ``sort()`` of 2M names held the GIL (and guestd's loop) for seconds."""
+        room = max(0, self.max_entries - self.scanned - pending) + 1
+        names: list[bytes] = []
         try:
             with os.scandir(fd) as it:
-                names = [os.fsencode(e.name) for e in it]
+                for e in it:
+                    names.append(os.fsencode(e.name))
+                    if len(names) >= room:
+                        break
         except OSError:
             self.errors += 1
             return None
-        names.sort(reverse=True)
-        return names
+        if len(names) <= SORT_CHUNK:
+            names.sort(reverse=True)
+            return names
+        chunks = [sorted(names[i : i + SORT_CHUNK], reverse=True) for i in range(0, len(names), SORT_CHUNK)]
+        return list(heapq.merge(*chunks, reverse=True))
 
     def _takes(self, rel: bytes, name: bytes, is_dir: bool, ignores: list[tuple[bytes, RuleSet]]) -> bool:
         f = self.filter
