@@ -18,6 +18,7 @@ import asyncio
 import os
 import shutil
 import socket
+import subprocess
 import tempfile
 import time
 from collections.abc import Iterator
@@ -26,7 +27,7 @@ import psutil
 import pytest
 
 from guestd.client import AsyncClient, GuestdError
-from guestd.testing import Guestd, start_guestd
+from guestd.testing import Guestd, start_guestd, workspace_guestd
 from guestd.testing.cgroups import contained_config
 from guestd.testing.local import live_procs_with
 
@@ -367,3 +368,25 @@ def test_rg_lines_reads_rgs_printer_as_rg_json_does(tmp_path: object) -> None:
         assert {(k, p, n, t) for k, p, n, t, _cut in whole} == _rg_json(tree, "needle", *flags)
         cut = {(p, n) for _k, p, n, _t, c in whole if c}
         assert cut == {(b"long.txt", 1), (b"long.txt", 2), (b"marker.txt", 2)}  # longer than 4096 bytes, only
+
+
+def test_a_file_named_like_rgs_binary_notice_is_reported_as_itself() -> None:
+    """A workload file named ``A: binary file matches (found zz)`` + newline + ``REAL.txt``
+    next to a file ``A``: the reply names the files that are there, never ``REAL.txt`` (the
+    parser took the name for a notice on A and its rest for a path: 19 of 20 replies; found by
+    a red-team pass)."""
+    fake = "A: binary file matches (found zz)\nREAL.txt"
+
+    def plant(top: str, ws: str) -> None:
+        os.makedirs(f"{ws}/t")
+        for name, text in (("A", "needle in A\n"), (fake, "needle in the oddly named file\n")):
+            with open(f"{ws}/t/{name}", "w") as f:
+                f.write(text)
+        if os.geteuid() == 0:
+            subprocess.run(["chown", "-R", "65534:65534", f"{ws}/t"], check=True)
+
+    with workspace_guestd("guestd-grep-notice-", prepare=plant) as (g, ws), g.client() as c:
+        for _ in range(10):
+            reply = c.grep(f"{ws}/t", "needle", deadline=60)
+            paths = sorted(os.fsdecode(h.path) if isinstance(h.path, bytes) else str(h.path) for h in reply.lines)
+            assert paths == sorted(["A", fake]), paths

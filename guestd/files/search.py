@@ -28,12 +28,13 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import heapq
 import os
 import shutil
 import stat as st
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -193,10 +194,14 @@ class RgLines:
     (its PATH is the file just reported, or the one file searched). A cut line (longer than
     MAX_LINE_BYTES, so longer than rg's --max-columns) is rg's preview plus OMITTED: it is
     reported cut; a line that merely ends with OMITTED is no longer than MAX_LINE_BYTES, so it
-    is never mistaken for one."""
+    is never mistaken for one. A workload can name a file like a notice followed by another
+    name: with ``exists`` (is this path, as rg printed it, an entry of the searched tree?) a
+    notice is taken off only when the path as printed is not itself an entry, so a reply never
+    names a file that is not there."""
 
-    def __init__(self, single: bytes | None) -> None:
+    def __init__(self, single: bytes | None, exists: Callable[[bytes], bool] | None = None) -> None:
         self.single = single
+        self.exists = exists
         self.last_path = single or b""
         self.state = _PATH
         self.path = bytearray()
@@ -285,12 +290,24 @@ class RgLines:
         starts = [known + notice for known in {self.last_path, self.single or b""} if known for notice in _NOTICES]
         stripped = True
         while stripped:  # each turn takes a whole notice off the front, or ends
+            if self.exists is not None and any(path.startswith(start) for start in starts) and self.exists(path):
+                return path  # a file the workload named like a notice: it is that file
             stripped = False
             for start in starts:
                 end = path.find(b")\n", len(start)) if path.startswith(start) else -1
                 if end >= 0:
                     path, stripped = path[end + 2 :], True
         return path
+
+
+def _is_entry(root_fd: int, path: bytes) -> bool:
+    """``path`` (as rg printed it, relative to its cwd) names an entry below ``root_fd``; only
+    asked for a path that starts like a binary-file notice, which is rare."""
+    try:
+        os.stat(path, dir_fd=root_fd, follow_symlinks=False)
+    except (OSError, ValueError):
+        return False
+    return True
 
 
 @dataclass
@@ -363,7 +380,7 @@ async def run_rg(
     child.watch()
     ended = False
     try:
-        parser = RgLines(single)
+        parser = RgLines(single, exists=functools.partial(_is_entry, root_fd))
         files: set[bytes] = set()
         try:
             async with asyncio.timeout_at(deadline):
