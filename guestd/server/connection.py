@@ -103,7 +103,9 @@ class RequestContext:
     async def drain(self) -> None:
         """Until the connection takes more output, or this request has ended (its final frame
         sent, or its connection gone): a producer never waits for a client that has left."""
-        if not self.stream.open or not self.conn.write_paused:
+        if not self.stream.open:
+            return  # ended: nothing of it is sent any more, so nothing waits for the peer
+        if not self.conn.write_paused:
             await self.conn.drain()  # returns at once (or raises: the connection is closing)
             return
         ended = asyncio.get_running_loop().create_future()
