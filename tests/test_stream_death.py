@@ -33,14 +33,19 @@ def peer(guestd: Guestd) -> Iterator[RawPeer]:
     sock.close()
 
 
-def stall(peer: RawPeer, req_id: int, marker: str) -> None:
-    """Read the stream's events until its credit is gone (no WINDOW is ever sent), then wait
-    until the command's timeout has ended it: guestd now holds the rest of its output."""
+def spend_window(peer: RawPeer, req_id: int) -> None:
+    """Read the stream's events until its credit is gone (no WINDOW is ever sent)."""
     got = 0
     while got < MIN_WINDOW:
         kind, rid, body = peer.recv()
         assert rid == req_id and kind == Kind.EVENT, (kind, body)
         got += len(body.get("data", b""))
+
+
+def stall(peer: RawPeer, req_id: int, marker: str) -> None:
+    """Read the stream's events until its credit is gone (no WINDOW is ever sent), then wait
+    until the command's timeout has ended it: guestd now holds the rest of its output."""
+    spend_window(peer, req_id)
     deadline = time.monotonic() + 30
     while live_procs_with(marker) and time.monotonic() < deadline:
         time.sleep(0.05)
@@ -135,11 +140,7 @@ def test_a_cancelled_stalled_attach_leaves_the_process_and_its_readers(guestd: G
         p = c.process_start(["yes", "attached-flood"])
         try:
             peer.request(1, "process.attach", {"id": p["id"]})
-            got = 0
-            while got < MIN_WINDOW:
-                kind, rid, body = peer.recv()
-                assert rid == 1 and kind == Kind.EVENT, (kind, body)
-                got += len(body.get("data", b""))
+            spend_window(peer, 1)
             cancel_and_expect_cancelled(peer, 1)
             out, _err, _final = c.process_output(p["id"], follow=False)
             assert out.endswith(b"attached-flood\n") or b"attached-flood" in out
@@ -166,11 +167,7 @@ def test_a_cancelled_stalled_port_relay_closes_its_connection(guestd: Guestd, pe
     thread = threading.Thread(target=flood, daemon=True)
     thread.start()
     peer.request(1, "port.connect", {"port": port})
-    got = 0
-    while got < MIN_WINDOW:
-        kind, rid, body = peer.recv()
-        assert rid == 1 and kind == Kind.EVENT, (kind, body)
-        got += len(body.get("data", b""))
+    spend_window(peer, 1)
     cancel_and_expect_cancelled(peer, 1)
     thread.join(20)  # the flood ends once guestd closed its side
     assert not thread.is_alive(), "guestd kept the relay's connection open"
