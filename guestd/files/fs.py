@@ -628,3 +628,4 @@ def _remove_temp(where: bytes, name: bytes, identity: bytes = b"") -> int:
 
 
 TEMP_MARK = b".guestd-tmp-"
+TREE_TEMP_MARK = b".guestd-tree-"  # a tree upload's staging directory: "." + name + mark + 12 hex digits

@@ -41,6 +41,7 @@ from guestd.files.fs import (
     RESOLVE_BENEATH,
     RESOLVE_NO_MAGICLINKS,
     RESOLVE_NO_SYMLINKS,
+    TREE_TEMP_MARK,
     FileSystem,
     Owner,
     Place,
@@ -282,7 +283,7 @@ class Extractor:
     def __init__(self, place: Place, owner: Owner) -> None:
         self.place = place
         self.owner = owner if os.geteuid() == 0 else None
-        self.tmp = b"." + place.name[:100] + b".guestd-tree-" + os.urandom(6).hex().encode()
+        self.tmp = b"." + place.name[:100] + TREE_TEMP_MARK + os.urandom(6).hex().encode()
         self.root = -1
         self.entries = 0
         self.bytes = 0

@@ -45,7 +45,14 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from guestd.files.fs import RESOLVE_BENEATH, RESOLVE_NO_MAGICLINKS, RESOLVE_NO_SYMLINKS, TEMP_MARK, openat2
+from guestd.files.fs import (
+    RESOLVE_BENEATH,
+    RESOLVE_NO_MAGICLINKS,
+    RESOLVE_NO_SYMLINKS,
+    TEMP_MARK,
+    TREE_TEMP_MARK,
+    openat2,
+)
 from guestd.files.walk import DIR_FLAGS, MAX_DEPTH
 from guestd.wire.errors import ErrorCode, GuestdError
 
@@ -98,9 +105,13 @@ _EVENT = struct.Struct("iIII")
 _RESOLVE = RESOLVE_BENEATH | RESOLVE_NO_SYMLINKS | RESOLVE_NO_MAGICLINKS
 # file.write's temp names (guestd.files.handlers.AtomicFile): an O_TMPFILE inode, which the
 # kernel names "#<inode number>" in its events though no such name ever exists, and the named
-# temp file "." + name + TEMP_MARK + 12 hex digits (an overwrite's link, or where O_TMPFILE is missing).
+# temp file "." + name + TEMP_MARK + 12 hex digits (an overwrite's link, or where O_TMPFILE is missing);
+# tree.upload's staging directory "." + name + TREE_TEMP_MARK + 12 hex digits, which is renamed to
+# the target when whole (that rename is reported as the target created, its content listed).
 _TMPFILE_NAME = re.compile(rb"#[0-9]+\Z")
-_TEMP_NAME = re.compile(rb"\..*" + re.escape(TEMP_MARK) + rb"[0-9a-f]{12}\Z", re.DOTALL)
+_TEMP_NAME = re.compile(
+    rb"\..*(?:" + re.escape(TEMP_MARK) + b"|" + re.escape(TREE_TEMP_MARK) + rb")[0-9a-f]{12}\Z", re.DOTALL
+)
 _libc = ctypes.CDLL(None, use_errno=True)
 
 Change = tuple[str, bytes, bool]  # (created | modified | deleted | overflow, path, is_dir)
@@ -193,6 +204,8 @@ class Watcher:
         self.scan_seq = 0
         # (cookie, node) of a directory moved away, until the other half of the move.
         self.moved_from: tuple[int, Node] | None = None
+        # (wd, name) of the last event when it moved a file in: an exchange's second half follows.
+        self.last_moved_to: tuple[int, bytes] | None = None
         self.batch: list[Change] = []
         self.batch_bytes = 0
         self.consumed = 0  # bytes of events read from the kernel
@@ -351,6 +364,7 @@ class Watcher:
 
     # -- events -------------------------------------------------------------------------
     def _event(self, wd: int, mask: int, cookie: int, name: bytes) -> None:
+        moved_to_just_before, self.last_moved_to = self.last_moved_to, None
         if mask & IN_Q_OVERFLOW:
             self._emit("overflow", b"", False)
             for root_wd, (node, since, _changed) in self.limbo.items():
@@ -387,11 +401,18 @@ class Watcher:
             if self.nodes.get(moved.wd) is moved:
                 self._drop(moved)
         if mask & (IN_CREATE | IN_MOVED_TO):
+            if mask & IN_MOVED_TO:
+                self.last_moved_to = (wd, name)
             existed = self._remember(parent, name)
             self._emit("modified" if existed and not is_dir else "created", path, is_dir)
             if is_dir:
                 self._queue_scan(parent, name)
         elif mask & (IN_DELETE | IN_MOVED_FROM):
+            if mask & IN_MOVED_FROM and not is_dir and moved_to_just_before == (wd, name) and self._holds(parent, name):
+                # renameat2(RENAME_EXCHANGE) (file.apply_patch's commit) moves a file onto the name
+                # and the name's old file away in one step: a move in then a move out of the same
+                # name. The name still exists: its "modified" was said on the way in.
+                return
             self._forget(parent, name)
             self._emit("deleted", path, is_dir)
             if child is not None:
@@ -401,6 +422,20 @@ class Watcher:
                     self._drop(child, remove_watches=False)
         elif mask & MODIFIED and not is_dir:
             self._emit("modified", path, False)
+
+    def _holds(self, parent: Node, name: bytes) -> bool:
+        """Whether ``name`` exists in the watched directory ``parent`` now."""
+        try:
+            pfd = openat2(self.root_fd, self._path(parent) or b".", DIR_FLAGS, 0, _RESOLVE)
+        except OSError:
+            return False
+        try:
+            os.stat(name, dir_fd=pfd, follow_symlinks=False)
+            return True
+        except OSError:
+            return False
+        finally:
+            os.close(pfd)
 
     def _moved_out(self) -> None:
         """The directory moved away has left the tree. Its watches are kept a while (limbo):
