@@ -27,36 +27,55 @@ echo "== ruff"; .venv/bin/ruff check . && .venv/bin/ruff format --check .
 echo "== mypy --strict"; .venv/bin/mypy
 .venv/bin/python -c 'from guestd.children import _clone' 2>/dev/null \
   || echo "== note: the clone3 spawn extension was not built (no gcc?): guestd spawns through subprocess"
-echo "== pytest"; .venv/bin/python -m pytest -q -p no:cacheprovider "$@"
-if [ "$#" = 0 ]; then
-  # The subprocess fallback (machines where the C extension cannot be built) keeps its promises too.
-  echo "== pytest, spawn fallback (GUESTD_NATIVE_SPAWN=0)"
-  GUESTD_NATIVE_SPAWN=0 .venv/bin/python -m pytest -q -p no:cacheprovider \
-    tests/test_exec.py tests/test_processes.py tests/test_shells.py tests/test_containment.py tests/test_runs.py \
-    tests/test_workload_grep.py
-  # guestd.integrations against the real frameworks (pinned in scripts/integrations-requirements.txt),
-  # in a venv of their own; skipped with the reason when it cannot be built (no PyPI).
-  echo "== integrations: SWE-ReX, mini-swe-agent (.venv-int)"
-  rc=0
-  bash scripts/bootstrap-integrations.sh || rc=$?
-  if [ "$rc" = 0 ]; then
-    .venv-int/bin/mypy guestd/integrations tests/test_integrations_swerex.py tests/test_integrations_minisweagent.py \
-      tests/qemu/test_swerex.py
-    # tests/qemu/test_swerex.py: SWE-ReX's deployment on a QEMU guest (one VM boot, ~1 min)
-    .venv-int/bin/python -m pytest -q -p no:cacheprovider -rs -o asyncio_mode=auto -o asyncio_default_fixture_loop_scope=function \
-      tests/test_integrations_swerex.py tests/test_integrations_minisweagent.py tests/qemu/test_swerex.py
-  else
-    echo "== integration tests SKIPPED: the integration venv could not be built (exit $rc; see above)"
-  fi
-  # The OpenHands SDK needs Python >= 3.12 (the main venv is 3.11): a venv of its own.
-  echo "== integrations: OpenHands SDK (.venv-oh)"
-  rc=0
-  bash scripts/bootstrap-integrations.sh openhands || rc=$?
-  if [ "$rc" = 0 ]; then
-    .venv-oh/bin/mypy --python-version 3.12 guestd/integrations/openhands.py guestd/integrations/_openhands_git.py \
-      tests/test_integrations_openhands.py
-    .venv-oh/bin/python -m pytest -q -p no:cacheprovider -rs tests/test_integrations_openhands.py
-  else
-    echo "== OpenHands integration tests SKIPPED: .venv-oh could not be built (exit $rc; see above)"
-  fi
+if [ "$#" != 0 ]; then
+  echo "== pytest $*"; exec .venv/bin/python -m pytest -q -p no:cacheprovider "$@"
+fi
+# The QEMU guest suite is mostly TCG boots waiting on one core: it runs beside the host suite (its
+# own pytest, its log printed after), which keeps the whole run within CI's 30 minutes.
+qemu_log=$(mktemp /tmp/guestd-qemu-suite.XXXXXX)
+.venv/bin/python -m pytest -q -p no:cacheprovider tests/qemu >"$qemu_log" 2>&1 &
+qemu_pid=$!
+trap 'kill "$qemu_pid" 2>/dev/null || true' EXIT
+echo "== pytest (host suite; the QEMU guest suite runs beside it, pid $qemu_pid)"
+host_rc=0
+.venv/bin/python -m pytest -q -p no:cacheprovider --ignore=tests/qemu || host_rc=$?
+# The subprocess fallback (machines where the C extension cannot be built) keeps its promises too.
+echo "== pytest, spawn fallback (GUESTD_NATIVE_SPAWN=0)"
+GUESTD_NATIVE_SPAWN=0 .venv/bin/python -m pytest -q -p no:cacheprovider \
+  tests/test_exec.py tests/test_processes.py tests/test_shells.py tests/test_containment.py tests/test_runs.py \
+  tests/test_workload_grep.py
+# guestd.integrations against the real frameworks (pinned in scripts/integrations-requirements.txt),
+# in a venv of their own; skipped with the reason when it cannot be built (no PyPI).
+echo "== integrations: SWE-ReX, mini-swe-agent (.venv-int)"
+rc=0
+bash scripts/bootstrap-integrations.sh || rc=$?
+if [ "$rc" = 0 ]; then
+  .venv-int/bin/mypy guestd/integrations tests/test_integrations_swerex.py tests/test_integrations_minisweagent.py \
+    tests/qemu/test_swerex.py
+  # tests/qemu/test_swerex.py: SWE-ReX's deployment on a QEMU guest (one VM boot, ~1 min)
+  .venv-int/bin/python -m pytest -q -p no:cacheprovider -rs -o asyncio_mode=auto -o asyncio_default_fixture_loop_scope=function \
+    tests/test_integrations_swerex.py tests/test_integrations_minisweagent.py tests/qemu/test_swerex.py
+else
+  echo "== integration tests SKIPPED: the integration venv could not be built (exit $rc; see above)"
+fi
+# The OpenHands SDK needs Python >= 3.12 (the main venv is 3.11): a venv of its own.
+echo "== integrations: OpenHands SDK (.venv-oh)"
+rc=0
+bash scripts/bootstrap-integrations.sh openhands || rc=$?
+if [ "$rc" = 0 ]; then
+  .venv-oh/bin/mypy --python-version 3.12 guestd/integrations/openhands.py guestd/integrations/_openhands_git.py \
+    tests/test_integrations_openhands.py
+  .venv-oh/bin/python -m pytest -q -p no:cacheprovider -rs tests/test_integrations_openhands.py
+else
+  echo "== OpenHands integration tests SKIPPED: .venv-oh could not be built (exit $rc; see above)"
+fi
+qemu_rc=0
+wait "$qemu_pid" || qemu_rc=$?
+trap - EXIT
+echo "== pytest, QEMU guest suite (tests/qemu; ran beside the host suite)"
+cat "$qemu_log"
+rm -f "$qemu_log"
+if [ "$host_rc" != 0 ] || [ "$qemu_rc" != 0 ]; then
+  echo "== FAILED: host suite exit $host_rc, QEMU guest suite exit $qemu_rc"
+  exit 1
 fi
