@@ -35,6 +35,8 @@ from guestd.wire.types import ClockCheckReply, MetricsSampleRecord
 
 T = TypeVar("T")
 
+CANCEL_SEND_S = 5.0  # an interrupted call: how long the cancel may take to be sent
+
 
 class Client(SyncPortsAPI, SyncWorkspaceAPI):
     """``with Client("unix:/run/guestd.sock") as c: c.exec(["ls"])``"""
@@ -81,7 +83,27 @@ class Client(SyncPortsAPI, SyncWorkspaceAPI):
             raise
 
     def _run(self, coro: Coroutine[Any, Any, T]) -> T:
-        return asyncio.run_coroutine_threadsafe(coro, self._loop).result()
+        """Run ``coro`` on the loop thread and wait for it. Interrupted while waiting (Ctrl-C is
+        KeyboardInterrupt here, in the caller's thread), the coroutine is cancelled, which cancels
+        its request: guestd ends the command's process tree. The cancel is given up to
+        CANCEL_SEND_S to reach the socket before the interrupt goes on; the connection stays
+        usable."""
+        ended = threading.Event()
+
+        async def tracked() -> T:
+            try:
+                return await coro
+            finally:
+                ended.set()
+
+        future = asyncio.run_coroutine_threadsafe(tracked(), self._loop)
+        try:
+            return future.result()
+        except BaseException:
+            if not future.done():
+                future.cancel()
+                ended.wait(CANCEL_SEND_S)
+            raise
 
     def _stop(self) -> None:
         self._loop.call_soon_threadsafe(self._loop.stop)
