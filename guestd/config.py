@@ -63,6 +63,10 @@ class Config:
     ports: PortPolicy = field(default_factory=PortPolicy)
     workload: WorkloadConfig = field(default_factory=WorkloadConfig)
     simulate_privileged: bool = False  # record CRNG/clock/hostname/machine-id changes instead of making them
+    # This machine is a guest VM that guestd may re-identify: only then do restore/prepare set the
+    # clock, hostname, /etc/machine-id, re-seed the CRNG and remove random-seed files. False (a
+    # development guestd on a host) simulates them: they would change the host itself.
+    in_guest: bool = False
 
 
 class ConfigError(ValueError):
@@ -121,6 +125,7 @@ def load_config_file(path: str, cfg: Config) -> Config:
         "io_threads": (int, lambda v: setattr(cfg, "io_threads", v)),
         "uvloop": (bool, lambda v: setattr(cfg, "use_uvloop", v)),
         "simulate_privileged": (bool, lambda v: setattr(cfg, "simulate_privileged", v)),
+        "in_guest": (bool, lambda v: setattr(cfg, "in_guest", v)),
     }
     for key, value in doc.items():
         if key in top:

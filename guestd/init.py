@@ -4,7 +4,8 @@ As PID 1 it mounts the basics, sizes the RAM-backed file systems (``size_ram_mou
 loads the modules guestd needs, names the virtio serial ports (no udev), then supervises
 guestd: restarts it whenever it exits (with a short backoff), reaps every orphan re-parented
 to PID 1, and powers the VM off cleanly on SIGTERM or SIGUSR2 (reboots on SIGINT, i.e.
-ctrl-alt-del). Not as PID 1 (under another init or in a test) it only supervises.
+ctrl-alt-del), and tells guestd it runs in a guest (``--in-guest``: restore may set the clock,
+hostname and machine-id). Not as PID 1 (under another init or in a test) it only supervises.
 ``guestd-init --size-ram-mounts`` only sizes the mounts (systemd images run it once at boot:
 rootfs-overlay's guestd-ram-mounts.service).
 """
@@ -342,7 +343,10 @@ def main() -> None:
         link_virtio_ports()
         set_hostname()
         loopback_up()
-    sup = Supervisor([GUESTD, "--config", CONFIG] if os.path.exists(CONFIG) else [GUESTD])
+    argv = [GUESTD, "--config", CONFIG] if os.path.exists(CONFIG) else [GUESTD]
+    if pid1:
+        argv.append("--in-guest")  # the init of this machine: a guest VM guestd may re-identify on restore
+    sup = Supervisor(argv)
     action = sup.run()
     sup.stop()
     if pid1:

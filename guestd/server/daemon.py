@@ -207,7 +207,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--simulate-privileged",
         action="store_true",
-        help="record CRNG/clock/hostname/machine-id changes instead of making them (tests on a host)",
+        help="record CRNG/clock/hostname/machine-id changes instead of making them, even in a guest",
+    )
+    p.add_argument(
+        "--in-guest",
+        action="store_true",
+        help="this machine is a guest VM (config: in_guest = true): restore and prepare may set its clock, "
+        "hostname, machine-id and random seed; without it they are simulated",
     )
     p.add_argument("--ready-fd", type=int, default=None, help="write 'ready' to this fd once listening")
     p.add_argument("--workspace", default=None, help="working directory (created if missing)")
@@ -256,6 +262,8 @@ def config_from_args(ns: argparse.Namespace) -> Config:
         cfg.log_level = ns.log_level
     if ns.simulate_privileged:
         cfg.simulate_privileged = True
+    if ns.in_guest:
+        cfg.in_guest = True
     return cfg
 
 

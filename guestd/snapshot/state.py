@@ -16,8 +16,11 @@ then re-seeds every code context (Python's `random`, and numpy's global state wh
 numpy is loaded) and every shell session (`$RANDOM`), at once when idle, or before
 their next run when busy.
 
-Privileged steps (ioctls on /dev/random, clock_settime, sethostname, /etc/machine-id)
-run for real only in guests; with ``simulate_privileged`` they are recorded instead.
+Privileged steps (ioctls on /dev/random, clock_settime, sethostname, /etc/machine-id,
+random-seed files, FIFREEZE) run for real only when the config says guestd runs in a guest
+(``in_guest = true``: the baked config, and ``guestd-init`` as PID 1, say so). Otherwise, and
+always with ``simulate_privileged``, they are recorded instead and every reply that would
+have made them says why (``simulated``): on a host they would change the host itself.
 """
 
 from __future__ import annotations
@@ -36,6 +39,7 @@ from guestd.snapshot.notify import signal_registered, write_generation_file
 from guestd.wire.errors import ErrorCode, GuestdError
 
 if TYPE_CHECKING:  # the generated message types: annotations only, never imported at run time
+    from guestd.config import Config
     from guestd.services import Services
     from guestd.wire.types import ClockCheckReply, SnapshotPrepareReply, SnapshotRestoreArgs, SnapshotRestoreReply
 
@@ -49,11 +53,29 @@ FREEZE_SETTLE_POLLS = 500  # x 10 ms: how long prepare waits for cgroup.events "
 CLOCK_THRESHOLD_S = 0.2  # the host's clock arrives a request latency late; below this, leave the clock alone
 
 
-class Privileged:
-    """Steps that change the machine. Recorded instead of done when simulating (host tests)."""
+NOT_IN_GUEST = (
+    "guestd is not configured as a guest (in_guest = false): on a host these steps would change the "
+    "host itself (its clock, hostname, machine-id, random seed)"
+)
+FORCED = "simulate_privileged is set (--simulate-privileged)"
 
-    def __init__(self, simulate: bool) -> None:
-        self.simulate = simulate
+
+def why_simulated(config: Config) -> str | None:
+    """Why the privileged steps are simulated, or None when they are done. Safe by default: a
+    guestd that was not told it runs in a guest (a development guestd on a host) never acts."""
+    if config.simulate_privileged:
+        return FORCED
+    if not config.in_guest:
+        return NOT_IN_GUEST
+    return None
+
+
+class Privileged:
+    """Steps that change the machine. Recorded instead of done when simulating (``why``)."""
+
+    def __init__(self, why: str | None) -> None:
+        self.why = why  # None: done for real
+        self.simulate = why is not None
         self.recorded: list[str] = []
 
     def _record(self, what: str) -> bool:
@@ -194,7 +216,9 @@ UNGATED_WHEN_QUIESCED = frozenset(
 class SnapshotState:
     def __init__(self, services: Services) -> None:
         self.services = services
-        self.priv = Privileged(services.config.simulate_privileged)
+        self.priv = Privileged(why_simulated(services.config))
+        if self.priv.why is not None:
+            log.info("privileged snapshot steps will be simulated: %s", self.priv.why)
         self.generation = 0
         self.nonces: dict[str, SnapshotRestoreReply] = {}  # nonce -> the report it produced (replays return it)
         self.ready = asyncio.Event()  # cleared while quiesced or restoring: new work waits
@@ -289,6 +313,7 @@ class SnapshotState:
             "fs_frozen": self._fs_frozen[0] if self._fs_frozen is not None else None,
             "hazards": hazards,
             "duration_s": time.monotonic() - t0,
+            "simulated": self.priv.why,
         }
 
     async def _freeze_workload(self) -> bool:
@@ -477,6 +502,7 @@ class SnapshotState:
         done.update(await self._reseed_workloads(entropy))
         done["workloads_ms"] = (time.monotonic() - t) * 1000
         done["actions"] = list(self.priv.recorded)
+        done["simulated"] = self.priv.why
         done["instance_id"] = self.instance_id
         # Assembled step by step as the restore proceeds; the schema's result fields name every key.
         return cast("SnapshotRestoreReply", done)
@@ -532,6 +558,7 @@ class SnapshotState:
             "stepped_s": report.get("stepped_s"),
             "runs_in_flight": report.get("runs_in_flight", len(self.services.children.live)),
             "backwards_under_runs": bool(report.get("backwards_under_runs")),
+            "simulated": self.priv.why,
         }
 
     def _step_clock(self, host_time_ns: int, report: dict[str, Any]) -> str:
@@ -560,5 +587,6 @@ class SnapshotState:
             "suspected_restore": self.suspected_restore,
             "restored_at": self.restored_at,
             "simulate_privileged": self.priv.simulate,
+            "simulated": self.priv.why,
             "clock": self.clock.describe(),
         }

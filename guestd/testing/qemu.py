@@ -32,6 +32,7 @@ CMDLINE = (
 )
 GUEST_CONFIG = """
 listen = ["vsock:10700", "serial:/dev/virtio-ports/org.guestd.0"]
+in_guest = true         # restore really sets the clock, hostname and machine-id (test_clones checks)
 allowed_cids = [1, 2]   # 1: the guest itself over vsock_loopback (the test runner); 2: the host
 workspace = "/workspace"
 runtime_dir = "/run/guestd"

@@ -620,7 +620,13 @@ OPS: tuple[OpSpec, ...] = (
             F("cpu_count", "int", "logical CPUs", True),
             F("connections", "int", "open client connections", True),
             F("hostname", "str", "guest hostname", True),
-            F("snapshot", "map", "generation, instance_id, sandbox_id, quiesced, suspected_restore, restored_at", True),
+            F(
+                "snapshot",
+                "map",
+                "generation, instance_id, sandbox_id, quiesced, suspected_restore, restored_at, simulated (why "
+                "privileged steps are simulated; nil: done)",
+                True,
+            ),
             F("workload_cgroup", "str", "disabled | unavailable: why | active: path and limits", True),
             F("spawn", "str", "how runs start: clone3 (into their cgroup, like vfork) or popen (fallback)", True),
             F(
@@ -1275,6 +1281,12 @@ SNAPSHOT_OPS: tuple[OpSpec, ...] = (
             F("fs_frozen", "path?", "the file system frozen (FIFREEZE), if any"),
             F("hazards", "snapshot_hazards", "what every clone would duplicate", True),
             F("duration_s", "float", "wall time", True),
+            F(
+                "simulated",
+                "str?",
+                "why the privileged steps were recorded instead of done (not configured as a guest: in_guest = "
+                "false; or simulate_privileged); nil: they were done",
+            ),
         ),
     ),
     OpSpec(
@@ -1304,6 +1316,12 @@ SNAPSHOT_OPS: tuple[OpSpec, ...] = (
                 "bool",
                 "the clock was set back while runs were in flight (their CLOCK_REALTIME timers fire late by that)",
                 True,
+            ),
+            F(
+                "simulated",
+                "str?",
+                "why the privileged steps were recorded instead of done (not configured as a guest: in_guest = "
+                "false; or simulate_privileged); nil: they were done",
             ),
         ),
         errors=("bad_request",),
@@ -1335,7 +1353,13 @@ SNAPSHOT_OPS: tuple[OpSpec, ...] = (
             F("contexts_pending", "list<str>", "busy contexts, re-seeded before their next cell", True),
             F("shells_reseeded", "list<str>", "shell sessions whose $RANDOM was re-seeded", True),
             F("shells_pending", "list<str>", "busy sessions, re-seeded before their next command", True),
-            F("actions", "list<str>", "privileged steps recorded instead of done (simulate_privileged)", True),
+            F("actions", "list<str>", "privileged steps recorded instead of done (see simulated)", True),
+            F(
+                "simulated",
+                "str?",
+                "why the privileged steps were recorded instead of done (not configured as a guest: in_guest = "
+                "false; or simulate_privileged); nil: they were done",
+            ),
             F("instance_id", "str", "guestd's regenerated instance id", True),
             F("hostname", "str?", "done | simulated, when a hostname was given"),
             F("machine_id", "str?", "done | simulated, when a sandbox id was given (/etc/machine-id)"),

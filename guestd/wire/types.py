@@ -927,6 +927,7 @@ class SnapshotPrepareReply(TypedDict):
     fs_frozen: NotRequired[str | bytes | None]
     hazards: SnapshotHazardsRecord
     duration_s: float
+    simulated: NotRequired[str | None]
 
 
 class ClockCheckArgs(TypedDict):
@@ -947,6 +948,7 @@ class ClockCheckReply(TypedDict):
     stepped_s: NotRequired[float | None]
     runs_in_flight: int
     backwards_under_runs: bool
+    simulated: NotRequired[str | None]
 
 
 class SnapshotResumeArgs(TypedDict):
@@ -982,6 +984,7 @@ class SnapshotRestoreReply(TypedDict):
     shells_reseeded: list[str]
     shells_pending: list[str]
     actions: list[str]
+    simulated: NotRequired[str | None]
     instance_id: str
     hostname: NotRequired[str | None]
     machine_id: NotRequired[str | None]
