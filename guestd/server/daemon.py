@@ -16,7 +16,7 @@ from guestd.config import DEFAULT_VSOCK_PORT, Config, load_config_file, take_pri
 from guestd.memtune import tune_malloc
 from guestd.server.connection import Connection
 from guestd.server.dispatch import Dispatcher
-from guestd.server.transports import Listener, listen, parse_listen
+from guestd.server.transports import Listener, listen, parse_listen, refuse_live_unix_socket
 from guestd.wire.errors import ErrorCode, GuestdError
 
 log = logging.getLogger("guestd")
@@ -128,6 +128,11 @@ class Daemon:
     async def serve(self, ready_fd: int | None = None) -> None:
         loop = asyncio.get_running_loop()
         self._stopping = asyncio.Event()
+        # Before anything is set up: a path another live guestd serves is refused, not taken over.
+        for addr in self.config.listen:
+            address = parse_listen(addr)
+            if address.scheme == "unix":
+                refuse_live_unix_socket(address.path)
         # Before any listener: no run may start before the workload cgroup (and its leaves) is set.
         if os.geteuid() == 0:
             self.workload.setup()  # ends what a previous guestd's runs left

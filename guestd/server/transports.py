@@ -277,11 +277,49 @@ async def listen(daemon: Daemon, address: ListenAddress) -> Listener:
     return _listen_serial(daemon, loop, address)
 
 
+class AddressInUse(OSError):
+    """A listen address a live server answers on: guestd refuses to take it over."""
+
+
+def _answers(path: str) -> bool:
+    """True when a server accepts connections on the Unix socket at ``path`` (a full backlog
+    counts: someone listens). A socket file nobody listens on refuses at once: stale."""
+    probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    probe.setblocking(False)  # AF_UNIX connect never waits for the peer: it connects, refuses or EAGAINs
+    try:
+        probe.connect(path)
+    except (ConnectionRefusedError, FileNotFoundError):
+        return False
+    except BlockingIOError:
+        return True
+    finally:
+        probe.close()
+    return True
+
+
+def refuse_live_unix_socket(path: str) -> None:
+    """Raise AddressInUse when a live server (another guestd, say) answers at ``path``: taking
+    its path over would leave it unreachable, and its removal on exit would strand us. Called
+    before guestd sets anything up, and again just before the bind."""
+    try:
+        if not stat.S_ISSOCK(os.lstat(path).st_mode):
+            return  # not a socket: the bind fails (EADDRINUSE) and nothing is removed
+    except FileNotFoundError:
+        return
+    if _answers(path):
+        raise AddressInUse(
+            errno.EADDRINUSE,
+            f"unix:{path} is served by a live process (another guestd?): refusing to take it over; "
+            "stop that one or give this guestd another --listen unix:PATH",
+        )
+
+
 async def _listen_unix(daemon: Daemon, loop: asyncio.AbstractEventLoop, address: ListenAddress) -> Listener:
     path = address.path
+    refuse_live_unix_socket(path)
     try:
         if stat.S_ISSOCK(os.lstat(path).st_mode):
-            os.unlink(path)  # stale socket from a previous run
+            os.unlink(path)  # stale: nothing answers there (a previous run that was killed)
     except FileNotFoundError:
         pass
     old_umask = os.umask(0o177)  # created 0600: only the owner (root in a guest) may connect
@@ -289,11 +327,15 @@ async def _listen_unix(daemon: Daemon, loop: asyncio.AbstractEventLoop, address:
         server = await loop.create_unix_server(lambda: Connection(daemon, "unix"), path, backlog=512)
     finally:
         os.umask(old_umask)
+    bound = os.lstat(path)
 
     def closer() -> None:
         server.close()
+        # Only our own socket: a path someone replaced since (a newer guestd) stays theirs.
         try:
-            os.unlink(path)
+            now = os.lstat(path)
+            if (now.st_dev, now.st_ino) == (bound.st_dev, bound.st_ino):
+                os.unlink(path)
         except OSError:
             pass
 
