@@ -1,6 +1,7 @@
 """Host-side client for guestd: asyncio (:class:`AsyncClient`) and blocking (:class:`Client`)."""
 
-from guestd.client.aio import AsyncClient, ExecStream
+from guestd.client.address import ConnectError
+from guestd.client.aio import AsyncClient, Connecting, ExecStream
 from guestd.client.connection import ConnectionClosed, GuestProtocolError
 from guestd.client.ports import Listener, PortForward, PortList, PortWait, PortWatch, ReverseForward
 from guestd.client.ports_sync import PortForwarder, ReverseForwarder
@@ -23,6 +24,8 @@ __all__ = [
     "Client",
     "CodeError",
     "CodeResult",
+    "ConnectError",
+    "Connecting",
     "ConnectionClosed",
     "DirEntry",
     "DirListing",

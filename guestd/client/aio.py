@@ -29,13 +29,32 @@ import asyncio
 import os
 import socket
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Coroutine, Generator
 from typing import Any, Literal, TypeVar, cast
 
 from guestd.client.address import open_socket, parse_address
 from guestd.client.connection import DEFAULT_WINDOW, Call, ClientConnection, GuestProtocolError
 from guestd.client.ports import PortsAPI
-from guestd.client.results import CodeResult, DirEntry, DirListing, ExecResult, FileStat, Info, ShellResult
+from guestd.client.results import (
+    CodeResult,
+    DirEntry,
+    DirListing,
+    ExecResult,
+    FileStat,
+    Info,
+    ShellResult,
+    check_bundle,
+)
+from guestd.client.streaming import (
+    EventCallback,
+    OutputCallback,
+    RunOutput,
+    StdinSource,
+    as_bytes,
+    deliver,
+    run_call,
+    split_stdin,
+)
 from guestd.client.workspace import WorkspaceAPI
 from guestd.wire.errors import ErrorCode, GuestdError
 from guestd.wire.frames import DEFAULT_MAX_FRAME
@@ -66,6 +85,7 @@ PREPARE_MARGIN = 90.0  # on top of snapshot.prepare's wait for writes: the files
 DOWNLOAD_MEMORY_CAP = 256 * 1024 * 1024  # an in-memory download without max_bytes
 TRANSFER_DEADLINE = UNBOUNDED_RUN_DEADLINE  # an upload or download without a deadline: one hour
 UPLOAD_CHUNK = 1024 * 1024
+CODE_RESULTS_KEPT = 64  # a streamed cell's rich results kept for its CodeResult (as the guest keeps)
 
 Progress = Callable[[int], None]
 OnTimeout = Literal["kill", "detach"]  # what a guest timeout does to exec / shell.run
@@ -303,15 +323,39 @@ class Attach:
         self._client._conn._forget(self._call)
 
 
-class AsyncClient(PortsAPI, WorkspaceAPI):
-    """Connect with ``await AsyncClient.connect("unix:/run/guestd.sock")``."""
+class Connecting:
+    """What :meth:`AsyncClient.connect` returns: await it for the client
+    (``c = await AsyncClient.connect(addr)``), or enter it to connect and close on exit with one
+    await (``async with AsyncClient.connect(addr) as c:``)."""
 
-    def __init__(self, conn: ClientConnection, address: str) -> None:
+    def __init__(self, opening: Callable[[], Coroutine[Any, Any, AsyncClient]]) -> None:
+        self._opening = opening
+        self._client: AsyncClient | None = None
+
+    def __await__(self) -> Generator[Any, None, AsyncClient]:
+        return self._opening().__await__()
+
+    async def __aenter__(self) -> AsyncClient:
+        self._client = await self._opening()
+        return self._client
+
+    async def __aexit__(self, *exc: object) -> None:
+        if self._client is not None:
+            await self._client.close()
+
+
+class AsyncClient(PortsAPI, WorkspaceAPI):
+    """``async with AsyncClient.connect("unix:/run/guestd/guestd.sock") as c:``, or
+    ``c = await AsyncClient.connect(...)`` and ``await c.close()``."""
+
+    def __init__(self, conn: ClientConnection, address: str, *, default_timeout_s: float | None = None) -> None:
         self._conn = conn
         self.address = address
+        # exec's timeout_s when a call gives none (None: the guest's, i.e. no timeout).
+        self.default_timeout_s = default_timeout_s
 
     @classmethod
-    async def connect(
+    def connect(
         cls,
         address: str,
         *,
@@ -319,13 +363,33 @@ class AsyncClient(PortsAPI, WorkspaceAPI):
         token: str | None = None,
         max_frame: int = DEFAULT_MAX_FRAME,
         stream_window: int = DEFAULT_WINDOW,
-    ) -> AsyncClient:
-        """``connect_timeout`` bounds connecting and the handshake, each."""
-        sock = await open_socket(parse_address(address), connect_timeout)
-        conn = await ClientConnection.open(
-            sock, handshake_timeout=connect_timeout, token=token, max_frame=max_frame, stream_window=stream_window
-        )
-        return cls(conn, address)
+        default_timeout_s: float | None = None,
+    ) -> Connecting:
+        """``connect_timeout`` bounds connecting and the handshake, each; ``default_timeout_s`` is
+        exec's ``timeout_s`` wherever a call leaves it out. A failure to connect is a
+        :class:`~guestd.client.address.ConnectError` (an OSError) naming the address and what to
+        try; no reply in time a ``timeout`` GuestdError."""
+
+        async def opening() -> AsyncClient:
+            sock = await open_socket(parse_address(address), connect_timeout)
+            try:
+                conn = await ClientConnection.open(
+                    sock,
+                    handshake_timeout=connect_timeout,
+                    token=token,
+                    max_frame=max_frame,
+                    stream_window=stream_window,
+                )
+            except GuestdError as e:
+                if e.code != ErrorCode.TIMEOUT.value:
+                    raise
+                raise GuestdError(
+                    ErrorCode.TIMEOUT,
+                    f"{address}: {e.message} (is a guestd serving there, or something else?)",
+                ) from None
+            return cls(conn, address, default_timeout_s=default_timeout_s)
+
+        return Connecting(opening)
 
     @classmethod
     async def from_socket(
@@ -336,6 +400,7 @@ class AsyncClient(PortsAPI, WorkspaceAPI):
         token: str | None = None,
         max_frame: int = DEFAULT_MAX_FRAME,
         stream_window: int = DEFAULT_WINDOW,
+        default_timeout_s: float | None = None,
     ) -> AsyncClient:
         """Speak the protocol over an already connected stream socket (e.g. a serial bridge);
         ``connect_timeout`` bounds the handshake."""
@@ -343,7 +408,7 @@ class AsyncClient(PortsAPI, WorkspaceAPI):
         conn = await ClientConnection.open(
             sock, handshake_timeout=connect_timeout, token=token, max_frame=max_frame, stream_window=stream_window
         )
-        return cls(conn, f"socket:{sock.fileno()}")
+        return cls(conn, f"socket:{sock.fileno()}", default_timeout_s=default_timeout_s)
 
     async def __aenter__(self) -> AsyncClient:
         return self
@@ -416,7 +481,7 @@ class AsyncClient(PortsAPI, WorkspaceAPI):
         cwd: WirePath | None,
         env: dict[str, str] | None,
         replace_env: bool,
-        stdin: bytes | None,
+        stdin: bytes | str | None,
         timeout_s: float | None,
         idle_timeout_s: float | None,
         max_output: int | None,
@@ -437,7 +502,7 @@ class AsyncClient(PortsAPI, WorkspaceAPI):
                 cwd=None if cwd is None else path_to_wire(cwd),
                 env=env,
                 env_mode="replace" if replace_env else None,
-                stdin=stdin,
+                stdin=None if stdin is None else as_bytes(stdin),
                 timeout_s=_seconds(timeout_s),
                 idle_timeout_s=_seconds(idle_timeout_s),
                 max_output=max_output,
@@ -462,7 +527,7 @@ class AsyncClient(PortsAPI, WorkspaceAPI):
         cwd: WirePath | None = None,
         env: dict[str, str] | None = None,
         replace_env: bool = False,
-        stdin: bytes | None = None,
+        stdin: StdinSource | None = None,
         timeout_s: float | None = None,
         idle_timeout_s: float | None = None,
         max_output: int | None = None,
@@ -474,6 +539,8 @@ class AsyncClient(PortsAPI, WorkspaceAPI):
         spill: bool | None = None,
         strip_ansi: bool | None = None,
         collapse_cr: bool | None = None,
+        on_stdout: OutputCallback | None = None,
+        on_stderr: OutputCallback | None = None,
         deadline: float | None = None,
     ) -> ExecResult:
         """Run ``cmd`` (argv list, or a string for ``/bin/sh -c``) to completion.
@@ -484,29 +551,60 @@ class AsyncClient(PortsAPI, WorkspaceAPI):
         timeout plus its grace, linger and a margin, one hour without a guest timeout,
         none with only an idle timeout. ``on_timeout="detach"``: a timeout does not end the
         command; it goes on as a background process (``result.detached`` is its id).
+
+        ``stdin``: bytes, str, a binary file or an (async) iterator of bytes, of any size
+        (streamed under the guest's credit, see :mod:`guestd.client.streaming`).
+        ``on_stdout``/``on_stderr``: called with each chunk as it arrives; the result still
+        holds the output, kept by ``max_output``/``head_tail`` as the guest would (not with
+        ``spill``).
         """
+        timeout_s = self._default_timeout(timeout_s)
+        inline, streamed = split_stdin(stdin)
+        watch = on_stdout is not None or on_stderr is not None
         args = self._exec_args(
             cmd,
             cwd=cwd,
             env=env,
             replace_env=replace_env,
-            stdin=stdin,
+            stdin=inline,
             timeout_s=timeout_s,
             idle_timeout_s=idle_timeout_s,
-            max_output=max_output,
-            head_tail=head_tail,
+            max_output=None if watch else max_output,
+            head_tail=head_tail and not watch,
             kill_grace_s=kill_grace_s,
             linger_s=linger_s,
-            stream=False,
+            stream=watch,
+            stdin_stream=True if streamed is not None else None,
             on_timeout=on_timeout,
             merge_stderr=merge_stderr,
             spill=spill,
-            strip_ansi=strip_ansi,
-            collapse_cr=collapse_cr,
+            strip_ansi=None if watch else strip_ansi,
+            collapse_cr=None if watch else collapse_cr,
         )
         if deadline is None:
             deadline = _exec_deadline(timeout_s, idle_timeout_s, kill_grace_s, linger_s)
-        return ExecResult.from_body(checked(ExecReply, await self._conn.request("exec", args, deadline)))
+        if streamed is None and not watch:
+            return ExecResult.from_body(checked(ExecReply, await self._conn.request("exec", args, deadline)))
+        kept = RunOutput(self._max_output("exec", max_output), head_tail)
+
+        async def on_event(ev: dict[str, Any]) -> None:
+            kind, data = ev.get("ev"), ev.get("data")
+            if kind in ("stdout", "stderr") and isinstance(data, bytes):
+                kept.feed(kind, data)
+                await deliver(on_stdout if kind == "stdout" else on_stderr, data)
+
+        call = self._conn.start("exec", args)
+        body = await run_call(self._conn, call, deadline, stdin=streamed, on_event=on_event if watch else None)
+        if watch:
+            body = {**body, **kept.fields(bool(strip_ansi), bool(collapse_cr))}
+        return ExecResult.from_body(checked(ExecReply, body))
+
+    def _default_timeout(self, timeout_s: float | None) -> float | None:
+        """``timeout_s``, or the client's ``default_timeout_s`` when it is None."""
+        return self.default_timeout_s if timeout_s is None else timeout_s
+
+    def _max_output(self, op: str, max_output: int | None) -> int:
+        return int(schema_default(op, "max_output")) if max_output is None else max_output
 
     def exec_stream(
         self,
@@ -799,6 +897,10 @@ class AsyncClient(PortsAPI, WorkspaceAPI):
         strip_ansi: bool | None = None,
         max_output: int | None = None,
         keep: bool | None = None,
+        on_stdout: OutputCallback | None = None,
+        on_stderr: OutputCallback | None = None,
+        on_result: EventCallback | None = None,
+        on_error: EventCallback | None = None,
         deadline: float | None = None,
     ) -> CodeResult:
         """Run a cell; without ``context`` the daemon's "default" context (made on first use).
@@ -806,7 +908,13 @@ class AsyncClient(PortsAPI, WorkspaceAPI):
         ``timeout_s`` is enforced in the guest (an interrupt, then a restart after
         ``interrupt_grace_s``). ``deadline`` defaults to that plus a kernel start and restart,
         one hour without a guest timeout.
+
+        Callbacks, each as its part arrives: ``on_stdout``/``on_stderr`` (bytes), ``on_result``
+        (``{"kind": "result"|"display", "data": bundle}``), ``on_error`` (``{"ename", "evalue",
+        "traceback"}``). The result still holds the output (kept by ``max_output``), the
+        results (at most 64) and the error.
         """
+        watch = any(cb is not None for cb in (on_stdout, on_stderr, on_result, on_error))
         args = present(
             code=code,
             context=context,
@@ -816,10 +924,43 @@ class AsyncClient(PortsAPI, WorkspaceAPI):
             strip_ansi=strip_ansi,
             max_output=max_output,
             keep=keep,
+            stream=True if watch else None,
         )
         if deadline is None:
             deadline = _code_deadline(timeout_s, interrupt_grace_s)
-        return CodeResult.from_body(checked(CodeRunReply, await self._conn.request("code.run", args, deadline)))
+        if not watch:
+            return CodeResult.from_body(checked(CodeRunReply, await self._conn.request("code.run", args, deadline)))
+        kept = RunOutput(self._max_output("code.run", max_output), head_tail=False)
+        results: list[dict[str, Any]] = []
+        dropped = 0
+
+        async def on_event(ev: dict[str, Any]) -> None:
+            nonlocal dropped
+            kind, data = ev.get("ev"), ev.get("data")
+            if kind in ("stdout", "stderr") and isinstance(data, bytes):
+                kept.feed(kind, data)
+                await deliver(on_stdout if kind == "stdout" else on_stderr, data)
+            elif kind in ("result", "display") and isinstance(ev.get("bundle"), dict):
+                record = {"kind": kind, "data": ev["bundle"]}
+                check_bundle(record["data"], f"{kind} event")
+                if len(results) < CODE_RESULTS_KEPT:
+                    results.append(record)
+                else:
+                    dropped += 1
+                await deliver(on_result, record)
+            elif kind == "error":
+                await deliver(on_error, {k: ev.get(k) for k in ("ename", "evalue", "traceback")})
+
+        call = self._conn.start("code.run", args)
+        body = await run_call(self._conn, call, deadline, on_event=on_event)
+        fields = kept.fields(bool(strip_ansi), False)
+        body = {
+            **body,
+            **{k: v for k, v in fields.items() if not k.endswith("_gap_at")},
+            "results": results,
+            "results_dropped": body.get("results_dropped", 0) + dropped,
+        }
+        return CodeResult.from_body(checked(CodeRunReply, body))
 
     def code_run_stream(
         self,
@@ -984,7 +1125,7 @@ class AsyncClient(PortsAPI, WorkspaceAPI):
         session: str,
         command: str,
         *,
-        input: bytes | None = None,
+        input: StdinSource | None = None,
         timeout_s: float | None = None,
         idle_timeout_s: float | None = None,
         max_output: int | None = None,
@@ -996,31 +1137,53 @@ class AsyncClient(PortsAPI, WorkspaceAPI):
         spill: bool | None = None,
         strip_ansi: bool | None = None,
         collapse_cr: bool | None = None,
+        on_stdout: OutputCallback | None = None,
+        on_stderr: OutputCallback | None = None,
         deadline: float | None = None,
     ) -> ShellResult:
         """Run a command in a persistent bash session (cd, variables, venvs persist).
 
         ``timeout_s``/``idle_timeout_s`` are enforced in the guest; ``deadline`` defaults
-        to the guest's timeout plus the time to stop the command and a margin."""
+        to the guest's timeout plus the time to stop the command and a margin. ``input`` (the
+        command's stdin) and ``on_stdout``/``on_stderr`` as in :meth:`exec` (neither a streamed
+        input nor callbacks with ``keep``)."""
+        inline, streamed = split_stdin(input)
+        watch = on_stdout is not None or on_stderr is not None
         args = present(
             id=session,
             command=command,
-            input=input,
+            input=inline,
+            stdin_stream=True if streamed is not None else None,
+            stream=True if watch else None,
             timeout_s=_seconds(timeout_s),
             idle_timeout_s=_seconds(idle_timeout_s),
-            max_output=max_output,
-            capture="head_tail" if head_tail else None,
+            max_output=None if watch else max_output,
+            capture="head_tail" if head_tail and not watch else None,
             on_timeout=on_timeout,
             merge_stderr=merge_stderr,
             check_syntax=check_syntax,
             keep=keep,
             spill=spill,
-            strip_ansi=strip_ansi,
-            collapse_cr=collapse_cr,
+            strip_ansi=None if watch else strip_ansi,
+            collapse_cr=None if watch else collapse_cr,
         )
         if deadline is None:
             deadline = _run_deadline(timeout_s, idle_timeout_s, SHELL_STOP_S)
-        return ShellResult.from_body(checked(ShellRunReply, await self._conn.request("shell.run", args, deadline)))
+        if streamed is None and not watch:
+            return ShellResult.from_body(checked(ShellRunReply, await self._conn.request("shell.run", args, deadline)))
+        kept = RunOutput(self._max_output("shell.run", max_output), head_tail)
+
+        async def on_event(ev: dict[str, Any]) -> None:
+            kind, data = ev.get("ev"), ev.get("data")
+            if kind in ("stdout", "stderr") and isinstance(data, bytes):
+                kept.feed(kind, data)
+                await deliver(on_stdout if kind == "stdout" else on_stderr, data)
+
+        call = self._conn.start("shell.run", args)
+        body = await run_call(self._conn, call, deadline, stdin=streamed, on_event=on_event if watch else None)
+        if watch:
+            body = {**body, **kept.fields(bool(strip_ansi), bool(collapse_cr))}
+        return ShellResult.from_body(checked(ShellRunReply, body))
 
     def shell_stream(
         self,

@@ -11,9 +11,11 @@ from async code, or :meth:`Client.process_output` to collect what an attach deli
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
+import queue
 import socket
 import threading
-from collections.abc import Callable, Coroutine
+from collections.abc import Awaitable, Callable, Coroutine
 from typing import Any, TypeVar
 
 from guestd.client.aio import (
@@ -28,14 +30,63 @@ from guestd.client.aio import (
 from guestd.client.connection import DEFAULT_WINDOW
 from guestd.client.ports_sync import SyncPortsAPI
 from guestd.client.results import CodeResult, DirListing, ExecResult, FileStat, Info, ShellResult
+from guestd.client.streaming import EventCallback, OutputCallback, StdinSource
 from guestd.client.workspace_sync import SyncWorkspaceAPI
 from guestd.wire.frames import DEFAULT_MAX_FRAME
 from guestd.wire.paths import WirePath
 from guestd.wire.types import ClockCheckReply, MetricsSampleRecord
 
 T = TypeVar("T")
+V = TypeVar("V")
 
 CANCEL_SEND_S = 5.0  # an interrupted call: how long the cancel may take to be sent
+CALLBACK_BACKLOG = 4 * 1024 * 1024  # output bytes handed to the caller's thread and not yet taken
+
+
+class CallerThread:
+    """Callbacks the loop thread makes, run in the thread that waits for the call (so user code
+    never runs on the client's loop). At most CALLBACK_BACKLOG bytes wait here: beyond it the
+    loop stops reading the run's events, so its credit (and the guest) waits for the caller."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+        self._loop = loop
+        self._items: queue.SimpleQueue[tuple[Callable[[Any], object], Any, int] | None] = queue.SimpleQueue()
+        self._backlog = 0  # on the loop thread only
+        self._room: asyncio.Event | None = None
+
+    def wrap(self, fn: Callable[[V], object] | None) -> Callable[[V], Awaitable[None]] | None:
+        """A loop-side callback that hands ``fn``'s calls over to the caller's thread."""
+        if fn is None:
+            return None
+
+        async def hand_over(value: V) -> None:
+            size = len(value) if isinstance(value, bytes) else 1
+            self._backlog += size
+            self._items.put((fn, value, size))
+            while self._backlog > CALLBACK_BACKLOG:
+                self._room = asyncio.Event()
+                await self._room.wait()
+
+        return hand_over
+
+    def _taken(self, size: int) -> None:
+        self._backlog -= size
+        if self._backlog <= CALLBACK_BACKLOG and self._room is not None:
+            self._room.set()
+
+    def wake(self) -> None:
+        self._items.put(None)
+
+    def run_until_done(self, future: concurrent.futures.Future[Any]) -> None:
+        """Run the callbacks handed over, in order, until ``future`` is done."""
+        while (item := self._items.get()) is not None or not future.done():
+            if item is None:
+                continue
+            fn, value, size = item
+            try:
+                fn(value)
+            finally:
+                self._loop.call_soon_threadsafe(self._taken, size)
 
 
 class Client(SyncPortsAPI, SyncWorkspaceAPI):
@@ -49,11 +100,14 @@ class Client(SyncPortsAPI, SyncWorkspaceAPI):
         token: str | None = None,
         max_frame: int = DEFAULT_MAX_FRAME,
         stream_window: int = DEFAULT_WINDOW,
+        default_timeout_s: float | None = None,
         sock: socket.socket | None = None,
     ) -> None:
         """Connect to ``address``; or, with ``sock``, speak over an already connected stream socket
         (QEMU's chardev socket behind a virtio-serial port, for example). ``connect_timeout``
-        bounds connecting and the handshake."""
+        bounds connecting and the handshake; ``default_timeout_s`` is exec's ``timeout_s`` where a
+        call leaves it out. A failure to connect is a :class:`~guestd.client.ConnectError` (an
+        OSError) whose text names the address and what to try."""
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, name="guestd-client", daemon=True)
         self._thread.start()
@@ -66,27 +120,33 @@ class Client(SyncPortsAPI, SyncWorkspaceAPI):
                         token=token,
                         max_frame=max_frame,
                         stream_window=stream_window,
+                        default_timeout_s=default_timeout_s,
                     )
                 )
             else:
-                self._aio = self._run(
-                    AsyncClient.connect(
-                        address,
-                        connect_timeout=connect_timeout,
-                        token=token,
-                        max_frame=max_frame,
-                        stream_window=stream_window,
-                    )
+                connecting = AsyncClient.connect(
+                    address,
+                    connect_timeout=connect_timeout,
+                    token=token,
+                    max_frame=max_frame,
+                    stream_window=stream_window,
+                    default_timeout_s=default_timeout_s,
                 )
+
+                async def connect() -> AsyncClient:
+                    return await connecting
+
+                self._aio = self._run(connect())
         except BaseException:
             self._stop()
             raise
 
-    def _run(self, coro: Coroutine[Any, Any, T]) -> T:
-        """Run ``coro`` on the loop thread and wait for it. Interrupted while waiting (Ctrl-C is
-        KeyboardInterrupt here, in the caller's thread), the coroutine is cancelled, which cancels
-        its request: guestd ends the command's process tree. The cancel is given up to
-        CANCEL_SEND_S to reach the socket before the interrupt goes on; the connection stays
+    def _run(self, coro: Coroutine[Any, Any, T], callbacks: CallerThread | None = None) -> T:
+        """Run ``coro`` on the loop thread and wait for it, running the ``callbacks`` it hands
+        over meanwhile (here, in the caller's thread). Interrupted while waiting (Ctrl-C is
+        KeyboardInterrupt here), or by a callback that raises, the coroutine is cancelled, which
+        cancels its request: guestd ends the command's process tree. The cancel is given up to
+        CANCEL_SEND_S to reach the socket before the exception goes on; the connection stays
         usable."""
         ended = threading.Event()
 
@@ -98,6 +158,9 @@ class Client(SyncPortsAPI, SyncWorkspaceAPI):
 
         future = asyncio.run_coroutine_threadsafe(tracked(), self._loop)
         try:
+            if callbacks is not None:
+                future.add_done_callback(lambda _: callbacks.wake())
+                callbacks.run_until_done(future)
             return future.result()
         except BaseException:
             if not future.done():
@@ -151,7 +214,7 @@ class Client(SyncPortsAPI, SyncWorkspaceAPI):
         cwd: WirePath | None = None,
         env: dict[str, str] | None = None,
         replace_env: bool = False,
-        stdin: bytes | None = None,
+        stdin: StdinSource | None = None,
         timeout_s: float | None = None,
         idle_timeout_s: float | None = None,
         max_output: int | None = None,
@@ -163,8 +226,12 @@ class Client(SyncPortsAPI, SyncWorkspaceAPI):
         spill: bool | None = None,
         strip_ansi: bool | None = None,
         collapse_cr: bool | None = None,
+        on_stdout: OutputCallback | None = None,
+        on_stderr: OutputCallback | None = None,
         deadline: float | None = None,
     ) -> ExecResult:
+        """See :meth:`AsyncClient.exec`; the callbacks run in this (the calling) thread."""
+        pump = CallerThread(self._loop)
         return self._run(
             self._aio.exec(
                 cmd,
@@ -183,8 +250,11 @@ class Client(SyncPortsAPI, SyncWorkspaceAPI):
                 spill=spill,
                 strip_ansi=strip_ansi,
                 collapse_cr=collapse_cr,
+                on_stdout=pump.wrap(on_stdout),
+                on_stderr=pump.wrap(on_stderr),
                 deadline=deadline,
-            )
+            ),
+            pump,
         )
 
     def read_file(
@@ -326,8 +396,14 @@ class Client(SyncPortsAPI, SyncWorkspaceAPI):
         strip_ansi: bool | None = None,
         max_output: int | None = None,
         keep: bool | None = None,
+        on_stdout: OutputCallback | None = None,
+        on_stderr: OutputCallback | None = None,
+        on_result: EventCallback | None = None,
+        on_error: EventCallback | None = None,
         deadline: float | None = None,
     ) -> CodeResult:
+        """See :meth:`AsyncClient.code_run`; the callbacks run in this (the calling) thread."""
+        pump = CallerThread(self._loop)
         return self._run(
             self._aio.code_run(
                 code,
@@ -338,8 +414,13 @@ class Client(SyncPortsAPI, SyncWorkspaceAPI):
                 strip_ansi=strip_ansi,
                 max_output=max_output,
                 keep=keep,
+                on_stdout=pump.wrap(on_stdout),
+                on_stderr=pump.wrap(on_stderr),
+                on_result=pump.wrap(on_result),
+                on_error=pump.wrap(on_error),
                 deadline=deadline,
-            )
+            ),
+            pump,
         )
 
     def code_interrupt(self, context: str, *, deadline: float | None = 30.0) -> None:
@@ -444,7 +525,7 @@ class Client(SyncPortsAPI, SyncWorkspaceAPI):
         session: str,
         command: str,
         *,
-        input: bytes | None = None,
+        input: StdinSource | None = None,
         timeout_s: float | None = None,
         idle_timeout_s: float | None = None,
         max_output: int | None = None,
@@ -456,8 +537,12 @@ class Client(SyncPortsAPI, SyncWorkspaceAPI):
         spill: bool | None = None,
         strip_ansi: bool | None = None,
         collapse_cr: bool | None = None,
+        on_stdout: OutputCallback | None = None,
+        on_stderr: OutputCallback | None = None,
         deadline: float | None = None,
     ) -> ShellResult:
+        """See :meth:`AsyncClient.shell_run`; the callbacks run in this (the calling) thread."""
+        pump = CallerThread(self._loop)
         return self._run(
             self._aio.shell_run(
                 session,
@@ -474,8 +559,11 @@ class Client(SyncPortsAPI, SyncWorkspaceAPI):
                 spill=spill,
                 strip_ansi=strip_ansi,
                 collapse_cr=collapse_cr,
+                on_stdout=pump.wrap(on_stdout),
+                on_stderr=pump.wrap(on_stderr),
                 deadline=deadline,
-            )
+            ),
+            pump,
         )
 
     def run_get(self, run_id: str, *, deadline: float | None = 30.0) -> dict[str, Any]:
