@@ -15,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import os
+import select
 import signal
 from collections.abc import Callable
 from typing import TYPE_CHECKING
@@ -26,6 +27,7 @@ if TYPE_CHECKING:
     from guestd.children.cgroups import RunCgroup
 
 STATUS_MAX = 64  # "pid\nstatus\n": anything longer is not the wrapper's
+UNOPENED_FIFO_POLL_S = 0.01  # StdinFifo.end_input: how often it looks whether the command has opened its stdin
 
 
 class JobFifos:
@@ -119,6 +121,25 @@ class StdinFifo:
             with contextlib.suppress(OSError):
                 os.close(fd)
 
+    async def end_input(self) -> None:
+        """The command's EOF (INPUT eof). A reader that opens a FIFO without a writer waits for
+        one for ever, so closing the write end before bash has opened the FIFO for the command
+        (data and eof sent right behind the request) hung the command until its timeout. guestd's
+        own read end goes first; then, while poll says the FIFO has no reader (POLLERR), the
+        command has not opened it yet: the write end stays (the bytes written wait in the pipe)
+        and is looked at again shortly, for as long as the command runs (this task goes with it)."""
+        fd, self.hold = self.hold, None
+        if fd is not None:
+            with contextlib.suppress(OSError):
+                os.close(fd)
+        while self.write is not None:
+            poller = select.poll()
+            poller.register(self.write, 0)  # POLLERR is always reported
+            if not any(events & select.POLLERR for _, events in poller.poll(0)):
+                break
+            await asyncio.sleep(UNOPENED_FIFO_POLL_S)
+        self.close_write()
+
     def give_write(self) -> int | None:
         """The write end for a detached job's stdin (process.write); the FIFO is closed here."""
         fd, self.write = self.write, None
@@ -147,6 +168,9 @@ class PtyInput:
         if self.write is not None:
             with contextlib.suppress(OSError):
                 os.write(self.write, b"\x04")
+
+    async def end_input(self) -> None:
+        self.close_write()
 
     def close(self) -> None:
         fd, self.write = self.write, None

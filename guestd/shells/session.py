@@ -1041,7 +1041,7 @@ async def _feed_stdin(ctx: Request, stdin: StdinFifo | PtyInput) -> None:
                 await write_all(loop, stdin.write, chunk)
                 ctx.ack_input(len(chunk))
             if body.get("eof"):
-                stdin.close_write()
+                await stdin.end_input()
                 return
     except OSError:
         pass  # the command closed its stdin: nothing more to deliver

@@ -1,0 +1,27 @@
+"""shell.run with stdin_stream: data and eof sent right behind the request reach the command
+(the command's FIFO was closed for writing before bash had opened it, and a FIFO opened for
+reading without a writer waits for one for ever: the command hung until its timeout)."""
+
+from __future__ import annotations
+
+import asyncio
+
+from guestd.client.aio import AsyncClient
+from guestd.testing import Guestd
+
+
+def test_stdin_data_and_eof_right_behind_the_request_reach_the_command(guestd: Guestd) -> None:
+    async def main() -> None:
+        async with await AsyncClient.connect(guestd.address) as c:
+            session = (await c.shell_create())["id"]
+            for attempt in range(5):
+                s = c.shell_stream(session, "cat", stdin_stream=True, timeout_s=20)
+                await asyncio.sleep(0)  # input in a write of its own, before bash opens the FIFO
+                await s.write_stdin(f"fed {attempt}\n".encode())
+                await s.close_stdin()
+                out = b"".join([data async for _, data in s])
+                res = await s.result()
+                assert (out, res.exit_code, res.timed_out) == (f"fed {attempt}\n".encode(), 0, None)
+            await c.shell_close(session)
+
+    asyncio.run(main())
