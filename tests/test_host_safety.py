@@ -110,8 +110,9 @@ def assert_contained(g: Guestd) -> None:
 
 
 @contextmanager
-def contained_guestd(config: str) -> Iterator[Guestd]:
-    """A guestd with this config text, in its own UTS and mount namespaces, without CAP_SYS_TIME."""
+def contained_guestd(config: str, *args: str) -> Iterator[Guestd]:
+    """A guestd with this config text (and ``args``), in its own UTS and mount namespaces,
+    without CAP_SYS_TIME."""
     with tempfile.TemporaryDirectory(prefix="guestd-hostsafety-") as d:
         os.mkdir(f"{d}/ns")
         with open(f"{d}/guestd.toml", "w") as f:
@@ -119,7 +120,7 @@ def contained_guestd(config: str) -> Iterator[Guestd]:
         wrapper = ["unshare", "--uts", "--mount", "--propagation", "private", "--", "sh", "-c", CONTAIN]
         wrapper += ["contain", f"{d}/ns", SCRATCH_MACHINE_ID, " ".join(SEED_FILES)]
         g = start_guestd(
-            d, "--config", f"{d}/guestd.toml", "--runtime-dir", f"{d}/rt", "--code-pool", "0", wrapper=wrapper
+            d, "--config", f"{d}/guestd.toml", "--runtime-dir", f"{d}/rt", "--code-pool", "0", *args, wrapper=wrapper
         )
         try:
             assert_contained(g)
@@ -198,3 +199,10 @@ def test_the_control_a_guest_config_acts_and_the_containment_catches_it() -> Non
     assert socket.gethostname() == host_name
     with open("/etc/machine-id") as f:
         assert f.read() == host_machine_id
+
+
+def test_the_in_guest_flag_guestd_init_passes_as_pid_1_acts_like_the_config_key() -> None:
+    with contained_guestd("", "--in-guest") as g:
+        rep = _restore(g, 1, time.time_ns(), "clone-by-flag")
+        assert rep["simulated"] is None and rep["hostname"] == "done", rep
+        assert _ns_hostname(g.pid) == "clone-by-flag"
