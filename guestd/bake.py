@@ -10,6 +10,11 @@ What lands in ROOT:
 - the shared libraries those binaries need that ROOT lacks (from this machine);
 - /usr/local/bin/{guestd,guestctl,guestd-python} and /sbin/guestd-init wrappers;
 - rootfs-overlay/ (systemd unit, default config, modules-load list, sysctl.d link protections);
+- ipykernel in the image's own Python (``--workload-python``, default the python3 ROOT has),
+  when it lacks it: code contexts run there ([code] python = "auto" in the shipped config),
+  so cells import what the workload installs; guestd's own Python stays private. pip
+  installs it (``--target``) into that Python's local site directory (Debian:
+  /usr/local/lib/python3.X/dist-packages), for that Python's version;
 - the Debian packages guestd's ops run (GUEST_PACKAGES: ripgrep, for file.grep) when ROOT
   lacks their program: the package from Debian (``apt-get download`` + ``dpkg -x`` into
   ROOT, plus the shared libraries it needs that ROOT lacks), else this machine's program;
@@ -181,6 +186,77 @@ def add_guest_packages(root: str, packages: dict[str, tuple[str, str]] = GUEST_P
         log(f"WARNING: no {package} for the image ({program} not on this machine either): {needed_by} is unavailable")
 
 
+def _in_root(root: str, path: str) -> str | None:
+    """``path`` of the image with its symlinks followed inside ROOT (not this machine's), or None."""
+    for _ in range(40):
+        full = root + path
+        if not os.path.islink(full):
+            return path if os.path.exists(full) else None
+        target = os.readlink(full)
+        path = os.path.normpath(os.path.join(os.path.dirname(path), target))
+    return None
+
+
+def workload_python(root: str, name: str = "python3") -> tuple[str, str] | None:
+    """(the image's path of its Python ``name``, "3.N") or None when ROOT has none. A name is
+    looked for in /usr/local/bin, /usr/bin, /bin; a path is taken as it is."""
+    candidates = [name] if name.startswith("/") else [f"{d}/{name}" for d in ("/usr/local/bin", "/usr/bin", "/bin")]
+    for path in candidates:
+        real = _in_root(root, path)
+        if real is None:
+            continue
+        base = os.path.basename(real)
+        if base.startswith("python3."):
+            return path, base.removeprefix("python")
+        cfg = os.path.join(root + os.path.dirname(os.path.dirname(path)), "pyvenv.cfg")  # a venv's bin/python
+        if os.path.isfile(cfg):
+            with open(cfg) as f:
+                for line in f:
+                    key, _, value = line.partition("=")
+                    if key.strip() in ("version", "version_info"):
+                        return path, ".".join(value.strip().split(".")[:2])
+    return None
+
+
+def workload_site_dirs(root: str, python: str, version: str) -> list[str]:
+    """Where that Python finds packages (image paths): a venv's site-packages, or the system's
+    (Debian's dist-packages, then the upstream layout); the first is where local installs go."""
+    prefix = os.path.dirname(os.path.dirname(python))
+    if os.path.isfile(root + prefix + "/pyvenv.cfg"):
+        return [f"{prefix}/lib/python{version}/site-packages"]
+    if os.path.isdir(root + "/usr/lib/python3/dist-packages"):
+        return [f"/usr/local/lib/python{version}/dist-packages", "/usr/lib/python3/dist-packages"]
+    return [f"/usr/local/lib/python{version}/site-packages", f"/usr/lib/python{version}/site-packages"]
+
+
+def add_workload_ipykernel(root: str, name: str = "python3") -> None:
+    """ipykernel in the image's own Python when it lacks it (pip ``--target`` its local site
+    directory, wheels for its version). Code contexts run there (guestd.code.python)."""
+    found = workload_python(root, name)
+    if found is None:
+        log(f"no {name} in the image: code contexts run on guestd's own Python ([code] python = auto)")
+        return
+    python, version = found
+    sites = workload_site_dirs(root, python, version)
+    if any(os.path.isdir(root + d + "/ipykernel") for d in sites):
+        log(f"{python} (Python {version}) has ipykernel: code contexts run there")
+        return
+    cmd = [
+        sys.executable,
+        "-m",
+        "pip",
+        "install",
+        "--quiet",
+        "--disable-pip-version-check",
+        "--target",
+        root + sites[0],
+    ]
+    if version != f"{sys.version_info[0]}.{sys.version_info[1]}":
+        cmd += ["--only-binary=:all:", "--python-version", version, "--implementation", "cp"]
+    log(f"pip install ipykernel --target {sites[0]} (for {python}, Python {version})")
+    subprocess.run([*cmd, "ipykernel"], check=True)
+
+
 def write_wrappers(root: str) -> None:
     scripts = {
         "/usr/local/bin/guestd": "-m guestd",
@@ -308,6 +384,7 @@ def bake(
     kernel_modules: str | None = None,
     config: str | None = None,
     add: list[str] | None = None,
+    workload_python_name: str = "python3",
 ) -> None:
     os.makedirs(root, exist_ok=True)
     site = copy_python(root)
@@ -324,6 +401,8 @@ def bake(
             shutil.copy2("/bin/bash", root + "/bin/bash")
             copy_libs(root, ["/bin/bash"])
     add_workload_user(root)
+    if workload_python_name != "none":
+        add_workload_ipykernel(root, workload_python_name)
     add_guest_packages(root)
     if add:
         add_paths(root, add)
@@ -349,6 +428,12 @@ def main(argv: list[str] | None = None) -> int:
         metavar="PATH",
         help="also copy this host file or directory (and its programs' libraries); repeatable",
     )
+    p.add_argument(
+        "--workload-python",
+        default="python3",
+        metavar="NAME|PATH",
+        help="the image's Python code contexts run in (given ipykernel when it lacks it); none: leave it be",
+    )
     p.add_argument("--initramfs", default=None, metavar="OUT", help="also write ROOT as a newc cpio initramfs")
     p.add_argument("--ext4", default=None, metavar="OUT", help="also write ROOT as an ext4 image")
     p.add_argument("--size-mb", type=int, default=1024, help="ext4 image size")
@@ -360,6 +445,7 @@ def main(argv: list[str] | None = None) -> int:
         kernel_modules=ns.kernel_modules,
         config=ns.config,
         add=ns.add,
+        workload_python_name=ns.workload_python,
     )
     if ns.initramfs:
         emit_initramfs(ns.root, ns.initramfs)

@@ -53,6 +53,10 @@ class Config:
     runtime_dir: str = ""  # private state (kernel connection files); default /run/guestd or a temp dir
     code_pool: int = 1  # pre-started kernels kept ready; 0 disables
     code_prewarm: bool = False  # fill the pool at start-up instead of on first use
+    # The Python the "python" kernel runs (code_python): "guestd" (guestd's own interpreter: a
+    # development guestd on a host), "auto" (python3 on the workload's PATH, else guestd's own:
+    # the shipped config), or an interpreter's name (looked up on the workload's PATH) or path.
+    code_python: str = "guestd"
     code_queue_wait_s: float = 600.0  # how long a code.run without timeout_s may wait for its context
     process_retention_s: float = 3600.0  # how long a finished background process stays attachable
     process_stdin_timeout_s: float = 30.0  # a process.write not taken by the process by then fails
@@ -137,6 +141,10 @@ def load_config_file(path: str, cfg: Config) -> Config:
                     cfg.code_pool = _want("code.pool", v, int)
                 elif k == "prewarm":
                     cfg.code_prewarm = _want("code.prewarm", v, bool)
+                elif k == "python":  # code_python
+                    cfg.code_python = _want("code.python", v, str).strip()
+                    if not cfg.code_python:
+                        raise ConfigError('code.python must be "guestd", "auto", or a Python\'s name or path')
                 elif k == "queue_wait_s":
                     cfg.code_queue_wait_s = float(_want("code.queue_wait_s", v, (int, float)))
                     if not cfg.code_queue_wait_s > 0:

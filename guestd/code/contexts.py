@@ -42,6 +42,9 @@ from guestd.capture import OutputCapture, capture_fields
 from guestd.children import usage_between
 from guestd.children.cgroups import guestd_running
 from guestd.children.tree import alive, descendants
+from guestd.code.kernel import NO_IPYKERNEL, PRIVATE_NAME
+from guestd.code.python import KernelPython, missing_ipykernel
+from guestd.code.python import resolve as resolve_python
 from guestd.code.start import StartWait, kernel_pids, within, work_done
 from guestd.services import derive, reseed_each, to_the_end
 from guestd.wire.errors import ErrorCode, GuestdError, limit_error
@@ -154,6 +157,17 @@ def _exit_reason(status: int | None) -> str:
     return f"exited with status {code}"
 
 
+def _home_of(uid: int) -> str | None:
+    """The user's home directory, if the user has one that exists."""
+    import pwd
+
+    try:
+        home = pwd.getpwuid(uid).pw_dir
+    except KeyError:
+        return None
+    return home if os.path.isdir(home) else None
+
+
 def write_private_file(directory: str, name: str, data: bytes, ids: tuple[int, int] | None) -> None:
     """``directory``/``name`` made new (0600, owned by ``ids``) with ``data``, without following
     anything: the directory is the workload user's own (a kernel's), so the workload may plant
@@ -250,6 +264,7 @@ class Kernel:
         self.died: asyncio.Future[str] = asyncio.get_running_loop().create_future()
         self.readers: list[asyncio.Future[None]] = []
         self.current: RunState | None = None  # the run whose messages the readers deliver
+        self.python: KernelPython | None = None  # the interpreter of a "python" kernel, once resolved
 
     async def start(self, cwd: str | None, env: dict[str, str] | None, wait: StartWait) -> None:
         """Start the kernel and wait (``wait``) until it answers. A start that fails or is
@@ -270,9 +285,12 @@ class Kernel:
             # guestd's Python that starts it (a PYTHONPATH there would hide guestd): see exec_foreign.
             kenv["GUESTD_KERNEL_ENV"] = json.dumps({**self.spec.env, **(env or {})})
         kenv["GUESTD_PARENT_PID"] = str(os.getpid())
-        from guestd.config import PRIVATE_ENV
+        if self.spec is None:
+            self.python = resolve_python(self.services.config.code_python, kenv.get("PATH"))
+        if self.python is not None and self.python.own:
+            from guestd.config import PRIVATE_ENV
 
-        kenv.update(PRIVATE_ENV)  # the kernel runs guestd's own Python
+            kenv.update(PRIVATE_ENV)  # the kernel runs guestd's own Python (a baked image's libpython)
         kenv["GUESTD_KERNEL_MAX_CONTENT"] = str(kernel_content_cap(self.services.config.limits))
         kenv.setdefault("PYTHONUNBUFFERED", "1")
         kenv["MPLBACKEND"] = kenv.get("MPLBACKEND", "module://matplotlib_inline.backend_inline")
@@ -289,11 +307,17 @@ class Kernel:
             os.chown(kdir, *ids)
             km.ip = os.path.join(kdir, self.kid)
             kenv["HOME"] = kdir  # guestd's HOME is not the workload user's to write
-        # A fresh kernel starts from guestd's state, not the workload's: an IPython directory
-        # guestd made (the workload user cannot write it: no startup files, no profile config)
-        # and no user site-packages (usercustomize). See SECURITY.md, "code contexts".
+            if self.python is not None and not self.python.own:
+                # The workload's Python: its user site-packages (pip install --user) are the
+                # workload user's, under that user's home, as in the workload's own shells.
+                kenv["HOME"] = _home_of(ids[0]) or kdir
+        # A fresh kernel starts from guestd's IPython directory, not the workload's (the workload
+        # user cannot write it: no startup files, no profile config). guestd's own Python also
+        # gets no user site-packages (usercustomize); the workload's Python gets its packages,
+        # user site included: that is what it is for. See SECURITY.md, "code contexts".
         kenv["IPYTHONDIR"] = _ipython_dir(self.services.runtime_dir())
-        kenv["PYTHONNOUSERSITE"] = "1"
+        if self.python is None or self.python.own:
+            kenv["PYTHONNOUSERSITE"] = "1"
         # The connection info lives in guestd's memory and reaches the kernel over a socketpair
         # (its fd 0), never a file: see hand_over_connection.
         for number, name in enumerate(("shell", "iopub", "stdin", "hb", "control"), start=1):
@@ -315,6 +339,11 @@ class Kernel:
             await within(
                 wait, self._come_up(km, channel, ids), self.died, lambda: work_done(kernel_pids(child.pid, cgroup_pids))
             )
+        except GuestdError:
+            status = child.status
+            if self.python is not None and status is not None and os.waitstatus_to_exitcode(status) == NO_IPYKERNEL:
+                raise missing_ipykernel(self.python) from None
+            raise
         finally:
             if channel is not None:
                 channel.close()
@@ -334,12 +363,11 @@ class Kernel:
         (:meth:`_come_up` hands it over once the kernel is non-dumpable)."""
         from guestd.children import DEVNULL
 
+        assert self.python is not None
         ours, theirs = socket.socketpair()
         try:
             self.child = await self.services.children.spawn(
-                # -P: not the context's cwd as sys.path[0] (the workload's modules there would run in
-                # the kernel before the key hand-over); ipykernel adds "" for cells once it starts.
-                [sys.executable, "-P", "-m", "guestd.code.kernel", "--connection-from-guestd"],
+                self.python.argv(),  # guestd's own Python, or the workload's (guestd.code.python)
                 kind="kernel",
                 env=kenv,
                 cwd=cwd or os.getcwd(),
@@ -1324,7 +1352,9 @@ def reap_orphan_kernels(kernel_dir: str) -> int:
                 import psutil
 
                 p = psutil.Process(pid)
-                if abs(p.create_time() - ctime) < 0.01 and (foreign or "guestd.code.kernel" in " ".join(p.cmdline())):
+                command = " ".join(p.cmdline())
+                ours = "guestd.code.kernel" in command or PRIVATE_NAME in command  # own or workload Python
+                if abs(p.create_time() - ctime) < 0.01 and (foreign or ours):
                     try:
                         os.killpg(pid, signal.SIGKILL)
                     except OSError:

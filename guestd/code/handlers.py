@@ -57,7 +57,13 @@ def register(services: Services) -> None:
         if made:
             await made[0].shutdown()
 
+    def info() -> dict[str, object]:
+        from guestd.code.python import kernels_info
+
+        return {"kernels": kernels_info(services.config.code_python)}
+
     services.on_start.append(on_start)
+    services.info.append(info)  # which Python each kernel runs
     services.on_restore.append(on_restore)
     services.busy.append(lambda: made[0].busy() if made else {"busy_contexts": []})
     services.on_shutdown.append(shutdown)

@@ -1,5 +1,7 @@
-"""Entry point of a code-context kernel process: ``python -m guestd.code.kernel --connection-from-guestd``,
-or, for a kernelspec installed in the guest, ``python -m guestd.code.kernel --exec ARGV...``.
+"""Entry point of a code-context kernel process: ``python -m guestd.code.kernel --connection-from-guestd``
+in guestd's own Python, the same file loaded by path in the workload's Python (guestd.code.python:
+nothing here may import guestd), or, for a kernelspec installed in the guest,
+``python -m guestd.code.kernel --exec ARGV...``.
 
 Runs inside the kernel, before ipykernel starts:
 - takes its connection info and session key from guestd over fd 0 once it is non-dumpable,
@@ -26,6 +28,8 @@ import sys
 from typing import Any
 
 PR_SET_PDEATHSIG = 1
+NO_IPYKERNEL = 86  # exit status: this Python cannot run a kernel (guestd.code.python.missing_ipykernel)
+PRIVATE_NAME = "_guestd_kernel"  # this module's name in sys.modules, wherever it was loaded from
 PR_SET_DUMPABLE = 4
 MAX_CONNECTION_INFO = 64 * 1024
 
@@ -198,6 +202,14 @@ def _cwd_last_on_the_path(app: Any) -> None:
     app.init_path = init_path
 
 
+def _missing_kernel_packages() -> list[str]:
+    """What this interpreter lacks of what the launcher imports (a workload's Python may have
+    no ipykernel): looked up, not imported, so it costs a few stat calls."""
+    from importlib.util import find_spec
+
+    return [name for name in ("ipykernel", "jupyter_client", "zmq") if find_spec(name) is None]
+
+
 def main() -> None:
     try:
         ctypes.CDLL(None).prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
@@ -206,13 +218,17 @@ def main() -> None:
     expected = os.environ.pop("GUESTD_PARENT_PID", "")
     if expected and os.getppid() != int(expected):
         sys.exit(1)  # guestd died before the prctl took effect: nobody owns us
-    # This file runs as __main__; the packer is imported by name: set the cap in that module.
-    from guestd.code import kernel
-
-    kernel._max_content = int(os.environ.pop("GUESTD_KERNEL_MAX_CONTENT", "0") or 0)
+    global _max_content
+    _max_content = int(os.environ.pop("GUESTD_KERNEL_MAX_CONTENT", "0") or 0)
+    # The packer is imported by name (--Session.packer): this module under a name of its own, as
+    # it runs (python -m as __main__, which IPython then replaces with the cells' namespace; or
+    # loaded by path into a workload's Python, which has no guestd package: guestd.code.python).
+    sys.modules[PRIVATE_NAME] = sys.modules[__name__]
     argv = sys.argv[1:]
     if argv[:1] == ["--exec"]:
         exec_foreign(argv[1:])
+    if _missing_kernel_packages():
+        sys.exit(NO_IPYKERNEL)  # guestd says which Python lacks it and how to fix it
     if argv[:1] == ["--connection-from-guestd"]:
         _connection_without_a_file(_connection_from_guestd())
         argv = argv[1:]
@@ -221,7 +237,7 @@ def main() -> None:
     from ipykernel import kernelapp
 
     _cwd_last_on_the_path(kernelapp.IPKernelApp)
-    kernelapp.launch_new_instance(argv=[*argv, "--Session.packer=guestd.code.kernel.pack_message"])
+    kernelapp.launch_new_instance(argv=[*argv, f"--Session.packer={PRIVATE_NAME}.pack_message"])
 
 
 if __name__ == "__main__":

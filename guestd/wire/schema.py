@@ -397,6 +397,23 @@ RECORDS.update(
             F("evalue", "str", "exception message", True),
             F("traceback", "list<str>", "formatted traceback lines", True),
         ),
+        "kernel_info": (
+            F("name", "str", "kernel name: \"python\" (code.create's default) or a kernelspec's", True),
+            F(
+                "python",
+                "str",
+                "the program the kernel runs: the Python interpreter, or the kernelspec's argv[0]",
+                True,
+            ),
+            F("own", "bool", "guestd's own private Python (not the workload's: no package it installs)", True),
+            F(
+                "setting",
+                "str",
+                'where it comes from: [code] python ("guestd", "auto", a name or path) or "kernelspec"',
+                True,
+            ),
+            F("missing", "bool?", "[code] python names no interpreter that exists: code.create fails unavailable"),
+        ),
         "context_info": (
             F("id", "str", "context id", True),
             F("name", "str?", "context name"),
@@ -620,6 +637,7 @@ OPS: tuple[OpSpec, ...] = (
             F("cpu_count", "int", "logical CPUs", True),
             F("connections", "int", "open client connections", True),
             F("hostname", "str", "guest hostname", True),
+            F("kernels", "list<kernel_info>", "code kernels and the Python (program) each runs"),
             F(
                 "snapshot",
                 "map",

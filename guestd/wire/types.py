@@ -35,6 +35,16 @@ class CodeErrorRecord(TypedDict):
     traceback: list[str]
 
 
+class KernelInfoRecord(TypedDict):
+    """record `kernel_info`"""
+
+    name: str
+    python: str
+    own: bool
+    setting: str
+    missing: NotRequired[bool | None]
+
+
 ContextInfoState = Literal["starting", "idle", "busy", "dead"]
 
 
@@ -256,6 +266,7 @@ class InfoReply(TypedDict):
     cpu_count: int
     connections: int
     hostname: str
+    kernels: NotRequired[list[KernelInfoRecord]]
     snapshot: dict[str, Any]
     workload_cgroup: str
     spawn: str
