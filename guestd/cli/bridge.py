@@ -17,11 +17,19 @@ from typing import Any
 
 from guestd.cli import terminal
 
-DEFAULT_SIZE = os.terminal_size((80, 24))  # stdout is not a terminal
+DEFAULT_SIZE = os.terminal_size((80, 24))  # stdout is not a terminal, or one that reports no size
 
 
 def local_size() -> os.terminal_size:
-    return os.get_terminal_size(sys.stdout.fileno()) if sys.stdout.isatty() else DEFAULT_SIZE
+    """This terminal's size for the remote one; 24x80 for what it does not report (a pipe, or a
+    terminal that says 0x0: some CI runners, emacs shells, docker wrappers), as ssh does."""
+    if not sys.stdout.isatty():
+        return DEFAULT_SIZE
+    try:
+        size = os.get_terminal_size(sys.stdout.fileno())
+    except OSError:
+        return DEFAULT_SIZE
+    return os.terminal_size((size.columns or DEFAULT_SIZE.columns, size.lines or DEFAULT_SIZE.lines))
 
 
 class TerminalBridge:

@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import sys
-from typing import Any
 
+from guestd.cli.live import OUTPUT_CUT_EXIT, READER_GONE_EXIT, finish_live, relay, report_truncation
 from guestd.cli.runs import run_kept
 from guestd.cli.shared import (
     Subcommands,
@@ -18,7 +19,9 @@ from guestd.cli.shared import (
     print_spills_and_timeout,
 )
 from guestd.cli.terminal import field, write_output
-from guestd.client.aio import AsyncClient, present
+from guestd.client import aio
+from guestd.client.aio import AsyncClient, ShellStream, present
+from guestd.client.results import ShellResult
 from guestd.wire.paths import printable_path
 
 
@@ -33,8 +36,20 @@ def register(sub: Subcommands) -> None:
     srun.add_argument("command")
     srun.add_argument("--timeout", type=float, default=None, help="wall-clock timeout in the guest, seconds")
     srun.add_argument("--idle-timeout", type=float, default=None, help="no-output timeout in the guest, seconds")
-    srun.add_argument("--max-output", type=int, default=None)
-    srun.add_argument("--stdin", action="store_true", help="send local stdin as the command's input")
+    srun.add_argument(
+        "--max-output",
+        type=int,
+        default=None,
+        help="keep at most this many bytes per stream, printed when the command ends (default: all of the "
+        "output, as it comes)",
+    )
+    srun.add_argument(
+        "-i",
+        "--stdin",
+        action="store_true",
+        help="send local stdin to the command as it is read, its end closing the command's stdin "
+        "(--keep: read whole first; --pty: always so)",
+    )
     srun.add_argument(
         "--on-timeout",
         choices=("kill", "detach"),
@@ -42,7 +57,11 @@ def register(sub: Subcommands) -> None:
         help="detach: a timeout leaves the command running as a background process (prints its id)",
     )
     srun.add_argument("--merge-stderr", action="store_true", help="stderr into stdout, in write order")
-    srun.add_argument("--check-syntax", action="store_true", help="bash -n first; nothing runs on a syntax error")
+    srun.add_argument(
+        "--check-syntax",
+        action="store_true",
+        help="bash -n first; nothing runs on a syntax error",
+    )
     srun.add_argument(
         "--pty",
         action="store_true",
@@ -56,19 +75,19 @@ def register(sub: Subcommands) -> None:
 
 async def create(client: AsyncClient, ns: argparse.Namespace) -> int:
     s = await client.shell_create(cwd=ns.cwd, env=parse_env(ns.env) or None, name=ns.name)
-    print_json(s) if ns.json else print(field(s["id"]))
+    print_json({"id": s.id, "pid": s.pid}) if ns.json else print(field(s.id))
     return 0
 
 
 async def list_sessions(client: AsyncClient, ns: argparse.Namespace) -> int:
     sessions = await client.shell_list()
     if ns.json:
-        print_json({"sessions": [json_path(s, "cwd") for s in sessions]})
+        print_json({"sessions": [json_path(dataclasses.asdict(s), "cwd") for s in sessions]})
     else:
         for s in sessions:
-            cwd = field(printable_path(s["cwd"]))
-            name = field(s.get("name") or "-")
-            print(f"{field(s['id'])}  {name:12} pid {s['pid']:<8} {cwd}  ({s['commands']} commands)")
+            cwd = field(printable_path(s.cwd))
+            name = field(s.name or "-")
+            print(f"{field(s.id)}  {name:12} pid {s.pid:<8} {cwd}  ({s.commands} commands)")
     return 0
 
 
@@ -78,33 +97,91 @@ async def close(client: AsyncClient, ns: argparse.Namespace) -> int:
 
 
 async def run_in_session(client: AsyncClient, ns: argparse.Namespace) -> int:
+    """Live by default (output as it comes, all of it); ``--max-output``, ``--spill`` and
+    ``--json`` keep a bounded capture, printed at the end. ``-i`` sends stdin as it is read
+    (``--keep``: read whole first, a kept run takes no stdin stream)."""
     if ns.pty:
         return await run_on_pty(client, ns)
-    stdin = sys.stdin.buffer.read() if ns.stdin else None
-    options: dict[str, Any] = {  # shell_run's keywords are the request's field names
-        "input": stdin,
-        "timeout_s": ns.timeout,
-        "idle_timeout_s": ns.idle_timeout,
-        "max_output": ns.max_output,
-        "on_timeout": ns.on_timeout,
-        "merge_stderr": ns.merge_stderr or None,
-        "check_syntax": ns.check_syntax or None,
-        "spill": ns.spill or None,
-    }
     if ns.keep:
-        return await run_kept(client, ns, "shell.run", present(id=ns.id, command=ns.command, **options))
-    res = await client.shell_run(ns.id, ns.command, **options)
+        options = present(
+            input=sys.stdin.buffer.read() if ns.stdin else None,
+            timeout_s=ns.timeout,
+            idle_timeout_s=ns.idle_timeout,
+            max_output=ns.max_output,
+            on_timeout=ns.on_timeout,
+            merge_stderr=ns.merge_stderr or None,
+            check_syntax=ns.check_syntax or None,
+            spill=ns.spill or None,
+        )
+        return await run_kept(client, ns, "shell.run", {"id": ns.id, "command": ns.command, **options})
+    live = not (ns.json or ns.max_output is not None or ns.spill)
+    s = start_shell_run(client, ns, live)
+    delivered = await relay(s, ns.raw, send_stdin=ns.stdin)
+    if delivered.reader_gone:
+        return READER_GONE_EXIT
+    res = await s.result()
     if ns.json:
         print_json(res.to_json())
+        return shell_exit_code(res)
+    if live:
+        cut = finish_live(delivered, res, ns.raw)
     else:
         write_output(res.stdout, res.stderr, ns.raw)
-        print_spills_and_timeout(res, "command interrupted")
-        print_death(res.killed_by, res.oom_killed)
-        if res.session_restarted:
-            print("guestctl: the session had to be restarted (cwd and exported variables kept)", file=sys.stderr)
+        report_truncation(res)  # asked for with --max-output or --spill
+        cut = False
+    print_run_notes(res)
+    return OUTPUT_CUT_EXIT if cut else shell_exit_code(res)
+
+
+def start_shell_run(client: AsyncClient, ns: argparse.Namespace, live: bool) -> ShellStream:
+    """The shell.run request: output as events when ``live`` (else a bounded capture in the
+    reply), stdin from INPUT frames with ``-i``. Built here with the client's deadline rule:
+    :meth:`AsyncClient.shell_stream` takes no ``check_syntax`` and no capture, and
+    :meth:`AsyncClient.shell_run` no stdin stream."""
+    args = present(
+        id=ns.id,
+        command=ns.command,
+        stream=live or None,
+        stdin_stream=ns.stdin or None,
+        timeout_s=ns.timeout,
+        idle_timeout_s=ns.idle_timeout,
+        max_output=ns.max_output,
+        on_timeout=ns.on_timeout,
+        merge_stderr=ns.merge_stderr or None,
+        check_syntax=ns.check_syntax or None,
+        spill=ns.spill or None,
+    )
+    deadline = aio._run_deadline(ns.timeout, ns.idle_timeout, aio.SHELL_STOP_S)
+    return ShellStream(client, client._conn.start("shell.run", args), deadline)
+
+
+def print_run_notes(res: ShellResult) -> None:
+    print_spills_and_timeout(res, "command interrupted")
+    print_death(res.killed_by, res.oom_killed)
+    if res.session_restarted:
+        print("guestctl: the session had to be restarted (cwd and exported variables kept)", file=sys.stderr)
+
+
+def shell_exit_code(res: ShellResult) -> int:
     if res.timed_out:
         return 124
     return res.exit_code if res.exit_code is not None else 1
+
+
+def refuse_flags_beside_pty(ns: argparse.Namespace) -> None:
+    """``shell run --pty``: the flags that have no meaning on a terminal are usage errors."""
+    given = [flag for flag, on in (("--max-output", ns.max_output is not None),
+                                    ("--spill", ns.spill),
+                                    ("--keep", ns.keep),
+                                    ("--check-syntax", ns.check_syntax),
+                                    ("--on-timeout detach", ns.on_timeout == "detach")) if on]  # fmt: skip
+    if given:
+        print(
+            f"guestctl shell run: {', '.join(given)} cannot apply with --pty "
+            "(the terminal shows the output as it comes)",
+            file=sys.stderr,
+        )
+        raise SystemExit(2)
 
 
 async def run_on_pty(client: AsyncClient, ns: argparse.Namespace) -> int:
@@ -114,6 +191,7 @@ async def run_on_pty(client: AsyncClient, ns: argparse.Namespace) -> int:
     piped stdin is ^D."""
     from guestd.cli.bridge import TerminalBridge, local_size
 
+    refuse_flags_beside_pty(ns)
     size = local_size()
     s = client.shell_stream(
         ns.id,
@@ -123,6 +201,8 @@ async def run_on_pty(client: AsyncClient, ns: argparse.Namespace) -> int:
         cols=size.columns,
         timeout_s=ns.timeout,
         idle_timeout_s=ns.idle_timeout,
+        on_timeout=ns.on_timeout,
+        merge_stderr=ns.merge_stderr or None,  # a terminal merges them anyway
     )
     bridge = TerminalBridge(ns.raw)
     keys = {0x03: "INT", 0x1C: "QUIT"}
@@ -150,6 +230,4 @@ async def run_on_pty(client: AsyncClient, ns: argparse.Namespace) -> int:
         res = await s.result()
     if ns.json:
         print_json(res.to_json())
-    if res.timed_out:
-        return 124
-    return res.exit_code if res.exit_code is not None else 1
+    return shell_exit_code(res)
