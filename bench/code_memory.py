@@ -90,7 +90,7 @@ async def bench(print_mb: int, bundles: int, bundle_mb: int) -> list[dict[str, A
         g = start_guestd(d, "--runtime-dir", f"{d}/rt", "--code-pool", "0")
         try:
             c = await AsyncClient.connect(g.address)
-            ctx = (await c.code_create(deadline=120))["id"]
+            ctx = (await c.code_create(deadline=120)).id
             await c.code_run("1", context=ctx)
             rows = [
                 await measure(c, ctx, g.pid, f"one {print_mb} MB print", f"print('x' * {print_mb * 1_000_000})"),

@@ -409,7 +409,7 @@ async def measure_with(
         for size in [MiB, 64 * MiB] + ([1024 * MiB] if big else []):
             res["files"][str(size)] = await file_rates(c, gd, tmp, size)
         # Persistent shell: per-command cost over a bare exec of the same external command.
-        sid = (await c.shell_create())["id"]
+        sid = (await c.shell_create()).id
         sh_s: list[float] = []
         ex_s: list[float] = []
         for _ in range(rounds):
@@ -421,7 +421,7 @@ async def measure_with(
         # Attach throughput: follow a process writing 64 MiB live (16 MiB ring).
         p = await c.process_start("head -c 67108864 /dev/zero", ring_bytes=16 * MiB)
         t = time.perf_counter()
-        a = c.attach(p["id"])
+        a = c.attach(p.id)
         got = 0
         async for _, _, data in a:
             got += len(data)
@@ -431,7 +431,7 @@ async def measure_with(
             "received": got,
             "lost": a.lost_bytes["stdout"],
         }
-        await c.process_forget(p["id"])
+        await c.process_forget(p.id)
         res["concurrency"] = await measure_concurrency(f"unix:{gsock}", c, EXEC_LOOPS)
         res["idle_rss_after_MiB"] = gd.rss() / MiB
         await c.close()
@@ -574,15 +574,15 @@ async def measure_code(tmp: str, rounds: int, n: int) -> dict[str, Any]:
         t = time.perf_counter()
         cold = await c.code_create()
         out["create_cold_ms"] = (time.perf_counter() - t) * 1000
-        pin_all_threads(cold["pid"])
+        pin_all_threads(cold.pid)
         deadline = time.monotonic() + 60
         while (await c.call("code.list"))["pool_ready"] < 1 and time.monotonic() < deadline:
             await asyncio.sleep(0.1)
         t = time.perf_counter()
         warm = await c.code_create()
         out["create_pooled_ms"] = (time.perf_counter() - t) * 1000
-        pin_all_threads(warm["pid"])
-        ctx = warm["id"]
+        pin_all_threads(warm.pid)
+        ctx = warm.id
         await asyncio.to_thread(raw.start, tmp)
         g_s: list[float] = []
         r_s: list[float] = []
@@ -602,7 +602,7 @@ async def measure_code(tmp: str, rounds: int, n: int) -> dict[str, Any]:
             "dropped": r.stdout_dropped,
         }
         out["guestd_rss_with_contexts_MiB"] = gd.rss() / MiB
-        kernel_rss = [psutil.Process(x["pid"]).memory_info().rss for x in await c.code_list()]
+        kernel_rss = [psutil.Process(x.pid).memory_info().rss for x in await c.code_list()]
         out["kernel_rss_MiB"] = statistics.median(kernel_rss) / MiB if kernel_rss else 0.0
         await c.close()
     finally:
@@ -691,16 +691,16 @@ async def measure_restore(tmp: str, counts: list[int], n: int) -> dict[str, Any]
         for want in counts:
             while have < want:
                 created = await c.code_create(deadline=120)
-                pin_all_threads(created["pid"])
+                pin_all_threads(created.pid)
                 have += 1
             rtt, total, daemon_part, contexts_part = [], [], [], []
             for _ in range(n):
                 t = time.perf_counter()
                 rep = await c.restore(entropy=os.urandom(64))
                 rtt.append(time.perf_counter() - t)
-                total.append(rep["duration_s"])
-                contexts_part.append(rep["workloads_ms"] / 1000)
-                daemon_part.append(rep["duration_s"] - rep["workloads_ms"] / 1000)
+                total.append(rep.duration_s)
+                contexts_part.append(rep.workloads_ms / 1000)
+                daemon_part.append(rep.duration_s - rep.workloads_ms / 1000)
             out[str(want)] = {
                 "rtt": summary_ms(rtt),
                 "in_guest": summary_ms(total),

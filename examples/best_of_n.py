@@ -82,7 +82,7 @@ def warm(c: Client, python: str = GUEST_PYTHON, repo: str = REPO) -> Warm:
     r = c.exec([python, "-m", "pytest", "-q", "-p", "no:cacheprovider"], cwd=repo, env=env, timeout_s=600)
     if r.exit_code == 0:
         raise RuntimeError("the task's tests already pass before any candidate: nothing to choose")
-    ctx = c.code_create(cwd=repo, deadline=300)["id"]
+    ctx = c.code_create(cwd=repo, deadline=300).id
     c.code_run("import random", context=ctx, timeout_s=300)
     return Warm(env, ctx, r.stdout.decode(errors="replace").strip().splitlines()[-1])
 
@@ -99,7 +99,7 @@ def try_candidate(
     applied = c.exec(["git", "apply", "/tmp/candidate.patch"], cwd=repo, timeout_s=60)
     if applied.exit_code != 0:
         summary = "patch does not apply: " + applied.stderr.decode(errors="replace").strip()
-        return CandidateResult(name, tag, False, False, summary, hostname, rep["crng"], draw, time.monotonic() - t0)
+        return CandidateResult(name, tag, False, False, summary, hostname, rep.crng, draw, time.monotonic() - t0)
     test = c.exec(
         [python, "-m", "pytest", "-q", "-p", "no:cacheprovider"], cwd=repo, env=w.env, timeout_s=600, idle_timeout_s=300
     )
@@ -111,7 +111,7 @@ def try_candidate(
         test.exit_code == 0,
         lines[-1] if lines else f"exit {test.exit_code}",
         hostname,
-        rep["crng"],
+        rep.crng,
         draw,
         time.monotonic() - t0,
     )

@@ -175,8 +175,8 @@ class GuestdRuntime:
 
     def connect(self) -> None:
         env = {"TERM": "dumb", "PAGER": "cat", "GIT_PAGER": "cat", **self.config.env}
-        self.shell_id = self.client.shell_create(cwd=self.cwd, env=env)["id"]
-        self.context_id = self.client.code_create(cwd=self.cwd, env=self.config.env, deadline=300)["id"]
+        self.shell_id = self.client.shell_create(cwd=self.cwd, env=env).id
+        self.context_id = self.client.code_create(cwd=self.cwd, env=self.config.env, deadline=300).id
 
     def __enter__(self) -> GuestdRuntime:
         return self

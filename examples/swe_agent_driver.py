@@ -85,7 +85,7 @@ class SweTools:
         self.max_patch_bytes = max_patch_bytes
         self.env = {"TERM": "dumb", "PAGER": "cat", "GIT_PAGER": "cat", **(env or {}), **no_push_env()}
         self.cwd = repo
-        self.session = client.shell_create(cwd=repo, env=self.env)["id"]
+        self.session = client.shell_create(cwd=repo, env=self.env).id
         # Existing remotes: a push URL that cannot work (pushInsteadOf does not apply to pushurl).
         self.shell('for r in $(git remote); do git remote set-url --push "$r" ' + NO_PUSH + "; done")
 

@@ -66,7 +66,7 @@ async def listed_gone(c: AsyncClient, kind: str, ident: str) -> None:
     """Until ``ident`` is no more in shell.list (kind "shell") or code.list (bounded)."""
     for _ in range(400):
         items = await (c.shell_list() if kind == "shell" else c.code_list())
-        if all(i["id"] != ident for i in items):
+        if all(i.id != ident for i in items):
             return
         await asyncio.sleep(0.025)
     raise AssertionError(f"{kind} {ident} still listed")
@@ -85,14 +85,14 @@ def test_a_shell_close_cancelled_while_bash_cannot_die_yet_still_releases_the_se
 
         async def go() -> None:
             async with await AsyncClient.connect(g.address) as c:  # what a first session opens for good
-                warm = (await c.shell_create())["id"]
+                warm = (await c.shell_create()).id
                 await c.shell_run(warm, "true")
                 await c.shell_close(warm)
             await connections_gone(g.pid, idle)
             before.append(fd_count(g.pid))
             a = await AsyncClient.connect(g.address)
             made = await a.shell_create()
-            sid, bash = made["id"], made["pid"]
+            sid, bash = made.id, made.pid
             with frozen(g, rt_inside):
                 run = asyncio.ensure_future(a.shell_run(sid, f"echo x > {rt_inside}/blocked"))
                 await until(lambda: in_d_state(bash) or run.done())
@@ -110,7 +110,7 @@ def test_a_shell_close_cancelled_while_bash_cannot_die_yet_still_releases_the_se
             await run  # bash died at the thaw: the run ends
             await a.close()
             async with await AsyncClient.connect(g.address) as c:
-                assert all(s["id"] != sid for s in await c.shell_list())
+                assert all(s.id != sid for s in await c.shell_list())
             await connections_gone(g.pid, idle)
 
         asyncio.run(go())
@@ -131,7 +131,7 @@ def test_a_code_close_cancelled_while_the_kernel_cannot_die_yet_still_releases_t
 
         async def go() -> None:
             async with await AsyncClient.connect(g.address) as c:  # what a first context opens for good
-                warm = (await c.code_create())["id"]
+                warm = (await c.code_create()).id
                 await c.code_run("1", context=warm)
                 await c.code_close(warm)
             await connections_gone(g.pid, idle)
@@ -139,7 +139,7 @@ def test_a_code_close_cancelled_while_the_kernel_cannot_die_yet_still_releases_t
             kernel_files = sorted(os.listdir(rt + "/kernels"))
             a = await AsyncClient.connect(g.address)
             made = await a.code_create()
-            cid, kernel = made["id"], made["pid"]
+            cid, kernel = made.id, made.pid
             with frozen(g, rt_inside):
                 run = asyncio.ensure_future(a.code_run(f"open({rt_inside + '/blocked'!r}, 'w')", context=cid))
                 await until(lambda: in_d_state(kernel) or run.done())
@@ -292,7 +292,7 @@ def test_a_write_cancelled_while_its_thread_still_writes_is_not_settled_for_prep
                 # Its wait for writes ends (0.2 s); then its sync may wait for the thaw too.
                 await until(lambda: prep.done() or threads_in_d_state(g.pid) >= 2)
             report = await prep
-            assert report["writes_settled"] is False, report
+            assert report.writes_settled is False, report
             await a.snapshot_resume()
             await until(lambda: os.path.exists(rt + "/landing"))  # the thread finished it after all
             assert (await a.read_file(rt_inside + "/landing")) == b"y" * 4096

@@ -75,7 +75,7 @@ def test_a_str_is_sent_as_utf8(client: Client) -> None:
 
 def test_shell_run_input_from_an_iterator(client: Client) -> None:
     total = 9 * MiB
-    sid = client.shell_create()["id"]
+    sid = client.shell_create().id
     try:
         r = client.shell_run(sid, "sha256sum", input=pattern_chunks(total), timeout_s=60)
         assert r.exit_code == 0 and guest_sum(r) == local_sum(total)
@@ -167,7 +167,7 @@ def test_a_callback_that_raises_cancels_the_command(client: Client) -> None:
 
 
 def test_shell_run_callbacks(client: Client) -> None:
-    sid = client.shell_create()["id"]
+    sid = client.shell_create().id
     try:
         out: list[bytes] = []
         r = client.shell_run(sid, "echo one; echo two", on_stdout=out.append)

@@ -24,6 +24,15 @@ STREAMING = {"exec_stream", "code_run_stream", "attach", "watch_ports", "watch",
 ASYNC_ONLY = {"open_port"}
 # Twins of their own shape: the blocking client returns a context manager run on its loop thread.
 OWN_SHAPE = {"port_forward", "reverse_forward"}
+# Twins that return the blocking variant of an async handle (guestd/client/handles*.py).
+HANDLES = {
+    "AsyncShell": "Shell",
+    "AsyncCodeContext": "CodeContext",
+    "AsyncProcess": "Process",
+    "AsyncKeptRun": "KeptRun",
+}
+# Not coroutines, with a blocking twin: they return a handle at once.
+HANDLE_FACTORIES = {"kept_run"}
 # Constructors: Client.__init__ takes their connection parameters (checked below).
 CONSTRUCTORS = {"connect", "from_socket"}
 # Names the typed surface retired: each said less than what it bounds (see guestd/client/aio.py).
@@ -46,7 +55,7 @@ def async_methods() -> dict[str, Callable[..., Any]]:
     return {
         name: fn
         for name, fn in public_methods(AsyncClient).items()
-        if inspect.iscoroutinefunction(fn) and name not in CONSTRUCTORS | ASYNC_ONLY
+        if (inspect.iscoroutinefunction(fn) or name in HANDLE_FACTORIES) and name not in CONSTRUCTORS | ASYNC_ONLY
     }
 
 
@@ -59,9 +68,10 @@ def test_every_async_method_has_a_blocking_twin_with_the_same_signature() -> Non
         # String annotations (from __future__ import annotations): the same text on both sides.
         assert list(ssig.parameters.values()) == list(asig.parameters.values()), name
         if name not in OWN_SHAPE:
-            assert ssig.return_annotation == asig.return_annotation, name
+            assert ssig.return_annotation == HANDLES.get(asig.return_annotation, asig.return_annotation), name
         assert not inspect.iscoroutinefunction(sync[name]), name
         checked.append(name)
+    assert set(checked) >= HANDLE_FACTORIES
     assert {"exec", "shell_run", "code_run", "process_wait", "process_output", "download"} <= set(checked)
 
 

@@ -23,15 +23,15 @@ def cg() -> Iterator[Guestd]:
 def test_a_host_clock_jump_is_seen_and_corrected(cg: Guestd) -> None:
     with cg.client() as c:
         r = c.clock_check()
-        assert abs(r["offset_s"]) < 0.2 and r["clock"] == "kept" and r["stepped_s"] is None
-        assert r["since_last_s"] is not None  # the hello was the first observation
-        assert r["host_jump_s"] is None and r["guest_jump_s"] is None and not r["backwards_under_runs"]
+        assert abs(r.offset_s) < 0.2 and r.clock == "kept" and r.stepped_s is None
+        assert r.since_last_s is not None  # the hello was the first observation
+        assert r.host_jump_s is None and r.guest_jump_s is None and not r.backwards_under_runs
         r = c.clock_check(time_ns=time.time_ns() + 5 * S)  # the host's clock jumped 5 s ahead
-        assert r["host_jump_s"] is not None and 4.5 < r["host_jump_s"] < 5.5
-        assert -5.5 < r["offset_s"] < -4.5 and r["clock"] == "simulated"
-        assert r["stepped_s"] is not None and 4.5 < r["stepped_s"] < 5.5 and not r["backwards_under_runs"]
+        assert r.host_jump_s is not None and 4.5 < r.host_jump_s < 5.5
+        assert -5.5 < r.offset_s < -4.5 and r.clock == "simulated"
+        assert r.stepped_s is not None and 4.5 < r.stepped_s < 5.5 and not r.backwards_under_runs
         r = c.clock_check()  # and back (the simulated step left this clock as it was)
-        assert r["host_jump_s"] is not None and -5.5 < r["host_jump_s"] < -4.5 and r["clock"] == "kept"
+        assert r.host_jump_s is not None and -5.5 < r.host_jump_s < -4.5 and r.clock == "kept"
         clock = c.info().raw["snapshot"]["clock"]
         assert clock["host_jumps"] >= 2 and clock["last"]["source"] == "check"
 
@@ -40,18 +40,18 @@ def test_a_step_back_under_running_work_is_reported(cg: Guestd) -> None:
     with cg.client() as c:
         p = c.process_start(["sleep", "30"])
         r = c.clock_check(time_ns=time.time_ns() - 10 * S)  # the guest is 10 s ahead
-        assert r["stepped_s"] is not None and -10.5 < r["stepped_s"] < -9.5
-        assert r["runs_in_flight"] >= 1 and r["backwards_under_runs"]
+        assert r.stepped_s is not None and -10.5 < r.stepped_s < -9.5
+        assert r.runs_in_flight >= 1 and r.backwards_under_runs
         assert c.info().raw["snapshot"]["clock"]["backwards_under_runs"] >= 1
-        c.process_signal(p["id"], "KILL")
-        c.process_wait(p["id"], timeout_s=10)
-        c.process_forget(p["id"])
+        c.process_signal(p.id, "KILL")
+        c.process_wait(p.id, timeout_s=10)
+        c.process_forget(p.id)
         deadline = time.monotonic() + 10
-        while (r := c.clock_check(time_ns=time.time_ns() - 10 * S))["runs_in_flight"]:
+        while (r := c.clock_check(time_ns=time.time_ns() - 10 * S)).runs_in_flight:
             assert time.monotonic() < deadline, "the run never ended"
             time.sleep(0.05)
-        assert r["stepped_s"] is not None and r["stepped_s"] < 0 and not r["backwards_under_runs"]
-        assert c.clock_check()["clock"] == "kept"
+        assert r.stepped_s is not None and r.stepped_s < 0 and not r.backwards_under_runs
+        assert c.clock_check().clock == "kept"
 
 
 def test_a_hello_far_from_the_guest_clock_is_a_host_jump(cg: Guestd) -> None:

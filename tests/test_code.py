@@ -55,14 +55,14 @@ def wait_gone(pids: list[int], seconds: float = 10.0) -> list[int]:
 
 def test_state_persists_and_counts(c: Client) -> None:
     ctx = c.code_create(name="persist")
-    r1 = c.code_run("x = 20\nprint('set')", context=ctx["id"])
+    r1 = c.code_run("x = 20\nprint('set')", context=ctx.id)
     r2 = c.code_run("x * 2 + 2", context="persist")  # by name too
     assert (r1.status, r1.stdout) == ("ok", b"set\n")
     assert r2.text == "42"
     assert r2.execution_count == (r1.execution_count or 0) + 1
     again = c.code_create(name="persist")
-    assert again["existing"] and again["id"] == ctx["id"]
-    c.code_close(ctx["id"])
+    assert again.existing and again.id == ctx.id
+    c.code_close(ctx.id)
 
 
 def test_rich_output_arrives_as_bytes(c: Client) -> None:
@@ -113,16 +113,16 @@ def test_timeout_interrupts_a_c_level_sleep(c: Client) -> None:
 
 def test_timeout_escalates_to_restart_when_sigint_is_ignored(c: Client) -> None:
     ctx = c.code_create()
-    c.code_run("state = 1", context=ctx["id"])
+    c.code_run("state = 1", context=ctx.id)
     code = "import signal\nsignal.signal(signal.SIGINT, signal.SIG_IGN)\nwhile True: pass"
-    r = c.code_run(code, context=ctx["id"], timeout_s=0.5, interrupt_grace_s=0.5)
+    r = c.code_run(code, context=ctx.id, timeout_s=0.5, interrupt_grace_s=0.5)
     assert (r.status, r.timeout_action) == ("timeout", "restarted")
-    after = c.code_run("'state' in dir()", context=ctx["id"])
+    after = c.code_run("'state' in dir()", context=ctx.id)
     assert after.text == "False"  # fresh kernel, same id
-    listed = {x["id"]: x for x in c.code_list()}
-    assert listed[ctx["id"]]["pid"] != ctx["pid"] and listed[ctx["id"]]["restarts"] == 1
-    assert wait_gone([ctx["pid"]]) == []
-    c.code_close(ctx["id"])
+    listed = {x.id: x for x in c.code_list()}
+    assert listed[ctx.id].pid != ctx.pid and listed[ctx.id].restarts == 1
+    assert wait_gone([ctx.pid]) == []
+    c.code_close(ctx.id)
 
 
 def test_input_fails_fast_unless_lines_are_given(c: Client) -> None:
@@ -137,16 +137,16 @@ def test_input_fails_fast_unless_lines_are_given(c: Client) -> None:
 
 def test_kernel_death_is_reported_and_restart_recovers(c: Client) -> None:
     ctx = c.code_create()
-    r = c.code_run("import os\nos._exit(3)", context=ctx["id"])
+    r = c.code_run("import os\nos._exit(3)", context=ctx.id)
     assert r.status == "died" and r.exit_reason == "exited with status 3" and r.killed_by is None
     with pytest.raises(GuestdError) as ei:
-        c.code_run("1", context=ctx["id"])
+        c.code_run("1", context=ctx.id)
     assert ei.value.code == "unavailable"
-    c.code_restart(ctx["id"])
-    assert c.code_run("1 + 1", context=ctx["id"]).text == "2"
-    r = c.code_run("import os, signal\nos.kill(os.getpid(), signal.SIGSEGV)", context=ctx["id"])
+    c.code_restart(ctx.id)
+    assert c.code_run("1 + 1", context=ctx.id).text == "2"
+    r = c.code_run("import os, signal\nos.kill(os.getpid(), signal.SIGSEGV)", context=ctx.id)
     assert r.status == "died" and "SIGSEGV" in (r.exit_reason or "") and r.killed_by == "signal"
-    c.code_close(ctx["id"])
+    c.code_close(ctx.id)
 
 
 def test_contexts_run_in_parallel(kg: Guestd, tmp_path: object) -> None:
@@ -159,14 +159,14 @@ def test_contexts_run_in_parallel(kg: Guestd, tmp_path: object) -> None:
         # a waits for a file only b creates: this finishes only if both run at once.
         wait = c.code_run(
             f"import os, time\nwhile not os.path.exists({flag!r}): time.sleep(0.01)\n'seen'",
-            context=a["id"],
+            context=a.id,
             timeout_s=60,
         )
-        make = c.code_run(f"import time; time.sleep(0.2); open({flag!r}, 'w').close()", context=b["id"])
+        make = c.code_run(f"import time; time.sleep(0.2); open({flag!r}, 'w').close()", context=b.id)
         ra, rb = await asyncio.gather(wait, make)
         assert (ra.status, ra.text, rb.status) == ("ok", "'seen'", "ok")
-        await c.code_close(a["id"])
-        await c.code_close(b["id"])
+        await c.code_close(a.id)
+        await c.code_close(b.id)
         await c.close()
 
     asyncio.run(go())
@@ -176,12 +176,12 @@ def test_runs_on_one_context_are_queued_in_order(kg: Guestd) -> None:
     async def go() -> None:
         c = await AsyncClient.connect(kg.address)
         ctx = await c.code_create()
-        await c.code_run("order = []", context=ctx["id"])
+        await c.code_run("order = []", context=ctx.id)
         await asyncio.gather(
-            *(c.code_run(f"import time; time.sleep(0.02); order.append({i})", context=ctx["id"]) for i in range(6))
+            *(c.code_run(f"import time; time.sleep(0.02); order.append({i})", context=ctx.id) for i in range(6))
         )
-        assert (await c.code_run("order", context=ctx["id"])).text == "[0, 1, 2, 3, 4, 5]"
-        await c.code_close(ctx["id"])
+        assert (await c.code_run("order", context=ctx.id)).text == "[0, 1, 2, 3, 4, 5]"
+        await c.code_close(ctx.id)
         await c.close()
 
     asyncio.run(go())
@@ -192,14 +192,14 @@ def test_pooled_context_gets_cwd_and_env_and_pool_refills(c: Client, tmp_path: o
     while c.call("code.list")["pool_ready"] < 1 and time.monotonic() < deadline:
         time.sleep(0.2)
     ctx = c.code_create(cwd=str(tmp_path), env={"GUESTD_T": "yes"})
-    assert ctx["pooled"]
-    r = c.code_run("import os\n(os.getcwd(), os.environ['GUESTD_T'])", context=ctx["id"])
+    assert ctx.pooled
+    r = c.code_run("import os\n(os.getcwd(), os.environ['GUESTD_T'])", context=ctx.id)
     assert r.text == repr((str(tmp_path), "yes"))
     while c.call("code.list")["pool_ready"] < 1 and time.monotonic() < deadline:
         time.sleep(0.2)
     assert c.call("code.list")["pool_ready"] == 1
-    c.code_close(ctx["id"])
-    assert wait_gone([ctx["pid"]]) == []
+    c.code_close(ctx.id)
+    assert wait_gone([ctx.pid]) == []
 
 
 def test_bad_cwd_and_limits(c: Client) -> None:
@@ -212,7 +212,7 @@ def test_bad_cwd_and_limits(c: Client) -> None:
     made = []
     with pytest.raises(GuestdError) as ei:
         for _ in range(10):
-            made.append(c.code_create()["id"])
+            made.append(c.code_create().id)
     assert ei.value.code == "limit" and ei.value.details["limit"] == "max_contexts"
     for cid in made:
         c.code_close(cid)
@@ -228,7 +228,7 @@ def test_jupyter_is_loaded_only_when_needed_and_kernels_die_with_guestd(tmp_path
             ctx = c.code_create()
             with open(f"/proc/{g.pid}/maps") as f:
                 assert "zmq" in f.read()
-            pid = ctx["pid"]
+            pid = ctx.pid
         os.kill(g.pid, signal.SIGKILL)  # a crash: no chance to clean up
         g.proc.wait(10)
         assert wait_gone([pid]) == []
@@ -248,7 +248,7 @@ def test_close_and_shutdown_leave_no_kernel(tmp_path: object) -> None:
     with g.client() as c:
         ctx = c.code_create()
         c.code_run("1")
-        pids = [ctx["pid"]] + [x["pid"] for x in c.code_list()]
+        pids = [ctx.pid] + [x.pid for x in c.code_list() if x.pid is not None]
         deadline = time.monotonic() + 60
         while c.call("code.list")["pool_ready"] < 1 and time.monotonic() < deadline:
             time.sleep(0.2)
@@ -264,7 +264,7 @@ def test_streaming_run_delivers_output_as_it_arrives(kg: Guestd) -> None:
         s = c.code_run_stream(
             "import time\nfor i in range(3):\n    print(i, flush=True)\n    time.sleep(0.05)\n"
             "from IPython.display import HTML, display\ndisplay(HTML('<i>x</i>'))\n1/0",
-            context=ctx["id"],
+            context=ctx.id,
         )
         events = [(kind, value) async for kind, value in s]
         r = await s.result()
@@ -272,7 +272,7 @@ def test_streaming_run_delivers_output_as_it_arrives(kg: Guestd) -> None:
         assert out == b"0\n1\n2\n"
         assert [k for k, _ in events if k != "stdout"] == ["display", "error"]
         assert r.status == "error" and r.stdout == b"" and r.stdout_bytes == len(out)
-        await c.code_close(ctx["id"])
+        await c.code_close(ctx.id)
         await c.close()
 
     asyncio.run(go())
@@ -283,11 +283,11 @@ def test_cancelled_run_is_interrupted_and_context_stays_usable(kg: Guestd) -> No
         c = await AsyncClient.connect(kg.address)
         ctx = await c.code_create()
         with pytest.raises(GuestdError) as ei:
-            await c.code_run("import time\ntime.sleep(60)", context=ctx["id"], deadline=0.5)
+            await c.code_run("import time\ntime.sleep(60)", context=ctx.id, deadline=0.5)
         assert ei.value.code == "timeout"
-        r = await c.code_run("'next'", context=ctx["id"], timeout_s=10)
+        r = await c.code_run("'next'", context=ctx.id, timeout_s=10)
         assert r.status == "ok" and r.text == "'next'"
-        await c.code_close(ctx["id"])
+        await c.code_close(ctx.id)
         await c.close()
 
     asyncio.run(go())
@@ -311,14 +311,14 @@ def test_lone_surrogates_in_stdout_and_stderr_arrive_as_u_fffd_with_exact_counts
 
 def test_exception_with_a_lone_surrogate_is_an_error_not_a_restart(c: Client) -> None:
     ctx = c.code_create()
-    c.code_run("kept = 7", context=ctx["id"])
-    r = c.code_run("raise ValueError('bad \\ud800 value')", context=ctx["id"], timeout_s=20, strip_ansi=True)
+    c.code_run("kept = 7", context=ctx.id)
+    r = c.code_run("raise ValueError('bad \\ud800 value')", context=ctx.id, timeout_s=20, strip_ansi=True)
     assert (r.status, r.timeout_action) == ("error", None) and r.duration_s < 10
     assert r.error is not None and (r.error.ename, r.error.evalue) == ("ValueError", "bad \ufffd value")
     assert any("bad \ufffd value" in line for line in r.error.traceback)
-    assert c.code_run("kept", context=ctx["id"]).text == "7"  # same kernel, state kept
-    assert c.code_list()[[x["id"] for x in c.code_list()].index(ctx["id"])]["restarts"] == 0
-    c.code_close(ctx["id"])
+    assert c.code_run("kept", context=ctx.id).text == "7"  # same kernel, state kept
+    assert c.code_list()[[x.id for x in c.code_list()].index(ctx.id)].restarts == 0
+    c.code_close(ctx.id)
 
 
 SURROGATE_REPRS = (
@@ -436,10 +436,10 @@ def test_a_queued_run_counts_its_wait_against_its_timeout_and_the_default_wait_i
 
     async def go() -> None:
         c = await AsyncClient.connect(g.address)
-        ctx = (await c.code_create())["id"]
+        ctx = (await c.code_create()).id
         busy = asyncio.ensure_future(c.code_run("import time\ntime.sleep(60)", context=ctx))
         for _ in range(500):  # until the long cell holds the context
-            if (await c.code_list())[0]["state"] == "busy":
+            if (await c.code_list())[0].state == "busy":
                 break
         for timeout_s, bound in ((1.0, 1.0), (None, 1.5)):  # before: ran after the long cell, or never
             t0 = time.monotonic()
@@ -517,9 +517,9 @@ def test_new_restarted_and_pooled_kernels_start_from_guestds_state(
     try:
         with g.client() as c:
             ctx = c.code_create()
-            assert c.code_run("'PLANTED' in dir()", context=ctx["id"]).text == "False"
-            c.code_restart(ctx["id"])
-            assert c.code_run("'PLANTED' in dir()", context=ctx["id"]).text == "False"
+            assert c.code_run("'PLANTED' in dir()", context=ctx.id).text == "False"
+            c.code_restart(ctx.id)
+            assert c.code_run("'PLANTED' in dir()", context=ctx.id).text == "False"
 
             def pool_ready() -> None:
                 for _ in range(600):  # the pool refills in the background
@@ -529,8 +529,8 @@ def test_new_restarted_and_pooled_kernels_start_from_guestds_state(
 
             pool_ready()
             pooled = c.code_create()
-            assert pooled["pooled"]
-            assert c.code_run("'PLANTED' in dir()", context=pooled["id"]).text == "False"
+            assert pooled.pooled
+            assert c.code_run("'PLANTED' in dir()", context=pooled.id).text == "False"
             pool_ready()
             keys = [n for _, _, names in os.walk(f"{d}/rt/kernels") for n in names if n.endswith(".json")]
             assert keys == [], keys  # three ready kernels, no key on disk
@@ -564,17 +564,17 @@ def test_a_kernel_key_is_never_on_disk_and_the_kernel_is_not_dumpable(tmp_path: 
     watcher.start()
     try:
         with g.client() as c:
-            ctx = c.code_create()["id"]
+            ctx = c.code_create().id
             c.code_restart(ctx)
             for _ in range(600):  # the pool refills in the background
                 if c.call("code.list")["pool_ready"] >= 1:
                     break
                 time.sleep(0.1)
             pooled = c.code_create()
-            assert pooled["pooled"]
+            assert pooled.pooled
             dumpable = "import ctypes; ctypes.CDLL(None).prctl(3, 0, 0, 0, 0)"  # PR_GET_DUMPABLE
             assert c.code_run(dumpable, context=ctx).text == "0"
-            assert c.code_run(dumpable, context=pooled["id"]).text == "0"
+            assert c.code_run(dumpable, context=pooled.id).text == "0"
             assert c.code_run("1 + 1", context=ctx).text == "2"
     finally:
         done.set()

@@ -66,22 +66,22 @@ def _wait_gone(pids: list[int], seconds: float = 10.0) -> list[int]:
 @needs_bash
 def test_a_bash_context_keeps_its_variables_cwd_and_env(c: Client, tmp_path: object) -> None:
     ctx = c.code_create(kernel="bash", cwd=str(tmp_path), env={"GREETING": "hello"})
-    assert ctx["kernel"] == "bash" and not ctx["pooled"]
-    r = c.code_run('X=41; echo "$GREETING from $(pwd)"', context=ctx["id"])
+    assert ctx.kernel == "bash" and not ctx.pooled
+    r = c.code_run('X=41; echo "$GREETING from $(pwd)"', context=ctx.id)
     assert r.status == "ok" and r.stdout == f"hello from {tmp_path}\n".encode()
     assert r.stdout_bytes == len(r.stdout)
-    r = c.code_run("echo $((X + 1))", context=ctx["id"])
+    r = c.code_run("echo $((X + 1))", context=ctx.id)
     assert r.status == "ok" and r.stdout == b"42\n"
     # A command that fails is the cell's error (bash_kernel reports the exit status), not a kernel fault.
-    r = c.code_run("false", context=ctx["id"])
+    r = c.code_run("false", context=ctx.id)
     assert r.status == "error" and r.error is not None and r.error.evalue == "1"
     listed = {x["id"]: x for x in c.call("code.list")["contexts"]}
-    assert listed[ctx["id"]]["kernel"] == "bash" and listed[ctx["id"]]["state"] == "idle"
+    assert listed[ctx.id]["kernel"] == "bash" and listed[ctx.id]["state"] == "idle"
     # The Python kernel stays the default, and says so.
     py = c.code_create()
-    assert py["kernel"] == "python" and c.code_run("6 * 7", context=py["id"]).text == "42"
-    c.code_close(py["id"])
-    c.code_close(ctx["id"])
+    assert py.kernel == "python" and c.code_run("6 * 7", context=py.id).text == "42"
+    c.code_close(py.id)
+    c.code_close(ctx.id)
 
 
 @needs_bash
@@ -98,15 +98,15 @@ def test_an_unknown_kernel_is_not_found_and_lists_what_is_installed(c: Client) -
 @needs_bash
 def test_a_timeout_interrupts_the_bash_cell_and_keeps_state(c: Client) -> None:
     ctx = c.code_create(kernel="bash")
-    c.code_run("KEEP=yes", context=ctx["id"])
+    c.code_run("KEEP=yes", context=ctx.id)
     t0 = time.monotonic()
-    r = c.code_run("echo before; sleep 60; echo after", context=ctx["id"], timeout_s=1.0)
+    r = c.code_run("echo before; sleep 60; echo after", context=ctx.id, timeout_s=1.0)
     assert r.status == "timeout" and r.timeout_action == "interrupted"
     assert time.monotonic() - t0 < 15
     assert r.stdout.startswith(b"before\n") and b"after" not in r.stdout
-    r = c.code_run("echo $KEEP", context=ctx["id"], timeout_s=30)
+    r = c.code_run("echo $KEEP", context=ctx.id, timeout_s=30)
     assert r.status == "ok" and r.stdout == b"yes\n"  # the same kernel: interrupted, not restarted
-    c.code_close(ctx["id"])
+    c.code_close(ctx.id)
 
 
 @needs_bash
@@ -114,7 +114,7 @@ def test_code_interrupt_stops_the_bash_cell(kg: Guestd) -> None:
     async def go() -> None:
         c = await AsyncClient.connect(kg.address)
         ctx = await c.code_create(kernel="bash")
-        s = c.code_run_stream("echo started; sleep 60; echo after", context=ctx["id"], timeout_s=60)
+        s = c.code_run_stream("echo started; sleep 60; echo after", context=ctx.id, timeout_s=60)
         seen = b""
         async for kind, value in s:
             if kind == "stdout":
@@ -122,12 +122,12 @@ def test_code_interrupt_stops_the_bash_cell(kg: Guestd) -> None:
                 if b"started" in seen:
                     break  # the cell runs: the sleep is in progress
         t0 = time.monotonic()
-        await c.code_interrupt(ctx["id"])
+        await c.code_interrupt(ctx.id)
         r = await asyncio.wait_for(s.result(), 30)
         assert r.status == "interrupted" and time.monotonic() - t0 < 15
-        r = await c.code_run("echo next", context=ctx["id"], timeout_s=30)
+        r = await c.code_run("echo next", context=ctx.id, timeout_s=30)
         assert r.status == "ok" and r.stdout == b"next\n"
-        await c.code_close(ctx["id"])
+        await c.code_close(ctx.id)
         await c.close()
 
     asyncio.run(go())
@@ -136,22 +136,22 @@ def test_code_interrupt_stops_the_bash_cell(kg: Guestd) -> None:
 @needs_bash
 def test_a_dying_bash_kernel_is_reported_and_restart_recovers(c: Client) -> None:
     ctx = c.code_create(kernel="bash")
-    c.code_run("X=1", context=ctx["id"])
-    kids = _descendants(ctx["pid"])
+    c.code_run("X=1", context=ctx.id)
+    kids = _descendants(ctx.pid)
     assert kids, "bash_kernel runs bash as its child"
-    r = c.code_run("kill -9 $PPID", context=ctx["id"], timeout_s=30)  # bash's parent: the kernel
+    r = c.code_run("kill -9 $PPID", context=ctx.id, timeout_s=30)  # bash's parent: the kernel
     assert r.status == "died" and r.killed_by == "signal"
     assert r.exit_reason is not None and "SIGKILL" in r.exit_reason
     with pytest.raises(GuestdError) as ei:
-        c.code_run("echo 1", context=ctx["id"])
+        c.code_run("echo 1", context=ctx.id)
     assert ei.value.code == "unavailable"
-    pid = c.code_restart(ctx["id"])
-    assert pid != ctx["pid"]
-    r = c.code_run("echo ${X:-fresh}", context=ctx["id"], timeout_s=30)
+    pid = c.code_restart(ctx.id)
+    assert pid != ctx.pid
+    r = c.code_run("echo ${X:-fresh}", context=ctx.id, timeout_s=30)
     assert r.status == "ok" and r.stdout == b"fresh\n"
-    assert _wait_gone([ctx["pid"], *kids]) == []  # the dead kernel's bash went with its run
+    assert _wait_gone([ctx.pid, *kids]) == []  # the dead kernel's bash went with its run
     kids = _descendants(pid)
-    c.code_close(ctx["id"])
+    c.code_close(ctx.id)
     assert _wait_gone([pid, *kids]) == []
 
 
@@ -211,12 +211,12 @@ def test_a_foreign_kernels_key_file_is_private_and_gone_once_it_is_ready(tmp_pat
         with g.client() as c:
             for _ in range(3):  # each start is a new chance for the watcher
                 ctx = c.code_create(kernel="bash")
-                assert c.code_run("echo up", context=ctx["id"]).stdout == b"up\n"
+                assert c.code_run("echo up", context=ctx.id).stdout == b"up\n"
                 left = [
                     os.path.join(top, n) for top, _, names in os.walk(f"{d}/rt") for n in names if n.endswith(".json")
                 ]
                 assert left == [], f"connection files left once the kernel was ready: {left}"
-                c.code_close(ctx["id"])
+                c.code_close(ctx.id)
     finally:
         done.set()
         watcher.join(10)

@@ -191,10 +191,10 @@ def test_a_larger_start_wait_gives_a_kernel_slower_than_the_old_fixed_wait_its_c
     with plain.g.client() as c:
         ctx = c.code_create(kernel=SLOW_KERNEL, env=plain.slow_env(SLOW_KERNEL, 33), start_timeout_s=120)
         try:
-            assert c.code_run("print(6 * 7)", context=ctx["id"]).stdout == b"42\n"
+            assert c.code_run("print(6 * 7)", context=ctx.id).stdout == b"42\n"
         finally:
             plain.fast_again()
-            c.code_close(ctx["id"])
+            c.code_close(ctx.id)
     _settled(plain)
 
 
@@ -202,18 +202,18 @@ def test_a_restart_waits_as_long_as_its_context_says_and_a_given_up_one_leaves_n
     with plain.g.client() as c:
         ctx = c.code_create(env=plain.slow_env("python", 600, flag=False), start_timeout_s=20)
         try:
-            assert c.code_run("x = 1; x", context=ctx["id"]).text == "1"
+            assert c.code_run("x = 1; x", context=ctx.id).text == "1"
             plain.slow_env("python", 600)  # the next start of this context sleeps
             with pytest.raises(GuestdError) as ei:
-                c.code_restart(ctx["id"], deadline=60)
+                c.code_restart(ctx.id, deadline=60)
             assert ei.value.code == "unavailable" and ei.value.details["reason"] == "start_timeout"
             assert ei.value.details["start_timeout_s"] == 20
             assert plain.leftovers() == []
             plain.fast_again()
-            c.code_restart(ctx["id"])
-            assert c.code_run("'x' in dir()", context=ctx["id"]).text == "False"
+            c.code_restart(ctx.id)
+            assert c.code_run("'x' in dir()", context=ctx.id).text == "False"
         finally:
-            c.code_close(ctx["id"])
+            c.code_close(ctx.id)
     _settled(plain)
 
 
@@ -227,7 +227,7 @@ def test_a_create_the_client_cancels_mid_start_ends_its_kernel(guest: Guest, ker
         assert c.call("code.list")["contexts"] == []
         guest.fast_again()
         ctx = c.code_create(kernel=kernel)  # and guestd starts the next one as usual
-        c.code_close(ctx["id"])
+        c.code_close(ctx.id)
     _settled(guest)
     assert "did not exit after SIGKILL" not in guest.g.log()
 

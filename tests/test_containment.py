@@ -98,7 +98,7 @@ def test_exec_timeout_ends_escapees(contained: Guestd, hb: Heartbeat, pattern: s
 @pytest.mark.parametrize("pattern", list(PATTERNS))
 def test_shell_timeout_ends_what_the_command_started(contained: Guestd, hb: Heartbeat, pattern: str) -> None:
     with contained.client() as c:
-        sid = c.shell_create(cwd="/tmp")["id"]
+        sid = c.shell_create(cwd="/tmp").id
         try:
             # A job of an earlier command is not this command's to end.
             c.shell_run(sid, "sleep 1000 & echo $! > " + hb.dir + "/job")
@@ -119,8 +119,8 @@ def test_process_kill_ends_escapees(contained: Guestd, hb: Heartbeat, pattern: s
     with contained.client() as c:
         p = c.process_start(f"{hb.command(pattern)}; sleep 100")
         hb.wait_beating()
-        c.process_signal(p["id"], "KILL")
-        assert c.process_wait(p["id"], timeout_s=10)["signal"] == signal.SIGKILL
+        c.process_signal(p.id, "KILL")
+        assert c.process_wait(p.id, timeout_s=10).signal == signal.SIGKILL
     hb.assert_stopped()
 
 
@@ -144,7 +144,7 @@ def test_cancel_ends_escapees(contained: Guestd, hb: Heartbeat, pattern: str) ->
 def test_cancelled_shell_command_ends_escapees(contained: Guestd, hb: Heartbeat, pattern: str) -> None:
     async def main() -> None:
         async with await AsyncClient.connect(contained.address) as c:
-            sid = (await c.shell_create(cwd="/tmp"))["id"]
+            sid = (await c.shell_create(cwd="/tmp")).id
             run = asyncio.ensure_future(c.shell_run(sid, f"{hb.command(pattern)}; sleep 100"))
             await asyncio.get_running_loop().run_in_executor(None, hb.wait_beating)
             run.cancel()
@@ -185,7 +185,7 @@ def test_a_restarted_guestd_ends_the_runs_the_killed_one_left(scratch: str) -> N
     try:
         with g.client() as c:
             c.process_start(beats[0].command("setsid-double-fork") + "; sleep 1000")
-            sid = c.shell_create(cwd="/tmp")["id"]
+            sid = c.shell_create(cwd="/tmp").id
             c.shell_run(sid, beats[2].command("setsid-f"))  # a session's job that left it
 
         def exec_with_timeout() -> None:  # its connection dies with guestd; the run must not live on
@@ -231,7 +231,7 @@ def test_runs_start_in_their_own_leaf_as_the_workload_user(contained: Guestd) ->
         uid, cg = r.stdout.decode().split()
         assert uid == "65534"
         assert cg.startswith("0::/") and "/workload/exec-" in cg
-        sid = c.shell_create(cwd="/tmp")["id"]
+        sid = c.shell_create(cwd="/tmp").id
         assert "/workload/shell-" in c.shell_run(sid, "cat /proc/self/cgroup").stdout.decode()
         c.shell_close(sid)
 
@@ -247,21 +247,22 @@ def test_finished_kept_processes_hold_no_fds(fresh_guestd: Callable[..., Guestd]
             await c.ping()
             before = fds()
             for _ in range(1000 // 50):
-                ids = [(await c.process_start(["true"]))["id"] for _ in range(50)]
+                ids = [(await c.process_start(["true"])).id for _ in range(50)]
                 for pid_id in ids:
-                    assert (await c.process_wait(pid_id, timeout_s=30))["exit_code"] == 0
+                    assert (await c.process_wait(pid_id, timeout_s=30)).exit_code == 0
             for _ in range(100):  # each closes its pipes once both have ended (within ~0.2 s)
                 if fds() - before <= 8:
                     break
                 await asyncio.sleep(0.05)
             assert fds() - before <= 8, f"{fds() - before} fds more after 1000 finished processes"
             kept = await c.process_list()
-            assert len(kept) == 1000 and all(p["state"] == "exited" for p in kept)
+            assert len(kept) == 1000 and all(p.state == "exited" for p in kept)
             # Their output stays readable after the fds are gone.
             out = await c.process_start(["echo", "kept"])
-            await c.process_wait(out["id"], timeout_s=30)
+            await c.process_wait(out.id, timeout_s=30)
             await asyncio.sleep(0.3)
-            stdout, _, _ = await c.process_output(out["id"])
+            collected = await c.process_output(out.id)
+            stdout = collected.stdout
             assert stdout == b"kept\n"
 
     asyncio.run(main())
@@ -286,7 +287,7 @@ def test_what_a_cell_started_in_a_session_of_its_own_dies_with_its_kernel(
     beat = BEAT.format(hb=hb.path)
     cell = f"import subprocess\nsubprocess.Popen(['sh', '-c', {beat!r}], start_new_session=True)\n"
     with contained.client() as c:
-        ctx = c.code_create(deadline=120)["id"]
+        ctx = c.code_create(deadline=120).id
         try:
             assert c.code_run(cell, context=ctx, timeout_s=60).status == "ok"
             hb.wait_beating()

@@ -134,8 +134,8 @@ def test_close_always_tears_the_guest_down() -> None:
     rt = GuestdRuntime.start(LocalGuest)
     assert isinstance(rt.guest, LocalGuest)
     guestd = psutil.Process(rt.guest.proc.pid)
-    kernel = next(c["pid"] for c in rt.client.code_list() if c["id"] == rt.context_id)
-    bash = next(s["pid"] for s in rt.client.shell_list() if s["id"] == rt.shell_id)
+    kernel = next(c.pid for c in rt.client.code_list() if c.id == rt.context_id and c.pid is not None)
+    bash = next(s.pid for s in rt.client.shell_list() if s.id == rt.shell_id)
     sessdir = rt.guest.dir
     rt.close()
     rt.close()  # idempotent

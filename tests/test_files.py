@@ -327,7 +327,7 @@ def test_names_that_are_not_utf8_round_trip(client: Client, tmp_path: object) ->
     os.mkdir(sub)
     assert client.exec(["pwd"], cwd=sub, deadline=10).stdout == sub + b"\n"
     proc = client.process_start(["pwd"], cwd=sub, deadline=10)
-    assert client.process_output(proc["id"])[0] == sub + b"\n"
+    assert client.process_output(proc.id).stdout == sub + b"\n"
 
 
 def test_a_bin_path_in_a_raw_request(guestd: Guestd, tmp_path: object) -> None:

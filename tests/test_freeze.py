@@ -44,7 +44,7 @@ def counter(fg: Guestd) -> Iterator[tuple[Client, str]]:
         wait_growing(path)
         yield c, path
         c.snapshot_resume()
-        c.process_signal(p["id"], "KILL")
+        c.process_signal(p.id, "KILL")
     shutil.rmtree(d, ignore_errors=True)
 
 
@@ -68,7 +68,7 @@ def still(path: str) -> bool:
 def test_freeze_stops_the_workload_until_resume(counter: tuple[Client, str]) -> None:
     c, path = counter
     rep = c.snapshot_prepare(freeze=True)
-    assert rep["frozen"] and rep["quiesced"] and rep["fs_frozen"] is None
+    assert rep.frozen and rep.quiesced and rep.fs_frozen is None
     assert c.info().raw["snapshot"]["frozen"]
     assert still(path)  # no increments while frozen
     c.snapshot_resume()
@@ -78,17 +78,17 @@ def test_freeze_stops_the_workload_until_resume(counter: tuple[Client, str]) -> 
 
 def test_restore_thaws(counter: tuple[Client, str]) -> None:
     c, path = counter
-    assert c.snapshot_prepare(freeze=True)["frozen"]
+    assert c.snapshot_prepare(freeze=True).frozen
     assert still(path)
     rep = c.restore(time_ns=time.time_ns(), entropy=os.urandom(32))
-    assert rep["thawed"]
+    assert rep.thawed
     wait_growing(path)
     assert c.exec("echo ok").stdout == b"ok\n"  # new work is taken again
 
 
 def test_a_forgotten_freeze_ends_by_itself(counter: tuple[Client, str]) -> None:
     c, path = counter
-    assert c.snapshot_prepare(freeze=True, freeze_max_s=0.3)["frozen"]
+    assert c.snapshot_prepare(freeze=True, freeze_max_s=0.3).frozen
     wait_growing(path)  # thawed after freeze_max_s, with no resume
     assert c.exec("echo ok").stdout == b"ok\n"
 
@@ -100,11 +100,11 @@ def test_hazards_list_listening_sockets_and_connections(fg: Guestd) -> None:
         port = srv.getsockname()[1]
         with socket.create_connection(("127.0.0.1", port)) as cli, srv.accept()[0]:
             with fg.client() as c:
-                hz = c.snapshot_prepare()["hazards"]
+                hz = c.snapshot_prepare().hazards
             local = f"127.0.0.1:{cli.getsockname()[1]}"
-            assert f"127.0.0.1:{port}" in hz["listening"]
-            assert f"{local} -> 127.0.0.1:{port}" in hz["established"]
-            assert hz["listening_count"] >= len(hz["listening"]) >= 1
+            assert f"127.0.0.1:{port}" in hz.listening
+            assert f"{local} -> 127.0.0.1:{port}" in hz.established
+            assert hz.listening_count >= len(hz.listening) >= 1
 
 
 def test_fsfreeze_only_of_a_mount_point_other_than_root(fg: Guestd) -> None:
@@ -117,7 +117,7 @@ def test_fsfreeze_only_of_a_mount_point_other_than_root(fg: Guestd) -> None:
             assert ei.value.code == "bad_request" and ei.value.details["field"] == "fsfreeze"
         assert c.exec("echo ok").stdout == b"ok\n"  # refused before anything was held
         rep = c.snapshot_prepare(fsfreeze="/proc")  # simulated: recorded, never done on this host
-        assert rep["fs_frozen"] == "/proc" and c.info().raw["snapshot"]["fs_frozen"] == "/proc"
+        assert rep.fs_frozen == "/proc" and c.info().raw["snapshot"]["fs_frozen"] == "/proc"
         c.snapshot_resume()
         assert c.info().raw["snapshot"]["fs_frozen"] is None
     os.rmdir(plain)
@@ -150,19 +150,19 @@ def test_restore_tells_the_workload(fg: Guestd) -> None:
         rep = c.restore(time_ns=time.time_ns(), entropy=os.urandom(32), hostname="clone-7")
         # Exactly the registered one: not the other, nor its own `sleep` (which inherited the
         # variable but does not catch USR2, so the signal would only kill it).
-        assert rep["signalled"] == [asked["pid"]]
+        assert rep.signalled == [asked.pid]
         wait_lines(got, 1)
-        r = c.exec(["cat", rep["generation_file"]])  # as the workload user (nobody)
+        r = c.exec(["cat", rep.generation_file])  # as the workload user (nobody)
         seen = json.loads(r.stdout)
-        assert (seen["generation"], seen["hostname"]) == (rep["generation"], "clone-7"), r
-        assert seen["instance_id"] == rep["instance_id"]
+        assert (seen["generation"], seen["hostname"]) == (rep.generation, "clone-7"), r
+        assert seen["instance_id"] == rep.instance_id
         again = c.restore(time_ns=time.time_ns(), entropy=os.urandom(32))
-        r = c.exec(["cat", rep["generation_file"]])
-        assert json.loads(r.stdout)["generation"] == again["generation"] > rep["generation"]
-        assert again["signalled"] == [asked["pid"]]
+        r = c.exec(["cat", rep.generation_file])
+        assert json.loads(r.stdout)["generation"] == again.generation > rep.generation
+        assert again.signalled == [asked.pid]
         wait_lines(got, 2)
         for p in (asked, other):
-            c.process_signal(p["id"], "KILL")
+            c.process_signal(p.id, "KILL")
     with open(got) as f:
-        assert f.read().split() == [str(asked["pid"])] * 2  # once per restore, never the other
+        assert f.read().split() == [str(asked.pid)] * 2  # once per restore, never the other
     shutil.rmtree(d, ignore_errors=True)

@@ -13,6 +13,7 @@ import sys
 import pytest
 
 from guestd.client import AsyncClient, GuestdError
+from guestd.client.replies import MetricsSample
 from guestd.testing import REPO, Guestd
 
 
@@ -24,17 +25,17 @@ def meminfo_total() -> int:
 def test_one_sample_matches_proc_and_statvfs(guestd: Guestd) -> None:
     with guestd.client() as c:
         s = c.metrics(interval_ms=100)
-    assert s["interval_s"] is not None and 0.09 <= s["interval_s"] < 2.0
-    assert s["cpus"] == os.cpu_count() and s["cpu_percent"] is not None and 0.0 <= s["cpu_percent"] <= 100.0
-    assert s["memory_total_bytes"] == meminfo_total()
-    assert s["memory_used_bytes"] == s["memory_total_bytes"] - s["memory_available_bytes"]
-    assert s["processes"] >= 2 and s["workload_cpu_percent"] is None and s["workload_oom_kills"] is None
-    root = [d for d in s["disks"] if d["mount"] == "/"]
+    assert s.interval_s is not None and 0.09 <= s.interval_s < 2.0
+    assert s.cpus == os.cpu_count() and s.cpu_percent is not None and 0.0 <= s.cpu_percent <= 100.0
+    assert s.memory_total_bytes == meminfo_total()
+    assert s.memory_used_bytes == s.memory_total_bytes - s.memory_available_bytes
+    assert s.processes >= 2 and s.workload_cpu_percent is None and s.workload_oom_kills is None
+    root = [d for d in s.disks if d.mount == "/"]
     st = os.statvfs("/")
-    assert len(root) == 1 and root[0]["total_bytes"] == st.f_blocks * st.f_frsize
-    assert not [d for d in s["disks"] if d["fs"] in ("proc", "sysfs", "cgroup2")]
+    assert len(root) == 1 and root[0].total_bytes == st.f_blocks * st.f_frsize
+    assert not [d for d in s.disks if d.fs in ("proc", "sysfs", "cgroup2")]
     with guestd.client() as c:
-        assert c.metrics(interval_ms=0)["interval_s"] is None  # no window, no CPU %
+        assert c.metrics(interval_ms=0).interval_s is None  # no window, no CPU %
 
 
 def test_the_workloads_cpu_under_a_spinner(contained: Guestd) -> None:
@@ -43,24 +44,27 @@ def test_the_workloads_cpu_under_a_spinner(contained: Guestd) -> None:
         try:
             s = c.metrics(interval_ms=500)
         finally:
-            c.process_signal(p["id"], "KILL")
-    wl = s["workload_cpu_percent"]
-    assert wl is not None and 40.0 <= wl * s["cpus"] <= 110.0  # one CPU of them, spinning
+            c.process_signal(p.id, "KILL")
+    wl = s.workload_cpu_percent
+    assert wl is not None and 40.0 <= wl * s.cpus <= 110.0  # one CPU of them, spinning
     c2 = contained.client()
     with c2 as c:
-        c.process_wait(p["id"], timeout_s=10)
-        idle = c.metrics(interval_ms=300)["workload_cpu_percent"]
-    assert idle is not None and idle * s["cpus"] < 20.0
+        c.process_wait(p.id, timeout_s=10)
+        idle = c.metrics(interval_ms=300).workload_cpu_percent
+    assert idle is not None and idle * s.cpus < 20.0
 
 
 def test_a_stream_of_samples_and_its_end(guestd: Guestd) -> None:
     async def go() -> None:
         async with await AsyncClient.connect(guestd.address) as c:
-            got = [(kind, ev["sample"]["interval_s"]) async for kind, ev in c.watch_metrics(interval_ms=100, count=3)]
-            assert [k for k, _ in got] == ["sample"] * 3
-            assert all(i is not None and 0.05 <= i < 2.0 for _, i in got)
-            async for kind, _ in c.watch_metrics(interval_ms=100):  # no count: the caller stops it
-                assert kind == "sample"
+            got = [ev async for ev in c.watch_metrics(interval_ms=100, count=3)]
+            assert [type(ev) for ev in got] == [MetricsSample] * 3
+            assert all(
+                isinstance(ev, MetricsSample) and ev.interval_s is not None and 0.05 <= ev.interval_s < 2.0
+                for ev in got
+            )
+            async for ev in c.watch_metrics(interval_ms=100):  # no count: the caller stops it
+                assert isinstance(ev, MetricsSample)
                 break
             await c.ping()
             with pytest.raises(GuestdError) as ei:
@@ -89,7 +93,7 @@ def test_guestctl_metrics(guestd: Guestd) -> None:
         try:
             r = run("top", "--once", "--interval", "0.1")
         finally:
-            c.process_signal(p["id"], "KILL")
+            c.process_signal(p.id, "KILL")
     assert r.returncode == 0 and r.stdout.startswith(b"cpu ")
-    [row] = [ln for ln in r.stdout.decode().splitlines() if ln.startswith(p["id"])]
-    assert str(p["pid"]) in row and "running" in row and row.endswith("sleep 30")
+    [row] = [ln for ln in r.stdout.decode().splitlines() if ln.startswith(p.id)]
+    assert str(p.pid) in row and "running" in row and row.endswith("sleep 30")

@@ -79,12 +79,12 @@ def test_workload_runs_as_the_configured_user(fresh_guestd: Callable[..., Guestd
     g = with_config(fresh_guestd, '[policy]\nworkload_user = "nobody"\n')
     with g.client() as c:
         assert c.exec(["id", "-u"], cwd="/").stdout == b"65534\n"
-        sid = c.shell_create(cwd="/tmp")["id"]
+        sid = c.shell_create(cwd="/tmp").id
         assert c.shell_run(sid, "id -u").stdout == b"65534\n"
         assert c.shell_run(sid, "cat", input=b"readable").stdout == b"readable"
         p = c.process_start(["id", "-u"], cwd="/")
-        c.process_wait(p["id"], timeout_s=10)
-        assert c.process_output(p["id"])[0] == b"65534\n"
+        c.process_wait(p.id, timeout_s=10)
+        assert c.process_output(p.id).stdout == b"65534\n"
         assert c.info().raw["pid"] and os.stat(f"/proc/{c.info().raw['pid']}").st_uid == 0  # guestd stays root
 
 

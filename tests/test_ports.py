@@ -230,7 +230,7 @@ def test_closing_a_forward_ends_a_host_connection_whose_guest_side_is_still_conn
                 got = b""
             assert got == b""  # reset or eof, not a connection that waits forever
     finally:
-        gc.process_signal(p["id"], "KILL")
+        gc.process_signal(p.id, "KILL")
 
 
 # --------------------------------------------------------------------------- streams
@@ -446,7 +446,7 @@ def test_port_wait_before_and_after_the_server_starts(guest: Guestd, gc: Client)
         assert got.ready and got.http_status == 200 and got.elapsed_s > 0
         again = await c.port_wait(18099, timeout_s=1, http=True, path="/missing")
         assert not again.ready and again.http_status == 404
-        await c.process_signal(proc["id"], "KILL")
+        await c.process_signal(proc.id, "KILL")
 
     arun(guest, body)
 
@@ -471,8 +471,8 @@ def test_port_list_and_the_watch_see_a_listener_come_and_go(guest: Guestd, gc: C
         await until("added", HTTP)  # the initial set comes as added events
         started = await c.process_start([sys.executable, SERVERS, "echo", "18098", guest.workdir])
         listener = await until("added", 18098)
-        assert listener.pid == started["pid"]
-        await c.process_signal(started["id"], "KILL")
+        assert listener.pid == started.pid
+        await c.process_signal(started.id, "KILL")
         await until("removed", 18098)
         await changes.aclose()
 

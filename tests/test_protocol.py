@@ -9,7 +9,7 @@ import time
 import msgpack
 import pytest
 
-from guestd.testing import Guestd
+from guestd.testing import Guestd, StartGuestd
 from guestd.testing.rawwire import RawPeer
 from guestd.wire.frames import FRAME_VERSION, HEADER, MAGIC, Kind, encode_frame, encode_raw
 
@@ -144,8 +144,8 @@ def test_cancel_stops_a_running_exec(peer: RawPeer) -> None:
     assert time.monotonic() - t0 < 10
 
 
-def test_max_inflight_is_a_typed_limit(fresh_guestd: object) -> None:
-    g = fresh_guestd("--max-inflight", "4")  # type: ignore[operator]
+def test_max_inflight_is_a_typed_limit(fresh_guestd: StartGuestd) -> None:
+    g = fresh_guestd("--max-inflight", "4")
     p = RawPeer(g.raw_socket())
     p.hello()
     for i in range(1, 5):
@@ -225,8 +225,8 @@ def test_header_layout_is_as_documented() -> None:
     assert frame[8:12] == b"\x01\x02\x03\x04"
 
 
-def test_max_connections_is_a_typed_limit(fresh_guestd: object) -> None:
-    g = fresh_guestd("--max-connections", "2")  # type: ignore[operator]
+def test_max_connections_is_a_typed_limit(fresh_guestd: StartGuestd) -> None:
+    g = fresh_guestd("--max-connections", "2")
     held = [RawPeer(g.raw_socket()) for _ in range(2)]
     for p in held:
         p.hello()
@@ -271,12 +271,12 @@ def test_random_and_mutated_frames_never_kill_the_daemon(guestd: Guestd) -> None
         assert c.ping() > 0
 
 
-def test_network_fuzz_batches_keep_guestd_answering_with_bounded_rss(fresh_guestd: object) -> None:
+def test_network_fuzz_batches_keep_guestd_answering_with_bounded_rss(fresh_guestd: StartGuestd) -> None:
     import random
 
     from guestd.wire.schema import OPS
 
-    g = fresh_guestd("--simulate-privileged")  # type: ignore[operator]  # never touch this host's clock
+    g = fresh_guestd("--simulate-privileged")  # never touch this host's clock
     rng = random.Random(99)
     junk_values = [None, True, -1, 2**63, 1.5, "", "x" * 300, b"\x00" * 10, [], {}, [1, [2, [3]]], {"a": {"b": 1}}]
     with g.client() as c:

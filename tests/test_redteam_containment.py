@@ -210,7 +210,7 @@ def test_a_shell_command_cannot_forge_later_results_by_redefining_the_marker(con
     command; a command decides its own result only")."""
     forge = "__gd_mark() { builtin printf '%s\\0%s\\0%s\\0' \"$2\" 0 /forged >&63; builtin printf '\\0' >&63; }"
     with contained.client() as c:
-        sid = c.shell_create(cwd="/tmp")["id"]
+        sid = c.shell_create(cwd="/tmp").id
         try:
             c.shell_run(sid, forge, timeout_s=10)
             r = c.shell_run(sid, "cd /; exit 7", timeout_s=10)
@@ -246,7 +246,7 @@ def test_a_job_of_an_earlier_command_cannot_swallow_and_forge_a_later_command(co
     made = os.path.join(d, "made")
     try:
         with contained.client() as c:
-            sid = c.shell_create(cwd="/tmp")["id"]
+            sid = c.shell_create(cwd="/tmp").id
             try:
                 assert c.shell_run(sid, HIJACK_JOB, timeout_s=10).exit_code == 0
                 time.sleep(1.0)  # the job has stopped bash by now
@@ -327,8 +327,8 @@ def test_a_second_guestd_on_the_same_workload_cgroup_spares_live_runs(scratch: s
             g2 = start_guestd(d2, "--config", contained_config(d2, os.path.join(scratch, "shared")))
             try:
                 time.sleep(0.5)
-                state = next(x for x in c.process_list() if x["id"] == p["id"])
-                assert state["state"] == "running", f"a live guestd's run was ended by another: {state}"
+                state = next(x for x in c.process_list() if x.id == p.id)
+                assert state.state == "running", f"a live guestd's run was ended by another: {state}"
             finally:
                 g2.stop()
     finally:
@@ -350,7 +350,7 @@ def test_a_shell_command_whose_bash_stopped_reading_still_times_out(contained: G
     """The script of a command went to bash before its deadline ran: a bash stopped by a job
     (and a script bigger than the pipe) held the session, and its lock, for good."""
     with contained.client() as c:
-        sid = c.shell_create(cwd="/tmp")["id"]
+        sid = c.shell_create(cwd="/tmp").id
         try:
             c.shell_run(sid, "(sleep 0.3; kill -STOP $$) &", timeout_s=10)
             time.sleep(0.6)
@@ -369,7 +369,7 @@ def test_closing_a_session_during_a_run_leaves_no_bash(scratch: str) -> None:
 
         async def main() -> None:
             async with await AsyncClient.connect(g.address) as c:
-                sid = (await c.shell_create(cwd="/tmp"))["id"]
+                sid = (await c.shell_create(cwd="/tmp")).id
                 run = asyncio.ensure_future(c.shell_run(sid, "sleep 5"))
                 await asyncio.sleep(0.3)
                 await c.shell_close(sid)
@@ -394,8 +394,8 @@ def test_kill_after_exit_ends_what_a_process_left(contained: Guestd) -> None:
     hb = os.path.join(d, "hb")
     try:
         with contained.client() as c:
-            p = c.process_start(f"(setsid sh -c 'while :; do echo b >> {hb}; sleep 0.05; done' &); exit 0")["id"]
-            assert c.process_wait(p, timeout_s=10)["exit_code"] == 0
+            p = c.process_start(f"(setsid sh -c 'while :; do echo b >> {hb}; sleep 0.05; done' &); exit 0").id
+            assert c.process_wait(p, timeout_s=10).exit_code == 0
             time.sleep(0.3)
             c.process_signal(p, "KILL")
             time.sleep(0.3)
@@ -416,8 +416,8 @@ def test_a_workload_cannot_keep_a_dead_guestds_runs_by_posing_as_their_owner(scr
     workload = os.path.join(scratch, name)
     try:
         with g.client() as c:
-            poser = c.process_start(["bash", "-c", "exec -a guestd-poser sleep 1000"])["pid"]
-            victim = c.process_start(["sleep", "1000"])["pid"]
+            poser = c.process_start(["bash", "-c", "exec -a guestd-poser sleep 1000"]).pid
+            victim = c.process_start(["sleep", "1000"]).pid
         os.kill(g.pid, signal.SIGKILL)
         g.proc.wait(10)
         # The poser outlives its own leaf (elsewhere in the scratch tree, still running as the

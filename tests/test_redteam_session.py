@@ -133,7 +133,7 @@ def test_a_foreign_kernels_connection_file_does_not_follow_the_workloads_symlink
     os.chmod(str(tmp_path), 0o755)
     # The first context makes the workload user's kernel directory (guestd's Python kernel).
     first = c.code_create()
-    c.code_close(first["id"])
+    c.code_close(first.id)
     kdir = f"{rg.workdir}/rt/kernels/u{NOBODY}"
     assert os.stat(kdir).st_uid == NOBODY
     script = _open_dir(f"{tmp_path}/w") + "/swap.py"
@@ -142,16 +142,16 @@ def test_a_foreign_kernels_connection_file_does_not_follow_the_workloads_symlink
     p = c.process_start([workload_py, script, kdir, victim])
     try:
         deadline = time.monotonic() + 20
-        while b"watching" not in c.process_output(p["id"], follow=False)[0]:
-            out = c.process_output(p["id"], follow=False)
-            assert time.monotonic() < deadline and out[2]["state"] == "running", out
-            c.process_wait(p["id"], timeout_s=0.1)
+        while b"watching" not in c.process_output(p.id, follow=False).stdout:
+            out = c.process_output(p.id, follow=False)
+            assert time.monotonic() < deadline and out.status.state == "running", out
+            c.process_wait(p.id, timeout_s=0.1)
         outcomes = []
         for _ in range(15):
             try:
                 ctx = c.code_create(kernel="bash")
                 outcomes.append("ok")
-                c.code_close(ctx["id"])
+                c.code_close(ctx.id)
             except GuestdError as e:
                 outcomes.append(e.code)
             st = os.lstat(victim)
@@ -159,7 +159,7 @@ def test_a_foreign_kernels_connection_file_does_not_follow_the_workloads_symlink
             with open(victim) as f:
                 assert f.read() == "ORIGINAL", f"root wrote into the victim: {outcomes}"
     finally:
-        c.process_signal(p["id"], "KILL")
+        c.process_signal(p.id, "KILL")
     assert "unavailable" in outcomes or "ok" in outcomes, outcomes
     # Nothing of the swap's is left for a later kernel to trip on.
     assert [n for n in os.listdir(kdir) if n.endswith(".json")] == []
@@ -182,15 +182,15 @@ def test_guestds_kernel_does_not_import_the_workloads_modules_from_its_cwd(c: Cl
         )
     ctx = c.code_create(cwd=cwd)
     try:
-        r = c.code_run("import os; print(os.getcwd())", context=ctx["id"])
+        r = c.code_run("import os; print(os.getcwd())", context=ctx.id)
         assert r.status == "ok" and r.stdout == f"{cwd}\n".encode()
         # A cell still imports the workload's modules from its cwd, as in any notebook.
         with open(f"{cwd}/localmod.py", "w") as f:
             f.write("X = 7\n")
-        r = c.code_run("import localmod; print(localmod.X)", context=ctx["id"])
+        r = c.code_run("import localmod; print(localmod.X)", context=ctx.id)
         assert r.status == "ok" and r.stdout == b"7\n", r
     finally:
-        c.code_close(ctx["id"])
+        c.code_close(ctx.id)
     assert os.listdir(marks) == [], "the workload's module ran in guestd's kernel"
 
 
@@ -222,8 +222,8 @@ def test_a_pid_the_workload_writes_into_a_jobs_status_fifo_is_never_signalled(c:
     )  # root's, a process group of its own: never the workload's to signal
     try:
         assert target.stdout is not None and target.stdout.readline() == b"ready\n"
-        sid = c.shell_create()["id"]
-        bash = next(s["pid"] for s in c.shell_list() if s["id"] == sid)
+        sid = c.shell_create().id
+        bash = next(s.pid for s in c.shell_list() if s.id == sid)
         forger = c.process_start(
             ["/bin/sh", "-c", f"while :; do echo {target.pid} >/proc/{bash}/fd/9; done 2>/dev/null"]
         )
@@ -242,7 +242,7 @@ def test_a_pid_the_workload_writes_into_a_jobs_status_fifo_is_never_signalled(c:
         try:
             asyncio.run(go())
         finally:
-            c.process_signal(forger["id"], "KILL")
+            c.process_signal(forger.id, "KILL")
         assert not os.path.exists(flag), f"root signalled the workload's chosen group: {open(flag).read()!r}"
         assert target.poll() is None
     finally:
@@ -285,20 +285,20 @@ def test_a_foreign_kernels_processes_die_with_it(kernel_user: Guestd, tmp_path: 
     with kernel_user.client() as c:
         ctx = c.code_create(kernel="wbash", cwd=tmp_path, env={"RT_TAG": tag})
         try:
-            r = c.code_run('id -u; pwd; echo "$RT_TAG"', context=ctx["id"], timeout_s=30)
+            r = c.code_run('id -u; pwd; echo "$RT_TAG"', context=ctx.id, timeout_s=30)
             assert r.stdout.split() == [str(NOBODY).encode(), tmp_path.encode(), tag.encode()], r
             # 10<tag>1 etc.: sleep's argument carries the tag, so only these are found.
             spawn = f"setsid -f sleep 10{tag}1; (sleep 10{tag}2 &); nohup sleep 10{tag}3 >/dev/null 2>&1 & disown"
-            c.code_run(spawn, context=ctx["id"], timeout_s=30)
+            c.code_run(spawn, context=ctx.id, timeout_s=30)
             assert len(_alive_with(f"sleep 10{tag}")) == 3
-            r = c.code_run("kill -9 $PPID", context=ctx["id"], timeout_s=30)  # the kernel's Python
+            r = c.code_run("kill -9 $PPID", context=ctx.id, timeout_s=30)  # the kernel's Python
             assert r.status != "ok"
             assert _wait_gone(f"sleep 10{tag}") == [], "a dead kernel's processes ran on"
-            c.code_restart(ctx["id"])
-            c.code_run(spawn.replace("10", "20"), context=ctx["id"], timeout_s=30)
+            c.code_restart(ctx.id)
+            c.code_run(spawn.replace("10", "20"), context=ctx.id, timeout_s=30)
             assert len(_alive_with(f"sleep 20{tag}")) == 3
         finally:
-            c.code_close(ctx["id"])
+            c.code_close(ctx.id)
         assert _wait_gone(f"sleep 20{tag}") == [], "a closed kernel's processes ran on"
 
 

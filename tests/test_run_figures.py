@@ -71,29 +71,29 @@ def test_a_runs_cgroup_counts_its_orphans(contained: Guestd) -> None:
 def test_shell_run_figures_are_the_commands(contained: Guestd) -> None:
     with contained.client() as c:
         s = c.shell_create()
-        r = c.shell_run(s["id"], "true")
+        r = c.shell_run(s.id, "true")
         assert r.killed_by is None and cpu(r) < BURN_S / 2
-        r = c.shell_run(s["id"], f"{PY} -c '{BURN}'")
+        r = c.shell_run(s.id, f"{PY} -c '{BURN}'")
         assert r.exit_code == 0 and BURN_S <= cpu(r) <= r.duration_s + 0.05
         assert r.max_rss_bytes is None  # a session's peak spans its whole life, not one command
-        r = c.shell_run(s["id"], "sleep 30", timeout_s=0.3)
+        r = c.shell_run(s.id, "sleep 30", timeout_s=0.3)
         assert (r.timed_out, r.killed_by) == ("wall", "timeout")
-        r = c.shell_run(s["id"], "sleep 30", idle_timeout_s=0.3)
+        r = c.shell_run(s.id, "sleep 30", idle_timeout_s=0.3)
         assert (r.timed_out, r.killed_by) == ("idle", "idle_timeout")
-        c.shell_close(s["id"])
+        c.shell_close(s.id)
 
 
 def test_process_killed_from_outside_says_signal(guestd: Guestd) -> None:
     with guestd.client() as c:
         p = c.process_start("sleep 30")
-        os.kill(p["pid"], signal.SIGKILL)
-        w = c.process_wait(p["id"], timeout_s=10)
-        assert (w["state"], w["signal"], w["killed_by"]) == ("exited", signal.SIGKILL, "signal")
-        listed = {x["id"]: x for x in c.process_list()}[p["id"]]
-        assert listed["killed_by"] == "signal" and isinstance(listed["cpu_user_s"], float)
+        os.kill(p.pid, signal.SIGKILL)
+        w = c.process_wait(p.id, timeout_s=10)
+        assert (w.state, w.signal, w.killed_by) == ("exited", signal.SIGKILL, "signal")
+        listed = {x.id: x for x in c.process_list()}[p.id]
+        assert listed.killed_by == "signal" and isinstance(listed.cpu_user_s, float)
         p = c.process_start("exit 0")
-        w = c.process_wait(p["id"], timeout_s=10)
-        assert (w["exit_code"], w["killed_by"]) == (0, None)
+        w = c.process_wait(p.id, timeout_s=10)
+        assert (w.exit_code, w.killed_by) == (0, None)
 
 
 def test_guestctl_says_why_a_command_died(guestd: Guestd) -> None:

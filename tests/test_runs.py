@@ -11,7 +11,7 @@ import pytest
 
 from guestd.client import AsyncClient, Client, GuestdError
 from guestd.client.results import CodeResult, ExecResult, ShellResult
-from guestd.testing import Guestd
+from guestd.testing import Guestd, StartGuestd
 
 # Prints its port, then a numbered line every 20 ms until stopped: a gap or a duplicate in
 # what the detached process delivers shows as a broken sequence.
@@ -28,8 +28,8 @@ TICKER = (
 @pytest.fixture
 def sh(client: Client, tmp_path: object) -> Iterator[tuple[Client, str]]:
     s = client.shell_create(cwd=str(tmp_path))
-    yield client, s["id"]
-    client.shell_close(s["id"])
+    yield client, s.id
+    client.shell_close(s.id)
 
 
 def _ask(c: Client, port: int) -> bytes:
@@ -61,21 +61,22 @@ def test_shell_timeout_detaches_a_server_and_the_session_goes_on(sh: tuple[Clien
     nxt = c.shell_run(sid, 'pwd; echo "$X"', timeout_s=10)
     assert nxt.stdout == f"{tmp_path}/sub\nkept\n".encode() and nxt.exit_code == 0
     # A normal background process: listed, attached from offset 0 with no gap.
-    listed = {p["id"]: p for p in c.process_list()}
-    assert listed[r.detached]["state"] == "running"
-    out, err, final = c.process_output(r.detached, follow=False)
-    assert out.startswith(r.stdout) and final["stdout_offset"] == len(out) >= r.stdout_bytes
+    listed = {p.id: p for p in c.process_list()}
+    assert listed[r.detached].state == "running"
+    collected = c.process_output(r.detached, follow=False)
+    out, err, final = collected.stdout, collected.stderr, collected.status
+    assert out.startswith(r.stdout) and final.stdout_offset == len(out) >= r.stdout_bytes
     assert b'"GET / HTTP/1.1" 200' in err  # what it logged after the hand-over is in its ring
     c.process_signal(r.detached, "TERM")
     w = c.process_wait(r.detached, timeout_s=10)
-    assert w["state"] == "exited" and w["signal"] == 15, w
+    assert w.state == "exited" and w.signal == 15, w
 
 
 def test_contained_detached_job_leaves_the_session_and_kill_ends_all_of_it(contained: Guestd) -> None:
     """Workload user and a cgroup per run: the job's processes (a forked child included) move to
     a leaf of their own, so closing the session spares them and KILL of the process ends them all."""
     with contained.client() as c:
-        sid = c.shell_create(cwd="/tmp")["id"]
+        sid = c.shell_create(cwd="/tmp").id
         r = c.shell_run(
             sid,
             "sleep 300 & echo child=$!; exec python3 -u -m http.server 0 --bind 127.0.0.1",
@@ -89,7 +90,7 @@ def test_contained_detached_job_leaves_the_session_and_kill_ends_all_of_it(conta
         assert _ask(c, port) == b"200\n"  # the session's end did not end the job
         assert c.exec(["kill", "-0", str(child)]).exit_code == 0
         c.process_signal(r.detached, "KILL")
-        assert c.process_wait(r.detached, timeout_s=10)["signal"] == 9
+        assert c.process_wait(r.detached, timeout_s=10).signal == 9
         gone = c.exec(f"for i in $(seq 100); do kill -0 {child} 2>/dev/null || exit 0; sleep 0.05; done; exit 1")
         assert gone.exit_code == 0  # the forked child went with its leaf
 
@@ -101,13 +102,14 @@ def test_shell_detach_output_is_continuous_from_byte_0(sh: tuple[Client, str]) -
     try:
         first = _numbers(r.stdout)
         assert first == list(range(len(first))) and len(first) > 0
-        out, err, _ = c.process_output(r.detached, stdout_from=0, follow=False)
+        collected = c.process_output(r.detached, stdout_from=0, follow=False)
+        out, err = collected.stdout, collected.stderr
         seen = _numbers(out)
         assert seen[: len(first)] == first and seen == list(range(len(seen)))  # no gap, no repeat
         assert err.startswith(r.stderr)
     finally:
         c.process_signal(r.detached, "KILL")
-    assert c.process_wait(r.detached, timeout_s=10)["signal"] == 9
+    assert c.process_wait(r.detached, timeout_s=10).signal == 9
 
 
 def test_shell_detach_mode_command_that_ends_in_time(sh: tuple[Client, str]) -> None:
@@ -130,20 +132,21 @@ def test_exec_timeout_detaches_with_continuous_output(client: Client) -> None:
     try:
         first = _numbers(r.stdout)
         assert first == list(range(len(first))) and len(first) > 0
-        out, err, _ = c.process_output(r.detached, follow=False)
+        collected = c.process_output(r.detached, follow=False)
+        out, err = collected.stdout, collected.stderr
         seen = _numbers(out)
         assert seen[: len(first)] == first and seen == list(range(len(seen)))
         assert err.startswith(r.stderr) and len(err) >= len(r.stderr)
-        assert {p["id"]: p["pid"] for p in c.process_list()}[r.detached] == r.pid
+        assert {p.id: p.pid for p in c.process_list()}[r.detached] == r.pid
     finally:
         c.process_signal(r.detached, "TERM")
-    assert c.process_wait(r.detached, timeout_s=10)["signal"] == 15
+    assert c.process_wait(r.detached, timeout_s=10).signal == 15
     done = c.exec("echo quick", timeout_s=10, on_timeout="detach")
     assert (done.exit_code, done.detached, done.stdout) == (0, None, b"quick\n")
 
 
-def test_detach_is_bounded_by_the_process_table(fresh_guestd: object) -> None:
-    g: Guestd = fresh_guestd("--max-processes", "1")  # type: ignore[operator]
+def test_detach_is_bounded_by_the_process_table(fresh_guestd: StartGuestd) -> None:
+    g: Guestd = fresh_guestd("--max-processes", "1")
     with g.client() as c:
         p = c.process_start("sleep 30")
         with pytest.raises(GuestdError) as ei:
@@ -151,10 +154,10 @@ def test_detach_is_bounded_by_the_process_table(fresh_guestd: object) -> None:
         assert ei.value.code == "limit" and ei.value.details["limit"] == "max_processes"
         s = c.shell_create()
         with pytest.raises(GuestdError) as ei:
-            c.shell_run(s["id"], "sleep 30", timeout_s=0.2, on_timeout="detach")
+            c.shell_run(s.id, "sleep 30", timeout_s=0.2, on_timeout="detach")
         assert ei.value.code == "limit"
-        assert c.shell_run(s["id"], "echo usable").stdout == b"usable\n"
-        c.process_signal(p["id"], "KILL")
+        assert c.shell_run(s.id, "echo usable").stdout == b"usable\n"
+        c.process_signal(p.id, "KILL")
 
 
 def _q(text: str) -> str:
@@ -171,8 +174,9 @@ def test_merge_stderr_is_the_order_a_terminal_shows(client: Client) -> None:
     c = client
     # The terminal's view: the same command on a pty (a terminal writes \r\n for \n).
     p = c.process_start(["bash", "-c", "stty -onlcr; " + INTERLEAVED], pty=True)
-    c.process_wait(p["id"], timeout_s=20)
-    terminal, _, _ = c.process_output(p["id"], follow=False)
+    c.process_wait(p.id, timeout_s=20)
+    collected = c.process_output(p.id, follow=False)
+    terminal = collected.stdout
     assert terminal == INTERLEAVED_BYTES
     r = c.exec(INTERLEAVED, merge_stderr=True, timeout_s=20)
     assert (r.stdout, r.stderr, r.stdout_bytes, r.stderr_bytes) == (terminal, b"", len(terminal), 0)
@@ -183,9 +187,10 @@ def test_merge_stderr_is_the_order_a_terminal_shows(client: Client) -> None:
     small = c.exec(INTERLEAVED, merge_stderr=True, max_output=100, timeout_s=20)
     assert small.stdout == terminal[-100:] and small.stdout_dropped == len(terminal) - 100
     q = c.process_start(INTERLEAVED, merge_stderr=True)
-    c.process_wait(q["id"], timeout_s=20)
-    out, err, final = c.process_output(q["id"], follow=False)
-    assert (out, err, final["stderr_offset"]) == (terminal, b"", 0)
+    c.process_wait(q.id, timeout_s=20)
+    collected = c.process_output(q.id, follow=False)
+    out, err, final = collected.stdout, collected.stderr, collected.status
+    assert (out, err, final.stderr_offset) == (terminal, b"", 0)
 
 
 def test_merge_stderr_in_a_session(sh: tuple[Client, str]) -> None:
@@ -200,7 +205,8 @@ def test_merge_stderr_in_a_session(sh: tuple[Client, str]) -> None:
     r = c.shell_run(sid, "echo a; echo b >&2; sleep 30", merge_stderr=True, timeout_s=0.5, on_timeout="detach")
     assert r.detached is not None and r.stdout == b"a\nb\n"
     try:
-        out, err, _ = c.process_output(r.detached, follow=False)
+        collected = c.process_output(r.detached, follow=False)
+        out, err = collected.stdout, collected.stderr
         assert (out, err) == (b"a\nb\n", b"")
     finally:
         c.process_signal(r.detached, "KILL")
@@ -231,7 +237,7 @@ def test_shell_stream_output_under_flow_control_and_typed_stdin(guestd: Guestd) 
 
     async def go() -> None:
         c = await AsyncClient.connect(guestd.address, stream_window=64 * 1024)
-        sid = (await c.shell_create())["id"]
+        sid = (await c.shell_create()).id
         await c.shell_run(sid, "N=300000; cd /tmp")
         s = c.shell_stream(sid, 'seq 1 "$N"; pwd >&2')
         out, err = bytearray(), bytearray()
@@ -283,8 +289,9 @@ def test_shell_stream_output_under_flow_control_and_typed_stdin(guestd: Guestd) 
         assert await c.process_write(r.detached, b"after detach\n") == 13
         await c.process_close_stdin(r.detached)
         w = await c.process_wait(r.detached, timeout_s=10)
-        assert w["exit_code"] == 0
-        out2, _, _ = await c.process_output(r.detached, follow=False)
+        assert w.exit_code == 0
+        collected = await c.process_output(r.detached, follow=False)
+        out2 = collected.stdout
         assert out2 == b"ready\nafter detach\n"
         await c.shell_close(sid)
         await c.close()
@@ -325,9 +332,9 @@ def test_shell_pty_in_session_state_with_expect_and_ctrl_c(guestd: Guestd, tmp_p
 
     async def go() -> None:
         c = await AsyncClient.connect(guestd.address)
-        sid = (await c.shell_create(cwd=str(tmp_path)))["id"]
+        sid = (await c.shell_create(cwd=str(tmp_path))).id
         await c.shell_run(sid, 'secret=unexported; greet() { echo "hi $1 ($secret)"; }; cd /tmp')
-        bash_pid = (await c.shell_list())[0]["pid"]
+        bash_pid = (await c.shell_list())[0].pid
         cmd = '[ -t 0 ] && [ -t 1 ] && echo tty-ok; read -r -p "name? " who; greet "$who"'
         async with Expect.start(c, sid, cmd, timeout_s=20) as e:
             m = await e.expect(rb"name\? ", timeout=10)
@@ -356,7 +363,7 @@ def test_shell_pty_in_session_state_with_expect_and_ctrl_c(guestd: Guestd, tmp_p
         assert r.exit_code == 0 and not r.interrupted and not r.session_restarted
         after = await c.shell_run(sid, 'echo "$PWD $secret"; greet again')
         assert after.stdout == b"/tmp unexported\nhi again (unexported)\n"
-        assert (await c.shell_list())[0]["pid"] == bash_pid  # the same bash throughout
+        assert (await c.shell_list())[0].pid == bash_pid  # the same bash throughout
 
         # Ctrl-C ends a foreground program that does not catch it: the command reports 130.
         async with Expect.start(c, sid, "echo go; sleep 61; echo not-reached", timeout_s=30) as e:
@@ -405,7 +412,7 @@ def test_shell_pty_git_add_p_through_expect(guestd: Guestd, tmp_path: object) ->
 
     async def go() -> None:
         c = await AsyncClient.connect(guestd.address)
-        sid = (await c.shell_create(cwd=str(tmp_path)))["id"]
+        sid = (await c.shell_create(cwd=str(tmp_path))).id
         setup = (
             "export GIT_CONFIG_NOSYSTEM=1 HOME=$PWD GIT_PAGER=cat; git init -q r && cd r && "
             "git config user.email a@b && git config user.name a && "
@@ -433,7 +440,7 @@ def test_shell_pty_git_add_p_through_expect(guestd: Guestd, tmp_path: object) ->
     asyncio.run(go())
 
 
-def test_kept_runs_survive_their_connection_and_are_bounded(fresh_guestd: object, tmp_path: object) -> None:
+def test_kept_runs_survive_their_connection_and_are_bounded(fresh_guestd: StartGuestd, tmp_path: object) -> None:
     """keep: a code.run of time.sleep(3); 42 goes on after its client disconnects and run.wait
     from a new connection gives 42; a kept shell.run whose request is cancelled is not
     interrupted; a result delivered normally carries run_id and run.get gives it again; at
@@ -442,20 +449,20 @@ def test_kept_runs_survive_their_connection_and_are_bounded(fresh_guestd: object
     from guestd.client.runs import result_of, run_get, run_list, run_wait, start_kept
     from guestd.testing.local import limits_config
 
-    g = fresh_guestd("--config", limits_config(str(tmp_path), max_kept_runs=3))  # type: ignore[operator]
+    g = fresh_guestd("--config", limits_config(str(tmp_path), max_kept_runs=3))
 
     async def go() -> None:
         c = await AsyncClient.connect(g.address)
         cell = await start_kept(c, "code.run", {"code": "import time; time.sleep(3); 42"})
-        sid = (await c.shell_create(cwd=str(tmp_path)))["id"]
+        sid = (await c.shell_create(cwd=str(tmp_path))).id
         shell = await start_kept(c, "shell.run", {"id": sid, "command": "sleep 1; echo done; pwd"})
         await c.close()  # both requests go with the connection; the runs do not
 
         c = await AsyncClient.connect(g.address)
-        running = {r["id"]: r for r in await run_list(c)}
-        assert running[cell]["op"] == "code.run" and running[cell]["result"] is None
+        running = {r.id: r for r in await run_list(c)}
+        assert running[cell].op == "code.run" and running[cell].result is None
         rec = await run_wait(c, shell, timeout_s=20)
-        assert rec["state"] == "done"
+        assert rec.state == "done"
         r = result_of(rec)
         assert isinstance(r, ShellResult) and (r.exit_code, r.interrupted) == (0, False)
         assert r.stdout == f"done\n{tmp_path}\n".encode()
@@ -489,7 +496,7 @@ def test_kept_runs_survive_their_connection_and_are_bounded(fresh_guestd: object
         first = result_of(await run_wait(c, unseen[0], timeout_s=20))
         assert first.stdout == b"0\n"
         await start_kept(c, "shell.run", {"id": sid, "command": "echo four"})  # room again
-        assert {r["id"] for r in await run_list(c)} >= set(unseen[1:])
+        assert {r.id for r in await run_list(c)} >= set(unseen[1:])
         with pytest.raises(GuestdError) as ei:
             await c._conn.request("shell.run", {"id": sid, "command": "true", "keep": True, "stream": True}, 10)
         assert ei.value.code == "bad_request"
@@ -498,7 +505,7 @@ def test_kept_runs_survive_their_connection_and_are_bounded(fresh_guestd: object
     asyncio.run(go())
 
 
-def test_spill_files_hold_exactly_the_dropped_bytes(fresh_guestd: object, tmp_path: object) -> None:
+def test_spill_files_hold_exactly_the_dropped_bytes(fresh_guestd: StartGuestd, tmp_path: object) -> None:
     """spill: exec (head_tail) and shell.run (tail) keep a small reply while the files hold
     the full streams; the dropped range [gap_at, gap_at + dropped) read back from the file
     is exactly what the reply lacks; the per-stream cap stops a spill with a reason and a
@@ -509,7 +516,7 @@ def test_spill_files_hold_exactly_the_dropped_bytes(fresh_guestd: object, tmp_pa
 
     from guestd.testing.local import limits_config
 
-    g = fresh_guestd("--config", limits_config(str(tmp_path), max_spill_bytes=1_000_000))  # type: ignore[operator]
+    g = fresh_guestd("--config", limits_config(str(tmp_path), max_spill_bytes=1_000_000))
     gen = "seq 1 120000; echo err-1 >&2; seq 5 9 >&2"
     full = "".join(f"{i}\n" for i in range(1, 120001)).encode()  # 763,895 bytes
     err_full = b"err-1\n5\n6\n7\n8\n9\n"
@@ -518,28 +525,28 @@ def test_spill_files_hold_exactly_the_dropped_bytes(fresh_guestd: object, tmp_pa
         c = await AsyncClient.connect(g.address)
         r = await c.exec(gen, max_output=1000, head_tail=True, spill=True)
         assert r.stdout_spill is not None and r.stderr_spill is not None
-        assert (r.stdout_spill["bytes"], r.stdout_spill["stopped"]) == (len(full), None)
+        assert (r.stdout_spill.bytes, r.stdout_spill.stopped) == (len(full), None)
         assert r.stdout_bytes == len(full) and r.stdout_dropped == len(full) - 1000 and r.stdout_gap_at == 500
-        dropped = await c.read_file(r.stdout_spill["path"], offset=r.stdout_gap_at, length=r.stdout_dropped)
+        dropped = await c.read_file(r.stdout_spill.path, offset=r.stdout_gap_at, length=r.stdout_dropped)
         assert r.stdout[:500] + dropped + r.stdout[500:] == full
-        assert await c.read_file(r.stderr_spill["path"]) == err_full == r.stderr
-        d = os.path.dirname(r.stdout_spill["path"])
+        assert await c.read_file(r.stderr_spill.path) == err_full == r.stderr
+        d = os.path.dirname(r.stdout_spill.path)
         st = os.stat(d)
         assert stat.S_IMODE(st.st_mode) == 0o700 and st.st_uid == os.geteuid()
-        assert stat.S_IMODE(os.stat(r.stdout_spill["path"]).st_mode) == 0o600
+        assert stat.S_IMODE(os.stat(r.stdout_spill.path).st_mode) == 0o600
 
-        sid = (await c.shell_create())["id"]
+        sid = (await c.shell_create()).id
         s = await c.shell_run(sid, gen, max_output=2000, spill=True)
         assert s.stdout_spill is not None and s.stdout_dropped == len(full) - 2000
-        head = await c.read_file(s.stdout_spill["path"], offset=0, length=s.stdout_dropped)
-        assert head + s.stdout == full and s.stdout_spill["bytes"] == len(full)
+        head = await c.read_file(s.stdout_spill.path, offset=0, length=s.stdout_dropped)
+        assert head + s.stdout == full and s.stdout_spill.bytes == len(full)
 
         # The cap: a prefix of the stream, and the reason.
         big = await c.shell_run(sid, "seq 1 300000", max_output=100, spill=True)
         assert big.stdout_spill is not None
-        assert (big.stdout_spill["bytes"], big.stdout_spill["stopped"]) == (1_000_000, "cap")
+        assert (big.stdout_spill.bytes, big.stdout_spill.stopped) == (1_000_000, "cap")
         everything = "".join(f"{i}\n" for i in range(1, 300001)).encode()
-        got = await c.read_file(big.stdout_spill["path"], offset=999_000, length=1000)
+        got = await c.read_file(big.stdout_spill.path, offset=999_000, length=1000)
         assert got == everything[999_000:1_000_000] and big.stdout == everything[-100:]
         with pytest.raises(GuestdError) as ei:
             await c._conn.request("exec", {"shell": "true", "spill": True, "stream": True}, 10)
@@ -565,7 +572,7 @@ def test_a_detached_command_keeps_spilling_what_it_prints_after_the_detach(guest
 
     async def go() -> None:
         async with await AsyncClient.connect(guestd.address) as c:
-            sid = (await c.shell_create())["id"]
+            sid = (await c.shell_create()).id
             for run in ("exec", "shell"):
                 if os.path.exists(gate):
                     os.unlink(gate)
@@ -575,14 +582,14 @@ def test_a_detached_command_keeps_spilling_what_it_prints_after_the_detach(guest
                 else:
                     r = await c.shell_run(sid, script, timeout_s=1.0, on_timeout="detach", spill=True, max_output=1000)
                 assert r.detached is not None and r.stdout_spill is not None, run
-                assert r.stdout_spill["bytes"] <= 300_000  # as it stood at the detach
+                assert r.stdout_spill.bytes <= 300_000  # as it stood at the detach
                 open(gate, "w").close()
                 w = await c.process_wait(r.detached, timeout_s=30)
-                assert w["exit_code"] == 0, (run, w)
-                spill = w["stdout_spill"]
-                assert spill is not None and spill["path"] == r.stdout_spill["path"], (run, w)
-                assert (spill["bytes"], spill["stopped"]) == (len(full), None), (run, spill)
-                assert await c.read_file(spill["path"]) == full, run
+                assert w.exit_code == 0, (run, w)
+                spill = w.stdout_spill
+                assert spill is not None and spill.path == r.stdout_spill.path, (run, w)
+                assert (spill.bytes, spill.stopped) == (len(full), None), (run, spill)
+                assert await c.read_file(spill.path) == full, run
 
     asyncio.run(go())
 
@@ -602,7 +609,7 @@ def test_output_shaping_keeps_counts_exact_on_raw_bytes(guestd: Guestd) -> None:
         assert (await c.exec(cmd)).stdout == raw
         only_ansi = await c.exec(cmd, strip_ansi=True)
         assert only_ansi.stdout == b"green plain\r\n10%\r20%\r100% done\nabcdef\rXY\n\rlast"
-        sid = (await c.shell_create())["id"]
+        sid = (await c.shell_create()).id
         s = await c.shell_run(sid, cmd, strip_ansi=True, collapse_cr=True)
         assert s.stdout == shaped and s.stdout_bytes == len(raw)
         # A cut output: counts on raw bytes, the gap between the shaped head and tail.
@@ -664,20 +671,20 @@ def test_run_cancel_interrupts_a_kept_command_and_a_kept_cell(guestd: Guestd, tm
 
     async def go() -> None:
         async with await AsyncClient.connect(guestd.address) as c:
-            sid = (await c.shell_create(cwd=str(tmp_path)))["id"]
+            sid = (await c.shell_create(cwd=str(tmp_path))).id
             shell = await start_kept(c, "shell.run", {"id": sid, "command": "sleep 60; echo never"})
-            ctx = (await c.code_create())["id"]
+            ctx = (await c.code_create()).id
             cell = await start_kept(c, "code.run", {"context": ctx, "code": "import time; time.sleep(60)"})
             for rid in (shell, cell):
                 run = await run_cancel(c, rid, timeout_s=20)
-                assert run["state"] == "failed" and run["error"]["code"] == "cancelled", run
+                assert run.state == "failed" and run.error is not None and run.error["code"] == "cancelled", run
             after = await c.shell_run(sid, "pwd", timeout_s=20)
             assert after.stdout == f"{tmp_path}\n".encode()
             assert (await c.code_run("6 * 7", context=ctx, timeout_s=20)).text == "42"
             done = await start_kept(c, "shell.run", {"id": sid, "command": "echo kept"})
             await c.run_wait(done, timeout_s=20)
             again = await run_cancel(c, done)
-            assert again["state"] == "done" and again["result"]["stdout"] == b"kept\n"
+            assert again.state == "done" and again.result is not None and again.result["stdout"] == b"kept\n"
             with pytest.raises(GuestdError) as ei:
                 await run_cancel(c, "r000000000000")
             assert ei.value.code == "not_found"
@@ -690,7 +697,7 @@ def test_run_cancel_interrupts_a_kept_command_and_a_kept_cell(guestd: Guestd, tm
     from guestd.testing import REPO
 
     with guestd.client() as c:
-        sid = c.shell_create()["id"]
+        sid = c.shell_create().id
         proc = subprocess.Popen(
             guestd.guestctl_argv("shell", "run", sid, "sleep 60", "--keep"),
             stderr=subprocess.PIPE,
@@ -720,7 +727,7 @@ def test_shell_pty_size_and_resize(guestd: Guestd) -> None:
 
     async def go() -> None:
         async with await AsyncClient.connect(guestd.address) as c:
-            sid = (await c.shell_create())["id"]
+            sid = (await c.shell_create()).id
             with pytest.raises(GuestdError) as ei:
                 await c.shell_resize(sid, 30, 100)
             assert ei.value.code == "bad_request"  # no pty command runs
@@ -746,7 +753,7 @@ def test_the_blocking_client_drives_expect_and_kept_runs(guestd: Guestd, tmp_pat
     from guestd.client.runs_sync import result_of, start_kept
 
     with guestd.client() as c:
-        sid = c.shell_create(cwd=str(tmp_path))["id"]
+        sid = c.shell_create(cwd=str(tmp_path)).id
         c.shell_run(sid, "secret=unexported")
         with SyncExpect.start(c, sid, 'read -r -p "name? " who; echo "hi $who $secret"', timeout_s=20) as e:
             e.expect(rb"name\? ", timeout=10)
@@ -785,7 +792,7 @@ def test_expect_searches_new_output_with_an_overlap_and_finds_split_matches(gues
 
     async def go() -> None:
         async with await AsyncClient.connect(guestd.address) as c:
-            sid = (await c.shell_create())["id"]
+            sid = (await c.shell_create()).id
             cmd = "head -c 200000 /dev/zero | tr '\\0' x; printf MAR; sleep 0.3; printf KER; read -r x"
             async with Expect.start(c, sid, cmd, timeout_s=30) as e:
                 await e.expect(b"MAR", timeout=10)  # consumed: the next pattern starts after it

@@ -21,7 +21,7 @@ from guestd.testing import REPO, Guestd
 def test_a_cancelled_command_never_completes_the_next_one(guestd: Guestd) -> None:
     async def main() -> None:
         async with await AsyncClient.connect(guestd.address) as c:
-            sid = (await c.shell_create(cwd="/tmp"))["id"]
+            sid = (await c.shell_create(cwd="/tmp")).id
             try:
                 for _ in range(2):
                     run = asyncio.ensure_future(c.shell_run(sid, "sleep 30"))
@@ -41,7 +41,7 @@ def test_a_cancelled_command_never_completes_the_next_one(guestd: Guestd) -> Non
 def test_a_command_waiting_for_the_session_and_cancelled_never_runs(guestd: Guestd) -> None:
     async def main() -> None:
         async with await AsyncClient.connect(guestd.address) as c:
-            sid = (await c.shell_create(cwd="/tmp"))["id"]
+            sid = (await c.shell_create(cwd="/tmp")).id
             try:
                 first = asyncio.ensure_future(c.shell_run(sid, "sleep 0.5; echo first"))
                 await asyncio.sleep(0.1)
@@ -70,7 +70,7 @@ FORGE = (
 
 
 def test_a_command_cannot_forge_its_result_or_shift_the_next(client: Client) -> None:
-    sid = client.shell_create(cwd="/tmp")["id"]
+    sid = client.shell_create(cwd="/tmp").id
     try:
         r = client.shell_run(sid, FORGE, timeout_s=20)
         assert (r.exit_code, r.cwd, r.stdout.endswith(b"real\n")) == (7, "/tmp", True)
@@ -82,7 +82,7 @@ def test_a_command_cannot_forge_its_result_or_shift_the_next(client: Client) -> 
 
 
 def test_errors_and_lineno_read_as_in_bash_c(client: Client) -> None:
-    sid = client.shell_create(cwd="/tmp")["id"]
+    sid = client.shell_create(cwd="/tmp").id
     try:
         r = client.shell_run(sid, "nosuchcmd")
         assert r.stderr == b"bash: line 1: nosuchcmd: command not found\n" and r.exit_code == 127
@@ -96,12 +96,12 @@ def test_errors_and_lineno_read_as_in_bash_c(client: Client) -> None:
 
 
 def test_duplicate_session_names_are_refused(client: Client) -> None:
-    sid = client.shell_create(name="work-dup")["id"]
+    sid = client.shell_create(name="work-dup").id
     try:
         with pytest.raises(GuestdError) as ei:
             client.shell_create(name="work-dup")
         assert ei.value.code == "exists" and ei.value.details["session"] == sid
-        assert [s["id"] for s in client.shell_list() if s["name"] == "work-dup"] == [sid]
+        assert [s.id for s in client.shell_list() if s.name == "work-dup"] == [sid]
     finally:
         client.shell_close(sid)
 
@@ -135,7 +135,7 @@ def test_guestctl_shell_run_interrupted_with_ctrl_c_leaves_the_session_in_step(g
     ],
 )
 def test_what_a_command_sets_does_not_change_how_results_are_read(client: Client, setup: str) -> None:
-    sid = client.shell_create()["id"]
+    sid = client.shell_create().id
     try:
         assert client.shell_run(sid, setup, timeout_s=10).exit_code == 0
         for cmd, code in (("false", 1), ("exit 3", 3), ("(exit 42)", 42), ("echo out", 0)):
@@ -149,7 +149,7 @@ def test_what_a_command_sets_does_not_change_how_results_are_read(client: Client
 def test_exit_under_posix_mode_reports_its_status(client: Client) -> None:
     # Under `set -o posix` the exit builtin comes before guestd's exit function and ends bash:
     # the status is bash's exit status (before: none), and the session is restarted.
-    sid = client.shell_create()["id"]
+    sid = client.shell_create().id
     try:
         client.shell_run(sid, "set -o posix; export KEPT=1", timeout_s=10)
         r = client.shell_run(sid, "exit 3", timeout_s=10)

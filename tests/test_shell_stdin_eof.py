@@ -13,7 +13,7 @@ from guestd.testing import Guestd
 def test_stdin_data_and_eof_right_behind_the_request_reach_the_command(guestd: Guestd) -> None:
     async def main() -> None:
         async with await AsyncClient.connect(guestd.address) as c:
-            session = (await c.shell_create())["id"]
+            session = (await c.shell_create()).id
             for attempt in range(5):
                 s = c.shell_stream(session, "cat", stdin_stream=True, timeout_s=20)
                 await asyncio.sleep(0)  # input in a write of its own, before bash opens the FIFO

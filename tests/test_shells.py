@@ -12,14 +12,14 @@ from collections.abc import Iterator
 import pytest
 
 from guestd.client import AsyncClient, Client, GuestdError
-from guestd.testing import Guestd, live_procs_with
+from guestd.testing import Guestd, StartGuestd, live_procs_with
 
 
 @pytest.fixture
 def sh(client: Client, tmp_path: object) -> Iterator[tuple[Client, str]]:
     s = client.shell_create(cwd=str(tmp_path))
-    yield client, s["id"]
-    client.shell_close(s["id"])
+    yield client, s.id
+    client.shell_close(s.id)
 
 
 def test_state_persists_between_commands(sh: tuple[Client, str], tmp_path: object) -> None:
@@ -110,15 +110,15 @@ def test_unrecoverable_command_restarts_with_cwd_and_exports(sh: tuple[Client, s
     r = c.shell_run(sid, "builtin exit 4")
     assert r.session_restarted
     assert c.shell_run(sid, "echo $KEPT").stdout == b"1\n"
-    listed = {s["id"]: s for s in c.shell_list()}
-    assert listed[sid]["restarts"] == 2
+    listed = {s.id: s for s in c.shell_list()}
+    assert listed[sid].restarts == 2
 
 
-def test_sessions_are_independent_and_bounded(fresh_guestd: object) -> None:
-    g = fresh_guestd()  # type: ignore[operator]
+def test_sessions_are_independent_and_bounded(fresh_guestd: StartGuestd) -> None:
+    g = fresh_guestd()
     with g.client() as c:
-        a = c.shell_create()["id"]
-        b = c.shell_create()["id"]
+        a = c.shell_create().id
+        b = c.shell_create().id
         c.shell_run(a, "V=a; cd /")
         c.shell_run(b, "V=b; cd /tmp")
         assert c.shell_run(a, "echo $V; pwd").stdout == b"a\n/\n"
@@ -138,7 +138,7 @@ def test_sessions_are_independent_and_bounded(fresh_guestd: object) -> None:
 def test_commands_in_one_session_are_serialized(guestd: Guestd) -> None:
     async def go() -> None:
         c = await AsyncClient.connect(guestd.address)
-        sid = (await c.shell_create())["id"]
+        sid = (await c.shell_create()).id
         await c.shell_run(sid, "N=0")
         rs = await asyncio.gather(*(c.shell_run(sid, "N=$((N+1)); echo $N") for _ in range(10)))
         assert sorted(r.stdout for r in rs) == sorted(f"{i}\n".encode() for i in range(1, 11))
@@ -149,7 +149,7 @@ def test_commands_in_one_session_are_serialized(guestd: Guestd) -> None:
 
 
 def test_closing_a_session_ends_its_processes(client: Client) -> None:
-    sid = client.shell_create()["id"]
+    sid = client.shell_create().id
     marker = "sleep 995.75"
     client.shell_run(sid, f"{marker} &")
     deadline = time.monotonic() + 5
@@ -172,11 +172,11 @@ def test_cd_into_a_directory_whose_name_is_not_utf8(sh: tuple[Client, str], tmp_
     # The defect: the result carrying this cwd could not be encoded; no answer ever came.
     r = c.shell_run(sid, "cd $'bad\\xff' && echo in", deadline=10)
     assert (r.exit_code, r.stdout, r.cwd) == (0, b"in\n", bad)
-    [listed] = [s for s in c.shell_list(deadline=10) if s["id"] == sid]
-    assert listed["cwd"] == bad
+    [listed] = [s for s in c.shell_list(deadline=10) if s.id == sid]
+    assert listed.cwd == bad
     r = c.shell_run(sid, "pwd; cd ..", deadline=10)
     assert (r.stdout, r.cwd) == (bad + b"\n", str(tmp_path))  # still works, and str again
-    started_there = c.shell_create(cwd=bad, deadline=10)["id"]
+    started_there = c.shell_create(cwd=bad, deadline=10).id
     try:
         r = c.shell_run(started_there, "pwd", deadline=10)
         assert (r.stdout, r.cwd) == (bad + b"\n", bad)

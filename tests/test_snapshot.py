@@ -27,15 +27,15 @@ def test_prepare_reports_running_work_and_is_idempotent(sg: Guestd) -> None:
         first = c.snapshot_prepare()
         second = c.snapshot_prepare()
         for rep in (first, second):
-            assert rep["synced"] and rep["writes_settled"] and not rep["quiesced"]
-            assert p["id"] in rep["running"]["processes"]
-        c.process_signal(p["id"], "KILL")
+            assert rep.synced and rep.writes_settled and not rep.quiesced
+            assert p.id in rep.running["processes"]
+        c.process_signal(p.id, "KILL")
 
 
 def test_restore_reseeds_sets_identity_and_records_privileged_steps(sg: Guestd) -> None:
     with sg.client() as c:
-        ctx = c.code_create()["id"]
-        sid = c.shell_create()["id"]
+        ctx = c.code_create().id
+        sid = c.shell_create().id
         before_host = socket.gethostname()
         gen = c.info().raw["snapshot"]["generation"] + 1
         stale_clock = time.time_ns() - 3_600 * 10**9  # the host says: an hour later than the guest thinks
@@ -48,18 +48,18 @@ def test_restore_reseeds_sets_identity_and_records_privileged_steps(sg: Guestd) 
             env={"SANDBOX": "one"},
             nonce="n1",
         )
-        assert rep["generation"] == gen and not rep["replayed"]
-        assert rep["crng"] == "simulated" and rep["clock"] == "simulated" and rep["clock_skew_s"] < -3000
-        assert any(a.startswith("RNDADDENTROPY") and "RNDRESEEDCRNG" in a for a in rep["actions"])
-        assert any(a.startswith("clock_settime") for a in rep["actions"])
-        assert any("sethostname('clone-1')" in a for a in rep["actions"])
-        assert any(a.startswith("/etc/machine-id") for a in rep["actions"])
-        assert rep["contexts_reseeded"] == [ctx] and rep["shells_reseeded"] == [sid]
-        assert sorted(rep["identity"]) == ["env", "hostname", "sandbox_id"]
+        assert rep.generation == gen and not rep.replayed
+        assert rep.crng == "simulated" and rep.clock == "simulated" and rep.clock_skew_s < -3000
+        assert any(a.startswith("RNDADDENTROPY") and "RNDRESEEDCRNG" in a for a in rep.actions)
+        assert any(a.startswith("clock_settime") for a in rep.actions)
+        assert any("sethostname('clone-1')" in a for a in rep.actions)
+        assert any(a.startswith("/etc/machine-id") for a in rep.actions)
+        assert rep.contexts_reseeded == [ctx] and rep.shells_reseeded == [sid]
+        assert sorted(rep.identity) == ["env", "hostname", "sandbox_id"]
         assert socket.gethostname() == before_host  # simulated: this machine is untouched
         assert c.exec("echo $SANDBOX").stdout == b"one\n"  # env for future execs
         info = c.info().raw["snapshot"]
-        assert info["generation"] == gen and info["sandbox_id"] == "sbx-1" and info["instance_id"] == rep["instance_id"]
+        assert info["generation"] == gen and info["sandbox_id"] == "sbx-1" and info["instance_id"] == rep.instance_id
         _ = stale_clock
 
 
@@ -71,8 +71,8 @@ def _prng_outputs(c: Client, ctx: str, sid: str) -> tuple[str | None, bytes]:
 def test_same_entropy_same_prngs_different_entropy_different(sg: Guestd) -> None:
     # Re-seeding is what makes clones diverge: prove it is deterministic in the entropy.
     with sg.client() as c:
-        ctx = c.code_create()["id"]
-        sid = c.shell_create()["id"]
+        ctx = c.code_create().id
+        sid = c.shell_create().id
         outs = []
         for ent in (b"x" * 32, b"x" * 32, b"y" * 32):
             c.restore(entropy=ent)
@@ -86,7 +86,7 @@ def test_replays_and_stale_generations(sg: Guestd) -> None:
         gen = c.info().raw["snapshot"]["generation"] + 1
         first = c.restore(generation=gen, nonce="same-nonce")
         again = c.restore(generation=gen, nonce="same-nonce")
-        assert again["replayed"] and again["instance_id"] == first["instance_id"]
+        assert again.replayed and again.instance_id == first.instance_id
         with pytest.raises(GuestdError) as ei:
             c.restore(generation=gen)  # a new nonce, but not a newer generation
         assert ei.value.code == "stale"
@@ -99,13 +99,13 @@ def test_restore_drops_old_connections_and_requests_wait_for_it(sg: Guestd) -> N
     async def go() -> None:
         old = await AsyncClient.connect(sg.address)
         busy = await AsyncClient.connect(sg.address)
-        ctx = (await busy.code_create())["id"]
+        ctx = (await busy.code_create()).id
         running = asyncio.ensure_future(busy.code_run("import time; time.sleep(1.0); 'done'", context=ctx))
         await asyncio.sleep(0.3)
         me = await AsyncClient.connect(sg.address)
         rep = await me.restore(entropy=os.urandom(32))
-        assert rep["connections_dropped"] >= 2
-        assert ctx in rep["contexts_pending"]  # busy at restore time: re-seeded before its next cell
+        assert rep.connections_dropped >= 2
+        assert ctx in rep.contexts_pending  # busy at restore time: re-seeded before its next cell
         with pytest.raises(GuestdError):
             await old.ping()  # from before the snapshot: gone
         with pytest.raises(GuestdError):
@@ -124,7 +124,7 @@ def test_quiesce_holds_new_work_until_restore(sg: Guestd) -> None:
     async def go() -> None:
         c = await AsyncClient.connect(sg.address)
         rep = await c.snapshot_prepare(quiesce=True)
-        assert rep["quiesced"]
+        assert rep.quiesced
         held = asyncio.ensure_future(c.exec(["echo", "after"]))
         await asyncio.sleep(0.3)
         assert not held.done()  # waits
@@ -209,14 +209,14 @@ def test_a_restore_with_bad_input_applies_nothing(sg: Guestd, identity: dict[str
 def test_a_retry_during_the_restore_gets_the_first_report(sg: Guestd) -> None:
     async def go() -> None:
         c = await AsyncClient.connect(sg.address)
-        sid = (await c.shell_create())["id"]  # re-seeding it keeps the first restore running a while
+        sid = (await c.shell_create()).id  # re-seeding it keeps the first restore running a while
         gen = (await c.info()).raw["snapshot"]["generation"] + 1
         first, retry = await asyncio.gather(
             c.restore(generation=gen, nonce="retried", entropy=b"R" * 32),
             c.restore(generation=gen, nonce="retried", entropy=b"R" * 32),
         )  # before: the retry was 'stale'
-        assert (first["replayed"], retry["replayed"]) == (False, True)
-        assert retry["instance_id"] == first["instance_id"] and sid in retry["shells_reseeded"]
+        assert (first.replayed, retry.replayed) == (False, True)
+        assert retry.instance_id == first.instance_id and sid in retry.shells_reseeded
         await c.shell_close(sid)
         await c.close()
 
@@ -232,18 +232,18 @@ def test_a_kept_cell_running_across_a_restore_finishes_and_is_fetchable_after(sg
 
     async def go() -> None:
         c = await AsyncClient.connect(sg.address)
-        ctx = (await c.code_create())["id"]
+        ctx = (await c.code_create()).id
         run = await start_kept(c, "code.run", {"context": ctx, "code": "import time; time.sleep(2); 6 * 7"})
         prep = await c.snapshot_prepare()
-        assert prep["synced"]
+        assert prep.synced
         await c.close()  # the connection goes with the snapshot
 
         c = await AsyncClient.connect(sg.address)
         gen = (await c.info()).raw["snapshot"]["generation"] + 1
         rep = await c.restore(generation=gen, entropy=b"K" * 32, nonce=f"kept-{gen}")
-        assert rep["generation"] == gen
-        assert rep["contexts_pending"] == [ctx]  # busy with the cell: re-seeded once it ends
-        assert {r["id"]: r["state"] for r in await run_list(c)}[run] == "running"
+        assert rep.generation == gen
+        assert rep.contexts_pending == [ctx]  # busy with the cell: re-seeded once it ends
+        assert {r.id: r.state for r in await run_list(c)}[run] == "running"
         code = result_of(await run_wait(c, run, timeout_s=60))
         assert isinstance(code, CodeResult) and code.status == "ok" and code.text == "42"
         await c.close()

@@ -14,7 +14,7 @@ import os
 
 from guestd.client.aio import AsyncClient
 from guestd.spill import MAX_PENDING, SPILL_RESERVE_MAX
-from guestd.testing import Guestd
+from guestd.testing import Guestd, StartGuestd
 from tests.private_fs import (
     assert_fds_back_to,
     fd_count,
@@ -72,18 +72,18 @@ def test_the_free_space_reserve_stops_a_spill_as_disk_full() -> None:
                 r = await c.exec("seq 1 5000000", max_output=1000, spill=True)
                 assert r.exit_code == 0 and r.stdout_bytes == len(full)
                 spill = r.stdout_spill
-                assert spill is not None and spill["stopped"] == "disk_full", spill
-                here = rt + "/spill/" + os.path.basename(spill["path"])
+                assert spill is not None and spill.stopped == "disk_full", spill
+                here = rt + "/spill/" + os.path.basename(os.fsdecode(spill.path))
                 size = os.path.getsize(here)
-                assert spill["bytes"] == size and 0 < size < len(full)
+                assert spill.bytes == size and 0 < size < len(full)
                 with open(here, "rb") as f:
                     assert f.read() == full[:size]
                 assert free_of(rt) >= reserve_of(rt), (free_of(rt), reserve_of(rt))
                 # Healthy: a plain exec, and a spill with no room left stops at once.
                 assert (await c.exec("echo still-here")).stdout == b"still-here\n"
                 again = await c.exec("seq 1 100000", max_output=100, spill=True)
-                assert again.stdout_spill is not None and again.stdout_spill["stopped"] == "disk_full"
-                assert again.stdout_spill["bytes"] == 0
+                assert again.stdout_spill is not None and again.stdout_spill.stopped == "disk_full"
+                assert again.stdout_spill.bytes == 0
                 assert free_of(rt) >= reserve_of(rt)
 
         asyncio.run(go())
@@ -110,11 +110,11 @@ def test_concurrent_spills_share_the_free_space_without_eating_the_reserve() -> 
                 for r in runs:
                     for spill in (r.stdout_spill, r.stderr_spill):
                         assert spill is not None
-                        here = rt + "/spill/" + os.path.basename(spill["path"])
+                        here = rt + "/spill/" + os.path.basename(os.fsdecode(spill.path))
                         with open(here, "rb") as f:
                             data = f.read()
-                        assert spill["bytes"] == len(data) and data == full[: len(data)], spill
-                        stopped.append(spill["stopped"])
+                        assert spill.bytes == len(data) and data == full[: len(data)], spill
+                        stopped.append(spill.stopped)
                 assert "disk_full" in stopped and set(stopped) <= {None, "disk_full"}, stopped
                 assert free_of(rt) >= reserve_of(rt), (free_of(rt), reserve_of(rt))
                 assert (await c.exec("echo ok")).stdout == b"ok\n"
@@ -152,14 +152,14 @@ def test_a_disk_slower_than_the_command_stops_the_spill_as_behind(tmp_path: obje
                 r = await run
                 assert r.exit_code == 0 and r.stdout_bytes == len(full)
                 spill = r.stdout_spill
-                assert spill is not None and spill["stopped"] == "behind", spill
-                with open(rt + "/spill/" + os.path.basename(spill["path"]), "rb") as f:
+                assert spill is not None and spill.stopped == "behind", spill
+                with open(rt + "/spill/" + os.path.basename(os.fsdecode(spill.path)), "rb") as f:
                     data = f.read()
-                assert spill["bytes"] == len(data) <= MAX_PENDING and data == full[: len(data)]
-                assert r.stderr_spill is not None and (r.stderr_spill["bytes"], r.stderr_spill["stopped"]) == (0, None)
+                assert spill.bytes == len(data) <= MAX_PENDING and data == full[: len(data)]
+                assert r.stderr_spill is not None and (r.stderr_spill.bytes, r.stderr_spill.stopped) == (0, None)
                 again = await c.exec("seq 1 1000", max_output=10, spill=True)
                 assert again.stdout_spill is not None
-                assert (again.stdout_spill["bytes"], again.stdout_spill["stopped"]) == (len(numbers(1000)), None)
+                assert (again.stdout_spill.bytes, again.stdout_spill.stopped) == (len(numbers(1000)), None)
 
         asyncio.run(go())
         assert g.alive() and "Traceback" not in g.log(), g.log()
@@ -225,7 +225,7 @@ def test_a_run_cancelled_while_its_last_output_waits_for_the_disk_leaks_no_fd(tm
         assert g.alive() and "Traceback" not in g.log(), g.log()
 
 
-def test_the_sweep_leaves_the_files_a_kept_process_names(fresh_guestd: object, tmp_path: object) -> None:
+def test_the_sweep_leaves_the_files_a_kept_process_names(fresh_guestd: StartGuestd, tmp_path: object) -> None:
     """limits.max_spill_total: a spill start removes the oldest files until the directory is
     under it, but not the files a kept background process's record names (process.wait and
     process.list give them; they go with process.forget): those count and stay, newer
@@ -235,36 +235,36 @@ def test_the_sweep_leaves_the_files_a_kept_process_names(fresh_guestd: object, t
 
     full = numbers(100_000)  # 588,895 bytes
     config = limits_config(str(tmp_path), max_spill_total=1_000_000)
-    g = fresh_guestd("--config", config, "--runtime-dir", f"{tmp_path}/rt")  # type: ignore[operator]
+    g = fresh_guestd("--config", config, "--runtime-dir", f"{tmp_path}/rt")
 
     async def go() -> None:
         async with await AsyncClient.connect(g.address) as c:
-            pid = (await c.process_start("seq 1 100000", spill=True))["id"]
+            pid = (await c.process_start("seq 1 100000", spill=True)).id
             w = await c.process_wait(pid, timeout_s=60)
-            kept = w["stdout_spill"]
-            assert kept is not None and kept["bytes"] == len(full)
+            kept = w.stdout_spill
+            assert kept is not None and kept.bytes == len(full)
             first = await c.exec("seq 1 100000", max_output=10, spill=True)
             assert first.stdout_spill is not None
             # Over the total now: this spill's start sweeps. The unnamed exec file goes.
             second = await c.exec("seq 1 100000", max_output=10, spill=True)
-            assert second.stdout_spill is not None and second.stdout_spill["bytes"] == len(full)
-            assert not os.path.exists(first.stdout_spill["path"])
+            assert second.stdout_spill is not None and second.stdout_spill.bytes == len(full)
+            assert not os.path.exists(first.stdout_spill.path)
             again = await c.process_wait(pid, timeout_s=10)
-            assert again["stdout_spill"] == kept
-            assert await c.read_file(kept["path"]) == full
-            listed = [p for p in await c.process_list() if p["id"] == pid]
-            assert listed[0]["stdout_spill"] == kept
+            assert again.stdout_spill == kept
+            assert await c.read_file(kept.path) == full
+            listed = [p for p in await c.process_list() if p.id == pid]
+            assert listed[0].stdout_spill == kept
             # Forgotten: its files go with it.
             await c.process_forget(pid)
-            await until(lambda: not os.path.exists(kept["path"]))
+            await until(lambda: not os.path.exists(kept.path))
             third = await c.exec("seq 1 100000", max_output=10, spill=True)
-            assert third.stdout_spill is not None and third.stdout_spill["bytes"] == len(full)
+            assert third.stdout_spill is not None and third.stdout_spill.bytes == len(full)
 
     asyncio.run(go())
     assert g.alive() and "Traceback" not in g.log(), g.log()
 
 
-def test_sweeps_and_forget_racing_a_detached_quiet_spill(fresh_guestd: object, tmp_path: object) -> None:
+def test_sweeps_and_forget_racing_a_detached_quiet_spill(fresh_guestd: StartGuestd, tmp_path: object) -> None:
     """A detached exec (its spill handed to the process table) goes quiet while other spills
     start and sweep a directory far over ``max_spill_total``: its files stay and end whole;
     then process.forget races reads of them (file.read, process.wait): each read either has
@@ -276,7 +276,7 @@ def test_sweeps_and_forget_racing_a_detached_quiet_spill(fresh_guestd: object, t
     script = f"seq 1 50000; while [ ! -e {gate} ]; do sleep 0.01; done; seq 50001 100000"
     full = numbers(100_000)
     config = limits_config(str(tmp_path), max_spill_total=100_000)
-    g = fresh_guestd("--config", config, "--runtime-dir", f"{tmp_path}/rt")  # type: ignore[operator]
+    g = fresh_guestd("--config", config, "--runtime-dir", f"{tmp_path}/rt")
     before = warm_up(g)
 
     async def go() -> None:
@@ -287,13 +287,13 @@ def test_sweeps_and_forget_racing_a_detached_quiet_spill(fresh_guestd: object, t
             await asyncio.gather(*(c.exec("seq 1 30000", max_output=10, spill=True) for _ in range(8)))
             open(gate, "w").close()
             w = await c.process_wait(r.detached, timeout_s=60)
-            spill = w["stdout_spill"]
-            assert spill is not None and (spill["bytes"], spill["stopped"]) == (len(full), None), spill
-            assert await c.read_file(spill["path"]) == full
+            spill = w.stdout_spill
+            assert spill is not None and (spill.bytes, spill.stopped) == (len(full), None), spill
+            assert await c.read_file(spill.path) == full
 
             async def read() -> str:
                 try:
-                    return "whole" if await c.read_file(spill["path"]) == full else "torn"
+                    return "whole" if await c.read_file(spill.path) == full else "torn"
                 except GuestdError as e:
                     return e.code
 
@@ -305,7 +305,7 @@ def test_sweeps_and_forget_racing_a_detached_quiet_spill(fresh_guestd: object, t
 
             got = await asyncio.gather(*(read() for _ in range(4)), forget(), *(read() for _ in range(4)))
             assert set(got) <= {"whole", "not_found", "forgot"}, got
-            await until(lambda: not os.path.exists(spill["path"]))
+            await until(lambda: not os.path.exists(spill.path))
 
     asyncio.run(go())
     assert_fds_back_to(g.pid, before)

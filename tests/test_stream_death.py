@@ -61,7 +61,7 @@ def cancel_and_expect_cancelled(peer: RawPeer, req_id: int) -> None:
 @pytest.mark.parametrize("pty", [False, True], ids=["pipes", "pty"])
 def test_a_cancelled_stalled_shell_stream_leaves_the_session_usable(guestd: Guestd, peer: RawPeer, pty: bool) -> None:
     with Client(guestd.address) as c:
-        sid = c.shell_create()["id"]
+        sid = c.shell_create().id
         marker = f"stalled-shell-{pty}"
         peer.request(
             1, "shell.run", {"id": sid, "command": f"yes {marker}", "stream": True, "timeout_s": 1, "pty": pty}
@@ -76,7 +76,7 @@ def test_a_cancelled_stalled_shell_stream_leaves_the_session_usable(guestd: Gues
 
 def test_a_stalled_shell_stream_whose_connection_is_lost_leaves_the_session_usable(guestd: Guestd) -> None:
     with Client(guestd.address) as c:
-        sid = c.shell_create()["id"]
+        sid = c.shell_create().id
         sock = guestd.raw_socket()
         p = RawPeer(sock)
         p.hello(stream_window=MIN_WINDOW)
@@ -121,7 +121,7 @@ def test_a_cancelled_stalled_exec_stream_ends_and_closes_its_pipes(guestd: Guest
 
 def test_a_cancelled_stalled_code_stream_leaves_the_context_usable(guestd: Guestd, peer: RawPeer) -> None:
     with Client(guestd.address) as c:
-        ctx = c.code_create(deadline=120)["id"]
+        ctx = c.code_create(deadline=120).id
         cell = "while True: print('x' * 4000)"
         peer.request(1, "code.run", {"context": ctx, "code": cell, "stream": True, "timeout_s": 60})
         got = 0
@@ -139,15 +139,16 @@ def test_a_cancelled_stalled_attach_leaves_the_process_and_its_readers(guestd: G
         before = guestd_fds(guestd)
         p = c.process_start(["yes", "attached-flood"])
         try:
-            peer.request(1, "process.attach", {"id": p["id"]})
+            peer.request(1, "process.attach", {"id": p.id})
             spend_window(peer, 1)
             cancel_and_expect_cancelled(peer, 1)
-            out, _err, _final = c.process_output(p["id"], follow=False)
+            collected = c.process_output(p.id, follow=False)
+            out, _err, _final = collected.stdout, collected.stderr, collected.status
             assert out.endswith(b"attached-flood\n") or b"attached-flood" in out
         finally:
-            c.process_signal(p["id"], "KILL")
-            c.process_wait(p["id"], timeout_s=20)
-            c.process_forget(p["id"])
+            c.process_signal(p.id, "KILL")
+            c.process_wait(p.id, timeout_s=20)
+            c.process_forget(p.id)
         assert settles_to(guestd, before), fd_targets(guestd)
 
 

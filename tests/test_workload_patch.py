@@ -15,6 +15,7 @@ from collections.abc import Iterator
 import pytest
 
 from guestd.client import Client
+from guestd.client.replies import PatchedFile
 from guestd.files.patch import MAX_PLACEMENT_SCAN
 from guestd.testing import Guestd, workspace_guestd
 from guestd.wire.errors import GuestdError
@@ -109,14 +110,14 @@ def test_two_sections_for_one_file_apply_in_order_and_report_once(c: Client, ws:
     write(f"{ws}/m.txt", b"1\n2\n3\n")
     second = b"--- a/m.txt\n+++ b/m.txt\n@@ -1,3 +1,3 @@\n one\n 2\n-3\n+three\n"
     files = c.apply_patch(ws, modify("m.txt", 1, b"1\n", b"one\n") + second)
-    assert files == [{"path": "m.txt", "action": "modify", "hunks": 2}]
+    assert files == [PatchedFile(path="m.txt", action="modify", hunks=2)]
     assert read(f"{ws}/m.txt") == b"one\n2\nthree\n"
 
 
 def test_delete_then_create_of_one_file_replaces_it_and_a_change_after_deletion_is_refused(c: Client, ws: str) -> None:
     write(f"{ws}/r.txt", b"old\n")
     files = c.apply_patch(ws, delete("r.txt", b"old\n") + create("r.txt", b"new\n"))
-    assert files == [{"path": "r.txt", "action": "modify", "hunks": 2}]
+    assert files == [PatchedFile(path="r.txt", action="modify", hunks=2)]
     assert read(f"{ws}/r.txt") == b"new\n"
     with pytest.raises(GuestdError) as err:
         c.apply_patch(ws, delete("r.txt", b"new\n") + modify("r.txt", 1, b"new\n", b"x\n"))
@@ -233,7 +234,7 @@ def test_a_three_mib_patch_of_tiny_lines_and_a_file_of_newlines_apply_exactly(c:
     with contextlib.suppress(FileNotFoundError):
         os.unlink(f"{ws}/made.txt")
     files = c.apply_patch(ws, create("made.txt", b"\n" * lines))
-    assert files == [{"path": "made.txt", "action": "create", "hunks": 1}]
+    assert files == [PatchedFile(path="made.txt", action="create", hunks=1)]
     assert read(f"{ws}/made.txt") == b"\n" * lines
     write(f"{ws}/nl.txt", b"\n" * 1_000_000 + b"end\n")
     patch = b"--- a/nl.txt\n+++ b/nl.txt\n@@ -999999,3 +999999,3 @@\n \n \n-end\n+END\n"

@@ -79,14 +79,14 @@ def gc(guest: Guestd) -> Iterator[Client]:
 
 def _listen(c: Client, port: int) -> str:
     """A workload process listening on ``port`` (once it answers); returns its process id."""
-    pid = str(c.process_start([sys.executable, "-c", LISTENERS, str(port), "1"])["id"])
+    pid = str(c.process_start([sys.executable, "-c", LISTENERS, str(port), "1"]).id)
     assert c.port_wait(port, timeout_s=60).ready
     return pid
 
 
 def _stop(c: Client, pid: str) -> None:
     c.process_signal(pid, "KILL")
-    assert not c.process_wait(pid, timeout_s=60).get("timed_out")
+    assert not c.process_wait(pid, timeout_s=60).timed_out
 
 
 def test_the_list_says_it_is_cut_and_a_port_beyond_the_cut_is_found_by_asking(gc: Client) -> None:
@@ -159,7 +159,7 @@ def test_the_clients_watch_reports_no_listener_removed_that_the_cut_list_left_ou
             narrow = c.watch_ports(interval_s=0.05, poll_s=30, ports=[BELOW])
             kind, listener = await asyncio.wait_for(narrow.__anext__(), 60)
             assert (kind, listener.port) == ("added", BELOW) and (narrow.total, narrow.truncated) == (1, False)
-            await c.process_signal(pid["id"], "KILL")
+            await c.process_signal(pid.id, "KILL")
             kind, listener = await asyncio.wait_for(narrow.__anext__(), 60)
             assert (kind, listener.port) == ("removed", BELOW)
             await narrow.aclose()
@@ -167,7 +167,7 @@ def test_the_clients_watch_reports_no_listener_removed_that_the_cut_list_left_ou
             assert (kind, listener.port) == ("removed", BELOW)
         finally:
             with contextlib.suppress(GuestdError):  # killed above unless an assertion failed first
-                await c.process_signal(pid["id"], "KILL")
+                await c.process_signal(pid.id, "KILL")
         await changes.aclose()
 
     async def main() -> None:

@@ -180,7 +180,7 @@ def test_a_1mib_redraw_line_is_shaped_promptly_while_ping_answers(shaping_guestd
 
     def work() -> None:
         with g.client() as c:
-            sid = c.shell_create()["id"]
+            sid = c.shell_create().id
             for _ in range(3):
                 # deadline: the reply comes well within it (before: 22-29 s each)
                 r = c.exec(argv, max_output=MIB, collapse_cr=True, deadline=20)

@@ -155,7 +155,7 @@ def test_apply_patch_across_files_matches_patch_1(c: Client, ws: str, tmp_path: 
         os.makedirs(os.path.dirname(f"{ws}/{name}"), exist_ok=True)
         write(f"{ws}/{name}", data)
     files = c.apply_patch(ws, diff)
-    assert {f["path"]: f["action"] for f in files} == {
+    assert {f.path: f.action for f in files} == {
         "f.txt": "modify",
         "src/g.py": "modify",
         "gone.txt": "delete",

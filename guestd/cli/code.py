@@ -62,7 +62,7 @@ async def create(client: AsyncClient, ns: argparse.Namespace) -> int:
     out = await client.code_create(
         cwd=ns.cwd, env=env or None, name=ns.name, kernel=ns.kernel, start_timeout_s=ns.start_timeout
     )
-    print_json(out) if ns.json else print(field(out["id"]))
+    print_json(out.info) if ns.json else print(field(out.id))
     return 0
 
 
@@ -72,11 +72,9 @@ async def list_contexts(client: AsyncClient, ns: argparse.Namespace) -> int:
         print_json({"contexts": contexts})
     else:
         for c in contexts:
-            name = field(c.get("name") or "-")
-            kernel = field(c.get("kernel") or "python")
-            print(
-                f"{field(c['id'])}  {name:12} {kernel:8} {c['state']:8} pid {c.get('pid')}  runs {c['execution_count']}"
-            )
+            name = field(c.name or "-")
+            kernel = field(c.kernel or "python")
+            print(f"{field(c.id)}  {name:12} {kernel:8} {c.state:8} pid {c.pid}  runs {c.execution_count}")
     return 0
 
 

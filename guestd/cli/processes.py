@@ -6,13 +6,13 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-from typing import Any
 
 from guestd.cli import terminal
 from guestd.cli.bridge import TerminalBridge, local_size
 from guestd.cli.shared import Subcommands, add_command, exit_code_of, print_death, print_json
 from guestd.cli.terminal import field
 from guestd.client.aio import AsyncClient
+from guestd.client.replies import ProcessWaitResult
 
 
 def register(sub: Subcommands) -> None:
@@ -37,14 +37,10 @@ async def list_processes(client: AsyncClient, ns: argparse.Namespace) -> int:
     else:
         for p in procs:
             status = (
-                p["state"]
-                if p["state"] == "running"
-                else f"exit {p['exit_code']}"
-                if p["signal"] is None
-                else f"signal {p['signal']}"
+                p.state if p.state == "running" else f"exit {p.exit_code}" if p.signal is None else f"signal {p.signal}"
             )
-            command = field(p["command"][:60])
-            print(f"{field(p['id'])}  pid {p['pid']:<8} {status:12} out {p['stdout_offset']:<10} {command}")
+            command = field(p.command[:60])
+            print(f"{field(p.id)}  pid {p.pid:<8} {status:12} out {p.stdout_offset:<10} {command}")
     return 0
 
 
@@ -58,22 +54,24 @@ async def wait(client: AsyncClient, ns: argparse.Namespace) -> int:
     if ns.json:
         print_json(res)
     else:
-        print_death(res.get("killed_by"), res.get("oom_killed"), res.get("signal"))
+        print_death(res.killed_by, res.oom_killed, res.signal)
         print_ring_spills(res)
-    if res["timed_out"]:
+    if res.timed_out:
         return 124
     return exit_code_of(res)
 
 
-def print_ring_spills(res: dict[str, Any]) -> None:
+def print_ring_spills(res: ProcessWaitResult) -> None:
     """exec --detach --spill: where the bytes a ring no longer holds can be read."""
-    for name in ("stdout", "stderr"):
-        spill, start = res.get(f"{name}_spill"), res.get(f"{name}_ring_start")
-        if isinstance(spill, dict) and isinstance(start, int) and (start or spill.get("stopped")):
-            stopped = f", stopped: {field(str(spill['stopped']))}" if spill.get("stopped") else ""
+    for spill, start, name in (
+        (res.stdout_spill, res.stdout_ring_start, "stdout"),
+        (res.stderr_spill, res.stderr_ring_start, "stderr"),
+    ):
+        if spill is not None and start is not None and (start or spill.stopped):
+            stopped = f", stopped: {field(str(spill.stopped))}" if spill.stopped else ""
             print(
                 f"guestctl: {name} before offset {start} is no longer in the ring; the full {name} is in "
-                f"{field(str(spill['path']))} ({spill['bytes']} bytes{stopped})",
+                f"{field(spill.path)} ({spill.bytes} bytes{stopped})",
                 file=sys.stderr,
             )
 
@@ -98,11 +96,10 @@ async def attach(client: AsyncClient, ns: argparse.Namespace) -> int:
         print_json(final)
     else:
         print(
-            f"guestctl: {final['state']}; reattach with --from {final['stdout_offset']} "
-            f"--stderr-from {final['stderr_offset']}",
+            f"guestctl: {final.state}; reattach with --from {final.stdout_offset} --stderr-from {final.stderr_offset}",
             file=sys.stderr,
         )
-    if final["state"] == "running":
+    if final.state == "running":
         return 0
     return exit_code_of(final)
 
@@ -111,11 +108,11 @@ async def start_process(client: AsyncClient, ns: argparse.Namespace, cmd: list[s
     """``exec --detach`` (print the new process's id) or ``exec --pty`` (bridge this terminal to it)."""
     if not ns.pty:
         p = await client.process_start(cmd, cwd=ns.cwd, env=env or None, stdin=ns.stdin, spill=ns.spill or None)
-        print_json(p) if ns.json else print(field(p["id"]))
+        print_json(p.info) if ns.json else print(field(p.id))
         return 0
     size = local_size()
     p = await client.process_start(cmd, cwd=ns.cwd, env=env or None, pty=True, rows=size.lines, cols=size.columns)
-    return await attach_terminal(client, p["id"], detach_ok=ns.detach, raw=ns.raw)
+    return await attach_terminal(client, p.id, detach_ok=ns.detach, raw=ns.raw)
 
 
 async def attach_terminal(client: AsyncClient, process_id: str, detach_ok: bool, raw: bool = False) -> int:

@@ -7,9 +7,10 @@ import sys
 from typing import Any
 
 from guestd.cli import terminal
-from guestd.cli.shared import Subcommands, add_command, print_json
+from guestd.cli.shared import Subcommands, add_command, jsonable, print_json
 from guestd.cli.terminal import field
 from guestd.client.aio import AsyncClient
+from guestd.client.replies import RunInfo
 from guestd.client.results import CodeResult, ShellResult
 from guestd.client.runs import result_of, start_kept
 from guestd.wire.errors import GuestdError
@@ -33,7 +34,7 @@ async def list_runs(client: AsyncClient, ns: argparse.Namespace) -> int:
         print_json({"runs": runs})
         return 0
     for r in runs:
-        print(f"{field(r['id'])}  {r['op']:9} {r['state']:8} {field(r['target'])}  {terminal.text(r['what'])[:60]}")
+        print(f"{field(r.id)}  {r.op:9} {r.state:8} {field(r.target)}  {terminal.text(r.what)[:60]}")
     return 0
 
 
@@ -44,7 +45,7 @@ async def run_kept(client: AsyncClient, ns: argparse.Namespace, op: str, args: d
     print(f"guestctl: kept as run {field(rid)} (guestctl runs get {field(rid)})", file=sys.stderr)
     sys.stderr.flush()
     run = await client.run_wait(rid)
-    while run["state"] == "running":
+    while run.state == "running":
         run = await client.run_wait(rid)
     return show_run(run, ns)
 
@@ -60,9 +61,9 @@ async def get_run(client: AsyncClient, ns: argparse.Namespace) -> int:
     return show_run(run, ns)
 
 
-def show_run(run: dict[str, Any], ns: argparse.Namespace) -> int:
-    if run["state"] == "running":
-        print_json(run) if ns.json else print(f"guestctl: run {field(run['id'])} is still running", file=sys.stderr)
+def show_run(run: RunInfo, ns: argparse.Namespace) -> int:
+    if run.state == "running":
+        print_json(run) if ns.json else print(f"guestctl: run {field(run.id)} is still running", file=sys.stderr)
         return 124
     try:
         res = result_of(run)
@@ -70,7 +71,7 @@ def show_run(run: dict[str, Any], ns: argparse.Namespace) -> int:
         print_json(run) if ns.json else print(f"guestctl: run failed: {e.code}: {field(e.message)}", file=sys.stderr)
         return 1
     if ns.json:
-        print_json({**run, "result": res.to_json()})
+        print_json({**jsonable(run), "result": res.to_json()})
     else:
         terminal.write_output(res.stdout, res.stderr, ns.raw)
         if isinstance(res, CodeResult):

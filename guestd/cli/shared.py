@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import base64
+import dataclasses
 import json
 import math
 import signal
@@ -14,6 +15,7 @@ from typing import Any, TypeAlias
 
 from guestd.cli.terminal import field
 from guestd.client.aio import AsyncClient
+from guestd.client.replies import ProcessAttachResult, ProcessWaitResult
 from guestd.wire.paths import printable_path
 
 # A command's handler: runs on a connected client, returns guestctl's exit code.
@@ -47,6 +49,8 @@ def jsonable(value: Any) -> Any:
         return {k if isinstance(k, str) else repr(k): jsonable(v) for k, v in value.items()}
     if isinstance(value, (list, tuple)):
         return [jsonable(v) for v in value]
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):  # the client's typed replies
+        return {f.name: jsonable(getattr(value, f.name)) for f in dataclasses.fields(value) if f.repr}
     return repr(value)
 
 
@@ -75,9 +79,9 @@ def guest_path(arg: str) -> str | None:
     return arg[1:] if arg.startswith(":") else None
 
 
-def exit_code_of(status: dict[str, Any]) -> int:
+def exit_code_of(status: ProcessWaitResult | ProcessAttachResult) -> int:
     """A finished process's status as a shell would report it: 128+N when killed by signal N."""
-    return 128 + int(status["signal"]) if status["signal"] is not None else int(status["exit_code"] or 0)
+    return 128 + status.signal if status.signal is not None else int(status.exit_code or 0)
 
 
 _CAUSES = {
@@ -92,10 +96,10 @@ def print_spills_and_timeout(res: Any, killed: str) -> None:
     bytes are, and what its timeout did (``killed``: what a timeout that did not detach did)."""
     for name in ("stdout", "stderr"):
         spill = getattr(res, name + "_spill")
-        if spill is not None and (getattr(res, name + "_dropped") or spill["stopped"]):
-            stopped = f", stopped: {spill['stopped']}" if spill["stopped"] else ""
+        if spill is not None and (getattr(res, name + "_dropped") or spill.stopped):
+            stopped = f", stopped: {spill.stopped}" if spill.stopped else ""
             print(
-                f"guestctl: full {name} in {field(spill['path'])} ({spill['bytes']} bytes{stopped})",
+                f"guestctl: full {name} in {field(spill.path)} ({spill.bytes} bytes{stopped})",
                 file=sys.stderr,
             )
     if res.detached is not None:

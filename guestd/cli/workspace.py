@@ -134,7 +134,7 @@ async def apply_patch(client: AsyncClient, ns: argparse.Namespace) -> int:
         print_json({"files": files})
     else:
         for f in files:
-            print(f"{f['action']:6} {field(printable_path(f['path']))} ({f['hunks']} hunks)")
+            print(f"{f.action:6} {field(printable_path(f.path))} ({f.hunks} hunks)")
     return 0
 
 

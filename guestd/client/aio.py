@@ -34,7 +34,23 @@ from typing import Any, Literal, TypeVar, cast
 
 from guestd.client.address import open_socket, parse_address
 from guestd.client.connection import DEFAULT_WINDOW, Call, ClientConnection, GuestProtocolError
+from guestd.client.handles import AsyncCodeContext, AsyncKeptRun, AsyncProcess, AsyncShell
 from guestd.client.ports import PortsAPI
+from guestd.client.replies import (
+    ClockCheckResult,
+    CodeCreateResult,
+    ContextInfo,
+    MetricsSample,
+    ProcessAttachResult,
+    ProcessInfo,
+    ProcessStartResult,
+    ProcessWaitResult,
+    RunInfo,
+    ShellCreateResult,
+    ShellInfo,
+    SnapshotPrepareResult,
+    SnapshotRestoreResult,
+)
 from guestd.client.results import (
     CodeResult,
     DirEntry,
@@ -42,6 +58,8 @@ from guestd.client.results import (
     ExecResult,
     FileStat,
     Info,
+    OomKills,
+    ProcessOutput,
     ShellResult,
     check_bundle,
 )
@@ -54,6 +72,7 @@ from guestd.client.streaming import (
     deliver,
     run_call,
     split_stdin,
+    stdin_chunks,
 )
 from guestd.client.workspace import WorkspaceAPI
 from guestd.wire.errors import ErrorCode, GuestdError
@@ -62,14 +81,27 @@ from guestd.wire.paths import WirePath, path_to_wire
 from guestd.wire.schema import OPS_BY_NAME
 from guestd.wire.types import (
     ClockCheckReply,
+    CodeCreateReply,
+    CodeListReply,
     CodeRunReply,
     ExecReply,
     FileListReply,
     FileStatReply,
     MetricsEvent,
     MetricsReply,
-    MetricsSampleRecord,
+    ProcessAttachReply,
+    ProcessListReply,
+    ProcessStartReply,
+    ProcessWaitReply,
+    RunCancelReply,
+    RunGetReply,
+    RunListReply,
+    RunWaitReply,
+    ShellCreateReply,
+    ShellListReply,
     ShellRunReply,
+    SnapshotPrepareReply,
+    SnapshotRestoreReply,
 )
 
 CONNECT_TIMEOUT = 10.0  # connect + handshake
@@ -316,8 +348,9 @@ class Attach:
                 self.lost_bytes[ev["stream"]] += ev["bytes"]
                 yield "lost", offset, b""
 
-    async def result(self) -> dict[str, Any]:
-        return await self._client._conn.wait(self._call, self._clock.wait_s())
+    async def result(self) -> ProcessAttachResult:
+        body = await self._client._conn.wait(self._call, self._clock.wait_s())
+        return ProcessAttachResult.from_wire(checked(ProcessAttachReply, body))
 
     def cancel(self) -> None:
         self._client._conn._forget(self._call)
@@ -436,28 +469,31 @@ class AsyncClient(PortsAPI, WorkspaceAPI):
         return await self._conn.request(op, args or {}, deadline)
 
     # -- system ---------------------------------------------------------------------------
-    async def ping(self, *, deadline: float | None = 10.0) -> int:
-        return int((await self._conn.request("ping", {}, deadline))["t_ns"])
+    async def ping(self, *, deadline: float | None = 10.0) -> float:
+        """The round trip to the guest and back, in seconds (the guest's clock: :meth:`clock_check`)."""
+        start = time.perf_counter()
+        await self._conn.request("ping", {}, deadline)
+        return time.perf_counter() - start
 
     async def info(self, *, deadline: float | None = 10.0) -> Info:
         b = await self._conn.request("info", {}, deadline)
         return Info(b["version"], b["protocol_version"], b["capabilities"], b["boot_id"], b["uptime_s"], b)
 
     # -- metrics ----------------------------------------------------------------------------
-    async def metrics(self, *, interval_ms: int | None = None, deadline: float | None = 70.0) -> MetricsSampleRecord:
+    async def metrics(self, *, interval_ms: int | None = None, deadline: float | None = 70.0) -> MetricsSample:
         """One sample of the guest's figures; CPU % over ``interval_ms`` (default 200, 0: none)."""
         b = cast(MetricsReply, await self._conn.request("metrics", present(interval_ms=interval_ms), deadline))
         sample = b.get("sample")
         if sample is None:
             raise GuestProtocolError("metrics: no sample in the reply")
-        return sample
+        return MetricsSample.from_wire(sample)
 
     async def watch_metrics(
         self, *, interval_ms: int | None = None, count: int | None = None
-    ) -> AsyncIterator[tuple[str, MetricsEvent]]:
-        """``("sample", event)`` every ``interval_ms`` (default: the schema's), and ``("oom", event)``
-        when the workload's OOM kill count grew; until ``count`` samples, or until the caller
-        stops iterating (which cancels the stream in the guest)."""
+    ) -> AsyncIterator[MetricsSample | OomKills]:
+        """A :class:`MetricsSample` every ``interval_ms`` (default: the schema's), and an
+        :class:`OomKills` when the workload's OOM kill count grew; until ``count`` samples, or
+        until the caller stops iterating (which cancels the stream in the guest)."""
         call = self._conn.start("metrics", present(interval_ms=interval_ms, stream=True, count=count))
         period_ms = interval_ms if interval_ms is not None else int(schema_default("metrics", "interval_ms"))
         gap = period_ms / 1000 * 3 + 30.0  # a guest that stops sending is a dead guest
@@ -467,7 +503,11 @@ class AsyncClient(PortsAPI, WorkspaceAPI):
                 if ev is None:
                     break
                 body = cast("MetricsEvent", ev)
-                yield body["ev"], body
+                sample = body.get("sample")
+                if body["ev"] == "sample" and sample is not None:
+                    yield MetricsSample.from_wire(sample)
+                elif body["ev"] == "oom":
+                    yield OomKills(body.get("oom_kills", 0), body.get("new", 0))
             await self._conn.wait(call, gap)
         finally:
             if not call.future.done():
@@ -871,8 +911,9 @@ class AsyncClient(PortsAPI, WorkspaceAPI):
         kernel: str | None = None,
         start_timeout_s: float | None = None,
         deadline: float | None = None,
-    ) -> dict[str, Any]:
-        """Create a context (returns ``{"id", "name", "pid", "pooled", "existing", "kernel"}``): guestd's
+    ) -> AsyncCodeContext:
+        """Create a context (returns its handle: ``.id``, ``.name``, ``.pid``, ``.pooled``, ``.existing``,
+        ``.kernel``; ``async with`` it to close it after): guestd's
         own Python kernel, or with ``kernel`` any kernelspec installed in the guest (``"bash"``); an
         unknown name raises ``not_found`` whose ``details["installed"]`` lists the kernels there are.
 
@@ -884,7 +925,8 @@ class AsyncClient(PortsAPI, WorkspaceAPI):
         args = present(cwd=wire_cwd, env=env, name=name, kernel=kernel, start_timeout_s=_seconds(start_timeout_s))
         if deadline is None:
             deadline = (KERNEL_START_CAP_S if start_timeout_s is None else start_timeout_s) + REPLY_MARGIN
-        return await self._conn.request("code.create", args, deadline)
+        body = checked(CodeCreateReply, await self._conn.request("code.create", args, deadline))
+        return AsyncCodeContext(self, CodeCreateResult.from_wire(body))
 
     async def code_run(
         self,
@@ -994,9 +1036,9 @@ class AsyncClient(PortsAPI, WorkspaceAPI):
     async def code_close(self, context: str, *, deadline: float | None = 30.0) -> None:
         await self._conn.request("code.close", {"context": context}, deadline)
 
-    async def code_list(self, *, deadline: float | None = 30.0) -> list[dict[str, Any]]:
-        contexts = (await self._conn.request("code.list", {}, deadline))["contexts"]
-        return [c for c in contexts if isinstance(c, dict)] if isinstance(contexts, list) else []
+    async def code_list(self, *, deadline: float | None = 30.0) -> list[ContextInfo]:
+        body = checked(CodeListReply, await self._conn.request("code.list", {}, deadline))
+        return [ContextInfo.from_wire(c) for c in body["contexts"]]
 
     # -- background processes ---------------------------------------------------------------
     # ``process_id`` is guestd's id of a background process ("p1", ...), not the OS pid.
@@ -1014,8 +1056,9 @@ class AsyncClient(PortsAPI, WorkspaceAPI):
         merge_stderr: bool | None = None,
         spill: bool | None = None,
         deadline: float | None = DEFAULT_DEADLINE,
-    ) -> dict[str, Any]:
-        """Start a detached process; returns ``{"id", "pid"}`` (its process id and OS pid) at once.
+    ) -> AsyncProcess:
+        """Start a detached process; returns its handle at once (``.id``, guestd's process id, and
+        ``.pid``, the OS pid; leaving ``async with`` kills and forgets it).
         ``spill``: every byte of stdout and stderr also goes to a file in the guest, named with the
         offset where each ring starts by :meth:`process_list` and :meth:`process_wait`
         (``stdout_spill``, ``stdout_ring_start``): read what the ring lost with :meth:`read_file`."""
@@ -1034,11 +1077,12 @@ class AsyncClient(PortsAPI, WorkspaceAPI):
                 spill=spill,
             )
         )
-        return await self._conn.request("process.start", args, deadline)
+        body = checked(ProcessStartReply, await self._conn.request("process.start", args, deadline))
+        return AsyncProcess(self, ProcessStartResult.from_wire(body))
 
-    async def process_list(self, *, deadline: float | None = DEFAULT_DEADLINE) -> list[dict[str, Any]]:
-        procs = (await self._conn.request("process.list", {}, deadline))["processes"]
-        return [p for p in procs if isinstance(p, dict)] if isinstance(procs, list) else []
+    async def process_list(self, *, deadline: float | None = DEFAULT_DEADLINE) -> list[ProcessInfo]:
+        body = checked(ProcessListReply, await self._conn.request("process.list", {}, deadline))
+        return [ProcessInfo.from_wire(p) for p in body["processes"]]
 
     def attach(
         self,
@@ -1065,7 +1109,7 @@ class AsyncClient(PortsAPI, WorkspaceAPI):
         follow: bool | None = None,
         deadline: float | None = UNBOUNDED_RUN_DEADLINE,
         progress_timeout: float | None = None,
-    ) -> tuple[bytes, bytes, dict[str, Any]]:
+    ) -> ProcessOutput:
         """Everything :meth:`attach` delivers (stdout, stderr, final status); follows until exit
         by default."""
         a = self.attach(
@@ -1080,24 +1124,34 @@ class AsyncClient(PortsAPI, WorkspaceAPI):
         async for name, _, data in a:
             if name in out:
                 out[name] += data
-        return bytes(out["stdout"]), bytes(out["stderr"]), await a.result()
+        status = await a.result()
+        return ProcessOutput(
+            bytes(out["stdout"]), bytes(out["stderr"]), status, a.lost_bytes["stdout"], a.lost_bytes["stderr"]
+        )
 
     async def process_wait(
         self, process_id: str, *, timeout_s: float | None = None, deadline: float | None = None
-    ) -> dict[str, Any]:
+    ) -> ProcessWaitResult:
         """Wait for exit; the guest answers ``timed_out: true`` after ``timeout_s``.
         ``deadline`` defaults to that plus a margin, and to one hour without ``timeout_s``."""
         args = present(id=process_id, timeout_s=_seconds(timeout_s))
         if deadline is None:
             deadline = UNBOUNDED_RUN_DEADLINE if timeout_s is None else timeout_s + REPLY_MARGIN
-        return await self._conn.request("process.wait", args, deadline)
+        body = checked(ProcessWaitReply, await self._conn.request("process.wait", args, deadline))
+        return ProcessWaitResult.from_wire(body)
 
     async def process_signal(self, process_id: str, sig: str | int = "TERM", *, deadline: float | None = 30.0) -> None:
         await self._conn.request("process.signal", {"id": process_id, "signal": str(sig)}, deadline)
 
-    async def process_write(self, process_id: str, data: bytes | str, *, deadline: float | None = 60.0) -> int:
-        raw = data.encode() if isinstance(data, str) else data
-        return int((await self._conn.request("process.write", {"id": process_id, "data": raw}, deadline))["written"])
+    async def process_write(self, process_id: str, data: StdinSource, *, deadline: float | None = 60.0) -> int:
+        """Write to the process's stdin: bytes, str, a binary file or an (async) iterator of bytes,
+        sent as writes of at most 1 MiB, one after another (``deadline`` bounds each); the bytes
+        written."""
+        written = 0
+        async for chunk in stdin_chunks(data):
+            reply = await self._conn.request("process.write", {"id": process_id, "data": chunk}, deadline)
+            written += int(reply["written"])
+        return written
 
     async def process_close_stdin(self, process_id: str, *, deadline: float | None = 30.0) -> None:
         await self._conn.request("process.close_stdin", {"id": process_id}, deadline)
@@ -1116,9 +1170,14 @@ class AsyncClient(PortsAPI, WorkspaceAPI):
         env: dict[str, str] | None = None,
         name: str | None = None,
         deadline: float | None = 60.0,
-    ) -> dict[str, Any]:
+    ) -> AsyncShell:
+        """A new bash session; its handle (``.id``, ``.pid``; ``async with`` it to close it after)."""
         wire_cwd = None if cwd is None else path_to_wire(cwd)
-        return await self._conn.request("shell.create", present(cwd=wire_cwd, env=env, name=name), deadline)
+        body = checked(
+            ShellCreateReply,
+            await self._conn.request("shell.create", present(cwd=wire_cwd, env=env, name=name), deadline),
+        )
+        return AsyncShell(self, ShellCreateResult.from_wire(body))
 
     async def shell_run(
         self,
@@ -1227,35 +1286,39 @@ class AsyncClient(PortsAPI, WorkspaceAPI):
         await self._conn.request("shell.resize", {"id": session, "rows": rows, "cols": cols}, deadline)
 
     # -- kept runs (keep=True; guestd.client.runs.start_kept) -----------------------------
-    async def run_get(self, run_id: str, *, deadline: float | None = 30.0) -> dict[str, Any]:
-        """A kept run (``run_info``): state, and its result or error once it has ended."""
-        run: dict[str, Any] = (await self._conn.request("run.get", {"id": run_id}, deadline))["run"]
-        return run
+    def kept_run(self, run_id: str) -> AsyncKeptRun:
+        """A handle on the kept run ``run_id`` (``result.run_id`` of a run with ``keep=True``)."""
+        return AsyncKeptRun(self, run_id)
 
-    async def run_wait(self, run_id: str, *, timeout_s: float | None = None) -> dict[str, Any]:
+    async def run_get(self, run_id: str, *, deadline: float | None = 30.0) -> RunInfo:
+        """A kept run (``run_info``): state, and its result or error once it has ended."""
+        body = checked(RunGetReply, await self._conn.request("run.get", {"id": run_id}, deadline))
+        return RunInfo.from_wire(body["run"])
+
+    async def run_wait(self, run_id: str, *, timeout_s: float | None = None) -> RunInfo:
         """The kept run once it has ended, or as it is after ``timeout_s`` (the guest's
         default when None; state running)."""
         args = present(id=run_id, timeout_s=_seconds(timeout_s))
         wait = timeout_s if timeout_s is not None else schema_default("run.wait", "timeout_s")
-        run: dict[str, Any] = (await self._conn.request("run.wait", args, wait + 30.0))["run"]
-        return run
+        body = checked(RunWaitReply, await self._conn.request("run.wait", args, wait + 30.0))
+        return RunInfo.from_wire(body["run"])
 
-    async def run_cancel(self, run_id: str, *, timeout_s: float | None = None) -> dict[str, Any]:
+    async def run_cancel(self, run_id: str, *, timeout_s: float | None = None) -> RunInfo:
         """Cancel a running kept run (its command or cell is interrupted); the run once it has
         ended (state failed, error cancelled), or as it is after ``timeout_s``."""
         args = present(id=run_id, timeout_s=_seconds(timeout_s))
         wait = timeout_s if timeout_s is not None else schema_default("run.cancel", "timeout_s")
-        run: dict[str, Any] = (await self._conn.request("run.cancel", args, wait + 30.0))["run"]
-        return run
+        body = checked(RunCancelReply, await self._conn.request("run.cancel", args, wait + 30.0))
+        return RunInfo.from_wire(body["run"])
 
-    async def run_list(self, *, deadline: float | None = 30.0) -> list[dict[str, Any]]:
+    async def run_list(self, *, deadline: float | None = 30.0) -> list[RunInfo]:
         """Every kept run, oldest first (without results)."""
-        runs = (await self._conn.request("run.list", {}, deadline))["runs"]
-        return [r for r in runs if isinstance(r, dict)] if isinstance(runs, list) else []
+        body = checked(RunListReply, await self._conn.request("run.list", {}, deadline))
+        return [RunInfo.from_wire(r) for r in body["runs"]]
 
-    async def shell_list(self, *, deadline: float | None = 30.0) -> list[dict[str, Any]]:
-        sessions = (await self._conn.request("shell.list", {}, deadline))["sessions"]
-        return [s for s in sessions if isinstance(s, dict)] if isinstance(sessions, list) else []
+    async def shell_list(self, *, deadline: float | None = 30.0) -> list[ShellInfo]:
+        body = checked(ShellListReply, await self._conn.request("shell.list", {}, deadline))
+        return [ShellInfo.from_wire(r) for r in body["sessions"]]
 
     async def shell_close(self, session: str, *, deadline: float | None = 30.0) -> None:
         await self._conn.request("shell.close", {"id": session}, deadline)
@@ -1270,7 +1333,7 @@ class AsyncClient(PortsAPI, WorkspaceAPI):
         fsfreeze: WirePath | None = None,
         freeze_max_s: float | None = None,
         deadline: float | None = None,
-    ) -> dict[str, Any]:
+    ) -> SnapshotPrepareResult:
         """Call before pausing/snapshotting the VM. ``timeout_s`` is how long the guest waits
         for in-flight writes; ``deadline`` defaults to that plus time for the sync after it.
         ``freeze``: stop every workload process (cgroup.freeze) until resume or restore;
@@ -1285,13 +1348,16 @@ class AsyncClient(PortsAPI, WorkspaceAPI):
         if deadline is None:
             wait_s = timeout_s if timeout_s is not None else schema_default("snapshot.prepare", "timeout_s")
             deadline = wait_s + PREPARE_MARGIN
-        return await self._conn.request("snapshot.prepare", args, deadline)
+        body = checked(SnapshotPrepareReply, await self._conn.request("snapshot.prepare", args, deadline))
+        return SnapshotPrepareResult.from_wire(body)
 
-    async def clock_check(self, *, time_ns: int | None = None, deadline: float | None = 10.0) -> ClockCheckReply:
+    async def clock_check(self, *, time_ns: int | None = None, deadline: float | None = 10.0) -> ClockCheckResult:
         """Compare the guest's clock with this host's (``time_ns``: now, unless given); the guest
         reports jumps and drift and sets its clock when it is more than 0.2 s off."""
         args = {"time_ns": time.time_ns() if time_ns is None else time_ns}
-        return cast(ClockCheckReply, await self._conn.request("clock.check", args, deadline))
+        return ClockCheckResult.from_wire(
+            checked(ClockCheckReply, await self._conn.request("clock.check", args, deadline))
+        )
 
     async def snapshot_resume(self, *, deadline: float | None = 30.0) -> None:
         await self._conn.request("snapshot.resume", {}, deadline)
@@ -1308,7 +1374,7 @@ class AsyncClient(PortsAPI, WorkspaceAPI):
         env: dict[str, str] | None = None,
         token: str | None = None,
         deadline: float | None = 120.0,
-    ) -> dict[str, Any]:
+    ) -> SnapshotRestoreResult:
         """Call first thing after every restore/clone. Defaults: the next generation, a fresh
         nonce, this host's clock and 64 bytes from os.urandom."""
         if generation is None:
@@ -1325,4 +1391,5 @@ class AsyncClient(PortsAPI, WorkspaceAPI):
         }
         if identity:
             args["identity"] = identity
-        return await self._conn.request("snapshot.restore", args, deadline)
+        body = checked(SnapshotRestoreReply, await self._conn.request("snapshot.restore", args, deadline))
+        return SnapshotRestoreResult.from_wire(body)

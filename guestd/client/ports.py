@@ -637,6 +637,9 @@ class PortList:
     def __iter__(self) -> Iterator[Listener]:
         return iter(self.listeners)
 
+    def __getitem__(self, index: int) -> Listener:
+        return self.listeners[index]
+
     def __len__(self) -> int:
         return len(self.listeners)
 

@@ -1,4 +1,23 @@
-"""Typed results returned by the client."""
+"""Typed results returned by the client.
+
+The convention (every public method of :class:`~guestd.client.AsyncClient` and
+:class:`~guestd.client.Client` keeps it; ``tests/test_client_typed.py`` checks the annotations):
+
+- A reply is a frozen dataclass with attribute access, never a dict: the run results here
+  (:class:`ExecResult`, :class:`ShellResult`, :class:`CodeResult`, hand-written because they
+  carry helpers), the ones generated from the schema in :mod:`guestd.client.replies`
+  (``ProcessWaitResult``, ``RunInfo``, ``MetricsSample``, ...: the schema's field names), or a
+  plain value where the reply is one (``write_file`` -> bytes written, ``ping`` -> seconds).
+  :class:`Info` keeps the whole wire reply as ``.raw``.
+- Things you hold are handles, each a context manager that releases what it holds:
+  ``shell_create`` -> :class:`~guestd.client.handles.AsyncShell` / ``Shell``, ``code_create`` ->
+  ``CodeContext``, ``process_start`` -> ``Process``, ``kept_run`` -> ``KeptRun``. A handle is
+  also the create call's result (``.id``, ``.pid``); the flat methods taking an id go on working.
+- Output: ``stdout`` / ``stderr`` are the bytes as produced; ``stdout_text`` / ``stderr_text``
+  the same decoded as UTF-8 with U+FFFD for bytes that are not; ``text`` is stdout's text for
+  commands and the cell's value (``text/plain``) for code, as in E2B's SDK.
+- Where the wire takes bytes (stdin, file data, patches) a str is taken too, as UTF-8.
+"""
 
 from __future__ import annotations
 
@@ -6,6 +25,7 @@ import base64
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from guestd.client.replies import ProcessAttachResult, SpillInfo
 from guestd.wire.paths import WirePath
 from guestd.wire.session import PeerViolation
 
@@ -54,6 +74,14 @@ def _json_like(value: Any) -> bool:
     return False
 
 
+def _spills(b: ExecReply | ShellRunReply) -> dict[str, SpillInfo | None]:
+    out, err = b.get("stdout_spill"), b.get("stderr_spill")
+    return {
+        "stdout_spill": None if out is None else SpillInfo.from_wire(out),
+        "stderr_spill": None if err is None else SpillInfo.from_wire(err),
+    }
+
+
 @dataclass(frozen=True, kw_only=True)
 class CapturedOutput:
     """What every output-producing result carries: the kept bytes of each stream and exact
@@ -73,7 +101,16 @@ class CapturedOutput:
 
     @property
     def text(self) -> str:
+        """stdout as text (UTF-8, undecodable bytes as U+FFFD): ``print(r.text[-2000:])``."""
+        return self.stdout_text
+
+    @property
+    def stdout_text(self) -> str:
         return self.stdout.decode("utf-8", "replace")
+
+    @property
+    def stderr_text(self) -> str:
+        return self.stderr.decode("utf-8", "replace")
 
     def to_json(self) -> dict[str, Any]:
         """JSON-ready: bytes as UTF-8 text, plus ``<field>_base64`` when they are not UTF-8."""
@@ -112,12 +149,12 @@ class ExecResult(RunFigures, CapturedOutput):
     stderr_gap_at: int | None
     pid: int
     detached: str | None = None  # on_timeout "detach": the background process it goes on as
-    stdout_spill: dict[str, Any] | None = None  # spill: {path, bytes, stopped}
-    stderr_spill: dict[str, Any] | None = None
+    stdout_spill: SpillInfo | None = None  # spill: where every byte went (path, bytes, stopped)
+    stderr_spill: SpillInfo | None = None
 
     @classmethod
     def from_body(cls, b: ExecReply) -> ExecResult:
-        fields: dict[str, Any] = {"detached": None, "stdout_spill": None, "stderr_spill": None, **b}
+        fields: dict[str, Any] = {"detached": None, **b, **_spills(b)}
         return cls(**{k: fields[k] for k in cls.__dataclass_fields__ if k in fields})
 
     @property
@@ -239,8 +276,18 @@ class CodeResult(RunFigures):
         return self.status == "ok"
 
     @property
+    def stdout_text(self) -> str:
+        """stdout as text (UTF-8, undecodable bytes as U+FFFD)."""
+        return self.stdout.decode("utf-8", "replace")
+
+    @property
+    def stderr_text(self) -> str:
+        return self.stderr.decode("utf-8", "replace")
+
+    @property
     def text(self) -> str | None:
-        """``text/plain`` of the cell's value (its execute_result), if any."""
+        """``text/plain`` of the cell's value (its execute_result), if any (as E2B's
+        ``Execution.text``); the cell's printed output is :attr:`stdout_text`."""
         for r in self.results:
             if r["kind"] == "result":
                 v = r["data"].get("text/plain")
@@ -280,10 +327,45 @@ class ShellResult(RunFigures, CapturedOutput):
     stderr_gap_at: int | None
     detached: str | None = None  # on_timeout "detach": the background process it goes on as
     run_id: str | None = None  # keep: the kept run's id
-    stdout_spill: dict[str, Any] | None = None  # spill: {path, bytes, stopped}
-    stderr_spill: dict[str, Any] | None = None
+    stdout_spill: SpillInfo | None = None  # spill: where every byte went (path, bytes, stopped)
+    stderr_spill: SpillInfo | None = None
 
     @classmethod
     def from_body(cls, b: ShellRunReply) -> ShellResult:
-        fields: dict[str, Any] = {"detached": None, "run_id": None, "stdout_spill": None, "stderr_spill": None, **b}
+        fields: dict[str, Any] = {"detached": None, "run_id": None, **b, **_spills(b)}
         return cls(**{k: fields[k] for k in cls.__dataclass_fields__ if k in fields})
+
+
+@dataclass(frozen=True)
+class ProcessOutput:
+    """What :meth:`~guestd.client.AsyncClient.process_output` collected from a background
+    process: its output from the offsets asked, and its status when the attach ended
+    (``status.stdout_offset`` is where to attach again). ``*_lost``: bytes the ring had
+    overwritten before they could be read."""
+
+    stdout: bytes
+    stderr: bytes
+    status: ProcessAttachResult
+    stdout_lost: int = 0
+    stderr_lost: int = 0
+
+    @property
+    def text(self) -> str:
+        return self.stdout_text
+
+    @property
+    def stdout_text(self) -> str:
+        return self.stdout.decode("utf-8", "replace")
+
+    @property
+    def stderr_text(self) -> str:
+        return self.stderr.decode("utf-8", "replace")
+
+
+@dataclass(frozen=True)
+class OomKills:
+    """From :meth:`~guestd.client.AsyncClient.watch_metrics`: the kernel's OOM killer struck in
+    the workload (``new`` kills since the last sample, ``oom_kills`` in all)."""
+
+    oom_kills: int
+    new: int

@@ -7,8 +7,10 @@ guest has kept the run and lets the request go (the run goes on)::
 
     rid = await start_kept(client, "code.run", {"code": "import time; time.sleep(3); 42"})
     ...  # disconnect, reconnect
-    rec = await run_wait(client2, rid, timeout_s=30)
+    rec = await client2.run_wait(rid, timeout_s=30)
     print(result_of(rec).text)  # '42'
+
+or hold it: ``async with client2.kept_run(rid) as run: print((await run.result(timeout_s=30)).text)``.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 from guestd.client.connection import GuestProtocolError
+from guestd.client.replies import RunInfo
 from guestd.client.results import CodeResult, ShellResult
 from guestd.wire.errors import ErrorCode, GuestdError
 from guestd.wire.schema import OPS_BY_NAME, validate
@@ -39,45 +42,43 @@ async def start_kept(client: AsyncClient, op: str, args: dict[str, Any], timeout
         conn._forget(call)
 
 
-async def run_get(client: AsyncClient, run_id: str, *, deadline: float | None = 30.0) -> dict[str, Any]:
+async def run_get(client: AsyncClient, run_id: str, *, deadline: float | None = 30.0) -> RunInfo:
     return await client.run_get(run_id, deadline=deadline)
 
 
-async def run_wait(client: AsyncClient, run_id: str, *, timeout_s: float | None = None) -> dict[str, Any]:
+async def run_wait(client: AsyncClient, run_id: str, *, timeout_s: float | None = None) -> RunInfo:
     """The run once it has ended, or as it is after ``timeout_s`` (``state`` running)."""
     return await client.run_wait(run_id, timeout_s=timeout_s)
 
 
-async def run_cancel(client: AsyncClient, run_id: str, *, timeout_s: float | None = None) -> dict[str, Any]:
+async def run_cancel(client: AsyncClient, run_id: str, *, timeout_s: float | None = None) -> RunInfo:
     """Interrupt a running kept run; the run once it has ended (failed, error cancelled)."""
     return await client.run_cancel(run_id, timeout_s=timeout_s)
 
 
-async def run_list(client: AsyncClient, *, deadline: float | None = 30.0) -> list[dict[str, Any]]:
+async def run_list(client: AsyncClient, *, deadline: float | None = 30.0) -> list[RunInfo]:
     return await client.run_list(deadline=deadline)
 
 
-def result_of(run: dict[str, Any]) -> ShellResult | CodeResult:
+def result_of(run: RunInfo) -> ShellResult | CodeResult:
     """A done run's result as the op's result type; a failed run's error raised. The record is
     the guest's word: ``result`` (a map in the schema) is checked against its op's reply schema
     and anything of the wrong shape is a :class:`GuestProtocolError`, never a KeyError."""
-    if not isinstance(run, dict):
-        raise GuestProtocolError("run record: not a map")
-    op, state, rid = run.get("op"), run.get("state"), run.get("id")
+    op, state, rid = run.op, run.state, run.id
     if op not in ("shell.run", "code.run") or not isinstance(rid, str):
         raise GuestProtocolError(f"run record: op {op!r} or id {rid!r} is not a kept run's")
     if state == "failed":
-        err = run.get("error")
+        err = run.error
         if not isinstance(err, dict):
             raise GuestProtocolError(f"run {rid}: failed without an error map")
         code, message, details = err.get("code", "internal"), err.get("message", ""), err.get("details")
         if not isinstance(code, str) or not isinstance(message, str) or not isinstance(details, dict | None):
             raise GuestProtocolError(f"run {rid}: its error is not {{code, message, details}}")
         raise GuestdError(code, message, details=details)
-    if state != "done" or not isinstance(run.get("result"), dict):
+    if state != "done" or not isinstance(run.result, dict):
         raise GuestdError(ErrorCode.BAD_REQUEST, f"run {rid} has not ended", details={"run": rid})
     try:
-        body = validate(OPS_BY_NAME[op].result, run["result"])
+        body = validate(OPS_BY_NAME[op].result, run.result)
         return ShellResult.from_body(body) if op == "shell.run" else CodeResult.from_body(body)  # type: ignore[arg-type]
     except GuestdError as e:
         raise GuestProtocolError(f"run {rid}: its result is not a {op} reply: {e.message}") from None

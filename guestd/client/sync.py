@@ -28,13 +28,24 @@ from guestd.client.aio import (
     WriteFlag,
 )
 from guestd.client.connection import DEFAULT_WINDOW
+from guestd.client.handles_sync import CodeContext, KeptRun, Process, Shell
 from guestd.client.ports_sync import SyncPortsAPI
-from guestd.client.results import CodeResult, DirListing, ExecResult, FileStat, Info, ShellResult
+from guestd.client.replies import (
+    ClockCheckResult,
+    ContextInfo,
+    MetricsSample,
+    ProcessInfo,
+    ProcessWaitResult,
+    RunInfo,
+    ShellInfo,
+    SnapshotPrepareResult,
+    SnapshotRestoreResult,
+)
+from guestd.client.results import CodeResult, DirListing, ExecResult, FileStat, Info, ProcessOutput, ShellResult
 from guestd.client.streaming import EventCallback, OutputCallback, StdinSource
 from guestd.client.workspace_sync import SyncWorkspaceAPI
 from guestd.wire.frames import DEFAULT_MAX_FRAME
 from guestd.wire.paths import WirePath
-from guestd.wire.types import ClockCheckReply, MetricsSampleRecord
 
 T = TypeVar("T")
 V = TypeVar("V")
@@ -198,13 +209,13 @@ class Client(SyncPortsAPI, SyncWorkspaceAPI):
     ) -> dict[str, Any]:
         return self._run(self._aio.call(op, args, deadline=deadline))
 
-    def ping(self, *, deadline: float | None = 10.0) -> int:
+    def ping(self, *, deadline: float | None = 10.0) -> float:
         return self._run(self._aio.ping(deadline=deadline))
 
     def info(self, *, deadline: float | None = 10.0) -> Info:
         return self._run(self._aio.info(deadline=deadline))
 
-    def metrics(self, *, interval_ms: int | None = None, deadline: float | None = 70.0) -> MetricsSampleRecord:
+    def metrics(self, *, interval_ms: int | None = None, deadline: float | None = 70.0) -> MetricsSample:
         return self._run(self._aio.metrics(interval_ms=interval_ms, deadline=deadline))
 
     def exec(
@@ -378,12 +389,13 @@ class Client(SyncPortsAPI, SyncWorkspaceAPI):
         kernel: str | None = None,
         start_timeout_s: float | None = None,
         deadline: float | None = None,
-    ) -> dict[str, Any]:
-        return self._run(
+    ) -> CodeContext:
+        created = self._run(
             self._aio.code_create(
                 cwd=cwd, env=env, name=name, kernel=kernel, start_timeout_s=start_timeout_s, deadline=deadline
             )
         )
+        return CodeContext(self, created.info)
 
     def code_run(
         self,
@@ -432,7 +444,7 @@ class Client(SyncPortsAPI, SyncWorkspaceAPI):
     def code_close(self, context: str, *, deadline: float | None = 30.0) -> None:
         self._run(self._aio.code_close(context, deadline=deadline))
 
-    def code_list(self, *, deadline: float | None = 30.0) -> list[dict[str, Any]]:
+    def code_list(self, *, deadline: float | None = 30.0) -> list[ContextInfo]:
         return self._run(self._aio.code_list(deadline=deadline))
 
     def process_start(
@@ -449,8 +461,8 @@ class Client(SyncPortsAPI, SyncWorkspaceAPI):
         merge_stderr: bool | None = None,
         spill: bool | None = None,
         deadline: float | None = DEFAULT_DEADLINE,
-    ) -> dict[str, Any]:
-        return self._run(
+    ) -> Process:
+        started = self._run(
             self._aio.process_start(
                 cmd,
                 cwd=cwd,
@@ -465,8 +477,9 @@ class Client(SyncPortsAPI, SyncWorkspaceAPI):
                 deadline=deadline,
             )
         )
+        return Process(self, started.info)
 
-    def process_list(self, *, deadline: float | None = DEFAULT_DEADLINE) -> list[dict[str, Any]]:
+    def process_list(self, *, deadline: float | None = DEFAULT_DEADLINE) -> list[ProcessInfo]:
         return self._run(self._aio.process_list(deadline=deadline))
 
     def process_output(
@@ -478,7 +491,7 @@ class Client(SyncPortsAPI, SyncWorkspaceAPI):
         follow: bool | None = None,
         deadline: float | None = UNBOUNDED_RUN_DEADLINE,
         progress_timeout: float | None = None,
-    ) -> tuple[bytes, bytes, dict[str, Any]]:
+    ) -> ProcessOutput:
         return self._run(
             self._aio.process_output(
                 process_id,
@@ -492,13 +505,13 @@ class Client(SyncPortsAPI, SyncWorkspaceAPI):
 
     def process_wait(
         self, process_id: str, *, timeout_s: float | None = None, deadline: float | None = None
-    ) -> dict[str, Any]:
+    ) -> ProcessWaitResult:
         return self._run(self._aio.process_wait(process_id, timeout_s=timeout_s, deadline=deadline))
 
     def process_signal(self, process_id: str, sig: str | int = "TERM", *, deadline: float | None = 30.0) -> None:
         self._run(self._aio.process_signal(process_id, sig, deadline=deadline))
 
-    def process_write(self, process_id: str, data: bytes | str, *, deadline: float | None = 60.0) -> int:
+    def process_write(self, process_id: str, data: StdinSource, *, deadline: float | None = 60.0) -> int:
         return self._run(self._aio.process_write(process_id, data, deadline=deadline))
 
     def process_close_stdin(self, process_id: str, *, deadline: float | None = 30.0) -> None:
@@ -517,8 +530,9 @@ class Client(SyncPortsAPI, SyncWorkspaceAPI):
         env: dict[str, str] | None = None,
         name: str | None = None,
         deadline: float | None = 60.0,
-    ) -> dict[str, Any]:
-        return self._run(self._aio.shell_create(cwd=cwd, env=env, name=name, deadline=deadline))
+    ) -> Shell:
+        created = self._run(self._aio.shell_create(cwd=cwd, env=env, name=name, deadline=deadline))
+        return Shell(self, created.info)
 
     def shell_run(
         self,
@@ -566,22 +580,26 @@ class Client(SyncPortsAPI, SyncWorkspaceAPI):
             pump,
         )
 
-    def run_get(self, run_id: str, *, deadline: float | None = 30.0) -> dict[str, Any]:
+    def kept_run(self, run_id: str) -> KeptRun:
+        """A handle on the kept run ``run_id`` (``result.run_id`` of a run with ``keep=True``)."""
+        return KeptRun(self, run_id)
+
+    def run_get(self, run_id: str, *, deadline: float | None = 30.0) -> RunInfo:
         return self._run(self._aio.run_get(run_id, deadline=deadline))
 
-    def run_wait(self, run_id: str, *, timeout_s: float | None = None) -> dict[str, Any]:
+    def run_wait(self, run_id: str, *, timeout_s: float | None = None) -> RunInfo:
         return self._run(self._aio.run_wait(run_id, timeout_s=timeout_s))
 
-    def run_cancel(self, run_id: str, *, timeout_s: float | None = None) -> dict[str, Any]:
+    def run_cancel(self, run_id: str, *, timeout_s: float | None = None) -> RunInfo:
         return self._run(self._aio.run_cancel(run_id, timeout_s=timeout_s))
 
-    def run_list(self, *, deadline: float | None = 30.0) -> list[dict[str, Any]]:
+    def run_list(self, *, deadline: float | None = 30.0) -> list[RunInfo]:
         return self._run(self._aio.run_list(deadline=deadline))
 
     def shell_resize(self, session: str, rows: int, cols: int, *, deadline: float | None = 30.0) -> None:
         self._run(self._aio.shell_resize(session, rows, cols, deadline=deadline))
 
-    def shell_list(self, *, deadline: float | None = 30.0) -> list[dict[str, Any]]:
+    def shell_list(self, *, deadline: float | None = 30.0) -> list[ShellInfo]:
         return self._run(self._aio.shell_list(deadline=deadline))
 
     def shell_close(self, session: str, *, deadline: float | None = 30.0) -> None:
@@ -596,7 +614,7 @@ class Client(SyncPortsAPI, SyncWorkspaceAPI):
         fsfreeze: WirePath | None = None,
         freeze_max_s: float | None = None,
         deadline: float | None = None,
-    ) -> dict[str, Any]:
+    ) -> SnapshotPrepareResult:
         return self._run(
             self._aio.snapshot_prepare(
                 quiesce=quiesce,
@@ -608,7 +626,7 @@ class Client(SyncPortsAPI, SyncWorkspaceAPI):
             )
         )
 
-    def clock_check(self, *, time_ns: int | None = None, deadline: float | None = 10.0) -> ClockCheckReply:
+    def clock_check(self, *, time_ns: int | None = None, deadline: float | None = 10.0) -> ClockCheckResult:
         return self._run(self._aio.clock_check(time_ns=time_ns, deadline=deadline))
 
     def snapshot_resume(self, *, deadline: float | None = 30.0) -> None:
@@ -626,7 +644,7 @@ class Client(SyncPortsAPI, SyncWorkspaceAPI):
         env: dict[str, str] | None = None,
         token: str | None = None,
         deadline: float | None = 120.0,
-    ) -> dict[str, Any]:
+    ) -> SnapshotRestoreResult:
         return self._run(
             self._aio.restore(
                 generation=generation,

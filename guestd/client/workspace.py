@@ -18,13 +18,14 @@ import tempfile
 import threading
 from collections.abc import AsyncIterator, Callable, Mapping
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Literal
+from typing import TYPE_CHECKING, Any, Literal, cast
 
 from guestd.client.connection import Call, ClientConnection, GuestProtocolError
+from guestd.client.replies import PatchedFile
 from guestd.wire.paths import WirePath, path_to_wire
 
 if TYPE_CHECKING:
-    from guestd.wire.types import ChangeReportRecord
+    from guestd.wire.types import ChangeReportRecord, FileApplyPatchReply
 
 DEFAULT_DEADLINE = 300.0
 TRANSFER_DEADLINE = 3600.0  # a tree upload or download without a deadline of its own
@@ -249,14 +250,16 @@ class WorkspaceAPI:
         *,
         strip: int | None = None,
         deadline: float | None = DEFAULT_DEADLINE,
-    ) -> list[dict[str, Any]]:
+    ) -> list[PatchedFile]:
         """Apply a unified diff under ``path``, all or nothing (a ``conflict`` error lists the
         hunks that did not apply in ``details.hunks``). Returns the files changed."""
         if isinstance(patch, str):
             patch = patch.encode()
         args = _present(path=path_to_wire(path), patch=patch, strip=strip)
-        files: list[dict[str, Any]] = (await self._conn.request("file.apply_patch", args, deadline))["files"]
-        return files
+        body: FileApplyPatchReply = cast(
+            "FileApplyPatchReply", await self._conn.request("file.apply_patch", args, deadline)
+        )
+        return [PatchedFile.from_wire(f) for f in body["files"]]
 
     # -- search -------------------------------------------------------------------------
     async def glob(

@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections.abc import Coroutine, Mapping
 from typing import TYPE_CHECKING, Any, TypeVar
 
+from guestd.client.replies import PatchedFile
 from guestd.client.workspace import (
     DEFAULT_DEADLINE,
     Changes,
@@ -71,7 +72,7 @@ class SyncWorkspaceAPI:
         *,
         strip: int | None = None,
         deadline: float | None = DEFAULT_DEADLINE,
-    ) -> list[dict[str, Any]]:
+    ) -> list[PatchedFile]:
         return self._run(self._aio.apply_patch(path, patch, strip=strip, deadline=deadline))
 
     def glob(

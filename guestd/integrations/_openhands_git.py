@@ -195,13 +195,13 @@ class GuestGit:
             if result.stdout_bytes > limit:
                 raise self._too_large(argv, cwd, result.stdout_bytes, limit)
             spill = result.stdout_spill
-            if spill is None or spill.get("stopped") is not None or spill.get("bytes") != result.stdout_bytes:
+            if spill is None or spill.stopped is not None or spill.bytes != result.stdout_bytes:
                 raise GitCommandError(
                     f"{_shown(argv)} in {printable_path(cwd)}: guestd kept only part of its output ({spill})",
                     command=argv,
                     exit_code=-1,
                 )
-            data = self.client.download(spill["path"], max_bytes=limit)
+            data = self.client.download(spill.path, max_bytes=limit)
             assert isinstance(data, bytes)
             if len(data) != result.stdout_bytes:
                 raise GitCommandError(
@@ -214,7 +214,7 @@ class GuestGit:
             for spilled in (result.stdout_spill, result.stderr_spill):
                 if spilled is not None:
                     try:
-                        self.client.remove(spilled["path"])
+                        self.client.remove(spilled.path)
                     except GuestdError:
                         pass  # guestd ages its spill files out by itself (processes.retention_s)
 

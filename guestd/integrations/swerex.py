@@ -196,11 +196,11 @@ class GuestdRuntime(AbstractRuntime):
             raise SessionExistsError(f"session {request.session} already exists")
         client = await self._guest()
         info = await client.shell_create()
-        self._sessions[request.session] = _Session(str(info["id"]))
+        self._sessions[request.session] = _Session(str(info.id))
         output = ""
         for path in request.startup_source:
             r = await client.shell_run(
-                str(info["id"]), f"source {shlex.quote(path)}", timeout_s=request.startup_timeout, merge_stderr=True
+                str(info.id), f"source {shlex.quote(path)}", timeout_s=request.startup_timeout, merge_stderr=True
             )
             output += r.stdout.decode(errors="backslashreplace")
         return CreateBashSessionResponse(output=output)

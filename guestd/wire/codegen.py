@@ -1,6 +1,7 @@
 """Generate ``guestd/wire/types.py``: the schema's messages as TypedDicts.
 
-``python -m guestd.wire.codegen`` rewrites the file; a test fails when the checked-in
+``python -m guestd.wire.codegen`` rewrites the file (and, through
+:mod:`guestd.wire.codegen_client`, the client's reply dataclasses); a test fails when a checked-in
 file differs, so handlers, the client and guestctl are type-checked against the very
 specs the session core validates (mypy --strict), with no second copy to drift.
 
@@ -116,6 +117,11 @@ def types_path() -> str:
 
 
 if __name__ == "__main__":
+    from guestd.wire.codegen_client import render_client, replies_path
+
     path = sys.argv[1] if len(sys.argv) > 1 else types_path()
     with open(path, "w") as f:
         f.write(render())
+    if len(sys.argv) <= 1:  # the client's dataclasses too (guestd/client/replies.py)
+        with open(replies_path(), "w") as f:
+            f.write(render_client())

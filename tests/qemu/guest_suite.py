@@ -123,16 +123,18 @@ def _(c: Client) -> None:
 @check("processes: detach and reattach by offset")
 def _(c: Client) -> None:
     p = c.process_start("for i in $(seq 1 300); do echo $i; done")
-    c.process_wait(p["id"], timeout_s=60)
-    out, _, final = c.process_output(p["id"])
+    c.process_wait(p.id, timeout_s=60)
+    collected = c.process_output(p.id)
+    out, final = collected.stdout, collected.status
     assert out == "".join(f"{i}\n" for i in range(1, 301)).encode()
-    tail, _, _ = c.process_output(p["id"], stdout_from=final["stdout_offset"] - 4)
+    collected = c.process_output(p.id, stdout_from=final.stdout_offset - 4)
+    tail = collected.stdout
     assert tail == b"300\n"
 
 
 @check("shell session: state persists")
 def _(c: Client) -> None:
-    sid = c.shell_create(cwd="/tmp")["id"]
+    sid = c.shell_create(cwd="/tmp").id
     c.shell_run(sid, "cd /etc; export K=v")
     r = c.shell_run(sid, "pwd; echo $K; exit 3")
     assert (r.exit_code, r.stdout) == (3, b"/etc\nv\n")
@@ -142,10 +144,10 @@ def _(c: Client) -> None:
 @check("code context: state persists across cells")
 def _(c: Client) -> None:
     ctx = c.code_create()
-    assert c.code_run("x = 20", context=ctx["id"], timeout_s=120).status == "ok"
-    r = c.code_run("x * 2 + 2", context=ctx["id"], timeout_s=120)
+    assert c.code_run("x = 20", context=ctx.id, timeout_s=120).status == "ok"
+    r = c.code_run("x * 2 + 2", context=ctx.id, timeout_s=120)
     assert r.text == "42", r
-    c.code_close(ctx["id"])
+    c.code_close(ctx.id)
 
 
 @check("errors: unknown op and bad arguments are typed")

@@ -48,11 +48,11 @@ def test_clones_diverge_only_after_restore(images: tuple[str, str, str], request
         src = GuestVM(work, vmlinux, initrd, qmp=True, tag="src", timeout_s=900)
         vms.append(src)
         with src.client() as c:
-            ctx = c.code_create(deadline=300)["id"]
+            ctx = c.code_create(deadline=300).id
             assert c.code_run("import random\nkept = 'state from before the snapshot'", context=ctx, timeout_s=300).ok
-            sid = c.shell_create()["id"]
+            sid = c.shell_create().id
             c.shell_run(sid, "cd /tmp && export BEFORE=1")
-            proc = c.process_start("i=0; while :; do i=$((i+1)); echo $i; sleep 0.2; done")["id"]
+            proc = c.process_start("i=0; while :; do i=$((i+1)); echo $i; sleep 0.2; done").id
             # Issue 19: a workload server that asked to hear of restores (and one of its children).
             listener = c.process_start(
                 "trap 'echo $$ >> /tmp/restored' USR2; while :; do sleep 0.2; done", env={"GUESTD_ON_RESTORE": "USR2"}
@@ -62,7 +62,7 @@ def test_clones_diverge_only_after_restore(images: tuple[str, str, str], request
             # parent's clock an hour stale (inside the guest) to see restore fix it in each clone.
             assert c.exec(["date", "-s", f"@{int(time.time()) - 3600}"], timeout_s=60).exit_code == 0
             prep = c.snapshot_prepare()
-            assert prep["synced"] and proc in prep["running"]["processes"]
+            assert prep.synced and proc in prep.running["processes"]
         src.save(snap)
         time.sleep(2.0)  # the clones wake up with a wall clock this much (and the restore time) behind
 
@@ -80,16 +80,16 @@ def test_clones_diverge_only_after_restore(images: tuple[str, str, str], request
                 # and flags a suspected restore (the fallback for hosts that forget `restore`).
                 assert c.info().raw["snapshot"]["suspected_restore"]
                 rep = c.restore(entropy=bytes([i + 1]) * 64, sandbox_id=f"clone-{i}", hostname=f"clone-{i}")
-                assert rep["crng"] == "done" and rep["contexts_reseeded"] == [ctx] and rep["shells_reseeded"] == [sid]
-                assert rep["clock"] in ("done", "kept") and abs(rep["clock_skew_s"]) < 5
-                assert rep["signalled"] == [listener["pid"]]  # not its sleep: no handler there
-                published = json.loads(c.read_file(rep["generation_file"]))
-                assert (published["generation"], published["hostname"]) == (rep["generation"], f"clone-{i}")
+                assert rep.crng == "done" and rep.contexts_reseeded == [ctx] and rep.shells_reseeded == [sid]
+                assert rep.clock in ("done", "kept") and abs(rep.clock_skew_s) < 5
+                assert rep.signalled == [listener.pid]  # not its sleep: no handler there
+                published = json.loads(c.read_file(rep.generation_file))
+                assert (published.generation, published.hostname) == (rep.generation, f"clone-{i}")
                 deadline = time.monotonic() + 60
                 while not c.exists("/tmp/restored"):
                     assert time.monotonic() < deadline, "the registered process never got its signal"
                     time.sleep(0.2)
-                assert c.read_file("/tmp/restored") == f"{listener['pid']}\n".encode()
+                assert c.read_file("/tmp/restored") == f"{listener.pid}\n".encode()
                 after.append(observe(c, ctx, sid))
                 urandom.append(c.exec("head -c 32 /dev/urandom | od -An -tx1", timeout_s=60).stdout)
                 guest_now = float(c.code_run("import time; time.time()", context=ctx, timeout_s=300).text or "0")
@@ -97,9 +97,10 @@ def test_clones_diverge_only_after_restore(images: tuple[str, str, str], request
                 assert c.code_run("kept", context=ctx, timeout_s=300).text == "'state from before the snapshot'"
                 assert c.shell_run(sid, "pwd; echo $BEFORE").stdout == b"/tmp\n1\n"
                 assert c.exec(["hostname"]).stdout == f"clone-{i}\n".encode()
-                listed = {p["id"]: p for p in c.process_list()}
-                assert listed[proc]["state"] == "running"
-                out, _, _ = c.process_output(proc, follow=False)
+                listed = {p.id: p for p in c.process_list()}
+                assert listed[proc].state == "running"
+                collected = c.process_output(proc, follow=False)
+                out = collected.stdout
                 numbers = [int(n) for n in out.split()]
                 assert numbers == list(range(1, len(numbers) + 1)) and len(numbers) >= 5  # nothing lost
 

@@ -79,10 +79,10 @@ def test_host_file_round_trip_with_checksum(vm: GuestVM) -> None:
 def test_host_code_context(vm: GuestVM) -> None:
     with connect(vm) as c:
         ctx = c.code_create(deadline=300)
-        assert c.code_run("import sys; v = sys.version_info[:2]", context=ctx["id"], timeout_s=300).status == "ok"
-        r = c.code_run("v", context=ctx["id"], timeout_s=300)
+        assert c.code_run("import sys; v = sys.version_info[:2]", context=ctx.id, timeout_s=300).status == "ok"
+        r = c.code_run("v", context=ctx.id, timeout_s=300)
         assert r.text == "(3, 11)"
-        c.code_close(ctx["id"])
+        c.code_close(ctx.id)
 
 
 def test_guest_side_suite_over_real_vsock(vm: GuestVM) -> None:
@@ -117,13 +117,13 @@ def test_workload_cgroup_contains_a_memory_hog_and_a_fork_bomb(vm: GuestVM) -> N
         assert c.info().raw["workload_cgroup"].startswith("active"), c.info().raw["workload_cgroup"]
         assert b"guestd-workload" in c.exec(["cat", "/proc/self/cgroup"], timeout_s=60).stdout
         grow = "import time\nb = []\nwhile True:\n    b.append(bytearray(8 << 20))\n    time.sleep(0.02)\n"
-        hog = c.process_start(["/usr/local/bin/guestd-python", "-c", grow])["id"]
-        p50, p99, n = pings_while(c, lambda: c.process_wait(hog, timeout_s=0.01)["state"] == "running", 60)
+        hog = c.process_start(["/usr/local/bin/guestd-python", "-c", grow]).id
+        p50, p99, n = pings_while(c, lambda: c.process_wait(hog, timeout_s=0.01).state == "running", 60)
         print(f"memory hog: {n} pings, p50 {p50 * 1000:.1f} ms, p99 {p99 * 1000:.1f} ms")
-        assert c.process_wait(hog, timeout_s=120)["signal"] == 9  # OOM-killed inside the cgroup (memory.max 256 MiB)
+        assert c.process_wait(hog, timeout_s=120).signal == 9  # OOM-killed inside the cgroup (memory.max 256 MiB)
         assert p99 < PING_P99_S
         # A bomb that stays: forks CPU spinners until pids.max refuses, and keeps trying.
-        bomb = c.process_start("while :; do (while :; do :; done) & done")["id"]
+        bomb = c.process_start("while :; do (while :; do :; done) & done").id
         time.sleep(3)
         pings = []
         end = time.monotonic() + 8
@@ -141,7 +141,7 @@ def test_workload_cgroup_contains_a_memory_hog_and_a_fork_bomb(vm: GuestVM) -> N
         )
         assert 50 <= pids_now <= 256  # the bomb is running (and can never pass pids.max)
         assert p99 < PING_P99_S
-        assert c.process_wait(bomb, timeout_s=60)["state"] == "exited"
+        assert c.process_wait(bomb, timeout_s=60).state == "exited"
         assert c.exec(["echo", "alive"], timeout_s=60).stdout == b"alive\n"
 
 
@@ -154,10 +154,10 @@ def test_disk_full_and_fd_exhaustion_leave_guestd_answering(vm: GuestVM) -> None
             == 0
         )
         # Slow enough (bs=16k into a 16 MiB tmpfs) that guestd is pinged while the disk fills.
-        dd = c.process_start(["sh", "-c", "dd if=/dev/zero of=/mnt/small/fill bs=16k 2>&1"])["id"]
-        p50, p99, n = pings_while(c, lambda: c.process_wait(dd, timeout_s=0.01)["state"] == "running", 60)
+        dd = c.process_start(["sh", "-c", "dd if=/dev/zero of=/mnt/small/fill bs=16k 2>&1"]).id
+        p50, p99, n = pings_while(c, lambda: c.process_wait(dd, timeout_s=0.01).state == "running", 60)
         c.process_wait(dd, timeout_s=120)
-        assert b"No space left" in c.process_output(dd)[0]
+        assert b"No space left" in c.process_output(dd).stdout
         print(f"disk fill: {n} pings, p50 {p50 * 1000:.1f} ms, p99 {p99 * 1000:.1f} ms")
         assert p99 < PING_P99_S
         with pytest.raises(GuestdError) as ei:
@@ -176,10 +176,10 @@ def test_disk_full_and_fd_exhaustion_leave_guestd_answering(vm: GuestVM) -> None
             "    print(len(fds), e.errno, flush=True)\n"
             "import time; time.sleep(3)\n"  # hold them while guestd is pinged
         )
-        fdp = c.process_start(["/usr/local/bin/guestd-python", "-c", code])["id"]
-        p50, p99, n = pings_while(c, lambda: c.process_wait(fdp, timeout_s=0.01)["state"] == "running", 60)
+        fdp = c.process_start(["/usr/local/bin/guestd-python", "-c", code]).id
+        p50, p99, n = pings_while(c, lambda: c.process_wait(fdp, timeout_s=0.01).state == "running", 60)
         c.process_wait(fdp, timeout_s=120)
-        opened, err = c.process_output(fdp)[0].split()
+        opened, err = c.process_output(fdp).stdout.split()
         assert int(opened) > 1000 and int(err) in (23, 24)  # ENFILE / EMFILE: the workload ran out, not guestd
         print(f"fd exhaustion: {n} pings, p50 {p50 * 1000:.1f} ms, p99 {p99 * 1000:.1f} ms")
         assert p99 < PING_P99_S
@@ -197,15 +197,15 @@ for _ in range(600):
         time.sleep(0.2)
 who = "echo $(id -u) $(cat /proc/self/cgroup)"
 out = {"exec": c.exec(["sh", "-c", who], cwd="/").stdout.decode().strip()}
-sid = c.shell_create(cwd="/tmp")["id"]
+sid = c.shell_create(cwd="/tmp").id
 out["shell"] = c.shell_run(sid, who).stdout.decode().strip()
-p = c.process_start(who, pty=True)["id"]
+p = c.process_start(who, pty=True).id
 c.process_wait(p, timeout_s=120)
-out["pty process"] = c.process_output(p, follow=False)[0].decode().strip()
-ctx = c.code_create(deadline=300)["id"]
+out["pty process"] = c.process_output(p, follow=False).stdout.decode().strip()
+ctx = c.code_create(deadline=300).id
 cell = "import os; print(os.getuid(), open('/proc/self/cgroup').read().strip())"
 out["kernel"] = c.code_run(cell, context=ctx, timeout_s=300).stdout.decode().strip()
-kpid = next(k["pid"] for k in c.code_list() if k["id"] == ctx)
+kpid = next(k.pid for k in c.code_list() if k.id == ctx)
 peek = f"cat /proc/{kpid}/environ > /dev/null 2>&1 && echo readable || echo denied; find /run/g2 -name '*.json'"
 keys = c.exec(["sh", "-c", peek], cwd="/").stdout.decode().split()
 c.close()
@@ -224,10 +224,10 @@ def test_workload_user_and_cgroup_apply_to_exec_shells_processes_and_kernels(vm:
     with connect(vm) as c:
         c.write_file("/tmp/g2.toml", cfg)
         c.write_file("/tmp/g2_check.py", G2_CHECK)
-        g2 = c.process_start(["/usr/local/bin/guestd", "--config", "/tmp/g2.toml"])["id"]
+        g2 = c.process_start(["/usr/local/bin/guestd", "--config", "/tmp/g2.toml"]).id
         try:
             r = c.exec(["/usr/local/bin/guestd-python", "/tmp/g2_check.py"], timeout_s=600)
-            assert r.exit_code == 0, (r.stderr.decode()[-2000:], c.process_output(g2, follow=False)[0][-2000:])
+            assert r.exit_code == 0, (r.stderr.decode()[-2000:], c.process_output(g2, follow=False).stdout[-2000:])
             seen = json.loads(r.stdout)
             # The workload user cannot read the kernel's memory or environment (it is non-dumpable),
             # and no connection file (the key) is anywhere on disk.
@@ -261,4 +261,4 @@ def test_a_guest_without_a_nic_serves_http_to_the_host_through_the_relay(vm: Gue
                 with urllib.request.urlopen(url, timeout=60) as r:
                     assert r.read() == b"<p>from a guest without a NIC</p>" * 100
         finally:
-            c.process_signal(server["id"], "KILL")
+            c.process_signal(server.id, "KILL")
