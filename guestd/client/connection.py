@@ -188,8 +188,19 @@ class Call:
         return len(data) - len(view)
 
     def cancel(self) -> None:
+        """Ask the guest to cancel; the call stays registered for its final reply. That reply
+        (the guest's ``cancelled`` error, or ``closed by client`` when the connection closes
+        first) may never be awaited by a caller who only wanted the run stopped, so it is
+        marked retrieved here: no "Future exception was never retrieved" at exit. A caller
+        that does await the future still gets the exception."""
+        self.future.add_done_callback(_mark_retrieved)
         self.conn.session.cancel(self.stream, forget=False)
         self.conn.flush()
+
+
+def _mark_retrieved(future: asyncio.Future[dict[str, Any]]) -> None:
+    if not future.cancelled():
+        future.exception()
 
 
 class ClientConnection(asyncio.BufferedProtocol):
@@ -341,7 +352,14 @@ class ClientConnection(asyncio.BufferedProtocol):
         return self._closed_exc is not None
 
     def close(self) -> None:
+        """Close the connection; every call still in flight ends with ``closed by client``.
+        Those errors are marked retrieved: a call nobody awaits any more (an abandoned
+        stream iterator, a generator finalized after the close) is no "never retrieved"
+        warning, while a caller awaiting one still gets it."""
+        pending = list(self.calls.values())
         self._abort(ConnectionClosed("closed by client"))
+        for call in pending:
+            _mark_retrieved(call.future)
 
     def flush(self) -> None:
         if not self.session.has_output:

@@ -124,6 +124,7 @@ class Watch:
         self._conn = conn
         self._call = call
         self.ready = False
+        self.closed = False
 
     def __aiter__(self) -> AsyncIterator[Change]:
         return self._iter()
@@ -132,6 +133,8 @@ class Watch:
         while True:
             ev = await self._call.next_event(None)
             if ev is None:
+                if self.closed:  # closed by us (another task): the iteration just ends
+                    return
                 await self._call.future
                 return
             kind = ev.get("ev")
@@ -158,6 +161,8 @@ class Watch:
             self.ready = True
 
     async def close(self) -> None:
+        """End the watch in the guest; an ``async for`` over it (in another task) ends too."""
+        self.closed = True
         if not self._call.future.done():
             self._call.cancel()
         self._conn._forget(self._call)
