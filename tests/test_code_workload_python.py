@@ -214,3 +214,23 @@ def test_bake_gives_an_images_python_without_ipykernel_one(tmp_path: Any) -> Non
     site = f"{root}/usr/local/lib/python{version}/dist-packages"
     for package in ("ipykernel", "jupyter_client", "zmq"):  # what guestd's launcher needs there
         assert os.path.isdir(f"{site}/{package}"), package
+
+
+def test_the_workloads_cwd_never_stands_in_for_what_the_launcher_imports(workload: tuple[Guestd, str, str]) -> None:
+    """python -c puts the cwd (the context's, the workload's to write) first on sys.path: a
+    ctypes.py there would run inside the kernel before its key hand-over. The bootstrap takes
+    the cwd off first; cells get it back last, after the standard library."""
+    g, _, top = workload
+    planted = f"{top}/ws/planted"
+    os.makedirs(planted, exist_ok=True)
+    with open(f"{planted}/ctypes.py", "w") as f:
+        f.write(f"open({planted + '/RAN'!r}, 'w').close()\nraise ImportError('planted')\n")
+    if os.geteuid() == 0:
+        os.chown(planted, NOBODY, NOBODY)
+    with Client(g.address) as c:
+        ctx = _ref(c.code_create(cwd=planted, deadline=300))
+        c.code_restart(ctx, deadline=300)  # a fresh kernel started in that cwd (not a pooled one)
+        r = c.code_run("import ctypes, os; (os.getcwd(), ctypes.__file__.startswith(os.getcwd()))", context=ctx)
+        assert r.text == repr((planted, False)), r
+        assert not os.path.exists(f"{planted}/RAN")
+        c.code_close(ctx)
