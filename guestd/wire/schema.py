@@ -424,7 +424,7 @@ RECORDS.update(
             F("execution_count", "int?", "the kernel's execution counter"),
             F("queued", "uint", "runs waiting", True),
             F("restarts", "uint", "kernel restarts", True),
-            F("kernel", "str?", 'the kernel: "python" (guestd\'s own) or a kernelspec name'),
+            F("kernel", "str?", 'the kernel: "python" ([code] python\'s interpreter) or a kernelspec name'),
         ),
         "process_info": (
             F("id", "str", "process id", True),
@@ -894,8 +894,11 @@ CODE_OPS: tuple[OpSpec, ...] = (
     OpSpec(
         "code.create",
         "code",
-        "Create a persistent context: guestd's own Python kernel (from the warm pool when one is ready), or "
-        "any Jupyter kernelspec installed in the guest. A name that already exists returns that context. "
+        "Create a persistent context: a Python kernel (from the warm pool when one is ready) in the Python the "
+        "config names ([code] python: the workload's python3 in the shipped config, guestd's own without one; "
+        "info.kernels says which), or any Jupyter kernelspec installed in the guest. A Python without ipykernel "
+        "fails at once: unavailable, details.reason no_ipykernel (no_python: none there), details.python. "
+        "A name that already exists returns that context. "
         "A kernel that fails to start, or whose start is given up or cancelled, is ended (its whole run) "
         "before the answer.",
         args=(
@@ -905,8 +908,8 @@ CODE_OPS: tuple[OpSpec, ...] = (
             F(
                 "kernel",
                 "str?",
-                'nil or "python": guestd\'s own Python kernel; another name: that installed kernelspec (an unknown '
-                "name is not_found with details.installed)",
+                'nil or "python": the Python kernel ([code] python); another name: that installed kernelspec (an '
+                "unknown name is not_found with details.installed)",
                 min_len=1,
             ),
             F(
