@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import errno
+import functools
 import os
+import pwd
 import signal
 from typing import Any
 
@@ -24,15 +26,34 @@ def parse_signal(value: Any) -> int | None:
     return int(sig) if isinstance(sig, signal.Signals) else None
 
 
-def build_env(env: dict[str, str] | None, mode: str) -> dict[str, str] | None:
-    """None means "inherit guestd's environment" (cheapest: Popen encodes nothing)."""
+def build_env(env: dict[str, str] | None, mode: str, ids: tuple[int, int] | None = None) -> dict[str, str] | None:
+    """The environment of a run started as ``ids`` (None: as guestd): guestd's own with ``env``
+    over it ("merge"), or ``env`` alone ("replace"). A run that drops to another user gets that
+    user's HOME, USER and LOGNAME as login(1) sets them, unless ``env`` names them: guestd's
+    HOME (/root under systemd) is not the workload's to write, and ``pip install --user`` or
+    git's config must land where the workload's code kernels look. None means "inherit guestd's
+    environment" (cheapest: nothing to encode)."""
     if mode == "replace":
         return dict(env or {})
-    if not env:
+    identity = user_identity(ids[0]) if ids is not None and ids[0] != os.geteuid() else None
+    if not env and not identity:
         return None
     merged = dict(os.environ)
-    merged.update(env)
+    if identity:
+        merged.update(identity)
+    if env:
+        merged.update(env)
     return merged
+
+
+@functools.lru_cache(maxsize=8)
+def user_identity(uid: int) -> dict[str, str] | None:
+    """HOME, USER and LOGNAME of ``uid`` from the password database (None: no such user)."""
+    try:
+        pw = pwd.getpwuid(uid)
+    except KeyError:
+        return None
+    return {"HOME": pw.pw_dir, "USER": pw.pw_name, "LOGNAME": pw.pw_name}
 
 
 def check_cwd(cwd: str | None) -> None:

@@ -36,7 +36,7 @@ def register(services: Services) -> None:
             child = await services.children.spawn(
                 command_argv(args["argv"], args["shell"]),
                 kind="exec",
-                env=build_env(args["env"], args["env_mode"]),
+                env=build_env(args["env"], args["env_mode"], services.config.policy.workload_ids()),
                 cwd=args["cwd"],
                 stdin=PIPE if stdin_pipe else DEVNULL,
                 stderr=STDOUT if args["merge_stderr"] else PIPE,

@@ -77,7 +77,7 @@ class ManagedProcess:
     async def start(self, args: ProcessStartArgs) -> None:
         argv = command_argv(args["argv"], args["shell"])
         check_cwd(args["cwd"])
-        env = build_env(args["env"], args["env_mode"])
+        env = build_env(args["env"], args["env_mode"], self.table.services.config.policy.workload_ids())
         if args["spill"]:
             out, err = await open_spills(self.table.services, "proc")
             self.spills = {"stdout": out, "stderr": err}

@@ -47,7 +47,7 @@ from typing import TYPE_CHECKING, Any, Literal
 
 from guestd.capture import OutputCapture, OutputRing, capture_fields_off_loop
 from guestd.children import DEVNULL, PIPE, Child, KilledBy, exit_info, usage_between
-from guestd.children.options import check_cwd, parse_signal
+from guestd.children.options import build_env, check_cwd, parse_signal
 from guestd.children.tree import descendants, read_chunk, set_winsize, signal_each, signal_group, write_all
 from guestd.services import derive, reseed_each, to_the_end
 from guestd.shells.job import STATUS_MAX, JobFifos, PtyInput, ShellJob, StdinFifo
@@ -236,8 +236,7 @@ class Session:
     async def start(self, replay_exports: bool = False) -> None:
         services = self.table.services
         check_cwd(self.cwd)
-        env = dict(os.environ)
-        env.update(self.env or {})
+        env = build_env(self.env, "merge", services.config.policy.workload_ids()) or dict(os.environ)
         env.pop("BASH_ENV", None)
         env.pop("ENV", None)
         lib = library_dir(services.runtime_dir())

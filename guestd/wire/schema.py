@@ -666,7 +666,13 @@ OPS: tuple[OpSpec, ...] = (
             F("shell", "str?", "command string run by /bin/sh -c"),
             F("cwd", "path?", "working directory (default: guestd's)"),
             F("env", "map<str,str>?", "environment variables"),
-            F("env_mode", "enum(merge|replace)", "merge env into guestd's, or use env alone", default="merge"),
+            F(
+                "env_mode",
+                "enum(merge|replace)",
+                "merge env into guestd's (a run as the workload user gets its HOME, USER, LOGNAME unless env "
+                "names them), or use env alone",
+                default="merge",
+            ),
             F("stdin", "bin?", "bytes fed to stdin, then closed; nil means /dev/null"),
             F("stdin_stream", "bool", "stdin comes from INPUT frames (data / eof)", default=False),
             _MERGE_STDERR,
@@ -1032,7 +1038,13 @@ PROCESS_OPS: tuple[OpSpec, ...] = (
             F("shell", "str?", "command string run by /bin/sh -c"),
             F("cwd", "path?", "working directory"),
             F("env", "map<str,str>?", "environment variables"),
-            F("env_mode", "enum(merge|replace)", "merge env into guestd's, or use env alone", default="merge"),
+            F(
+                "env_mode",
+                "enum(merge|replace)",
+                "merge env into guestd's (a run as the workload user gets its HOME, USER, LOGNAME unless env "
+                "names them), or use env alone",
+                default="merge",
+            ),
             F("stdin", "bool", "keep a stdin pipe for process.write (else /dev/null)", default=False),
             F(
                 "pty",
@@ -1145,7 +1157,11 @@ SHELL_OPS: tuple[OpSpec, ...] = (
         "Start a persistent bash session.",
         args=(
             F("cwd", "path?", "starting directory"),
-            F("env", "map<str,str>?", "environment variables added to guestd's"),
+            F(
+                "env",
+                "map<str,str>?",
+                "environment variables added to guestd's (with the workload user's HOME, USER, LOGNAME)",
+            ),
             F("name", "str?", "a name to find the session by"),
         ),
         result=(F("id", "str", "session id", True), F("pid", "int", "bash's pid", True)),
