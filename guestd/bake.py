@@ -376,6 +376,26 @@ def emit_ext4(root: str, out: str, size_mb: int) -> None:
     log(f"ext4 image {out}: {size_mb} MiB")
 
 
+def warn_unless_in_guest(config: str) -> None:
+    """A config of the image owner's own that does not say ``in_guest = true``: guestd in that
+    image will only simulate restore's privileged steps (clones not re-seeded)."""
+    import tomllib
+
+    try:
+        with open(config, "rb") as f:
+            in_guest = tomllib.load(f).get("in_guest") is True
+    except (OSError, tomllib.TOMLDecodeError) as exc:
+        print(f"guestd-bake: warning: cannot read {config}: {exc}", file=sys.stderr)
+        return
+    if not in_guest:
+        print(
+            f"guestd-bake: warning: {config} does not say in_guest = true: guestd in this image will only "
+            "simulate restore's privileged steps (CRNG re-seed, clock, hostname, machine-id), so clones "
+            "will share their random state; add in_guest = true (README, 'Run the daemon')",
+            file=sys.stderr,
+        )
+
+
 def bake(
     root: str,
     *,
@@ -394,6 +414,7 @@ def bake(
     shutil.copytree(overlay, root, dirs_exist_ok=True)
     if config is not None:
         shutil.copy2(config, root + "/etc/guestd/guestd.toml")
+        warn_unless_in_guest(config)
     if busybox:
         add_busybox(root)
         if not os.path.exists(root + "/bin/bash"):

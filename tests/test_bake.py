@@ -6,6 +6,7 @@ import os
 import shutil
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -97,3 +98,21 @@ def test_add_copies_a_program_with_its_libraries(tmp_path: object) -> None:
             assert os.path.exists(root + lib), lib
     with pytest.raises(SystemExit, match="no such file"):
         add_paths(root, [f"{tmp_path}/missing"])
+
+
+def test_a_config_of_ones_own_without_in_guest_is_warned_about(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """guestd-bake --config FILE: a config that does not say in_guest = true makes every clone of
+    the image only simulate restore's re-seed (issue 30): bake says so."""
+    from guestd.bake import warn_unless_in_guest
+
+    mine = tmp_path / "mine.toml"
+    mine.write_text('workspace = "/workspace"\n')
+    warn_unless_in_guest(str(mine))
+    assert "does not say in_guest = true" in capsys.readouterr().err
+    mine.write_text('in_guest = true\nworkspace = "/workspace"\n')
+    warn_unless_in_guest(str(mine))
+    assert capsys.readouterr().err == ""
+    warn_unless_in_guest(f"{REPO}/rootfs-overlay/etc/guestd/guestd.toml")  # the shipped config says it
+    assert capsys.readouterr().err == ""
