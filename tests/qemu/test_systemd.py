@@ -448,6 +448,14 @@ README_CELLS = (
 )
 
 
+def test_the_readme_cells_are_the_ones_run_here() -> None:
+    """The README's pandas/matplotlib example and the cells the QEMU test runs stay one text."""
+    with open(os.path.join(os.path.dirname(__file__), "..", "..", "README.md")) as f:
+        readme = f.read()
+    for cell in README_CELLS:
+        assert f'ctx.run("{cell}"' in readme, cell
+
+
 def test_the_readme_pandas_and_matplotlib_cells_run_in_the_workload_python(vm: GuestVM) -> None:
     with vm.client(timeout_s=300) as g:
         kernels = g.info().raw["kernels"]
