@@ -37,8 +37,8 @@ from guestd.cli.shared import (
     print_spills_and_timeout,
 )
 from guestd.cli.terminal import field
-from guestd.client import aio
 from guestd.client.aio import AsyncClient, ExecStream
+from guestd.client.streaming import DERIVED
 from guestd.wire.errors import GuestdError
 
 USAGE_EXIT = 2
@@ -181,31 +181,24 @@ def start_exec(
     client: AsyncClient, ns: argparse.Namespace, cmd: list[str] | str, env: dict[str, str], live: bool
 ) -> ExecStream:
     """The exec request: its output as events when ``live`` (else a bounded capture in the
-    reply), stdin from INPUT frames with ``-i`` in both cases. Built by the client's own
-    argument builder and deadline rule, since :meth:`AsyncClient.exec_stream` takes neither
-    ``merge_stderr``, ``on_timeout`` nor a capture, and :meth:`AsyncClient.exec` no stdin stream."""
-    timeout_s: float | None = ns.timeout
-    idle_timeout_s: float | None = ns.idle_timeout
-    args = AsyncClient._exec_args(
+    reply), stdin from INPUT frames with ``-i`` in both cases. Without ``--timeout`` nothing
+    bounds the wait on this side (``tail -f`` runs until it ends or Ctrl-C); with one, the
+    client's deadline follows from it."""
+    return client.exec_stream(
         cmd,
         cwd=ns.cwd,
         env=env or None,
-        replace_env=False,
-        stdin=None,
-        timeout_s=timeout_s,
-        idle_timeout_s=idle_timeout_s,
+        stdin_stream=ns.stdin or None,
+        timeout_s=ns.timeout,
+        idle_timeout_s=ns.idle_timeout,
         max_output=ns.max_output,
         head_tail=ns.head_tail,
-        kill_grace_s=None,
-        linger_s=None,
-        stream=live,
-        stdin_stream=ns.stdin or None,
         on_timeout=ns.on_timeout,
         merge_stderr=ns.merge_stderr or None,
         spill=ns.spill or None,
+        live=live,
+        deadline=DERIVED if ns.timeout is not None else None,
     )
-    deadline = aio._exec_deadline(timeout_s, idle_timeout_s, None, None)
-    return ExecStream(client, client._conn.start("exec", args), deadline)
 
 
 async def start_detached(client: AsyncClient, ns: argparse.Namespace, cmd: list[str] | str, env: dict[str, str]) -> int:

@@ -19,9 +19,9 @@ from guestd.cli.shared import (
     print_spills_and_timeout,
 )
 from guestd.cli.terminal import field, write_output
-from guestd.client import aio
 from guestd.client.aio import AsyncClient, ShellStream, present
 from guestd.client.results import ShellResult
+from guestd.client.streaming import DERIVED
 from guestd.wire.paths import printable_path
 
 
@@ -135,13 +135,11 @@ async def run_in_session(client: AsyncClient, ns: argparse.Namespace) -> int:
 
 def start_shell_run(client: AsyncClient, ns: argparse.Namespace, live: bool) -> ShellStream:
     """The shell.run request: output as events when ``live`` (else a bounded capture in the
-    reply), stdin from INPUT frames with ``-i``. Built here with the client's deadline rule:
-    :meth:`AsyncClient.shell_stream` takes no ``check_syntax`` and no capture, and
-    :meth:`AsyncClient.shell_run` no stdin stream."""
-    args = present(
-        id=ns.id,
-        command=ns.command,
-        stream=live or None,
+    reply), stdin from INPUT frames with ``-i``. Without ``--timeout`` nothing bounds the wait
+    on this side (the command runs until it ends or Ctrl-C)."""
+    return client.shell_stream(
+        ns.id,
+        ns.command,
         stdin_stream=ns.stdin or None,
         timeout_s=ns.timeout,
         idle_timeout_s=ns.idle_timeout,
@@ -150,9 +148,9 @@ def start_shell_run(client: AsyncClient, ns: argparse.Namespace, live: bool) -> 
         merge_stderr=ns.merge_stderr or None,
         check_syntax=ns.check_syntax or None,
         spill=ns.spill or None,
+        live=live,
+        deadline=DERIVED if ns.timeout is not None else None,
     )
-    deadline = aio._run_deadline(ns.timeout, ns.idle_timeout, aio.SHELL_STOP_S)
-    return ShellStream(client, client._conn.start("shell.run", args), deadline)
 
 
 def print_run_notes(res: ShellResult) -> None:
@@ -203,6 +201,7 @@ async def run_on_pty(client: AsyncClient, ns: argparse.Namespace) -> int:
         idle_timeout_s=ns.idle_timeout,
         on_timeout=ns.on_timeout,
         merge_stderr=ns.merge_stderr or None,  # a terminal merges them anyway
+        deadline=DERIVED if ns.timeout is not None else None,  # a person is at the terminal
     )
     bridge = TerminalBridge(ns.raw)
     keys = {0x03: "INT", 0x1C: "QUIT"}

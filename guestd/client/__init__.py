@@ -15,11 +15,13 @@ from guestd.client.results import (
     Info,
     ShellResult,
 )
+from guestd.client.streaming import DERIVED
 from guestd.client.sync import Client
 from guestd.memtune import tune_malloc
 from guestd.wire.errors import ErrorCode, GuestdError
 
 __all__ = [
+    "DERIVED",
     "AsyncClient",
     "Client",
     "CodeError",

@@ -8,7 +8,10 @@ Naming: every bound is named for what it bounds.
   ``timeout_s`` are how long the guest waits before it answers.
 - ``deadline`` (seconds; None waits for ever) is how long this client waits for the reply
   before it gives up with a ``timeout`` error and cancels the request in the guest. For
-  exec, shell and code runs it is derived from the guest's bounds when left at None.
+  exec, shell and code runs (and their streams) it defaults to :data:`DERIVED`: from the
+  guest's bounds (the run's ``timeout_s`` plus the time to stop it and a margin; one hour
+  without a ``timeout_s``). ``deadline=None`` waits for ever there too (``tail -f`` watched
+  by a person; Ctrl-C, ``cancel()`` or asyncio cancellation still end it).
 - ``progress_timeout`` bounds each wait for the next step of a long transfer or stream
   (a chunk's credit, the next event), not the whole of it.
 - ``connect_timeout`` bounds connecting and the handshake.
@@ -64,12 +67,16 @@ from guestd.client.results import (
     check_bundle,
 )
 from guestd.client.streaming import (
+    DERIVED,
+    Derived,
     EventCallback,
     OutputCallback,
+    RunDeadline,
     RunOutput,
     StdinSource,
     as_bytes,
     deliver,
+    feed_or_fail,
     run_call,
     split_stdin,
     stdin_chunks,
@@ -168,6 +175,11 @@ def _exec_deadline(
     return _run_deadline(timeout_s, idle_timeout_s, kill_grace_s + linger_s)
 
 
+def _resolve(deadline: RunDeadline, derive: Callable[[], float]) -> float | None:
+    """A run's client deadline: ``derive()`` for DERIVED, else as given (None: for ever)."""
+    return derive() if isinstance(deadline, Derived) else deadline
+
+
 def _code_deadline(timeout_s: float | None, interrupt_grace_s: float | None) -> float:
     if timeout_s is None:
         return UNBOUNDED_RUN_DEADLINE
@@ -205,14 +217,33 @@ class _Clock:
 class ExecStream:
     """A streaming exec: iterate ``(stream, bytes)`` pairs, then await :meth:`result`.
 
-    ``deadline`` (from the request) bounds the iteration and the result together.
+    ``deadline`` (from the request; None: none) bounds the iteration and the result together.
+    :meth:`result` reads what is left of the output itself (into the kept capture), so it may
+    be awaited without iterating. With a ``stdin`` source given to the request, it is sent by
+    a task of its own while the run goes on (its failure ends the run with its error).
     """
 
-    def __init__(self, client: AsyncClient, call: Call, deadline: float | None) -> None:
+    def __init__(
+        self,
+        client: AsyncClient,
+        call: Call,
+        deadline: float | None,
+        *,
+        kept: RunOutput | None = None,
+        strip_ansi: bool = False,
+        collapse_cr: bool = False,
+        stdin: StdinSource | None = None,
+    ) -> None:
         self._client = client
         self._call = call
         self._clock = _Clock(call.conn.loop, "exec stream", deadline)
+        self._kept = kept
+        self._shaping = (strip_ansi, collapse_cr)
         self.pid: int | None = None
+        if stdin is not None:
+            feeder = call.conn.loop.create_task(feed_or_fail(call.conn, call, stdin))
+            # The run's end (reply, error, cancel, deadline) stops the sending.
+            call.future.add_done_callback(lambda _: feeder.cancel())
 
     def __aiter__(self) -> AsyncIterator[tuple[str, bytes]]:
         return self._iter()
@@ -232,6 +263,8 @@ class ExecStream:
             if kind == "started" and isinstance(ev.get("pid"), int):
                 self.pid = ev["pid"]
             elif kind in ("stdout", "stderr") and isinstance(ev.get("data"), bytes):
+                if self._kept is not None:
+                    self._kept.feed(kind, ev["data"])
                 yield kind, ev["data"]
 
     async def write_stdin(self, data: bytes) -> None:
@@ -257,8 +290,26 @@ class ExecStream:
     async def cancel(self) -> None:
         self._call.cancel()
 
+    async def _final_body(self) -> dict[str, Any]:
+        """The reply, after the output not iterated yet (kept, not returned), with the capture
+        this side kept for a live run. The counts stay the guest's (what the command wrote);
+        ``*_dropped`` is every byte of it the result does not hold, by the capture or because
+        it never arrived."""
+        async for _ in self._iter():
+            pass
+        body = await self._client._conn.wait(self._call, self._clock.wait_s())
+        if self._kept is None:
+            return body
+        fields: dict[str, Any] = dict(self._kept.fields(*self._shaping))
+        for name in ("stdout", "stderr"):
+            produced, seen = body.get(f"{name}_bytes"), fields[f"{name}_bytes"]
+            if isinstance(produced, int) and produced > seen:
+                fields[f"{name}_bytes"] = produced
+                fields[f"{name}_dropped"] += produced - seen
+        return {**body, **fields}
+
     async def result(self) -> ExecResult:
-        return ExecResult.from_body(checked(ExecReply, await self._client._conn.wait(self._call, self._clock.wait_s())))
+        return ExecResult.from_body(checked(ExecReply, await self._final_body()))
 
 
 class ShellStream(ExecStream):
@@ -266,9 +317,7 @@ class ShellStream(ExecStream):
     ``stdin_stream``), then await :meth:`result`."""
 
     async def result(self) -> ShellResult:  # type: ignore[override]
-        return ShellResult.from_body(
-            checked(ShellRunReply, await self._client._conn.wait(self._call, self._clock.wait_s()))
-        )
+        return ShellResult.from_body(checked(ShellRunReply, await self._final_body()))
 
 
 class CodeStream:
@@ -384,7 +433,8 @@ class AsyncClient(PortsAPI, WorkspaceAPI):
     def __init__(self, conn: ClientConnection, address: str, *, default_timeout_s: float | None = None) -> None:
         self._conn = conn
         self.address = address
-        # exec's timeout_s when a call gives none (None: the guest's, i.e. no timeout).
+        # The timeout_s of exec and shell runs (and their streams) when a call gives none
+        # (None: the guest's, i.e. no timeout).
         self.default_timeout_s = default_timeout_s
 
     @classmethod
@@ -399,7 +449,7 @@ class AsyncClient(PortsAPI, WorkspaceAPI):
         default_timeout_s: float | None = None,
     ) -> Connecting:
         """``connect_timeout`` bounds connecting and the handshake, each; ``default_timeout_s`` is
-        exec's ``timeout_s`` wherever a call leaves it out. A failure to connect is a
+        the ``timeout_s`` of exec, shell_run and their streams wherever a call leaves it out. A failure to connect is a
         :class:`~guestd.client.address.ConnectError` (an OSError) naming the address and what to
         try; no reply in time a ``timeout`` GuestdError."""
 
@@ -581,16 +631,18 @@ class AsyncClient(PortsAPI, WorkspaceAPI):
         collapse_cr: bool | None = None,
         on_stdout: OutputCallback | None = None,
         on_stderr: OutputCallback | None = None,
-        deadline: float | None = None,
+        deadline: RunDeadline = DERIVED,
     ) -> ExecResult:
         """Run ``cmd`` (argv list, or a string for ``/bin/sh -c``) to completion.
 
         ``timeout_s``/``idle_timeout_s`` are enforced in the guest and end the whole
-        process tree (``kill_grace_s`` between TERM and KILL). ``deadline`` is how long the
-        client waits for the reply before it cancels the command; by default the guest's
-        timeout plus its grace, linger and a margin, one hour without a guest timeout,
-        none with only an idle timeout. ``on_timeout="detach"``: a timeout does not end the
-        command; it goes on as a background process (``result.detached`` is its id).
+        process tree (``kill_grace_s`` between TERM and KILL); without ``timeout_s`` the
+        client's ``default_timeout_s`` applies. ``deadline`` is how long the client waits for
+        the reply before it cancels the command; by default (:data:`DERIVED`) the guest's
+        timeout plus its grace, linger and a margin, one hour without a guest timeout (an idle
+        timeout alone does not shorten it); None: for ever. ``on_timeout="detach"``: a timeout
+        does not end the command; it goes on as a background process (``result.detached`` is
+        its id).
 
         ``stdin``: bytes, str, a binary file or an (async) iterator of bytes, of any size
         (streamed under the guest's credit, see :mod:`guestd.client.streaming`).
@@ -621,10 +673,9 @@ class AsyncClient(PortsAPI, WorkspaceAPI):
             strip_ansi=None if watch else strip_ansi,
             collapse_cr=None if watch else collapse_cr,
         )
-        if deadline is None:
-            deadline = _exec_deadline(timeout_s, idle_timeout_s, kill_grace_s, linger_s)
+        wait = _resolve(deadline, lambda: _exec_deadline(timeout_s, idle_timeout_s, kill_grace_s, linger_s))
         if streamed is None and not watch:
-            return ExecResult.from_body(checked(ExecReply, await self._conn.request("exec", args, deadline)))
+            return ExecResult.from_body(checked(ExecReply, await self._conn.request("exec", args, wait)))
         kept = RunOutput(self._max_output("exec", max_output), head_tail)
 
         async def on_event(ev: dict[str, Any]) -> None:
@@ -634,7 +685,7 @@ class AsyncClient(PortsAPI, WorkspaceAPI):
                 await deliver(on_stdout if kind == "stdout" else on_stderr, data)
 
         call = self._conn.start("exec", args)
-        body = await run_call(self._conn, call, deadline, stdin=streamed, on_event=on_event if watch else None)
+        body = await run_call(self._conn, call, wait, stdin=streamed, on_event=on_event if watch else None)
         if watch:
             body = {**body, **kept.fields(bool(strip_ansi), bool(collapse_cr))}
         return ExecResult.from_body(checked(ExecReply, body))
@@ -653,33 +704,90 @@ class AsyncClient(PortsAPI, WorkspaceAPI):
         cwd: WirePath | None = None,
         env: dict[str, str] | None = None,
         replace_env: bool = False,
-        stdin: bytes | None = None,
+        stdin: StdinSource | None = None,
         stdin_stream: bool | None = None,
         timeout_s: float | None = None,
         idle_timeout_s: float | None = None,
+        max_output: int | None = None,
+        head_tail: bool = False,
         kill_grace_s: float | None = None,
         linger_s: float | None = None,
-        deadline: float | None = None,
+        on_timeout: OnTimeout | None = None,
+        merge_stderr: bool | None = None,
+        spill: bool | None = None,
+        strip_ansi: bool | None = None,
+        collapse_cr: bool | None = None,
+        live: bool = True,
+        deadline: RunDeadline = DERIVED,
     ) -> ExecStream:
-        """Like :meth:`exec`, delivering output as it arrives (async only)."""
+        """Like :meth:`exec`, the run as a stream object (async only): iterate its output as it
+        arrives, write to its stdin, signal or cancel it, then await its result.
+
+        ``stdin``: any source :meth:`exec` takes, sent while the run goes on; or
+        ``stdin_stream=True`` to write it yourself (:meth:`ExecStream.write_stdin`, then
+        :meth:`ExecStream.close_stdin`). ``live`` (the default): output arrives as events, all of
+        it, under this client's credit; the result's ``stdout``/``stderr`` are empty (as the
+        guest's stream mode) unless a capture option is given (``max_output``, ``head_tail``,
+        ``strip_ansi``, ``collapse_cr``): then the result keeps the output as the guest would,
+        kept on this side. The counts are always the guest's. ``live=False``: no output events
+        (iteration ends at once); the guest keeps the bounded capture (``spill`` only so) and
+        the stream carries stdin and the result. ``deadline`` as in
+        :meth:`exec`: None waits for ever (cancel, or cancel the awaiting task, to stop)."""
+        if spill and live:
+            raise ValueError("exec_stream: spill keeps the output in the guest; it needs live=False")
+        timeout_s = self._default_timeout(timeout_s)
+        inline, streamed = self._stream_stdin(stdin, stdin_stream)
         args = self._exec_args(
             cmd,
             cwd=cwd,
             env=env,
             replace_env=replace_env,
-            stdin=stdin,
+            stdin=inline,
             timeout_s=timeout_s,
             idle_timeout_s=idle_timeout_s,
-            max_output=None,
-            head_tail=False,
+            max_output=None if live else max_output,
+            head_tail=head_tail and not live,
             kill_grace_s=kill_grace_s,
             linger_s=linger_s,
-            stream=True,
-            stdin_stream=stdin_stream,
+            stream=live,
+            stdin_stream=True if streamed is not None or stdin_stream else None,
+            on_timeout=on_timeout,
+            merge_stderr=merge_stderr,
+            spill=spill,
+            strip_ansi=None if live else strip_ansi,
+            collapse_cr=None if live else collapse_cr,
         )
-        if deadline is None:
-            deadline = _exec_deadline(timeout_s, idle_timeout_s, kill_grace_s, linger_s)
-        return ExecStream(self, self._conn.start("exec", args), deadline)
+        wait = _resolve(deadline, lambda: _exec_deadline(timeout_s, idle_timeout_s, kill_grace_s, linger_s))
+        return ExecStream(
+            self,
+            self._conn.start("exec", args),
+            wait,
+            kept=self._stream_capture("exec", live, max_output, head_tail, strip_ansi, collapse_cr),
+            strip_ansi=bool(strip_ansi),
+            collapse_cr=bool(collapse_cr),
+            stdin=streamed,
+        )
+
+    def _stream_capture(
+        self,
+        op: str,
+        live: bool,
+        max_output: int | None,
+        head_tail: bool,
+        strip_ansi: bool | None,
+        collapse_cr: bool | None,
+    ) -> RunOutput | None:
+        """What a live stream keeps for its result: nothing unless a capture option is given."""
+        if not live or (max_output is None and not head_tail and strip_ansi is None and collapse_cr is None):
+            return None
+        return RunOutput(self._max_output(op, max_output), head_tail)
+
+    @staticmethod
+    def _stream_stdin(stdin: StdinSource | None, stdin_stream: bool | None) -> tuple[bytes | None, StdinSource | None]:
+        """A stream's ``(inline, streamed)`` stdin; a source and ``stdin_stream`` exclude each other."""
+        if stdin is not None and stdin_stream:
+            raise ValueError("give stdin (a source sent for you) or stdin_stream=True (write it yourself), not both")
+        return split_stdin(stdin)
 
     # -- files ----------------------------------------------------------------------------
     async def read_file(
@@ -943,13 +1051,13 @@ class AsyncClient(PortsAPI, WorkspaceAPI):
         on_stderr: OutputCallback | None = None,
         on_result: EventCallback | None = None,
         on_error: EventCallback | None = None,
-        deadline: float | None = None,
+        deadline: RunDeadline = DERIVED,
     ) -> CodeResult:
         """Run a cell; without ``context`` the daemon's "default" context (made on first use).
 
         ``timeout_s`` is enforced in the guest (an interrupt, then a restart after
-        ``interrupt_grace_s``). ``deadline`` defaults to that plus a kernel start and restart,
-        one hour without a guest timeout.
+        ``interrupt_grace_s``). ``deadline`` defaults (:data:`DERIVED`) to that plus a kernel
+        start and restart, one hour without a guest timeout; None: for ever.
 
         Callbacks, each as its part arrives: ``on_stdout``/``on_stderr`` (bytes), ``on_result``
         (``{"kind": "result"|"display", "data": bundle}``), ``on_error`` (``{"ename", "evalue",
@@ -968,10 +1076,9 @@ class AsyncClient(PortsAPI, WorkspaceAPI):
             keep=keep,
             stream=True if watch else None,
         )
-        if deadline is None:
-            deadline = _code_deadline(timeout_s, interrupt_grace_s)
+        wait = _resolve(deadline, lambda: _code_deadline(timeout_s, interrupt_grace_s))
         if not watch:
-            return CodeResult.from_body(checked(CodeRunReply, await self._conn.request("code.run", args, deadline)))
+            return CodeResult.from_body(checked(CodeRunReply, await self._conn.request("code.run", args, wait)))
         kept = RunOutput(self._max_output("code.run", max_output), head_tail=False)
         results: list[dict[str, Any]] = []
         dropped = 0
@@ -994,7 +1101,7 @@ class AsyncClient(PortsAPI, WorkspaceAPI):
                 await deliver(on_error, {k: ev.get(k) for k in ("ename", "evalue", "traceback")})
 
         call = self._conn.start("code.run", args)
-        body = await run_call(self._conn, call, deadline, on_event=on_event)
+        body = await run_call(self._conn, call, wait, on_event=on_event)
         fields = kept.fields(bool(strip_ansi), False)
         body = {
             **body,
@@ -1012,9 +1119,10 @@ class AsyncClient(PortsAPI, WorkspaceAPI):
         timeout_s: float | None = None,
         interrupt_grace_s: float | None = None,
         strip_ansi: bool | None = None,
-        deadline: float | None = None,
+        deadline: RunDeadline = DERIVED,
     ) -> CodeStream:
-        """Like :meth:`code_run`, delivering output and rich results as they arrive (async only)."""
+        """Like :meth:`code_run`, delivering output and rich results as they arrive (async only);
+        ``deadline`` as there (None: for ever)."""
         args = present(
             code=code,
             context=context,
@@ -1023,9 +1131,8 @@ class AsyncClient(PortsAPI, WorkspaceAPI):
             strip_ansi=strip_ansi,
             stream=True,
         )
-        if deadline is None:
-            deadline = _code_deadline(timeout_s, interrupt_grace_s)
-        return CodeStream(self, self._conn.start("code.run", args), deadline)
+        wait = _resolve(deadline, lambda: _code_deadline(timeout_s, interrupt_grace_s))
+        return CodeStream(self, self._conn.start("code.run", args), wait)
 
     async def code_interrupt(self, context: str, *, deadline: float | None = 30.0) -> None:
         await self._conn.request("code.interrupt", {"context": context}, deadline)
@@ -1198,14 +1305,16 @@ class AsyncClient(PortsAPI, WorkspaceAPI):
         collapse_cr: bool | None = None,
         on_stdout: OutputCallback | None = None,
         on_stderr: OutputCallback | None = None,
-        deadline: float | None = None,
+        deadline: RunDeadline = DERIVED,
     ) -> ShellResult:
         """Run a command in a persistent bash session (cd, variables, venvs persist).
 
-        ``timeout_s``/``idle_timeout_s`` are enforced in the guest; ``deadline`` defaults
-        to the guest's timeout plus the time to stop the command and a margin. ``input`` (the
-        command's stdin) and ``on_stdout``/``on_stderr`` as in :meth:`exec` (neither a streamed
-        input nor callbacks with ``keep``)."""
+        ``timeout_s``/``idle_timeout_s`` are enforced in the guest; without ``timeout_s`` the
+        client's ``default_timeout_s`` applies. ``deadline`` defaults (:data:`DERIVED`) to the
+        guest's timeout plus the time to stop the command and a margin, one hour without one;
+        None: for ever. ``input`` (the command's stdin) and ``on_stdout``/``on_stderr`` as in
+        :meth:`exec` (neither a streamed input nor callbacks with ``keep``)."""
+        timeout_s = self._default_timeout(timeout_s)
         inline, streamed = split_stdin(input)
         watch = on_stdout is not None or on_stderr is not None
         args = present(
@@ -1226,10 +1335,9 @@ class AsyncClient(PortsAPI, WorkspaceAPI):
             strip_ansi=None if watch else strip_ansi,
             collapse_cr=None if watch else collapse_cr,
         )
-        if deadline is None:
-            deadline = _run_deadline(timeout_s, idle_timeout_s, SHELL_STOP_S)
+        wait = _resolve(deadline, lambda: _run_deadline(timeout_s, idle_timeout_s, SHELL_STOP_S))
         if streamed is None and not watch:
-            return ShellResult.from_body(checked(ShellRunReply, await self._conn.request("shell.run", args, deadline)))
+            return ShellResult.from_body(checked(ShellRunReply, await self._conn.request("shell.run", args, wait)))
         kept = RunOutput(self._max_output("shell.run", max_output), head_tail)
 
         async def on_event(ev: dict[str, Any]) -> None:
@@ -1239,7 +1347,7 @@ class AsyncClient(PortsAPI, WorkspaceAPI):
                 await deliver(on_stdout if kind == "stdout" else on_stderr, data)
 
         call = self._conn.start("shell.run", args)
-        body = await run_call(self._conn, call, deadline, stdin=streamed, on_event=on_event if watch else None)
+        body = await run_call(self._conn, call, wait, stdin=streamed, on_event=on_event if watch else None)
         if watch:
             body = {**body, **kept.fields(bool(strip_ansi), bool(collapse_cr))}
         return ShellResult.from_body(checked(ShellRunReply, body))
@@ -1249,37 +1357,64 @@ class AsyncClient(PortsAPI, WorkspaceAPI):
         session: str,
         command: str,
         *,
+        input: StdinSource | None = None,
         stdin_stream: bool | None = None,
         timeout_s: float | None = None,
         idle_timeout_s: float | None = None,
+        max_output: int | None = None,
+        head_tail: bool = False,
         on_timeout: OnTimeout | None = None,
         merge_stderr: bool | None = None,
+        check_syntax: bool | None = None,
+        spill: bool | None = None,
+        strip_ansi: bool | None = None,
+        collapse_cr: bool | None = None,
         pty: bool | None = None,
         rows: int | None = None,
         cols: int | None = None,
-        deadline: float | None = None,
+        live: bool = True,
+        deadline: RunDeadline = DERIVED,
     ) -> ShellStream:
-        """Like :meth:`shell_run`, delivering output as it arrives, with the client's credit as
-        flow control; ``stdin_stream`` lets :meth:`ShellStream.write_stdin` type into the
-        command while it runs (async only); ``pty`` runs it on a terminal of ``rows`` x ``cols``
-        (write_stdin types into it, ``signal("INT")`` is Ctrl-C, :meth:`shell_resize` resizes
-        it; see :mod:`guestd.client.expect`)."""
+        """Like :meth:`shell_run`, the run as a stream object (async only), as
+        :meth:`exec_stream`: ``input`` any stdin source sent for you, or ``stdin_stream`` to
+        type into the command with :meth:`ShellStream.write_stdin`; ``live`` and the capture
+        options as there. ``pty`` runs it on a terminal of ``rows`` x ``cols`` (write_stdin types
+        into it, ``signal("INT")`` is Ctrl-C, :meth:`shell_resize` resizes it; see
+        :mod:`guestd.client.expect`). ``deadline`` as in :meth:`shell_run` (None: for ever)."""
+        if spill and live:
+            raise ValueError("shell_stream: spill keeps the output in the guest; it needs live=False")
+        timeout_s = self._default_timeout(timeout_s)
+        inline, streamed = self._stream_stdin(input, stdin_stream)
         args = present(
             id=session,
             command=command,
-            stream=True,
-            stdin_stream=stdin_stream,
+            input=inline,
+            stream=True if live else None,
+            stdin_stream=True if streamed is not None or stdin_stream else None,
             timeout_s=_seconds(timeout_s),
             idle_timeout_s=_seconds(idle_timeout_s),
+            max_output=None if live else max_output,
+            capture="head_tail" if head_tail and not live else None,
             on_timeout=on_timeout,
             merge_stderr=merge_stderr,
+            check_syntax=check_syntax,
+            spill=spill,
+            strip_ansi=None if live else strip_ansi,
+            collapse_cr=None if live else collapse_cr,
             pty=pty,
             rows=rows,
             cols=cols,
         )
-        if deadline is None:
-            deadline = _run_deadline(timeout_s, idle_timeout_s, SHELL_STOP_S)
-        return ShellStream(self, self._conn.start("shell.run", args), deadline)
+        wait = _resolve(deadline, lambda: _run_deadline(timeout_s, idle_timeout_s, SHELL_STOP_S))
+        return ShellStream(
+            self,
+            self._conn.start("shell.run", args),
+            wait,
+            kept=self._stream_capture("shell.run", live, max_output, head_tail, strip_ansi, collapse_cr),
+            strip_ansi=bool(strip_ansi),
+            collapse_cr=bool(collapse_cr),
+            stdin=streamed,
+        )
 
     async def shell_resize(self, session: str, rows: int, cols: int, *, deadline: float | None = 30.0) -> None:
         """The terminal size of the session's running ``pty`` command (it gets SIGWINCH)."""

@@ -22,11 +22,13 @@ import re
 from types import TracebackType
 from typing import TYPE_CHECKING
 
+from guestd.client.streaming import DERIVED
 from guestd.wire.errors import ErrorCode, GuestdError
 
 if TYPE_CHECKING:
     from guestd.client.aio import AsyncClient, ShellStream
     from guestd.client.results import ShellResult
+    from guestd.client.streaming import RunDeadline
 
 MAX_BUFFER = 1024 * 1024  # unconsumed output kept; older bytes are dropped (counted)
 SEARCH_OVERLAP = 64 * 1024  # how far back in output already searched a match may start
@@ -65,7 +67,7 @@ class Expect:
         *,
         timeout_s: float | None = None,
         idle_timeout_s: float | None = None,
-        deadline: float | None = None,
+        deadline: RunDeadline = DERIVED,
         max_buffer: int = MAX_BUFFER,
         rows: int | None = None,
         cols: int | None = None,

@@ -16,9 +16,11 @@ from types import TracebackType
 from typing import TYPE_CHECKING
 
 from guestd.client.expect import MAX_BUFFER, Expect, ExpectEOF
+from guestd.client.streaming import DERIVED
 
 if TYPE_CHECKING:
     from guestd.client.results import ShellResult
+    from guestd.client.streaming import RunDeadline
     from guestd.client.sync import Client
 
 __all__ = ["ExpectEOF", "SyncExpect"]
@@ -38,7 +40,7 @@ class SyncExpect:
         *,
         timeout_s: float | None = None,
         idle_timeout_s: float | None = None,
-        deadline: float | None = None,
+        deadline: RunDeadline = DERIVED,
         max_buffer: int = MAX_BUFFER,
         rows: int | None = None,
         cols: int | None = None,

@@ -15,6 +15,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from guestd.client.runs import result_of
+from guestd.client.streaming import DERIVED
 from guestd.wire.errors import ErrorCode, GuestdError
 
 if TYPE_CHECKING:
@@ -27,7 +28,7 @@ if TYPE_CHECKING:
         ShellCreateResult,
     )
     from guestd.client.results import CodeResult, ProcessOutput, ShellResult
-    from guestd.client.streaming import EventCallback, OutputCallback, StdinSource
+    from guestd.client.streaming import EventCallback, OutputCallback, RunDeadline, StdinSource
 
 GONE = (ErrorCode.NOT_FOUND.value,)  # releasing what is already gone is not an error
 
@@ -62,7 +63,7 @@ class AsyncShell:
         collapse_cr: bool | None = None,
         on_stdout: OutputCallback | None = None,
         on_stderr: OutputCallback | None = None,
-        deadline: float | None = None,
+        deadline: RunDeadline = DERIVED,
     ) -> ShellResult:
         """:meth:`AsyncClient.shell_run` in this session."""
         return await self.client.shell_run(
@@ -130,7 +131,7 @@ class AsyncCodeContext:
         on_stderr: OutputCallback | None = None,
         on_result: EventCallback | None = None,
         on_error: EventCallback | None = None,
-        deadline: float | None = None,
+        deadline: RunDeadline = DERIVED,
     ) -> CodeResult:
         """:meth:`AsyncClient.code_run` in this context."""
         return await self.client.code_run(

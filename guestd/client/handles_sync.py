@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING
 
 from guestd.client.handles import GONE
 from guestd.client.runs import result_of
+from guestd.client.streaming import DERIVED
 from guestd.wire.errors import ErrorCode, GuestdError
 
 if TYPE_CHECKING:
@@ -25,7 +26,7 @@ if TYPE_CHECKING:
         ShellCreateResult,
     )
     from guestd.client.results import CodeResult, ProcessOutput, ShellResult
-    from guestd.client.streaming import EventCallback, OutputCallback, StdinSource
+    from guestd.client.streaming import EventCallback, OutputCallback, RunDeadline, StdinSource
     from guestd.client.sync import Client
 
 
@@ -59,7 +60,7 @@ class Shell:
         collapse_cr: bool | None = None,
         on_stdout: OutputCallback | None = None,
         on_stderr: OutputCallback | None = None,
-        deadline: float | None = None,
+        deadline: RunDeadline = DERIVED,
     ) -> ShellResult:
         """:meth:`Client.shell_run` in this session."""
         return self.client.shell_run(
@@ -127,7 +128,7 @@ class CodeContext:
         on_stderr: OutputCallback | None = None,
         on_result: EventCallback | None = None,
         on_error: EventCallback | None = None,
-        deadline: float | None = None,
+        deadline: RunDeadline = DERIVED,
     ) -> CodeResult:
         """:meth:`Client.code_run` in this context."""
         return self.client.code_run(

@@ -18,6 +18,7 @@ tail or head and tail, exact counts).
 from __future__ import annotations
 
 import asyncio
+import enum
 import inspect
 from collections.abc import AsyncIterable, AsyncIterator, Callable, Iterable, Iterator
 from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
@@ -28,6 +29,18 @@ from guestd.wire.errors import ErrorCode, GuestdError
 if TYPE_CHECKING:
     from guestd.capture import CapturedFields
     from guestd.client.connection import Call, ClientConnection
+
+
+class Derived(enum.Enum):
+    """The default ``deadline`` of a run (exec, shell.run, code.run and their streams): derived
+    from the guest's bounds, see :mod:`guestd.client.aio`."""
+
+    DERIVED = "derived"
+
+
+DERIVED = Derived.DERIVED
+# A run's client deadline: seconds, None (for ever) or DERIVED (from the guest's bounds).
+RunDeadline = float | None | Derived
 
 INLINE_STDIN_MAX = 256 * 1024  # bytes in hand up to this go in the request itself
 STDIN_CHUNK = 1024 * 1024  # what one read of a file or one INPUT send takes at most
@@ -153,7 +166,7 @@ async def run_call(
     end = None if deadline is None else loop.time() + deadline
     feeder: asyncio.Task[None] | None = None
     if stdin is not None:
-        feeder = loop.create_task(_feed_or_fail(conn, call, stdin))
+        feeder = loop.create_task(feed_or_fail(conn, call, stdin))
     try:
         if on_event is not None:
             while True:
@@ -179,7 +192,7 @@ def _left(end: float | None, op: str) -> float | None:
     return left
 
 
-async def _feed_or_fail(conn: ClientConnection, call: Call, source: StdinSource) -> None:
+async def feed_or_fail(conn: ClientConnection, call: Call, source: StdinSource) -> None:
     """Feed stdin; a source that fails ends the call with its error (and cancels it in the guest)."""
     try:
         await feed_stdin(call, source)

@@ -42,7 +42,7 @@ from guestd.client.replies import (
     SnapshotRestoreResult,
 )
 from guestd.client.results import CodeResult, DirListing, ExecResult, FileStat, Info, ProcessOutput, ShellResult
-from guestd.client.streaming import EventCallback, OutputCallback, StdinSource
+from guestd.client.streaming import DERIVED, EventCallback, OutputCallback, RunDeadline, StdinSource
 from guestd.client.workspace_sync import SyncWorkspaceAPI
 from guestd.wire.frames import DEFAULT_MAX_FRAME
 from guestd.wire.paths import WirePath
@@ -116,8 +116,8 @@ class Client(SyncPortsAPI, SyncWorkspaceAPI):
     ) -> None:
         """Connect to ``address``; or, with ``sock``, speak over an already connected stream socket
         (QEMU's chardev socket behind a virtio-serial port, for example). ``connect_timeout``
-        bounds connecting and the handshake; ``default_timeout_s`` is exec's ``timeout_s`` where a
-        call leaves it out. A failure to connect is a :class:`~guestd.client.ConnectError` (an
+        bounds connecting and the handshake; ``default_timeout_s`` is the ``timeout_s`` of exec and
+        shell_run where a call leaves it out. A failure to connect is a :class:`~guestd.client.ConnectError` (an
         OSError) whose text names the address and what to try."""
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, name="guestd-client", daemon=True)
@@ -239,7 +239,7 @@ class Client(SyncPortsAPI, SyncWorkspaceAPI):
         collapse_cr: bool | None = None,
         on_stdout: OutputCallback | None = None,
         on_stderr: OutputCallback | None = None,
-        deadline: float | None = None,
+        deadline: RunDeadline = DERIVED,
     ) -> ExecResult:
         """See :meth:`AsyncClient.exec`; the callbacks run in this (the calling) thread."""
         pump = CallerThread(self._loop)
@@ -412,7 +412,7 @@ class Client(SyncPortsAPI, SyncWorkspaceAPI):
         on_stderr: OutputCallback | None = None,
         on_result: EventCallback | None = None,
         on_error: EventCallback | None = None,
-        deadline: float | None = None,
+        deadline: RunDeadline = DERIVED,
     ) -> CodeResult:
         """See :meth:`AsyncClient.code_run`; the callbacks run in this (the calling) thread."""
         pump = CallerThread(self._loop)
@@ -553,7 +553,7 @@ class Client(SyncPortsAPI, SyncWorkspaceAPI):
         collapse_cr: bool | None = None,
         on_stdout: OutputCallback | None = None,
         on_stderr: OutputCallback | None = None,
-        deadline: float | None = None,
+        deadline: RunDeadline = DERIVED,
     ) -> ShellResult:
         """See :meth:`AsyncClient.shell_run`; the callbacks run in this (the calling) thread."""
         pump = CallerThread(self._loop)
