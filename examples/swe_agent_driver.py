@@ -126,8 +126,6 @@ class SweTools:
                 data = self.client.download(out, max_bytes=self.max_patch_bytes)
             except GuestdError as e:
                 raise RuntimeError(f"the patch could not be read whole: {e.code}: {e.message}") from None
-            if not isinstance(data, bytes):
-                raise RuntimeError("the patch download returned no bytes")
             return data.decode("utf-8", "surrogateescape")
         finally:
             try:

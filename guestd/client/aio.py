@@ -33,7 +33,7 @@ import os
 import socket
 import time
 from collections.abc import AsyncIterator, Callable, Coroutine, Generator
-from typing import Any, Literal, TypeVar, cast
+from typing import Any, Literal, TypeVar, cast, overload
 
 from guestd.client.address import open_socket, parse_address
 from guestd.client.connection import DEFAULT_WINDOW, Call, ClientConnection, GuestProtocolError
@@ -874,6 +874,51 @@ class AsyncClient(PortsAPI, WorkspaceAPI):
             raise GuestProtocolError(f"upload: guest reports {result['size']} bytes, sent {sent}")
         return sent
 
+    @overload
+    async def download(
+        self,
+        src: WirePath,
+        dst: None = None,
+        *,
+        offset: int | None = None,
+        length: int | None = None,
+        max_bytes: int | None = None,
+        progress: Progress | None = None,
+        sink: None = None,
+        deadline: float | None = None,
+        progress_timeout: float | None = DEFAULT_DEADLINE,
+    ) -> bytes: ...
+
+    @overload
+    async def download(
+        self,
+        src: WirePath,
+        dst: str,
+        *,
+        offset: int | None = None,
+        length: int | None = None,
+        max_bytes: int | None = None,
+        progress: Progress | None = None,
+        sink: None = None,
+        deadline: float | None = None,
+        progress_timeout: float | None = DEFAULT_DEADLINE,
+    ) -> int: ...
+
+    @overload
+    async def download(
+        self,
+        src: WirePath,
+        dst: None = None,
+        *,
+        offset: int | None = None,
+        length: int | None = None,
+        max_bytes: int | None = None,
+        progress: Progress | None = None,
+        sink: Callable[[bytes], object],
+        deadline: float | None = None,
+        progress_timeout: float | None = DEFAULT_DEADLINE,
+    ) -> int: ...
+
     async def download(
         self,
         src: WirePath,
@@ -896,6 +941,32 @@ class AsyncClient(PortsAPI, WorkspaceAPI):
         when you know the size you expect. ``deadline`` bounds the whole transfer (default: one
         hour), ``progress_timeout`` each wait for the next chunk.
         """
+        return await self._download(
+            src,
+            dst,
+            offset=offset,
+            length=length,
+            max_bytes=max_bytes,
+            progress=progress,
+            sink=sink,
+            deadline=deadline,
+            progress_timeout=progress_timeout,
+        )
+
+    async def _download(
+        self,
+        src: WirePath,
+        dst: str | None = None,
+        *,
+        offset: int | None = None,
+        length: int | None = None,
+        max_bytes: int | None = None,
+        progress: Progress | None = None,
+        sink: Callable[[bytes], object] | None = None,
+        deadline: float | None = None,
+        progress_timeout: float | None = DEFAULT_DEADLINE,
+    ) -> bytes | int:
+        """The transfer behind the overloads of :meth:`download`."""
         to_memory = dst is None and sink is None
         cap = max_bytes if max_bytes is not None else (DOWNLOAD_MEMORY_CAP if to_memory else None)
         first = offset if offset is not None else int(schema_default("file.download", "offset"))

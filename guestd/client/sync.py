@@ -16,7 +16,7 @@ import queue
 import socket
 import threading
 from collections.abc import Awaitable, Callable, Coroutine
-from typing import Any, TypeVar
+from typing import Any, TypeVar, overload
 
 from guestd.client.aio import (
     CONNECT_TIMEOUT,
@@ -315,6 +315,51 @@ class Client(SyncPortsAPI, SyncWorkspaceAPI):
             )
         )
 
+    @overload
+    def download(
+        self,
+        src: WirePath,
+        dst: None = None,
+        *,
+        offset: int | None = None,
+        length: int | None = None,
+        max_bytes: int | None = None,
+        progress: Progress | None = None,
+        sink: None = None,
+        deadline: float | None = None,
+        progress_timeout: float | None = DEFAULT_DEADLINE,
+    ) -> bytes: ...
+
+    @overload
+    def download(
+        self,
+        src: WirePath,
+        dst: str,
+        *,
+        offset: int | None = None,
+        length: int | None = None,
+        max_bytes: int | None = None,
+        progress: Progress | None = None,
+        sink: None = None,
+        deadline: float | None = None,
+        progress_timeout: float | None = DEFAULT_DEADLINE,
+    ) -> int: ...
+
+    @overload
+    def download(
+        self,
+        src: WirePath,
+        dst: None = None,
+        *,
+        offset: int | None = None,
+        length: int | None = None,
+        max_bytes: int | None = None,
+        progress: Progress | None = None,
+        sink: Callable[[bytes], object],
+        deadline: float | None = None,
+        progress_timeout: float | None = DEFAULT_DEADLINE,
+    ) -> int: ...
+
     def download(
         self,
         src: WirePath,
@@ -329,7 +374,7 @@ class Client(SyncPortsAPI, SyncWorkspaceAPI):
         progress_timeout: float | None = DEFAULT_DEADLINE,
     ) -> bytes | int:
         return self._run(
-            self._aio.download(
+            self._aio._download(
                 src,
                 dst,
                 offset=offset,

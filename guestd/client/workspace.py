@@ -18,7 +18,7 @@ import tempfile
 import threading
 from collections.abc import AsyncIterator, Callable, Mapping
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Literal, cast
+from typing import TYPE_CHECKING, Any, Literal, cast, overload
 
 from guestd.client.connection import Call, ClientConnection, GuestProtocolError
 from guestd.client.replies import PatchedFile
@@ -403,6 +403,36 @@ class WorkspaceAPI:
             raise
         return TreeUpload(b["entries"], b["bytes"])
 
+    @overload
+    async def download_tree(
+        self,
+        src: WirePath,
+        dst: None = None,
+        *,
+        include: list[str] | None = None,
+        exclude: list[str] | None = None,
+        gitignore: bool | None = None,
+        max_bytes: int | None = None,
+        progress: Progress | None = None,
+        deadline: float | None = None,
+        progress_timeout: float | None = DEFAULT_DEADLINE,
+    ) -> bytes: ...
+
+    @overload
+    async def download_tree(
+        self,
+        src: WirePath,
+        dst: str,
+        *,
+        include: list[str] | None = None,
+        exclude: list[str] | None = None,
+        gitignore: bool | None = None,
+        max_bytes: int | None = None,
+        progress: Progress | None = None,
+        deadline: float | None = None,
+        progress_timeout: float | None = DEFAULT_DEADLINE,
+    ) -> int: ...
+
     async def download_tree(
         self,
         src: WirePath,
@@ -419,6 +449,32 @@ class WorkspaceAPI:
         """The guest directory ``src`` as a tar archive: extracted into the new local directory
         ``dst`` (returns the archive's size), or returned as bytes (at most ``max_bytes``,
         default 256 MiB)."""
+        return await self._download_tree(
+            src,
+            dst,
+            include=include,
+            exclude=exclude,
+            gitignore=gitignore,
+            max_bytes=max_bytes,
+            progress=progress,
+            deadline=deadline,
+            progress_timeout=progress_timeout,
+        )
+
+    async def _download_tree(
+        self,
+        src: WirePath,
+        dst: str | None = None,
+        *,
+        include: list[str] | None = None,
+        exclude: list[str] | None = None,
+        gitignore: bool | None = None,
+        max_bytes: int | None = None,
+        progress: Progress | None = None,
+        deadline: float | None = None,
+        progress_timeout: float | None = DEFAULT_DEADLINE,
+    ) -> bytes | int:
+        """The transfer behind the overloads of :meth:`download_tree`."""
         cap = max_bytes if max_bytes is not None else (TREE_MEMORY_CAP if dst is None else None)
         args = _present(path=path_to_wire(src), include=include, exclude=exclude, gitignore=gitignore)
         call = self._conn.start("tree.download", args)

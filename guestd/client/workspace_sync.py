@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Coroutine, Mapping
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar, overload
 
 from guestd.client.replies import PatchedFile
 from guestd.client.workspace import (
@@ -163,6 +163,36 @@ class SyncWorkspaceAPI:
             )
         )
 
+    @overload
+    def download_tree(
+        self,
+        src: WirePath,
+        dst: None = None,
+        *,
+        include: list[str] | None = None,
+        exclude: list[str] | None = None,
+        gitignore: bool | None = None,
+        max_bytes: int | None = None,
+        progress: Progress | None = None,
+        deadline: float | None = None,
+        progress_timeout: float | None = DEFAULT_DEADLINE,
+    ) -> bytes: ...
+
+    @overload
+    def download_tree(
+        self,
+        src: WirePath,
+        dst: str,
+        *,
+        include: list[str] | None = None,
+        exclude: list[str] | None = None,
+        gitignore: bool | None = None,
+        max_bytes: int | None = None,
+        progress: Progress | None = None,
+        deadline: float | None = None,
+        progress_timeout: float | None = DEFAULT_DEADLINE,
+    ) -> int: ...
+
     def download_tree(
         self,
         src: WirePath,
@@ -177,7 +207,7 @@ class SyncWorkspaceAPI:
         progress_timeout: float | None = DEFAULT_DEADLINE,
     ) -> bytes | int:
         return self._run(
-            self._aio.download_tree(
+            self._aio._download_tree(
                 src,
                 dst,
                 include=include,
