@@ -13,8 +13,10 @@ the workload user, in the kernel's own cgroup.
 
 from __future__ import annotations
 
+import itertools
 import os
 import shutil
+import stat
 import sys
 from dataclasses import dataclass
 
@@ -95,15 +97,43 @@ def missing_ipykernel(python: KernelPython) -> GuestdError:
     )
 
 
-MAX_KERNELSPECS = 32  # kernelspecs info lists (a directory of thousands costs no more)
+MAX_KERNELSPECS = 32  # kernelspecs info lists
 MAX_SPEC_BYTES = 64 * 1024  # of one kernel.json
+MAX_SCANNED = 1024  # entries of one kernels directory looked at (a directory of millions costs no more)
+
+
+def _spec_names(kernels_dir: str) -> list[str]:
+    """The first MAX_KERNELSPECS names (sorted) among at most MAX_SCANNED entries of
+    ``kernels_dir``: info runs on guestd's loop, so the cost of a huge directory is capped."""
+    with os.scandir(kernels_dir) as entries:
+        names = [entry.name for entry in itertools.islice(entries, MAX_SCANNED) if entry.is_dir()]
+    return sorted(names)[:MAX_KERNELSPECS]
+
+
+def _read_spec(path: str) -> bytes:
+    """At most MAX_SPEC_BYTES of the kernel.json at ``path``, only if it is a regular file: info
+    runs on guestd's loop, and a FIFO planted as kernel.json (in a directory the workload can
+    write) would block a plain open() for ever. O_NONBLOCK: opening a FIFO returns at once (then
+    it is refused as not a regular file); a device is refused before it is opened."""
+    if not stat.S_ISREG(os.stat(path).st_mode):
+        raise OSError(f"{path}: not a regular file")
+    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC | os.O_NOCTTY)
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):  # swapped since the stat
+            raise OSError(f"{path}: not a regular file")
+        return os.read(fd, MAX_SPEC_BYTES)
+    finally:
+        os.close(fd)
 
 
 def kernels_info(setting: str) -> list[dict[str, str | bool]]:
     """``info.kernels``: the program each kernel runs. The "python" kernel's interpreter as a
     start now would resolve it (a missing one: its setting, with ``missing``), then the
     kernelspecs in jupyter's system directories and JUPYTER_PATH (argv[0] of each kernel.json;
-    at most MAX_KERNELSPECS, each file read to MAX_SPEC_BYTES: a few small reads, no import)."""
+    at most MAX_KERNELSPECS, each a regular file read to MAX_SPEC_BYTES: a few small reads, no
+    import; a directory of millions of entries or a FIFO as kernel.json costs no more)."""
+    import json
+
     try:
         kernels: list[dict[str, str | bool]] = [resolve(setting, os.environ.get("PATH")).describe()]
     except GuestdError:
@@ -113,7 +143,7 @@ def kernels_info(setting: str) -> list[dict[str, str | bool]]:
     seen = {"python"}
     for root in roots:
         try:
-            names = sorted(e.name for e in os.scandir(os.path.join(root, "kernels")) if e.is_dir())[:MAX_KERNELSPECS]
+            names = _spec_names(os.path.join(root, "kernels"))
         except OSError:
             continue
         for name in names:
@@ -121,10 +151,7 @@ def kernels_info(setting: str) -> list[dict[str, str | bool]]:
                 continue
             seen.add(name.lower())
             try:
-                import json
-
-                with open(os.path.join(root, "kernels", name, "kernel.json"), "rb") as f:
-                    argv = json.loads(f.read(MAX_SPEC_BYTES)).get("argv") or [""]
+                argv = json.loads(_read_spec(os.path.join(root, "kernels", name, "kernel.json"))).get("argv") or [""]
                 program = str(argv[0])
             except (OSError, ValueError, AttributeError, TypeError, IndexError):
                 continue
