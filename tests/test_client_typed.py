@@ -13,7 +13,7 @@ from typing import Any
 
 import pytest
 
-from guestd.client import AsyncClient, Client, handles, handles_sync, replies, results
+from guestd.client import AsyncClient, Client, git, git_sync, handles, handles_sync, replies, results
 from guestd.client.replies import ProcessWaitResult, RunInfo, ShellInfo
 from guestd.client.results import ProcessOutput
 
@@ -44,6 +44,8 @@ HANDLE_CLASSES = [
     handles_sync.CodeContext,
     handles_sync.Process,
     handles_sync.KeptRun,
+    git.AsyncGit,
+    git_sync.Git,
 ]
 
 

@@ -37,6 +37,7 @@ from typing import Any, Literal, TypeVar, cast, overload
 
 from guestd.client.address import open_socket, parse_address
 from guestd.client.connection import DEFAULT_WINDOW, Call, ClientConnection, GuestProtocolError
+from guestd.client.git import AsyncGit
 from guestd.client.handles import AsyncCodeContext, AsyncKeptRun, AsyncProcess, AsyncShell
 from guestd.client.ports import PortsAPI
 from guestd.client.replies import (
@@ -1025,6 +1026,38 @@ class AsyncClient(PortsAPI, WorkspaceAPI):
                 os.unlink(part)
                 out = None
             raise
+
+    @property
+    def git(self) -> AsyncGit:
+        """git in the guest through exec, as the workload user (:mod:`guestd.client.git`)."""
+        return AsyncGit(self)
+
+    async def chmod(self, path: str, mode: int | str, *, recursive: bool = False, timeout_s: float = 60.0) -> None:
+        """Change ``path``'s mode: an int (``0o755``) or chmod's symbolic form (``"u+x"``).
+
+        Runs ``chmod`` through exec as the workload user, so the workload's permissions apply
+        (it changes only what the workload owns, as the workload could itself); a failure is a
+        GuestdError: ``not_found``, ``permission_denied``, else ``io_error`` with chmod's message."""
+        if isinstance(mode, int):
+            if not 0 <= mode <= 0o7777:
+                raise ValueError(f"chmod: mode {mode:o} is not within 0..7777 (octal)")
+            text = format(mode, "o")
+        elif mode and not mode.startswith("-"):
+            text = mode
+        else:
+            raise ValueError(f"chmod: {mode!r} is not a mode")
+        r = await self.exec(
+            ["chmod", *(["-R"] if recursive else []), "--", text, path], env={"LC_ALL": "C"}, timeout_s=timeout_s
+        )
+        if r.exit_code == 0:
+            return
+        said = r.stderr_text.strip()
+        code = ErrorCode.IO_ERROR
+        if "No such file" in said:
+            code = ErrorCode.NOT_FOUND
+        elif "Operation not permitted" in said or "Permission denied" in said:
+            code = ErrorCode.PERMISSION_DENIED
+        raise GuestdError(code, f"chmod {text} {path}: {said[-1000:] or f'exit {r.exit_code}'}")
 
     async def stat(
         self, path: WirePath, *, follow: bool | None = None, deadline: float | None = DEFAULT_DEADLINE

@@ -28,6 +28,7 @@ from guestd.client.aio import (
     WriteFlag,
 )
 from guestd.client.connection import DEFAULT_WINDOW
+from guestd.client.git_sync import Git
 from guestd.client.handles_sync import CodeContext, KeptRun, Process, Shell
 from guestd.client.ports_sync import SyncPortsAPI
 from guestd.client.replies import (
@@ -386,6 +387,15 @@ class Client(SyncPortsAPI, SyncWorkspaceAPI):
                 progress_timeout=progress_timeout,
             )
         )
+
+    @property
+    def git(self) -> Git:
+        """git in the guest through exec, as the workload user (:mod:`guestd.client.git`)."""
+        return Git(self)
+
+    def chmod(self, path: str, mode: int | str, *, recursive: bool = False, timeout_s: float = 60.0) -> None:
+        """See :meth:`AsyncClient.chmod`: ``chmod`` as the workload user, with its permissions."""
+        self._run(self._aio.chmod(path, mode, recursive=recursive, timeout_s=timeout_s))
 
     def stat(
         self, path: WirePath, *, follow: bool | None = None, deadline: float | None = DEFAULT_DEADLINE
