@@ -76,3 +76,127 @@ def test_a_fifo_kernelspec_the_workload_plants_never_blocks_info(
         honest = next(k for k in kernels if k["name"] == "honest")
         assert honest["python"] == "/opt/honest/bin/kernel"
         c.ping()
+
+
+# --------------------------------------------------------------------------- the change feed
+# renameat2(RENAME_EXCHANGE) is unprivileged: the workload swaps two names whenever it likes. The
+# kernel reports it as two moves (MOVED_FROM a, MOVED_TO b, MOVED_FROM b, MOVED_TO a). With a
+# directory on either side the watcher took the second half for the directory it had just moved
+# in: it dropped the watches of the directory that was displaced (a directory swapped with a
+# directory: what then happened in it was never reported, a real deletion included), reported a
+# name that still exists as deleted, or left a directory that is still in the tree in limbo.
+
+RENAME_EXCHANGE = 2
+
+
+def _exchange(a: str, b: str) -> None:
+    import ctypes
+
+    libc = ctypes.CDLL(None, use_errno=True)
+    if libc.renameat2(-100, a.encode(), -100, b.encode(), RENAME_EXCHANGE) != 0:
+        raise OSError(ctypes.get_errno(), "renameat2")
+
+
+def _plant(ws: str) -> None:
+    for d, inner in (("dd_a", "x"), ("dd_b", "y"), ("fd_d", "z"), ("df_d", "w")):
+        os.makedirs(f"{ws}/{d}")
+        with open(f"{ws}/{d}/{inner}", "w") as f:
+            f.write(inner)
+    for name in ("fd_f", "df_f"):
+        with open(f"{ws}/{name}", "w") as f:
+            f.write(name)
+    if os.geteuid() == 0:
+        for root, dirs, files in os.walk(ws):
+            for n in dirs + files:
+                os.chown(os.path.join(root, n), NOBODY, NOBODY)
+
+
+def test_exchanges_with_directories_hide_no_change_and_delete_nothing_that_exists() -> None:
+    import asyncio
+
+    from guestd.client import AsyncClient
+    from guestd.testing.local import workspace_guestd
+
+    with workspace_guestd("guestd-rt30-xchg-", prepare=lambda _top, ws: _plant(ws)) as (g, ws):
+
+        async def main() -> None:
+            c = await AsyncClient.connect(g.address)
+            try:
+                cursor = (await c.changes()).cursor
+                w = c.watch(ws, latency_s=0)
+                await w.wait_ready()
+                _exchange(f"{ws}/dd_a", f"{ws}/dd_b")  # a directory with a directory
+                _exchange(f"{ws}/fd_f", f"{ws}/fd_d")  # a file onto a directory's name
+                _exchange(f"{ws}/df_d", f"{ws}/df_f")  # a directory onto a file's name
+                # Now dd_b holds x, dd_a holds y, fd_f holds z, df_f holds w; fd_d and df_d are files.
+                # Each settles before the workload changes what is inside.
+                cursor2 = (await c.changes(cursor, deadline=15)).cursor
+                done = await c.exec(
+                    f"rm {ws}/dd_b/x {ws}/fd_f/z {ws}/df_f/w && touch {ws}/dd_a/new {ws}/df_f/new && touch {ws}/end",
+                    timeout_s=30,
+                )
+                assert done.exit_code == 0, done
+                seen: list[tuple[str, bytes]] = []
+                it = w.__aiter__()
+                while not seen or seen[-1][1] != b"end":  # bounded: each wait is
+                    ch = await asyncio.wait_for(it.__anext__(), 30)
+                    seen.append((ch.kind, ch.path))
+                exists = {b"dd_a", b"dd_b", b"fd_f", b"fd_d", b"df_f", b"df_d"}
+                assert not [p for kind, p in seen if kind == "deleted" and p in exists], seen
+                for gone in (b"dd_b/x", b"fd_f/z", b"df_f/w"):
+                    assert ("deleted", gone) in seen, (gone, seen)
+                for made in (b"dd_a/new", b"df_f/new"):
+                    assert ("created", made) in seen, (made, seen)
+                report = await c.changes(cursor2, deadline=15)
+                assert {"dd_b/x", "fd_f/z", "df_f/w"} <= set(report.deleted), report
+                assert {"dd_a/new", "df_f/new"} <= set(report.created), report
+                whole = await c.changes(cursor, deadline=15)
+                assert not set(whole.deleted) & {p.decode() for p in exists}, whole
+                await w.close()
+            finally:
+                await c.close()
+
+        asyncio.run(main())
+
+
+def test_a_directory_moved_over_an_empty_one_and_on_is_still_followed() -> None:
+    """The plain rename(2) that looks like an exchange's first half: a directory replaces an
+    empty one (which is dropped), then moves on; what happens in it is still reported."""
+    import asyncio
+
+    from guestd.client import AsyncClient
+    from guestd.testing.local import workspace_guestd
+
+    def plant(_top: str, ws: str) -> None:
+        os.makedirs(f"{ws}/m")
+        os.makedirs(f"{ws}/empty")
+        with open(f"{ws}/m/q", "w") as f:
+            f.write("q")
+        if os.geteuid() == 0:
+            for p in (f"{ws}/m", f"{ws}/empty", f"{ws}/m/q"):
+                os.chown(p, NOBODY, NOBODY)
+
+    with workspace_guestd("guestd-rt30-over-", prepare=plant) as (g, ws):
+
+        async def main() -> None:
+            c = await AsyncClient.connect(g.address)
+            try:
+                w = c.watch(ws, latency_s=0)
+                await w.wait_ready()
+                done = await c.exec(
+                    f"mv -T {ws}/m {ws}/empty && mv {ws}/empty {ws}/k && rm {ws}/k/q && touch {ws}/k/new {ws}/end",
+                    timeout_s=30,
+                )
+                assert done.exit_code == 0, done
+                seen: list[tuple[str, bytes]] = []
+                it = w.__aiter__()
+                while not seen or seen[-1][1] != b"end":  # bounded: each wait is
+                    ch = await asyncio.wait_for(it.__anext__(), 30)
+                    seen.append((ch.kind, ch.path))
+                assert ("deleted", b"k/q") in seen and ("created", b"k/new") in seen, seen
+                assert ("deleted", b"empty") in seen and ("deleted", b"m") in seen, seen
+                await w.close()
+            finally:
+                await c.close()
+
+        asyncio.run(main())

@@ -204,8 +204,13 @@ class Watcher:
         self.scan_seq = 0
         # (cookie, node) of a directory moved away, until the other half of the move.
         self.moved_from: tuple[int, Node] | None = None
-        # (wd, name) of the last event when it moved a file in: an exchange's second half follows.
-        self.last_moved_to: tuple[int, bytes] | None = None
+        # (wd, name, the directory node it attached or None) of the last event when it moved
+        # something in: renameat2(RENAME_EXCHANGE)'s second half, a move out of that name, follows.
+        self.last_moved_to: tuple[int, bytes, Node | None] | None = None
+        # The watched directory a directory moved in over, kept (watches and all) for one event: an
+        # exchange moves it out of that name again; anything else drops it (an empty directory the
+        # move replaced).
+        self.displaced: Node | None = None
         self.batch: list[Change] = []
         self.batch_bytes = 0
         self.consumed = 0  # bytes of events read from the kernel
@@ -365,6 +370,14 @@ class Watcher:
     # -- events -------------------------------------------------------------------------
     def _event(self, wd: int, mask: int, cookie: int, name: bytes) -> None:
         moved_to_just_before, self.last_moved_to = self.last_moved_to, None
+        displaced, self.displaced = self.displaced, None
+        exchange_half = (
+            bool(mask & IN_MOVED_FROM) and moved_to_just_before is not None and moved_to_just_before[:2] == (wd, name)
+        )
+        if displaced is not None and not exchange_half:
+            if self.nodes.get(displaced.wd) is displaced:
+                self._drop(displaced)  # the empty directory the move replaced
+            displaced = None
         if mask & IN_Q_OVERFLOW:
             self._emit("overflow", b"", False)
             for root_wd, (node, since, _changed) in self.limbo.items():
@@ -393,7 +406,12 @@ class Watcher:
             self.moved_from = None
             if self.nodes.get(moved.wd) is moved and not self._inside(parent, moved):
                 self._remember(parent, name)
+                replaced = parent.children.get(name) if parent.children else None
+                if replaced is not None and replaced is not moved and parent.children is not None:
+                    del parent.children[name]  # not dropped yet: an exchange moves it out next
+                    self.displaced = replaced
                 self._attach(moved, parent, name)
+                self.last_moved_to = (wd, name, moved)
                 # Its watches moved with it: one change at each end, whatever it holds (a
                 # rename storm of a huge directory costs nothing per entry).
                 self._emit("created", path, True)
@@ -402,16 +420,23 @@ class Watcher:
                 self._drop(moved)
         if mask & (IN_CREATE | IN_MOVED_TO):
             if mask & IN_MOVED_TO:
-                self.last_moved_to = (wd, name)
+                self.last_moved_to = (wd, name, None)
             existed = self._remember(parent, name)
             self._emit("modified" if existed and not is_dir else "created", path, is_dir)
             if is_dir:
                 self._queue_scan(parent, name)
         elif mask & (IN_DELETE | IN_MOVED_FROM):
-            if mask & IN_MOVED_FROM and not is_dir and moved_to_just_before == (wd, name) and self._holds(parent, name):
-                # renameat2(RENAME_EXCHANGE) (file.apply_patch's commit) moves a file onto the name
-                # and the name's old file away in one step: a move in then a move out of the same
-                # name. The name still exists: its "modified" was said on the way in.
+            if exchange_half and self._holds(parent, name):
+                # renameat2(RENAME_EXCHANGE) (file.apply_patch's commit; any workload may call it)
+                # moves one entry onto the name and the name's old entry away in one step: a move
+                # in then a move out of the same name. The name still exists: its change was said
+                # on the way in. A directory leaving is the one that was there before (not the
+                # one just moved in): its watches follow it to the other name (the next event).
+                if is_dir:
+                    assert moved_to_just_before is not None
+                    leaving = displaced if displaced is not None else child
+                    if leaving is not None and leaving is not moved_to_just_before[2]:
+                        self.moved_from = (cookie, leaving)
                 return
             self._forget(parent, name)
             self._emit("deleted", path, is_dir)
