@@ -200,3 +200,40 @@ def test_a_directory_moved_over_an_empty_one_and_on_is_still_followed() -> None:
                 await c.close()
 
         asyncio.run(main())
+
+
+# --------------------------------------------------------------------------- unix listen paths
+
+
+def test_a_datagram_socket_at_the_listen_path_is_probed_as_one() -> None:
+    """A stale datagram socket at the path (a workload may leave one where it can write) is
+    replaced like a stale stream socket; a live one is refused like a live server. Before, the
+    stream probe's EPROTOTYPE ended guestd's start: 'cannot serve: Protocol wrong type'."""
+    import socket
+    import subprocess
+    import sys
+
+    from guestd.testing.local import REPO
+
+    with tempfile.TemporaryDirectory(prefix="guestd-rt30-dgram-") as d:
+        path = f"{d}/g.sock"
+        live = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+        live.bind(path)
+        try:
+            refused = subprocess.run(
+                [sys.executable, "-m", "guestd", "--listen", f"unix:{path}", "--runtime-dir", f"{d}/rt"],
+                capture_output=True,
+                text=True,
+                timeout=60,
+                cwd=d,
+                env={**os.environ, "PYTHONPATH": REPO},
+            )
+        finally:
+            live.close()  # now stale: the file stays, nobody has it open
+        assert refused.returncode == 1 and "served by a live process" in refused.stderr, refused.stderr[-500:]
+        g = start_guestd(d, "--runtime-dir", f"{d}/rt", listen=[f"unix:{path}"], ready_timeout_s=60)
+        try:
+            with Client(f"unix:{path}") as c:
+                c.ping()
+        finally:
+            g.stop()

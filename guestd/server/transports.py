@@ -283,18 +283,26 @@ class AddressInUse(OSError):
 
 def _answers(path: str) -> bool:
     """True when a server accepts connections on the Unix socket at ``path`` (a full backlog
-    counts: someone listens). A socket file nobody listens on refuses at once: stale."""
-    probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    probe.setblocking(False)  # AF_UNIX connect never waits for the peer: it connects, refuses or EAGAINs
-    try:
-        probe.connect(path)
-    except (ConnectionRefusedError, FileNotFoundError):
-        return False
-    except BlockingIOError:
+    counts: someone listens). A socket file nobody listens on refuses at once: stale. A socket of
+    another type (a datagram socket left at the path, EPROTOTYPE to a stream connect) is probed
+    with its own type, so a stale one is replaced as before and a live one is not taken over."""
+    for kind in (socket.SOCK_STREAM, socket.SOCK_DGRAM, socket.SOCK_SEQPACKET):
+        probe = socket.socket(socket.AF_UNIX, kind)
+        probe.setblocking(False)  # AF_UNIX connect never waits for the peer: it connects, refuses or EAGAINs
+        try:
+            probe.connect(path)
+        except (ConnectionRefusedError, FileNotFoundError):
+            return False
+        except BlockingIOError:
+            return True
+        except OSError as exc:
+            if exc.errno == errno.EPROTOTYPE:
+                continue  # not this type of socket: the next one
+            raise
+        finally:
+            probe.close()
         return True
-    finally:
-        probe.close()
-    return True
+    return False
 
 
 def refuse_live_unix_socket(path: str) -> None:
