@@ -438,6 +438,8 @@ class Watcher:
                     if leaving is not None and leaving is not moved_to_just_before[2]:
                         self.moved_from = (cookie, leaving)
                 return
+            if displaced is not None and self.nodes.get(displaced.wd) is displaced:
+                self._drop(displaced)  # the name is gone already (read late): not followed, as before
             self._forget(parent, name)
             self._emit("deleted", path, is_dir)
             if child is not None:
