@@ -70,8 +70,8 @@ def test_cp_both_ways_cat_ls_rm(guestd: Guestd, tmp_path: object) -> None:
     assert guestd.guestctl("cat", f":{remote}").stdout == data
     ls = json.loads(guestd.guestctl("--json", "ls", f":{tmp_path}/guest/dir").stdout)
     assert [e["name"] for e in ls["entries"]] == ["remote.bin"]
-    r = guestd.guestctl("rm", f":{tmp_path}/guest")
-    assert r.returncode == 1 and b"not_empty" in r.stderr
+    r = guestd.guestctl("rm", f":{tmp_path}/guest")  # as rm(1): a directory needs -r
+    assert r.returncode == 1 and b"is a directory (-r" in r.stderr
     assert guestd.guestctl("rm", "-r", f":{tmp_path}/guest").returncode == 0
     assert not os.path.exists(f"{tmp_path}/guest")
     r = guestd.guestctl("cp", src, back)

@@ -4,6 +4,7 @@ output; guestctl runs as people run it, under a pty where a terminal is the poin
 
 from __future__ import annotations
 
+import base64
 import json
 import os
 import pty
@@ -227,7 +228,8 @@ def test_cat_json_streams(
         finally:
             tracemalloc.stop()
     obj = json.loads(out.read_text())
-    assert obj["bytes"] == len(data) and obj["data"] == data.decode("utf-8", "replace")
+    # Not UTF-8, so base64 (issue 31's one JSON contract), still streamed out of the spool.
+    assert obj["bytes"] == len(data) and base64.b64decode(obj["data"]["base64"]) == data
     assert peak < len(data) // 2, peak  # was three copies and more
 
 
@@ -279,7 +281,7 @@ def hostile_guest_answers() -> dict[str, Any]:
 
 TERMINAL_PATHS = [
     ["ls", ":/"],
-    ["rm", ":/x"],
+    ["rm", "-r", ":/x"],  # -r: straight to file.remove (a plain rm asks file.stat first, as rm(1) does)
     ["info"],
     ["ps"],
     ["shell", "ls"],

@@ -18,7 +18,7 @@ def test_guestctl_workspace_commands(guestd: Guestd, tmp_path: str) -> None:
     guest = f"{tmp_path}/guest"
     r = guestd.guestctl("--json", "cp", "-r", src, f":{guest}")
     assert r.returncode == 0, r.stderr
-    assert json.loads(r.stdout)["direction"] == "up" and os.readlink(f"{guest}/link") == "pkg/a.py"
+    assert json.loads(r.stdout)["direction"] == "upload" and os.readlink(f"{guest}/link") == "pkg/a.py"
 
     r = guestd.guestctl("--json", "find", f":{guest}", "--glob", "**/*.py")
     assert json.loads(r.stdout)["paths"] == ["pkg/a.py"]

@@ -168,8 +168,15 @@ class Watch:
         self._conn._forget(self._call)
 
 
-def _tar_producer(src: str, chunks: queue.Queue[bytes | BaseException | None], stop: threading.Event) -> None:
-    """A pax tar of the local directory ``src`` (symlinks as links) into ``chunks``."""
+def _tar_producer(
+    src: str,
+    chunks: queue.Queue[bytes | BaseException | None],
+    stop: threading.Event,
+    exclude: list[str] | None = None,
+) -> None:
+    """A pax tar of the local directory ``src`` (symlinks as links) into ``chunks``, without
+    what ``exclude`` matches (read as :meth:`WorkspaceAPI.download_tree` reads it in the guest:
+    the same matcher, so a glob means the same both ways; an excluded directory is not entered)."""
 
     class Sink:
         def __init__(self) -> None:
@@ -186,13 +193,30 @@ def _tar_producer(src: str, chunks: queue.Queue[bytes | BaseException | None], s
 
     sink = Sink()
     try:
+        keep = _excluding(exclude) if exclude else None
         with tarfile.open(fileobj=sink, mode="w|", format=tarfile.PAX_FORMAT) as tar:  # type: ignore[call-overload]
-            tar.add(src, arcname=".", recursive=True)
+            tar.add(src, arcname=".", recursive=True, filter=keep)
         if sink.buf:
             chunks.put(bytes(sink.buf))
         chunks.put(None)
     except BaseException as exc:
         chunks.put(exc)
+
+
+def _excluding(exclude: list[str]) -> Callable[[tarfile.TarInfo], tarfile.TarInfo | None]:
+    """A ``tarfile.add`` filter leaving out the entries ``exclude`` (tree.download's globs)
+    matches; returning None for a directory also keeps tarfile out of it."""
+    from guestd.files.ignore import Overrides  # the guest's matcher: pure Python, no I/O
+
+    overrides = Overrides(["!" + g for g in exclude])
+
+    def keep(info: tarfile.TarInfo) -> tarfile.TarInfo | None:
+        rel = info.name.removeprefix("./")
+        if rel in ("", "."):
+            return info
+        return None if overrides.decide(os.fsencode(rel), info.isdir()) == "skip" else info
+
+    return keep
 
 
 class WorkspaceAPI:
@@ -364,12 +388,17 @@ class WorkspaceAPI:
         *,
         replace: bool | None = None,
         parents: bool | None = None,
+        exclude: list[str] | None = None,
         progress: Progress | None = None,
         deadline: float | None = None,
         progress_timeout: float | None = DEFAULT_DEADLINE,
     ) -> TreeUpload:
         """Upload the local directory ``src`` (or ``src`` bytes holding a tar archive) as the new
-        guest directory ``dst``, which appears whole or not at all."""
+        guest directory ``dst``, which appears whole or not at all. ``exclude``: globs left out
+        (with everything below a directory that matches), as :meth:`download_tree` reads them;
+        not for an archive given as bytes."""
+        if exclude and isinstance(src, bytes):
+            raise ValueError("upload_tree: exclude applies to a local directory, not to an archive's bytes")
         call = self._conn.start("tree.upload", _present(path=path_to_wire(dst), replace=replace, parents=parents))
         loop = asyncio.get_running_loop()
         chunks: queue.Queue[bytes | BaseException | None] = queue.Queue(maxsize=8)
@@ -378,7 +407,7 @@ class WorkspaceAPI:
             data_iter: Any = (src[i : i + TREE_CHUNK] for i in range(0, len(src), TREE_CHUNK))
         else:
             data_iter = None
-            threading.Thread(target=_tar_producer, args=(src, chunks, stop), daemon=True).start()
+            threading.Thread(target=_tar_producer, args=(src, chunks, stop, exclude), daemon=True).start()
         try:
             async with asyncio.timeout(TRANSFER_DEADLINE if deadline is None else deadline):
                 while True:
