@@ -209,7 +209,7 @@ async def upload_file(client: AsyncClient, local: str, how: Plan, desc: str, ns:
     try:
         sent = await client.upload(local, how.target, parents=how.make_parents or None, progress=_tick(bar))
     finally:
-        if bar:
+        if bar is not None:
             bar.close()
     remote_size = (await client.stat(how.target)).size
     if remote_size != size or sent != size:
@@ -229,7 +229,7 @@ async def download_file(
         # at the first byte beyond it.
         got = await client.download(remote, how.target, max_bytes=size, progress=_tick(bar))
     finally:
-        if bar:
+        if bar is not None:
             bar.close()
     wrote = os.path.getsize(how.target)
     if got != size or wrote != got:
@@ -248,14 +248,16 @@ async def upload_tree(
                 local, into, parents=how.make_parents or None, exclude=exclude or None, progress=_tick(bar)
             )
         finally:
-            if bar:
+            if bar is not None:
                 bar.close()
         if how.merge:
             await merge_in_guest(client, into, how.target, budget=[up.entries + 16])
     finally:
         if how.merge:
             await _remove_quietly(client, into)
-    return {"bytes": up.bytes, "entries": up.entries, "kind": "dir", "merged": how.merge}
+    # The guest counts the archive's members, its "." (the directory itself) included: entries
+    # below it, as a download counts them.
+    return {"bytes": up.bytes, "entries": max(0, up.entries - 1), "kind": "dir", "merged": how.merge}
 
 
 async def download_tree(
@@ -270,7 +272,7 @@ async def download_tree(
         try:
             await client.download_tree(remote or ".", into, exclude=exclude or None, progress=_tick(bar))
         finally:
-            if bar:
+            if bar is not None:
                 bar.close()
         entries, content = _content_of(into)
         if holder:
