@@ -52,7 +52,20 @@ T = TypeVar("T")
 V = TypeVar("V")
 
 CANCEL_SEND_S = 5.0  # an interrupted call: how long the cancel may take to be sent
-CALLBACK_BACKLOG = 4 * 1024 * 1024  # output bytes handed to the caller's thread and not yet taken
+CALLBACK_BACKLOG = 4 * 1024 * 1024  # bytes handed to the caller's thread and not yet taken
+ITEM_COST = 256  # what one waiting item costs besides its data (an empty chunk is not free)
+
+
+def held_size(value: object) -> int:
+    """About what ``value`` (a chunk, or a code result or error as decoded) holds in memory: its
+    bytes and text, walked through maps and lists (bounded by the frame it came in)."""
+    if isinstance(value, (bytes, str)):
+        return len(value)
+    if isinstance(value, dict):
+        return sum(held_size(k) + held_size(v) + 16 for k, v in value.items())
+    if isinstance(value, (list, tuple)):
+        return sum(held_size(v) + 8 for v in value)
+    return 8
 
 
 class CallerThread:
@@ -72,7 +85,7 @@ class CallerThread:
             return None
 
         async def hand_over(value: V) -> None:
-            size = len(value) if isinstance(value, bytes) else 1
+            size = ITEM_COST + held_size(value)
             self._backlog += size
             self._items.put((fn, value, size))
             while self._backlog > CALLBACK_BACKLOG:
