@@ -6,7 +6,9 @@ against a real guestd (the fake guest only where a guest must misbehave)."""
 
 from __future__ import annotations
 
+import base64
 import hashlib
+import json
 import os
 import select
 import subprocess
@@ -176,8 +178,10 @@ def test_stdin_above_one_frame_in_bounded_runs_and_sessions(guestd: Guestd, sess
     assert (r.returncode, r.stdout.strip()) == (0, b"5242880"), r.stderr
     r = guestd.guestctl("shell", "run", "-i", session, "wc -c", stdin=data)
     assert (r.returncode, r.stdout.strip()) == (0, b"5242880"), r.stderr
-    r = guestd.guestctl("--json", "shell", "run", "--stdin", session, "head -c 3", stdin=data)
-    assert r.returncode == 0 and b'"stdout": "' in r.stdout
+    r = guestd.guestctl("--json", "shell", "run", "--stdin", session, "head -c 3", stdin=b"\xff" + data)
+    # Not UTF-8: the exact bytes as {"base64"} (was: a lossy str with U+FFFD).
+    expected = {"base64": base64.b64encode(b"\xff" + data[:2]).decode()}
+    assert r.returncode == 0 and json.loads(r.stdout)["stdout"] == expected
 
 
 def test_lines_typed_into_cat_come_back_one_by_one(guestd: Guestd) -> None:

@@ -708,7 +708,7 @@ def test_run_cancel_interrupts_a_kept_command_and_a_kept_cell(guestd: Guestd, tm
         line = proc.stderr.readline().decode()
         rid = line.split("kept as run ")[1].split()[0]
         out = guestd.guestctl("runs", "cancel", rid, timeout=60)
-        assert out.returncode == 1 and b"cancelled" in out.stderr, out.stderr
+        assert out.returncode == 0 and b"cancelled" in out.stderr, out.stderr  # the cancel succeeded (was 1)
         assert proc.wait(60) == 1  # the waiting guestctl sees the run end too
         proc.stderr.close()
 

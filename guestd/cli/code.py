@@ -10,12 +10,14 @@ from typing import Any
 
 from guestd.cli import terminal
 from guestd.cli.runs import run_kept
-from guestd.cli.shared import Subcommands, add_command, parse_env, print_death, print_json
+from guestd.cli.shared import Subcommands, add_command, jsonable, parse_env, print_death, print_json
 from guestd.cli.terminal import field
 from guestd.client.aio import AsyncClient, present
 from guestd.client.results import CodeResult
 
 _SAFE_NAME = re.compile(r"[^A-Za-z0-9_.-]")
+# Terminal sequences in a traceback written to a pipe: CSI (colours, cursor) and OSC strings.
+_ANSI = re.compile(r"\x1b\[[0-?]*[ -/]*[@-~]|\x1b\][^\x07\x1b]*(?:\x07|\x1b\\)?|\x1b[@-_]")
 # A run's status as an exit code, after the shell's conventions (124 timeout, 130 SIGINT, 137 SIGKILL).
 CODE_EXIT = {"ok": 0, "error": 1, "timeout": 124, "interrupted": 130, "died": 137}
 IMAGE_EXT = {"image/png": "png", "image/jpeg": "jpg", "image/gif": "gif", "image/svg+xml": "svg"}
@@ -84,12 +86,12 @@ async def manage_context(client: AsyncClient, ns: argparse.Namespace) -> int:
         await client.code_interrupt(ns.context)
     elif ns.code_cmd == "restart":
         pid = await client.code_restart(ns.context)
-        if not ns.json:
-            print(f"restarted; kernel pid {pid}")
+        print_json({"pid": pid}) if ns.json else print(f"restarted; kernel pid {pid}")
+        return 0
     else:
         await client.code_close(ns.context)
     if ns.json:
-        print_json({"ok": True})
+        print_json({})
     return 0
 
 
@@ -110,7 +112,7 @@ async def run_code(client: AsyncClient, ns: argparse.Namespace) -> int:
         else ([], 0, [])
     )
     if ns.json:
-        out = res.to_json()
+        out = jsonable(res)
         out["saved_images"] = saved
         out["images_not_saved"] = skipped
         out["images_name_taken"] = taken
@@ -137,13 +139,25 @@ async def run_code(client: AsyncClient, ns: argparse.Namespace) -> int:
     err_stream.write(res.stderr)
     err_stream.close()
     if res.error is not None:
-        tb = "\n".join(res.error.traceback) or f"{res.error.ename}: {res.error.evalue}"
-        print(terminal.text(tb) if not ns.raw else tb, file=sys.stderr)
+        print_traceback("\n".join(res.error.traceback) or f"{res.error.ename}: {res.error.evalue}", ns.raw)
     if res.status not in ("ok", "error"):
         extra = res.timeout_action or field(res.exit_reason or "")
         print(f"guestctl: run {res.status}" + (f" ({extra})" if extra else ""), file=sys.stderr)
     print_death(res.killed_by, res.oom_killed)
     return CODE_EXIT.get(res.status, 1)
+
+
+def print_traceback(tb: str, raw: bool) -> None:
+    """The kernel's traceback (coloured by IPython) on stderr: its colours kept on a terminal
+    (every other control sequence neutralized), plain text in a pipe or file, as it came with --raw."""
+    if raw:
+        print(tb, file=sys.stderr)
+    elif sys.stderr.isatty():
+        err = terminal.stderr(raw)
+        err.write(tb.encode() + b"\n")
+        err.close()
+    else:
+        print(_ANSI.sub("", tb), file=sys.stderr)
 
 
 def save_images(

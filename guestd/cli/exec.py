@@ -30,6 +30,7 @@ from guestd.cli.bridge import TerminalBridge, local_size
 from guestd.cli.live import OUTPUT_CUT_EXIT, READER_GONE_EXIT, finish_live, relay, report_truncation
 from guestd.cli.shared import (
     Subcommands,
+    UsageError,
     add_command,
     parse_env,
     print_death,
@@ -41,7 +42,6 @@ from guestd.client.aio import AsyncClient, ExecStream
 from guestd.client.streaming import DERIVED
 from guestd.wire.errors import GuestdError
 
-USAGE_EXIT = 2
 # exec --pty: a timeout guestctl enforces ends the command as guestd's own would: TERM to its
 # process group, then KILL (which also reaches what left the group) after this grace.
 PTY_KILL_GRACE_S = 2.0
@@ -62,8 +62,15 @@ def register(sub: Subcommands) -> None:
             default=None,
             help="timeout with no output, seconds (--pty: kept by guestctl; not with --detach)",
         )
-        e.add_argument("--cwd", default=None)
-        e.add_argument("--env", action="append", default=[], metavar="K=V")
+        e.add_argument("-w", "--cwd", default=None, metavar="DIR", help="the command's working directory")
+        e.add_argument(
+            "-e",
+            "--env",
+            action="append",
+            default=[],
+            metavar="K=V",
+            help="set K to V; a bare K passes this environment's value (repeatable)",
+        )
         e.add_argument(
             "--max-output",
             type=int,
@@ -81,8 +88,8 @@ def register(sub: Subcommands) -> None:
             help="send local stdin to the command as it is read, its end closing the command's stdin "
             "(--detach: the command keeps a stdin pipe for process.write; --pty: always so)",
         )
-        e.add_argument("--detach", action="store_true", help="start in the background; print its process id")
-        e.add_argument("--pty", action="store_true", help="run on a pseudo-terminal attached to this terminal")
+        e.add_argument("-d", "--detach", action="store_true", help="start in the background; print its process id")
+        e.add_argument("-t", "--pty", action="store_true", help="run on a pseudo-terminal attached to this terminal")
         e.add_argument(
             "--on-timeout",
             choices=("kill", "detach"),
@@ -103,12 +110,11 @@ def register(sub: Subcommands) -> None:
         if name == "exec":
             e.add_argument("argv", nargs=argparse.REMAINDER, help="-- PROGRAM ARGS...")
         else:
-            e.add_argument("command")
+            e.add_argument("command", nargs="+", help="joined with spaces into one /bin/sh -c command, as ssh does")
 
 
 def usage_error(ns: argparse.Namespace, message: str) -> NoReturn:
-    print(f"guestctl {ns.cmd}: {message}", file=sys.stderr)
-    raise SystemExit(USAGE_EXIT)
+    raise UsageError(message)
 
 
 def refuse_flags_that_cannot_apply(ns: argparse.Namespace) -> None:
@@ -141,8 +147,7 @@ def refuse_flags_that_cannot_apply(ns: argparse.Namespace) -> None:
 
 def command_of(ns: argparse.Namespace) -> list[str] | str:
     if ns.cmd == "sh":
-        command: str = ns.command
-        return command
+        return " ".join(ns.command)
     argv: list[str] = ns.argv[1:] if ns.argv[:1] == ["--"] else ns.argv
     if not argv:
         usage_error(ns, "give the command after --")
@@ -164,7 +169,7 @@ async def run_command(client: AsyncClient, ns: argparse.Namespace) -> int:
         return READER_GONE_EXIT
     res = await stream.result()
     if ns.json:
-        print_json(res.to_json())
+        print_json(res)
         return res.shell_exit_code()
     if live:
         cut = finish_live(delivered, res, ns.raw)

@@ -8,7 +8,7 @@ import argparse
 import sys
 from typing import TYPE_CHECKING
 
-from guestd.cli.shared import Subcommands, add_command, jsonable, print_json
+from guestd.cli.shared import Subcommands, UsageError, add_command, jsonable, print_json
 from guestd.cli.terminal import field
 from guestd.client.aio import AsyncClient
 from guestd.client.replies import MetricsSample
@@ -91,6 +91,8 @@ def frame(s: MetricsSample, procs: list[ProcessInfo], width: int = 120) -> list[
 
 
 async def top(client: AsyncClient, ns: argparse.Namespace) -> int:
+    if ns.json:
+        raise UsageError("top draws a screen; for JSON Lines use 'guestctl metrics --watch S --json'")
     interval_ms = max(100, round(ns.interval * 1000))
     if ns.once or not sys.stdout.isatty():
         async for ev in client.watch_metrics(interval_ms=interval_ms, count=None if not ns.once else 1):

@@ -5,12 +5,14 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import dataclasses
 import signal
 import sys
+from collections.abc import Iterator
 
 from guestd.cli import terminal
-from guestd.cli.shared import Subcommands, add_command, print_json
+from guestd.cli.shared import Subcommands, UsageError, add_command, print_json
 from guestd.client.aio import AsyncClient
 
 TIMED_OUT = 124
@@ -24,7 +26,12 @@ def register(sub: Subcommands) -> None:
         help="relay LOCAL on this host to GUEST in the guest until interrupted (or, with --reverse, "
         "GUEST_PORT in the guest to HOST:HOSTPORT here)",
     )
-    f.add_argument("spec", metavar="LOCAL:GUEST | GUEST | GUEST_PORT:HOST:HOSTPORT")
+    f.add_argument(
+        "specs",
+        nargs="+",
+        metavar="LOCAL:GUEST | GUEST | GUEST_PORT:HOST:HOSTPORT",
+        help="one or more mappings, as kubectl port-forward takes them",
+    )
     f.add_argument("--address", default="127.0.0.1", help="host address to listen on (default 127.0.0.1)")
     f.add_argument("--guest-address", default=None, help="guest address to connect to (default 127.0.0.1)")
     f.add_argument("--reverse", action="store_true", help="guest -> host: the guest connects to GUEST_PORT")
@@ -45,13 +52,16 @@ def register(sub: Subcommands) -> None:
     w.add_argument("--guest-address", default=None, help="guest address (default 127.0.0.1)")
 
 
-async def _until_interrupted() -> None:
+@contextlib.contextmanager
+def _interrupted() -> Iterator[asyncio.Event]:
+    """An event SIGINT/SIGTERM sets, installed before the first "Forwarding" line is printed:
+    a ^C sent as soon as the line is read ends guestctl with 0, as one sent later does."""
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
     try:
-        await stop.wait()
+        yield stop
     finally:
         for sig in (signal.SIGINT, signal.SIGTERM):
             loop.remove_signal_handler(sig)
@@ -64,38 +74,70 @@ def _port(text: str) -> int:
     return port
 
 
+def _mapping(spec: str, reverse: bool) -> tuple[int, int] | tuple[int, str, int]:
+    """One command-line mapping: (local, guest) ports, or with ``--reverse`` (guest port, host, host port)."""
+    try:
+        if reverse:
+            parts = spec.rsplit(":", 2)
+            if len(parts) != 3:
+                raise UsageError(f"--reverse takes GUEST_PORT:HOST:HOSTPORT, got {spec!r}")
+            return _port(parts[0]), parts[1].strip("[]"), _port(parts[2])
+        parts = spec.split(":")
+        if len(parts) == 1:
+            return _port(parts[0]), _port(parts[0])
+        if len(parts) == 2:
+            return _port(parts[0] or "0"), _port(parts[1])
+    except ValueError as exc:
+        raise UsageError(f"{spec!r}: {exc}") from None
+    raise UsageError(f"give LOCAL:GUEST or GUEST, got {spec!r}")
+
+
 async def port_forward(client: AsyncClient, ns: argparse.Namespace) -> int:
-    parts = ns.spec.rsplit(":", 2) if ns.reverse else ns.spec.split(":")
-    if ns.reverse:
-        if len(parts) != 3:
-            raise ValueError("--reverse takes GUEST_PORT:HOST:HOSTPORT")
-        guest_port, host, host_port = _port(parts[0]), parts[1].strip("[]"), _port(parts[2])
-        async with await client.reverse_forward(guest_port, (host, host_port), address=ns.guest_address) as reverse:
-            if ns.json:
-                print_json({"guest_port": reverse.guest_port, "destination": [host, host_port]})
-            else:
-                print(f"Forwarding guest 127.0.0.1:{reverse.guest_port} -> {host}:{host_port}", flush=True)
-            await _until_interrupted()
-        return 0
-    if len(parts) == 1:
-        local, guest = _port(parts[0]), _port(parts[0])
-    elif len(parts) == 2:
-        local, guest = _port(parts[0] or "0"), _port(parts[1])
-    else:
-        raise ValueError("give LOCAL:GUEST or GUEST")
-    async with await client.port_forward(
-        guest, local_port=local, local_address=ns.address, address=ns.guest_address
-    ) as forward:
-        if ns.json:
-            print_json({"local_address": forward.local_address, "local_port": forward.local_port, "guest_port": guest})
-        else:
-            print(f"Forwarding from {forward.local_address}:{forward.local_port} -> guest {guest}", flush=True)
-        await _until_interrupted()
-        for err in forward.errors:
-            print(
-                f"guestctl: a connection was not relayed: [{terminal.field(err.code)}] {terminal.field(err.message)}",
-                file=sys.stderr,
+    """Every mapping opened (all or none: a failure closes those already open), one line each
+    (``--json``: one JSON object each), then relayed until SIGINT/SIGTERM."""
+    mappings = [_mapping(spec, ns.reverse) for spec in ns.specs]  # every usage error before any listener
+    with _interrupted() as stop:
+        return await _forward_until(stop, client, ns, mappings)
+
+
+async def _forward_until(
+    stop: asyncio.Event,
+    client: AsyncClient,
+    ns: argparse.Namespace,
+    mappings: list[tuple[int, int] | tuple[int, str, int]],
+) -> int:
+    async with contextlib.AsyncExitStack() as stack:
+        forwards = []
+        for m in mappings:
+            if len(m) == 3:
+                guest_port, host, host_port = m
+                reverse = await stack.enter_async_context(
+                    await client.reverse_forward(guest_port, (host, host_port), address=ns.guest_address)
+                )
+                if ns.json:
+                    print_json({"guest_port": reverse.guest_port, "destination": [host, host_port]})
+                else:
+                    print(f"Forwarding guest 127.0.0.1:{reverse.guest_port} -> {host}:{host_port}", flush=True)
+                continue
+            local, guest = m
+            forward = await stack.enter_async_context(
+                await client.port_forward(guest, local_port=local, local_address=ns.address, address=ns.guest_address)
             )
+            forwards.append(forward)
+            if ns.json:
+                print_json(
+                    {"local_address": forward.local_address, "local_port": forward.local_port, "guest_port": guest}
+                )
+            else:
+                print(f"Forwarding from {forward.local_address}:{forward.local_port} -> guest {guest}", flush=True)
+        await stop.wait()
+        for forward in forwards:
+            for err in forward.errors:
+                print(
+                    f"guestctl: a connection was not relayed: [{terminal.field(err.code)}] "
+                    f"{terminal.field(err.message)}",
+                    file=sys.stderr,
+                )
     return 0
 
 
@@ -134,5 +176,13 @@ async def port_wait(client: AsyncClient, ns: argparse.Namespace) -> int:
         ns.port, address=ns.guest_address, timeout_s=ns.timeout, http=True if ns.http else None, path=ns.path
     )
     if ns.json:
-        print_json(dataclasses.asdict(res))
+        print_json({**dataclasses.asdict(res), "timed_out": None if res.ready else "wall"})
+    elif not res.ready:
+        what = (
+            f"did not answer GET {ns.path or '/'} with 2xx or 3xx"
+            + ("" if res.http_status is None else f" (last status {res.http_status})")
+            if ns.http
+            else "did not accept a connection"
+        )
+        print(f"guestctl: guest port {ns.port} {what} within {res.elapsed_s:.1f} s", file=sys.stderr)
     return 0 if res.ready else TIMED_OUT

@@ -62,16 +62,36 @@ async def get_run(client: AsyncClient, ns: argparse.Namespace) -> int:
 
 
 def show_run(run: RunInfo, ns: argparse.Namespace) -> int:
+    """The run as guestctl reports it. Exit: the run's own (as ``shell run``/``code run``); 124
+    while it still runs (``runs wait``/``cancel``: their --timeout passed first, said on stderr);
+    ``runs cancel`` 0 once the cancel ended it; 1 for a run that failed otherwise."""
+    verb = getattr(ns, "runs_cmd", None)  # None: shell run --keep / code run --keep
+    waited = verb in ("wait", "cancel")
     if run.state == "running":
-        print_json(run) if ns.json else print(f"guestctl: run {field(run.id)} is still running", file=sys.stderr)
+        if ns.json:
+            print_json({**jsonable(run), "timed_out": "wall" if waited else None})
+        elif waited:
+            did = "end" if verb == "wait" else "end after the cancel"
+            print(
+                f"guestctl: run {field(run.id)} did not {did} within the --timeout; it is still running",
+                file=sys.stderr,
+            )
+        else:
+            print(f"guestctl: run {field(run.id)} is still running", file=sys.stderr)
         return 124
     try:
         res = result_of(run)
     except GuestdError as e:
-        print_json(run) if ns.json else print(f"guestctl: run failed: {e.code}: {field(e.message)}", file=sys.stderr)
-        return 1
+        cancelled = verb == "cancel" and e.code == "cancelled"
+        if ns.json:
+            print_json({**jsonable(run), "timed_out": None})
+        elif cancelled:
+            print(f"guestctl: run {field(run.id)} cancelled", file=sys.stderr)
+        else:
+            print(f"guestctl: run failed: {e.code}: {field(e.message)}", file=sys.stderr)
+        return 0 if cancelled else 1
     if ns.json:
-        print_json({**jsonable(run), "result": res.to_json()})
+        print_json({**jsonable(run), "result": res, "timed_out": None})
     else:
         terminal.write_output(res.stdout, res.stderr, ns.raw)
         if isinstance(res, CodeResult):

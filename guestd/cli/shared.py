@@ -8,6 +8,7 @@ import base64
 import dataclasses
 import json
 import math
+import os
 import signal
 import sys
 from collections.abc import Awaitable, Callable
@@ -24,6 +25,29 @@ Handler: TypeAlias = Callable[[AsyncClient, argparse.Namespace], Awaitable[int]]
 Subcommands: TypeAlias = "argparse._SubParsersAction[argparse.ArgumentParser]"
 
 
+# guestctl's exit code for a usage error (argparse's own, and every handler's, under --json too).
+USAGE_EXIT = 2
+
+# The commands that print JSON Lines under --json (one object per event, as it happens); every
+# other command prints exactly one JSON object. Keyed by the command's words; the value is its
+# --json help. The walking test (tests/test_cli_json.py) reads this too.
+JSON_LINES: dict[str, str] = {
+    "attach": "print JSON Lines: one object per chunk of output ({stream, offset, data}), the last one "
+    "the process's state ({ev: end, ...})",
+    "metrics": "print one JSON object; with --watch, JSON Lines (one object per sample or OOM event)",
+    "port-forward": "print JSON Lines: the forward's address as one object once it listens (then runs until ^C)",
+    "watch": "print JSON Lines: one object per change",
+}
+# Commands that refuse --json (a usage error saying what to use instead).
+JSON_REFUSED: dict[str, str] = {"top": "not for top (it draws a screen): use 'metrics --watch S --json'"}
+JSON_HELP = "print one JSON object: the result's fields ({} when there is nothing to report)"
+
+
+class UsageError(Exception):
+    """A command line that cannot be run as given: guestctl exits 2 (USAGE_EXIT) with the message
+    (under --json as ``{"error": {"code": "usage", "message": ...}}`` on stdout)."""
+
+
 def add_command(sub: Subcommands, name: str, handler: Handler, **parser_kw: Any) -> argparse.ArgumentParser:
     """A subcommand parser whose namespace carries ``handler`` (``run`` calls it once connected)."""
     parser = sub.add_parser(name, **parser_kw)
@@ -32,19 +56,25 @@ def add_command(sub: Subcommands, name: str, handler: Handler, **parser_kw: Any)
 
 
 def print_json(obj: Any) -> None:
-    """One JSON object on a line; control characters escaped by json.dumps (ensure_ascii)."""
+    """One JSON object on a line, flushed (a JSON Lines reader sees each as it happens); control
+    characters escaped by json.dumps (ensure_ascii)."""
     sys.stdout.write(json.dumps(jsonable(obj), sort_keys=True) + "\n")
+    sys.stdout.flush()
 
 
 def jsonable(value: Any) -> Any:
-    """``value`` with what JSON cannot carry made text: bytes as ``{"base64": ...}``, map keys
-    as str, anything else that is not a JSON type as its repr (the guest chooses these values)."""
+    """``value`` with what JSON cannot carry made text: bytes as a str when they are UTF-8, else
+    ``{"base64": ...}`` (as ripgrep's --json has ``text``/``bytes``), map keys as str, anything
+    else that is not a JSON type as its repr (the guest chooses these values)."""
     if isinstance(value, float) and not math.isfinite(value):
         return repr(value)
     if value is None or isinstance(value, (str, bool, int, float)):
         return value
     if isinstance(value, bytes):
-        return {"base64": base64.b64encode(value).decode()}
+        try:
+            return value.decode("utf-8")
+        except UnicodeDecodeError:
+            return {"base64": base64.b64encode(value).decode()}
     if isinstance(value, dict):
         return {k if isinstance(k, str) else repr(k): jsonable(v) for k, v in value.items()}
     if isinstance(value, (list, tuple)):
@@ -64,12 +94,17 @@ def json_path(fields: dict[str, Any], key: str) -> dict[str, Any]:
 
 
 def parse_env(pairs: list[str]) -> dict[str, str]:
-    """``--env K=V`` arguments as a dict; anything else ends guestctl with a usage message."""
+    """``-e/--env K=V`` arguments as a dict; a bare ``K`` passes this environment's value of K
+    (left out when K is not set here), as ``docker exec -e K`` does."""
     env = {}
     for kv in pairs:
         k, sep, v = kv.partition("=")
-        if not sep or not k:
-            raise SystemExit(f"guestctl: --env wants K=V, got {kv!r}")
+        if not k:
+            raise UsageError(f"--env wants K=V or K, got {kv!r}")
+        if not sep:
+            if k not in os.environ:
+                continue
+            v = os.environ[k]
         env[k] = v
     return env
 

@@ -1,9 +1,10 @@
-"""guestctl shell new | run | ls | rm: persistent bash sessions."""
+"""guestctl shell new | run | ls | rm: persistent bash sessions (``shell run COMMAND`` without an
+id runs in the session named ``default``, made on first use, as ``code run`` has its default
+context)."""
 
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import os
 import sys
 
@@ -11,8 +12,8 @@ from guestd.cli.live import OUTPUT_CUT_EXIT, READER_GONE_EXIT, finish_live, rela
 from guestd.cli.runs import run_kept
 from guestd.cli.shared import (
     Subcommands,
+    UsageError,
     add_command,
-    json_path,
     parse_env,
     print_death,
     print_json,
@@ -22,18 +23,20 @@ from guestd.cli.terminal import field, write_output
 from guestd.client.aio import AsyncClient, ShellStream, present
 from guestd.client.results import ShellResult
 from guestd.client.streaming import DERIVED
+from guestd.wire.errors import GuestdError
 from guestd.wire.paths import printable_path
 
 
 def register(sub: Subcommands) -> None:
     shell = sub.add_parser("shell", help="persistent bash sessions").add_subparsers(dest="shell_cmd", required=True)
-    snew = add_command(shell, "new", create, help="create a session; prints its id")
-    snew.add_argument("--cwd", default=None)
-    snew.add_argument("--env", action="append", default=[], metavar="K=V")
+    snew = add_command(shell, "new", create, aliases=["create"], help="create a session; prints its id")
+    snew.add_argument("-w", "--cwd", default=None)
+    snew.add_argument("-e", "--env", action="append", default=[], metavar="K=V", help="K=V, or K: this K's value")
     snew.add_argument("--name", default=None)
-    srun = add_command(shell, "run", run_in_session, help="run COMMAND in session ID")
-    srun.add_argument("id")
-    srun.add_argument("command")
+    srun = add_command(
+        shell, "run", run_in_session, help="run COMMAND in session ID (default: the session 'default', made on use)"
+    )
+    srun.add_argument("words", nargs="+", metavar="[ID] COMMAND")
     srun.add_argument("--timeout", type=float, default=None, help="wall-clock timeout in the guest, seconds")
     srun.add_argument("--idle-timeout", type=float, default=None, help="no-output timeout in the guest, seconds")
     srun.add_argument(
@@ -82,7 +85,7 @@ async def create(client: AsyncClient, ns: argparse.Namespace) -> int:
 async def list_sessions(client: AsyncClient, ns: argparse.Namespace) -> int:
     sessions = await client.shell_list()
     if ns.json:
-        print_json({"sessions": [json_path(dataclasses.asdict(s), "cwd") for s in sessions]})
+        print_json({"sessions": sessions})
     else:
         for s in sessions:
             cwd = field(printable_path(s.cwd))
@@ -93,13 +96,34 @@ async def list_sessions(client: AsyncClient, ns: argparse.Namespace) -> int:
 
 async def close(client: AsyncClient, ns: argparse.Namespace) -> int:
     await client.shell_close(ns.id)
+    print_json({}) if ns.json else None
     return 0
+
+
+DEFAULT_SESSION = "default"
+
+
+async def session_and_command(client: AsyncClient, ns: argparse.Namespace) -> None:
+    """``shell run ID COMMAND`` or ``shell run COMMAND`` (the session named ``default``, made
+    here on first use): sets ``ns.id`` and ``ns.command``."""
+    if len(ns.words) > 2:
+        raise UsageError("give [ID] 'COMMAND': quote the command as one argument")
+    if len(ns.words) == 2:
+        ns.id, ns.command = ns.words
+        return
+    ns.id, ns.command = DEFAULT_SESSION, ns.words[0]
+    try:
+        await client.shell_create(name=DEFAULT_SESSION)
+    except GuestdError as err:
+        if err.code != "exists":  # made by an earlier run: used as it is
+            raise
 
 
 async def run_in_session(client: AsyncClient, ns: argparse.Namespace) -> int:
     """Live by default (output as it comes, all of it); ``--max-output``, ``--spill`` and
     ``--json`` keep a bounded capture, printed at the end. ``-i`` sends stdin as it is read
     (``--keep``: read whole first, a kept run takes no stdin stream)."""
+    await session_and_command(client, ns)
     if ns.pty:
         return await run_on_pty(client, ns)
     if ns.keep:
@@ -121,7 +145,7 @@ async def run_in_session(client: AsyncClient, ns: argparse.Namespace) -> int:
         return READER_GONE_EXIT
     res = await s.result()
     if ns.json:
-        print_json(res.to_json())
+        print_json(res)
         return shell_exit_code(res)
     if live:
         cut = finish_live(delivered, res, ns.raw)
@@ -172,14 +196,10 @@ def refuse_flags_beside_pty(ns: argparse.Namespace) -> None:
                                     ("--spill", ns.spill),
                                     ("--keep", ns.keep),
                                     ("--check-syntax", ns.check_syntax),
-                                    ("--on-timeout detach", ns.on_timeout == "detach")) if on]  # fmt: skip
+                                    ("--on-timeout detach", ns.on_timeout == "detach"),
+                                    ("--json", ns.json)) if on]  # fmt: skip
     if given:
-        print(
-            f"guestctl shell run: {', '.join(given)} cannot apply with --pty "
-            "(the terminal shows the output as it comes)",
-            file=sys.stderr,
-        )
-        raise SystemExit(2)
+        raise UsageError(f"{', '.join(given)} cannot apply with --pty (the terminal shows the output as it comes)")
 
 
 async def run_on_pty(client: AsyncClient, ns: argparse.Namespace) -> int:
@@ -227,6 +247,4 @@ async def run_on_pty(client: AsyncClient, ns: argparse.Namespace) -> int:
         async for _, data in s:
             out.write(data)
         res = await s.result()
-    if ns.json:
-        print_json(res.to_json())
     return shell_exit_code(res)

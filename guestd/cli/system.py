@@ -20,7 +20,7 @@ async def ping(client: AsyncClient, ns: argparse.Namespace) -> int:
     t0 = loop.time()
     await client.ping()
     rtt_ms = (loop.time() - t0) * 1000
-    print_json({"ok": True, "rtt_ms": rtt_ms}) if ns.json else print(f"pong {rtt_ms:.3f} ms")
+    print_json({"rtt_ms": rtt_ms}) if ns.json else print(f"pong {rtt_ms:.3f} ms")
     return 0
 
 
