@@ -33,6 +33,7 @@ from __future__ import annotations
 import argparse
 import os
 import shutil
+import stat
 import subprocess
 import sys
 import sysconfig
@@ -405,6 +406,45 @@ def bake(
     config: str | None = None,
     add: list[str] | None = None,
     workload_python_name: str = "python3",
+) -> None:
+    # What bake makes is never group- or other-writable, whatever the baker's umask: systemd runs
+    # /usr/local/bin/guestd and /opt/guestd/python as root, and the workload must not swap them.
+    old_umask = os.umask(0o022)
+    try:
+        _bake(root, overlay, busybox, kernel_modules, config, add, workload_python_name)
+        # Copies keep their source's modes (a checkout made under umask 000): cleared here too.
+        overlay_paths = [
+            os.path.relpath(os.path.join(d, n), overlay) for d, ds, fs in os.walk(overlay) for n in ds + fs
+        ]
+        harden(root, ["opt/guestd", "usr/local/bin", "sbin/guestd-init", *overlay_paths])
+    finally:
+        os.umask(old_umask)
+
+
+def harden(root: str, paths: list[str]) -> None:
+    """Clear group and other write bits on ``paths`` under ``root`` and everything below them
+    (symlinks are left alone; a sticky directory such as /tmp keeps its mode)."""
+    for rel in paths:
+        top = os.path.join(root, rel)
+        entries = [top] + [os.path.join(d, n) for d, ds, fs in os.walk(top) for n in ds + fs]
+        for path in entries:
+            try:
+                st = os.lstat(path)
+            except FileNotFoundError:
+                continue
+            if stat.S_ISLNK(st.st_mode) or st.st_mode & stat.S_ISVTX or not st.st_mode & 0o022:
+                continue
+            os.chmod(path, stat.S_IMODE(st.st_mode) & ~0o022)
+
+
+def _bake(
+    root: str,
+    overlay: str,
+    busybox: bool,
+    kernel_modules: str | None,
+    config: str | None,
+    add: list[str] | None,
+    workload_python_name: str,
 ) -> None:
     os.makedirs(root, exist_ok=True)
     site = copy_python(root)

@@ -54,8 +54,8 @@ class Config:
     code_pool: int = 1  # pre-started kernels kept ready; 0 disables
     code_prewarm: bool = False  # fill the pool at start-up instead of on first use
     # The Python the "python" kernel runs (code_python): "guestd" (guestd's own interpreter: a
-    # development guestd on a host), "auto" (python3 on the workload's PATH, else guestd's own:
-    # the shipped config), or an interpreter's name (looked up on the workload's PATH) or path.
+    # development guestd on a host), "auto" (python3 on guestd's PATH, the one runs get, else guestd's own:
+    # the shipped config), or an interpreter's name (looked up on that PATH) or path.
     code_python: str = "guestd"
     code_queue_wait_s: float = 600.0  # how long a code.run without timeout_s may wait for its context
     process_retention_s: float = 3600.0  # how long a finished background process stays attachable

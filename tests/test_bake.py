@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import stat
 import subprocess
 import sys
 from pathlib import Path
@@ -23,7 +24,15 @@ def test_bake_writes_a_complete_tree_and_an_ext4_image(tmp_path: object) -> None
         cwd=REPO,
         env={**os.environ, "PYTHONPATH": REPO},
         capture_output=True,
+        preexec_fn=lambda: os.umask(0),  # a careless baker: nothing bake makes may be writable to others
     )
+    writable = []
+    for d, dirs, files in os.walk(root):
+        for name in dirs + files:
+            st = os.lstat(os.path.join(d, name))
+            if not stat.S_ISLNK(st.st_mode) and st.st_mode & 0o022 and not st.st_mode & stat.S_ISVTX:
+                writable.append(os.path.join(d, name)[len(root) :])
+    assert not writable, writable[:10]  # before: /usr/local/bin and /opt/guestd/python were 0777 (red team)
     for path in (
         "/usr/local/bin/guestd",
         "/usr/local/bin/guestctl",

@@ -2,7 +2,7 @@
 
 guestd's own Python is private (a baked image's /opt/guestd/python): the workload cannot
 install into it, so cells there could never import what the workload installs. The shipped
-config names the workload's Python instead ("auto": python3 on the workload's PATH), and the
+config names the workload's Python instead ("auto": python3 on the PATH runs get, guestd's own environment's), and the
 kernel runs there. The two meet through one file: guestd's kernel launcher
 (``guestd/code/kernel.py``, standard library only at import) is loaded by path into the
 workload's interpreter by :data:`BOOTSTRAP`; from the workload's site-packages it needs
@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from guestd.wire.errors import ErrorCode, GuestdError
 
 OWN = "guestd"  # [code] python: guestd's own interpreter
-AUTO = "auto"  # [code] python: python3 on the workload's PATH, else guestd's own
+AUTO = "auto"  # [code] python: python3 on guestd's PATH (the one runs get), else guestd's own
 LAUNCHER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "kernel.py")
 
 # python -c BOOTSTRAP LAUNCHER ARGS...: the launcher loaded by path under a private module name
@@ -78,7 +78,7 @@ def resolve(setting: str, path: str | None) -> KernelPython:
         raise GuestdError(
             ErrorCode.UNAVAILABLE,
             f"the code kernel's Python {setting!r} ([code] python in guestd's config) is not an executable "
-            + ("file" if os.sep in setting else f"on the workload's PATH ({path or os.defpath})")
+            + ("file" if os.sep in setting else f"on guestd's PATH ({path or os.defpath})")
             + ': install it, or set [code] python to "auto", "guestd" or an interpreter that exists',
             details={"stage": "start", "reason": "no_python", "python": setting},
         )
