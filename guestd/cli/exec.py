@@ -27,7 +27,14 @@ from typing import NoReturn
 
 from guestd.cli import terminal
 from guestd.cli.bridge import TerminalBridge, local_size
-from guestd.cli.live import OUTPUT_CUT_EXIT, READER_GONE_EXIT, finish_live, relay, report_truncation
+from guestd.cli.live import (
+    OUTPUT_CUT_EXIT,
+    READER_GONE_EXIT,
+    finish_live,
+    relay,
+    report_truncation,
+    with_gap_markers,
+)
 from guestd.cli.shared import (
     Subcommands,
     UsageError,
@@ -174,7 +181,7 @@ async def run_command(client: AsyncClient, ns: argparse.Namespace) -> int:
     if live:
         cut = finish_live(delivered, res, ns.raw)
     else:
-        terminal.write_output(res.stdout, res.stderr, ns.raw)
+        terminal.write_output(*with_gap_markers(res), ns.raw)
         report_truncation(res)  # asked for with --max-output, --head-tail or --spill
         cut = False
     print_spills_and_timeout(res, "process tree killed")

@@ -195,6 +195,32 @@ class Captured(Protocol):
     def stderr_dropped(self) -> int: ...
 
 
+def with_gap_markers(res: GapCaptured) -> tuple[bytes, bytes]:
+    """A bounded run's stdout and stderr with ``[... N bytes dropped ...]`` in the place the guest
+    dropped them (``--head-tail`` keeps both ends: the gap is in the middle), so a reader of the
+    output alone sees where it is cut."""
+    streams = []
+    for data, gap_at, dropped in (
+        (res.stdout, res.stdout_gap_at, res.stdout_dropped),
+        (res.stderr, res.stderr_gap_at, res.stderr_dropped),
+    ):
+        if gap_at is not None and dropped and 0 <= gap_at <= len(data):
+            head, tail = data[:gap_at], data[gap_at:]
+            newline = b"" if not head or head.endswith(b"\n") else b"\n"
+            data = head + newline + f"[... {dropped} bytes dropped ...]\n".encode() + tail
+        streams.append(data)
+    return streams[0], streams[1]
+
+
+class GapCaptured(Captured, Protocol):
+    """A reply that says where its head+tail capture has its gap."""
+
+    @property
+    def stdout_gap_at(self) -> int | None: ...
+    @property
+    def stderr_gap_at(self) -> int | None: ...
+
+
 def report_truncation(res: Captured) -> bool:
     """A bounded run (``--max-output``...): say on stderr what the guest dropped; True if it did."""
     for name, dropped, produced in (

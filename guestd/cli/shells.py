@@ -8,7 +8,14 @@ import argparse
 import os
 import sys
 
-from guestd.cli.live import OUTPUT_CUT_EXIT, READER_GONE_EXIT, finish_live, relay, report_truncation
+from guestd.cli.live import (
+    OUTPUT_CUT_EXIT,
+    READER_GONE_EXIT,
+    finish_live,
+    relay,
+    report_truncation,
+    with_gap_markers,
+)
 from guestd.cli.runs import run_kept
 from guestd.cli.shared import (
     Subcommands,
@@ -150,7 +157,7 @@ async def run_in_session(client: AsyncClient, ns: argparse.Namespace) -> int:
     if live:
         cut = finish_live(delivered, res, ns.raw)
     else:
-        write_output(res.stdout, res.stderr, ns.raw)
+        write_output(*with_gap_markers(res), ns.raw)
         report_truncation(res)  # asked for with --max-output or --spill
         cut = False
     print_run_notes(res)
