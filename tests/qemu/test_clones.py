@@ -84,7 +84,7 @@ def test_clones_diverge_only_after_restore(images: tuple[str, str, str], request
                 assert rep.clock in ("done", "kept") and abs(rep.clock_skew_s) < 5
                 assert rep.signalled == [listener.pid]  # not its sleep: no handler there
                 published = json.loads(c.read_file(rep.generation_file))
-                assert (published.generation, published.hostname) == (rep.generation, f"clone-{i}")
+                assert (published["generation"], published["hostname"]) == (rep.generation, f"clone-{i}")
                 deadline = time.monotonic() + 60
                 while not c.exists("/tmp/restored"):
                     assert time.monotonic() < deadline, "the registered process never got its signal"
