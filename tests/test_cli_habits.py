@@ -218,3 +218,17 @@ def test_head_tail_output_marks_the_gap_in_band(g: Guestd) -> None:
     assert r.stdout == b"1\n2\n3\n4\n5\n[... 272 bytes dropped ...]\n98\n99\n100\n", r
     r = g.guestctl("sh", "--max-output", "6", "seq 1 100")
     assert r.stdout == b"[... 286 bytes dropped ...]\n9\n100\n", r
+
+
+def test_a_reader_that_goes_away_ends_any_command_quietly(g: Guestd) -> None:
+    """``guestctl metrics --watch | head -1``: exit 141 as SIGPIPE would, nothing on stderr
+    (was: a BrokenPipeError traceback, for every command printing through print/print_json)."""
+    for argv in (["metrics", "--watch", "0.1"], ["metrics", "--watch", "0.1", "--json"]):
+        proc = popen(g, *argv)
+        assert proc.stdout is not None and proc.stderr is not None
+        proc.stdout.readline()
+        proc.stdout.close()
+        assert proc.wait(WAIT_S) == 141
+        err = proc.stderr.read()
+        proc.stderr.close()
+        assert not any(n in err for n in NOISE), err

@@ -247,6 +247,10 @@ def test_bytes_are_text_when_utf8_and_base64_when_not(world: World) -> None:
     assert obj["stdout"] == "café"
     _, obj = run_one_object_argv(world, "shell", "run", world.ids["session"], "printf '\\377'")
     assert obj["stdout"] == {"base64": "/w=="}
+    with open(f"{world.dir}/binary.dat", "wb") as f:
+        f.write(b"ab\xffcd")
+    _, obj = run_one_object_argv(world, "cat", f":{world.dir}/binary.dat")
+    assert obj["data"] == {"base64": base64.b64encode(b"ab\xffcd").decode()}
 
 
 def run_one_object_argv(w: World, *argv: str) -> tuple[int, dict[str, Any]]:

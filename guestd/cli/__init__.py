@@ -56,6 +56,7 @@ from typing import Any, NoReturn
 from guestd import __version__
 from guestd.cli import code, files, metrics, ports, processes, runs, shells, snapshot, system, terminal, workspace
 from guestd.cli import exec as exec_  # the module; plain "exec" would hide the builtin here
+from guestd.cli.live import READER_GONE_EXIT, silence_stdout
 from guestd.cli.shared import JSON_HELP, JSON_LINES, JSON_REFUSED, USAGE_EXIT, Handler, UsageError, print_json
 from guestd.client.aio import CONNECT_TIMEOUT, AsyncClient
 from guestd.wire.errors import GuestdError
@@ -147,7 +148,14 @@ async def run(ns: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = sys.argv[1:] if argv is None else argv
+    try:
+        return parse_and_run(sys.argv[1:] if argv is None else argv)
+    except BrokenPipeError:  # our stdout's reader went away (| head): quietly, as SIGPIPE would
+        silence_stdout()
+        return READER_GONE_EXIT
+
+
+def parse_and_run(args: list[str]) -> int:
     GuestctlParser.json_errors = wants_json(args)
     ns = build_parser().parse_args(args)
     try:
@@ -160,6 +168,8 @@ def main(argv: list[str] | None = None) -> int:
         if isinstance(exc.code, str):  # a handler's ``SystemExit("message")``: a usage error too
             return report_usage(ns, exc.code)
         raise
+    except BrokenPipeError:
+        raise  # main's, not an OSError to report (the report could not be read either)
     except GuestdError as err:
         report_failure(ns, err.to_body())
         return exit_code_of_error(err)

@@ -71,7 +71,7 @@ async def relay(stream: RunStream, raw: bool, send_stdin: bool) -> Delivered:
         out.close()
     except BrokenPipeError:
         delivered.reader_gone = True
-        _silence_stdout()
+        silence_stdout()
         await stream.cancel()
         with contextlib.suppress(GuestdError):  # the cancel's answer: collected, not left unretrieved
             await stream.result()
@@ -91,7 +91,7 @@ async def _collect(pump: asyncio.Task[None]) -> None:
         await pump
 
 
-def _silence_stdout() -> None:
+def silence_stdout() -> None:
     """Our stdout's reader is gone: later writes (and the interpreter's final flush) go nowhere
     instead of raising again."""
     devnull = os.open(os.devnull, os.O_WRONLY)
