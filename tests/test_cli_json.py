@@ -35,7 +35,8 @@ WAIT_S = 60.0
 # The other helper's commands (guestd/cli/files.py, workspace.py) that may still print another
 # shape; filled only with what still fails at the end of issue 31's work (xfail with the reason).
 NOT_YET_CONFORMING: dict[str, str] = {
-    "grep": "guestd/cli/workspace.py (another helper's) still prints JSON Lines for grep",
+    "grep": "guestd/cli/workspace.py (another helper's) prints JSON Lines for grep (ripgrep's --json form, "
+    "its --help says so), not one object: the lead decides which",
 }
 
 

@@ -1,19 +1,20 @@
 """guestctl: drive a guestd from a shell or script.
 
-    guestctl --connect ADDR [--json] ping | info
-    guestctl ... exec [--timeout S] [--idle-timeout S] [--cwd D] [--env K=V]... [--max-output N] -- ARGV...
-    guestctl ... sh 'COMMAND'
+    guestctl --connect ADDR [--json] ping | info | --version
+    guestctl ... exec [--timeout S] [--idle-timeout S] [-w DIR] [-e K=V|K]... [--max-output N] [-i] [-t] -- ARGV...
+    guestctl ... sh COMMAND WORDS...    (joined with spaces, as ssh does)
     guestctl ... cp SRC DST          (the guest side is written :PATH)
     guestctl ... cat :PATH | ls :PATH | rm [-r] :PATH
     guestctl ... code new [--kernel K] | run [--context ID] [--timeout S] CODE | ls | interrupt ID | restart ID | rm ID
-    guestctl ... exec --detach -- ARGV... | exec --pty -- ARGV...
-    guestctl ... ps | attach ID [--from OFFSET] | kill ID [SIGNAL] | wait ID
-    guestctl ... shell new | shell run ID 'COMMAND' | shell ls | shell rm ID
-    guestctl ... port-forward [--address ADDR] LOCAL:GUEST | port-forward --reverse GUEST_PORT:HOST:HOSTPORT
+    guestctl ... exec -d -- ARGV... | exec -t -- ARGV...
+    guestctl ... ps [rm ID... | prune] | attach ID [--from OFFSET] | kill ID [SIGNAL] | wait ID
+    guestctl ... shell new | shell run [ID] 'COMMAND' | shell ls | shell rm ID
+    guestctl ... snapshot prepare [--quiesce] | snapshot resume | snapshot restore
+    guestctl ... port-forward [--address ADDR] LOCAL:GUEST... | port-forward --reverse GUEST_PORT:HOST:HOSTPORT...
     guestctl ... ports | port-wait GUEST_PORT [--timeout S] [--http] [--path P]
     guestctl ... cp -r DIR :DIR | cp -r :DIR DIR | find :DIR --glob PATTERN | grep [-i] [-F] [--glob G] PATTERN :DIR
     guestctl ... view :PATH [--lines A:B] | edit :PATH --old TEXT --new TEXT | edit :PATH --undo
-    guestctl ... apply-patch :DIR < PATCH | watch :DIR (JSON lines)
+    guestctl ... apply-patch :DIR < PATCH | watch :DIR (JSON Lines)
     guestctl ... metrics [--watch S] | top [--interval S] [--once]
 
 exec/sh exit with the remote exit code (124 when a timeout fired, 128+N when killed by signal N);
