@@ -34,10 +34,7 @@ from guestd.testing import REPO, Guestd, scratch_guestd
 WAIT_S = 60.0
 # The other helper's commands (guestd/cli/files.py, workspace.py) that may still print another
 # shape; filled only with what still fails at the end of issue 31's work (xfail with the reason).
-NOT_YET_CONFORMING: dict[str, str] = {
-    "grep": "guestd/cli/workspace.py (another helper's) prints JSON Lines for grep (ripgrep's --json form, "
-    "its --help says so), not one object: the lead decides which",
-}
+NOT_YET_CONFORMING: dict[str, str] = {}
 
 
 @dataclass
@@ -147,7 +144,7 @@ CASES: dict[str, Callable[[World], tuple[list[str], bytes | None]]] = {
     "runs cancel": lambda w: ([w.ids["run"]], None),
 }
 # Streaming commands: run until interrupted; walked by test_streaming_commands_print_json_lines.
-STREAMING_CASES = {"port-forward", "watch"}
+STREAMING_CASES = {"port-forward", "watch", "grep"}  # grep: ripgrep's JSON Lines (tests/test_cli_cp.py)
 
 
 def leaves(parser: argparse.ArgumentParser, words: tuple[str, ...] = ()) -> Iterator[str]:

@@ -13,7 +13,7 @@ from typing import IO, Any
 
 from guestd.cli import cp, terminal
 from guestd.cli.paths import guest_only
-from guestd.cli.shared import Subcommands, add_command, json_path, print_json
+from guestd.cli.shared import Subcommands, add_command, print_json
 from guestd.cli.terminal import field
 from guestd.client.aio import AsyncClient
 from guestd.wire.errors import ErrorCode, GuestdError
@@ -153,7 +153,7 @@ async def list_directory(client: AsyncClient, ns: argparse.Namespace) -> int:
     path = guest_only(ns.path)
     listing = await client.listdir(path)
     if ns.json:
-        entries = [json_path(dict(e.__dict__), "name") for e in listing.entries]
+        entries = [dict(e.__dict__) for e in listing.entries]  # a name: str if UTF-8, else {"base64"}
         print_json({"entries": entries, "truncated": listing.truncated, "total": listing.total})
     else:
         for e in listing.entries:

@@ -17,7 +17,6 @@ from typing import Any, TypeAlias
 from guestd.cli.terminal import field
 from guestd.client.aio import AsyncClient
 from guestd.client.replies import ProcessAttachResult, ProcessWaitResult
-from guestd.wire.paths import printable_path
 
 # A command's handler: runs on a connected client, returns guestctl's exit code.
 Handler: TypeAlias = Callable[[AsyncClient, argparse.Namespace], Awaitable[int]]
@@ -37,6 +36,7 @@ JSON_LINES: dict[str, str] = {
     "metrics": "print one JSON object; with --watch, JSON Lines (one object per sample or OOM event)",
     "port-forward": "print JSON Lines: the forward's address as one object once it listens (then runs until ^C)",
     "watch": "print JSON Lines: one object per change",
+    "grep": "print JSON Lines: one object per match (or per file with -l), the last a summary",
 }
 # Commands that refuse --json (a usage error saying what to use instead).
 JSON_REFUSED: dict[str, str] = {"top": "not for top (it draws a screen): use 'metrics --watch S --json'"}
@@ -82,15 +82,6 @@ def jsonable(value: Any) -> Any:
     if dataclasses.is_dataclass(value) and not isinstance(value, type):  # the client's typed replies
         return {f.name: jsonable(getattr(value, f.name)) for f in dataclasses.fields(value) if f.repr}
     return repr(value)
-
-
-def json_path(fields: dict[str, Any], key: str) -> dict[str, Any]:
-    """``fields`` with the path at ``key`` as JSON text: a name that is not UTF-8 becomes
-    its text with ``\\xff`` escapes plus ``<key>_base64`` holding the exact bytes."""
-    value = fields.get(key)
-    if not isinstance(value, bytes):
-        return fields
-    return {**fields, key: printable_path(value), f"{key}_base64": base64.b64encode(value).decode()}
 
 
 def parse_env(pairs: list[str]) -> dict[str, str]:
