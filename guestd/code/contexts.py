@@ -71,6 +71,7 @@ MAX_RESULTS = 64
 POOL_RETRY_S = 5.0  # after a pool kernel failed to start; doubled after each failure in a row
 POOL_RETRY_MAX_S = 300.0
 GONE_WAIT_S = 5.0  # a SIGKILLed kernel's processes are gone within milliseconds; bounded anyway
+EXIT_STATUS_WAIT_S = 2.0  # a start that failed: how long its exit status may take to be known
 DEFAULT_CONTEXT = "default"
 
 
@@ -340,6 +341,11 @@ class Kernel:
                 wait, self._come_up(km, channel, ids), self.died, lambda: work_done(kernel_pids(child.pid, cgroup_pids))
             )
         except GuestdError:
+            if self.python is not None and child.status is None:
+                # The launcher's end is seen (its channel closed) before it has exited and its exit
+                # watch, which polls, has reaped it: the status says whether it lacked ipykernel.
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(asyncio.shield(child.exited), EXIT_STATUS_WAIT_S)
             status = child.status
             if self.python is not None and status is not None and os.waitstatus_to_exitcode(status) == NO_IPYKERNEL:
                 raise missing_ipykernel(self.python) from None
