@@ -432,12 +432,16 @@ class Watcher:
                 # in then a move out of the same name. The name still exists: its change was said
                 # on the way in. A directory leaving is the one that was there before (not the
                 # one just moved in): its watches follow it to the other name (the next event).
-                if is_dir:
-                    assert moved_to_just_before is not None
-                    leaving = displaced if displaced is not None else child
-                    if leaving is not None and leaving is not moved_to_just_before[2]:
-                        self.moved_from = (cookie, leaving)
-                return
+                # The directory that just moved in leaving again is no exchange but a rename back
+                # and forth (a storm, whose name may exist again by the time this is read): it is
+                # a plain move out, below, never a rescan of what moves in next.
+                assert moved_to_just_before is not None
+                leaving = displaced if displaced is not None else child
+                if not is_dir:
+                    return
+                if leaving is not None and leaving is not moved_to_just_before[2]:
+                    self.moved_from = (cookie, leaving)
+                    return
             if displaced is not None and self.nodes.get(displaced.wd) is displaced:
                 self._drop(displaced)  # the name is gone already (read late): not followed, as before
             self._forget(parent, name)

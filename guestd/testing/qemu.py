@@ -108,6 +108,19 @@ def bake_initramfs(workdir: str, kdir: str, add: Sequence[str] = ()) -> str:
     return out
 
 
+def _drain(sock: socket.socket, quiet_s: float, limit_s: float) -> None:
+    """Read and drop what ``sock`` delivers until it has been quiet ``quiet_s`` (``limit_s`` at most)."""
+    end = time.monotonic() + limit_s
+    sock.settimeout(quiet_s)
+    try:
+        while time.monotonic() < end and sock.recv(65536):
+            pass
+    except TimeoutError:
+        pass
+    finally:
+        sock.settimeout(None)
+
+
 class GuestVM:
     """One QEMU process with a console log and a virtio-serial port exposed as a host Unix socket."""
 
@@ -199,14 +212,20 @@ class GuestVM:
     def client(self, timeout_s: float = 180.0) -> Client:
         """A host session over the virtio-serial port (retried while guestd is still starting)."""
         deadline = time.monotonic() + timeout_s
+        handshake_s = 3.0  # short while guestd may not be up yet (a hello sent then is dropped)
         while True:
             sock = self.connect_serial()
+            if handshake_s > 3.0:
+                # An earlier attempt's hello may still be answered (a slow guest under load): that
+                # reply must not be taken for this attempt's, or this one's comes as a second hello.
+                _drain(sock, quiet_s=1.0, limit_s=5.0)
             try:
-                return Client("serial", sock=sock, connect_timeout=3)
+                return Client("serial", sock=sock, connect_timeout=handshake_s)
             except GuestdError:
                 sock.close()
                 if time.monotonic() > deadline:
                     raise RuntimeError(f"guestd never answered on the serial port:\n{self.console()[-3000:]}") from None
+                handshake_s = min(handshake_s * 2, 30.0)
 
     def save(self, path: str) -> None:
         """Pause, write the whole VM state to ``path`` (QMP migrate to a file) and quit."""
