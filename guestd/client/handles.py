@@ -12,6 +12,8 @@ The blocking twins are in :mod:`guestd.client.handles_sync`. The flat methods ta
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
 from typing import TYPE_CHECKING
 
 from guestd.client.runs import result_of
@@ -31,6 +33,16 @@ if TYPE_CHECKING:
     from guestd.client.streaming import EventCallback, OutputCallback, RunDeadline, StdinSource
 
 GONE = (ErrorCode.NOT_FOUND.value,)  # releasing what is already gone is not an error
+
+
+@contextlib.contextmanager
+def unless_gone(*also: str) -> Iterator[None]:
+    """Releasing what is already gone (``not_found``, or a code in ``also``) is not an error."""
+    try:
+        yield
+    except GuestdError as e:
+        if e.code not in (*GONE, *also):
+            raise
 
 
 class AsyncShell:
@@ -88,11 +100,8 @@ class AsyncShell:
 
     async def close(self, *, deadline: float | None = 30.0) -> None:
         """End the session (a session already gone is not an error)."""
-        try:
+        with unless_gone():
             await self.client.shell_close(self.id, deadline=deadline)
-        except GuestdError as e:
-            if e.code not in GONE:
-                raise
 
     async def __aenter__(self) -> AsyncShell:
         return self
@@ -160,11 +169,8 @@ class AsyncCodeContext:
 
     async def close(self, *, deadline: float | None = 30.0) -> None:
         """End the context and its kernel (a context already gone is not an error)."""
-        try:
+        with unless_gone():
             await self.client.code_close(self.id, deadline=deadline)
-        except GuestdError as e:
-            if e.code not in GONE:
-                raise
 
     async def __aenter__(self) -> AsyncCodeContext:
         return self
@@ -239,16 +245,10 @@ class AsyncProcess:
 
     async def close(self, *, deadline: float | None = 30.0) -> None:
         """Kill it if it still runs, then forget it (either already done is not an error)."""
-        try:
+        with unless_gone(ErrorCode.BAD_REQUEST.value):  # gone, or exited already
             await self.client.process_signal(self.id, "KILL", deadline=deadline)
-        except GuestdError as e:
-            if e.code not in (*GONE, ErrorCode.BAD_REQUEST.value):  # gone, or exited already
-                raise
-        try:
+        with unless_gone():
             await self.client.process_forget(self.id, deadline=deadline)
-        except GuestdError as e:
-            if e.code not in GONE:
-                raise
 
     async def __aenter__(self) -> AsyncProcess:
         return self

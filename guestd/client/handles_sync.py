@@ -11,10 +11,10 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from guestd.client.handles import GONE
+from guestd.client.handles import unless_gone
 from guestd.client.runs import result_of
 from guestd.client.streaming import DERIVED
-from guestd.wire.errors import ErrorCode, GuestdError
+from guestd.wire.errors import ErrorCode
 
 if TYPE_CHECKING:
     from guestd.client.aio import OnTimeout
@@ -86,11 +86,8 @@ class Shell:
 
     def close(self, *, deadline: float | None = 30.0) -> None:
         """End the session (a session already gone is not an error)."""
-        try:
+        with unless_gone():
             self.client.shell_close(self.id, deadline=deadline)
-        except GuestdError as e:
-            if e.code not in GONE:
-                raise
 
     def __enter__(self) -> Shell:
         return self
@@ -158,11 +155,8 @@ class CodeContext:
 
     def close(self, *, deadline: float | None = 30.0) -> None:
         """End the context and its kernel (a context already gone is not an error)."""
-        try:
+        with unless_gone():
             self.client.code_close(self.id, deadline=deadline)
-        except GuestdError as e:
-            if e.code not in GONE:
-                raise
 
     def __enter__(self) -> CodeContext:
         return self
@@ -261,16 +255,10 @@ class Process:
 
     def close(self, *, deadline: float | None = 30.0) -> None:
         """Kill it if it still runs, then forget it (either already done is not an error)."""
-        try:
+        with unless_gone(ErrorCode.BAD_REQUEST.value):  # gone, or exited already
             self.client.process_signal(self.id, "KILL", deadline=deadline)
-        except GuestdError as e:
-            if e.code not in (*GONE, ErrorCode.BAD_REQUEST.value):  # gone, or exited already
-                raise
-        try:
+        with unless_gone():
             self.client.process_forget(self.id, deadline=deadline)
-        except GuestdError as e:
-            if e.code not in GONE:
-                raise
 
     def __enter__(self) -> Process:
         return self
