@@ -25,3 +25,23 @@ def test_stdin_data_and_eof_right_behind_the_request_reach_the_command(guestd: G
             await c.shell_close(session)
 
     asyncio.run(main())
+
+
+def test_the_unopened_fifo_is_looked_at_less_and_less_often() -> None:
+    """A command that never opens its stdin FIFO is polled with a doubling interval up to a cap
+    (it was every 10 ms for the command's whole life)."""
+    from itertools import islice, pairwise
+
+    from guestd.shells.job import UNOPENED_FIFO_FIRST_POLL_S, UNOPENED_FIFO_MAX_POLL_S, backing_off
+
+    intervals = list(islice(backing_off(UNOPENED_FIFO_FIRST_POLL_S, UNOPENED_FIFO_MAX_POLL_S), 40))
+    assert intervals[0] == UNOPENED_FIFO_FIRST_POLL_S
+    assert all(b >= a for a, b in pairwise(intervals))
+    assert intervals[-1] == UNOPENED_FIFO_MAX_POLL_S
+    # A minute of a command that never reads: a few hundred wake-ups at most, not 6,000.
+    polls, waited = 0, 0.0
+    for interval in backing_off(UNOPENED_FIFO_FIRST_POLL_S, UNOPENED_FIFO_MAX_POLL_S):
+        if waited >= 60:
+            break
+        polls, waited = polls + 1, waited + interval
+    assert polls < 300

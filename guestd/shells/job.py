@@ -17,7 +17,7 @@ import contextlib
 import os
 import select
 import signal
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING
 
 from guestd.children import ExitInfo, exit_info
@@ -27,7 +27,11 @@ if TYPE_CHECKING:
     from guestd.children.cgroups import RunCgroup
 
 STATUS_MAX = 64  # "pid\nstatus\n": anything longer is not the wrapper's
-UNOPENED_FIFO_POLL_S = 0.01  # StdinFifo.end_input: how often it looks whether the command has opened its stdin
+# StdinFifo.end_input looks whether the command has opened its stdin at these intervals: soon
+# at first (the usual command opens it within milliseconds), then doubling up to the cap, so a
+# command that never reads its stdin costs a few wake-ups a second, not a hundred.
+UNOPENED_FIFO_FIRST_POLL_S = 0.002
+UNOPENED_FIFO_MAX_POLL_S = 0.25
 
 
 class JobFifos:
@@ -96,6 +100,14 @@ class JobFifos:
         self.read = {}
 
 
+def backing_off(first_s: float, cap_s: float) -> Iterator[float]:
+    """first_s, 2 x first_s, 4 x ... up to cap_s, then cap_s for ever."""
+    interval = first_s
+    while True:
+        yield interval
+        interval = min(cap_s, interval * 2)
+
+
 class StdinFifo:
     """The stdin of a ``stdin_stream`` session command: a FIFO the command opens for reading
     and guestd writes INPUT data into. guestd holds a read end too, so its write end opens at
@@ -127,17 +139,19 @@ class StdinFifo:
         (data and eof sent right behind the request) hung the command until its timeout. guestd's
         own read end goes first; then, while poll says the FIFO has no reader (POLLERR), the
         command has not opened it yet: the write end stays (the bytes written wait in the pipe)
-        and is looked at again shortly, for as long as the command runs (this task goes with it)."""
+        and is looked at again after a backing-off interval, for as long as the command runs
+        (this task goes with it)."""
         fd, self.hold = self.hold, None
         if fd is not None:
             with contextlib.suppress(OSError):
                 os.close(fd)
+        intervals = backing_off(UNOPENED_FIFO_FIRST_POLL_S, UNOPENED_FIFO_MAX_POLL_S)
         while self.write is not None:
             poller = select.poll()
             poller.register(self.write, 0)  # POLLERR is always reported
             if not any(events & select.POLLERR for _, events in poller.poll(0)):
                 break
-            await asyncio.sleep(UNOPENED_FIFO_POLL_S)
+            await asyncio.sleep(next(intervals))
         self.close_write()
 
     def give_write(self) -> int | None:
