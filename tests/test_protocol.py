@@ -118,12 +118,17 @@ def test_bad_magic_is_protocol_error_and_closes(peer: RawPeer) -> None:
 
 
 def test_duplicate_id_while_in_flight(peer: RawPeer) -> None:
-    peer.request(1, "exec", {"argv": ["sleep", "0.5"]})
+    """A connection error (issue 32 rule 10): protocol_error on id 0, close, the exec cancelled."""
+    peer.request(1, "exec", {"argv": ["sleep", "30"]})
     peer.request(1, "ping")
     kind, rid, body = peer.recv()
-    assert (kind, rid, body["code"]) == (Kind.ERROR, 1, "bad_request")
-    kind, body = peer.recv_final(1)
-    assert kind == Kind.RESPONSE and body["exit_code"] == 0
+    assert (kind, rid, body["code"], body["details"]) == (
+        Kind.ERROR,
+        0,
+        "protocol_error",
+        {"field": "id", "reason": "in_flight"},
+    )
+    assert peer.closed()
 
 
 def test_unknown_frame_kinds_are_ignored(peer: RawPeer) -> None:

@@ -201,15 +201,34 @@ def test_request_id_zero_is_a_protocol_error(guestd: Guestd) -> None:
     assert p.closed()
 
 
-def test_a_duplicate_id_says_it_is_not_the_originals_final_frame(guestd: Guestd) -> None:
+def test_a_duplicate_in_flight_id_closes_the_connection_and_cancels_its_requests(guestd: Guestd) -> None:
+    """Issue 32 rule 10 (before: bad_request on id 1, then the original's own final frame, two
+    frames ending one id). Now a connection error, as HTTP/2's reused stream id: protocol_error
+    on id 0, no final frame for the original, the connection closed, and its exec killed (the
+    connection's end cancels every request, PROTOCOL.md 4)."""
     p = RawPeer(guestd.raw_socket())
     p.hello()
-    p.request(1, "exec", {"argv": ["sleep", "0.3"]})
-    p.request(1, "ping")
+    p.request(1, "exec", {"shell": "echo $$; exec sleep 300", "stream": True})
     kind, rid, body = p.recv()
-    assert (kind, rid, body["details"]) == (Kind.ERROR, 1, {"field": "id", "reason": "in_flight"})
-    kind, body = p.recv_final(1)
-    assert kind == Kind.RESPONSE and body["exit_code"] == 0
+    assert (kind, rid, body["ev"]) == (Kind.EVENT, 1, "started")
+    pid = body["pid"]
+    p.request(1, "ping")
+    seen: list[tuple[int, int, dict[str, Any]]] = []
+    p.sock.settimeout(10)
+    while True:  # every frame up to the close (bounded: guestd closes at once, or the timeout fails it)
+        try:
+            seen.append(p.recv())
+        except EOFError:
+            break
+    errors = [f for f in seen if f[0] == Kind.ERROR]
+    assert errors == [(Kind.ERROR, 0, errors[0][2])], seen  # one error: on id 0, none on id 1
+    assert (errors[0][2]["code"], errors[0][2]["details"]) == ("protocol_error", {"field": "id", "reason": "in_flight"})
+    assert all(f[0] != Kind.RESPONSE for f in seen), seen
+    for _ in range(400):  # bounded: the cancel's SIGTERM ends the sleep at once
+        if not os.path.exists(f"/proc/{pid}"):
+            break
+        time.sleep(0.05)
+    assert not os.path.exists(f"/proc/{pid}"), "the exec outlived its connection"
 
 
 def test_many_unreading_peers_leave_ping_answering(guestd: Guestd) -> None:

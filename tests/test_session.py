@@ -173,15 +173,32 @@ def test_request_id_zero_is_a_protocol_error() -> None:
     assert (kind, rid, body["code"], body["details"]["field"]) == (Kind.ERROR, 0, "protocol_error", "id")
 
 
-def test_a_duplicate_id_is_refused_in_a_way_the_client_can_tell_from_the_original() -> None:
+def test_a_duplicate_in_flight_id_is_a_connection_error() -> None:
+    """Issue 32 rule 10 (was: bad_request on that id, then the original's own final frame: two
+    frames that end one id). Like HTTP/2's reused stream id: protocol_error on id 0, close, and
+    no final frame for any request of the connection."""
     s = opened()
     original = admitted(s, 3, "file.download", {"path": "/x"})
-    assert s.receive_data(request(3, "ping")) == []
+    (ev,) = s.receive_data(request(3, "ping"))
+    assert isinstance(ev, ConnectionFailed)
     ((kind, rid, body, _),) = frames(s.data_to_send())
-    assert (kind, rid) == (Kind.ERROR, 3)
-    assert body["details"] == {"field": "id", "reason": "in_flight"}
-    assert original.open  # the original goes on and gets its own final frame
-    assert s.respond(original, {"bytes": 0, "size": 0})
+    assert (kind, rid, body["code"], body["details"]) == (
+        Kind.ERROR,
+        0,
+        "protocol_error",
+        {"field": "id", "reason": "in_flight"},
+    )
+    assert s.phase is Phase.CLOSED
+    assert s.respond(original, {"bytes": 0, "size": 0})  # the handler ends it...
+    assert s.data_to_send() == []  # ...but nothing more is sent on a closed connection
+
+
+def test_an_oversize_request_on_an_id_in_flight_is_a_connection_error_too() -> None:
+    s = opened(max_frame=MIN_MAX_FRAME)
+    admitted(s, 3, "file.download", {"path": "/x"})
+    big = request(3, "file.write", {"path": "/x", "data": b"z" * (MIN_MAX_FRAME + 10)})
+    (ev,) = s.receive_data(big)
+    assert isinstance(ev, ConnectionFailed) and ev.error.details["reason"] == "in_flight"
 
 
 def test_data_room_is_bounded_by_credit_and_the_peers_max_frame() -> None:

@@ -18,7 +18,7 @@ def parse_signal(value: Any) -> int | None:
     if not isinstance(value, str):
         return None
     name = value.upper()
-    if name.isdigit():
+    if name.isascii() and name.isdigit():  # str.isdigit() is also true of "²", which int() refuses
         return parse_signal(int(name))
     if not name.startswith("SIG"):
         name = "SIG" + name

@@ -515,7 +515,7 @@ def extract(fsys: FileSystem, path: str, parents: bool, replace: bool, source: i
 
 
 class Archive:
-    """A pax tar of the tree below ``root_fd``, made in pieces of about ``chunk`` bytes."""
+    """A pax tar of the tree below ``root_fd``, made in pieces of ``chunk`` bytes."""
 
     def __init__(self, root_fd: int, flt: Filter, chunk: int) -> None:
         self.root_fd = root_fd
@@ -544,14 +544,18 @@ class Archive:
                 os.close(self.root_fd)
 
     def _pieces(self) -> Generator[bytes, None, None]:
+        """The archive cut into pieces of exactly ``chunk`` bytes (the last one shorter): each
+        is one data event, and ``chunk`` is the most bytes a data event may carry."""
         out = bytearray()
         for piece in self._blocks():
             out += piece
-            if len(out) >= self.chunk:
-                yield bytes(out)
-                out.clear()
+            while len(out) >= self.chunk:
+                yield bytes(out[: self.chunk])
+                del out[: self.chunk]  # from the front: bytearray moves its start, no copy
         out += b"\0" * 1024  # two zero blocks end the archive
-        yield bytes(out)
+        while out:
+            yield bytes(out[: self.chunk])
+            del out[: self.chunk]
 
     def _blocks(self) -> Iterator[bytes]:
         for e in self.walk.entries():

@@ -294,7 +294,9 @@ def register_workspace(services: Services, fsys: FileSystem, ids: tuple[int, int
                         f"the watcher ended: {ended!r}",
                         details={"reason": "watcher_ended"},
                     )
-            return {"events": sent}
+            # The loop ends only once the request has: a cancel (or the connection's end) answered
+            # it already. file.watch never answers (schema final: error_only), so this is dropped.
+            return {}
         finally:
             watcher.stop()
 

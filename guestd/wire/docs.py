@@ -10,7 +10,7 @@ from __future__ import annotations
 import os
 import sys
 
-from guestd.wire.schema import OPS, RECORDS, F
+from guestd.wire.schema import ERROR_ONLY, OPS, RECORDS, F
 
 BEGIN = "<!-- BEGIN AUTO: op reference (python -m guestd.wire.docs) -->"
 END = "<!-- END AUTO -->"
@@ -57,8 +57,18 @@ def op_reference() -> str:
     for op in OPS:
         lines += [f"### `{op.name}` ({op.capability})", "", op.doc, ""]
         lines += _table("args", op.args, True) or ["*args*: none", ""]
-        lines += _table("result (RESPONSE)", op.result, False) or ["*result*: empty map", ""]
+        if op.final == ERROR_ONLY:
+            lines += [
+                "*result*: none (`final: error_only`): never a RESPONSE; the request runs until cancelled "
+                "and ends only with an ERROR (`cancelled` on cancel, or the error that stopped it)",
+                "",
+            ]
+        else:
+            lines += _table("result (RESPONSE)", op.result, False) or ["*result*: empty map", ""]
         lines += _table("events (EVENT)", op.events, False)
+        if op.events_when:
+            names = " or ".join(f"`{n}`" for n in op.events_when)
+            lines += [f"*events only when* {names} is true (`events_when`); otherwise none at all", ""]
         lines += _table("input (INPUT)", op.input, False)
         for group in op.one_of:
             lines += ["*exactly one of*: " + ", ".join(f"`{n}`" for n in group), ""]

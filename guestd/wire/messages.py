@@ -13,9 +13,14 @@ from guestd.wire.errors import ErrorCode, GuestdError, too_large
 
 
 def decode_body(payload: bytes | memoryview) -> dict[str, Any]:
-    """Decode one frame payload; anything but a msgpack map with str keys is bad_request."""
+    """Decode one frame payload; anything but a msgpack map with str keys is bad_request.
+
+    A str that is not valid UTF-8 is bad_request with ``details.reason`` = ``invalid_utf8`` and
+    ``details.field`` naming where it is (PROTOCOL.md 2.3)."""
     try:
         body = msgpack.unpackb(payload, raw=False, use_list=True, strict_map_key=True)
+    except UnicodeDecodeError:
+        raise invalid_utf8(payload) from None
     except (ValueError, TypeError, msgpack.ExtraData, msgpack.FormatError, msgpack.StackError) as exc:
         raise GuestdError(ErrorCode.BAD_REQUEST, f"payload is not valid msgpack: {exc}") from None
     except RecursionError:
@@ -26,6 +31,56 @@ def decode_body(payload: bytes | memoryview) -> dict[str, Any]:
         if not isinstance(key, str):
             raise GuestdError(ErrorCode.BAD_REQUEST, "payload map keys must be strings")
     return body
+
+
+def invalid_utf8(payload: bytes | memoryview) -> GuestdError:
+    """The bad_request for a payload holding a str that is not UTF-8, naming the first such
+    value (or, for a key, the map that holds it) the way other errors name fields:
+    ``args.files[0].path``. One more decode with the bad bytes escaped, then one walk in order:
+    linear in the payload, which the frame size bounds."""
+    details: dict[str, Any] = {"reason": "invalid_utf8"}
+    try:
+        body = msgpack.unpackb(payload, raw=False, use_list=True, strict_map_key=True, unicode_errors="surrogateescape")
+    except (ValueError, TypeError, msgpack.ExtraData, msgpack.FormatError, msgpack.StackError, RecursionError):
+        body = None  # broken in another way too: where the bad str is cannot be said
+    where = _first_escaped(body)
+    if not where:
+        return GuestdError(ErrorCode.BAD_REQUEST, "a str is not valid UTF-8", details=details)
+    details["field"] = field_name(where)
+    return GuestdError(
+        ErrorCode.BAD_REQUEST, f"field {details['field']!r} holds a str that is not valid UTF-8", details=details
+    )
+
+
+def field_name(path: list[str | int]) -> str:
+    """``["args", "files", 0, "path"]`` -> ``args.files[0].path``."""
+    out = ""
+    for part in path:
+        out += f"[{part}]" if isinstance(part, int) else (f".{part}" if out else part)
+    return out
+
+
+def _escaped(text: str) -> bool:
+    # Only surrogateescape puts lone surrogates into a decoded str: strict UTF-8 refuses them.
+    return any("\udc80" <= ch <= "\udcff" for ch in text)
+
+
+def _first_escaped(root: Any) -> list[str | int]:
+    """Where the first escaped str is, keys and values in order; [] when nowhere (or the root)."""
+    # (value, where it is, whether it is a key: a bad key is reported as the map holding it)
+    stack: list[tuple[Any, list[str | int], bool]] = [(root, [], False)]
+    while stack:
+        value, path, is_key = stack.pop()
+        if isinstance(value, str):
+            if _escaped(value):
+                return path
+        elif isinstance(value, dict) and not is_key:
+            for key, item in reversed(list(value.items())):
+                stack.append((item, [*path, key], False))
+                stack.append((key, path, True))
+        elif isinstance(value, list) and not is_key:
+            stack.extend((v, [*path, i], False) for i, v in reversed(list(enumerate(value))))
+    return []
 
 
 def request_body(op: str, args: dict[str, Any] | None) -> dict[str, Any]:

@@ -15,13 +15,20 @@ named records of :data:`RECORDS` (``NAME`` is one such map, ``list<NAME>`` a lis
 A trailing ``?`` means nil is also allowed. Constraints: ``gt``/``ge``/``le`` (numbers),
 ``min_len`` (str, bin, list), ``le_limit`` (at most the named limit of the server's hello);
 per op, ``one_of`` (exactly one of a group given) and ``exclusive`` (at most one).
-Unknown fields are ignored by receivers (forward compatibility).
+Unknown fields are ignored by receivers (forward compatibility). Nil for a field whose type has
+no ``?`` is refused like any other wrong type, whether the field is required or not.
+
+Per op, two facts about its frames: ``final`` says what may end it (``response_or_error``, or
+``error_only`` for an op that runs until cancelled and never sends a RESPONSE) and
+``events_when`` names the bool args of which one must be true for the op to send any EVENT
+(empty: events whenever the op has them).
 """
 
 from __future__ import annotations
 
 import re
 import sys
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -31,6 +38,10 @@ PROTOCOL_VERSION = 1
 SUPPORTED_VERSIONS = (1,)
 
 _ENUM = re.compile(r"^enum\(([a-z0-9_|]+)\)$")
+
+# OpSpec.final: what may end a request of the op.
+RESPONSE_OR_ERROR = "response_or_error"
+ERROR_ONLY = "error_only"
 
 
 @dataclass(frozen=True, slots=True)  # hundreds of them live in guestd: no per-field __dict__
@@ -93,10 +104,29 @@ class OpSpec:
     # ("given" = not nil and not false).
     one_of: tuple[tuple[str, ...], ...] = ()
     exclusive: tuple[tuple[str, ...], ...] = ()
+    # What may end a request of this op: "response_or_error", or "error_only" for an op that runs
+    # until cancelled (file.watch): it never sends a RESPONSE, its final frame is always an ERROR.
+    final: str = RESPONSE_OR_ERROR
+    # Bool args of which one must be true for the op to send any EVENT (exec's stream); empty:
+    # events whenever the op has them.
+    events_when: tuple[str, ...] = ()
     fields_by_name: dict[str, F] = field(default_factory=dict, compare=False, repr=False)
 
     def __post_init__(self) -> None:
         self.fields_by_name.update({f.name: f for f in self.args})
+        if self.final not in (RESPONSE_OR_ERROR, ERROR_ONLY):
+            raise AssertionError(f"{self.name}: final must be {RESPONSE_OR_ERROR} or {ERROR_ONLY}")
+        if self.final == ERROR_ONLY and self.result:
+            raise AssertionError(f"{self.name}: an op that never answers has no result fields")
+        for name in self.events_when:
+            if self.fields_by_name[name].type != "bool" or not self.events:
+                raise AssertionError(f"{self.name}: events_when names bool args of an op with events")
+
+    def sends_events(self, args: Mapping[str, Any]) -> bool:
+        """Whether a request with these args may receive EVENT frames."""
+        if not self.events:
+            return False
+        return not self.events_when or any(args.get(name) is True for name in self.events_when)
 
     def to_json(self) -> dict[str, Any]:
         out: dict[str, Any] = {
@@ -104,9 +134,12 @@ class OpSpec:
             "doc": self.doc,
             "args": {f.name: f.to_json() for f in self.args},
             "result": {f.name: f.to_json() for f in self.result},
+            "final": self.final,
         }
         if self.events:
             out["events"] = {f.name: f.to_json() for f in self.events}
+        if self.events_when:
+            out["events_when"] = list(self.events_when)
         if self.input:
             out["input"] = {f.name: f.to_json() for f in self.input}
         if self.one_of:
@@ -202,6 +235,9 @@ def check_value(name: str, typ: str, value: Any) -> Any:
         typ = typ[:-1]
     if typ == "any":
         return value
+    if value is None:
+        # Nil is never "absent": a field whose type has no "?" refuses it, required or not.
+        raise GuestdError(ErrorCode.BAD_REQUEST, f"field {name!r} may not be nil", details={"field": name})
     if typ == "str":
         if not isinstance(value, str):
             raise _bad(name, "a string", value)
@@ -276,7 +312,7 @@ def validate(fields: tuple[F, ...], body: dict[str, Any], limits: object | None 
     """
     out: dict[str, Any] = {}
     for f in fields:
-        if f.name in body and not (body[f.name] is None and not f.type.endswith("?") and not f.required):
+        if f.name in body:
             value = check_value(f.name, f.type, body[f.name])
             if value is not None:
                 _check_constraints(f, value, limits)
@@ -331,6 +367,12 @@ def _check_constraints(f: F, value: Any, limits: object | None) -> None:
 
 
 # --------------------------------------------------------------------------- messages
+
+# Every signal field is a str (an integer is bad_request naming the field): PROTOCOL.md 7.
+_SIGNAL_DOC = (
+    "signal as a str: a name with or without SIG, any case (TERM, SIGTERM, term, USR1, RTMIN), "
+    'or its number in ASCII decimal digits ("15", 1..64)'
+)
 
 HELLO_CLIENT = (
     F("versions", "list<uint>", "protocol versions the client speaks", True),
@@ -719,11 +761,12 @@ OPS: tuple[OpSpec, ...] = (
         input=(
             F("data", "bin", "bytes to write to stdin (stdin_stream only; counts against the window)"),
             F("eof", "bool", "close stdin"),
-            F("signal", "str", "signal name (TERM, INT, KILL, HUP, USR1, ...) for the process group"),
+            F("signal", "str", _SIGNAL_DOC + " for the process group; one guestd does not know is ignored"),
         ),
         errors=("bad_request", "not_found", "permission_denied", "not_a_directory", "limit", "too_large", "cancelled"),
         one_of=(("argv", "shell"),),
         exclusive=(("stdin", "stdin_stream"),),
+        events_when=("stream",),
     ),
     OpSpec(
         "file.read",
@@ -983,6 +1026,7 @@ CODE_OPS: tuple[OpSpec, ...] = (
             F("traceback", "list<str>", "error: formatted traceback lines"),
         ),
         errors=("not_found", "unavailable", "limit", "bad_request", "timeout"),
+        events_when=("stream", "keep"),  # keep without stream: the one kept event
     ),
     OpSpec(
         "code.interrupt",
@@ -1117,7 +1161,7 @@ PROCESS_OPS: tuple[OpSpec, ...] = (
         "process.signal",
         "process",
         "Signal the process group; KILL also kills descendants that left the group.",
-        args=(_PID, F("signal", "str", "TERM, INT, KILL, HUP, USR1, ... or a number", True)),
+        args=(_PID, F("signal", "str", _SIGNAL_DOC + "; one guestd does not know is bad_request", True)),
         errors=("not_found", "bad_request"),
     ),
     OpSpec(
@@ -1239,10 +1283,11 @@ SHELL_OPS: tuple[OpSpec, ...] = (
         input=(
             F("data", "bin", "bytes for the command's stdin (stdin_stream or pty; counts against the window)"),
             F("eof", "bool", "close the command's stdin (pty: type ^D)"),
-            F("signal", "str", "pty only: signal name (INT, TERM, ...) for the command's process group"),
+            F("signal", "str", "pty only: " + _SIGNAL_DOC + " for the command's process group"),
         ),
         errors=("not_found", "limit", "bad_request"),
         exclusive=(("input", "stdin_stream"),),
+        events_when=("stream", "keep"),  # keep without stream: the one kept event
     ),
     OpSpec(
         "shell.resize",
@@ -1903,7 +1948,7 @@ WORKSPACE_OPS: tuple[OpSpec, ...] = (
                 le=10,
             ),
         ),
-        result=(F("events", "uint", "events sent", True),),
+        final=ERROR_ONLY,
         events=(
             F(
                 "ev",
@@ -1955,6 +2000,7 @@ METRICS_OPS: tuple[OpSpec, ...] = (
             F("new", "uint", "oom: kills since the previous sample"),
         ),
         errors=("bad_request",),
+        events_when=("stream",),
     ),
 )
 

@@ -42,6 +42,7 @@ from guestd.wire.frames import (
 )
 from guestd.wire.messages import decode_body, decoded_size, split_request
 from guestd.wire.schema import (
+    ERROR_ONLY,
     HELLO_CLIENT,
     HELLO_SERVER,
     SUPPORTED_VERSIONS,
@@ -365,14 +366,19 @@ class Session:
     def _on_window(self, frame: Frame) -> None:
         stream = self.streams.get(frame.id)
         if stream is None:
-            return  # the request already ended: a late grant is harmless
+            return  # the request already ended: a late grant is harmless, malformed or not
         try:
             nbytes = validate(WINDOW_BODY, decode_body(frame.payload))["bytes"]
-        except GuestdError:
+        except GuestdError as err:
+            self._on_bad_window(stream, err)
             return
-        if nbytes:
+        if nbytes:  # 0 grants nothing: a no-op
             stream.send_credit += nbytes
             self._events.append(CreditGranted(stream, nbytes))
+
+    def _on_bad_window(self, stream: Stream, err: GuestdError) -> None:
+        """A window frame that is not ``{bytes: uint}`` for a request in flight."""
+        raise NotImplementedError
 
 
 # ----------------------------------------------------------------------------- server
@@ -454,7 +460,15 @@ class ServerSession(Session):
             # On a serial port a new hello means a new host session: forget the old one's requests.
             self._events.append(SessionReset(self._forget_host()))
         try:
-            hello = validate(HELLO_CLIENT, decode_body(frame.payload))
+            body = decode_body(frame.payload)
+        except GuestdError as err:
+            if err.details.get("reason") == "invalid_utf8":  # a map, with a str that is not UTF-8 in it
+                self._refuse(GuestdError(ErrorCode.BAD_REQUEST, f"bad hello: {err.message}", details=err.details))
+            else:  # not a msgpack map at all: not a hello, a failed handshake
+                self._refuse(GuestdError(ErrorCode.PROTOCOL_ERROR, f"hello payload: {err.message}"))
+            return
+        try:
+            hello = validate(HELLO_CLIENT, body)
         except GuestdError as err:
             self._refuse(GuestdError(ErrorCode.BAD_REQUEST, f"bad hello: {err.message}", details=err.details))
             return
@@ -490,7 +504,9 @@ class ServerSession(Session):
                 self._refuse(_reserved_id_error())
             elif self.phase is not _OPEN:
                 self._send(_ERROR, frame.id, _before_hello_error().to_body())
-            elif frame.id not in self.streams:
+            elif frame.id in self.streams:
+                self._refuse(_in_flight_error(frame.id))
+            else:
                 self._send(_ERROR, frame.id, err.to_body())
         elif frame.kind == _INPUT:
             stream = self.streams.get(frame.id)
@@ -524,16 +540,9 @@ class ServerSession(Session):
             self._send(_ERROR, req_id, _before_hello_error().to_body())
             return
         if req_id in self.streams:
-            # Not the original's final frame: that one still comes. details say which this is.
-            self._send(
-                _ERROR,
-                req_id,
-                GuestdError(
-                    ErrorCode.BAD_REQUEST,
-                    f"request id {req_id} is already in flight; this refuses the duplicate, the original continues",
-                    details={"field": "id", "reason": "in_flight"},
-                ).to_body(),
-            )
+            # Like HTTP/2's reused stream id, a connection error: an answer on that id could not be
+            # told from the original's final frame, so the client has lost track of its ids.
+            self._refuse(_in_flight_error(req_id))
             return
         if len(self.streams) >= self.max_inflight:
             self._send(
@@ -553,7 +562,7 @@ class ServerSession(Session):
                 raise GuestdError(ErrorCode.UNKNOWN_OP, f"unknown op {op!r}", details={"op": op})
             args = validate_args(spec, raw_args, self.limits)
         except GuestdError as err:
-            self._send(_ERROR, req_id, err.to_body())
+            self._send(_ERROR, req_id, _relative_to_args(err).to_body())
             return
         stream = Stream(req_id, op, spec, self.stream_window, 0)
         if stream.accepts_input:
@@ -584,6 +593,17 @@ class ServerSession(Session):
             )
             return
         self._events.append(InputReceived(stream, {k: v for k, v in body.items() if v is not None}))
+
+    def _on_bad_window(self, stream: Stream, err: GuestdError) -> None:
+        # Malformed like malformed input: it ends its request (PROTOCOL.md 5).
+        self._abort(
+            stream,
+            GuestdError(
+                ErrorCode.BAD_REQUEST,
+                f"bad window frame: {err.message}",
+                details={**err.details, "field": "bytes"},
+            ),
+        )
 
     def _abort(self, stream: Stream, err: GuestdError) -> None:
         if self._end(stream):
@@ -621,6 +641,10 @@ class ServerSession(Session):
             return False
         if self.phase is not _OPEN:
             return True
+        if stream.spec is not None and stream.spec.final == ERROR_ONLY:
+            err = GuestdError(ErrorCode.INTERNAL, f"{stream.op} never answers, but its handler returned")
+            self._send(_ERROR, stream.id, err.to_body())
+            return True
         try:
             frame = encode_frame(_RESPONSE, stream.id, result)
         except (TypeError, ValueError, OverflowError) as exc:  # UnicodeEncodeError is a ValueError
@@ -649,6 +673,25 @@ class ServerSession(Session):
     def forget(self, stream: Stream) -> None:
         """Drop a request with no final frame (connection lost)."""
         self._end(stream)
+
+
+def _relative_to_args(err: GuestdError) -> GuestdError:
+    """A str that is not UTF-8 is located in the whole payload (``args.path``); fields of a
+    request are named as in its args (``path``), like every other bad_request."""
+    name = err.details.get("field")
+    if isinstance(name, str) and name.startswith("args."):
+        return GuestdError(
+            err.code, err.message.replace(repr(name), repr(name[5:])), details={**err.details, "field": name[5:]}
+        )
+    return err
+
+
+def _in_flight_error(req_id: int) -> GuestdError:
+    return GuestdError(
+        ErrorCode.PROTOCOL_ERROR,
+        f"request id {req_id} is already in flight",
+        details={"field": "id", "reason": "in_flight"},
+    )
 
 
 def _reserved_id_error() -> GuestdError:
@@ -715,8 +758,8 @@ class ClientSession(Session):
     def start(self, op: str, args: dict[str, Any]) -> Stream:
         """Queue a REQUEST; returns its handle (its id is never 0, never one in flight).
 
-        The request expects events when its op declares some and, for an op with a
-        ``stream`` argument (exec, code.run), when that argument is true (or ``keep``)."""
+        The request expects events when its op declares some and, for an op with
+        ``events_when`` (exec's ``stream``, ``keep``), when one of those args is true."""
         if self.phase is not _OPEN:
             raise PeerViolation("the handshake has not completed")
         while True:
@@ -726,9 +769,9 @@ class ClientSession(Session):
                 break
         spec = self.ops.get(op)
         stream = Stream(req_id, op, spec, self.stream_window, self.stream_window)
-        if spec is not None and "stream" in spec.fields_by_name:
-            # keep (shell.run, code.run): one event {ev: kept, run_id} comes first.
-            stream.expects_events = bool(spec.events) and (args.get("stream") is True or args.get("keep") is True)
+        if spec is not None:
+            # events_when (exec's stream; keep: one event {ev: kept, run_id} comes first)
+            stream.expects_events = spec.sends_events(args)
         self.streams[req_id] = stream
         self._gave_up.pop(req_id, None)
         self._send(_REQUEST, req_id, {"op": op, "args": args})
@@ -824,6 +867,9 @@ class ClientSession(Session):
         except GuestdError as err:
             self._fail_connection(PeerViolation(err.message))
             return None
+
+    def _on_bad_window(self, stream: Stream, err: GuestdError) -> None:
+        self._fail_connection(PeerViolation(f"guest sent a malformed window frame: {err.message}"))
 
     def _on_stray(self, frame: Frame) -> None:
         """A frame for no request in flight, skipped without decoding it."""

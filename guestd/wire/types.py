@@ -1388,8 +1388,6 @@ class FileWatchArgs(TypedDict):
 class FileWatchReply(TypedDict):
     """`file.watch` result"""
 
-    events: int
-
 
 class FileWatchEvent(TypedDict):
     """`file.watch` EVENT body"""
