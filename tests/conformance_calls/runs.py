@@ -17,9 +17,8 @@ Requests the typed methods never send (``process.start {}``, ``run.get {}``, ``s
   connection by itself, concurrently with whatever the caller does, and refuses only when its host
   destination is down: the order of its frames against the transcript's other requests, and the
   connection numbers it claims, are not the caller's to fix (a server test for the relay).
-- ``auth_token_wrong``, ``auth_token_missing``: the refusal happens in connect, before any call
-  (the harness connects with the transcript's hello); ``auth_token_wrong`` also pipelines a request
-  behind the refused hello, which the client never does.
+- ``auth_token_wrong`` pipelines a request behind the refused hello, which the client never does
+  (``auth_token_missing`` has a driver, but its refusal comes in connect, before the driver runs).
 - ``auth_peer_refused``: a server test (no client frame at all).
 """
 
@@ -299,14 +298,14 @@ async def process_kill_after_exit(c: AsyncClient, ctx: CallContext) -> object:
 
 
 async def process_pty(c: AsyncClient, ctx: CallContext) -> object:
-    proc = await c.process_start(["sh", "-c", "stty size; read l; stty size"], pty=True, rows=24, cols=80)
+    program = ["sh", "-c", "stty -echo; stty size; read l; stty size"]
+    proc = await c.process_start(program, pty=True, rows=24, cols=80)
     attach = c.attach(proc.id)
     events = aiter(attach)
     assert await anext(events) == ("stdout", 0, b"24 80\r\n")
     await c.process_resize(proc.id, 30, 100)
     assert await c.process_write(proc.id, b"\n") == 1
-    rest = b"".join([data async for _, _, data in events])
-    assert rest == b"\r\n30 100\r\n"
+    assert [item async for item in events] == [("stdout", 7, b"30 100\r\n")]
     assert (await attach.result()).exit_code == 0
     plain = await c.process_start(["true"])
     expect_codes(
@@ -436,6 +435,11 @@ async def auth_token_accepted(c: AsyncClient, ctx: CallContext) -> object:
     return await c.ping()
 
 
+async def auth_token_missing(c: AsyncClient, ctx: CallContext) -> object:
+    """Never reached: connecting without the token already fails with permission_denied."""
+    return await c.ping()
+
+
 CALLS: dict[str, ClientCall] = {
     "keep_shell_run": keep_shell_run,
     "keep_code_run": keep_code_run,
@@ -459,4 +463,5 @@ CALLS: dict[str, ClientCall] = {
     "snapshot_clock_check": snapshot_clock_check,
     "ports_list_watch_wait": ports_list_watch_wait,
     "auth_token_accepted": auth_token_accepted,
+    "auth_token_missing": auth_token_missing,
 }
