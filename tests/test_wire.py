@@ -23,7 +23,7 @@ from guestd.wire.frames import (
     encode_frame,
 )
 from guestd.wire.messages import decode_body
-from guestd.wire.schema import OPS, schema_json, validate
+from guestd.wire.schema import OPS, OPS_BY_NAME, schema_json, validate, validate_args
 from guestd.wire.vectors import document, from_json_value
 
 PROTOCOL = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "protocol")
@@ -82,6 +82,22 @@ def test_bad_streams(vec: dict[str, Any]) -> None:
     with pytest.raises(GuestdError) as ei:
         decode_body(frame.payload)
     assert ei.value.code == "bad_request"
+    if "details" in vec:
+        assert ei.value.details == vec["details"]
+
+
+@pytest.mark.parametrize("vec", VECTORS["accepted"], ids=lambda v: v["name"])
+def test_accepted_frames_decode_to_their_meaning_and_validate(vec: dict[str, Any]) -> None:
+    """Frames guestd never writes but must take (float32 for a float field, issue 32 rule 4)."""
+    dec = FrameDecoder()
+    dec.feed(bytes.fromhex(vec["hex"]))
+    frame = dec.next_frame()
+    assert isinstance(frame, Frame) and frame.id == vec["id"] and frame.kind == Kind[vec["kind"].upper()]
+    body = decode_body(frame.payload)
+    assert body == from_json_value(vec["body"])
+    spec = OPS_BY_NAME[body["op"]]
+    assert validate_args(spec, body["args"]) == validate_args(spec, from_json_value(vec["body"])["args"])
+    assert encode_frame(frame.kind, frame.id, body).hex() != vec["hex"]  # guestd itself sends float64
 
 
 def test_oversize_body_is_skipped_without_buffering() -> None:

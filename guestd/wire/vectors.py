@@ -9,6 +9,7 @@ written ``{"$bin": "<hex>"}``.
 from __future__ import annotations
 
 import json
+import struct
 import sys
 from typing import Any
 
@@ -215,11 +216,33 @@ VECTORS: list[dict[str, Any]] = [
         "name": "duplicate_id_error",
         "dir": "s2c",
         "kind": "error",
-        "id": 11,
+        "id": 0,
+        "body": {
+            "code": "protocol_error",
+            "message": "request id 11 is already in flight",
+            "details": {"field": "id", "reason": "in_flight"},
+        },
+    },
+    {
+        "name": "malformed_window_error",
+        "dir": "s2c",
+        "kind": "error",
+        "id": 5,
         "body": {
             "code": "bad_request",
-            "message": "request id 11 is already in flight; this refuses the duplicate, the original continues",
-            "details": {"field": "id", "reason": "in_flight"},
+            "message": "bad window frame: field 'bytes' must be >= 0",
+            "details": {"field": "bytes"},
+        },
+    },
+    {
+        "name": "limit_error",
+        "dir": "s2c",
+        "kind": "error",
+        "id": 2,
+        "body": {
+            "code": "limit",
+            "message": "timeout_s may be at most 604800 (limits.max_exec_timeout_s)",
+            "details": {"limit": "max_exec_timeout_s", "value": 604800.0, "field": "timeout_s"},
         },
     },
     {
@@ -272,6 +295,33 @@ VECTORS: list[dict[str, Any]] = [
     {"name": "id_at_maximum", "dir": "c2s", "kind": "request", "id": 0xFFFFFFFF, "body": {"op": "ping", "args": {}}},
 ]
 
+
+def _float32_request() -> bytes:
+    """exec {argv: [true], timeout_s: 5.0} with the float as msgpack float32 (0xca 40a00000)."""
+    args = b"\x82" + _str("argv") + b"\x91" + _str("true") + _str("timeout_s") + b"\xca" + struct.pack(">f", 5.0)
+    payload = b"\x82" + _str("op") + _str("exec") + _str("args") + args
+    return HEADER.pack(MAGIC, 1, Kind.REQUEST, len(payload), 14) + payload
+
+
+def _str(text: str) -> bytes:
+    raw = text.encode()
+    return bytes([0xA0 | len(raw)]) + raw  # fixstr: these are all under 32 bytes
+
+
+# Frames a receiver must accept that guestd's own encoder never writes (it sends float64):
+# decoding them must give the body, re-encoding gives other bytes.
+ACCEPTED: list[dict[str, Any]] = [
+    {
+        "name": "float32_for_a_float_field",
+        "dir": "c2s",
+        "kind": "request",
+        "id": 14,
+        "hex": _float32_request().hex(),
+        "body": {"op": "exec", "args": {"argv": ["true"], "timeout_s": 5.0}},
+        "note": "float32 is accepted wherever a float is allowed (PROTOCOL.md 2.3)",
+    },
+]
+
 # Byte strings that are not valid frames, and what a decoder must do with them.
 BAD_STREAMS: list[dict[str, Any]] = [
     {"name": "bad_magic", "hex": b"HTTP/1.1 200 OK\r\n".hex(), "expect": "framing_error"},
@@ -289,6 +339,23 @@ BAD_STREAMS: list[dict[str, Any]] = [
         "hex": (HEADER.pack(MAGIC, 1, Kind.REQUEST, 1, 8) + b"\x90").hex(),
         "expect": "bad_request",
         "id": 8,
+    },
+    {
+        "name": "str_not_utf8",
+        "hex": (
+            HEADER.pack(MAGIC, 1, Kind.REQUEST, 28, 10)
+            + b"\x82"
+            + _str("op")
+            + _str("file.read")
+            + _str("args")
+            + b"\x81"
+            + _str("path")
+            + b"\xa2\xff\xfe"
+        ).hex(),
+        "expect": "bad_request",
+        "id": 10,
+        "details": {"reason": "invalid_utf8", "field": "args.path"},
+        "note": "the request's error names the arg: details {reason: invalid_utf8, field: path}",
     },
     {
         "name": "payload_not_msgpack",
@@ -330,6 +397,7 @@ def document() -> dict[str, Any]:
         "significant to receivers; a decoder must accept every vector, an encoder that keeps this order must "
         'reproduce the bytes. Binary values are {"$bin": hex}.',
         "frames": frames,
+        "accepted": [{**v, "body": to_json_value(v["body"])} for v in ACCEPTED],
         "bad_streams": BAD_STREAMS,
     }
 
