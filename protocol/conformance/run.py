@@ -1540,6 +1540,7 @@ def main(argv: list[str] | None = None) -> int:
         schema = load_schema(args.schema)
         paths = [Path(a) for a in args.args] or sorted(TRANSCRIPTS.glob("*.json"))
         tmp = args.tmp or tempfile.mkdtemp(prefix="conformance-serve-")
+        print(f"       ${{TMP}} is {tmp}")
 
         def served() -> Iterable[Result]:
             for path in paths:
