@@ -45,8 +45,9 @@ from guestd.children.tree import alive, descendants
 from guestd.code.kernel import NO_IPYKERNEL, PRIVATE_NAME
 from guestd.code.python import KernelPython, missing_ipykernel
 from guestd.code.python import resolve as resolve_python
+from guestd.code.reseed import ReseedChannel, handover_channel, kernel_seed
 from guestd.code.start import StartWait, kernel_pids, within, work_done
-from guestd.services import derive, reseed_each, to_the_end
+from guestd.services import derive, to_the_end
 from guestd.wire.errors import ErrorCode, GuestdError, limit_error
 
 if TYPE_CHECKING:  # the generated message types: annotations only, never imported at run time
@@ -77,6 +78,15 @@ DEFAULT_CONTEXT = "default"
 
 DROPPED_MIME = "application/vnd.guestd.dropped+json"  # guestd.code.kernel: a bundle it did not send
 REPLY_SLACK = 1024  # bytes of a reply's frame beyond its measured fields
+# Waits for a kernel's confirmation of its seed after a restore (guestd.code.reseed). An idle
+# kernel's re-seed thread answers within a millisecond; a second means the thread is gone
+# (a cell closed its channel) or the guest is starved: then a hidden cell re-seeds it. A busy
+# kernel answers as soon as its cell lets a thread run: at once in a sleep or I/O, within the
+# 5 ms switch interval in a Python loop, only when it returns from a C call holding the GIL;
+# the restore does not wait longer than BUSY for it (it is pending: guestd.code.contexts).
+IDLE_CONFIRM_WAIT_S = 1.0
+BUSY_CONFIRM_WAIT_S = 0.05
+NEXT_CELL_CONFIRM_WAIT_S = 1.0  # a pending seed, before the context's next cell
 
 
 def kernel_content_cap(limits: Any) -> int:
@@ -253,10 +263,12 @@ class Kernel:
     """One kernel process and its client channels: guestd's own Python kernel, or with
     ``spec`` a kernelspec installed in the guest (a foreign kernel, SECURITY.md)."""
 
-    def __init__(self, services: Services, kid: str, spec: ForeignSpec | None = None) -> None:
+    def __init__(self, services: Services, kid: str, spec: ForeignSpec | None = None, epoch: int = 0) -> None:
         self.services = services
         self.kid = kid
         self.spec = spec
+        self.epoch = epoch  # the restores guestd had seen when this kernel was spawned (Contexts.epoch)
+        self.reseeder: ReseedChannel | None = None  # guestd's own launcher only, once it is ready
         self.connection_file: str | None = None  # a foreign kernel's, until it is ready
         self.km: Any = None
         self.kc: Any = None
@@ -336,10 +348,12 @@ class Kernel:
         self._write_pidfile()
         child = self.child
         cgroup_pids = child.cgroup.pids if child.cgroup is not None else None
+        came_up = False
         try:
             await within(
                 wait, self._come_up(km, channel, ids), self.died, lambda: work_done(kernel_pids(child.pid, cgroup_pids))
             )
+            came_up = True
         except GuestdError:
             if self.python is not None and child.status is None:
                 # The launcher's end is seen (its channel closed) before it has exited and its exit
@@ -351,9 +365,11 @@ class Kernel:
                 raise missing_ipykernel(self.python) from None
             raise
         finally:
-            if channel is not None:
+            if channel is not None and not came_up:
                 channel.close()
             self._remove_connection_file()  # a foreign kernel has read it by now (or failed)
+        if channel is not None:
+            self.reseeder = ReseedChannel(channel)  # the key went over it; now the seeds of restores
         # From here on guestd reads the channels itself: one long-lived reader per socket that
         # hands each message to the run in progress, with a lean decode (no date parsing, no
         # protocol adaptation) instead of jupyter_client's per-call poll + deserialize.
@@ -370,7 +386,7 @@ class Kernel:
         from guestd.children import DEVNULL
 
         assert self.python is not None
-        ours, theirs = socket.socketpair()
+        ours, theirs = handover_channel()
         try:
             self.child = await self.services.children.spawn(
                 self.python.argv(),  # guestd's own Python, or the workload's (guestd.code.python)
@@ -435,10 +451,8 @@ class Kernel:
         """From spawned to answering: the key handed over (guestd's own kernel), the channels
         opened, the first kernel_info answered. Unbounded here: :func:`within` bounds it."""
         if channel is not None:
-            try:
-                await hand_over_connection(channel, self.pid, km.get_connection_info(session=False), ids)
-            finally:
-                channel.close()  # the kernel reads its connection info to the end of the stream
+            # One message; the channel stays open for re-seeding (Kernel.start closes it on failure).
+            await hand_over_connection(channel, self.pid, km.get_connection_info(session=False), ids)
         # No parent: jupyter_client would ask the manager whether the kernel lives, and the manager
         # did not start it (guestd.children did), so it would say no; self.died answers instead.
         kc = km.client(parent=None, context=_zmq_context(self.services.config.limits))
@@ -510,6 +524,11 @@ class Kernel:
     def alive(self) -> bool:
         return not self.died.done()
 
+    @property
+    def ready(self) -> bool:
+        """Started and answering (guestd reads its channels)."""
+        return bool(self.readers)
+
     def interrupt(self) -> None:
         if self.alive and self.spec is not None and self.spec.interrupt_mode == "message" and self.kc is not None:
             # The kernelspec asks for interrupt_request on the control channel instead of SIGINT.
@@ -530,6 +549,8 @@ class Kernel:
         await to_the_end(self._shutdown())
 
     async def _shutdown(self) -> None:
+        if self.reseeder is not None:
+            self.reseeder.close()
         for r in self.readers:
             r.cancel()
         if self.readers:
@@ -946,27 +967,52 @@ class CodeContext:
             self.last_activity = time.time()
             self.lock.release()
 
-    async def apply_pending_seed(self) -> None:
-        """Re-seed the kernel's user-space PRNGs (after a restore), waiting for the context to be idle."""
-        async with self.lock:
+    async def reseed(self, seed: bytes) -> bool:
+        """After a restore: True when the kernel confirmed ``seed`` before this returns (idle or
+        running a cell), False when it is pending (a cell in a C call holding the GIL, a kernel
+        still starting): then the seed is applied as soon as the kernel lets its re-seed
+        thread run, and always before the context's next cell (:meth:`_settle_seed`)."""
+        kernel = self.kernel
+        if kernel is None or not kernel.ready:
+            return False  # starting: Contexts.catch_up re-seeds it once it answers
+        if not kernel.alive or self.spec is not None:
+            return True  # nothing to re-seed: a dead kernel restarts fresh; a foreign one is not Python
+        self.pending_seed = seed
+        if kernel.reseeder is not None and kernel.reseeder.send(seed):
+            wait = BUSY_CONFIRM_WAIT_S if self.lock.locked() else IDLE_CONFIRM_WAIT_S
+            if await kernel.reseeder.confirmed(wait):
+                if self.pending_seed is seed:
+                    self.pending_seed = None
+                return True
+        if self.lock.locked():
+            return False  # busy, and its thread did not answer: before its next cell
+        async with self.lock:  # idle, without a working side channel: a hidden cell
             await self._reseed_locked()
+        return True
+
+    async def _settle_seed(self) -> None:
+        """Before a cell: a seed left pending by a restore is confirmed by the kernel (its thread
+        runs at once now that no cell holds the interpreter), or a hidden cell applies it."""
+        kernel = self.kernel
+        channel = kernel.reseeder if kernel is not None else None
+        if channel is not None and await channel.confirmed(NEXT_CELL_CONFIRM_WAIT_S):
+            self.pending_seed = None
+            return
+        await self._reseed_locked()
 
     async def _reseed_locked(self) -> None:
+        """The hidden cell: the launcher's own re-seed (guestd.code.kernel._reseed) run by the
+        message loop. Its seed differs from the side channel's, which may still apply late:
+        a seed applied twice would repeat the numbers drawn in between."""
         seed, self.pending_seed = self.pending_seed, None
         if seed is None or self.kernel is None or not self.kernel.alive or self.spec is not None:
             return  # a foreign kernel's language is not Python: it is not re-seeded
-        code = (
-            "import random as _gd_r, sys as _gd_s\n"
-            f"_gd_r.seed({seed!r})\n"
-            "if 'numpy' in _gd_s.modules:\n"
-            f"    _gd_s.modules['numpy'].random.seed({int.from_bytes(seed[:4], 'big')})\n"
-            "del _gd_r, _gd_s\n"
-        )
+        code = f"__import__('sys').modules[{PRIVATE_NAME!r}]._reseed({derive(seed, 'hidden-cell')!r})\n"
         await self._run_locked(code, _SETUP_OPTS, None, silent=True)
 
     async def _run_locked(self, code: str, opts: CodeRunArgs, ctx: Any, *, silent: bool = False) -> CodeRunReply:
         if self.pending_seed is not None and not silent:
-            await self._reseed_locked()  # a restore happened while this context was busy
+            await self._settle_seed()  # a restore happened while this context was busy
         kernel = self.kernel
         if kernel is None or not kernel.alive:
             reason = kernel.died.result() if kernel is not None and kernel.died.done() else "not started"
@@ -1097,6 +1143,7 @@ class CodeContext:
         """Attach a kernel: a pooled one (then apply cwd/env) or a fresh one. Returns pooled-ness."""
         if pooled is not None:
             self.kernel = pooled
+            await self._catch_up(pooled)
             if self.cwd or self.env:
                 setup = "import os as _o\n"
                 if self.cwd:
@@ -1115,11 +1162,19 @@ class CodeContext:
                     )
                 self.execution_count = 0
             return True
-        k = Kernel(self.manager.services, self.manager.new_kernel_id(), self.spec)
+        k = Kernel(self.manager.services, self.manager.new_kernel_id(), self.spec, self.manager.epoch)
         self.kernel = k
         # Failed, given up or cancelled: the caller ends the kernel (self.kernel) before it answers.
         await k.start(self.cwd, self.env, self.start_wait)
+        await self._catch_up(k)
         return False
+
+    async def _catch_up(self, kernel: Kernel) -> None:
+        """A kernel that came up across a restore (spawned, or pooled, before it) gets that
+        restore's seed now, or before its first cell."""
+        seed = await self.manager.catch_up(kernel)
+        if seed is not None:
+            self.pending_seed = seed
 
     async def restart(self) -> int:
         """Fresh state, same id: a new kernel process with the context's cwd and env."""
@@ -1167,6 +1222,8 @@ class Contexts:
         self.pool: list[Kernel] = []
         self._refill: asyncio.Task[None] | None = None
         self._counter = 0
+        self.epoch = 0  # restores seen; a kernel spawned before the last one needs its seed
+        self._restore_key = b""  # the last restore's, for kernels that come up after it
 
     def new_kernel_id(self) -> str:
         self._counter += 1
@@ -1252,9 +1309,10 @@ class Contexts:
         # too slow (or broken) to start one is retried less and less often, not every 5 s.
         backoff = POOL_RETRY_S
         while len(self.pool) < self.services.config.code_pool:
-            k = Kernel(self.services, self.new_kernel_id())
+            k = Kernel(self.services, self.new_kernel_id(), epoch=self.epoch)
             try:
                 await k.start(None, None, StartWait())
+                stale = await self.catch_up(k) is not None
             except asyncio.CancelledError:
                 await k.shutdown()
                 raise
@@ -1264,6 +1322,9 @@ class Contexts:
                 await asyncio.sleep(backoff)
                 backoff = min(backoff * 2, POOL_RETRY_MAX_S)
                 continue
+            if stale:  # came up across a restore and did not confirm its seed: a fresh one instead
+                await k.shutdown()
+                continue
             backoff = POOL_RETRY_S
             self.pool.append(k)
 
@@ -1271,13 +1332,58 @@ class Contexts:
         return {"busy_contexts": [c.id for c in self.contexts.values() if c.busy]}
 
     async def reseed(self, entropy: bytes) -> dict[str, list[str]]:
-        """After a restore: fresh random state in every kernel (busy ones before their next cell)."""
+        """After a restore: fresh random state in every kernel, contexts and pool, all at once
+        through their side channels (guestd.code.reseed), none waiting on another."""
+        self.epoch += 1
+        self._restore_key = derive(entropy, "code-kernels")
+        contexts = list(self.contexts.values())
+        pooled = list(self.pool)
+        outcomes = await asyncio.gather(
+            *(self._reseed_context(c) for c in contexts),
+            *(self._reseed_pooled(k) for k in pooled),
+            return_exceptions=True,
+        )
+        report: dict[str, list[str]] = {"contexts_reseeded": [], "contexts_pending": [], "reseed_errors": []}
+        for ctx, outcome in zip(contexts, outcomes, strict=False):
+            if isinstance(outcome, BaseException):
+                report["reseed_errors"].append(f"context {ctx.id}: {outcome!r}")
+            else:
+                report["contexts_reseeded" if outcome else "contexts_pending"].append(ctx.id)
+        for outcome in outcomes[len(contexts) :]:
+            if isinstance(outcome, BaseException):
+                report["reseed_errors"].append(f"pooled kernel: {outcome!r}")
+        return report
 
-        def give(c: CodeContext) -> None:
-            c.pending_seed = derive(entropy, "ctx:" + c.id)
+    async def _reseed_context(self, ctx: CodeContext) -> bool:
+        kernel, epoch = ctx.kernel, self.epoch
+        if kernel is None or not kernel.ready:
+            return False  # starting: CodeContext._catch_up re-seeds it once it answers
+        done = await ctx.reseed(kernel_seed(self._restore_key, kernel.pid))
+        if done and kernel.epoch < epoch:
+            kernel.epoch = epoch
+        return done
 
-        done, pending, errors = await reseed_each(list(self.contexts.values()), give)
-        return {"contexts_reseeded": done, "contexts_pending": pending, "reseed_errors": errors}
+    async def _reseed_pooled(self, kernel: Kernel) -> None:
+        """A pooled kernel confirms its seed, or it leaves the pool (a fresh one replaces it)."""
+        if await self.catch_up(kernel) is None or kernel not in self.pool:
+            return
+        self.pool.remove(kernel)
+        await kernel.shutdown()
+        self.ensure_pool()
+
+    async def catch_up(self, kernel: Kernel) -> bytes | None:
+        """Give ``kernel`` the last restore's seed if it has not had it (spawned before that
+        restore). None: it is current (confirmed, or born after); else the seed it did not
+        confirm, for a hidden cell."""
+        epoch = self.epoch
+        if kernel.epoch >= epoch or kernel.spec is not None or not kernel.alive:
+            return None
+        seed = kernel_seed(self._restore_key, kernel.pid)
+        channel = kernel.reseeder
+        if channel is not None and channel.send(seed) and await channel.confirmed(IDLE_CONFIRM_WAIT_S):
+            kernel.epoch = max(kernel.epoch, epoch)
+            return None
+        return seed
 
     async def shutdown(self) -> None:
         if self._refill is not None:

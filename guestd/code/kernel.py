@@ -6,6 +6,10 @@ nothing here may import guestd), or, for a kernelspec installed in the guest,
 Runs inside the kernel, before ipykernel starts:
 - takes its connection info and session key from guestd over fd 0 once it is non-dumpable,
   so the key is never on disk or anywhere the workload's processes can read it;
+- keeps that channel as the re-seed side channel: a thread re-seeds ``random`` (and numpy's
+  global state) from the seeds guestd sends after a snapshot restore and confirms each one,
+  without going through the kernel's message loop, so a cell that is running (a
+  ``time.sleep``, a loop) does not hold the re-seed up (``_reseed_from_guestd``);
 - asks the Linux kernel to SIGKILL this process when guestd (its parent) dies, so
   a crashed guestd never leaves orphan kernels behind (start-up reaping covers the rest);
 - packs its messages with ``pack_message`` (below), so that text holding lone surrogates
@@ -32,6 +36,12 @@ NO_IPYKERNEL = 86  # exit status: this Python cannot run a kernel (guestd.code.p
 PRIVATE_NAME = "_guestd_kernel"  # this module's name in sys.modules, wherever it was loaded from
 PR_SET_DUMPABLE = 4
 MAX_CONNECTION_INFO = 64 * 1024
+# The re-seed side channel (guestd.code.reseed): guestd sends SEED_TAG + token + seed, one
+# SOCK_SEQPACKET message; the kernel answers with the token once the seed is applied.
+SEED_TAG = b"S"
+SEED_TOKEN_BYTES = 8
+SEED_BYTES = 32
+SEED_MESSAGE_BYTES = len(SEED_TAG) + SEED_TOKEN_BYTES + SEED_BYTES
 
 
 STREAM_PIECE = 256 * 1024  # characters of stream text per message (a 100 MB print: 400 messages)
@@ -127,30 +137,78 @@ def _iopub_waits_instead_of_dropping() -> None:
     IPKernelApp.init_iopub = init_iopub  # type: ignore[method-assign]
 
 
-def _connection_from_guestd() -> dict[str, Any]:
+def _connection_from_guestd() -> tuple[dict[str, Any], socket.socket]:
     """The connection info (with the session key) from guestd over fd 0, a socketpair, never a
     file. This process runs as the workload user, and so do the workload's processes: a key on
     disk or in this process's environment they could read. First this process turns
     non-dumpable (its /proc files become root's: no ptrace, no /proc/<pid>/mem, environ or fd
     from the workload's processes, for the kernel's whole life), then it asks; guestd checks
-    that and that nothing traces it before it answers. fd 0 becomes /dev/null again."""
+    that and that nothing traces it before it answers, in one message (SOCK_SEQPACKET). fd 0
+    becomes /dev/null again; the channel itself stays open (close-on-exec) for re-seeding."""
     ctypes.CDLL(None).prctl(PR_SET_DUMPABLE, 0, 0, 0, 0)
     channel = socket.socket(fileno=os.dup(0))
     try:
         channel.sendall(b"ready\n")
-        data = b""
-        while len(data) <= MAX_CONNECTION_INFO:
-            chunk = channel.recv(MAX_CONNECTION_INFO)
-            if not chunk:
-                break
-            data += chunk
-    finally:
+        data = channel.recv(MAX_CONNECTION_INFO + 1)
+    except BaseException:
         channel.close()
+        raise
     null = os.open(os.devnull, os.O_RDONLY)
     os.dup2(null, 0)
     os.close(null)
     info: dict[str, Any] = json.loads(data)
-    return info
+    return info, channel
+
+
+def _reseed(seed: bytes) -> None:
+    """Fresh user-space random state from ``seed``: the ``random`` module's, numpy's global
+    one when numpy is loaded (all 256 bits: MT19937 seeded by array), and the name sequence
+    ``tempfile`` made from the parent's state (it makes a new one from os.urandom, which the
+    restore's CRNG re-seed made fresh)."""
+    import random
+
+    random.seed(seed)
+    numpy = sys.modules.get("numpy")
+    try:
+        if numpy is not None:
+            numpy.random.seed([int.from_bytes(seed[i : i + 4], "big") for i in range(0, len(seed), 4)])
+    except Exception:  # numpy half imported (by the running cell), or a cell replaced it
+        pass
+    tempfile = sys.modules.get("tempfile")
+    if tempfile is not None and hasattr(tempfile, "_name_sequence"):
+        tempfile._name_sequence = None  # type: ignore[attr-defined]  # private, made again on use
+
+
+def _reseed_from_guestd(channel: socket.socket) -> None:
+    """The re-seed thread: blocks in recv (without the GIL), applies each seed guestd sends and
+    answers with its token. Not the message loop: it runs while a cell runs, as soon as the
+    interpreter lets a thread run (at once during a sleep or I/O; within the switch interval
+    of a pure-Python loop; when a C call holding the GIL returns). Ends when guestd closes
+    its end (the kernel is being shut down) or the channel fails."""
+    while True:
+        try:
+            message = channel.recv(SEED_MESSAGE_BYTES + 1)
+        except OSError:
+            return
+        if not message:
+            return
+        if len(message) != SEED_MESSAGE_BYTES or not message.startswith(SEED_TAG):
+            continue
+        token = message[len(SEED_TAG) : len(SEED_TAG) + SEED_TOKEN_BYTES]
+        try:
+            _reseed(message[len(SEED_TAG) + SEED_TOKEN_BYTES :])
+        except Exception:
+            continue  # no confirmation: guestd re-seeds with a hidden cell before the next one
+        try:
+            channel.send(token)
+        except OSError:
+            return
+
+
+def _start_reseeding(channel: socket.socket) -> None:
+    import threading
+
+    threading.Thread(target=_reseed_from_guestd, args=(channel,), name="guestd-reseed", daemon=True).start()
 
 
 def _connection_without_a_file(info: dict[str, Any]) -> None:
@@ -230,7 +288,9 @@ def main() -> None:
     if _missing_kernel_packages():
         sys.exit(NO_IPYKERNEL)  # guestd says which Python lacks it and how to fix it
     if argv[:1] == ["--connection-from-guestd"]:
-        _connection_without_a_file(_connection_from_guestd())
+        info, channel = _connection_from_guestd()
+        _connection_without_a_file(info)
+        _start_reseeding(channel)
         argv = argv[1:]
     _split_long_streams()
     _iopub_waits_instead_of_dropping()

@@ -13,8 +13,12 @@ it answers any other request:
 4. applies the new identity (hostname, /etc/machine-id, environment, access token);
 5. drops every connection from before the snapshot;
 then re-seeds every code context (Python's `random`, and numpy's global state when
-numpy is loaded) and every shell session (`$RANDOM`), at once when idle, or before
-their next run when busy.
+numpy is loaded) and every shell session (`$RANDOM`), side by side with writing the
+generation file and signalling the workload. A kernel takes its seed through a side
+channel that does not wait for its message loop (guestd.code.reseed), so a context
+running a cell is re-seeded at once too, unless the cell holds the interpreter in a C
+call: then before its next cell. A shell session is re-seeded at once when idle, or
+before its next run when busy.
 
 Privileged steps (ioctls on /dev/random, clock_settime, sethostname, /etc/machine-id,
 random-seed files, FIFREEZE) run for real only when the config says guestd runs in a guest
@@ -480,27 +484,35 @@ class SnapshotState:
         self.generation = gen
         self.restored_at = time.time()
         self.suspected_restore = False
-        # The workload runs again only now: after the CRNG re-seed and the new identity, and
-        # with the generation file already saying so.
-        done["generation_file"] = await self.services.run_in_io(
-            write_generation_file,
-            self.services.runtime_dir(),
-            {
-                "generation": gen,
-                "instance_id": self.instance_id,
-                "sandbox_id": self.sandbox_id,
-                "hostname": ident.hostname,
-                "restored_at": self.restored_at,
-            },
-        )
-        done["thawed"] = self.thaw()
-        ids = self.services.config.policy.workload_ids()
-        done["signalled"] = await self.services.run_in_io(
-            signal_registered, self.services.workload.path, ids[0] if ids is not None else None
-        )
+        # Kernels and shells are re-seeded from here on, side by side with the steps below: a
+        # kernel takes its seed through a side channel (guestd.code.reseed), so none waits for
+        # guestd's file and signals, nor for another. A frozen workload applies its seeds once
+        # thawed below; the restore answers only once they are applied (or pending).
         t = time.monotonic()
-        done.update(await self._reseed_workloads(entropy))
-        done["workloads_ms"] = (time.monotonic() - t) * 1000
+        reseeding = asyncio.ensure_future(self._reseed_workloads(entropy))
+        try:
+            # The workload runs again only now: after the CRNG re-seed and the new identity, and
+            # with the generation file already saying so.
+            done["generation_file"] = await self.services.run_in_io(
+                write_generation_file,
+                self.services.runtime_dir(),
+                {
+                    "generation": gen,
+                    "instance_id": self.instance_id,
+                    "sandbox_id": self.sandbox_id,
+                    "hostname": ident.hostname,
+                    "restored_at": self.restored_at,
+                },
+            )
+            done["thawed"] = self.thaw()
+            ids = self.services.config.policy.workload_ids()
+            done["signalled"] = await self.services.run_in_io(
+                signal_registered, self.services.workload.path, ids[0] if ids is not None else None
+            )
+        finally:
+            reseeded = await reseeding  # also when a step failed: nothing is left running behind it
+        done.update(reseeded)
+        done["workloads_ms"] = (time.monotonic() - t) * 1000  # overlaps the steps above
         done["actions"] = list(self.priv.recorded)
         done["simulated"] = self.priv.why
         done["instance_id"] = self.instance_id
