@@ -36,6 +36,9 @@ class Request(Protocol):
     @property
     def input(self) -> asyncio.Queue[dict[str, Any]]: ...
 
+    # Set, INPUT bodies go to it as they arrive (on the loop, in frame order) instead of ``input``.
+    input_handler: Callable[[dict[str, Any]], None] | None
+
     @property
     def write_paused(self) -> bool: ...
 

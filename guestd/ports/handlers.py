@@ -10,12 +10,12 @@ import errno
 import itertools
 import socket
 import time
-from collections.abc import Iterator
+from collections.abc import Awaitable, Callable, Iterator
 from contextlib import contextmanager
 from typing import TYPE_CHECKING, Any
 
 from guestd.ports.listeners import MAX_WANTED_PORTS, WAIT_INTERVALS_S, Listing, describe, probe, scan
-from guestd.ports.relay import Relay, check_address, check_local, connect_error
+from guestd.ports.relay import Relay, check_address, check_local, connect
 from guestd.ports.reverse import Forward, reset
 from guestd.wire.errors import ErrorCode, GuestdError, limit_error
 
@@ -50,40 +50,36 @@ def register(services: Services) -> None:
     @contextmanager
     def counted(table: dict[object, int], owner: object, limit: int, name: str) -> Iterator[None]:
         if table.get(owner, 0) >= limit:
-            raise limit_error(name, limit, f"more than {limit} open on this connection (limits.{name})")
+            raise _too_many(limit, name)
         table[owner] = table.get(owner, 0) + 1
         try:
             yield
         finally:
-            table[owner] -= 1
-            if not table[owner]:
-                del table[owner]
+            _give_back(table, owner)
 
-    async def relay(ctx: Request, chunk: int | None, open_socket: Any) -> dict[str, Any]:
-        with counted(streams, ctx.connection, limits.max_port_streams, "max_port_streams"):
-            r = Relay(ctx, min(chunk or limits.max_chunk, limits.max_chunk))
+    async def relay(ctx: Request, chunk: int | None, open_socket: Callable[[Relay], Awaitable[None]]) -> dict[str, Any]:
+        owner = ctx.connection
+        open_now = streams.get(owner, 0)
+        if open_now >= limits.max_port_streams:
+            raise _too_many(limits.max_port_streams, "max_port_streams")
+        streams[owner] = open_now + 1
+        r = Relay(ctx, min(chunk or limits.max_chunk, limits.max_chunk))
+        ok = False
+        try:
             await open_socket(r)
-            ok = False
-            try:
-                result = await r.run()
-                ok = True
-                return result
-            finally:
-                r.close(reset=not ok)
+            result = await r.run()
+            ok = True
+            return result
+        finally:
+            r.close(reset=not ok)
+            _give_back(streams, owner)
 
     async def op_connect(ctx: Request, a: PortConnectArgs) -> PortConnectReply:
         address, port, timeout_s = a["address"], a["port"], a["connect_timeout_s"]
         check_local(address)
         policy.check_port(port)
 
-        async def open_socket(r: Relay) -> None:
-            loop = asyncio.get_running_loop()
-            try:
-                await asyncio.wait_for(loop.create_connection(r.protocol, host=address, port=port), timeout_s)
-            except (OSError, TimeoutError) as exc:
-                raise connect_error(exc, address, port, timeout_s) from None
-
-        return await relay(ctx, a["chunk"], open_socket)  # type: ignore[return-value]
+        return await relay(ctx, a["chunk"], lambda r: connect(r, address, port, timeout_s))  # type: ignore[return-value]
 
     async def op_accept(ctx: Request, a: PortAcceptArgs) -> PortAcceptReply:
         fwd = forwards.get(a["forward"])
@@ -216,6 +212,16 @@ def register(services: Services) -> None:
     services.ops.add("port.list", op_list)
     services.ops.add("port.watch", op_watch)
     services.ops.add("port.wait", op_wait)
+
+
+def _too_many(limit: int, name: str) -> GuestdError:
+    return limit_error(name, limit, f"more than {limit} open on this connection (limits.{name})")
+
+
+def _give_back(table: dict[object, int], owner: object) -> None:
+    table[owner] -= 1
+    if not table[owner]:
+        del table[owner]
 
 
 def wanted_ports(ports: list[int] | None) -> frozenset[int] | None:
