@@ -199,10 +199,7 @@ def replay_client(doc: dict[str, Any], call: ClientCall, tmp: Path) -> tuple[Any
 
 
 # Where guestd's own client departs from a transcript (the fix is in guestd/, not here).
-CLIENT_XFAIL = {
-    "handshake_floor": "guestd's client announcing max_frame 1000 also refuses frames above 1000, but the "
-    "server may send up to 65536 to any client (PROTOCOL.md 2.1): it fails on the 1 KiB hello reply",
-}
+CLIENT_XFAIL: dict[str, str] = {}  # transcript stem -> why guestd's client fails it today
 
 
 def client_param(path: Path) -> Any:

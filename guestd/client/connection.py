@@ -252,7 +252,7 @@ class ClientConnection(asyncio.BufferedProtocol):
         hello: dict[str, Any] = {
             "versions": [PROTOCOL_VERSION],
             "client": f"guestd-client/{__version__}",
-            "max_frame": self.session.max_frame,
+            "max_frame": self.session.announced_max_frame,
             "stream_window": self.session.stream_window,
             "time_ns": time.time_ns(),  # lets a guest that missed a restore notice its stale clock
         }

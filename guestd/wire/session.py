@@ -738,7 +738,10 @@ class ClientSession(Session):
         max_decoded: int | None = None,
         max_event_decoded: int | None = None,
     ) -> None:
-        super().__init__(max_frame=max_frame, stream_window=stream_window)
+        # What the hello announces is the caller's value; what is accepted is at least the floor,
+        # since a server sends frames of up to MIN_MAX_FRAME to any client (PROTOCOL.md 2.1).
+        super().__init__(max_frame=max(MIN_MAX_FRAME, max_frame), stream_window=stream_window)
+        self.announced_max_frame = max_frame
         self.ops = ops
         self.hello: dict[str, Any] | None = None
         self._offered_versions: tuple[int, ...] = ()

@@ -25,6 +25,7 @@ Requests the typed methods never send (``process.start {}``, ``run.get {}``, ``s
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import Awaitable
 from typing import Any
 
@@ -33,7 +34,11 @@ from guestd.client.runs import start_kept
 from guestd.wire.errors import GuestdError
 from tests.conformance_calls import CallContext, ClientCall
 
-NOW_NS = 1764567000000000000  # the transcripts' fixed host clock (their servers simulate the clock steps)
+
+def now_ns() -> int:
+    """The host clock a restore or clock.check carries: a day ahead of this one, so a guestd with
+    simulated privileged steps reports the clock set (the transcripts: {"$now_ns": 86400000000000})."""
+    return time.time_ns() + 86_400 * 10**9
 
 
 async def refused(call: Awaitable[object], code: str, **details: object) -> GuestdError:
@@ -376,16 +381,19 @@ async def snapshot_restore(c: AsyncClient, ctx: CallContext) -> object:
     await c.info()
     shell = await c.shell_create()
     identity: dict[str, Any] = {"sandbox_id": "sb-conformance", "hostname": "conformance-clone"}
-    first = await c.restore(generation=1, nonce="snapshot_restore-1", time_ns=NOW_NS, entropy=b"\x01" * 32, **identity)
+    e1 = b"\x01" * 32
+    first = await c.restore(generation=1, nonce="snapshot_restore-1", time_ns=now_ns(), entropy=e1, **identity)
     assert not first.replayed
-    again = await c.restore(generation=1, nonce="snapshot_restore-1", time_ns=NOW_NS, entropy=b"\x01" * 32, **identity)
+    again = await c.restore(generation=1, nonce="snapshot_restore-1", time_ns=now_ns(), entropy=e1, **identity)
     assert again.replayed
-    await refused(c.restore(generation=1, nonce="snapshot_restore-2", time_ns=NOW_NS, entropy=b"\x02" * 32), "stale")
-    bad = c.restore(generation=2, nonce="snapshot_restore-3", time_ns=NOW_NS, entropy=b"\x03" * 16)
+    await refused(c.restore(generation=1, nonce="snapshot_restore-2", time_ns=now_ns(), entropy=b"\x02" * 32), "stale")
+    bad = c.restore(generation=2, nonce="snapshot_restore-3", time_ns=now_ns(), entropy=b"\x03" * 16)
     await refused(bad, "bad_request", field="entropy")
-    bad = c.restore(generation=2, nonce="snapshot_restore-4", time_ns=NOW_NS, entropy=b"\x04" * 32, hostname="bad host")
+    bad = c.restore(
+        generation=2, nonce="snapshot_restore-4", time_ns=now_ns(), entropy=b"\x04" * 32, hostname="bad host"
+    )
     await refused(bad, "bad_request", field="identity.hostname")
-    bad = c.restore(generation=2, nonce="snapshot_restore-5", time_ns=NOW_NS, entropy=b"\x05" * 32, env={"A=B": "x"})
+    bad = c.restore(generation=2, nonce="snapshot_restore-5", time_ns=now_ns(), entropy=b"\x05" * 32, env={"A=B": "x"})
     await refused(bad, "bad_request", field="identity.env.A=B")
     await c.info()
     await c.shell_close(shell.id)
@@ -393,9 +401,9 @@ async def snapshot_restore(c: AsyncClient, ctx: CallContext) -> object:
 
 
 async def snapshot_clock_check(c: AsyncClient, ctx: CallContext) -> object:
-    await c.clock_check(time_ns=NOW_NS)
+    await c.clock_check(time_ns=now_ns())
     await c.snapshot_prepare(quiesce=True)
-    await c.clock_check(time_ns=NOW_NS)
+    await c.clock_check(time_ns=now_ns())
     await c.snapshot_resume()
     results = await together(
         c.clock_check(time_ns=-1), c.call("clock.check", {"time_ns": 1.5}), c.call("clock.check", {})
