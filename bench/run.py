@@ -678,35 +678,49 @@ def import_cost() -> dict[str, Any]:
 
 
 async def measure_restore(tmp: str, counts: list[int], n: int) -> dict[str, Any]:
-    """restore latency with 0, 1, ... live code contexts (privileged steps simulated on this host)."""
+    """restore latency with 0, 1, ... live code contexts (privileged steps simulated on this host),
+    then with the last count and one of its contexts busy in a cell (``"<N> (1 busy)"``)."""
     gsock = f"{tmp}/guestd-restore.sock"
     gd = Proc(
         [*guestd_argv(gsock), "--runtime-dir", f"{tmp}/rt2", "--code-pool", "0", "--simulate-privileged"],
         ready_via_fd=True,
     )
     out: dict[str, Any] = {}
+
+    async def sample(key: str) -> None:
+        rtt, total, before_reseed, reseeding = [], [], [], []
+        for _ in range(n):
+            t = time.perf_counter()
+            rep = await c.restore(entropy=os.urandom(64))
+            rtt.append(time.perf_counter() - t)
+            total.append(rep.duration_s)
+            reseeding.append(rep.workloads_ms / 1000)
+            before_reseed.append(rep.duration_s - rep.workloads_ms / 1000)
+        out[key] = {
+            "rtt": summary_ms(rtt),
+            "in_guest": summary_ms(total),
+            # The daemon's steps before re-seeding starts; re-seeding overlaps the rest of them
+            # (the generation file, signals): the two parts add up to in_guest.
+            "daemon": summary_ms(before_reseed),
+            "contexts": summary_ms(reseeding),
+        }
+
     try:
         c = await AsyncClient.connect(f"unix:{gsock}")
-        have = 0
+        have, ids = 0, []
         for want in counts:
             while have < want:
                 created = await c.code_create(deadline=120)
                 pin_all_threads(created.pid)
+                ids.append(created.id)
                 have += 1
-            rtt, total, daemon_part, contexts_part = [], [], [], []
-            for _ in range(n):
-                t = time.perf_counter()
-                rep = await c.restore(entropy=os.urandom(64))
-                rtt.append(time.perf_counter() - t)
-                total.append(rep.duration_s)
-                contexts_part.append(rep.workloads_ms / 1000)
-                daemon_part.append(rep.duration_s - rep.workloads_ms / 1000)
-            out[str(want)] = {
-                "rtt": summary_ms(rtt),
-                "in_guest": summary_ms(total),
-                "daemon": summary_ms(daemon_part),
-                "contexts": summary_ms(contexts_part),
-            }
+            await sample(str(want))
+        if ids:  # a cell running through the restores (on this connection: a restore keeps it)
+            busy = asyncio.ensure_future(c.code_run("import time; time.sleep(3600)", context=ids[0]))
+            await asyncio.sleep(0.5)
+            await sample(f"{have} (1 busy)")
+            await c.code_interrupt(ids[0])
+            await asyncio.wait_for(busy, 30)
         await c.close()
     finally:
         gd.stop()
@@ -779,11 +793,12 @@ def render(res: dict[str, Any], quick: bool, cmd: str) -> str:
         f"(raw jupyter_client, ipc, same CPU as its kernel) | {code_ratio:.2f}x | <= 1.2x "
         f"| {verdict(code_ratio <= 1.2)} |"
     )
-    r1 = restore.get("1")
-    if r1 is not None:
+    restore_n = "8" if "8" in restore else "1"  # the goal is 8 (quick mode measures 1)
+    r_n = restore.get(restore_n)
+    if r_n is not None:
         lines.append(
-            f"| restore, daemon + 1 context, p50 in the guest | {r1['in_guest']['p50_ms']:.2f} ms | - | - | < 10 ms "
-            f"| {verdict(r1['in_guest']['p50_ms'] < 10)} |"
+            f"| restore with {restore_n} live context(s), p50 in the guest | {r_n['in_guest']['p50_ms']:.2f} ms "
+            f"| - | - | < 10 ms | {verdict(r_n['in_guest']['p50_ms'] < 10)} |"
         )
     if gib is not None:
         growth = max(gib["upload_rss_growth_MiB"], gib["download_rss_growth_MiB"])
@@ -848,7 +863,7 @@ def render(res: dict[str, Any], quick: bool, cmd: str) -> str:
         f"| guestd RSS with 2 contexts + 1 pooled kernel | {code['guestd_rss_with_contexts_MiB']:.1f} MiB |",
         f"| one kernel process RSS (median) | {code['kernel_rss_MiB']:.1f} MiB |",
         "",
-        "| restore with N live contexts | p50 in guest ms | daemon part ms | contexts part ms | round trip p50 ms |",
+        "| restore with N live contexts | p50 in guest ms | before re-seeding ms | re-seeding ms | round trip p50 ms |",
         "|---|---|---|---|---|",
         *(
             f"| {k} | {v['in_guest']['p50_ms']:.2f} | {v['daemon']['p50_ms']:.2f} | {v['contexts']['p50_ms']:.2f} "
@@ -857,7 +872,10 @@ def render(res: dict[str, Any], quick: bool, cmd: str) -> str:
         ),
         "",
         "Restore here runs with privileged steps simulated (this host's CRNG and clock are not touched); in a "
-        "guest the two CRNG ioctls and clock_settime add microseconds. Contexts are re-seeded in parallel.",
+        "guest the two CRNG ioctls and clock_settime add microseconds. Every kernel takes its seed through a "
+        "side channel of its own (not its message loop), all at once and beside the daemon's last steps (the "
+        "generation file, the signals), which the re-seeding column overlaps; `(1 busy)`: one context runs "
+        "a cell (a sleep) through the restores, and is re-seeded at once all the same.",
         "",
         "| memory | RSS MiB | PSS MiB |",
         "|---|---|---|",
