@@ -442,6 +442,7 @@ class WorkspaceAPI:
         exclude: list[str] | None = None,
         gitignore: bool | None = None,
         max_bytes: int | None = None,
+        chunk: int | None = None,
         progress: Progress | None = None,
         deadline: float | None = None,
         progress_timeout: float | None = DEFAULT_DEADLINE,
@@ -457,6 +458,7 @@ class WorkspaceAPI:
         exclude: list[str] | None = None,
         gitignore: bool | None = None,
         max_bytes: int | None = None,
+        chunk: int | None = None,
         progress: Progress | None = None,
         deadline: float | None = None,
         progress_timeout: float | None = DEFAULT_DEADLINE,
@@ -471,13 +473,14 @@ class WorkspaceAPI:
         exclude: list[str] | None = None,
         gitignore: bool | None = None,
         max_bytes: int | None = None,
+        chunk: int | None = None,
         progress: Progress | None = None,
         deadline: float | None = None,
         progress_timeout: float | None = DEFAULT_DEADLINE,
     ) -> bytes | int:
         """The guest directory ``src`` as a tar archive: extracted into the new local directory
         ``dst`` (returns the archive's size), or returned as bytes (at most ``max_bytes``,
-        default 256 MiB)."""
+        default 256 MiB). ``chunk`` bounds each data event (default: the guest's max_chunk)."""
         return await self._download_tree(
             src,
             dst,
@@ -485,6 +488,7 @@ class WorkspaceAPI:
             exclude=exclude,
             gitignore=gitignore,
             max_bytes=max_bytes,
+            chunk=chunk,
             progress=progress,
             deadline=deadline,
             progress_timeout=progress_timeout,
@@ -499,13 +503,14 @@ class WorkspaceAPI:
         exclude: list[str] | None = None,
         gitignore: bool | None = None,
         max_bytes: int | None = None,
+        chunk: int | None = None,
         progress: Progress | None = None,
         deadline: float | None = None,
         progress_timeout: float | None = DEFAULT_DEADLINE,
     ) -> bytes | int:
         """The transfer behind the overloads of :meth:`download_tree`."""
         cap = max_bytes if max_bytes is not None else (TREE_MEMORY_CAP if dst is None else None)
-        args = _present(path=path_to_wire(src), include=include, exclude=exclude, gitignore=gitignore)
+        args = _present(path=path_to_wire(src), include=include, exclude=exclude, gitignore=gitignore, chunk=chunk)
         call = self._conn.start("tree.download", args)
         spool = tempfile.TemporaryFile() if dst is not None else None  # noqa: SIM115 - closed below
         buf = bytearray()

@@ -4,9 +4,6 @@ Each driver makes guestd's :class:`~guestd.client.AsyncClient` send exactly the 
 requests, in its order, with the typed methods. A request the transcript answers with an error
 before its last step is awaited through :func:`refused`, which checks the code and goes on; the
 last request's outcome (result or typed error) is the driver's.
-
-Not driven here: ``tree_download_chunk`` (the client's ``download_tree`` has no ``chunk``
-argument: a server test).
 """
 
 from __future__ import annotations
@@ -65,6 +62,15 @@ async def tree_upload_refused(c: AsyncClient, ctx: CallContext) -> object:
     await refused(c.upload_tree(uploaded_archive(stem, 5), f"{t}/dir"), "exists")
     await refused(c.upload_tree(uploaded_archive(stem, 6), f"{t}/dir/missing/t"), "not_found")
     return await c.listdir(f"{t}/dir")
+
+
+async def tree_download_chunk(c: AsyncClient, ctx: CallContext) -> object:
+    t = f"{ctx.tmp}/tree_download_chunk"
+    await c.write_file(f"{t}/big.bin", b"a" * 5000, parents=True)
+    await c.download_tree(t, chunk=1000)
+    await refused(c.download_tree(f"{t}/missing"), "not_found")
+    await refused(c.download_tree(f"{t}/big.bin"), "not_a_directory")
+    return await c.download_tree(t, chunk=0)
 
 
 # ------------------------------------------------------------------ watch and the change feed
@@ -318,6 +324,7 @@ async def info(c: AsyncClient, ctx: CallContext) -> object:
 CALLS: dict[str, ClientCall] = {
     "tree_upload_download": tree_upload_download,
     "tree_upload_refused": tree_upload_refused,
+    "tree_download_chunk": tree_download_chunk,
     "watch_ready_change_cancel": watch_ready_change_cancel,
     "watch_errors": watch_errors,
     "watch_changes_cursor": watch_changes_cursor,
