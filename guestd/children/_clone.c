@@ -80,6 +80,8 @@ typedef struct {
     Py_ssize_t oom_len;
     int set_nofile;
     struct rlimit nofile;
+    int all_cpus; /* widen the CPU affinity to every CPU the cpuset allows (guestd may be pinned) */
+    int nice_zero; /* back to nice 0 (guestd may run at a higher priority than its workload) */
     volatile int err, stage; /* out */
 } plan_t;
 
@@ -185,6 +187,16 @@ static int child_main(void *arg) {
         }
     }
     if (p->set_nofile) setrlimit(RLIMIT_NOFILE, &p->nofile);
+    if (p->nice_zero && setpriority(PRIO_PROCESS, 0, 0) != 0) { /* raising it needs no privilege */
+    }
+    if (p->all_cpus) {
+        /* Every bit set: the kernel keeps those of CPUs that exist and the cpuset allows; exec
+         * then places the process on the least busy of them (best effort). */
+        unsigned char every_cpu[128];
+        memset(every_cpu, 0xff, sizeof every_cpu);
+        if (syscall(SYS_sched_setaffinity, 0, sizeof every_cpu, every_cpu) != 0) { /* keep going */
+        }
+    }
 
     p->stage = STAGE_CREDS;
     if (p->uid >= 0) {
@@ -294,9 +306,9 @@ static PyObject *gd_spawn(PyObject *self, PyObject *args) {
     (void)self;
     PyObject *paths_o, *argv_o, *envp_o, *cwd_o, *fds_o, *oom_o, *nofile_o;
     long uid, gid;
-    int do_setsid, ctty, cgroup_fd;
-    if (!PyArg_ParseTuple(args, "OOOOOllppiOO", &paths_o, &argv_o, &envp_o, &cwd_o, &fds_o, &uid, &gid, &do_setsid,
-                          &ctty, &cgroup_fd, &oom_o, &nofile_o))
+    int do_setsid, ctty, cgroup_fd, all_cpus = 0, nice_zero = 0;
+    if (!PyArg_ParseTuple(args, "OOOOOllppiOO|pp", &paths_o, &argv_o, &envp_o, &cwd_o, &fds_o, &uid, &gid, &do_setsid,
+                          &ctty, &cgroup_fd, &oom_o, &nofile_o, &all_cpus, &nice_zero))
         return NULL;
 #if !HAVE_CLONE3_TRAMPOLINE
     PyErr_SetString(PyExc_NotImplementedError, "clone3 spawn is not built for this architecture");
@@ -311,6 +323,8 @@ static PyObject *gd_spawn(PyObject *self, PyObject *args) {
     plan.gid = gid;
     plan.setsid = do_setsid;
     plan.ctty = ctty;
+    plan.all_cpus = all_cpus;
+    plan.nice_zero = nice_zero;
     if ((plan.paths = bytes_array(paths_o, &keep_paths, &plan.npaths)) == NULL) goto done;
     if ((plan.argv = bytes_array(argv_o, &keep_argv, NULL)) == NULL) goto done;
     if (envp_o == Py_None) {

@@ -38,11 +38,32 @@ def build_env(env: dict[str, str] | None, mode: str, ids: tuple[int, int] | None
     identity = user_identity(ids[0]) if ids is not None and ids[0] != os.geteuid() else None
     if not env and not identity:
         return None
+    merged = dict(_environ_as(identity))
+    if env:
+        merged.update(env)
+    return merged
+
+
+# Copying os.environ decodes every name and value in Python (28 us here, per exec as the workload
+# user); the merged copy is kept per identity while guestd's own environment is unchanged
+# (a restore may update it: checked by comparing the raw bytes mapping, 0.4 us).
+_RAW_ENVIRON: dict[bytes, bytes] | None = getattr(os.environ, "_data", None)
+_merged_cache: dict[tuple[tuple[str, str], ...], tuple[dict[bytes, bytes], dict[str, str]]] = {}
+
+
+def _environ_as(identity: dict[str, str] | None) -> dict[str, str]:
+    """guestd's environment with ``identity`` over it; the caller copies it before changing it."""
+    key = tuple(sorted(identity.items())) if identity else ()
+    hit = _merged_cache.get(key)
+    if hit is not None and _RAW_ENVIRON is not None and hit[0] == _RAW_ENVIRON:
+        return hit[1]
     merged = dict(os.environ)
     if identity:
         merged.update(identity)
-    if env:
-        merged.update(env)
+    if _RAW_ENVIRON is not None:
+        if len(_merged_cache) >= 8:  # one entry per workload identity: a handful at most
+            _merged_cache.clear()
+        _merged_cache[key] = (dict(_RAW_ENVIRON), merged)
     return merged
 
 

@@ -171,6 +171,11 @@ class ExitWatch:
         if self.timer is not None:
             self.timer.cancel()
             self.timer = None
+        self.on_ready = _nothing  # the owner's bound method: kept, owner and watch would be a cycle
+
+
+def _nothing() -> None:
+    pass
 
 
 def read_chunk(fd: int, size: int) -> bytes | None:

@@ -17,6 +17,10 @@ if TYPE_CHECKING:  # the generated message types: annotations only, never import
     from guestd.wire.types import ExecArgs, ExecReply
 
 
+def _ignore_signal(_value: object) -> None:
+    pass  # the run is over: a late signal has nothing to reach
+
+
 def register(services: Services) -> None:
     async def op_exec(ctx: Request, args: ExecArgs) -> ExecReply:
         stdin_pipe = args["stdin"] is not None or args["stdin_stream"]
@@ -36,7 +40,7 @@ def register(services: Services) -> None:
             child = await services.children.spawn(
                 command_argv(args["argv"], args["shell"]),
                 kind="exec",
-                env=build_env(args["env"], args["env_mode"], services.config.policy.workload_ids()),
+                env=build_env(args["env"], args["env_mode"], services.children.ids()),
                 cwd=args["cwd"],
                 stdin=PIPE if stdin_pipe else DEVNULL,
                 stderr=STDOUT if args["merge_stderr"] else PIPE,
@@ -75,5 +79,8 @@ def register(services: Services) -> None:
             for t in helpers:
                 t.cancel()
             run.close()
+            # The request context held the run through this handler: dropped, the run and its
+            # context are freed as the request ends, not by the garbage collector (issue 34).
+            ctx.handle_signals(_ignore_signal)
 
     services.ops.add("exec", op_exec)

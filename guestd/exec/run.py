@@ -49,7 +49,8 @@ class ExecRun:
             self.fds[2] = child.stderr
         self.open_fds: set[int] = set()
         self.reading = False
-        self.pipes_done = asyncio.Event()
+        self.pipes_done = False
+        self._pipes_waiter: asyncio.Future[None] | None = None
         self.timed_out: ExecTimedOut | None = None
         self.last_output = self.t0
         self.kill_task: asyncio.Task[None] | None = None
@@ -61,7 +62,9 @@ class ExecRun:
         size = min(DETACH_RING_BYTES, ring_cap) if ring_cap > 0 else DETACH_RING_BYTES
         self.rings = {1: OutputRing(size), 2: OutputRing(size)} if self.adopter is not None else None
         self.detached: str | None = None
-        self.detached_event = asyncio.Event()
+        # The main process's exit or its detach, whichever comes first: one future set from
+        # the exit callback, instead of a task and asyncio.wait per exec.
+        self.settled: asyncio.Future[None] = self.loop.create_future()
 
     # -- wiring ---------------------------------------------------------------------
     def start(self) -> None:
@@ -69,11 +72,17 @@ class ExecRun:
         # more than it saves for the short commands agents mostly run.
         self.open_fds.update(self.fds)
         self._resume_reading()
-        self.child.watch(poll_s=0.01)
+        self.child.watch(self._settle, poll_s=0.01)
+        if not self.child.running:
+            self._settle()
         if self.args["timeout_s"] is not None:
             self.handles.append(self.loop.call_later(self.args["timeout_s"], self._fire_timeout, "wall"))
         if self.args["idle_timeout_s"] is not None:
             self.handles.append(self.loop.call_later(self.args["idle_timeout_s"], self._check_idle))
+
+    def _settle(self) -> None:
+        if not self.settled.done():
+            self.settled.set_result(None)
 
     def _resume_reading(self) -> None:
         if self.reading:
@@ -133,7 +142,9 @@ class ExecRun:
             if self.reading:
                 self.loop.remove_reader(self.fds[which])
         if not self.open_fds:
-            self.pipes_done.set()
+            self.pipes_done = True
+            if self._pipes_waiter is not None and not self._pipes_waiter.done():
+                self._pipes_waiter.set_result(None)
 
     def _check_idle(self) -> None:
         idle = self.args["idle_timeout_s"]
@@ -170,7 +181,7 @@ class ExecRun:
         argv = self.args["argv"]
         command = self.args["shell"] if self.args["shell"] is not None else " ".join(argv or [])
         self.detached = adopter.adopt(command, self.child, fds, rings, give_away_spills(self.caps[1], self.caps[2]))
-        self.detached_event.set()
+        self._settle()
         return True
 
     def kill(self, reason: KilledBy = "cancel") -> None:
@@ -183,26 +194,25 @@ class ExecRun:
 
     # -- completion -------------------------------------------------------------------
     async def wait(self) -> ExecReply:
-        detached = asyncio.ensure_future(self.detached_event.wait())
-        try:
-            waits: set[asyncio.Future[Any]] = {self.child.exited, detached}
-            await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
-        finally:
-            detached.cancel()
+        if not self.settled.done():
+            await self.settled
         if self.detached is not None:
             return await self.result()
         if self.kill_task is not None:
             await self.kill_task  # a timed-out tree is gone before we answer
-        if not self.pipes_done.is_set():
+        if not self.pipes_done:
             # Leftover children may hold the pipes open (``daemon &``); do not wait for them
             # forever. Killed trees close their pipes within the kill grace.
             linger = self.args["linger_s"]
             if self.kill_task is not None:
                 linger += self.args["kill_grace_s"]
+            # A future and a timer, not wait_for: that wraps the wait in a task of its own.
+            waiter = self._pipes_waiter = self.loop.create_future()
+            timer = self.loop.call_later(linger, _set_if_pending, waiter)
             try:
-                await asyncio.wait_for(self.pipes_done.wait(), linger)
-            except TimeoutError:
-                pass
+                await waiter
+            finally:
+                timer.cancel()
         # Whatever is still readable right now belongs to the result.
         for which in list(self.open_fds):
             if self.stream:
@@ -262,11 +272,17 @@ class ExecRun:
     def close(self) -> None:
         for h in self.handles:
             h.cancel()
+        self.handles = []
         self._pause_reading()
         if self.resume_task is not None:
             self.resume_task.cancel()
         if self.detached is None:
             self.child.release()  # else the process table owns it now
+
+
+def _set_if_pending(fut: asyncio.Future[None]) -> None:
+    if not fut.done():
+        fut.set_result(None)
 
 
 async def feed_stdin(run: ExecRun, data: bytes | None) -> None:
