@@ -331,12 +331,16 @@ class FileSystem:
         self.pending = pending
 
     # -- writes ---------------------------------------------------------------------------
-    def place(self, path: str, *, parents: bool = False) -> Place:
-        """The parent of ``path``, resolved (and with ``parents``, created) under the write roots."""
+    def place(self, path: str, *, parents: bool = False, field: str = "path") -> Place:
+        """The parent of ``path``, resolved (and with ``parents``, created) under the write roots.
+        ``field`` is the argument ``path`` came from (``src``, ``dst``, ``files``, ``patch``): a
+        path that names no entry is ``bad_request`` naming it (section 6), with the path."""
         head, name = split_last(absolute_path(path))
         if name in (b"", b".", b".."):
             raise GuestdError(
-                ErrorCode.BAD_REQUEST, f"the path names no entry to act on: {path}", details={"path": path}
+                ErrorCode.BAD_REQUEST,
+                f"the path names no entry to act on: {path}",
+                details={"field": field, "path": path},
             )
         if parents:
             base, rel, resolve = self.writes.base(head, path)

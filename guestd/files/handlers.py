@@ -539,7 +539,7 @@ def _unlink_files_find_dir(fd: int) -> tuple[int, str | None]:
 
 
 def rename_path(fsys: FileSystem, src: str, dst: str, overwrite: bool) -> FileRenameReply:
-    with fsys.place(src) as a, fsys.place(dst) as b:
+    with fsys.place(src, field="src") as a, fsys.place(dst, field="dst") as b:
         moved = fsys.check_move(a, b)
         if overwrite:
             os.rename(a.name, b.name, src_dir_fd=a.dirfd, dst_dir_fd=b.dirfd)

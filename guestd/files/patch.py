@@ -528,7 +528,7 @@ class _Commit:
                 except FileExistsError:
                     continue
             self.made.append(path)
-        return self.fsys.place(os.path.join(base, os.fsdecode(name)))
+        return self.fsys.place(os.path.join(base, os.fsdecode(name)), field="patch")
 
     # -- commit -------------------------------------------------------------------------
     def commit(self) -> None:
@@ -699,7 +699,7 @@ class _Stager:
         shown = os.fsdecode(target.name)
         place: Place | None
         try:
-            place = self.fsys.place(os.path.join(self.base, shown))
+            place = self.fsys.place(os.path.join(self.base, shown), field="patch")
         except FileNotFoundError:
             if target.existed:
                 raise

@@ -638,7 +638,7 @@ def write_many(fsys: FileSystem, items: list[tuple[str, bytes, int | None]], par
     prepared: list[AtomicFile] = []
     try:
         for path, data, perm in items:
-            place = fsys.place(path, parents=parents)
+            place = fsys.place(path, parents=parents, field="files")
             try:
                 f = AtomicFile(place, "overwrite", perm, fsys.pending)
             except BaseException:
