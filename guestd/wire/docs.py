@@ -52,6 +52,12 @@ def _table(title: str, fields: tuple[F, ...], with_default: bool) -> list[str]:
     return [*out, ""]
 
 
+def _too_many(group: tuple[str, ...]) -> str:
+    if len(group) == 2:
+        return f"both given: `bad_request` with `details.field` = `{group[1]}`"
+    return "more than one given: `bad_request` with `details.field` naming the second of them, in this order"
+
+
 def op_reference() -> str:
     lines: list[str] = []
     for op in OPS:
@@ -70,10 +76,17 @@ def op_reference() -> str:
             names = " or ".join(f"`{n}`" for n in op.events_when)
             lines += [f"*events only when* {names} is true (`events_when`); otherwise none at all", ""]
         lines += _table("input (INPUT)", op.input, False)
+        # The field a violation names, as schema.validate_args picks it: none given, the group's
+        # first; more than one, the second of those given, in the group's order.
         for group in op.one_of:
-            lines += ["*exactly one of*: " + ", ".join(f"`{n}`" for n in group), ""]
+            lines += [
+                "*exactly one of*: "
+                + ", ".join(f"`{n}`" for n in group)
+                + f" (none given: `bad_request` with `details.field` = `{group[0]}`; {_too_many(group)})",
+                "",
+            ]
         for group in op.exclusive:
-            lines += ["*at most one of*: " + ", ".join(f"`{n}`" for n in group), ""]
+            lines += ["*at most one of*: " + ", ".join(f"`{n}`" for n in group) + f" ({_too_many(group)})", ""]
         if op.errors:
             lines += ["*typical errors*: " + ", ".join(f"`{e}`" for e in op.errors), ""]
     lines += ["### Records", "", "Named map types used by the fields above (`NAME` or `list<NAME>`).", ""]

@@ -924,7 +924,12 @@ _CODE_RESULT = (
     F("timeout_action", "enum(interrupted|restarted)?", "after a timeout: the kernel was interrupted, or restarted"),
     F("exit_reason", "str?", "status died: how the kernel process ended"),
     *_captured("the cell (UTF-8)"),
-    F("results", "list<code_output>", "the cell's value and displays, in order", True),
+    F(
+        "results",
+        "list<code_output>",
+        "the cell's value and displays, in order (empty with stream: each went as a result/display event)",
+        True,
+    ),
     F(
         "results_dropped",
         "uint",
@@ -932,7 +937,12 @@ _CODE_RESULT = (
         "encoded), or not encodable",
         True,
     ),
-    F("error", "code_error?", "when the cell raised"),
+    F(
+        "error",
+        "code_error?",
+        "when the cell raised, an interrupted or timed-out cell included (KeyboardInterrupt); also with stream, "
+        "after its error event",
+    ),
     F("stdin_exhausted", "bool", "the cell asked for more input lines than were supplied", True),
     F("execution_count", "int?", "the kernel's execution counter for this cell"),
     F("duration_s", "float", "wall time of the run", True),
@@ -987,7 +997,10 @@ CODE_OPS: tuple[OpSpec, ...] = (
         "code",
         "Run code in a context. Runs on one context are serialized (bounded queue); contexts run in parallel. "
         "A timeout interrupts the kernel (SIGINT) and restarts it if it is not idle within interrupt_grace_s; "
-        "output so far is kept. input()/getpass() fail at once unless input_lines are given.",
+        "output so far is kept. input()/getpass() fail at once unless input_lines are given. With stream, the "
+        "response's stdout, stderr and results are empty (the *_bytes counts exact, error still given): they went "
+        "as events. A cell ended by code.interrupt or its timeout sends its error event (ename KeyboardInterrupt) "
+        "before the response, whose status is interrupted (timeout after a timeout).",
         args=(
             _CODE_REF,
             F("code", "str", "the cell", True),
@@ -1076,7 +1089,10 @@ PROCESS_OPS: tuple[OpSpec, ...] = (
         "process.start",
         "process",
         "Start a background process and return at once. It keeps running when the connection closes; "
-        "its output is kept in per-stream rings addressed by absolute offsets.",
+        "its output is kept in per-stream rings addressed by absolute offsets. A program that cannot be started "
+        "is an error, as for exec: not_found or permission_denied with errno and details.stage spawn "
+        "(details.argv0), or details.stage cwd (details.cwd) for the working directory; with shell, /bin/sh "
+        "starts and a missing command is the process's exit status 127.",
         args=(
             F("argv", "list<str>?", "program and arguments (exactly one of argv / shell)", min_len=1),
             F("shell", "str?", "command string run by /bin/sh -c"),
@@ -1160,7 +1176,9 @@ PROCESS_OPS: tuple[OpSpec, ...] = (
     OpSpec(
         "process.signal",
         "process",
-        "Signal the process group; KILL also kills descendants that left the group.",
+        "Signal the process group; KILL also kills descendants that left the group. After the main process "
+        "exited: KILL ends what the run left running in its cgroup leaf and answers {} when there is a workload "
+        "cgroup; without one, and for any other signal, bad_request (details.process).",
         args=(_PID, F("signal", "str", _SIGNAL_DOC + "; one guestd does not know is bad_request", True)),
         errors=("not_found", "bad_request"),
     ),
@@ -1181,14 +1199,16 @@ PROCESS_OPS: tuple[OpSpec, ...] = (
     OpSpec(
         "process.resize",
         "process",
-        "Set the pty size (the foreground job gets SIGWINCH).",
+        "Set the pty size (the foreground job gets SIGWINCH). A process without a pty: bad_request "
+        "(details.process, no details.field).",
         args=(_PID, F("rows", "uint", "rows", True, ge=1, le=9999), F("cols", "uint", "columns", True, ge=1, le=9999)),
         errors=("not_found", "bad_request"),
     ),
     OpSpec(
         "process.forget",
         "process",
-        "Drop a finished process and its output.",
+        "Drop a finished process and its output. A process still running is bad_request (details.process, "
+        "no details.field): signal it first.",
         args=(_PID,),
         errors=("not_found", "bad_request"),
     ),
@@ -1198,7 +1218,8 @@ SHELL_OPS: tuple[OpSpec, ...] = (
     OpSpec(
         "shell.create",
         "shell",
-        "Start a persistent bash session.",
+        "Start a persistent bash session. A name another session has is exists, details.session = that "
+        "session's id, details.field = name.",
         args=(
             F("cwd", "path?", "starting directory"),
             F(
@@ -1209,7 +1230,7 @@ SHELL_OPS: tuple[OpSpec, ...] = (
             F("name", "str?", "a name to find the session by"),
         ),
         result=(F("id", "str", "session id", True), F("pid", "int", "bash's pid", True)),
-        errors=("limit", "not_found", "not_a_directory"),
+        errors=("limit", "not_found", "not_a_directory", "exists"),
     ),
     OpSpec(
         "shell.run",
@@ -1270,7 +1291,12 @@ SHELL_OPS: tuple[OpSpec, ...] = (
             *_captured("the command"),
             F("duration_s", "float", "wall time", True),
             *_FIGURES,
-            F("detached", "str?", "on_timeout detach: the background process id the command goes on as"),
+            F(
+                "detached",
+                "str?",
+                "on_timeout detach: the background process id the command goes on as (exit_code and killed_by are "
+                "then nil, timed_out says which timeout; process.wait gives the job's status)",
+            ),
             F("changes", "change_report?", "report_changes: what changed under the workspace during the run"),
             F("run_id", "str?", "keep: the run's id"),
             *_SPILL_RESULT,
@@ -1293,7 +1319,8 @@ SHELL_OPS: tuple[OpSpec, ...] = (
         "shell.resize",
         "shell",
         "Set the terminal size of the session's running pty command (shell.run pty); its process group "
-        "gets SIGWINCH. bad_request when no pty command runs in the session.",
+        "gets SIGWINCH. bad_request when no pty command runs in the session, with details.session (the "
+        "session's id, also when id was its name) and no details.field.",
         args=(
             F("id", "str", "session id or name", True),
             F("rows", "uint", "rows", True, ge=1, le=9999),
@@ -1593,7 +1620,7 @@ PORT_OPS: tuple[OpSpec, ...] = (
         "Long poll: answer as soon as the set of listening sockets differs from the one the digest names "
         "(at once without a digest), or after timeout_s with changed false.",
         args=(
-            F("digest", "str?", "the digest of the last reply; nil answers at once"),
+            F("digest", "str?", "the digest of the last reply; nil answers at once, with changed true"),
             F("timeout_s", "float", "longest wait for a change", default=30.0, ge=0, le=3600),
             F(
                 "interval_s",
@@ -1607,7 +1634,7 @@ PORT_OPS: tuple[OpSpec, ...] = (
         ),
         result=(
             F("digest", "str", "names the whole set of listeners (of ports), also what the list leaves out", True),
-            F("changed", "bool", "the set differs from the digest sent", True),
+            F("changed", "bool", "the set differs from the digest sent (true when none was sent)", True),
             *_LISTING,
         ),
         errors=("bad_request",),
@@ -1668,7 +1695,14 @@ RECORDS.update(
 
 _EDIT_RESULT = (
     F("size", "uint", "file size after the edit", True),
-    F("snippet", "str", "the changed lines with 4 lines of context, numbered like cat -n", True),
+    F(
+        "snippet",
+        "str",
+        "the changed lines of the new content with 4 lines of context, numbered like cat -n (a deletion: the line "
+        "now at start_line with 4 either side; undo: the lines the undo changed, found as the bytes between the "
+        "two contents' common prefix and suffix; empty for an empty file)",
+        True,
+    ),
     F("start_line", "uint", "line number of the snippet's first line", True),
     F("undo_depth", "uint", "edits of this file that file.undo can now revert", True),
 )
@@ -1691,12 +1725,24 @@ WORKSPACE_OPS: tuple[OpSpec, ...] = (
         "A file's lines with line numbers (cat -n), or a directory listed two levels deep (hidden names left out).",
         args=(
             F("path", "path", "file or directory", True),
-            F("start_line", "uint?", "first line (1-based); nil: 1", ge=1),
-            F("end_line", "uint?", "last line, inclusive; nil: the last line", ge=1),
+            F(
+                "start_line",
+                "uint?",
+                "first line (1-based); nil: 1. Past the last line (or after end_line) is bad_request naming "
+                "start_line (details.total_lines); any range of an empty file shows nothing",
+                ge=1,
+            ),
+            F("end_line", "uint?", "last line, inclusive; nil or past the last line: the last line", ge=1),
         ),
         result=(
             F("kind", "enum(file|dir)", "what the path is", True),
-            F("content", "str", "numbered lines (file) or one path per line, directories ending in / (dir)", True),
+            F(
+                "content",
+                "str",
+                "numbered lines (file: each ends with a newline, a last line without one too) or one path per line "
+                "(dir: each line ends with a newline, directories with / before it)",
+                True,
+            ),
             F("start_line", "uint?", "file: first line shown (0 for an empty file)"),
             F("end_line", "uint?", "file: last line shown"),
             F("total_lines", "uint?", "file: lines in the file"),
@@ -1721,7 +1767,8 @@ WORKSPACE_OPS: tuple[OpSpec, ...] = (
     OpSpec(
         "file.insert",
         "files",
-        "Insert text as whole lines after line (0: at the top); a newline is added to text that lacks one.",
+        "Insert text as whole lines after line (0: at the top); a newline is added to text that lacks one. A line "
+        "beyond the file is bad_request naming line (details.total_lines).",
         args=(
             F("path", "path", "the file", True),
             F("line", "uint", "insert after this line (0..lines in the file)", True),
@@ -1747,7 +1794,8 @@ WORKSPACE_OPS: tuple[OpSpec, ...] = (
         "file.undo",
         "files",
         "Revert the last edit (file.str_replace, insert, replace_lines) of this file, byte for byte. Refused "
-        "with conflict (details.reason no_history, changed_since) when there is none or the file changed since.",
+        "with conflict (details.reason no_history, changed_since) when there is none or the file changed since; "
+        "a missing file is not_found.",
         args=(F("path", "path", "the file", True),),
         result=_EDIT_RESULT,
         errors=_EDIT_ERRORS,
@@ -1757,7 +1805,8 @@ WORKSPACE_OPS: tuple[OpSpec, ...] = (
         "files",
         "Apply a unified diff (diff -u, git diff) to files under path, all or nothing: every hunk must apply "
         "(at its line, or where its context occurs once) or nothing changes and the error is conflict with "
-        "details.hunks, one report per failed hunk.",
+        "details.hunks, one report per failed hunk. A patch that does not parse (no --- / +++ headers, a "
+        "malformed @@ line, a file without hunks, a name with .. or absolute) is bad_request naming patch.",
         args=(
             F("path", "path", "directory the patch's file names are relative to", True),
             F("patch", "bin", "the diff", True, min_len=1),
@@ -1900,7 +1949,14 @@ WORKSPACE_OPS: tuple[OpSpec, ...] = (
             F("parents", "bool", "create missing parent directories", default=False),
         ),
         result=(
-            F("entries", "uint", "entries extracted", True),
+            F(
+                "entries",
+                "uint",
+                "archive entries applied, each counted as it comes: a . entry (its mode and mtime go to path "
+                "itself) and an entry a later one of the same name replaced included, a directory made only "
+                "because an entry lies below it not",
+                True,
+            ),
             F("bytes", "uint", "file bytes written", True),
         ),
         input=(F("data", "bin", "next bytes of the tar stream"), F("eof", "bool", "the archive is complete")),
@@ -1920,7 +1976,12 @@ WORKSPACE_OPS: tuple[OpSpec, ...] = (
             F("chunk", "uint?", "most bytes per data event; default limits.max_chunk", ge=1, le_limit="max_chunk"),
         ),
         result=(
-            F("entries", "uint", "entries archived", True),
+            F(
+                "entries",
+                "uint",
+                "entries archived; the archive has no entry for path itself (names are relative to it, without ./)",
+                True,
+            ),
             F("bytes", "uint", "tar bytes sent", True),
             F("skipped", "uint", "entries left out: special files, unreadable or vanished ones", True),
         ),
@@ -1966,7 +2027,8 @@ WORKSPACE_OPS: tuple[OpSpec, ...] = (
         "file.changes",
         "files",
         "Paths changed under the workspace since cursor (the workspace's change journal, started by the first "
-        "call). Without cursor, answers at once with the current cursor and an empty report.",
+        "call). Without cursor, answers at once with the current cursor and an empty report. Without a "
+        "workspace in the config: unavailable, details.reason no_workspace.",
         args=(F("cursor", "uint?", "the cursor of a previous reply"),),
         result=(
             F("cursor", "uint", "pass it to the next call", True),
@@ -1982,8 +2044,9 @@ METRICS_OPS: tuple[OpSpec, ...] = (
         "metrics",
         "Guest-wide and workload-cgroup figures: CPU % over a window, memory, disks, processes, PSI, OOM kills. "
         "One sample (two readings interval_ms apart), or with stream a sample EVENT every interval_ms until "
-        "count samples, a cancel or the connection's end; an oom EVENT comes before the sample whenever the "
-        "workload cgroup's OOM kill count grew.",
+        "count samples, a cancel or the connection's end (the first interval_ms after the request, over that "
+        "window; none at once); an oom EVENT comes before a sample whenever the workload cgroup's OOM kill count "
+        "grew since the one before (never before the first).",
         args=(
             F("interval_ms", "uint", "the window CPU % is measured over, and a stream's period", default=200, le=60000),
             F("stream", "bool", "send samples as EVENT frames (interval_ms >= 100)", default=False),
@@ -1991,7 +2054,7 @@ METRICS_OPS: tuple[OpSpec, ...] = (
         ),
         result=(
             F("sample", "metrics_sample?", "the sample (nil when streamed)"),
-            F("samples", "uint", "samples taken", True),
+            F("samples", "uint", "samples taken: 1 without stream, the sample events sent with it", True),
         ),
         events=(
             F("ev", "enum(sample|oom)", "event type", True),
@@ -2019,7 +2082,12 @@ RECORDS.update(
             F("state", "enum(running|done|failed)", "done: result holds the op's reply; failed: error", True),
             F("started_at", "float", "wall clock, s since the epoch", True),
             F("ended_at", "float?", "wall clock when it ended"),
-            F("result", "map?", "run.get/run.wait of a done run: the op's reply as it would have been sent"),
+            F(
+                "result",
+                "map?",
+                "run.get/run.wait of a done run: the op's reply exactly as it would have been sent, without run_id "
+                "(run_info carries it as id)",
+            ),
             F("error", "map?", "failed: {code, message, details} as the op's error would have been"),
         ),
     }
@@ -2056,7 +2124,9 @@ RUN_OPS: tuple[OpSpec, ...] = (
         "process",
         "Cancel a running kept run as a cancel of its request would have before it was kept (a shell "
         "command is interrupted, a cell's kernel too); waits up to timeout_s for it to end, then the run "
-        "as run.get gives it (failed with error cancelled). A run that has ended is returned as it is.",
+        "as run.get gives it (failed with error cancelled, details.run). A run that has ended is returned as it "
+        "is. A kept request still in flight then ends with error cancelled, details.reason cancel, as if its "
+        "client had cancelled it.",
         args=(
             _RUN_ID,
             F("timeout_s", "float", "how long to wait for the run to end", default=10.0, ge=0, le=60.0),
