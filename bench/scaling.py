@@ -94,7 +94,7 @@ class Plan:
     trees: tuple[int, ...]
 
 
-QUICK = Plan(window_s=2.0, least_pings=300, n_exec=60, file_rounds=2, trees=QUICK_TREES)
+QUICK = Plan(window_s=2.0, least_pings=300, n_exec=60, file_rounds=3, trees=QUICK_TREES)
 FULL = Plan(window_s=5.0, least_pings=1000, n_exec=200, file_rounds=3, trees=TREES)
 
 
@@ -360,16 +360,21 @@ async def clients_curve(tmp: str, plan: Plan) -> dict[str, Any]:
     }
 
 
-async def idle_point(c: AsyncClient, fc: FloorClient, plan: Plan) -> dict[str, Any]:
-    """Ping and exec on an otherwise idle guestd, and their floors, interleaved in two halves."""
+async def idle_point(c: AsyncClient, fc: FloorClient, plan: Plan, server: psutil.Process) -> dict[str, Any]:
+    """Ping and exec on an otherwise idle guestd, and their floors, interleaved in two halves;
+    with guestd's own CPU time per exec (its children not counted)."""
     pings: list[float] = []
     echo: list[float] = []
     execs: list[float] = []
     runs: list[dict[str, Any]] = []
+    exec_cpu = 0.0
     for _ in range(2):
         pings += await time_loop(c.ping, plan.least_pings // 2, 10)
         echo += await time_loop(lambda: fc.call({"op": "ping", "id": 1}), plan.least_pings // 2, 10)
-        execs += await time_loop(lambda: c.exec(["true"]), plan.n_exec // 2, 2)
+        await time_loop(lambda: c.exec(["true"]), 0, 2)
+        cpu0 = cpu_seconds(server)
+        execs += await time_loop(lambda: c.exec(["true"]), plan.n_exec // 2, 0)
+        exec_cpu += cpu_seconds(server) - cpu0
         helper = Helper(["--floor-helper", "1"], True)
         try:
             await helper.ready()
@@ -384,6 +389,7 @@ async def idle_point(c: AsyncClient, fc: FloorClient, plan: Plan) -> dict[str, A
         "echo": summary(echo),
         "exec": summary(execs),
         "floor_exec": summary(floor),
+        "guestd_cpu_ms_per_exec": exec_cpu / len(execs) * 1000,
     }
 
 
@@ -402,7 +408,7 @@ async def background_curve(tmp: str, plan: Plan) -> dict[str, Any]:
                     started = await asyncio.gather(*(c.process_start(["sleep", "3600"]) for _ in range(batch)))
                     ids += [p.id for p in started]
                 await asyncio.sleep(0.5)
-                point = await idle_point(c, fc, plan)
+                point = await idle_point(c, fc, plan, proc.ps)
                 point.update(processes=n, live=len(proc.ps.children()), rss_MiB=proc.rss() / MiB)
                 points.append(point)
         finally:
@@ -518,19 +524,34 @@ def remove_trees() -> None:
     shutil.rmtree(TREE_TOP, ignore_errors=True)
 
 
+@contextmanager
+def every_cpu() -> Iterator[None]:
+    """The calling thread (and what it starts) on every CPU while inside: as guestd's children run
+    (``guestd.children`` gives them every CPU of their cpuset, not guestd's pinning)."""
+    before = os.sched_getaffinity(0)
+    os.sched_setaffinity(0, range(os.cpu_count() or 1))
+    try:
+        yield
+    finally:
+        os.sched_setaffinity(0, before)
+
+
 def floor_glob(root: str) -> tuple[float, int]:
-    t = time.perf_counter()
-    r = subprocess.run(["find", root, "-name", "*.py"], stdout=subprocess.PIPE, check=True)
-    return time.perf_counter() - t, r.stdout.count(b"\n")
+    with every_cpu():
+        t = time.perf_counter()
+        r = subprocess.run(["find", root, "-name", "*.py"], stdout=subprocess.PIPE, check=True)
+        return time.perf_counter() - t, r.stdout.count(b"\n")
 
 
 def floor_grep(root: str) -> tuple[float, int]:
     """rg itself, with the printer and filters guestd asks rg for, into a pipe."""
     rg = shutil.which("rg")
     assert rg is not None
-    t = time.perf_counter()
-    r = subprocess.run(rg_command(rg, GrepQuery("needle_marker"), "."), cwd=root, stdout=subprocess.PIPE, check=True)
-    return time.perf_counter() - t, r.stdout.count(b"\n")
+    with every_cpu():
+        t = time.perf_counter()
+        argv = rg_command(rg, GrepQuery("needle_marker"), ".")
+        r = subprocess.run(argv, cwd=root, stdout=subprocess.PIPE, check=True)
+        return time.perf_counter() - t, r.stdout.count(b"\n")
 
 
 def floor_walk(root: str) -> tuple[float, int]:
@@ -541,63 +562,66 @@ def floor_walk(root: str) -> tuple[float, int]:
     return time.perf_counter() - t, entries
 
 
-def floor_tar(root: str) -> float:
-    return tar_through_socket(root, ["cat"])
+def floor_tar(root: str) -> tuple[float, int]:
+    with every_cpu():
+        return tar_through_socket(root, ["cat"]), 1
 
 
 async def files_point(c: AsyncClient, proc: Proc, n: int, plan: Plan) -> dict[str, Any]:
+    """Each op and its floor, interleaved, ``rounds`` times: the best wall time of each, and for
+    guestd its own CPU time (glob, the download and the watcher's scan run inside guestd; grep's
+    rg is a child, not counted) and its peak RSS."""
     root, made_s = await asyncio.to_thread(ensure_tree, n)
     rounds = plan.file_rounds if n < 1_000_000 else 1
     best: dict[str, float] = {}
+    cpu: dict[str, float] = {}
     counts: dict[str, int] = {}
     peaks: dict[str, float] = {}
 
-    def keep(key: str, seconds: float) -> None:
+    async def op(key: str, run: Callable[[], Awaitable[int]]) -> None:
+        with peak_rss(proc) as pk:
+            cpu0, t = cpu_seconds(proc.ps), time.perf_counter()
+            counts[key] = await run()
+            best[key] = min(best.get(key, math.inf), time.perf_counter() - t)
+            cpu[key] = min(cpu.get(key, math.inf), cpu_seconds(proc.ps) - cpu0)
+        peaks[key] = max(peaks.get(key, 0.0), pk["peak"] / MiB)
+
+    async def floor(key: str, run: Callable[[str], tuple[float, int]]) -> None:
+        seconds, counts[key] = await asyncio.to_thread(run, root)
         best[key] = min(best.get(key, math.inf), seconds)
+
+    async def glob() -> int:
+        return (await c.glob(root, "*.py", max_results=1000, timeout_s=3600)).total
+
+    async def grep() -> int:
+        return (await c.grep(root, "needle_marker", max_matches=1_000_000, timeout_s=3600)).matches
+
+    async def download() -> int:
+        return len(await c.download_tree(root, max_bytes=1 << 34, deadline=3600))
+
+    async def watch() -> int:
+        w = c.watch(root)
+        await w.wait_ready(3600)
+        peaks["watch_held"] = proc.rss() / MiB
+        await w.close()
+        return 1
 
     rss_before = proc.rss() / MiB
     for _ in range(rounds):
-        with peak_rss(proc) as pk:
-            t = time.perf_counter()
-            g = await c.glob(root, "*.py", max_results=1000, timeout_s=3600)
-            keep("glob", time.perf_counter() - t)
-        peaks["glob"] = max(peaks.get("glob", 0.0), pk["peak"] / MiB)
-        counts["glob"] = g.total
-        s, counts["floor_glob"] = await asyncio.to_thread(floor_glob, root)
-        keep("floor_glob", s)
-
-        t = time.perf_counter()
-        r = await c.grep(root, "needle_marker", max_matches=1_000_000, timeout_s=3600)
-        keep("grep", time.perf_counter() - t)
-        counts["grep"] = r.matches
-        s, counts["floor_grep"] = await asyncio.to_thread(floor_grep, root)
-        keep("floor_grep", s)
-
-        with peak_rss(proc) as pk:
-            t = time.perf_counter()
-            archive = await c.download_tree(root, max_bytes=1 << 34, deadline=3600)
-            keep("download", time.perf_counter() - t)
-        peaks["download"] = max(peaks.get("download", 0.0), pk["peak"] / MiB)
-        counts["download_bytes"] = len(archive)
-        del archive
-        keep("floor_download", await asyncio.to_thread(floor_tar, root))
-
-        with peak_rss(proc) as pk:
-            t = time.perf_counter()
-            w = c.watch(root)
-            await w.wait_ready(3600)
-            keep("watch", time.perf_counter() - t)
-            held = proc.rss() / MiB
-            await w.close()
-        peaks["watch"] = max(peaks.get("watch", 0.0), pk["peak"] / MiB)
-        peaks["watch_held"] = held
-        s, counts["floor_walk"] = await asyncio.to_thread(floor_walk, root)
-        keep("floor_watch", s)
+        await op("glob", glob)
+        await floor("floor_glob", floor_glob)
+        await op("grep", grep)
+        await floor("floor_grep", floor_grep)
+        await op("download", download)
+        await floor("floor_download", floor_tar)
+        await op("watch", watch)
+        await floor("floor_watch", floor_walk)
     return {
         "files": n,
         "rounds": rounds,
         "made_s": made_s,
         "seconds": best,
+        "guestd_cpu_s": cpu,
         "counts": counts,
         "rss_before_MiB": rss_before,
         "peak_rss_MiB": peaks,
@@ -615,6 +639,18 @@ async def files_curve(tmp: str, plan: Plan) -> dict[str, Any]:
 
 
 # --------------------------------------------------------------------------- what else runs
+
+
+def source_state() -> dict[str, Any]:
+    """Which guestd ran: the commit, and the files under guestd/ that differ from it (a shared
+    checkout: other work in progress is measured too)."""
+
+    def git(*args: str) -> str:
+        r = subprocess.run(["git", *args], cwd=os.path.dirname(HERE), capture_output=True, text=True, check=False)
+        return r.stdout
+
+    changed = [line[3:] for line in git("status", "--porcelain", "--", "guestd").splitlines() if len(line) > 3]
+    return {"commit": git("rev-parse", "--short", "HEAD").strip(), "uncommitted": changed}
 
 
 def other_work() -> dict[str, Any]:
@@ -646,7 +682,16 @@ def growth(xs: list[float], ys: list[float]) -> list[float]:
 def shape(ks: list[float]) -> str:
     """A curve's growth in words, from its exponents."""
     worst = max(ks)
-    kind = "flat" if worst <= 0.25 else "sub-linear" if worst <= 0.85 else "linear" if worst <= 1.15 else "SUPER-LINEAR"
+    if worst <= 0.25:
+        kind = "flat"
+    elif worst <= 0.85:
+        kind = "sub-linear"
+    elif worst <= 1.15:
+        kind = "linear"
+    elif worst <= 1.3:
+        kind = "near-linear (the cost per item grows a little)"
+    else:
+        kind = "SUPER-LINEAR"
     return f"{kind} (exponent per step {', '.join(f'{k:.2f}' for k in ks)})"
 
 
@@ -664,6 +709,8 @@ def render(res: dict[str, Any]) -> str:
         f"{describe_others(meta['after']['processes'])}. Each point's floor is measured in the same run, "
         "next to it. Growth is the exponent k of cost ~ work^k between neighbouring points (1 linear, 0 flat).",
         "",
+        describe_source(meta.get("source", {})),
+        "",
     ]
     for name, part in (
         ("clients", render_clients),
@@ -676,6 +723,15 @@ def render(res: dict[str, Any]) -> str:
         lines += [res["chart"], ""]
     lines += [END]
     return "\n".join(lines) + "\n"
+
+
+def describe_source(src: dict[str, Any]) -> str:
+    changed = src.get("uncommitted", [])
+    text = f"guestd as of commit {src.get('commit', '?')}"
+    if changed:
+        text += f", with uncommitted changes (other work in progress) in {len(changed)} files under guestd/: "
+        text += ", ".join(f"`{path}`" for path in changed)
+    return text + "."
 
 
 def describe_others(procs: dict[str, int]) -> str:
@@ -699,18 +755,19 @@ def render_clients(cl: dict[str, Any]) -> list[str]:
         "exec's floor at N: N threads looping `subprocess.run(['true'])` in a process on guestd's CPU.",
         f"ping's floor: the echo's idle p99, {echo:.3f} ms (guestd idle: {cl['idle_ping']['p99_ms']:.3f} ms).",
         "",
-        "| clients | ping p99 | / idle echo p99 | echo p99 under the floor's load | exec p50 | floor p50 "
-        "| exec / floor | execs/s | floor execs/s | guestd CPU per exec (busy) | clients' CPU per exec |",
-        "|---|---|---|---|---|---|---|---|---|---|---|",
+        "| clients | ping p99 | / idle echo p99 | echo p99 under the floor's load | ping / that | exec p50 "
+        "| floor p50 | exec / floor | execs/s | floor execs/s | guestd CPU per exec (busy) | clients' CPU per exec |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for p in pts:
         out.append(
             f"| {p['clients']} | {p['ping']['p99_ms']:.2f} ms | {ratio(p['ping']['p99_ms'], echo)} "
-            f"| {p['echo_under_floor_load']['p99_ms']:.2f} ms | {p['exec']['p50_ms']:.2f} ms "
+            f"| {p['echo_under_floor_load']['p99_ms']:.2f} ms "
+            f"| {ratio(p['ping']['p99_ms'], p['echo_under_floor_load']['p99_ms'])} | {p['exec']['p50_ms']:.2f} ms "
             f"| {p['floor_exec']['p50_ms']:.2f} ms | {ratio(p['exec']['p50_ms'], p['floor_exec']['p50_ms'])} "
             f"| {p['execs_per_s']:,.0f} | {p['floor_execs_per_s']:,.0f} "
-            f"| {p['guestd_cpu_ms_per_exec']:.2f} ms ({p['guestd_cpu_busy']:.0%}) "
-            f"| {p['client_cpu_ms_per_exec']:.2f} ms |"
+            f"| {p.get('guestd_cpu_ms_per_exec', math.nan):.2f} ms ({p.get('guestd_cpu_busy', math.nan):.0%}) "
+            f"| {p.get('client_cpu_ms_per_exec', math.nan):.2f} ms |"
         )
     out += [
         "",
@@ -730,15 +787,16 @@ def render_background(bg: dict[str, Any]) -> list[str]:
         "N `sleep` runs started with `process.start` and left running; then idle pings and execs, the echo and",
         "`subprocess.run(['true'])` (a process on guestd's CPU) measured in the same state, interleaved.",
         "",
-        "| processes | ping p99 | echo p99 | ping / echo | exec p50 | subprocess.run p50 | exec / floor | guestd RSS |",
-        "|---|---|---|---|---|---|---|---|",
+        "| processes | ping p99 | echo p99 | ping / echo | exec p50 | subprocess.run p50 | exec / floor "
+        "| guestd CPU per exec | guestd RSS |",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
     for p in pts:
         out.append(
             f"| {p['processes']:,} | {p['ping']['p99_ms']:.2f} ms | {p['echo']['p99_ms']:.2f} ms "
             f"| {ratio(p['ping']['p99_ms'], p['echo']['p99_ms'])} | {p['exec']['p50_ms']:.2f} ms "
             f"| {p['floor_exec']['p50_ms']:.2f} ms | {ratio(p['exec']['p50_ms'], p['floor_exec']['p50_ms'])} "
-            f"| {p['rss_MiB']:.1f} MiB |"
+            f"| {p.get('guestd_cpu_ms_per_exec', math.nan):.2f} ms | {p['rss_MiB']:.1f} MiB |"
         )
     live = [p for p in pts if p["processes"] > 0]
     xs = [float(p["processes"]) for p in live]
@@ -806,26 +864,31 @@ def render_files(fl: dict[str, Any]) -> list[str]:
         "### file.glob, file.grep, tree.download and the watcher's first scan vs files in the tree",
         "",
         f"Trees of ~60-byte files ({fl['layout']}); best of the interleaved rounds (1 round at 1M); guestd and the"
-        " floors read a warm page cache alike.",
+        " floors read a warm page cache alike; the floors' processes may use both CPUs, as guestd's children do"
+        " (guestd itself is pinned to one). guestd's CPU time is its own process's (rg, a child, not counted): on"
+        " a loaded machine it moves less than wall time.",
         "",
-        "| files | op | guestd | floor | guestd / floor | guestd per file | guestd peak RSS |",
-        "|---|---|---|---|---|---|---|",
+        "| files | op | guestd | floor | guestd / floor | guestd per file | guestd CPU per file | guestd peak RSS |",
+        "|---|---|---|---|---|---|---|---|",
     ]
     for p in pts:
-        s = p["seconds"]
+        s, cpu = p["seconds"], p.get("guestd_cpu_s", {})
         for key, fkey, label, flabel in FILE_OPS:
             peak = p["peak_rss_MiB"].get(key)
             out.append(
                 f"| {p['files']:,} | {label} vs {flabel} | {s[key] * 1000:,.0f} ms | {s[fkey] * 1000:,.0f} ms "
                 f"| {ratio(s[key], s[fkey])} | {s[key] / p['files'] * 1e6:.1f} us "
-                f"| {f'{peak:.0f} MiB' if peak else '-'} |"
+                f"| {cpu.get(key, math.nan) / p['files'] * 1e6:.1f} us | {f'{peak:.0f} MiB' if peak else '-'} |"
             )
     xs = [float(p["files"]) for p in pts]
     out.append("")
     for key, fkey, label, _ in FILE_OPS:
         g = growth(xs, [p["seconds"][key] for p in pts])
         f = growth(xs, [p["seconds"][fkey] for p in pts])
-        out.append(f"- {label}: {shape(g)}; floor {shape(f)}.")
+        text = f"- {label}: wall {shape(g)}"
+        if key != "grep" and all("guestd_cpu_s" in p for p in pts):
+            text += f"; guestd CPU {shape(growth(xs, [max(p['guestd_cpu_s'][key], 1e-3) for p in pts]))}"
+        out.append(text + f"; floor {shape(f)}.")
     held = [p["peak_rss_MiB"].get("watch_held", 0.0) - p["rss_before_MiB"] for p in pts]
     out += [
         "- guestd's RSS while a watch of the tree is held, over its RSS before: "
@@ -893,6 +956,7 @@ async def amain(plan: Plan, quick: bool, only: list[str]) -> dict[str, Any]:
         "server_cpus": sorted(SERVER_CPUS),
         "client_cpus": sorted(CLIENT_CPUS),
         "before": other_work(),
+        "source": source_state(),
     }
     with tempfile.TemporaryDirectory(prefix="guestd-bench-scaling-") as tmp:
         os.chmod(tmp, 0o755)
