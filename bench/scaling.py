@@ -695,6 +695,65 @@ def shape(ks: list[float]) -> str:
     return f"{kind} (exponent per step {', '.join(f'{k:.2f}' for k in ks)})"
 
 
+# Where each curve bends and why: read from the code (and a perf profile where one is named; those
+# figures are from the day they were taken, not re-measured by each run).
+WHY = {
+    "clients": [
+        "Why: exec p50 is N / throughput (N clients, each with one exec in flight), so it is linear while "
+        "guestd's throughput holds and bends up when it falls. What falls with N: guestd's own CPU per exec "
+        "(column) is flat to slightly up, but its full garbage collections walk every live object, and live "
+        "objects grow with the requests in flight (perf, 2026-12-03: `gc_collect_main` 0.2% of guestd's samples "
+        "at 16 clients, 5% at 256; `guestd/server/daemon.py` freezes start-up objects, not per-request ones); "
+        "each spawn's child also copies and closes guestd's fd table, one socket per client (see the next curve)."
+        " On this shared 2-CPU machine the rest of a bend is the other work: in a perf sample of a re-run of the "
+        "16- and 256-client points, a QEMU guest (TCG) of another bench took 17% and 32% of all CPU samples.",
+        "ping p99 is answered on the event loop between other callbacks, so it waits for the longest loop "
+        "iteration; with N connections ready at once an iteration holds up to N frames and exec completions, so "
+        "p99 grows with N, sub-linearly while batches stay small.",
+    ],
+    "background": [
+        "Why: each exec pays for every live process twice, both linear in their number. (1) `Children.reaped` "
+        "(guestd/children/__init__.py) calls `Reaper.sweep` (guestd/children/reaper.py) after each exit: "
+        "`waitid(P_ALL, WNOHANG | WNOWAIT)` makes the kernel walk all of guestd's children "
+        "(`wait_consider_task`). (2) the clone3 child (guestd/children/_clone.c, no `CLONE_FILES`) gets a copy of"
+        " guestd's fd table (`dup_fd`) and `close_from` closes every inherited fd with `close_range`, each close "
+        "a `filp_flush` (`dnotify_flush`, `locks_remove_posix`); every background process holds 3 fds in guestd "
+        "(its pidfd and two pipes). perf, 2026-12-03, 1,000 processes: `dnotify_flush` 14%, `filp_flush` 12%, "
+        "`wait_consider_task` 5.7%, `close_range` 1.9%, `dup_fd` 1.5% of guestd's samples. The fd-table part runs"
+        " in the child before exec, so it adds to exec's latency more than to guestd's CPU column. At the default"
+        " `max_processes` (64) this is tens of microseconds; RSS grows ~4 KiB per process (its record, ring "
+        "buffers allocated as output comes, pipes).",
+    ],
+    "memory": [
+        "Why: the first shell and the first context import their machinery (shells: a few modules, ~1.6 MiB; "
+        "contexts: jupyter_client, zmq, tornado and traitlets, ~11 MiB, imported on first use by "
+        "guestd/code/contexts.py); after that, what guestd holds per item is small and constant: a shell is a "
+        "bash child and a record (nothing measurable), a kept run its reply (bounded by the op's `max_output`; "
+        "RSS moves by the replies' size or less, as the allocator reuses what earlier runs freed), a watch a "
+        "`Watcher` thread of its own with an inotify instance and the names of its tree (~37 KiB here, more for a"
+        " larger tree: see the files curve), a context its zmq sockets and session (~175 KiB). Each is linear, "
+        "bounded by `max_shells`, `max_kept_runs`, `max_contexts` and, for watches, `MAX_WATCHES` / "
+        "`MAX_NAMES_BYTES` (guestd/files/watch.py) and the kernel's `fs.inotify.max_user_instances` (128 here, "
+        "per user).",
+    ],
+    "files": [
+        "Why: glob, tree.download and the watcher's scan walk the tree in Python inside guestd; each entry costs "
+        "a constant (an `os.stat` and the filter per entry in `Walk.entries`, guestd/files/walk.py; names are "
+        "sorted per directory, in chunks of 16,384 merged lazily, so a directory's sort is n log n of its own "
+        "size, not the tree's), so they are linear and their ratio to the C floors is the per-entry Python cost: "
+        "glob ~5-10x `find`, the watcher's scan ~3x `os.walk` (`Watcher._list` adds an inotify watch per "
+        "directory and keeps every name, `MAX_NAMES_BYTES` = 16 MiB for all watchers; past it names are not kept,"
+        " so the held RSS stops growing). grep is rg itself as a workload child, so it follows rg. tree.download "
+        "is far from `tar` on small files: `Archive._blocks` (guestd/files/trees.py) builds each header with "
+        "`tarfile.TarInfo.tobuf(PAX_FORMAT)`, and `st_mtime` is a float, so tarfile adds a pax extended header to"
+        " every entry (two more 512-byte blocks; the archive of 10k 60-byte files is 20.6 MB, 2 KiB per file) and"
+        " most of the time is tarfile's header code (cProfile, 10k files: `create_pax_header`, which builds both "
+        "headers, ~60% of the whole archive); an integer mtime (or headers built directly) would drop both. Still"
+        " linear: cost per entry, not per tree.",
+    ],
+}
+
+
 def render(res: dict[str, Any]) -> str:
     meta = res["meta"]
     lines = [
@@ -718,7 +777,7 @@ def render(res: dict[str, Any]) -> str:
         ("memory", render_memory),
         ("files", render_files),
     ):
-        lines += part(res[name]) if name in res else [f"({name}: not measured yet)", ""]
+        lines += [*part(res[name]), *WHY[name], ""] if name in res else [f"({name}: not measured yet)", ""]
     if res.get("chart"):
         lines += [res["chart"], ""]
     lines += [END]
