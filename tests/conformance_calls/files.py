@@ -296,6 +296,17 @@ async def files_bad_last_component(c: AsyncClient, ctx: CallContext) -> object:
     return await c.listdir(t)
 
 
+async def files_trailing_slash(c: AsyncClient, ctx: CallContext) -> object:
+    t = f"{ctx.tmp}/files_trailing_slash"
+    await c.mkdir(f"{t}/d/")
+    await c.write_file(f"{t}/new/", b"x")
+    await refused(c.stat(f"{t}/new/"), "not_a_directory")
+    assert (await c.stat(f"{t}/d/")).type == "dir"
+    await c.rename(f"{t}/new/", f"{t}/n2")
+    assert await c.remove(f"{t}/d/") == 1
+    return await c.listdir(t)
+
+
 # ------------------------------------------------------------------ metrics and info
 
 
@@ -342,6 +353,7 @@ CALLS: dict[str, ClientCall] = {
     "files_remove": files_remove,
     "files_rename": files_rename,
     "files_bad_last_component": files_bad_last_component,
+    "files_trailing_slash": files_trailing_slash,
     "metrics_once": metrics_once,
     "metrics_stream": metrics_stream,
     "info": info,
