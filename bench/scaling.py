@@ -63,6 +63,7 @@ from bench.run import (
     pin_servers,
     time_loop,
 )
+from bench.sections import markers, write_section
 from bench.trees import tar_through_socket
 from guestd.client import AsyncClient
 from guestd.files.search import GrepQuery, rg_command
@@ -80,7 +81,7 @@ KEPT_RUN_COMMAND = "seq 1 2000"  # 8.9 KB of output kept per run
 RESULTS_MD = os.path.join(HERE, "RESULTS.md")
 SCALING_JSON = os.path.join(HERE, "out", "scaling.json")
 CHART_DIR = os.path.join(HERE, "charts")
-BEGIN, END = "<!-- scaling:begin -->", "<!-- scaling:end -->"
+BEGIN, END = markers("scaling")
 
 
 @dataclass(frozen=True)
@@ -729,7 +730,7 @@ WHY = {
         "contexts: jupyter_client, zmq, tornado and traitlets, ~11 MiB, imported on first use by "
         "guestd/code/contexts.py); after that, what guestd holds per item is small and constant: a shell is a "
         "bash child and a record (nothing measurable), a kept run its reply (bounded by the op's `max_output`; "
-        "RSS moves by the replies' size or less, as the allocator reuses what earlier runs freed), a watch a "
+        "~7 KiB per run from 10 to 100 here, about its 8.9 KB reply), a watch a "
         "`Watcher` thread of its own with an inotify instance and the names of its tree (~37 KiB here, more for a"
         " larger tree: see the files curve), a context its zmq sockets and session (~175 KiB). Each is linear, "
         "bounded by `max_shells`, `max_kept_runs`, `max_contexts` and, for watches, `MAX_WATCHES` / "
@@ -777,11 +778,25 @@ def render(res: dict[str, Any]) -> str:
         ("memory", render_memory),
         ("files", render_files),
     ):
-        lines += [*part(res[name]), *WHY[name], ""] if name in res else [f"({name}: not measured yet)", ""]
+        lines += (
+            [*part(res[name]), *when(res[name]), *WHY[name], ""] if name in res else [f"({name}: not measured yet)", ""]
+        )
     if res.get("chart"):
         lines += [res["chart"], ""]
     lines += [END]
     return "\n".join(lines) + "\n"
+
+
+def when(curve: dict[str, Any]) -> list[str]:
+    w = curve.get("when")
+    if w is None:
+        return []
+    run = "--quick" if w["quick"] else "full"
+    return [
+        f"Measured {w['date']} ({run}, {w['seconds']:.0f} s), load average {w['loadavg'][0]:.1f} before, "
+        f"{w['loadavg'][1]:.1f} after.",
+        "",
+    ]
 
 
 def describe_source(src: dict[str, Any]) -> str:
@@ -832,7 +847,8 @@ def render_clients(cl: dict[str, Any]) -> list[str]:
         "",
         f"- ping p99: {shape(growth(xs, [p['ping']['p99_ms'] for p in pts]))}.",
         f"- exec p50: {shape(growth(xs, [p['exec']['p50_ms'] for p in pts]))}; its floor: "
-        f"{shape(growth(xs, [p['floor_exec']['p50_ms'] for p in pts]))}.",
+        f"{shape(growth(xs, [p['floor_exec']['p50_ms'] for p in pts]))}; "
+        f"guestd's CPU per exec: {cpu_shape(xs, pts)}.",
         "",
     ]
     return out
@@ -862,12 +878,20 @@ def render_background(bg: dict[str, Any]) -> list[str]:
     out += [
         "",
         f"- ping p99: {shape(growth(xs, [p['ping']['p99_ms'] for p in live]))}.",
-        f"- exec p50: {shape(growth(xs, [p['exec']['p50_ms'] for p in live]))}.",
+        f"- exec p50: {shape(growth(xs, [p['exec']['p50_ms'] for p in live]))}; "
+        f"guestd's CPU per exec: {cpu_shape(xs, live)}.",
         f"- guestd RSS: {shape(growth(xs, [p['rss_MiB'] for p in live]))}; "
         f"{per_item(pts, 'processes', 'rss_MiB')} per process.",
         "",
     ]
     return out
+
+
+def cpu_shape(xs: list[float], pts: list[dict[str, Any]]) -> str:
+    """guestd's own CPU per exec along a curve: the cost that other work on the machine moves least."""
+    if not all("guestd_cpu_ms_per_exec" in p for p in pts):
+        return "not measured"
+    return shape(growth(xs, [max(p["guestd_cpu_ms_per_exec"], 1e-3) for p in pts]))
 
 
 def per_item(pts: list[dict[str, Any]], x: str, y: str) -> str:
@@ -934,10 +958,12 @@ def render_files(fl: dict[str, Any]) -> list[str]:
         s, cpu = p["seconds"], p.get("guestd_cpu_s", {})
         for key, fkey, label, flabel in FILE_OPS:
             peak = p["peak_rss_MiB"].get(key)
+            # grep's work is rg's, a child of guestd: guestd's own CPU says nothing of it
+            cpu_per_file = "-" if key == "grep" else f"{cpu.get(key, math.nan) / p['files'] * 1e6:.1f} us"
             out.append(
                 f"| {p['files']:,} | {label} vs {flabel} | {s[key] * 1000:,.0f} ms | {s[fkey] * 1000:,.0f} ms "
                 f"| {ratio(s[key], s[fkey])} | {s[key] / p['files'] * 1e6:.1f} us "
-                f"| {cpu.get(key, math.nan) / p['files'] * 1e6:.1f} us | {f'{peak:.0f} MiB' if peak else '-'} |"
+                f"| {cpu_per_file} | {f'{peak:.0f} MiB' if peak else '-'} |"
             )
     xs = [float(p["files"]) for p in pts]
     out.append("")
@@ -956,25 +982,6 @@ def render_files(fl: dict[str, Any]) -> list[str]:
         "",
     ]
     return out
-
-
-def write_section(text: str, path: str = RESULTS_MD) -> None:
-    """Replace this bench's section of RESULTS.md (between its markers), or append it."""
-    try:
-        with open(path) as f:
-            old = f.read()
-    except OSError:
-        old = "# guestd benchmark results\n"
-    if BEGIN in old and END in old:
-        head, rest = old.split(BEGIN, 1)
-        tail = rest.split(END, 1)[1].lstrip("\n")
-        new = head + text + ("\n" + tail if tail else "")
-    else:
-        new = old.rstrip("\n") + "\n\n" + text
-    tmp = path + ".scaling-tmp"
-    with open(tmp, "w") as f:
-        f.write(new)
-    os.replace(tmp, path)
 
 
 def chart(json_path: str) -> str:
@@ -1020,8 +1027,14 @@ async def amain(plan: Plan, quick: bool, only: list[str]) -> dict[str, Any]:
     with tempfile.TemporaryDirectory(prefix="guestd-bench-scaling-") as tmp:
         os.chmod(tmp, 0o755)
         for name in only:
-            t = time.perf_counter()
+            t, load = time.perf_counter(), os.getloadavg()[0]
             res[name] = await CURVES[name](tmp, plan)
+            res[name]["when"] = {
+                "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+                "seconds": time.perf_counter() - t,
+                "loadavg": [load, os.getloadavg()[0]],
+                "quick": quick,
+            }
             print(f"{name}: {time.perf_counter() - t:.0f} s", file=sys.stderr, flush=True)
     meta["after"] = other_work()
     res["meta"] = meta
@@ -1063,7 +1076,7 @@ def main() -> None:
     measured = all(name in res for name in CURVES)
     res["chart"] = chart(SCALING_JSON) if measured else "(the chart is drawn once every curve is measured)"
     text = render(res)
-    write_section(text)
+    write_section(RESULTS_MD, "scaling", text)
     print(text)
 
 
