@@ -1440,7 +1440,8 @@ SNAPSHOT_OPS: tuple[OpSpec, ...] = (
         "snapshot.restore",
         "snapshot",
         "First thing after every restore or clone (or pause/resume): re-seed the kernel CRNG (RNDADDENTROPY and "
-        "RNDRESEEDCRNG), set the clock if off, re-seed guestd, code contexts (random, numpy) and shells ($RANDOM), "
+        "RNDRESEEDCRNG), set the clock if off, re-seed guestd, code kernels incl. the warm pool "
+        "(random, numpy, tempfile) and shells ($RANDOM), "
         "apply a new identity, drop connections from before the snapshot. Requests arriving meanwhile wait. "
         "The same nonce again is a no-op returning the first report; an older generation is refused (stale).",
         args=(
@@ -1458,8 +1459,19 @@ SNAPSHOT_OPS: tuple[OpSpec, ...] = (
             F("clock_skew_s", "float", "guest clock minus host clock before the fix", True),
             F("identity", "list<str>", "identity fields applied", True),
             F("connections_dropped", "uint", "connections from before the snapshot that were closed", True),
-            F("contexts_reseeded", "list<str>", "code contexts re-seeded now", True),
-            F("contexts_pending", "list<str>", "busy contexts, re-seeded before their next cell", True),
+            F(
+                "contexts_reseeded",
+                "list<str>",
+                "code contexts whose kernel confirmed its new seed before this reply (also while running a cell)",
+                True,
+            ),
+            F(
+                "contexts_pending",
+                "list<str>",
+                "contexts not confirmed within 50 ms (a C call holding the interpreter, a kernel starting): "
+                "re-seeded when it returns, always before their next cell",
+                True,
+            ),
             F("shells_reseeded", "list<str>", "shell sessions whose $RANDOM was re-seeded", True),
             F("shells_pending", "list<str>", "busy sessions, re-seeded before their next command", True),
             F("actions", "list<str>", "privileged steps recorded instead of done (see simulated)", True),
@@ -1474,7 +1486,12 @@ SNAPSHOT_OPS: tuple[OpSpec, ...] = (
             F("machine_id", "str?", "done | simulated, when a sandbox id was given (/etc/machine-id)"),
             F("reseed_errors", "list<str>", "contexts or sessions that could not be re-seeded", True),
             F("crng_ms", "float", "time of the CRNG re-seed", True),
-            F("workloads_ms", "float", "time re-seeding contexts and shells took", True),
+            F(
+                "workloads_ms",
+                "float",
+                "time re-seeding kernels and shells took (overlaps the generation file, the thaw and the signals)",
+                True,
+            ),
             F("duration_s", "float", "time the restore took in the guest", True),
             F("thawed", "bool", "a freeze of snapshot.prepare was lifted (after the CRNG re-seed)", True),
             F("generation_file", "str", "the file the workload reads the generation and identity from", True),
