@@ -41,8 +41,8 @@ import sys
 import tempfile
 import threading
 import time
-from collections.abc import Awaitable, Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
+from contextlib import asynccontextmanager, contextmanager
 from dataclasses import dataclass
 from typing import Any
 
@@ -61,6 +61,7 @@ from bench.run import (
     peak_rss,
     pin_all_threads,
     pin_servers,
+    summary_ms,
     time_loop,
 )
 from bench.sections import markers, write_section
@@ -161,8 +162,20 @@ async def echo_client(tmp: str) -> FloorClient:
     return fc
 
 
-def summary(xs: list[float]) -> dict[str, float]:
-    return {"p50_ms": pct(xs, 50) * 1000, "p99_ms": pct(xs, 99) * 1000, "n": len(xs)}
+@asynccontextmanager
+async def guestd_beside_echo(tmp: str, name: str) -> AsyncIterator[tuple[Proc, str, AsyncClient, FloorClient]]:
+    """A guestd (``guestd``) and the echo floor, a warm client connected to each; all closed after."""
+    with echo_floor(tmp), guestd(tmp, name) as (proc, address):
+        fc = await echo_client(tmp)
+        c = await AsyncClient.connect(address)
+        try:
+            await time_loop(c.ping, 0, 200)
+            await time_loop(lambda: fc.call({"op": "ping", "id": 1}), 0, 200)
+            yield proc, address, c, fc
+        finally:
+            await c.close()
+            assert fc.transport is not None
+            fc.transport.close()
 
 
 async def ping_window(call: Callable[[], Awaitable[Any]], seconds: float, least: int) -> list[float]:
@@ -319,11 +332,7 @@ async def under_load(
 
 async def clients_curve(tmp: str, plan: Plan) -> dict[str, Any]:
     points: list[dict[str, Any]] = []
-    with echo_floor(tmp), guestd(tmp, "clients") as (proc, address):
-        fc = await echo_client(tmp)
-        c = await AsyncClient.connect(address)
-        await time_loop(c.ping, 0, 200)
-        await time_loop(lambda: fc.call({"op": "ping", "id": 1}), 0, 200)
+    async with guestd_beside_echo(tmp, "clients") as (proc, address, c, fc):
         idle_ping = await time_loop(c.ping, plan.least_pings, 20)
         idle_echo = await time_loop(lambda: fc.call({"op": "ping", "id": 1}), plan.least_pings, 20)
         for n in CLIENTS:
@@ -336,26 +345,23 @@ async def clients_curve(tmp: str, plan: Plan) -> dict[str, Any]:
             points.append(
                 {
                     "clients": n,
-                    "ping": summary(pings),
-                    "exec": summary(load["latencies"]),
+                    "ping": summary_ms(pings),
+                    "exec": summary_ms(load["latencies"]),
                     "execs_per_s": len(load["latencies"]) / load["elapsed"],
                     # guestd's own CPU per exec (children not counted) and how busy its CPU was
                     "guestd_cpu_ms_per_exec": load["server_cpu_s"] / execs * 1000,
                     "guestd_cpu_busy": load["server_cpu_s"] / load["elapsed"],
                     "client_cpu_ms_per_exec": load["helper_cpu_s"] / execs * 1000,
-                    "floor_exec": summary(floor["latencies"]),
+                    "floor_exec": summary_ms(floor["latencies"]),
                     "floor_execs_per_s": len(floor["latencies"]) / floor["elapsed"],
-                    "echo_under_floor_load": summary(echo),
+                    "echo_under_floor_load": summary_ms(echo),
                 }
             )
             print(f"  {n} clients: {time.perf_counter() - t0:.0f} s", file=sys.stderr, flush=True)
         # The idle floor again at the end: the better of the two (a burst elsewhere would flatter guestd).
         idle_echo_after = await time_loop(lambda: fc.call({"op": "ping", "id": 1}), plan.least_pings, 20)
-        await c.close()
-        assert fc.transport is not None
-        fc.transport.close()
     return {
-        "idle_ping": summary(idle_ping),
+        "idle_ping": summary_ms(idle_ping),
         "idle_echo_p99_ms": min(pct(idle_echo, 99), pct(idle_echo_after, 99)) * 1000,
         "points": points,
     }
@@ -386,20 +392,17 @@ async def idle_point(c: AsyncClient, fc: FloorClient, plan: Plan, server: psutil
             helper.kill()
     floor = [x for r in runs for x in r["latencies"]]
     return {
-        "ping": summary(pings),
-        "echo": summary(echo),
-        "exec": summary(execs),
-        "floor_exec": summary(floor),
+        "ping": summary_ms(pings),
+        "echo": summary_ms(echo),
+        "exec": summary_ms(execs),
+        "floor_exec": summary_ms(floor),
         "guestd_cpu_ms_per_exec": exec_cpu / len(execs) * 1000,
     }
 
 
 async def background_curve(tmp: str, plan: Plan) -> dict[str, Any]:
     points: list[dict[str, Any]] = []
-    with echo_floor(tmp), guestd(tmp, "background") as (proc, address):
-        fc = await echo_client(tmp)
-        c = await AsyncClient.connect(address)
-        await time_loop(c.ping, 0, 200)
+    async with guestd_beside_echo(tmp, "background") as (proc, _, c, fc):
         await time_loop(lambda: c.exec(["true"]), 0, 20)
         ids: list[str] = []
         try:
@@ -417,9 +420,6 @@ async def background_curve(tmp: str, plan: Plan) -> dict[str, Any]:
                 await asyncio.gather(
                     *(c.process_signal(pid, "KILL") for pid in ids[i : i + 50]), return_exceptions=True
                 )
-            await c.close()
-            assert fc.transport is not None
-            fc.transport.close()
     return {"points": points}
 
 
@@ -601,9 +601,10 @@ async def files_point(c: AsyncClient, proc: Proc, n: int, plan: Plan) -> dict[st
         return len(await c.download_tree(root, max_bytes=1 << 34, deadline=3600))
 
     async def watch() -> int:
+        before = proc.rss() / MiB
         w = c.watch(root)
         await w.wait_ready(3600)
-        peaks["watch_held"] = proc.rss() / MiB
+        peaks["watch_held_growth"] = proc.rss() / MiB - before
         await w.close()
         return 1
 
@@ -761,15 +762,12 @@ def render(res: dict[str, Any]) -> str:
         BEGIN,
         "## How cost grows with the work (bench/scaling.py)",
         "",
-        f"`{meta['cmd']}`, {meta['date']}, {meta['cpus']} CPUs, guestd pinned to CPU {meta['server_cpus']}, "
-        f"the bench's clients to CPU {meta['client_cpus']}. **Not a quiet machine**: load average "
-        f"{meta['before']['loadavg'][0]:.2f} / {meta['before']['loadavg'][1]:.2f} (1 / 5 min) at the start, "
-        f"{meta['after']['loadavg'][0]:.2f} / {meta['after']['loadavg'][1]:.2f} at the end; other work "
-        f"running at the start: {describe_others(meta['before']['processes'])}; at the end: "
-        f"{describe_others(meta['after']['processes'])}. Each point's floor is measured in the same run, "
-        "next to it. Growth is the exponent k of cost ~ work^k between neighbouring points (1 linear, 0 flat).",
-        "",
-        describe_source(meta.get("source", {})),
+        f"`python -m bench.scaling [--quick]` on {meta['cpus']} CPUs, guestd pinned to CPU {meta['server_cpus']}, "
+        f"the bench's clients to CPU {meta['client_cpus']}. Each curve says when it was measured, which guestd, "
+        "and what else ran (the load average and the other guestd, bench, test and QEMU processes found at its "
+        "start). Each point's floor is measured in the same run, next to it. Growth is the exponent k of "
+        "cost ~ work^k between neighbouring points (1 linear, 0 flat); on a shared machine one noisy point moves "
+        "it, so guestd's own CPU time (moved least by other work) is given beside wall times.",
         "",
     ]
     for name, part in (
@@ -791,12 +789,14 @@ def when(curve: dict[str, Any]) -> list[str]:
     w = curve.get("when")
     if w is None:
         return []
-    run = "--quick" if w["quick"] else "full"
-    return [
-        f"Measured {w['date']} ({run}, {w['seconds']:.0f} s), load average {w['loadavg'][0]:.1f} before, "
-        f"{w['loadavg'][1]:.1f} after.",
-        "",
-    ]
+    cmd = "python -m bench.scaling" + (" --quick" if w["quick"] else "")
+    text = (
+        f"Measured {w['date']} by `{cmd}` in {w['seconds']:.0f} s; {describe_source(w.get('source', {}))} "
+        f"Load average {w['loadavg'][0]:.1f} before, {w['loadavg'][1]:.1f} after"
+    )
+    if "others" in w:
+        text += f"; other work at the start: {describe_others(w['others'])}"
+    return [text + ".", ""]
 
 
 def describe_source(src: dict[str, Any]) -> str:
@@ -974,9 +974,9 @@ def render_files(fl: dict[str, Any]) -> list[str]:
         if key != "grep" and all("guestd_cpu_s" in p for p in pts):
             text += f"; guestd CPU {shape(growth(xs, [max(p['guestd_cpu_s'][key], 1e-3) for p in pts]))}"
         out.append(text + f"; floor {shape(f)}.")
-    held = [p["peak_rss_MiB"].get("watch_held", 0.0) - p["rss_before_MiB"] for p in pts]
+    held = [p["peak_rss_MiB"].get("watch_held_growth", math.nan) for p in pts]
     out += [
-        "- guestd's RSS while a watch of the tree is held, over its RSS before: "
+        "- guestd's RSS growth while a watch of the tree is held (over its RSS just before the watch): "
         + ", ".join(f"{p['files']:,}: {h:+.0f} MiB" for p, h in zip(pts, held, strict=True))
         + ".",
         "",
@@ -1027,12 +1027,14 @@ async def amain(plan: Plan, quick: bool, only: list[str]) -> dict[str, Any]:
     with tempfile.TemporaryDirectory(prefix="guestd-bench-scaling-") as tmp:
         os.chmod(tmp, 0o755)
         for name in only:
-            t, load = time.perf_counter(), os.getloadavg()[0]
+            t, load, others = time.perf_counter(), os.getloadavg()[0], other_work()["processes"]
             res[name] = await CURVES[name](tmp, plan)
             res[name]["when"] = {
                 "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
                 "seconds": time.perf_counter() - t,
                 "loadavg": [load, os.getloadavg()[0]],
+                "others": others,
+                "source": source_state(),
                 "quick": quick,
             }
             print(f"{name}: {time.perf_counter() - t:.0f} s", file=sys.stderr, flush=True)
