@@ -6,16 +6,20 @@ frames where the order and the credit must be exact."""
 from __future__ import annotations
 
 import asyncio
+import os
+import shutil
 import socket
 import struct
+import tempfile
 import threading
 from collections.abc import Callable, Iterator
 from typing import Any
 
 import pytest
+import uvloop
 
 from guestd.client import AsyncClient
-from guestd.testing import Guestd
+from guestd.testing import Guestd, StartGuestd
 from guestd.testing.rawwire import RawPeer
 from guestd.wire.frames import Kind, encode_frame
 
@@ -167,3 +171,84 @@ def test_a_stream_that_never_writes_still_sends_its_eof_on_close(guestd: Guestd,
     asyncio.run(main())
     assert served["done"].wait(30)
     assert served.get("result") == b"", served
+
+
+def echo_to_eof(conn: socket.socket) -> bytes:
+    got = read_all(conn)
+    conn.sendall(got)
+    return got
+
+
+def test_a_forward_on_uvloop_keeps_what_the_host_sent_before_the_guest_side_connected(
+    guestd: Guestd, listener: socket.socket
+) -> None:
+    """uvloop starts reading a transport right after connection_made, so the pause the
+    forward asked for there did not hold: a host connection's first bytes (and its eof)
+    arrived while the guest side was still connecting and were dropped (an HTTP request
+    through a forward hung; bench/relay.py on uvloop). They wait for the guest side now."""
+    served = serve_one(listener, echo_to_eof)
+
+    async def main() -> bytes:
+        c = await AsyncClient.connect(guestd.address)
+        try:
+            async with await c.port_forward(listener.getsockname()[1]) as fwd:
+                reader, writer = await asyncio.open_connection("127.0.0.1", fwd.local_port)
+                writer.write(b"GET / HTTP/1.0\r\n\r\n")
+                writer.write_eof()
+                answer = await asyncio.wait_for(reader.read(), 30)
+                writer.close()
+                return answer
+        finally:
+            await c.close()
+
+    assert uvloop.run(main()) == b"GET / HTTP/1.0\r\n\r\n"
+    assert served["done"].wait(30) and served.get("result") == b"GET / HTTP/1.0\r\n\r\n", served
+
+
+def test_a_reverse_forward_keeps_a_banner_the_destination_sends_at_once(fresh_guestd: StartGuestd) -> None:
+    """A host destination that speaks first (an SSH or SMTP banner) may send before the guest
+    side of its relay is open; those bytes were dropped. They wait for it now."""
+    d = tempfile.mkdtemp(prefix="guestd-reverse-")
+    with open(os.path.join(d, "guestd.toml"), "w") as f:
+        f.write("[ports]\nreverse = true\n")
+    g = fresh_guestd("--config", os.path.join(d, "guestd.toml"))
+    destination = socket.socket()
+    destination.bind(("127.0.0.1", 0))
+    destination.listen(8)
+    destination.settimeout(30)
+
+    def banner_then_echo() -> None:
+        conn, _ = destination.accept()
+        with conn:
+            conn.sendall(b"220 banner\r\n")
+            conn.sendall(read_all(conn))
+
+    threading.Thread(target=banner_then_echo, daemon=True).start()
+
+    async def main() -> bytes:
+        c = await AsyncClient.connect(g.address)
+        try:
+            async with await c.reverse_forward(0, ("127.0.0.1", destination.getsockname()[1])) as fwd:
+                # A process in the guest connecting to the forward (here: the same loopback).
+                with socket.create_connection(("127.0.0.1", fwd.guest_port), timeout=30) as s:
+                    return await asyncio.to_thread(_banner_and_echo, s)
+        finally:
+            await c.close()
+
+    try:
+        assert uvloop.run(main()) == b"220 banner\r\nping\r\n"
+    finally:
+        destination.close()
+        shutil.rmtree(d, ignore_errors=True)
+
+
+def _banner_and_echo(s: socket.socket) -> bytes:
+    got = b""
+    while not got.endswith(b"\r\n"):
+        chunk = s.recv(100)
+        if not chunk:
+            break
+        got += chunk
+    s.sendall(b"ping\r\n")
+    s.shutdown(socket.SHUT_WR)
+    return got + read_all(s)

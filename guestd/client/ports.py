@@ -347,7 +347,12 @@ async def open_relay(
 class Splice(asyncio.Protocol):
     """One end of a pipe between two transports: what it receives goes to the other end, a
     full other end pauses this one's reading, eof and close travel across. ``closed`` is done
-    once its transport is gone."""
+    once its transport is gone.
+
+    What arrives before the other end is there (not linked yet, or still connecting) waits
+    here, and this end reads no more until it is: a pause asked for in ``connection_made``
+    does not hold on uvloop, which starts reading right after it, and a destination may
+    speak first (a banner) before its relay is open. At most one read waits."""
 
     def __init__(self, on_made: Callable[[Splice], None] | None = None) -> None:
         self.transport: Any = None
@@ -356,9 +361,17 @@ class Splice(asyncio.Protocol):
         self.lost = False
         self.closed: asyncio.Future[None] = asyncio.get_running_loop().create_future()
         self._on_made = on_made
+        self._early: list[bytes] = []  # received before the other end was there
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.transport = transport
+        peer = self.peer
+        if peer is not None and not peer.lost:
+            early, peer._early = peer._early, []
+            for data in early:
+                self.transport.write(data)
+            if peer.eof:
+                self.transport.write_eof()
         if self._on_made is not None:
             self._on_made(self)
 
@@ -373,6 +386,9 @@ class Splice(asyncio.Protocol):
         peer = self._peer()
         if peer is not None:
             peer.write(data)
+        elif self.peer is None or not self.peer.lost:  # the other end is not there yet
+            self._early.append(data)
+            self.transport.pause_reading()
 
     def eof_received(self) -> bool:
         self.eof = True
