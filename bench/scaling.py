@@ -727,12 +727,12 @@ WHY = {
         "buffers allocated as output comes, pipes).",
     ],
     "memory": [
-        "Why: the first shell and the first context import their machinery (shells: a few modules, ~1.6 MiB; "
-        "contexts: jupyter_client, zmq, tornado and traitlets, ~11 MiB, imported on first use by "
+        "Why: the first shell and the first context import their machinery (shells: a few modules, 0.3-2 MiB "
+        "across runs; contexts: jupyter_client, zmq, tornado and traitlets, 11-14 MiB, imported on first use by "
         "guestd/code/contexts.py); after that, what guestd holds per item is small and constant: a shell is a "
-        "bash child and a record (nothing measurable), a kept run its reply (bounded by the op's `max_output`; "
-        "~7 KiB per run from 10 to 100 here, about its 8.9 KB reply), a watch a "
-        "`Watcher` thread of its own with an inotify instance and the names of its tree (~37 KiB here, more for a"
+        "bash child and its session record and pty/pipe buffers (a few KiB), a kept run its reply (bounded by the "
+        "op's `max_output`; 7-11 KiB per run here, about its 8.9 KB reply), a watch a "
+        "`Watcher` thread of its own with an inotify instance and the names of its tree (~40 KiB here, more for a"
         " larger tree: see the files curve), a context its zmq sockets and session (~175 KiB). Each is linear, "
         "bounded by `max_shells`, `max_kept_runs`, `max_contexts` and, for watches, `MAX_WATCHES` / "
         "`MAX_NAMES_BYTES` (guestd/files/watch.py) and the kernel's `fs.inotify.max_user_instances` (128 here, "
