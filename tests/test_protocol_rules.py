@@ -266,3 +266,30 @@ def test_events_come_only_with_stream_for_every_op_that_takes_it(guestd: Guestd,
     finals = [f for f in got if f[1] in (1, 2)]
     assert sorted(finals) == [(Kind.RESPONSE, 1), (Kind.RESPONSE, 2)], got
     assert os.path.isdir(tmp_path)
+
+
+def test_locating_a_bad_str_holds_memory_by_depth_and_stops_at_its_budget() -> None:
+    """A wide list nested deep, with the bad str after it: the locator's memory is its depth
+    (it copied the path for every element, and pushed all of them: 910 MiB for this 4 MiB-class
+    payload), and past UTF8_WALK_BUDGET values the error comes without a field."""
+    import tracemalloc
+
+    from guestd.wire.messages import UTF8_WALK_BUDGET, invalid_utf8
+
+    def payload(width: int, depth: int) -> bytes:
+        inner = b"\xdd" + width.to_bytes(4, "big") + b"\xc0" * width  # array32 of nil
+        for _ in range(depth):
+            inner = b"\x91" + inner  # a one-element array around it
+        return b"\x82\xa2op\xa1x\xa4args\x82\xa1a" + inner + b"\xa1b\xa1\xff"
+
+    tracemalloc.start()
+    try:
+        wide = invalid_utf8(payload(200_000, 500))
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert wide.code == "bad_request"
+    assert wide.details == {"reason": "invalid_utf8"}  # beyond the budget: no field, still typed
+    assert peak < 64 * 1024 * 1024, peak
+    narrow = invalid_utf8(payload(UTF8_WALK_BUDGET // 2, 500))
+    assert narrow.details == {"reason": "invalid_utf8", "field": "args.b"}

@@ -5,6 +5,7 @@ Shared by the daemon and the client. Nothing here does I/O.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from typing import Any
 
 import msgpack
@@ -36,8 +37,8 @@ def decode_body(payload: bytes | memoryview) -> dict[str, Any]:
 def invalid_utf8(payload: bytes | memoryview) -> GuestdError:
     """The bad_request for a payload holding a str that is not UTF-8, naming the first such
     value (or, for a key, the map that holds it) the way other errors name fields:
-    ``args.files[0].path``. One more decode with the bad bytes escaped, then one walk in order:
-    linear in the payload, which the frame size bounds."""
+    ``args.files[0].path``. One more decode with the bad bytes escaped, then one walk in order
+    of at most UTF8_WALK_BUDGET keys and values, in memory bounded by the nesting depth."""
     details: dict[str, Any] = {"reason": "invalid_utf8"}
     try:
         body = msgpack.unpackb(payload, raw=False, use_list=True, strict_map_key=True, unicode_errors="surrogateescape")
@@ -65,22 +66,55 @@ def _escaped(text: str) -> bool:
     return any("\udc80" <= ch <= "\udcff" for ch in text)
 
 
+# The walk looks at this many keys and values at most (a few ms on the event loop); a bad str
+# past them is reported without a field. A real request is far smaller.
+UTF8_WALK_BUDGET = 100_000
+
+# A path in the payload as a linked list (parent, part), and the walk as a stack of
+# iterators: memory is the depth, not the width (a list of 4 million nils nested 1,000 deep
+# cost 16 bytes x width x depth with copied paths and every element pushed at once).
+_Where = tuple["_Where", "str | int"] | None
+
+
+def _children(value: dict[Any, Any] | list[Any]) -> Iterator[tuple[Any, Any, bool]]:
+    """(part, value, whether it is a key) in order: a map's key before its value."""
+    if isinstance(value, dict):
+        for key, item in value.items():
+            yield key, key, True
+            yield key, item, False
+    else:
+        yield from ((i, item, False) for i, item in enumerate(value))
+
+
 def _first_escaped(root: Any) -> list[str | int]:
-    """Where the first escaped str is, keys and values in order; [] when nowhere (or the root)."""
-    # (value, where it is, whether it is a key: a bad key is reported as the map holding it)
-    stack: list[tuple[Any, list[str | int], bool]] = [(root, [], False)]
-    while stack:
-        value, path, is_key = stack.pop()
+    """Where the first escaped str is, keys and values in order; [] when nowhere (or the root)
+    or not within UTF8_WALK_BUDGET steps. A bad key is reported as the map holding it."""
+    if not isinstance(root, dict | list):
+        return []
+    stack: list[tuple[Iterator[tuple[Any, Any, bool]], _Where]] = [(_children(root), None)]
+    for _ in range(UTF8_WALK_BUDGET):
+        if not stack:
+            break
+        items, where = stack[-1]
+        step = next(items, None)
+        if step is None:
+            stack.pop()
+            continue
+        part, value, is_key = step
         if isinstance(value, str):
             if _escaped(value):
-                return path
-        elif isinstance(value, dict) and not is_key:
-            for key, item in reversed(list(value.items())):
-                stack.append((item, [*path, key], False))
-                stack.append((key, path, True))
-        elif isinstance(value, list) and not is_key:
-            stack.extend((v, [*path, i], False) for i, v in reversed(list(enumerate(value))))
+                return _unlink(where if is_key else (where, part))
+        elif not is_key and isinstance(value, dict | list):
+            stack.append((_children(value), (where, part)))
     return []
+
+
+def _unlink(where: _Where) -> list[str | int]:
+    parts: list[str | int] = []
+    while where is not None:
+        where, part = where
+        parts.append(part)
+    return parts[::-1]
 
 
 def request_body(op: str, args: dict[str, Any] | None) -> dict[str, Any]:
