@@ -513,7 +513,7 @@ class WorkspaceAPI:
         args = _present(path=path_to_wire(src), include=include, exclude=exclude, gitignore=gitignore, chunk=chunk)
         call = self._conn.start("tree.download", args)
         spool = tempfile.TemporaryFile() if dst is not None else None  # noqa: SIM115 - closed below
-        buf = bytearray()
+        pieces: list[bytes] = []  # joined once at the end: a growing bytearray copied it over and over
         got = 0
         try:
             async with asyncio.timeout(TRANSFER_DEADLINE if deadline is None else deadline):
@@ -530,14 +530,14 @@ class WorkspaceAPI:
                     if spool is not None:
                         spool.write(data)
                     else:
-                        buf += data
+                        pieces.append(data)
                     if progress is not None:
                         progress(len(data))
                 b = await self._conn.wait(call, progress_timeout)
             if b["bytes"] != got:
                 raise GuestProtocolError(f"tree.download: guest reports {b['bytes']} bytes, received {got}")
             if spool is None:
-                return bytes(buf)
+                return b"".join(pieces)
             assert dst is not None
             spool.seek(0)
             await asyncio.get_running_loop().run_in_executor(None, _extract_local, spool, dst)

@@ -36,6 +36,7 @@ import tarfile
 import threading
 from collections.abc import Callable, Generator, Iterator
 
+from guestd.files import tarhead
 from guestd.files.fs import (
     PATH_MAX,
     RESOLVE_BENEATH,
@@ -47,7 +48,6 @@ from guestd.files.fs import (
     Place,
     openat2,
     rename_noreplace,
-    reopen_regular,
 )
 from guestd.files.handlers import AtomicFile, remove_tree
 from guestd.files.walk import Filter, Walk
@@ -66,6 +66,9 @@ COPY = 1024 * 1024
 _DIR = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
 _RESOLVE = RESOLVE_BENEATH | RESOLVE_NO_SYMLINKS | RESOLVE_NO_MAGICLINKS
 _RENAME_EXCHANGE = 2
+# Reopening an O_PATH fd through /proc/self/fd: O_NOFOLLOW would refuse the magic link itself
+# (the inode is resolved already); O_NONBLOCK so that no open waits.
+_READ_REGULAR = os.O_RDONLY | os.O_NONBLOCK | os.O_NOCTTY | os.O_CLOEXEC
 
 
 def refused(entry: str, reason: str, what: str) -> GuestdError:
@@ -515,7 +518,14 @@ def extract(fsys: FileSystem, path: str, parents: bool, replace: bool, source: i
 
 
 class Archive:
-    """A pax tar of the tree below ``root_fd``, made in pieces of ``chunk`` bytes."""
+    """A pax tar of the tree below ``root_fd``, made in pieces of ``chunk`` bytes.
+
+    A thread of its own makes the pieces one ahead of :meth:`step` (a queue of one), so the
+    next piece is filled while the loop sends the last one and the client reads it: made on
+    demand, the two waited for each other (the send's drain lasts until the client has read
+    most of the piece). Each piece is filled in place: headers (``tarhead``, by hand) are
+    copied in and file data is read straight into it (``readv`` into the free part), so a
+    stream holds at most three pieces (one sent, one ready, one filling) and nothing else."""
 
     def __init__(self, root_fd: int, flt: Filter, chunk: int) -> None:
         self.root_fd = root_fd
@@ -523,97 +533,173 @@ class Archive:
         self.chunk = chunk
         self.entries = 0
         self.skipped = 0
-        self.lock = threading.Lock()
-        self.gen = self._pieces()
-        self.closed = False
+        self.out = bytearray(chunk)
+        self.filled = 0
+        self.ready: queue.Queue[bytearray | BaseException | None] = queue.Queue(maxsize=1)
+        self.closed = threading.Event()
+        self.ended = False  # step() has handed out the end (or an error)
+        self.thread = threading.Thread(target=self._produce, name="guestd-tree-download", daemon=True)
+        self.thread.start()
 
-    def step(self) -> bytes | None:
-        with self.lock:
-            if self.closed:
-                return None
-            return next(self.gen, None)
+    def step(self) -> bytearray | None:
+        """The next piece (blocks until it is made), None at the end; the walk's error if any."""
+        if self.ended or self.closed.is_set():
+            return None
+        item = self.ready.get()
+        if item is None or isinstance(item, BaseException):
+            self.ended = True
+            if item is not None:
+                raise item
+        return item
 
     def close(self) -> None:
-        # A download cancelled while its I/O thread walks (a costly .gitignore, a huge tree)
-        # holds the lock: stop the walk first, so the thread lets go within milliseconds.
+        """Stop the thread and wait for it (it has closed every fd when this returns). The walk
+        is stopped first: a costly .gitignore or a huge tree lets go within milliseconds."""
         self.walk.stop()
-        with self.lock:
-            if not self.closed:
-                self.closed = True
-                self.gen.close()
-                os.close(self.root_fd)
+        self.closed.set()
+        while True:  # a thread waiting to hand over a piece gets the room and sees the stop
+            try:
+                self.ready.get_nowait()
+            except queue.Empty:
+                break
+        try:
+            self.ready.put_nowait(None)  # a step() waiting meanwhile ends
+        except queue.Full:
+            pass
+        self.thread.join()
 
-    def _pieces(self) -> Generator[bytes, None, None]:
+    def _produce(self) -> None:
+        pieces = self._pieces()
+        try:
+            for piece in pieces:
+                if not self._hand(piece):
+                    return
+            pieces.close()
+            os.close(self.root_fd)  # before the end is handed over: the reply finds no fd left
+            self.root_fd = -1
+            self._hand(None)
+        except BaseException as exc:
+            self._hand(exc)
+        finally:
+            pieces.close()
+            if self.root_fd >= 0:
+                os.close(self.root_fd)
+                self.root_fd = -1
+
+    def _hand(self, item: bytearray | BaseException | None) -> bool:
+        """Into the queue of one, or False once closed (checked while waiting for room)."""
+        while not self.closed.is_set():
+            try:
+                self.ready.put(item, timeout=0.05)
+                return True
+            except queue.Full:
+                continue
+        return False
+
+    def _take(self) -> bytearray:
+        """The full piece out (never written again: the socket may still hold it), a new one in."""
+        full = self.out
+        self.out = bytearray(self.chunk)
+        self.filled = 0
+        return full
+
+    def _put(self, data: bytes) -> Iterator[bytearray]:
+        view = memoryview(data)
+        while view:
+            n = min(len(view), self.chunk - self.filled)
+            self.out[self.filled : self.filled + n] = view[:n]
+            self.filled += n
+            view = view[n:]
+            if self.filled == self.chunk:
+                yield self._take()
+
+    def _zeros(self, count: int) -> Iterator[bytearray]:
+        """``count`` zero bytes: a new piece is all zeros, so the fill mark only moves on."""
+        while count:
+            n = min(count, self.chunk - self.filled)
+            self.filled += n
+            count -= n
+            if self.filled == self.chunk:
+                yield self._take()
+
+    def _pieces(self) -> Generator[bytearray, None, None]:
         """The archive cut into pieces of exactly ``chunk`` bytes (the last one shorter): each
         is one data event, and ``chunk`` is the most bytes a data event may carry."""
-        out = bytearray()
-        for piece in self._blocks():
-            out += piece
-            while len(out) >= self.chunk:
-                yield bytes(out[: self.chunk])
-                del out[: self.chunk]  # from the front: bytearray moves its start, no copy
-        out += b"\0" * 1024  # two zero blocks end the archive
-        while out:
-            yield bytes(out[: self.chunk])
-            del out[: self.chunk]
-
-    def _blocks(self) -> Iterator[bytes]:
         for e in self.walk.entries():
             info = e.info
-            ti = tarfile.TarInfo(os.fsdecode(e.rel))
-            ti.mode = st.S_IMODE(info.st_mode)
-            ti.mtime = info.st_mtime
-            ti.uid, ti.gid = info.st_uid, info.st_gid
-            if st.S_ISDIR(info.st_mode):
-                ti.type = tarfile.DIRTYPE
-                yield self._header(ti)
-            elif st.S_ISLNK(info.st_mode):
+            mode = info.st_mode
+            if st.S_ISDIR(mode):
+                self.entries += 1
+                yield from self._put(self._header(e.rel, info, tarhead.DIRECTORY))
+            elif st.S_ISLNK(mode):
                 try:
-                    ti.linkname = os.fsdecode(os.readlink(e.name, dir_fd=e.dirfd))
+                    target = os.readlink(e.name, dir_fd=e.dirfd)
                 except OSError:
                     self.skipped += 1
                     continue
-                ti.type = tarfile.SYMTYPE
-                yield self._header(ti)
-            elif st.S_ISREG(info.st_mode):
-                yield from self._file(e.dirfd, e.name, ti)
+                self.entries += 1
+                yield from self._put(self._header(e.rel, info, tarhead.SYMLINK, link=target))
+            elif st.S_ISREG(mode):
+                yield from self._file(e.dirfd, e.name, e.rel)
             else:
                 self.skipped += 1  # FIFO, socket, device: never opened
-                continue
+        yield from self._zeros(1024)  # two zero blocks end the archive
+        if self.filled:
+            last = self.out
+            del last[self.filled :]
+            self.filled = 0
+            yield last
 
-    def _header(self, ti: tarfile.TarInfo) -> bytes:
-        self.entries += 1
-        return ti.tobuf(tarfile.PAX_FORMAT, "utf-8", "surrogateescape")
+    @staticmethod
+    def _header(rel: bytes, info: os.stat_result, kind: bytes, size: int = 0, link: bytes = b"") -> bytes:
+        return tarhead.header(
+            rel, st.S_IMODE(info.st_mode), info.st_uid, info.st_gid, size, info.st_mtime_ns, kind, link
+        )
 
-    def _file(self, dirfd: int, name: bytes, ti: tarfile.TarInfo) -> Iterator[bytes]:
+    @staticmethod
+    def _open_regular(dirfd: int, name: bytes) -> tuple[int, os.stat_result] | None:
+        """A read fd of the regular file ``name`` and its stat, or None (skipped): through an
+        ``O_PATH | O_NOFOLLOW`` fd checked regular first, so a symlink is never followed and
+        a FIFO or device never opened (as ``reopen_regular``, whose fstat this reuses)."""
         try:
             pathfd = os.open(name, os.O_PATH | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=dirfd)
-            try:
-                fd = reopen_regular(pathfd, os.O_RDONLY | os.O_NONBLOCK, ti.name)
-            finally:
-                os.close(pathfd)
-        except (OSError, GuestdError):
+        except OSError:
+            return None
+        try:
+            info = os.fstat(pathfd)
+            if not st.S_ISREG(info.st_mode):
+                return None
+            return os.open(f"/proc/self/fd/{pathfd}", _READ_REGULAR), info
+        except OSError:
+            return None
+        finally:
+            os.close(pathfd)
+
+    def _file(self, dirfd: int, name: bytes, rel: bytes) -> Iterator[bytearray]:
+        opened = self._open_regular(dirfd, name)
+        if opened is None:
             self.skipped += 1
             return
+        fd, info = opened
         try:
-            size = os.fstat(fd).st_size
-            ti.size = size
-            yield self._header(ti)
+            size = info.st_size  # the size at open: what the header says is what is sent
+            self.entries += 1
+            yield from self._put(self._header(rel, info, tarhead.REGULAR, size))
             left = size
             while left > 0:
+                room = min(left, self.chunk - self.filled)
                 try:
-                    data = os.read(fd, min(COPY, left))
+                    got = os.readv(fd, [memoryview(self.out)[self.filled : self.filled + room]])
                 except OSError:
-                    data = b""
-                if not data:  # shrank while we read it: the archive still says size bytes
-                    yield b"\0" * left
-                    left = 0
+                    got = 0
+                if not got:  # shrank while we read it: the archive still says size bytes
+                    yield from self._zeros(left)
                     break
-                left -= len(data)
-                yield data
-            pad = -size % 512
-            if pad:
-                yield b"\0" * pad
+                self.filled += got
+                left -= got
+                if self.filled == self.chunk:
+                    yield self._take()
+            yield from self._zeros(-size % 512)
         finally:
             os.close(fd)
 
