@@ -652,7 +652,11 @@ def source_state() -> dict[str, Any]:
         return r.stdout
 
     changed = [line[3:] for line in git("status", "--porcelain", "--", "guestd").splitlines() if len(line) > 3]
-    return {"commit": git("rev-parse", "--short", "HEAD").strip(), "uncommitted": changed}
+    return {
+        "commit": git("rev-parse", "--short", "HEAD").strip(),
+        "guestd_tree": git("rev-parse", "HEAD:guestd").strip(),  # changes only when guestd/ does
+        "uncommitted": changed,
+    }
 
 
 def other_work() -> dict[str, Any]:
@@ -746,12 +750,13 @@ WHY = {
         "glob ~5-10x `find`, the watcher's scan ~3x `os.walk` (`Watcher._list` adds an inotify watch per "
         "directory and keeps every name, `MAX_NAMES_BYTES` = 16 MiB for all watchers; past it names are not kept,"
         " so the held RSS stops growing). grep is rg itself as a workload child, so it follows rg. tree.download "
-        "is far from `tar` on small files: `Archive._blocks` (guestd/files/trees.py) builds each header with "
-        "`tarfile.TarInfo.tobuf(PAX_FORMAT)`, and `st_mtime` is a float, so tarfile adds a pax extended header to"
-        " every entry (two more 512-byte blocks; the archive of 10k 60-byte files is 20.6 MB, 2 KiB per file) and"
-        " most of the time is tarfile's header code (cProfile, 10k files: `create_pax_header`, which builds both "
-        "headers, ~60% of the whole archive); an integer mtime (or headers built directly) would drop both. Still"
-        " linear: cost per entry, not per tree.",
+        "is far from `tar` on small files. As measured here (guestd/files/trees.py before the hand-made headers "
+        "of guestd/files/tarhead.py, which another change is bringing in), `Archive._blocks` built each header "
+        "with `tarfile.TarInfo.tobuf(PAX_FORMAT)`: ~60% of the archive's CPU (cProfile, 10k files). And an mtime "
+        "with a fraction of a second gets a pax record, so nearly every entry carries a pax extended header (two "
+        "more 512-byte blocks: the archive of 10k 60-byte files is 20.6 MB, 2 KiB per file, where GNU tar's "
+        "default format, the floor, writes 1 KiB and drops the fraction); tarhead.py keeps that record, so small "
+        "files stay at twice tar's bytes. Still linear: a cost per entry, not per tree.",
     ],
 }
 
@@ -792,11 +797,26 @@ def when(curve: dict[str, Any]) -> list[str]:
     cmd = "python -m bench.scaling" + (" --quick" if w["quick"] else "")
     text = (
         f"Measured {w['date']} by `{cmd}` in {w['seconds']:.0f} s; {describe_source(w.get('source', {}))} "
+        f"{moved(w.get('source', {}), w.get('source_after', w.get('source', {})))}"
         f"Load average {w['loadavg'][0]:.1f} before, {w['loadavg'][1]:.1f} after"
     )
     if "others" in w:
         text += f"; other work at the start: {describe_others(w['others'])}"
     return [text + ".", ""]
+
+
+def moved(before: dict[str, Any], after: dict[str, Any]) -> str:
+    """What changed under guestd/ while the curve ran (another helper's commit or edit), if anything."""
+    committed = before.get("guestd_tree") != after.get("guestd_tree")
+    changed = sorted(set(before.get("uncommitted", [])) ^ set(after.get("uncommitted", [])))
+    if not committed and not changed:
+        return ""
+    text = "guestd's source changed while it ran"
+    if committed:
+        text += f" (guestd/ at commit {after.get('commit', '?')} differs)"
+    if changed:
+        text += ": " + ", ".join(f"`{path}`" for path in changed)
+    return text + "; a module imported after the change may be the new one. "
 
 
 def describe_source(src: dict[str, Any]) -> str:
@@ -1028,13 +1048,15 @@ async def amain(plan: Plan, quick: bool, only: list[str]) -> dict[str, Any]:
         os.chmod(tmp, 0o755)
         for name in only:
             t, load, others = time.perf_counter(), os.getloadavg()[0], other_work()["processes"]
+            source = source_state()  # what the curve's guestd starts from (a shared checkout moves)
             res[name] = await CURVES[name](tmp, plan)
             res[name]["when"] = {
                 "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
                 "seconds": time.perf_counter() - t,
                 "loadavg": [load, os.getloadavg()[0]],
                 "others": others,
-                "source": source_state(),
+                "source": source,
+                "source_after": source_state(),
                 "quick": quick,
             }
             print(f"{name}: {time.perf_counter() - t:.0f} s", file=sys.stderr, flush=True)
