@@ -261,29 +261,70 @@ class Services:
     busy: list[BusyReport] = field(default_factory=list)
     on_shutdown: list[ShutdownHook] = field(default_factory=list)
     on_start: list[Callable[[], None]] = field(default_factory=list)
+    # Work a first reply must not wait for (the code kernel pool's pre-warming): run once guestd
+    # has answered its first request, or soon after it listens when nobody asks.
+    after_first_reply: list[Callable[[], None]] = field(default_factory=list)
     info: list[Callable[[], dict[str, Any]]] = field(default_factory=list)  # fields for system.info
-    changes: ChangeFeed | None = None  # set by the files capability
-    adopter: Adopter | None = None  # set by guestd.processes: on_timeout "detach" hands runs to it
-    runs: RunTable | None = None  # set by guestd.processes: keep: true runs (guestd.runs)
+    # Registers a capability the daemon declared but has not registered yet (no-op when it is).
+    require: Callable[[str], None] = field(default=lambda capability: None)
+    _changes: ChangeFeed | None = None
+    _adopter: Adopter | None = None
+    _runs: RunTable | None = None
     _io: ThreadPoolExecutor | None = None
     _kernel_dir: str | None = None
+
+    # What one capability provides to others: read, it registers its provider first.
+    @property
+    def changes(self) -> ChangeFeed | None:
+        """The workspace's change feed (set by the files capability)."""
+        if self._changes is None:
+            self.require("files")
+        return self._changes
+
+    @changes.setter
+    def changes(self, feed: ChangeFeed | None) -> None:
+        self._changes = feed
+
+    @property
+    def adopter(self) -> Adopter | None:
+        """Where on_timeout "detach" hands runs (set by guestd.processes)."""
+        if self._adopter is None:
+            self.require("process")
+        return self._adopter
+
+    @adopter.setter
+    def adopter(self, adopter: Adopter | None) -> None:
+        self._adopter = adopter
+
+    @property
+    def runs(self) -> RunTable | None:
+        """keep: true runs (guestd.runs, set by guestd.processes)."""
+        if self._runs is None:
+            self.require("process")
+        return self._runs
+
+    @runs.setter
+    def runs(self, table: RunTable | None) -> None:
+        self._runs = table
 
     async def changes_cursor(self, wanted: bool) -> int | None:
         """``report_changes``: the change journal's cursor before a run (None: not wanted)."""
         if not wanted:
             return None
-        if self.changes is None:
+        changes = self.changes
+        if changes is None:
             from guestd.wire.errors import ErrorCode, GuestdError
 
             raise GuestdError(
                 ErrorCode.UNAVAILABLE, "no change feed in this guestd", details={"field": "report_changes"}
             )
-        return await self.changes.begin()
+        return await changes.begin()
 
     async def with_changes(self, cursor: int | None, reply: R) -> R:
         """``reply`` with ``changes`` since ``cursor`` added (unchanged when cursor is None)."""
-        if cursor is not None and self.changes is not None:
-            reply["changes"] = await self.changes.report(cursor)  # type: ignore[index]
+        changes = self._changes
+        if cursor is not None and changes is not None:
+            reply["changes"] = await changes.report(cursor)  # type: ignore[index]
         return reply
 
     def runtime_dir(self) -> str:

@@ -47,6 +47,9 @@ def register(services: Services) -> None:
             orphans = reap_orphan_kernels(kdir)
             if orphans:
                 log.warning("killed %d kernel(s) left by a previous guestd", orphans)
+
+    def prewarm() -> None:
+        # jupyter_client's import and the kernels' start: not before guestd's first reply
         if services.config.code_prewarm and services.config.code_pool > 0:
             contexts()
 
@@ -63,6 +66,7 @@ def register(services: Services) -> None:
         return {"kernels": kernels_info(services.config.code_python)}
 
     services.on_start.append(on_start)
+    services.after_first_reply.append(prewarm)
     services.info.append(info)  # which Python each kernel runs
     services.on_restore.append(on_restore)
     services.busy.append(lambda: made[0].busy() if made else {"busy_contexts": []})

@@ -536,7 +536,13 @@ class Connection(asyncio.BufferedProtocol):
         except GuestdError as err:
             self.session.fail(stream, err)
             return
-        route = daemon.dispatcher.routes[stream.op]  # the core admitted only ops that are served
+        daemon.replied()  # runs after this callback, once the reply of an inline op is written
+        try:
+            # The core admitted only ops that are served; a declared capability registers now.
+            route = daemon.dispatcher.route(stream.op)
+        except GuestdError as err:
+            self.session.fail(stream, err)
+            return
         gate = daemon.snapshot.gate(stream.op)
         if route.inline is not None and gate is None:
             try:

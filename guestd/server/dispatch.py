@@ -1,4 +1,9 @@
-"""Op name -> handler. Each capability module registers its ops against the schema."""
+"""Op name -> handler. Each capability module registers its ops against the schema.
+
+A capability may be declared instead of registered: its ops are served (the hello lists them,
+the session core admits them) and the first request for one of them registers the capability
+then. Start-up does not pay for importing capabilities nobody has used yet (issue 34: start to
+first reply, idle memory)."""
 
 from __future__ import annotations
 
@@ -33,6 +38,29 @@ class Dispatcher:
     def __init__(self) -> None:
         self.routes: dict[str, Route] = {}
         self.specs: dict[str, OpSpec] = {}  # the ops served: what the session core admits
+        self._loaders: dict[str, Callable[[], None]] = {}  # op -> registers its declared capability
+
+    def declare(self, capability: str, load: Callable[[], None]) -> None:
+        """Serve every schema op of ``capability``; ``load`` registers them on first use."""
+        for spec in OPS_BY_NAME.values():
+            if spec.capability == capability and spec.name not in self.routes:
+                self.specs[spec.name] = spec
+                self._loaders[spec.name] = load
+
+    def load_before(self, op: str, load: Callable[[], None]) -> None:
+        """Run ``load`` before ``op`` is served the first time (after its own capability's)."""
+        own = self._loaders.get(op)
+
+        def both() -> None:
+            if own is not None:
+                own()
+            load()
+
+        self._loaders[op] = both
+
+    def declared(self) -> list[str]:
+        """Ops declared and not registered yet."""
+        return sorted(op for op in self._loaders if op not in self.routes)
 
     def add(
         self,
@@ -52,17 +80,24 @@ class Dispatcher:
         self.routes[op] = Route(spec, handler, inline, bulk_reply)
         self.specs[op] = spec
 
-    def lookup(self, op: str) -> Route:
+    def route(self, op: str) -> Route:
+        """The op's route; a declared capability is registered at its first request."""
+        load = self._loaders.get(op)
+        if load is not None:
+            load()  # when it fails, the next request for the op tries again
+            del self._loaders[op]
         route = self.routes.get(op)
         if route is None:
+            if op in self.specs:  # a programming error: the capability did not register its own op
+                raise GuestdError(ErrorCode.INTERNAL, f"{op} was declared but not registered", details={"op": op})
             raise GuestdError(ErrorCode.UNKNOWN_OP, f"unknown op {op!r}", details={"op": op})
         return route
 
     def capabilities(self) -> list[str]:
-        return sorted({r.spec.capability for r in self.routes.values()})
+        return sorted({spec.capability for spec in self.specs.values()})
 
     def ops(self) -> list[str]:
-        return sorted(self.routes)
+        return sorted(self.specs)
 
 
 def _with_os_paths(spec: OpSpec, handler: Handler) -> Handler:

@@ -1,0 +1,128 @@
+"""Issue 34, memory and start: what guestd does before its first reply.
+
+Capabilities are declared at start and registered at their first request, so start-up imports
+none of their engines; the hello still lists every op, a capability that needs another one
+(exec's ``report_changes`` needs the files capability's change feed, ``on_timeout: "detach"``
+the process table) registers it on use, and ``snapshot.prepare`` registers all of them, so a
+guest restored from the snapshot pays no first-use import. Checked on a real guestd over a
+Unix socket, and in a fresh interpreter for the module list (no timing here: bench/run.py
+measures start to first reply and idle RSS against their floors)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+from guestd.testing import Guestd, StartGuestd
+from guestd.wire.schema import OPS_BY_NAME
+
+# Engines a first ping needs none of: the files capability's tree and workspace modules, the
+# exec engine, the port relays (hashlib, OpenSSL), psutil, jupyter_client and what they pull in.
+NOT_AT_START = (
+    "tarfile",
+    "hashlib",
+    "psutil",
+    "jupyter_client",
+    "guestd.files.workspace",
+    "guestd.files.trees",
+    "guestd.files.fs",
+    "guestd.exec.run",
+    "guestd.ports.relay",
+    "guestd.processes.handlers",
+    "guestd.shells.session",
+    "guestd.metrics.sampler",
+    "guestd.code.contexts",
+    "shutil",  # argparse's default help formatter asks it for the terminal's width
+)
+
+_START_PATH = """
+import json, sys
+from guestd.config import Config
+from guestd.server.daemon import Daemon, build_parser
+build_parser().parse_args(["--listen", "unix:/nowhere.sock"])
+cfg = Config()
+cfg.runtime_dir = sys.argv[1]
+daemon = Daemon(cfg)
+declared = daemon.dispatcher.ops()
+loaded = sorted(sys.modules)
+daemon.require_all()
+print(json.dumps({"loaded": loaded, "declared": declared, "registered": sorted(daemon.dispatcher.routes),
+                  "capabilities": daemon.dispatcher.capabilities()}))
+"""
+
+
+def test_constructing_the_daemon_imports_no_capability_engine(tmp_path: object) -> None:
+    done = subprocess.run(
+        [sys.executable, "-c", _START_PATH, f"{tmp_path}/rt"], capture_output=True, text=True, check=True
+    )
+    out = json.loads(done.stdout)
+    assert [m for m in NOT_AT_START if m in out["loaded"]] == []
+    # Declared ops are exactly the ops registered once every capability is loaded: the schema's.
+    assert out["declared"] == out["registered"] == sorted(OPS_BY_NAME)
+    assert out["capabilities"] == sorted({spec.capability for spec in OPS_BY_NAME.values()})
+
+
+def _mapped(g: Guestd, name: str) -> bool:
+    with open(f"/proc/{g.pid}/maps") as f:
+        return name in f.read()
+
+
+def test_a_pinged_guestd_has_loaded_no_engine_and_its_hello_lists_every_op(
+    fresh_guestd: StartGuestd, tmp_path: object
+) -> None:
+    # its own runtime dir: the shared one may hold the records of a killed guestd's writes,
+    # whose cleanup is start-up work of the files capability
+    g = fresh_guestd("--runtime-dir", f"{tmp_path}/rt")
+    with g.client() as c:
+        assert sorted(c._aio.server_hello["ops"]) == sorted(OPS_BY_NAME)
+        c.ping()
+        info = c.info()
+        assert sorted(info.raw["ops"]) == sorted(OPS_BY_NAME)
+        assert "snapshot" in info.raw and "kernels" in info.raw  # contributions of the capabilities at start
+        # Extension modules show in the process's maps: OpenSSL's hashlib came with the port relays.
+        assert not _mapped(g, "_hashlib")
+        assert c.exec(["true"]).exit_code == 0  # the exec capability registers at its first request
+        assert c.exec(["true"]).exit_code == 0
+
+
+def test_a_first_exec_gets_what_other_capabilities_provide(fresh_guestd: StartGuestd, tmp_path: object) -> None:
+    g = fresh_guestd("--workspace", f"{tmp_path}/ws", "--runtime-dir", f"{tmp_path}/rt")
+    with g.client() as c:
+        # report_changes: the files capability's change feed, registered by exec's use of it
+        reply = c.call("exec", {"shell": "echo x > made-by-exec", "report_changes": True})
+        assert reply["exit_code"] == 0
+        assert "made-by-exec" in json.dumps(reply["changes"])
+    g2 = fresh_guestd("--runtime-dir", f"{tmp_path}/rt2")
+    with g2.client() as c:
+        # on_timeout "detach": the process table, registered by exec's use of it
+        r = c.exec(["sleep", "30"], timeout_s=0.2, on_timeout="detach")
+        assert r.detached is not None
+        assert r.detached in [p["id"] for p in c.call("process.list")["processes"]]
+
+
+def test_snapshot_prepare_registers_every_capability_first(fresh_guestd: StartGuestd, tmp_path: object) -> None:
+    g = fresh_guestd("--runtime-dir", f"{tmp_path}/rt")
+    with g.client() as c:
+        c.ping()
+        assert not _mapped(g, "_hashlib")
+        prepared = c.call("snapshot.prepare", {})
+        # the running work of every capability is reported, none missing for not being loaded yet
+        assert set(prepared["running"]) >= {"processes", "busy_shells", "busy_contexts"}, prepared
+        assert _mapped(g, "_hashlib")  # the port relays are loaded in the snapshot's image
+        c.snapshot_resume()
+        assert c.exec(["true"]).exit_code == 0
+
+
+def test_a_killed_guestds_write_records_still_go_at_the_next_start(fresh_guestd: StartGuestd, tmp_path: object) -> None:
+    """The files capability is not loaded at start, but its start-up cleanup still runs when a
+    guestd that is gone left records of writes in progress (tests/test_fs_interrupted.py kills
+    one mid-write; here a record of a pid that is no guestd stands for it)."""
+    runtime = f"{tmp_path}/rt"
+    dead = f"{runtime}/pending-writes/999999999"
+    os.makedirs(dead)
+    g = fresh_guestd("--runtime-dir", runtime)
+    assert not os.path.exists(dead)
+    with g.client() as c:
+        c.ping()
