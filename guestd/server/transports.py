@@ -15,8 +15,6 @@ import logging
 import os
 import socket
 import stat
-import termios
-import tty
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -391,6 +389,9 @@ def _listen_serial(daemon: Daemon, loop: asyncio.AbstractEventLoop, address: Lis
             return
         fd = os.open(address.path, os.O_RDWR | os.O_NONBLOCK | os.O_NOCTTY | os.O_CLOEXEC)
         if os.isatty(fd):
+            import termios  # serial only: not on the start path of a socket listener
+            import tty
+
             tty.setraw(fd, termios.TCSANOW)  # a pty or real tty must pass bytes untouched
         state["transport"] = FdTransport(
             loop,

@@ -6,8 +6,6 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from guestd.tcp_table import ESTABLISHED, LISTEN, TcpSocket, tcp_sockets
-
 if TYPE_CHECKING:
     from guestd.wire.types import SnapshotHazardsRecord
 
@@ -15,6 +13,9 @@ MAX_LISTED = 256  # per kind; the counts are exact
 
 
 def clone_hazards() -> SnapshotHazardsRecord:
+    # imported here: the snapshot state is made at guestd's start, the tables read at prepare only
+    from guestd.tcp_table import ESTABLISHED, LISTEN, TcpSocket, tcp_sockets
+
     listening: list[str] = []
     established: list[str] = []
     counts = {"listening": 0, "established": 0}
