@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import os
 import queue
+import stat
 import tarfile
 import tempfile
 import threading
@@ -22,9 +23,11 @@ from typing import TYPE_CHECKING, Any, Literal, cast, overload
 
 from guestd.client.connection import Call, ClientConnection, GuestProtocolError
 from guestd.client.replies import PatchedFile
+from guestd.files import tarhead
 from guestd.wire.paths import WirePath, path_to_wire
 
 if TYPE_CHECKING:
+    from guestd.files.ignore import Overrides
     from guestd.wire.types import ChangeReportRecord, FileApplyPatchReply
 
 DEFAULT_DEADLINE = 300.0
@@ -174,49 +177,99 @@ def _tar_producer(
     stop: threading.Event,
     exclude: list[str] | None = None,
 ) -> None:
-    """A pax tar of the local directory ``src`` (symlinks as links) into ``chunks``, without
-    what ``exclude`` matches (read as :meth:`WorkspaceAPI.download_tree` reads it in the guest:
-    the same matcher, so a glob means the same both ways; an excluded directory is not entered)."""
+    """A pax tar of the local directory ``src`` into ``chunks`` (pieces of ``TREE_CHUNK``),
+    without what ``exclude`` matches (read as :meth:`WorkspaceAPI.download_tree` reads it in
+    the guest: the same matcher, so a glob means the same both ways; an excluded directory is
+    not entered). Headers are made by hand (tarfile's ``add`` cost more than the guest's
+    extraction); names in byte order, a directory before what it holds, as tar writes them."""
 
-    class Sink:
-        def __init__(self) -> None:
-            self.buf = bytearray()
+    def emit(piece: bytearray) -> None:
+        if stop.is_set():
+            raise InterruptedError("upload stopped")
+        chunks.put(bytes(piece))
 
-        def write(self, data: bytes) -> int:
-            if stop.is_set():
-                raise InterruptedError("upload stopped")
-            self.buf += data
-            if len(self.buf) >= TREE_CHUNK:
-                chunks.put(bytes(self.buf))
-                self.buf.clear()
-            return len(data)
-
-    sink = Sink()
     try:
-        keep = _excluding(exclude) if exclude else None
-        with tarfile.open(fileobj=sink, mode="w|", format=tarfile.PAX_FORMAT) as tar:  # type: ignore[call-overload]
-            tar.add(src, arcname=".", recursive=True, filter=keep)
-        if sink.buf:
-            chunks.put(bytes(sink.buf))
+        overrides = _excluding(exclude) if exclude else None
+        out = tarhead.Pieces(TREE_CHUNK, emit)
+        root = os.open(src, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+        try:
+            info = os.fstat(root)
+            out.put(_local_header(b".", info, tarhead.DIRECTORY))  # src's own mode and mtime
+            _tar_local_tree(root, b"", out, overrides)
+        finally:
+            os.close(root)
+        out.finish()
         chunks.put(None)
     except BaseException as exc:
         chunks.put(exc)
 
 
-def _excluding(exclude: list[str]) -> Callable[[tarfile.TarInfo], tarfile.TarInfo | None]:
-    """A ``tarfile.add`` filter leaving out the entries ``exclude`` (tree.download's globs)
-    matches; returning None for a directory also keeps tarfile out of it."""
-    from guestd.files.ignore import Overrides  # the guest's matcher: pure Python, no I/O
+def _local_header(rel: bytes, info: os.stat_result, kind: bytes, size: int = 0, link: bytes = b"") -> bytes:
+    return tarhead.header(rel, stat.S_IMODE(info.st_mode), info.st_uid, info.st_gid, size, info.st_mtime_ns, kind, link)
 
-    overrides = Overrides(["!" + g for g in exclude])
 
-    def keep(info: tarfile.TarInfo) -> tarfile.TarInfo | None:
-        rel = info.name.removeprefix("./")
-        if rel in ("", "."):
-            return info
-        return None if overrides.decide(os.fsencode(rel), info.isdir()) == "skip" else info
+_LOCAL_SPECIAL = {stat.S_IFIFO: b"6", stat.S_IFCHR: b"3", stat.S_IFBLK: b"4"}  # the guest refuses each by name
 
-    return keep
+
+def _tar_local_tree(dirfd: int, here: bytes, out: tarhead.Pieces, overrides: Overrides | None) -> None:
+    """The entries below the directory ``dirfd`` (``here`` in the archive) into ``out``.
+    Symlinks are archived as links, never followed; a file with several names in the tree is
+    archived under each (the guest takes no hard links); sockets are left out, as tar does."""
+    stack: list[tuple[int, bytes, list[bytes]]] = [
+        (dirfd, here, sorted(map(os.fsencode, os.listdir(dirfd)), reverse=True))
+    ]
+    try:
+        while stack:
+            fd, here, todo = stack[-1]
+            if not todo:
+                stack.pop()
+                if fd != dirfd:
+                    os.close(fd)
+                continue
+            name = todo.pop()
+            rel = here + b"/" + name if here else name
+            info = os.stat(name, dir_fd=fd, follow_symlinks=False)
+            kind = stat.S_IFMT(info.st_mode)
+            if overrides is not None and overrides.decide(rel, kind == stat.S_IFDIR) == "skip":
+                continue
+            if kind == stat.S_IFREG:
+                file = os.open(name, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=fd)
+                try:
+                    info = os.fstat(file)  # the size at open is what the header says
+                    out.put(_local_header(rel, info, tarhead.REGULAR, info.st_size))
+                    out.file(file, info.st_size)
+                finally:
+                    os.close(file)
+            elif kind == stat.S_IFDIR:
+                out.put(_local_header(rel, info, tarhead.DIRECTORY))
+                sub = os.open(name, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=fd)
+                try:
+                    names = _names_to_visit(sub)
+                except BaseException:
+                    os.close(sub)
+                    raise
+                stack.append((sub, rel, names))
+            elif kind == stat.S_IFLNK:
+                out.put(_local_header(rel, info, tarhead.SYMLINK, link=os.readlink(name, dir_fd=fd)))
+            elif kind in _LOCAL_SPECIAL:
+                out.put(_local_header(rel, info, _LOCAL_SPECIAL[kind]))
+    finally:
+        for fd, _, _ in stack:
+            if fd != dirfd:
+                os.close(fd)
+
+
+def _names_to_visit(dirfd: int) -> list[bytes]:
+    """The names in ``dirfd``, sorted so that pop() gives them in byte order."""
+    return sorted(map(os.fsencode, os.listdir(dirfd)), reverse=True)
+
+
+def _excluding(exclude: list[str]) -> Overrides:
+    """The matcher of tree.download's ``exclude`` globs (the guest's: pure Python, no I/O):
+    ``decide(rel, is_dir) == "skip"`` leaves an entry out, and a directory's contents."""
+    from guestd.files.ignore import Overrides
+
+    return Overrides(["!" + g for g in exclude])
 
 
 class WorkspaceAPI:

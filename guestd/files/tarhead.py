@@ -11,6 +11,8 @@ cost per entry: ``TarInfo.tobuf`` was about half of a tree download's CPU.
 from __future__ import annotations
 
 import functools
+import os
+from collections.abc import Callable
 
 BLOCK = 512
 REGULAR = b"0"
@@ -130,3 +132,74 @@ def _padding(size: int) -> bytes:
 
 
 _ZEROS = bytes(BLOCK)
+
+
+class Pieces:
+    """An archive's bytes cut into pieces of exactly ``size`` bytes, each handed to ``emit``
+    as it fills (the last one shorter, at :meth:`finish`). Headers are copied in, file data
+    is read straight into the free part of the piece (``readv``): a byte of a file is copied
+    once on its way out, and what is held is one piece."""
+
+    def __init__(self, size: int, emit: Callable[[bytearray], None]) -> None:
+        self.size = size
+        self.emit = emit
+        self.out = bytearray(size)
+        self.filled = 0
+
+    def _full(self) -> None:
+        full = self.out
+        self.out = bytearray(self.size)  # a new piece: the one emitted is never written again
+        self.filled = 0
+        self.emit(full)
+
+    def put(self, data: bytes) -> None:
+        end = self.filled + len(data)
+        if end < self.size:
+            self.out[self.filled : end] = data
+            self.filled = end
+            return
+        view = memoryview(data)
+        while view:
+            n = min(len(view), self.size - self.filled)
+            self.out[self.filled : self.filled + n] = view[:n]
+            self.filled += n
+            view = view[n:]
+            if self.filled == self.size:
+                self._full()
+
+    def zeros(self, count: int) -> None:
+        """``count`` zero bytes: a new piece is all zeros, so the fill mark only moves on."""
+        while count:
+            n = min(count, self.size - self.filled)
+            self.filled += n
+            count -= n
+            if self.filled == self.size:
+                self._full()
+
+    def file(self, fd: int, size: int) -> None:
+        """``size`` bytes of ``fd`` and the padding to a block. A file that shrank meanwhile
+        (or fails to read) is padded with zeros: the header said ``size``."""
+        left = size
+        while left:
+            room = min(left, self.size - self.filled)
+            try:
+                got = os.readv(fd, [memoryview(self.out)[self.filled : self.filled + room]])
+            except OSError:
+                got = 0
+            if not got:
+                self.zeros(left)
+                break
+            self.filled += got
+            left -= got
+            if self.filled == self.size:
+                self._full()
+        self.zeros(-size % BLOCK)
+
+    def finish(self) -> None:
+        """The two zero blocks that end an archive, and the last piece out."""
+        self.zeros(2 * BLOCK)
+        if self.filled:
+            last = self.out
+            del last[self.filled :]
+            self.filled = 0
+            self.emit(last)

@@ -34,7 +34,7 @@ import queue
 import stat as st
 import tarfile
 import threading
-from collections.abc import Callable, Generator, Iterator
+from collections.abc import Callable
 
 from guestd.files import tarhead
 from guestd.files.fs import (
@@ -66,6 +66,7 @@ COPY = 1024 * 1024
 _DIR = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
 _RESOLVE = RESOLVE_BENEATH | RESOLVE_NO_SYMLINKS | RESOLVE_NO_MAGICLINKS
 _RENAME_EXCHANGE = 2
+_CREATE = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
 # Reopening an O_PATH fd through /proc/self/fd: O_NOFOLLOW would refuse the magic link itself
 # (the inode is resolved already); O_NONBLOCK so that no open waits.
 _READ_REGULAR = os.O_RDONLY | os.O_NONBLOCK | os.O_NOCTTY | os.O_CLOEXEC
@@ -85,9 +86,14 @@ def refused(entry: str, reason: str, what: str) -> GuestdError:
 class Feed(io.RawIOBase):
     """The tar stream as a blocking file for tarfile, fed INPUT data by the event loop.
     ``ack(n)`` (called on the loop) grants credit as bytes are consumed, so what waits here is
-    bounded by the request's credit."""
+    bounded by the request's credit. Grants go in batches of ``ACK_EVERY`` bytes, and all that
+    was consumed is granted before waiting for more (so the client is never left without
+    credit while guestd waits): one grant per read (10 KiB, tarfile's record) was a WINDOW
+    frame and a wake of the loop each, 11,000 for a 110 MB tree, and the client's frames
+    shrank to those grants."""
 
     _ABORT = object()
+    ACK_EVERY = 256 * 1024
 
     def __init__(self, ack: Callable[[int], object]) -> None:
         super().__init__()
@@ -95,6 +101,7 @@ class Feed(io.RawIOBase):
         self.buf = memoryview(b"")
         self.eof = False
         self.ack = ack
+        self.unacked = 0
 
     def readable(self) -> bool:
         return True
@@ -108,22 +115,32 @@ class Feed(io.RawIOBase):
     def abort(self) -> None:
         self.q.put(self._ABORT)
 
+    def _grant(self) -> None:
+        if self.unacked:
+            self.ack(self.unacked)
+            self.unacked = 0
+
     def readinto(self, b: bytearray | memoryview) -> int:  # type: ignore[override]
         while not self.buf:
             if self.eof:
                 return 0
+            if self.q.empty():
+                self._grant()  # about to wait: the client may send all it has room for
             item = self.q.get()
             if item is self._ABORT:
                 raise GuestdError(ErrorCode.CANCELLED, "the upload was aborted")
             if item is None:
                 self.eof = True
+                self._grant()
                 return 0
             assert isinstance(item, bytes)
             self.buf = memoryview(item)
         n = min(len(b), len(self.buf))
         b[:n] = self.buf[:n]
         self.buf = self.buf[n:]
-        self.ack(n)
+        self.unacked += n
+        if self.unacked >= self.ACK_EVERY:
+            self._grant()
         return n
 
 
@@ -327,12 +344,13 @@ class Extractor:
                 self.root = -1
 
     def _parent(self, parts: list[str], name: str) -> int:
-        """A new fd of the directory an entry goes in, missing ones made (0700) on the way:
-        one component at a time, ``O_NOFOLLOW``, so a path through a symlink (one the archive
+        """The fd of the directory an entry goes in (borrowed: the extractor keeps the last one
+        open, as entries come directory by directory), missing ones made (0700) on the way: one
+        component at a time, ``O_NOFOLLOW``, so a path through a symlink (one the archive
         itself made) is refused, never followed."""
         rel = "/".join(parts[:-1])
         if self.cached is not None and self.cached[0] == rel:
-            return os.dup(self.cached[1])
+            return self.cached[1]
         fd = os.dup(self.root)
         try:
             for comp in parts[:-1]:
@@ -353,7 +371,7 @@ class Extractor:
             raise
         if self.cached is not None:
             os.close(self.cached[1])
-        self.cached = (rel, os.dup(fd))
+        self.cached = (rel, fd)
         return fd
 
     def _entry(self, tar: tarfile.TarFile, m: tarfile.TarInfo) -> None:
@@ -379,51 +397,53 @@ class Extractor:
             raise refused(name, "link_out", f"symlink to {m.linkname!r} points out of the tree")
         parent = self._parent(parts, name)
         last = parts[-1]
-        try:
-            if m.isdir():
-                try:
-                    os.mkdir(last, 0o700, dir_fd=parent)
-                    self._own_at(parent, last)
-                except FileExistsError:
-                    if not st.S_ISDIR(os.stat(last, dir_fd=parent, follow_symlinks=False).st_mode):
-                        raise refused(name, "duplicate", "a directory over a file of the same name") from None
-                rel = "/".join(parts)
-                self._remember(_DIR_COST + len(rel))
-                self.dirs.append((rel, mode, m.mtime))
-                return
-            if self._clear(parent, last, name):
-                self.links.remove(parts)
-            if m.issym():
-                os.symlink(m.linkname, last, dir_fd=parent)
-                self._remember(_LINK_NODE_COST * self.links.add(parts, m.linkname) + len(m.linkname))
-                if self.owner is not None:
-                    os.chown(last, *self.owner, dir_fd=parent, follow_symlinks=False)
-                os.utime(last, ns=(int(m.mtime * 1e9),) * 2, dir_fd=parent, follow_symlinks=False)
-                return
-            fd = os.open(
-                last, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600, dir_fd=parent
-            )
+        mtime_ns = (int(m.mtime * 1e9),) * 2
+        if m.isdir():
             try:
-                src = tar.extractfile(m)
-                assert src is not None
-                left = m.size
-                while left > 0:
-                    chunk = src.read(min(COPY, left))
-                    if not chunk:
-                        raise refused(name, "truncated", "the archive ends inside this file")
-                    view = memoryview(chunk)
-                    while view:
-                        view = view[os.write(fd, view) :]
-                    left -= len(chunk)
-                self.bytes += m.size
-                if self.owner is not None:
-                    os.fchown(fd, *self.owner)
-                os.fchmod(fd, mode)
-                os.utime(fd, ns=(int(m.mtime * 1e9),) * 2)
-            finally:
-                os.close(fd)
+                os.mkdir(last, 0o700, dir_fd=parent)
+                self._own_at(parent, last)
+            except FileExistsError:
+                if not st.S_ISDIR(os.stat(last, dir_fd=parent, follow_symlinks=False).st_mode):
+                    raise refused(name, "duplicate", "a directory over a file of the same name") from None
+            rel = "/".join(parts)
+            self._remember(_DIR_COST + len(rel))
+            self.dirs.append((rel, mode, m.mtime))
+            return
+        if m.issym():
+            try:
+                os.symlink(m.linkname, last, dir_fd=parent)
+            except FileExistsError:  # a later entry of the same name replaces an earlier one
+                self._clear(parent, parts, name)
+                os.symlink(m.linkname, last, dir_fd=parent)
+            self._remember(_LINK_NODE_COST * self.links.add(parts, m.linkname) + len(m.linkname))
+            if self.owner is not None:
+                os.chown(last, *self.owner, dir_fd=parent, follow_symlinks=False)
+            os.utime(last, ns=mtime_ns, dir_fd=parent, follow_symlinks=False)
+            return
+        try:
+            fd = os.open(last, _CREATE, 0o600, dir_fd=parent)
+        except FileExistsError:  # a later entry of the same name replaces an earlier one
+            self._clear(parent, parts, name)
+            fd = os.open(last, _CREATE, 0o600, dir_fd=parent)
+        try:
+            src = tar.extractfile(m)
+            assert src is not None
+            left = m.size
+            while left > 0:
+                chunk = src.read(min(COPY, left))
+                if not chunk:
+                    raise refused(name, "truncated", "the archive ends inside this file")
+                view = memoryview(chunk)
+                while view:
+                    view = view[os.write(fd, view) :]
+                left -= len(chunk)
+            self.bytes += m.size
+            if self.owner is not None:
+                os.fchown(fd, *self.owner)
+            os.fchmod(fd, mode)
+            os.utime(fd, ns=mtime_ns)
         finally:
-            os.close(parent)
+            os.close(fd)
 
     def _remember(self, nbytes: int) -> None:
         self.remembered += nbytes
@@ -439,18 +459,16 @@ class Extractor:
         if self.owner is not None:
             os.chown(last, *self.owner, dir_fd=parent, follow_symlinks=False)
 
-    @staticmethod
-    def _clear(parent: int, last: str, name: str) -> bool:
-        """A later entry of the same name replaces an earlier file or link (as tar does).
-        Returns whether a link was replaced."""
-        try:
-            info = os.stat(last, dir_fd=parent, follow_symlinks=False)
-        except FileNotFoundError:
-            return False
+    def _clear(self, parent: int, parts: list[str], name: str) -> None:
+        """Make room for a later entry of the same name as an earlier file or link (as tar
+        does); a directory there is refused."""
+        last = parts[-1]
+        info = os.stat(last, dir_fd=parent, follow_symlinks=False)
         if st.S_ISDIR(info.st_mode):
             raise refused(name, "duplicate", "a file over a directory of the same name")
         os.unlink(last, dir_fd=parent)
-        return st.S_ISLNK(info.st_mode)
+        if st.S_ISLNK(info.st_mode):
+            self.links.remove(parts)
 
     def _finish_dirs(self) -> None:
         """Modes and mtimes of directories, deepest first (creating entries changes mtimes)."""
@@ -517,15 +535,19 @@ def extract(fsys: FileSystem, path: str, parents: bool, replace: bool, source: i
 # --------------------------------------------------------------------------- archiving
 
 
+class _Closed(Exception):
+    """The download ended (closed) while its archive was being made."""
+
+
 class Archive:
     """A pax tar of the tree below ``root_fd``, made in pieces of ``chunk`` bytes.
 
     A thread of its own makes the pieces one ahead of :meth:`step` (a queue of one), so the
     next piece is filled while the loop sends the last one and the client reads it: made on
     demand, the two waited for each other (the send's drain lasts until the client has read
-    most of the piece). Each piece is filled in place: headers (``tarhead``, by hand) are
-    copied in and file data is read straight into it (``readv`` into the free part), so a
-    stream holds at most three pieces (one sent, one ready, one filling) and nothing else."""
+    most of the piece). Headers are made by hand (``tarhead``) and file data is read straight
+    into the piece (``tarhead.Pieces``), so a stream holds at most three pieces (one sent, one
+    ready, one filling) and nothing else."""
 
     def __init__(self, root_fd: int, flt: Filter, chunk: int) -> None:
         self.root_fd = root_fd
@@ -533,8 +555,6 @@ class Archive:
         self.chunk = chunk
         self.entries = 0
         self.skipped = 0
-        self.out = bytearray(chunk)
-        self.filled = 0
         self.ready: queue.Queue[bytearray | BaseException | None] = queue.Queue(maxsize=1)
         self.closed = threading.Event()
         self.ended = False  # step() has handed out the end (or an error)
@@ -569,86 +589,65 @@ class Archive:
         self.thread.join()
 
     def _produce(self) -> None:
-        pieces = self._pieces()
         try:
-            for piece in pieces:
-                if not self._hand(piece):
-                    return
-            pieces.close()
-            os.close(self.root_fd)  # before the end is handed over: the reply finds no fd left
-            self.root_fd = -1
+            try:
+                self._make(tarhead.Pieces(self.chunk, self._hand))
+            finally:
+                os.close(self.root_fd)  # before the end is handed over: the reply finds no fd left
             self._hand(None)
+        except _Closed:
+            pass
         except BaseException as exc:
-            self._hand(exc)
-        finally:
-            pieces.close()
-            if self.root_fd >= 0:
-                os.close(self.root_fd)
-                self.root_fd = -1
+            try:
+                self._hand(exc)
+            except _Closed:
+                pass
 
-    def _hand(self, item: bytearray | BaseException | None) -> bool:
-        """Into the queue of one, or False once closed (checked while waiting for room)."""
+    def _hand(self, item: bytearray | BaseException | None) -> None:
+        """Into the queue of one; raises _Closed once closed (checked while waiting for room)."""
         while not self.closed.is_set():
             try:
                 self.ready.put(item, timeout=0.05)
-                return True
+                return
             except queue.Full:
                 continue
-        return False
+        raise _Closed
 
-    def _take(self) -> bytearray:
-        """The full piece out (never written again: the socket may still hold it), a new one in."""
-        full = self.out
-        self.out = bytearray(self.chunk)
-        self.filled = 0
-        return full
-
-    def _put(self, data: bytes) -> Iterator[bytearray]:
-        view = memoryview(data)
-        while view:
-            n = min(len(view), self.chunk - self.filled)
-            self.out[self.filled : self.filled + n] = view[:n]
-            self.filled += n
-            view = view[n:]
-            if self.filled == self.chunk:
-                yield self._take()
-
-    def _zeros(self, count: int) -> Iterator[bytearray]:
-        """``count`` zero bytes: a new piece is all zeros, so the fill mark only moves on."""
-        while count:
-            n = min(count, self.chunk - self.filled)
-            self.filled += n
-            count -= n
-            if self.filled == self.chunk:
-                yield self._take()
-
-    def _pieces(self) -> Generator[bytearray, None, None]:
-        """The archive cut into pieces of exactly ``chunk`` bytes (the last one shorter): each
-        is one data event, and ``chunk`` is the most bytes a data event may carry."""
-        for e in self.walk.entries():
-            info = e.info
-            mode = info.st_mode
-            if st.S_ISDIR(mode):
-                self.entries += 1
-                yield from self._put(self._header(e.rel, info, tarhead.DIRECTORY))
-            elif st.S_ISLNK(mode):
-                try:
-                    target = os.readlink(e.name, dir_fd=e.dirfd)
-                except OSError:
-                    self.skipped += 1
-                    continue
-                self.entries += 1
-                yield from self._put(self._header(e.rel, info, tarhead.SYMLINK, link=target))
-            elif st.S_ISREG(mode):
-                yield from self._file(e.dirfd, e.name, e.rel)
-            else:
-                self.skipped += 1  # FIFO, socket, device: never opened
-        yield from self._zeros(1024)  # two zero blocks end the archive
-        if self.filled:
-            last = self.out
-            del last[self.filled :]
-            self.filled = 0
-            yield last
+    def _make(self, out: tarhead.Pieces) -> None:
+        """The archive into ``out``: the walk's entries in its order, then the end blocks."""
+        entries = self.walk.entries()
+        try:
+            for e in entries:
+                info = e.info
+                mode = info.st_mode
+                if st.S_ISREG(mode):
+                    opened = self._open_regular(e.dirfd, e.name)
+                    if opened is None:
+                        self.skipped += 1
+                        continue
+                    fd, info = opened  # the inode opened: its size is what the header says
+                    try:
+                        self.entries += 1
+                        out.put(self._header(e.rel, info, tarhead.REGULAR, info.st_size))
+                        out.file(fd, info.st_size)
+                    finally:
+                        os.close(fd)
+                elif st.S_ISDIR(mode):
+                    self.entries += 1
+                    out.put(self._header(e.rel, info, tarhead.DIRECTORY))
+                elif st.S_ISLNK(mode):
+                    try:
+                        target = os.readlink(e.name, dir_fd=e.dirfd)
+                    except OSError:
+                        self.skipped += 1
+                        continue
+                    self.entries += 1
+                    out.put(self._header(e.rel, info, tarhead.SYMLINK, link=target))
+                else:
+                    self.skipped += 1  # FIFO, socket, device: never opened
+            out.finish()
+        finally:
+            entries.close()  # the walk's directory fds
 
     @staticmethod
     def _header(rel: bytes, info: os.stat_result, kind: bytes, size: int = 0, link: bytes = b"") -> bytes:
@@ -674,34 +673,6 @@ class Archive:
             return None
         finally:
             os.close(pathfd)
-
-    def _file(self, dirfd: int, name: bytes, rel: bytes) -> Iterator[bytearray]:
-        opened = self._open_regular(dirfd, name)
-        if opened is None:
-            self.skipped += 1
-            return
-        fd, info = opened
-        try:
-            size = info.st_size  # the size at open: what the header says is what is sent
-            self.entries += 1
-            yield from self._put(self._header(rel, info, tarhead.REGULAR, size))
-            left = size
-            while left > 0:
-                room = min(left, self.chunk - self.filled)
-                try:
-                    got = os.readv(fd, [memoryview(self.out)[self.filled : self.filled + room]])
-                except OSError:
-                    got = 0
-                if not got:  # shrank while we read it: the archive still says size bytes
-                    yield from self._zeros(left)
-                    break
-                self.filled += got
-                left -= got
-                if self.filled == self.chunk:
-                    yield self._take()
-            yield from self._zeros(-size % 512)
-        finally:
-            os.close(fd)
 
 
 def open_archive(fsys: FileSystem, path: str, flt: Filter, chunk: int) -> Archive:
