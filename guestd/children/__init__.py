@@ -8,7 +8,9 @@ pinned to a CPU of its own or run at a higher priority, so the control plane ans
 does not hand that CPU or priority to what it starts).
 The native path (``_clone``) creates the process inside its leaf with clone3, as vfork does,
 so no Python runs in a child of the daemon and nothing has to move between cgroups; it runs
-in a small thread pool so the event loop never waits for an exec. ``Child`` is the handle:
+in the native module's own spawn threads, which need no GIL: the loop hands a spawn over and
+learns it is done through an eventfd, so it never waits for an exec, and no Python thread has
+to be handed the GIL to pass a spawn along (that hop cost ~70 us each way per exec here). ``Child`` is the handle:
 exit watch, exit fields, signals, and ``end`` (TERM, grace, then ``cgroup.kill`` of the whole
 run).
 """
@@ -448,6 +450,7 @@ class Children:
         self.live: set[Child] = set()
         self.lingering: set[RunCgroup] = set()  # finished runs whose leaf still has processes
         self._pool: ThreadPoolExecutor | None = None
+        self._done_fd: int | None = None  # the native spawn threads' eventfd, watched by the loop
         self._null_fd: int | None = None
         self._counter = 0
         # Spawns in flight: their pids are not tracked yet, so the orphan sweep must wait
@@ -509,6 +512,18 @@ class Children:
         """
         if self.closing:
             raise GuestdError(ErrorCode.UNAVAILABLE, "guestd is stopping", details={"stage": "spawn"})
+        self._counter += 1
+        run_id = f"{self._counter}-{os.urandom(4).hex()}"
+        order = SpawnOrder(argv, kind, run_id, env, cwd, stdin, stdout, stderr, pty, extra_fds, user)
+        if self.native is not None:
+            try:
+                return await self._spawn_native(order)
+            except _Clone3Unavailable:
+                pass  # this kernel has no clone3 (into a cgroup): the subprocess path from now on
+        return await self._spawn_pooled(order)
+
+    async def _spawn_pooled(self, order: SpawnOrder) -> Child:
+        """The subprocess fallback: a spawn in a thread pool (Python runs in the forked child)."""
         if self._pool is None:
             # A spawn blocks its thread until the child has exec'd, never the loop.
             # They live as long as guestd: a kernel's PR_SET_PDEATHSIG follows the thread that
@@ -516,13 +531,9 @@ class Children:
             from concurrent.futures import ThreadPoolExecutor  # on first spawn: idle memory
 
             self._pool = ThreadPoolExecutor(max_workers=4, thread_name_prefix="guestd-spawn")
-        self._counter += 1
-        run_id = f"{self._counter}-{os.urandom(4).hex()}"
+        kind = order.kind
         loop = self._loop = asyncio.get_running_loop()
         self._spawning += 1
-        if self._watchdog is None or self._watchdog.done():
-            self._watchdog = loop.create_task(self._watch_spawns())
-        order = SpawnOrder(argv, kind, run_id, env, cwd, stdin, stdout, stderr, pty, extra_fds, user)
         fut = loop.run_in_executor(self._pool, self._spawn_blocking, order)
         try:
             pid, pidfd, cgroup, fds, popen = await asyncio.shield(fut)
@@ -550,6 +561,68 @@ class Children:
         self._spawned()
         return child
 
+    async def _spawn_native(self, o: SpawnOrder) -> Child:
+        """Pipes here, the leaf and clone3 in a spawn thread of the native module (no GIL: the
+        loop is not kept waiting, and no Python thread has to be handed the spawn); the loop
+        learns it is done through the module's eventfd (``_collect``)."""
+        native = self.native
+        assert native is not None
+        loop = self._loop = asyncio.get_running_loop()
+        if self._done_fd is None:
+            self._done_fd = native.spawner()
+            loop.add_reader(self._done_fd, self._collect)
+        try:
+            ours, theirs, child_fds = self._child_fds(o)
+        except OSError as exc:  # pipes or a pty: out of fds, most likely
+            raise GuestdError.from_os_error(exc, stage="spawn", argv0=o.argv[0]) from None
+        leaf = self.workload.leaf_order(o.kind, o.run_id)
+        ids = o.user if o.user is not None and os.geteuid() == 0 else self.ids()
+        pending = _NativeSpawn(self, o, loop.create_future(), ours, theirs, leaf[1] if leaf else None)
+        try:
+            native.submit(
+                pending,
+                leaf[0] if leaf else None,
+                _exec_paths(o.argv[0], (os.environ if o.env is None else o.env).get("PATH")),
+                [os.fsencode(a) for a in o.argv],
+                None if o.env is None else self._encode_env(o.env),
+                None if o.cwd is None else os.fsencode(o.cwd),
+                child_fds,
+                ids[0] if ids else -1,
+                ids[1] if ids else -1,
+                True,
+                o.pty is not None,
+                -1,
+                _OOM_RESET,
+                _NOFILE_AT_START,
+                _ALL_CPUS,
+                _NICE_RESET,
+            )
+        except (ValueError, TypeError) as exc:  # NUL bytes in argv, env or cwd
+            pending.close_fds(ours=True)
+            raise GuestdError(ErrorCode.BAD_REQUEST, f"cannot spawn: {exc}", details={"stage": "spawn"}) from None
+        self._spawning += 1
+        if self._watchdog is None or self._watchdog.done():
+            self._watchdog = loop.create_task(self._watch_spawns())
+        fut = pending.fut
+        try:
+            return await fut
+        except asyncio.CancelledError:
+            # Started, but the request went away before it saw the child: ended at once (a spawn
+            # still in its thread is ended by _collect, which finds the future cancelled).
+            if fut.done() and not fut.cancelled() and fut.exception() is None:
+                child = fut.result()
+                child.kill_now()
+                child.release()
+            raise
+        finally:
+            del fut, pending  # an exception's traceback holds this frame: no cycle per failed spawn
+
+    def _collect(self) -> None:
+        """The spawn threads' eventfd is readable: hand each finished spawn to its waiter."""
+        assert self.native is not None or self._done_fd is not None
+        for pending, outcome in _collect_native():
+            pending.finish(outcome)
+
     def _spawned(self) -> None:
         self._spawning -= 1
 
@@ -560,27 +633,28 @@ class Children:
         except OSError as exc:  # pipes or a pty: out of fds, most likely
             raise GuestdError.from_os_error(exc, stage="spawn", argv0=o.argv[0]) from None
 
-    def _spawn_in_thread(self, o: SpawnOrder) -> Spawned:
-        ours: dict[str, int] = {}  # guestd's ends, returned
-        theirs: list[int] = []  # the child's ends, closed here after the spawn
+    def _child_fds(self, o: SpawnOrder) -> tuple[dict[str, int], list[int], list[tuple[int, int]]]:
+        """guestd's ends (returned), the child's ends (closed once it has started) and the
+        (source, target) fds the child gets."""
+        ours: dict[str, int] = {}
+        theirs: list[int] = []
         child_fds: list[tuple[int, int]] = []
-        cgroup: RunCgroup | None = None
         try:
             if o.pty is not None:
                 master, slave = os.openpty()
+                theirs.append(slave)
+                ours["pty"] = master
                 os.set_inheritable(master, False)
                 set_winsize(master, o.pty[0], o.pty[1])
-                ours["pty"] = master
-                theirs.append(slave)
                 child_fds += [(slave, 0), (slave, 1), (slave, 2)]
             else:
                 for target, name, how in ((0, "stdin", o.stdin), (1, "stdout", o.stdout), (2, "stderr", o.stderr)):
                     if how == PIPE:
                         r, w = os.pipe2(os.O_CLOEXEC)
                         mine, its = (w, r) if target == 0 else (r, w)
-                        os.set_blocking(mine, False)
                         ours[name] = mine
                         theirs.append(its)
+                        os.set_blocking(mine, False)
                         child_fds.append((its, target))
                     elif how == DEVNULL:
                         child_fds.append((self._devnull(), target))
@@ -588,8 +662,18 @@ class Children:
                         child_fds.append((dict((t, s) for s, t in child_fds)[1], 2))
                     else:
                         child_fds.append((how, target))
-            for target, source in (o.extra_fds or {}).items():
-                child_fds.append((source, target))
+        except BaseException:
+            for fd in [*ours.values(), *theirs]:
+                os.close(fd)
+            raise
+        for target, source in (o.extra_fds or {}).items():
+            child_fds.append((source, target))
+        return ours, theirs, child_fds
+
+    def _spawn_in_thread(self, o: SpawnOrder) -> Spawned:
+        ours, theirs, child_fds = self._child_fds(o)
+        cgroup: RunCgroup | None = None
+        try:
             try:
                 cgroup = self.workload.new_run(o.kind, o.run_id)
             except OSError as exc:
@@ -601,16 +685,24 @@ class Children:
         except BaseException:
             for fd in list(ours.values()):
                 os.close(fd)
-            if cgroup is not None and not cgroup.remove():  # e.g. killed by the watchdog mid-exec
-                cgroup.kill()
-                cgroup.close_fd()
-                if self._loop is not None:
-                    self._loop.call_soon_threadsafe(self.lingering.add, cgroup)
+            if cgroup is not None:
+                self._drop_leaf(cgroup, threadsafe=True)
             raise
         finally:
             for fd in theirs:
                 os.close(fd)
         return pid, pidfd, cgroup, ours, popen
+
+    def _drop_leaf(self, cgroup: RunCgroup, threadsafe: bool = False) -> None:
+        """The leaf of a spawn that failed: removed, or (a child killed by the watchdog mid-exec
+        may still be in it) killed and left to the sweep."""
+        if not cgroup.remove():
+            cgroup.kill()
+            cgroup.close_fd()
+            if threadsafe and self._loop is not None:
+                self._loop.call_soon_threadsafe(self.lingering.add, cgroup)
+            elif not threadsafe:
+                self.lingering.add(cgroup)
 
     def _start(
         self,
@@ -623,54 +715,13 @@ class Children:
         cgroup: RunCgroup | None,
     ) -> tuple[int, int | None, subprocess.Popen[bytes] | None]:
         try:
-            if self.native is not None:
-                try:
-                    pid, pidfd = self.native.spawn(
-                        _exec_paths(argv[0], (os.environ if env is None else env).get("PATH")),
-                        [os.fsencode(a) for a in argv],
-                        None if env is None else self._encode_env(env),
-                        None if cwd is None else os.fsencode(cwd),
-                        child_fds,
-                        ids[0] if ids else -1,
-                        ids[1] if ids else -1,
-                        True,
-                        ctty,
-                        cgroup.fd if cgroup is not None else -1,
-                        _OOM_RESET,
-                        _NOFILE_AT_START,
-                        _ALL_CPUS,
-                        _NICE_RESET,
-                    )
-                    return pid, pidfd, None
-                except OSError as exc:
-                    # Kernels before 5.3 (no clone3) or 5.7 (no CLONE_INTO_CGROUP) say so on the
-                    # first spawn; nothing else makes clone3 fail with these.
-                    if getattr(exc, "stage", None) != "clone" or exc.errno not in _NO_CLONE3:
-                        raise
-                    log.warning("clone3 spawn unavailable (%s); using subprocess from now on", exc)
-                    self.native = None
             popen = _popen_fallback(argv, env, cwd, child_fds, ids, ctty, cgroup)
             pidfd = None
             with contextlib.suppress(OSError, AttributeError):
                 pidfd = os.pidfd_open(popen.pid)
             return popen.pid, pidfd, popen
         except OSError as exc:
-            stage = getattr(exc, "stage", None)
-            if stage == "cwd" or (stage is None and cwd is not None and exc.filename == cwd):
-                raise GuestdError.from_os_error(exc, stage="cwd", cwd=cwd) from None
-            if stage in (None, "exec", "clone"):  # clone: e.g. EAGAIN at the workload's pids.max
-                raise GuestdError.from_os_error(exc, stage="spawn", argv0=argv[0]) from None
-            if stage == "stopped":
-                raise GuestdError(
-                    ErrorCode.UNAVAILABLE,
-                    "the process was stopped (by the workload?) before it could exec, and was killed",
-                    details={"stage": "spawn"},
-                ) from None
-            raise GuestdError(
-                ErrorCode.UNAVAILABLE,
-                f"could not set up the child ({stage}): {exc}",
-                details={"stage": "spawn"},
-            ) from None
+            raise _spawn_error(exc, argv[0], cwd) from None
         except (ValueError, TypeError) as exc:  # NUL bytes in argv, env or cwd
             raise GuestdError(ErrorCode.BAD_REQUEST, f"cannot spawn: {exc}", details={"stage": "spawn"}) from None
         except subprocess.SubprocessError as exc:
@@ -695,8 +746,18 @@ class Children:
         cg, child.cgroup = child.cgroup, None
         if cg is not None:
             cg.close_fd()  # nothing is spawned into a retired leaf
-            if not cg.remove():
-                self.lingering.add(cg)
+            # Removed right after the current callback (an exec's reply is written first: the
+            # rmdir is 30-80 us here); kept as lingering until then, so shutdown and the sweep
+            # see it whatever happens meanwhile.
+            self.lingering.add(cg)
+            if self._loop is not None and not self._loop.is_closed():
+                self._loop.call_soon(self._remove_leaf, cg)
+            else:
+                self._remove_leaf(cg)
+
+    def _remove_leaf(self, cg: RunCgroup) -> None:
+        if cg in self.lingering and cg.remove():
+            self.lingering.discard(cg)
 
     def kill_stuck_spawns(self, stopped_after_s: float = WATCH_S, older_than_s: float = STUCK_SPAWN_S) -> int:
         if self.native is None or not self._spawning:
@@ -807,3 +868,95 @@ def _popen_fallback(
         close_fds=False,
         preexec_fn=preexec,
     )
+
+
+def _spawn_error(exc: OSError, argv0: str, cwd: str | None) -> GuestdError:
+    """A could-not-start error for a spawn's OSError (its .stage says where it failed)."""
+    stage = getattr(exc, "stage", None)
+    if stage == "cwd" or (stage is None and cwd is not None and exc.filename == cwd):
+        return GuestdError.from_os_error(exc, stage="cwd", cwd=cwd)
+    if stage in (None, "exec", "clone"):  # clone: e.g. EAGAIN at the workload's pids.max
+        return GuestdError.from_os_error(exc, stage="spawn", argv0=argv0)
+    if stage == "stopped":
+        return GuestdError(
+            ErrorCode.UNAVAILABLE,
+            "the process was stopped (by the workload?) before it could exec, and was killed",
+            details={"stage": "spawn"},
+        )
+    if stage == "cgroup":
+        return GuestdError(ErrorCode.UNAVAILABLE, f"cannot make the run's cgroup: {exc}", details={"stage": "spawn"})
+    return GuestdError(
+        ErrorCode.UNAVAILABLE, f"could not set up the child ({stage}): {exc}", details={"stage": "spawn"}
+    )
+
+
+class _Clone3Unavailable(Exception):
+    """This kernel has no clone3 (5.3) or no CLONE_INTO_CGROUP (5.7): spawn through subprocess."""
+
+
+def _collect_native() -> list[tuple[_NativeSpawn, tuple[int, int, int] | OSError]]:
+    from guestd.children import _clone  # type: ignore[attr-defined]
+
+    done: list[tuple[_NativeSpawn, tuple[int, int, int] | OSError]] = _clone.collect()
+    return done
+
+
+class _NativeSpawn:
+    """One spawn handed to the native spawn threads: what to do with it once it is done."""
+
+    __slots__ = ("fut", "leaf_path", "order", "ours", "owner", "theirs")
+
+    def __init__(
+        self,
+        owner: Children,
+        order: SpawnOrder,
+        fut: asyncio.Future[Child],
+        ours: dict[str, int],
+        theirs: list[int],
+        leaf_path: str | None,
+    ) -> None:
+        self.owner = owner
+        self.order = order
+        self.fut = fut
+        self.ours = ours
+        self.theirs = theirs
+        self.leaf_path = leaf_path
+
+    def close_fds(self, ours: bool) -> None:
+        for fd in self.theirs:
+            os.close(fd)
+        self.theirs = []
+        if ours:
+            for fd in self.ours.values():
+                os.close(fd)
+            self.ours = {}
+
+    def finish(self, outcome: tuple[int, int, int] | OSError) -> None:
+        owner, fut = self.owner, self.fut
+        owner._spawned()
+        if isinstance(outcome, BaseException):
+            self.close_fds(ours=True)
+            leaf_fd = getattr(outcome, "leaf_fd", -1)
+            if leaf_fd >= 0 and self.leaf_path is not None:
+                owner._drop_leaf(RunCgroup(self.leaf_path, leaf_fd))
+            if getattr(outcome, "stage", None) == "clone" and outcome.errno in _NO_CLONE3:
+                log.warning("clone3 spawn unavailable (%s); using subprocess from now on", outcome)
+                owner.native = None
+                error: BaseException = _Clone3Unavailable()
+            else:
+                error = _spawn_error(outcome, self.order.argv[0], self.order.cwd)
+            if not fut.done():
+                fut.set_exception(error)
+            self.fut = None  # type: ignore[assignment]  # the exception's traceback: no cycle kept
+            return
+        self.close_fds(ours=False)
+        pid, pidfd, leaf_fd = outcome
+        cgroup = RunCgroup(self.leaf_path, leaf_fd) if leaf_fd >= 0 and self.leaf_path is not None else None
+        child = Child(owner, self.order.kind, pid, pidfd, cgroup, self.ours, None)
+        owner.live.add(child)
+        owner.reaper.tracked.add(pid)  # now, before any sweep could take it for an orphan
+        if fut.done():  # the request went away meanwhile: the run ends at once
+            child.kill_now()
+            child.release()
+        else:
+            fut.set_result(child)

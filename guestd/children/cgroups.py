@@ -357,6 +357,7 @@ class WorkloadCgroup:
         self.memory_max = cfg.memory_max  # as written ("auto" resolved to bytes)
         self.auto_memory: AutoMemory | None = None
         self.run_pids_max: str | None = None  # written into each leaf (pids on the leaves)
+        self._dir_fd = -1  # the workload cgroup's directory (O_PATH), where the spawn thread makes leaves
 
     def _enable_run_controllers(self, wanted: list[str]) -> list[str]:
         """Enable ``wanted`` on every leaf, each on its own (one a kernel refuses leaves the
@@ -463,6 +464,18 @@ class WorkloadCgroup:
     def is_frozen(self) -> bool:
         """Every process of the workload is frozen (the freeze has settled)."""
         return self.path is not None and RunCgroup(self.path, -1)._event("frozen") == "1"
+
+    def leaf_order(self, kind: str, run_id: str) -> tuple[tuple[int, bytes, bytes | None], str] | None:
+        """What the native spawn thread needs to make a run's leaf as ``new_run`` does (the
+        workload's directory fd, the leaf's name, its pids.max), and the leaf's path; None when
+        there is no workload cgroup."""
+        if self.path is None:
+            return None
+        if self._dir_fd < 0:
+            self._dir_fd = os.open(self.path, os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC)
+        name = f"{kind}-{os.getpid()}-{run_id}"  # the owner's pid: see end_leftovers
+        pids = self.run_pids_max.encode() if self.run_pids_max is not None else None
+        return (self._dir_fd, name.encode(), pids), os.path.join(self.path, name)
 
     def new_run(self, kind: str, run_id: str) -> RunCgroup | None:
         """Make the leaf for one run (None when there is no workload cgroup)."""
