@@ -734,13 +734,12 @@ WHY = {
         "Why: the first shell and the first context import their machinery (shells: a few modules, 0.3-2 MiB "
         "across runs; contexts: jupyter_client, zmq, tornado and traitlets, 11-14 MiB, imported on first use by "
         "guestd/code/contexts.py); after that, what guestd holds per item is small and constant: a shell is a "
-        "bash child and its session record and pty/pipe buffers (a few KiB), a kept run its reply (bounded by the "
-        "op's `max_output`; 7-11 KiB per run here, about its 8.9 KB reply), a watch a "
-        "`Watcher` thread of its own with an inotify instance and the names of its tree (~40 KiB here, more for a"
-        " larger tree: see the files curve), a context its zmq sockets and session (~175 KiB). Each is linear, "
-        "bounded by `max_shells`, `max_kept_runs`, `max_contexts` and, for watches, `MAX_WATCHES` / "
-        "`MAX_NAMES_BYTES` (guestd/files/watch.py) and the kernel's `fs.inotify.max_user_instances` (128 here, "
-        "per user).",
+        "bash child and its session record and pty/pipe buffers (a few KiB), a kept run its reply (bounded by the"
+        " op's `max_output`; 7-11 KiB per run here, about its 8.9 KB reply), a watch a `Watcher` thread of its "
+        "own with an inotify instance and the names of its tree (~40 KiB here, more for a larger tree: see the "
+        "files curve), a context its zmq sockets and session (~175 KiB). Each is linear, bounded by `max_shells`,"
+        " `max_kept_runs`, `max_contexts` and, for watches, `MAX_WATCHES` / `MAX_NAMES_BYTES` "
+        "(guestd/files/watch.py) and the kernel's `fs.inotify.max_user_instances` (128 here, per user).",
     ],
     "files": [
         "Why: glob, tree.download and the watcher's scan walk the tree in Python inside guestd; each entry costs "
@@ -750,13 +749,15 @@ WHY = {
         "glob ~5-10x `find`, the watcher's scan ~3x `os.walk` (`Watcher._list` adds an inotify watch per "
         "directory and keeps every name, `MAX_NAMES_BYTES` = 16 MiB for all watchers; past it names are not kept,"
         " so the held RSS stops growing). grep is rg itself as a workload child, so it follows rg. tree.download "
-        "is far from `tar` on small files. As measured here (guestd/files/trees.py before the hand-made headers "
-        "of guestd/files/tarhead.py, which another change is bringing in), `Archive._blocks` built each header "
-        "with `tarfile.TarInfo.tobuf(PAX_FORMAT)`: ~60% of the archive's CPU (cProfile, 10k files). And an mtime "
-        "with a fraction of a second gets a pax record, so nearly every entry carries a pax extended header (two "
-        "more 512-byte blocks: the archive of 10k 60-byte files is 20.6 MB, 2 KiB per file, where GNU tar's "
-        "default format, the floor, writes 1 KiB and drops the fraction); tarhead.py keeps that record, so small "
-        "files stay at twice tar's bytes. Still linear: a cost per entry, not per tree.",
+        "costs more per entry than `tar`: a Python walk, an `openat`, `fstat` and `read` per file and a header "
+        "built in Python. Before commit 294d543 headers came from `tarfile.TarInfo.tobuf(PAX_FORMAT)` (~60% of the"
+        " archive's CPU by cProfile on 10k files; 90-130 us of guestd CPU per small file in the quick runs of "
+        "15:11-15:27); guestd/files/tarhead.py builds them by hand since (40-50 us). An mtime with a fraction of "
+        "a second still gets a pax record, so nearly every entry carries a pax extended header: 2 KiB per small "
+        "file (20.6 MB for the 10k tree) where GNU tar's default format, the floor, writes 1 KiB and drops the "
+        "fraction. Still linear: a cost per entry, not per tree. At 1M files every wall time, the floors' too, "
+        "bends up when the machine is busy (the tree's 1M inodes and 4 GB of blocks compete for cache with the "
+        "other work); guestd's CPU per file stays near-flat.",
     ],
 }
 

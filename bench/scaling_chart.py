@@ -90,7 +90,10 @@ def main() -> None:
     ax.set(xscale="log", yscale="log", xlabel="files in the tree", ylabel="ms", title="vs files in the tree")
     ax.legend(fontsize=6, ncol=2)
 
-    fig.suptitle(f"How guestd's cost grows with the work ({res['meta']['cmd']}, {res['meta']['date']})", fontsize=10)
+    fig.suptitle(
+        "How guestd's cost grows with the work (bench/scaling.py; when each curve was measured: RESULTS.md)",
+        fontsize=10,
+    )
     fig.tight_layout()
     fig.savefig(os.path.join(out, "scaling.png"))
     plt.close(fig)
