@@ -13,7 +13,6 @@ import asyncio
 import os
 import time
 from collections.abc import Awaitable, Callable, Coroutine, Mapping
-from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 
 if TYPE_CHECKING:
@@ -249,29 +248,32 @@ BusyReport = Callable[[], dict[str, list[str]]]
 ShutdownHook = Callable[[], Awaitable[None]]
 
 
-@dataclass
 class Services:
-    config: Config
-    children: Children
-    workload: WorkloadCgroup
-    ops: Registry
-    host: Host
-    writes: Writes = field(default_factory=Writes)
-    on_restore: list[RestoreHook] = field(default_factory=list)
-    busy: list[BusyReport] = field(default_factory=list)
-    on_shutdown: list[ShutdownHook] = field(default_factory=list)
-    on_start: list[Callable[[], None]] = field(default_factory=list)
-    # Work a first reply must not wait for (the code kernel pool's pre-warming): run once guestd
-    # has answered its first request, or soon after it listens when nobody asks.
-    after_first_reply: list[Callable[[], None]] = field(default_factory=list)
-    info: list[Callable[[], dict[str, Any]]] = field(default_factory=list)  # fields for system.info
-    # Registers a capability the daemon declared but has not registered yet (no-op when it is).
-    require: Callable[[str], None] = field(default=lambda capability: None)
-    _changes: ChangeFeed | None = None
-    _adopter: Adopter | None = None
-    _runs: RunTable | None = None
-    _io: ThreadPoolExecutor | None = None
-    _kernel_dir: str | None = None
+    """What the daemon gives every capability. A plain class, not a dataclass: a dataclass
+    compiles its generated methods at every start (~1-2 ms of CPU each here, issue 34)."""
+
+    def __init__(self, config: Config, children: Children, workload: WorkloadCgroup, ops: Registry, host: Host) -> None:
+        self.config = config
+        self.children = children
+        self.workload = workload
+        self.ops = ops
+        self.host = host
+        self.writes = Writes()
+        self.on_restore: list[RestoreHook] = []
+        self.busy: list[BusyReport] = []
+        self.on_shutdown: list[ShutdownHook] = []
+        self.on_start: list[Callable[[], None]] = []
+        # Work a first reply must not wait for (the code kernel pool's pre-warming): run once
+        # guestd has answered its first request, or soon after it listens when nobody asks.
+        self.after_first_reply: list[Callable[[], None]] = []
+        self.info: list[Callable[[], dict[str, Any]]] = []  # fields for system.info
+        # Registers a capability the daemon declared but has not registered yet (no-op when it is).
+        self.require: Callable[[str], None] = lambda capability: None
+        self._changes: ChangeFeed | None = None
+        self._adopter: Adopter | None = None
+        self._runs: RunTable | None = None
+        self._io: ThreadPoolExecutor | None = None
+        self._kernel_dir: str | None = None
 
     # What one capability provides to others: read, it registers its provider first.
     @property

@@ -147,3 +147,35 @@ def test_the_prewarmed_kernel_pool_fills_after_the_first_reply(fresh_guestd: Sta
             time.sleep(0.05)
         assert kernels, "the pool never started its kernel"
         assert _mapped(g, "zmq")
+
+
+_SERVE_ENABLES_GC = """
+import asyncio, gc, os, sys, threading
+gc.disable()  # as guestd/__main__.py does for the start-up
+from guestd.config import Config
+from guestd.server.daemon import Daemon
+cfg = Config()
+cfg.listen = ["unix:" + sys.argv[1] + "/g.sock"]
+cfg.runtime_dir = sys.argv[1] + "/rt"
+daemon = Daemon(cfg)
+r, w = os.pipe()
+
+
+def report() -> None:  # once guestd says it listens
+    os.read(r, 16)
+    print(gc.isenabled(), flush=True)
+    os._exit(0)
+
+
+threading.Thread(target=report, daemon=True).start()
+asyncio.run(daemon.serve(w))
+"""
+
+
+def test_serving_turns_garbage_collection_back_on(tmp_path: object) -> None:
+    """guestd/__main__.py turns the collector off while start-up imports; once guestd listens
+    (and has frozen what start-up made) it must collect again, or every cycle would leak."""
+    done = subprocess.run(
+        [sys.executable, "-c", _SERVE_ENABLES_GC, str(tmp_path)], capture_output=True, text=True, timeout=60
+    )
+    assert done.stdout.strip() == "True", done.stderr[-2000:]

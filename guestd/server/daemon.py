@@ -240,6 +240,7 @@ class Daemon:
         # What start-up made lives as long as guestd: full collections need not walk it again
         # (a gen-2 pause was 25-40 ms of CPU under an exec flood, issue 34).
         gc.freeze()
+        gc.enable()  # guestd/__main__.py turned collection off for the start-up
         self._listening = True
         loop.call_later(SETTLE_AFTER_S, self.settle)
         if ready_fd is not None:

@@ -16,8 +16,7 @@ import os
 import socket
 import stat
 from collections.abc import Callable
-from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 from guestd.config import DEFAULT_VSOCK_PORT
 from guestd.server.connection import Connection
@@ -33,8 +32,7 @@ LOW_WATER = 512 * 1024
 SERIAL_POLL_S = 0.05
 
 
-@dataclass(frozen=True)
-class ListenAddress:
+class ListenAddress(NamedTuple):  # not a frozen dataclass: that compiles 5 methods at every start
     scheme: str  # unix | vsock | serial
     path: str = ""
     port: int = 0
