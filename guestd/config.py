@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import os
-from dataclasses import asdict, dataclass, field, fields
 from typing import Any
 
 from guestd.children.cgroups import WorkloadConfig
@@ -14,8 +13,12 @@ DEFAULT_VSOCK_PORT = 10_700  # documented in PROTOCOL.md; any free port works
 HOST_CID = 2
 
 
-@dataclass
+# Limits and Config are plain classes, not dataclasses: a dataclass compiles its generated
+# methods at every start (guestd's start path spent ~50 M instructions parsing and compiling
+# such code, issue 34); these are read from the pyc.
 class Limits:
+    """Every limit, as a class attribute (its default) that a config or a flag overrides per instance."""
+
     max_frame: int = DEFAULT_MAX_FRAME  # payload bytes, both directions
     max_inflight: int = 4096  # requests in flight per connection
     max_connections: int = 256  # when full, the oldest connection still without a hello is closed
@@ -40,37 +43,43 @@ class Limits:
     max_port_pending: int = 64  # connections per reverse forward waiting for the host's port.accept
 
     def as_dict(self) -> dict[str, Any]:
-        return asdict(self)
+        return {name: getattr(self, name) for name in LIMIT_NAMES}
+
+    def __repr__(self) -> str:
+        return f"Limits({self.as_dict()})"
 
 
-@dataclass
+LIMIT_NAMES = tuple(Limits.__annotations__)  # in declaration order: the hello's limits map
+
+
 class Config:
-    listen: list[str] = field(default_factory=list)
-    allowed_cids: set[int] = field(default_factory=lambda: {HOST_CID})
-    limits: Limits = field(default_factory=Limits)
-    io_threads: int = 8  # blocking file I/O runs here, never on the event loop
-    use_uvloop: bool = True
-    runtime_dir: str = ""  # private state (kernel connection files); default /run/guestd or a temp dir
-    code_pool: int = 1  # pre-started kernels kept ready; 0 disables
-    code_prewarm: bool = False  # fill the pool at start-up instead of on first use
-    # The Python the "python" kernel runs (code_python): "guestd" (guestd's own interpreter: a
-    # development guestd on a host), "auto" (python3 on guestd's PATH, the one runs get, else guestd's own:
-    # the shipped config), or an interpreter's name (looked up on that PATH) or path.
-    code_python: str = "guestd"
-    code_queue_wait_s: float = 600.0  # how long a code.run without timeout_s may wait for its context
-    process_retention_s: float = 3600.0  # how long a finished background process stays attachable
-    process_stdin_timeout_s: float = 30.0  # a process.write not taken by the process by then fails
-    workspace: str = ""  # guestd's working directory: the default cwd of exec, shells, processes, code
-    token_file: str = ""
-    log_level: str = "INFO"
-    policy: Policy = field(default_factory=Policy)
-    ports: PortPolicy = field(default_factory=PortPolicy)
-    workload: WorkloadConfig = field(default_factory=WorkloadConfig)
-    simulate_privileged: bool = False  # record CRNG/clock/hostname/machine-id changes instead of making them
-    # This machine is a guest VM that guestd may re-identify: only then do restore/prepare set the
-    # clock, hostname, /etc/machine-id, re-seed the CRNG and remove random-seed files. False (a
-    # development guestd on a host) simulates them: they would change the host itself.
-    in_guest: bool = False
+    def __init__(self) -> None:
+        self.listen: list[str] = []
+        self.allowed_cids: set[int] = {HOST_CID}
+        self.limits = Limits()
+        self.io_threads = 8  # blocking file I/O runs here, never on the event loop
+        self.use_uvloop = True
+        self.runtime_dir = ""  # private state (kernel connection files); default /run/guestd or a temp dir
+        self.code_pool = 1  # pre-started kernels kept ready; 0 disables
+        self.code_prewarm = False  # fill the pool at start-up instead of on first use
+        # The Python the "python" kernel runs (code_python): "guestd" (guestd's own interpreter: a
+        # development guestd on a host), "auto" (python3 on guestd's PATH, the one runs get, else guestd's
+        # own: the shipped config), or an interpreter's name (looked up on that PATH) or path.
+        self.code_python = "guestd"
+        self.code_queue_wait_s = 600.0  # how long a code.run without timeout_s may wait for its context
+        self.process_retention_s = 3600.0  # how long a finished background process stays attachable
+        self.process_stdin_timeout_s = 30.0  # a process.write not taken by the process by then fails
+        self.workspace = ""  # guestd's working directory: the default cwd of exec, shells, processes, code
+        self.token_file = ""
+        self.log_level = "INFO"
+        self.policy = Policy()
+        self.ports = PortPolicy()
+        self.workload = WorkloadConfig()
+        self.simulate_privileged = False  # record CRNG/clock/hostname/machine-id changes instead of making them
+        # This machine is a guest VM that guestd may re-identify: only then do restore/prepare set the
+        # clock, hostname, /etc/machine-id, re-seed the CRNG and remove random-seed files. False (a
+        # development guestd on a host) simulates them: they would change the host itself.
+        self.in_guest = False
 
 
 class ConfigError(ValueError):
@@ -202,9 +211,8 @@ def load_config_file(path: str, cfg: Config) -> Config:
                 else:
                     raise ConfigError(f"unknown config key workload.{k}")
         elif key == "limits":
-            known = {f.name: f.type for f in fields(Limits)}
             for k, v in _want("limits", value, dict).items():
-                if k not in known:
+                if k not in LIMIT_NAMES:
                     raise ConfigError(f"unknown config key limits.{k}")
                 setattr(cfg.limits, k, float(v) if k.endswith("_s") else _want(f"limits.{k}", v, int))
         else:
