@@ -11,20 +11,20 @@ import fnmatch
 import os
 import socket
 import struct
-from dataclasses import dataclass, field
 from typing import Any
 
 from guestd.wire.errors import ErrorCode, GuestdError
 
 
-@dataclass
 class Policy:
-    allowed_uids: set[int] | None = None  # Unix-socket peers; None: guestd's own uid and root
-    allow_ops: list[str] | None = None  # fnmatch patterns; None: every op
-    deny_ops: list[str] = field(default_factory=list)
-    write_roots: list[str] | None = None  # None: writes anywhere guestd may write
-    read_roots: list[str] | None = None  # None: reads anywhere guestd may read
-    workload_user: str | None = None  # run exec/processes/shells as this user when guestd is root
+    # A plain class, not a dataclass: those compile their generated methods at every start (issue 34).
+    def __init__(self) -> None:
+        self.allowed_uids: set[int] | None = None  # Unix-socket peers; None: guestd's own uid and root
+        self.allow_ops: list[str] | None = None  # fnmatch patterns; None: every op
+        self.deny_ops: list[str] = []
+        self.write_roots: list[str] | None = None  # None: writes anywhere guestd may write
+        self.read_roots: list[str] | None = None  # None: reads anywhere guestd may read
+        self.workload_user: str | None = None  # run exec/processes/shells as this user when guestd is root
 
     def peer_allowed(self, sock: Any) -> str | None:
         """None when the Unix-socket peer may connect, else why not (SO_PEERCRED)."""
@@ -72,13 +72,13 @@ class Policy:
         return pw.pw_uid, pw.pw_gid
 
 
-@dataclass
 class PortPolicy:
     """What the relay may reach (``[ports]``): the guest ports port.connect and port.wait may
     open, and whether the guest may reach the host at all (port.reverse, off by default)."""
 
-    allow: list[str] | None = None  # "8080" or "3000-3999"; None: every port
-    reverse: bool = False
+    def __init__(self) -> None:
+        self.allow: list[str] | None = None  # "8080" or "3000-3999"; None: every port
+        self.reverse = False
 
     def check_syntax(self) -> None:
         for rule in self.allow or []:
