@@ -1,9 +1,10 @@
 """Directory trees in and out as tar streams (``tree.upload``, ``tree.download``) and
 ``file.write_many`` (issue 18).
 
-Extraction is guestd's own, over the file-system layer: Python's tarfile only parses the
-stream; every entry is created with ``*at`` calls in a directory fd resolved with ``openat2``
-(``RESOLVE_BENEATH | RESOLVE_NO_SYMLINKS``) below a temp directory that guestd made beside the
+Extraction is guestd's own, over the file-system layer: ``tarread`` parses the stream (a
+file's data goes from the received frames straight to its fd); every entry is created with
+``*at`` calls in a directory fd resolved with ``openat2`` (``RESOLVE_BENEATH |
+RESOLVE_NO_SYMLINKS``) below a temp directory that guestd made beside the
 target (``.<name>.guestd-tree-<random>``, mode 0700 and guestd's while it fills, so the
 workload can neither see nor change what is being extracted). Refused with ``bad_request``
 and ``details.entry``: absolute names, ``..``, a symlink whose target is absolute or climbs
@@ -28,7 +29,6 @@ links, never followed, and FIFOs, sockets and devices left out (counted in ``ski
 from __future__ import annotations
 
 import errno
-import io
 import os
 import queue
 import stat as st
@@ -36,7 +36,7 @@ import tarfile
 import threading
 from collections.abc import Callable
 
-from guestd.files import tarhead
+from guestd.files import tarhead, tarread
 from guestd.files.fs import (
     PATH_MAX,
     RESOLVE_BENEATH,
@@ -62,7 +62,6 @@ MAX_TREE_REMEMBERED = 64 * 1024 * 1024
 _DIR_COST = 200
 _LINK_NODE_COST = 350
 MAX_WRITE_MANY = 256  # files one file.write_many may write (each holds two fds until the commit)
-COPY = 1024 * 1024
 _DIR = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
 _RESOLVE = RESOLVE_BENEATH | RESOLVE_NO_SYMLINKS | RESOLVE_NO_MAGICLINKS
 _RENAME_EXCHANGE = 2
@@ -83,28 +82,25 @@ def refused(entry: str, reason: str, what: str) -> GuestdError:
 # --------------------------------------------------------------------------- input bridge
 
 
-class Feed(io.RawIOBase):
-    """The tar stream as a blocking file for tarfile, fed INPUT data by the event loop.
-    ``ack(n)`` (called on the loop) grants credit as bytes are consumed, so what waits here is
-    bounded by the request's credit. Grants go in batches of ``ACK_EVERY`` bytes, and all that
-    was consumed is granted before waiting for more (so the client is never left without
-    credit while guestd waits): one grant per read (10 KiB, tarfile's record) was a WINDOW
-    frame and a wake of the loop each, 11,000 for a 110 MB tree, and the client's frames
-    shrank to those grants."""
+class Feed:
+    """The tar stream as the frames' data came, fed by the event loop, taken in order by the
+    extracting thread (:meth:`next_chunk`). ``ack(n)`` (called on the loop) grants credit as
+    bytes are consumed, so what waits here is bounded by the request's credit. A piece counts
+    as consumed when the next one is asked for; grants go in batches of ``ACK_EVERY`` bytes,
+    and all that was consumed is granted before waiting for more (so the client is never left
+    without credit while guestd waits): one grant per tarfile read (10 KiB) was a WINDOW frame
+    and a wake of the loop each, 11,000 for a 110 MB tree, and the client's frames shrank to
+    those grants."""
 
     _ABORT = object()
     ACK_EVERY = 256 * 1024
 
     def __init__(self, ack: Callable[[int], object]) -> None:
-        super().__init__()
         self.q: queue.SimpleQueue[object] = queue.SimpleQueue()
-        self.buf = memoryview(b"")
         self.eof = False
         self.ack = ack
         self.unacked = 0
-
-    def readable(self) -> bool:
-        return True
+        self.held = 0  # the piece handed out last, consumed when the next is asked for
 
     def feed(self, data: bytes) -> None:
         self.q.put(data)
@@ -120,28 +116,25 @@ class Feed(io.RawIOBase):
             self.ack(self.unacked)
             self.unacked = 0
 
-    def readinto(self, b: bytearray | memoryview) -> int:  # type: ignore[override]
-        while not self.buf:
-            if self.eof:
-                return 0
-            if self.q.empty():
-                self._grant()  # about to wait: the client may send all it has room for
-            item = self.q.get()
-            if item is self._ABORT:
-                raise GuestdError(ErrorCode.CANCELLED, "the upload was aborted")
-            if item is None:
-                self.eof = True
-                self._grant()
-                return 0
-            assert isinstance(item, bytes)
-            self.buf = memoryview(item)
-        n = min(len(b), len(self.buf))
-        b[:n] = self.buf[:n]
-        self.buf = self.buf[n:]
-        self.unacked += n
-        if self.unacked >= self.ACK_EVERY:
+    def next_chunk(self) -> bytes | None:
+        """The next piece of the stream (blocks until it comes), None after eof."""
+        self.unacked += self.held
+        self.held = 0
+        if self.eof:
             self._grant()
-        return n
+            return None
+        if self.unacked >= self.ACK_EVERY or self.q.empty():
+            self._grant()  # about to wait, or a batch is full: the client may send that much more
+        item = self.q.get()
+        if item is self._ABORT:
+            raise GuestdError(ErrorCode.CANCELLED, "the upload was aborted")
+        if item is None:
+            self.eof = True
+            self._grant()
+            return None
+        assert isinstance(item, bytes)
+        self.held = len(item)
+        return item
 
 
 # --------------------------------------------------------------------------- extraction
@@ -307,27 +300,28 @@ class Extractor:
         self.root = -1
         self.entries = 0
         self.bytes = 0
-        self.dirs: list[tuple[str, int, float]] = []  # (relative path, mode, mtime) set at the end
+        self.dirs: list[tuple[str, int, int]] = []  # (relative path, mode, mtime_ns) set at the end
         self.remembered = 0  # bytes, against MAX_TREE_REMEMBERED
-        self.root_meta: tuple[int, float] | None = None
+        self.root_meta: tuple[int, int] | None = None  # the "." entry's mode and mtime_ns
         self.cached: tuple[str, int] | None = None  # the last parent directory: (rel, fd)
         self.links = Links()
 
-    def run(self, source: io.RawIOBase, replace: bool) -> tuple[int, int]:
+    def run(self, source: tarread.Source, replace: bool) -> tuple[int, int]:
         os.mkdir(self.tmp, 0o700, dir_fd=self.place.dirfd)
         try:
             self.root = os.open(self.tmp, _DIR, dir_fd=self.place.dirfd)
-            with tarfile.open(fileobj=source, mode="r|*", errors="surrogateescape") as tar:
-                while (m := tar.next()) is not None:
-                    tar.members.clear()  # type: ignore[attr-defined]  # tarfile keeps every member it read
-                    self.entries += 1
-                    if self.entries > MAX_TREE_ENTRIES:
-                        raise GuestdError(
-                            ErrorCode.LIMIT,
-                            f"the archive has more than {MAX_TREE_ENTRIES} entries",
-                            details={"limit": "max_tree_entries", "value": MAX_TREE_ENTRIES},
-                        )
-                    self._entry(tar, m)
+            reader = tarread.Reader(source)
+            previous = ""
+            while (m := reader.next_member(previous)) is not None:
+                self.entries += 1
+                if self.entries > MAX_TREE_ENTRIES:
+                    raise GuestdError(
+                        ErrorCode.LIMIT,
+                        f"the archive has more than {MAX_TREE_ENTRIES} entries",
+                        details={"limit": "max_tree_entries", "value": MAX_TREE_ENTRIES},
+                    )
+                self._entry(reader, m)
+                previous = m.name
             self.links.check()
             self._finish_dirs()
             self._commit(replace)
@@ -374,31 +368,33 @@ class Extractor:
         self.cached = (rel, fd)
         return fd
 
-    def _entry(self, tar: tarfile.TarFile, m: tarfile.TarInfo) -> None:
+    def _entry(self, reader: tarread.Reader, m: tarread.Member) -> None:
         name = m.name
         parts = _parts(name)
         mode = m.mode & 0o1777
+        kind = m.kind
+        is_dir, is_link = kind == tarfile.DIRTYPE, kind == tarfile.SYMTYPE
         if not parts:
-            if not m.isdir():
+            if not is_dir:
                 raise refused(name, "root", "the archive's root is not a directory")
-            self.root_meta = (mode, m.mtime)
+            self.root_meta = (mode, m.mtime_ns)
             return
-        if m.islnk():
+        if kind == tarfile.LNKTYPE:
             raise refused(name, "hard_link", "hard links are not extracted")
-        if m.ischr() or m.isblk():
+        if kind in (tarfile.CHRTYPE, tarfile.BLKTYPE):
             raise refused(name, "device", "device files are not extracted")
-        if m.isfifo():
+        if kind == tarfile.FIFOTYPE:
             raise refused(name, "fifo", "FIFOs are not extracted")
-        if not (m.isdir() or m.isreg() or m.issym()):
+        if not (is_dir or is_link or m.is_regular):
             raise refused(name, "type", "an entry of an unknown type")
-        if m.issym() and len(os.fsencode(m.linkname)) >= PATH_MAX:
+        if is_link and len(os.fsencode(m.linkname)) >= PATH_MAX:
             raise refused(name, "link_long", f"symlink target of {len(os.fsencode(m.linkname))} bytes")
-        if m.issym() and not _link_stays_inside(parts, m.linkname):
+        if is_link and not _link_stays_inside(parts, m.linkname):
             raise refused(name, "link_out", f"symlink to {m.linkname!r} points out of the tree")
         parent = self._parent(parts, name)
         last = parts[-1]
-        mtime_ns = (int(m.mtime * 1e9),) * 2
-        if m.isdir():
+        mtime_ns = (m.mtime_ns, m.mtime_ns)
+        if is_dir:
             try:
                 os.mkdir(last, 0o700, dir_fd=parent)
                 self._own_at(parent, last)
@@ -407,9 +403,9 @@ class Extractor:
                     raise refused(name, "duplicate", "a directory over a file of the same name") from None
             rel = "/".join(parts)
             self._remember(_DIR_COST + len(rel))
-            self.dirs.append((rel, mode, m.mtime))
+            self.dirs.append((rel, mode, m.mtime_ns))
             return
-        if m.issym():
+        if is_link:
             try:
                 os.symlink(m.linkname, last, dir_fd=parent)
             except FileExistsError:  # a later entry of the same name replaces an earlier one
@@ -426,17 +422,7 @@ class Extractor:
             self._clear(parent, parts, name)
             fd = os.open(last, _CREATE, 0o600, dir_fd=parent)
         try:
-            src = tar.extractfile(m)
-            assert src is not None
-            left = m.size
-            while left > 0:
-                chunk = src.read(min(COPY, left))
-                if not chunk:
-                    raise refused(name, "truncated", "the archive ends inside this file")
-                view = memoryview(chunk)
-                while view:
-                    view = view[os.write(fd, view) :]
-                left -= len(chunk)
+            reader.finish_data(m.size, reader.copy(m.size, lambda view: os.write(fd, view)), name)
             self.bytes += m.size
             if self.owner is not None:
                 os.fchown(fd, *self.owner)
@@ -479,7 +465,7 @@ class Extractor:
                 continue
             try:
                 os.fchmod(fd, mode)
-                os.utime(fd, ns=(int(mtime * 1e9),) * 2)
+                os.utime(fd, ns=(mtime, mtime))
             finally:
                 os.close(fd)
 
@@ -489,7 +475,7 @@ class Extractor:
         if self.owner is not None:
             os.fchown(self.root, *self.owner)
         if mtime is not None:
-            os.utime(self.root, ns=(int(mtime * 1e9),) * 2)
+            os.utime(self.root, ns=(mtime, mtime))
         tmp = Place(self.place.dirfd, self.tmp, self.place.path, None)
         try:
             rename_noreplace(tmp, self.place)
@@ -527,7 +513,7 @@ def _exchange(dirfd: int, a: bytes, b: bytes) -> None:
         raise OSError(err, os.strerror(err), os.fsdecode(b))
 
 
-def extract(fsys: FileSystem, path: str, parents: bool, replace: bool, source: io.RawIOBase) -> tuple[int, int]:
+def extract(fsys: FileSystem, path: str, parents: bool, replace: bool, source: tarread.Source) -> tuple[int, int]:
     with fsys.place(path, parents=parents) as place:
         return Extractor(place, place.owner).run(source, replace)
 

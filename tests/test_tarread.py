@@ -1,0 +1,188 @@
+"""tree.upload's tar reader (guestd/files/tarread.py): it reads what tarfile reads (ustar, GNU
+long names, pax, global pax, gzip/bzip2/xz, the input cut anywhere), and an archive it cannot
+read is refused whole as bad_request, never extracted in part or answered ``internal``."""
+
+from __future__ import annotations
+
+import bz2
+import gzip
+import io
+import lzma
+import os
+import tarfile
+from collections.abc import Iterator
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as hs
+
+from guestd.client import Client
+from guestd.files import tarread
+from guestd.testing import Guestd, workspace_guestd
+from guestd.wire.errors import GuestdError
+
+
+class Pieces:
+    """A source handing out ``data`` in the given piece sizes (cycled)."""
+
+    def __init__(self, data: bytes, sizes: list[int]) -> None:
+        self.data, self.sizes, self.pos, self.i = data, sizes, 0, 0
+
+    def next_chunk(self) -> bytes | None:
+        if self.pos >= len(self.data):
+            return None
+        n = self.sizes[self.i % len(self.sizes)]
+        self.i += 1
+        piece = self.data[self.pos : self.pos + n]
+        self.pos += n
+        return piece
+
+
+def read_all(data: bytes, sizes: list[int]) -> list[tuple[str, bytes, int, int, int, str, bytes]]:
+    reader = tarread.Reader(Pieces(data, sizes))
+    out = []
+    previous = ""
+    while (m := reader.next_member(previous)) is not None:
+        body = b""
+        if m.is_regular:
+            got = bytearray()
+
+            def keep(view: memoryview, into: bytearray = got) -> int:
+                into.extend(view)
+                return len(view)
+
+            reader.finish_data(m.size, reader.copy(m.size, keep), m.name)
+            body = bytes(got)
+        out.append((m.name, m.kind, m.mode, m.size, m.mtime_ns // 1000, m.linkname, body))
+        previous = m.name
+    return out
+
+
+def tarfile_reads(data: bytes) -> list[tuple[str, bytes, int, int, int, str, bytes]]:
+    out = []
+    with tarfile.open(fileobj=io.BytesIO(data), mode="r:*", errors="surrogateescape") as tar:
+        for m in tar:
+            body = b""
+            if m.isreg():
+                f = tar.extractfile(m)
+                assert f is not None
+                body = f.read()
+            kind = tarfile.DIRTYPE if m.isdir() else m.type
+            out.append((m.name, kind, m.mode, m.size, round(m.mtime * 1e6), m.linkname, body))
+    return out
+
+
+component = hs.text(hs.characters(exclude_categories=["Cs"], exclude_characters="/\0"), min_size=1, max_size=30)
+names = hs.lists(component.filter(lambda c: c not in (".", "..")), min_size=1, max_size=6).map("/".join)
+entry = hs.tuples(
+    names,
+    hs.sampled_from([tarfile.REGTYPE, tarfile.DIRTYPE, tarfile.SYMTYPE]),
+    hs.binary(max_size=1500),
+    hs.integers(0, 0o777),
+    hs.one_of(hs.integers(0, 2**33), hs.floats(0, 2**33, allow_nan=False).map(lambda f: round(f, 6))),
+    names,
+)
+
+
+@settings(max_examples=80, deadline=None)
+@given(
+    entries=hs.lists(entry, max_size=12),
+    fmt=hs.sampled_from([tarfile.USTAR_FORMAT, tarfile.GNU_FORMAT, tarfile.PAX_FORMAT]),
+    compress=hs.sampled_from(["", "gz", "bz2", "xz"]),
+    sizes=hs.lists(hs.integers(1, 5000), min_size=1, max_size=5),
+)
+def test_the_reader_reads_what_tarfile_reads(
+    entries: list[tuple[str, bytes, bytes, int, float, str]], fmt: int, compress: str, sizes: list[int]
+) -> None:
+    buf = io.BytesIO()
+    with tarfile.open(fileobj=buf, mode="w", format=fmt, errors="surrogateescape") as tar:
+        for name, kind, body, mode, mtime, link in entries:
+            info = tarfile.TarInfo(name)
+            info.type, info.mode, info.mtime = kind, mode, mtime if fmt == tarfile.PAX_FORMAT else int(mtime)
+            if kind == tarfile.SYMTYPE:
+                info.linkname = link
+            if kind == tarfile.REGTYPE:
+                info.size = len(body)
+            try:
+                tar.addfile(info, io.BytesIO(body) if kind == tarfile.REGTYPE else None)
+            except ValueError:  # a name ustar cannot hold
+                return
+    data = buf.getvalue()
+    data = {"": lambda d: d, "gz": gzip.compress, "bz2": bz2.compress, "xz": lzma.compress}[compress](data)
+    ours, theirs = read_all(data, sizes), tarfile_reads(data)
+    assert [m[:4] + m[5:] for m in ours] == [m[:4] + m[5:] for m in theirs]
+    assert all(abs(a[4] - b[4]) <= 1 for a, b in zip(ours, theirs, strict=True))  # ours exact, tarfile's a float
+
+
+def test_a_pax_global_header_applies_to_the_entries_after_it() -> None:
+    buf = io.BytesIO()
+    with tarfile.open(fileobj=buf, mode="w", format=tarfile.PAX_FORMAT, pax_headers={"mtime": "123.5"}) as tar:
+        tar.addfile(tarfile.TarInfo("d"))
+    got = read_all(buf.getvalue(), [100])
+    assert got == tarfile_reads(buf.getvalue()) and got[0][4] == 123_500_000
+
+
+@pytest.fixture(scope="module")
+def env() -> Iterator[tuple[Guestd, str]]:
+    with workspace_guestd("guestd-tarread-") as env:
+        yield env
+
+
+@pytest.fixture
+def c(env: tuple[Guestd, str]) -> Iterator[Client]:
+    with env[0].client() as client:
+        yield client
+
+
+def _archive() -> bytes:
+    buf = io.BytesIO()
+    with tarfile.open(fileobj=buf, mode="w", format=tarfile.PAX_FORMAT) as tar:
+        for name, body in (("a", b"x" * 600), ("b", b"y" * 10), ("c", b"z")):
+            info = tarfile.TarInfo(name)
+            info.size = len(body)
+            tar.addfile(info, io.BytesIO(body))
+    return buf.getvalue()
+
+
+def _broken(how: str) -> bytes:
+    good = _archive()
+    if how == "corrupt header mid-archive":
+        bad = bytearray(good)
+        bad[1536] ^= 0xFF  # the name in b's header (after a's header and 2 blocks): a bad checksum
+        return bytes(bad)
+    if how == "empty":
+        return b""
+    if how == "not tar":
+        return b"hello world\n" * 100
+    assert how == "ends inside a file"
+    return good[:1700]
+
+
+@pytest.mark.parametrize(
+    ("how", "reason"),
+    [
+        ("corrupt header mid-archive", "invalid"),
+        ("empty", "truncated"),
+        ("not tar", "invalid"),
+        ("ends inside a file", "truncated"),
+    ],
+)
+def test_an_archive_that_cannot_be_read_is_refused_whole(
+    c: Client, env: tuple[Guestd, str], how: str, reason: str
+) -> None:
+    """Before: a corrupted header after the first entry ended the archive silently (the tree
+    was committed with the entries before it, and the reply said done); an empty, foreign or
+    truncated archive was ``internal`` (tarfile's ReadError)."""
+    dst = f"{env[1]}/broken-{how.replace(' ', '-')}"
+    with pytest.raises(GuestdError) as err:
+        c.upload_tree(_broken(how), dst)
+    assert err.value.code == "bad_request" and err.value.details["reason"] == reason
+    assert not os.path.exists(dst)
+    assert not [n for n in os.listdir(env[1]) if "guestd-tree" in n]
+
+
+def test_an_archive_without_end_blocks_is_taken_as_tar_takes_it(c: Client, env: tuple[Guestd, str]) -> None:
+    data = _archive()
+    end = data.index(b"z") + 512  # the last file's block, without the two zero blocks
+    r = c.upload_tree(data[:end], f"{env[1]}/no-end")
+    assert (r.entries, r.bytes) == (3, 611)
