@@ -120,6 +120,16 @@ def install_packages(site: str) -> None:
         )
 
 
+def byte_compile(root: str, lib: str) -> None:
+    """Compile guestd's private Python (stdlib, dependencies, guestd) into __pycache__ now: the
+    copies skip the build machine's caches and pip runs with --no-compile, so every start in the
+    image compiled its ~200 modules from source (about 250 ms, more than the whole start), and
+    on a read-only root at every start. The paths inside the .pyc files are the image's."""
+    log("byte-compiling " + lib[len(root) :])
+    cmd = [sys.executable, "-m", "compileall", "-q", "-j", "0", "-s", root, "-p", "/", lib]
+    subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL)
+
+
 def needed_libs(paths: list[str]) -> set[str]:
     libs: set[str] = set()
     for p in paths:
@@ -449,6 +459,7 @@ def _bake(
     os.makedirs(root, exist_ok=True)
     site = copy_python(root)
     install_packages(site)
+    byte_compile(root, os.path.dirname(site))
     copy_libs(root)
     write_wrappers(root)
     shutil.copytree(overlay, root, dirs_exist_ok=True)
