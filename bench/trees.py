@@ -5,7 +5,12 @@
 - tree upload / download of a real repository checkout (a local clone of this repository with
   its .git, plus the CPython standard library beside it, so there are thousands of files), in
   files/s and MB/s, against ``tar -c | <unix socket> | tar -x`` (up) and
-  ``tar -c | <unix socket> | cat > /dev/null`` (down), best of 3, interleaved;
+  ``tar -c | <unix socket> | cat > /dev/null`` (down), interleaved rounds (``--rounds``, 5):
+  the median of each side and the ratio of the medians, the range of the rounds' own ratios
+  (a shared machine moves both sides), and CPU seconds (guestd's process and this client
+  against tar's and cat's), which other work on the machine moves less than wall time; in the
+  system's temp directory and again in tmpfs (/dev/shm), where the disk's inode allocator
+  (which other work creating and removing files makes slow for both sides) is left out;
 - ``file.grep`` (ripgrep, spawned by guestd as a workload process and its lines streamed as
   events) on a generated tree of N files (default 50,000) against ``rg`` run directly on the
   same tree with the same printer (target: within 2x): no match (the cost of starting rg as a
@@ -20,15 +25,18 @@ from __future__ import annotations
 
 import argparse
 import os
+import resource
 import shutil
 import socket
+import statistics
 import subprocess
 import sys
 import sysconfig
 import tempfile
 import time
+from collections.abc import Callable
 
-from guestd.testing import start_guestd
+from guestd.testing import Guestd, start_guestd
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 REPO = os.path.dirname(HERE)
@@ -57,6 +65,36 @@ def tar_through_socket(src: str, sink: list[str]) -> float:
     return time.perf_counter() - t0
 
 
+def fs_type(path: str) -> str:
+    """The file system type of the mount holding ``path`` (from /proc/self/mounts)."""
+    best, kind = "", "?"
+    with open("/proc/self/mounts") as f:
+        for line in f:
+            _, mount, fstype = line.split()[:3]
+            if path.startswith(mount.rstrip("/") + "/") and len(mount) > len(best):
+                best, kind = mount, fstype
+    return kind
+
+
+def children_cpu() -> float:
+    """CPU seconds of this process's waited-for children (the floors' tar and cat)."""
+    r = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return r.ru_utime + r.ru_stime
+
+
+def own_cpu() -> float:
+    """CPU seconds of this process, all its threads (the client)."""
+    r = resource.getrusage(resource.RUSAGE_SELF)
+    return r.ru_utime + r.ru_stime
+
+
+def process_cpu(pid: int) -> float:
+    """CPU seconds of another process so far (guestd), from /proc."""
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
 def make_checkout(top: str) -> str:
     src = f"{top}/checkout"
     subprocess.run(["git", "clone", "-q", "--no-hardlinks", REPO, src], check=True)
@@ -78,13 +116,10 @@ def make_search_tree(root: str, n: int) -> None:
             f.write(body + ("needle_marker = True\n" if i % 50 == 0 else ""))
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--files", type=int, default=50_000)
-    ap.add_argument("--grep-only", action="store_true", help="only the grep rows (printed, TREES.md left alone)")
-    ns = ap.parse_args()
-    load_before = os.getloadavg()[0]  # other work on the machine skews every figure: stated with them
-    top = tempfile.mkdtemp(prefix="guestd-bench-trees-")
+def start_workspace_guestd(where: str | None) -> tuple[Guestd, str, str]:
+    """A guestd with a workspace in a new directory under ``where`` (as shipped: workload user
+    nobody when root); returns it, the top directory and the workspace."""
+    top = tempfile.mkdtemp(prefix="guestd-bench-trees-", dir=where)
     os.chmod(top, 0o755)
     ws = f"{top}/ws"
     os.makedirs(ws)
@@ -93,57 +128,83 @@ def main() -> None:
         config += '[policy]\nworkload_user = "nobody"\n'
     with open(f"{top}/guestd.toml", "w") as f:
         f.write(config)
-    g = start_guestd(top, "--config", f"{top}/guestd.toml")
+    return start_guestd(top, "--config", f"{top}/guestd.toml"), top, ws
+
+
+def measure_trees(where: str | None, rounds: int) -> list[str]:
+    """The upload and download rows, the trees in a new directory under ``where``."""
+    g, top, ws = start_workspace_guestd(where)
     rows: list[str] = []
     try:
         with g.client() as c:
             n = [0]
+            src = make_checkout(top)
+            files, size = tree_size(src)
 
-            def up_guestd() -> float:
-                n[0] += 1
+            def timed(transfer: Callable[[], None]) -> tuple[float, float]:
+                """Wall seconds and CPU seconds (guestd + this client, or tar + cat) of one transfer."""
+                cpu0 = process_cpu(g.proc.pid) + own_cpu() + children_cpu()
                 t0 = time.perf_counter()
-                c.upload_tree(src, f"{ws}/up{n[0]}")
-                return time.perf_counter() - t0
+                transfer()
+                wall = time.perf_counter() - t0
+                return wall, process_cpu(g.proc.pid) + own_cpu() + children_cpu() - cpu0
 
-            def up_floor() -> float:
+            def up_guestd() -> None:
+                n[0] += 1
+                c.upload_tree(src, f"{ws}/up{n[0]}")
+
+            def up_floor() -> None:
                 n[0] += 1
                 os.makedirs(f"{ws}/floor{n[0]}")
-                return tar_through_socket(src, ["tar", "-C", f"{ws}/floor{n[0]}", "-xf", "-"])
+                tar_through_socket(src, ["tar", "-C", f"{ws}/floor{n[0]}", "-xf", "-"])
 
-            def down_guestd() -> float:
-                t0 = time.perf_counter()
+            def down_guestd() -> None:
                 c.download_tree(f"{ws}/up1", max_bytes=1 << 34)
-                return time.perf_counter() - t0
 
-            def down_floor() -> float:
-                return tar_through_socket(f"{ws}/up1", ["cat"])
+            def down_floor() -> None:
+                tar_through_socket(f"{ws}/up1", ["cat"])
 
-            up_g: list[float] = []
-            up_f: list[float] = []
-            down_g: list[float] = []
-            down_f: list[float] = []
-            src = "" if ns.grep_only else make_checkout(top)
-            files, size = (0, 0) if ns.grep_only else tree_size(src)
-            for _ in range(0 if ns.grep_only else 3):  # interleaved
-                up_g.append(up_guestd())
-                up_f.append(up_floor())
-                down_g.append(down_guestd())
-                down_f.append(down_floor())
-            for label, guest, floor in (
-                ("tree upload", min(up_g, default=0), min(up_f, default=0)),
-                ("tree download", min(down_g, default=0), min(down_f, default=0)),
-            ):
-                if ns.grep_only:
-                    break
+            runs: dict[str, list[tuple[float, float]]] = {"up_g": [], "up_f": [], "down_g": [], "down_f": []}
+            for _ in range(rounds):  # interleaved
+                for key, transfer in (
+                    ("up_g", up_guestd),
+                    ("up_f", up_floor),
+                    ("down_g", down_guestd),
+                    ("down_f", down_floor),
+                ):
+                    runs[key].append(timed(transfer))
+            for label, key in (("tree upload", "up"), ("tree download", "down")):
+                guest_runs, floor_runs = runs[f"{key}_g"], runs[f"{key}_f"]
+                guest = statistics.median(w for w, _ in guest_runs)
+                floor = statistics.median(w for w, _ in floor_runs)
+                ratios = sorted(f / g_ for (g_, _), (f, _) in zip(guest_runs, floor_runs, strict=True))
+                guest_cpu = statistics.median(c_ for _, c_ in guest_runs)
+                floor_cpu = statistics.median(c_ for _, c_ in floor_runs)
                 rows.append(
-                    f"| {label} ({files} entries, {size / MB:.0f} MB) | {files / floor:,.0f} files/s, "
-                    f"{size / MB / floor:,.0f} MB/s | {files / guest:,.0f} files/s, {size / MB / guest:,.0f} MB/s "
-                    f"| {floor / guest:.0%} |"
+                    f"| {label} ({files} entries, {size / MB:.0f} MB, {fs_type(top)}) | {files / floor:,.0f} files/s, "
+                    f"{size / MB / floor:,.0f} MB/s; CPU {floor_cpu:.2f} s | {files / guest:,.0f} files/s, "
+                    f"{size / MB / guest:,.0f} MB/s; CPU {guest_cpu:.2f} s "
+                    f"| {floor / guest:.0%} (rounds {ratios[0]:.0%}-{ratios[-1]:.0%}; "
+                    f"CPU {floor_cpu / guest_cpu:.0%}) |"
                 )
+    finally:
+        g.stop()
+        shutil.rmtree(top, ignore_errors=True)
+    return rows
+
+
+def measure_grep(files: int) -> list[str]:
+    """The grep rows: guestd's file.grep against rg run directly on a generated tree."""
+    rg = shutil.which("rg")
+    if rg is None:
+        return []
+    g, top, ws = start_workspace_guestd(None)
+    rows: list[str] = []
+    try:
+        with g.client() as c:
             search = f"{ws}/search"
-            make_search_tree(search, ns.files)
+            make_search_tree(search, files)
             os.chmod(ws, 0o755)
-            rg = shutil.which("rg")
 
             def rg_direct(pattern: str) -> float:
                 assert rg is not None
@@ -175,33 +236,60 @@ def main() -> None:
                 assert r.matches == want and r.engine == "rg", r.matches
                 return time.perf_counter() - t0
 
-            if rg is not None:
-                for label, pattern, want in (
-                    ("no line matches", "no_such_marker", 0),
-                    ("one line in 50 files", "needle_marker", (ns.files + 49) // 50),
-                    ("one line in every file", "value_29 =", ns.files),
-                ):
-                    floors, guests = [], []
-                    for _ in range(3):  # interleaved
-                        floors.append(rg_direct(pattern))
-                        guests.append(via(pattern, want))
-                    floor, t = min(floors), min(guests)
-                    rows.append(
-                        f"| grep, {ns.files:,} files, {label} | rg directly: {floor * 1000:.0f} ms "
-                        f"| {t * 1000:.0f} ms | {t / floor:.2f}x (goal <= 2x{', met' if t <= 2 * floor else ''}) |"
-                    )
+            for label, pattern, want in (
+                ("no line matches", "no_such_marker", 0),
+                ("one line in 50 files", "needle_marker", (files + 49) // 50),
+                ("one line in every file", "value_29 =", files),
+            ):
+                floors, guests = [], []
+                for _ in range(3):  # interleaved
+                    floors.append(rg_direct(pattern))
+                    guests.append(via(pattern, want))
+                floor, t = min(floors), min(guests)
+                rows.append(
+                    f"| grep, {files:,} files, {label} | rg directly: {floor * 1000:.0f} ms "
+                    f"| {t * 1000:.0f} ms | {t / floor:.2f}x (goal <= 2x{', met' if t <= 2 * floor else ''}) |"
+                )
     finally:
         g.stop()
         shutil.rmtree(top, ignore_errors=True)
+    return rows
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--files", type=int, default=50_000)
+    ap.add_argument("--grep-only", action="store_true", help="only the grep rows (printed, TREES.md left alone)")
+    ap.add_argument("--trees-only", action="store_true", help="only the tree rows (printed, TREES.md left alone)")
+    ap.add_argument("--rounds", type=int, default=5, help="interleaved rounds of the tree transfers")
+    ap.add_argument(
+        "--tmp",
+        default=None,
+        help="where the trees go (default: the system's temp directory, and /dev/shm too when it exists)",
+    )
+    ns = ap.parse_args()
+    load_before = os.getloadavg()[0]  # other work on the machine skews every figure: stated with them
+    rows: list[str] = []
+    if not ns.grep_only:
+        # The system's temp directory (a disk here) and tmpfs: on a disk shared with other work the
+        # file system's own allocator moves both sides by several times; tmpfs leaves it out.
+        places = [ns.tmp] if ns.tmp is not None else [None, *(["/dev/shm"] if os.path.isdir("/dev/shm") else [])]
+        for where in places:
+            rows += measure_trees(where, ns.rounds)
+    if not ns.trees_only:
+        rows += measure_grep(ns.files)
     report = "\n".join(
         [
             "# Trees and search benchmark (bench/trees.py)",
             "",
             "guestd in its own process (workspace, workload user nobody), the client here, one machine"
             f" ({os.cpu_count()} CPUs, load average {load_before:.1f} before the run, {os.getloadavg()[0]:.1f} after).",
-            "Floors measured in the same run, interleaved, best of 3: `tar -c | unix socket | tar -x` for",
-            "uploads, `tar -c | unix socket | cat` for downloads, `rg` run directly for grep (the printer",
-            "guestd asks rg for, into a pipe; guestd: rg as a workload process, each line an event to the client).",
+            f"Trees: {ns.rounds} interleaved rounds against `tar -c | unix socket | tar -x` (upload) and",
+            "`tar -c | unix socket | cat` (download): medians of each side and the ratio of the medians, the",
+            "range of the rounds' own ratios, and CPU seconds (guestd's process and the client; tar and cat),",
+            "in the system's temp directory and in tmpfs (the file system type is in each row).",
+            "Grep: best of 3 against `rg` run directly (the printer guestd asks rg for, into a pipe; guestd:",
+            "rg as a workload process, each line an event to the client).",
             "",
             "| measure | floor | guestd | guestd / floor |",
             "|---|---|---|---|",
@@ -209,7 +297,7 @@ def main() -> None:
             "",
         ]
     )
-    if not ns.grep_only:
+    if not ns.grep_only and not ns.trees_only:
         with open(os.path.join(HERE, "TREES.md"), "w") as f:
             f.write(report)
     sys.stdout.write(report)

@@ -186,3 +186,17 @@ def test_an_archive_without_end_blocks_is_taken_as_tar_takes_it(c: Client, env: 
     end = data.index(b"z") + 512  # the last file's block, without the two zero blocks
     r = c.upload_tree(data[:end], f"{env[1]}/no-end")
     assert (r.entries, r.bytes) == (3, 611)
+
+
+def test_an_extended_header_past_its_bound_is_refused_before_it_is_read(c: Client, env: tuple[Guestd, str]) -> None:
+    """A pax header's records are held whole: one that says 2 MiB is refused from its header
+    (tarfile read whatever size it said into memory). A bound, not a defect shown failing."""
+    from guestd.files import tarhead
+
+    records = b"%d path=" % (2 << 20) + b"p" * ((2 << 20) - 20)
+    pax = tarhead._block(b"././@PaxHeader", 0, 0, 0, len(records), 0, b"x", b"")
+    dst = f"{env[1]}/huge-pax"
+    with pytest.raises(GuestdError) as err:
+        c.upload_tree(pax + records, dst)
+    assert err.value.code == "bad_request" and err.value.details["reason"] == "invalid"
+    assert not os.path.exists(dst)

@@ -30,7 +30,9 @@ BLOCK = 512
 INFLATE_STEP = 1024 * 1024  # most bytes one inflate call makes: a small archive may inflate to a lot
 _ZERO_BLOCK = bytes(BLOCK)
 REGULAR_KINDS = (b"0", b"\0", b"7")  # "7": contiguous, a regular file to everyone else
-_PAX_MAX = 16 * 1024 * 1024  # an extended header's records (names up to 4096, so kilobytes in practice)
+# An extended header's records are held whole (tarfile held any size the header said): names
+# are at most 4096 bytes, so real ones are kilobytes.
+_PAX_MAX = 1024 * 1024
 
 
 class Source(Protocol):
@@ -287,6 +289,9 @@ def _pax_time_ns(value: bytes, default: float) -> int:
     negative = text.startswith(b"-")
     whole, _, frac = text.lstrip(b"-").partition(b".")
     if not whole.isdigit() or (frac and not frac.isdigit()):
-        return int(default) * 10**9
+        try:  # another spelling of a number (tarfile writes str(float): 6.1e-05)
+            return round(float(text) * 1e9)
+        except (ValueError, OverflowError):
+            return int(default) * 10**9
     ns = int(whole) * 10**9 + int((frac[:9] or b"0").ljust(9, b"0"))
     return -ns if negative else ns
