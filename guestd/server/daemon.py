@@ -127,6 +127,11 @@ class Daemon:
         # A snapshot is taken with every capability loaded: a guest restored from it pays no
         # first-use import, and snapshot.prepare reports the running work of all of them.
         self.dispatcher.load_before("snapshot.prepare", self.require_all)
+        # Confinement roots are directory fds opened at start (PROTOCOL.md 8): opened at the
+        # first file request instead, a root the workload renamed and replaced by a symlink in
+        # the meantime would be followed (tests/test_redteam_fs.py). With roots, files loads now.
+        if config.policy.write_roots is not None or config.policy.read_roots is not None:
+            self.require("files")
 
     def require(self, capability: str) -> None:
         """Register a declared capability (on its first request, or when another one needs it)."""
