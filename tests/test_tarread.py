@@ -9,15 +9,17 @@ import gzip
 import io
 import lzma
 import os
+import struct
 import tarfile
-from collections.abc import Iterator
+import zlib
+from collections.abc import Callable, Iterator
 
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as hs
 
 from guestd.client import Client
-from guestd.files import tarread
+from guestd.files import tarhead, tarread
 from guestd.testing import Guestd, workspace_guestd
 from guestd.wire.errors import GuestdError
 
@@ -191,8 +193,6 @@ def test_an_archive_without_end_blocks_is_taken_as_tar_takes_it(c: Client, env: 
 def test_an_extended_header_past_its_bound_is_refused_before_it_is_read(c: Client, env: tuple[Guestd, str]) -> None:
     """A pax header's records are held whole: one that says 2 MiB is refused from its header
     (tarfile read whatever size it said into memory). A bound, not a defect shown failing."""
-    from guestd.files import tarhead
-
     records = b"%d path=" % (2 << 20) + b"p" * ((2 << 20) - 20)
     pax = tarhead._block(b"././@PaxHeader", 0, 0, 0, len(records), 0, b"x", b"")
     dst = f"{env[1]}/huge-pax"
@@ -200,3 +200,130 @@ def test_an_extended_header_past_its_bound_is_refused_before_it_is_read(c: Clien
         c.upload_tree(pax + records, dst)
     assert err.value.code == "bad_request" and err.value.details["reason"] == "invalid"
     assert not os.path.exists(dst)
+
+
+# --------------------------------------------------------------------------- streams, pax fields, ranges
+
+
+def _one_file_tar(name: str = "f", body: bytes = b"hello") -> bytes:
+    buf = io.BytesIO()
+    with tarfile.open(fileobj=buf, mode="w", format=tarfile.PAX_FORMAT) as tar:
+        info = tarfile.TarInfo(name)
+        info.size = len(body)
+        tar.addfile(info, io.BytesIO(body))
+    return buf.getvalue()
+
+
+def _refusal(data: bytes, sizes: list[int] | None = None) -> dict[str, object]:
+    with pytest.raises(GuestdError) as err:
+        read_all(data, sizes or [len(data) or 1])
+    assert err.value.code == "bad_request", err.value
+    return dict(err.value.details)
+
+
+COMPRESS: dict[str, Callable[[bytes], bytes]] = {"gz": gzip.compress, "bz2": bz2.compress, "xz": lzma.compress}
+
+
+@pytest.mark.parametrize("kind", ["gz", "bz2", "xz"])
+def test_streams_one_after_another_are_read_as_one_archive(kind: str) -> None:
+    """As gzip -d, bzip2 -d and xz -d read them (pigz/pbzip2 and `cat a.gz b.gz` make them):
+    the tar cut inside its file, each part its own stream, then zero padding (a tape's blocking)."""
+    data = _one_file_tar(body=b"x" * 3000)
+    packed = COMPRESS[kind](data[:1000]) + COMPRESS[kind](data[1000:]) + bytes(3000)
+    for sizes in ([len(packed)], [1], [7, 3000]):
+        assert read_all(packed, sizes) == read_all(data, [len(data)])
+
+
+@pytest.mark.parametrize("kind", ["gz", "bz2", "xz"])
+def test_bytes_after_a_compressed_stream_that_start_no_stream_are_refused(kind: str) -> None:
+    """GNU tar fails on gzip's 'trailing garbage' too; before, gzip's were held (all of them,
+    copied again at each chunk) and bzip2's and xz's dropped unread."""
+    data = _one_file_tar()[:1024]  # the file, without the end blocks: the reader reads on
+    packed = COMPRESS[kind](data) + bytes(10) + b"garbage"
+    for sizes in ([len(packed)], [1]):
+        assert _refusal(packed, sizes) == {"entry": "f", "reason": "invalid"}
+
+
+def test_an_xz_stream_past_the_decoders_memory_bound_is_refused() -> None:
+    """An .xz block header may claim a 4 GiB dictionary (props 40), which liblzma would
+    allocate (and touch as it writes); past XZ_MEMLIMIT it is refused."""
+    lzma2 = {"id": lzma.FILTER_LZMA2, "dict_size": 1 << 20}
+    data = bytearray(lzma.compress(_one_file_tar(), format=lzma.FORMAT_XZ, filters=[lzma2]))
+    at = 12  # the block header follows the 12-byte stream header
+    block = data[at : at + (data[at] + 1) * 4]
+    block[block.index(b"\x21\x01", 2) + 2] = 40  # LZMA2 (0x21), 1 byte of properties: the dictionary
+    block[-4:] = struct.pack("<I", zlib.crc32(bytes(block[:-4])))
+    data[at : at + len(block)] = block
+    assert _refusal(bytes(data)) == {"entry": "", "reason": "invalid"}
+
+
+def _pax_entry(key: str, value: str, kind: bytes = tarfile.REGTYPE, size: int = 0) -> bytes:
+    body = f" {key}={value}\n".encode()
+    n = len(body) + 1
+    while len(str(n)) + len(body) != n:
+        n = len(str(n)) + len(body)
+    records = str(n).encode() + body
+    ext = tarhead._block(b"././@PaxHeader", 0o644, 0, 0, len(records), 0, b"x", b"")
+    records += bytes(-len(records) % 512)
+    return ext + records + tarhead._block(b"f", 0o644, 0, 0, size, 0, kind, b"") + bytes(1024)
+
+
+@pytest.mark.parametrize("value", ["-5", "+10", "1_0", " 10 ", "10 ", "0x10", "1e3", "\u0661\u0660"])
+def test_a_pax_size_is_ascii_digits_or_refused_naming_the_entry(value: str) -> None:
+    """int() took the first five (-5 misaligned the stream: the tree committed, bytes=-5); the
+    others were read as the header's size, silently."""
+    assert _refusal(_pax_entry("size", value)) == {"entry": "f", "reason": "invalid"}
+
+
+def test_a_pax_size_in_digits_is_read() -> None:
+    assert read_all(_pax_entry("size", "0"), [100])[0][3] == 0
+
+
+def test_a_negative_base256_size_is_refused() -> None:
+    """frombuf reads base-256 numbers with their sign: a size of -5 skipped 5 padding bytes."""
+    block = bytearray(tarhead._block(b"f", 0o644, 0, 0, 0, 0, b"0", b""))
+    block[124:136] = b"\xff" * 11 + b"\xfb"  # -5
+    block[148:156] = b" " * 8
+    block[148:156] = b"%06o\0 " % sum(block)
+    assert _refusal(bytes(block) + bytes(1024)) == {"entry": "f", "reason": "invalid"}
+
+
+@pytest.mark.parametrize(
+    "mtime", [str(2**63), "-" + str(2**63 + 1), "1e30", "inf", "9" * 5000, "9223372036854775808.5"]
+)
+def test_an_mtime_a_file_cannot_hold_is_refused_naming_the_entry(mtime: str) -> None:
+    assert _refusal(_pax_entry("mtime", mtime)) == {"entry": "f", "reason": "invalid"}
+
+
+@pytest.mark.parametrize(
+    ("mtime", "ns"), [(str(2**63 - 1), (2**63 - 1) * 10**9), ("-" + str(2**63), -(2**63) * 10**9), ("nan", 0)]
+)
+def test_an_mtime_at_the_edge_of_time_t_is_read(mtime: str, ns: int) -> None:
+    """Up to what os.utime takes (the kernel clamps to what the file system holds); a pax time
+    that is no number is the header's (0 here), as before."""
+    reader = tarread.Reader(Pieces(_pax_entry("mtime", mtime), [4096]))
+    m = reader.next_member("")
+    assert m is not None and m.mtime_ns == ns
+
+
+@pytest.mark.parametrize("key", ["path", "linkpath"])
+def test_a_nul_in_a_pax_name_is_refused_with_its_details(key: str) -> None:
+    """Before: os.open's ValueError, a bad_request without details.entry or details.reason."""
+    data = _pax_entry(key, "a\0b", tarfile.SYMTYPE)
+    assert _refusal(data)["reason"] == "invalid"
+
+
+def test_pax_records_nobody_reads_are_not_kept_and_a_sparse_one_is_seen() -> None:
+    """Only path, linkpath, size, mtime are kept (and whether a GNU.sparse.* came): what a
+    chain of x headers or any number of g headers leaves is a few values."""
+
+    def ext(kind: bytes, records: bytes) -> bytes:
+        head = tarhead._block(b"././@PaxHeader", 0o644, 0, 0, len(records), 0, kind, b"")
+        return head + records + bytes(-len(records) % 512)
+
+    junk = b"".join(b"11 k%05d=\n" % i for i in range(20000))  # 20000 records, 11 bytes each
+    data = ext(b"g", junk) + ext(b"x", junk) + ext(b"x", b"21 GNU.sparse.size=1\n")
+    data += tarhead._block(b"s", 0o644, 0, 0, 0, 0, b"0", b"") + bytes(1024)
+    reader = tarread.Reader(Pieces(data, [65536]))
+    m = reader.next_member("")
+    assert m is not None and m.kind == b"S" and reader.globals == {}

@@ -6,12 +6,18 @@ tarfile's stream mode read the archive in 10 KiB records and copied each file th
 not read after the first (a corrupted archive was extracted in part and reported done), and
 answered an empty, foreign or truncated one with ``internal``. Here the 512-byte header block is
 decoded by ``tarfile.TarInfo.frombuf`` (checksums, base-256 numbers, the ustar prefix), and the
-extended headers are read as tarfile reads them: pax (``x``, and ``g`` for all that follow;
-``path``, ``linkpath``, ``size``, ``mtime``, ``hdrcharset``) and GNU long names (``L``, ``K``).
+extended headers are read as tarfile reads them: pax (``x``, and ``g`` for all that follow) and
+GNU long names (``L``, ``K``). Of the pax records only those the reader uses are kept (``path``,
+``linkpath``, ``size``, ``mtime``, and whether any ``GNU.sparse.*`` came), so what a chain of
+headers leaves in memory is a few names, and merging the globals into an entry costs the same
+however many records they had. A pax size is ASCII digits, an mtime must fit a ``time_t``.
 A header that cannot be read is ``bad_request`` (``reason`` ``invalid``), an archive that
 ends inside a header or a file ``truncated``. A zero block ends the archive; so does the end
 of the input after a whole entry (as tarfile and GNU tar take it). gzip, bzip2 and xz streams
-are recognized by their first bytes and inflated at most 1 MiB at a time.
+are recognized by their first bytes and inflated at most 1 MiB at a time; after a stream's end
+the input may hold another stream (as ``gzip -d``, ``bzip2 -d`` and ``xz -d`` read them) or
+zero bytes (a tape's blocking: dropped, as gzip does); anything else there is refused
+(``invalid``: GNU tar fails on gzip's "trailing garbage" too), never held.
 """
 
 from __future__ import annotations
@@ -22,17 +28,30 @@ import tarfile
 import zlib
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 from guestd.wire.errors import ErrorCode, GuestdError
 
+if TYPE_CHECKING:
+    from zlib import _Decompress
+
 BLOCK = 512
 INFLATE_STEP = 1024 * 1024  # most bytes one inflate call makes: a small archive may inflate to a lot
+# The most memory an .xz/.lzma stream may make its decoder use: its dictionary (xz -9 needs
+# 65 MiB to decode); its header may claim up to 4 GiB, which the decoder would allocate.
+XZ_MEMLIMIT = 128 * 1024 * 1024
 _ZERO_BLOCK = bytes(BLOCK)
 REGULAR_KINDS = (b"0", b"\0", b"7")  # "7": contiguous, a regular file to everyone else
-# An extended header's records are held whole (tarfile held any size the header said): names
+# An extended header's records are read whole (tarfile held any size the header said): names
 # are at most 4096 bytes, so real ones are kilobytes.
 _PAX_MAX = 1024 * 1024
+_PAX_KEPT = (b"path", b"linkpath", b"size", b"mtime")  # the records the reader uses; others dropped
+_NUMBER_MAX = 64  # bytes of a pax size or mtime kept (its first 65: more is refused when used)
+# what os.utime takes: seconds in a signed 64-bit time_t (the kernel clamps to the file system's)
+_MTIME_MIN_NS = -(2**63) * 10**9
+_MTIME_MAX_NS = 2**63 * 10**9 - 1
+# what starts another stream after one ended (lzma-alone has no such thing)
+_NEXT_STREAM = {"gz": b"\x1f\x8b", "bz2": b"BZh", "xz": b"\xfd7zXZ\x00", "lzma": b""}
 
 
 class Source(Protocol):
@@ -59,44 +78,78 @@ def bad(entry: str, reason: str, what: str) -> GuestdError:
     return GuestdError(ErrorCode.BAD_REQUEST, f"tar stream refused: {what}", details={"entry": entry, "reason": reason})
 
 
+class _Corrupt(Exception):
+    """The compressed stream cannot be read (the reader names the entry)."""
+
+
 class _Inflate:
-    """A decompressor that makes at most ``INFLATE_STEP`` bytes per :meth:`pull`."""
+    """A decompressor that makes at most ``INFLATE_STEP`` bytes per :meth:`pull`, and holds at
+    most a few bytes of input beyond what it was last given."""
 
     def __init__(self, kind: str) -> None:
         self.kind = kind
-        self.zlib = zlib.decompressobj(16 + zlib.MAX_WBITS) if kind == "gz" else None
-        self.other: bz2.BZ2Decompressor | lzma.LZMADecompressor | None = (
-            bz2.BZ2Decompressor() if kind == "bz2" else lzma.LZMADecompressor() if kind == "xz" else None
-        )
-        self.tail = b""  # input not yet inflated (zlib keeps it outside)
-        self.fresh: bytes | None = None  # input not yet given to bz2/lzma
+        self.zlib: _Decompress | None = None
+        self.other: bz2.BZ2Decompressor | lzma.LZMADecompressor | None = None
+        self.tail = b""  # input not yet given to the decompressor (zlib: what it left over)
+        self._start()
+
+    def _start(self) -> None:
+        if self.kind == "gz":
+            self.zlib = zlib.decompressobj(16 + zlib.MAX_WBITS)
+        elif self.kind == "bz2":
+            self.other = bz2.BZ2Decompressor()  # bounded by the format: 900 kB blocks, ~3.7 MB
+        else:
+            self.other = lzma.LZMADecompressor(memlimit=XZ_MEMLIMIT)
 
     def push(self, data: bytes) -> None:
-        if self.zlib is not None:
-            self.tail = self.tail + data if self.tail else data
-        else:
-            self.fresh = data
+        # pull returned b"": all input taken, but for at most 5 bytes of a next stream's magic
+        self.tail = self.tail + data if self.tail else data
 
     def pull(self) -> bytes:
         """Output made from the input so far (b"": it needs more input, or the stream ended)."""
         try:
-            if self.zlib is not None:
-                if self.zlib.eof or not self.tail:
+            while True:
+                if self.zlib is not None:
+                    if not self.tail:
+                        return b""
+                    out = self.zlib.decompress(self.tail, INFLATE_STEP)
+                    if self.zlib.eof:
+                        self.tail, self.zlib = self.zlib.unused_data, None
+                    else:
+                        self.tail = self.zlib.unconsumed_tail
+                elif self.other is not None:
+                    if self.tail:
+                        data, self.tail = self.tail, b""
+                    elif self.other.needs_input:
+                        return b""
+                    else:
+                        data = b""  # output left from the input it has
+                    out = self.other.decompress(data, INFLATE_STEP)
+                    if self.other.eof:
+                        self.tail, self.other = self.other.unused_data, None
+                elif not self._after_end():
                     return b""
-                out = self.zlib.decompress(self.tail, INFLATE_STEP)
-                self.tail = self.zlib.unconsumed_tail
-                return out
-            assert self.other is not None
-            if self.other.eof:
-                return b""
-            if self.fresh is not None:
-                data, self.fresh = self.fresh, None
-                return self.other.decompress(data, INFLATE_STEP)
-            if not self.other.needs_input:
-                return self.other.decompress(b"", INFLATE_STEP)
-            return b""
+                else:
+                    continue
+                if out:
+                    return out
         except (zlib.error, OSError, EOFError, lzma.LZMAError) as exc:
-            raise bad("", "invalid", f"the {self.kind} stream is corrupt ({exc})") from None
+            raise _Corrupt(f"the {self.kind} stream is corrupt ({exc})") from None
+
+    def _after_end(self) -> bool:
+        """Input after a stream's end: True when it starts another stream; zero bytes dropped;
+        a part of the next stream's magic held until it can be told; anything else refused."""
+        rest = self.tail.lstrip(b"\0")
+        magic = _NEXT_STREAM[self.kind]
+        self.tail = rest
+        if not rest:
+            return False
+        if magic and rest.startswith(magic):
+            self._start()
+            return True
+        if len(rest) < len(magic) and magic.startswith(rest):
+            return False
+        raise _Corrupt(f"bytes after the end of the {self.kind} stream")
 
 
 class Reader:
@@ -109,14 +162,19 @@ class Reader:
         self.sniffed = False
         self.head = b""  # the first bytes, until there are enough to tell a compressed stream
         self.ended = False
-        self.globals: dict[str, bytes] = {}  # pax "g" records: for every entry after them
+        self.globals: dict[bytes, bytes] = {}  # pax "g" records kept (_PAX_KEPT): for every entry after them
+        self.global_sparse = False  # a "g" header had a GNU.sparse.* record
         self.members = 0  # entries read so far
+        self.last = ""  # the last entry's name, for a corrupt compressed stream
 
     def _fill(self) -> bool:
         """The next piece of the archive into ``cur``; False at the end of the input."""
         while not self.ended:
             if self.inflate is not None:
-                out = self.inflate.pull()
+                try:
+                    out = self.inflate.pull()
+                except _Corrupt as exc:
+                    raise bad(self.last, "invalid", str(exc)) from None
                 if out:
                     self.cur = memoryview(out)
                     return True
@@ -147,8 +205,10 @@ class Reader:
             self.inflate = _Inflate("gz")
         elif head.startswith(b"BZh91"):
             self.inflate = _Inflate("bz2")
-        elif head.startswith((b"\x5d\x00\x00\x80", b"\xfd7zXZ")):
+        elif head.startswith(b"\xfd7zXZ"):
             self.inflate = _Inflate("xz")
+        elif head.startswith(b"\x5d\x00\x00\x80"):
+            self.inflate = _Inflate("lzma")
         return head
 
     def read(self, n: int) -> bytes:
@@ -188,19 +248,21 @@ class Reader:
     def next_member(self, previous: str) -> Member | None:
         """The next entry's header (its data follows), or None at the end of the archive.
         ``previous`` names the last entry, for a message about what follows it."""
-        pax: dict[str, bytes] = {}
+        pax: dict[bytes, bytes] = {}  # the kept records of this entry's "x" headers
+        pax_sparse = False
+        extended = False  # an extended header came: an entry must follow
         long_name: bytes | None = None
         long_link: bytes | None = None
         while True:
             block = self.read(BLOCK)
-            if not block and not pax and long_name is None and long_link is None:
+            if not block and not extended:
                 if not self.members:
                     raise bad(previous, "truncated", "the archive is empty (not even its end blocks)")
                 return None  # the input ended between entries
             if len(block) < BLOCK:
                 raise bad(previous, "truncated", "the archive ends inside a header")
             if block == _ZERO_BLOCK:
-                if pax or long_name is not None or long_link is not None:
+                if extended:
                     raise bad(previous, "invalid", "an extended header is followed by the end")
                 return None
             try:
@@ -209,20 +271,21 @@ class Reader:
                 raise bad(previous, "invalid", f"an unreadable header after {previous!r} ({exc})") from None
             kind = info.type
             if kind in (tarfile.XHDTYPE, tarfile.XGLTYPE, tarfile.GNUTYPE_LONGNAME, tarfile.GNUTYPE_LONGLINK):
-                if info.size > _PAX_MAX:
+                if not 0 <= info.size <= _PAX_MAX:
                     raise bad(previous, "invalid", f"an extended header of {info.size} bytes")
                 data = self.read(info.size)
                 if len(data) < info.size or self.copy(-info.size % BLOCK, None) < -info.size % BLOCK:
                     raise bad(previous, "truncated", "the archive ends inside an extended header")
+                extended = True
                 if kind == tarfile.GNUTYPE_LONGNAME:
                     long_name = data.split(b"\0", 1)[0]
                 elif kind == tarfile.GNUTYPE_LONGLINK:
                     long_link = data.split(b"\0", 1)[0]
+                elif kind == tarfile.XHDTYPE:
+                    pax_sparse |= _pax_records(data, previous, pax)
                 else:
-                    records = _pax_records(data, previous)
-                    (pax if kind == tarfile.XHDTYPE else self.globals).update(records)
+                    self.global_sparse |= _pax_records(data, previous, self.globals)
                 continue
-            fields = {**self.globals, **pax}
             name = info.name
             if long_name is not None:
                 name = long_name.decode("utf-8", "surrogateescape")
@@ -231,19 +294,36 @@ class Reader:
                 linkname = long_link.decode("utf-8", "surrogateescape")
             # pax text is UTF-8; with hdrcharset=BINARY (or bytes that are not UTF-8) the bytes as
             # they are, kept as surrogates (what tarfile gives with errors="surrogateescape")
-            if "path" in fields:
-                name = fields["path"].decode("utf-8", "surrogateescape")
-            if "linkpath" in fields:
-                linkname = fields["linkpath"].decode("utf-8", "surrogateescape")
-            size = _pax_int(fields["size"], info.size) if "size" in fields else info.size
-            mtime_ns = _pax_time_ns(fields["mtime"], info.mtime) if "mtime" in fields else int(info.mtime) * 10**9
-            if any(k.startswith("GNU.sparse.") for k in fields) or kind == tarfile.GNUTYPE_SPARSE:
+            path = pax.get(b"path", self.globals.get(b"path"))
+            if path is not None:
+                name = path.decode("utf-8", "surrogateescape")
+            link = pax.get(b"linkpath", self.globals.get(b"linkpath"))
+            if link is not None:
+                linkname = link.decode("utf-8", "surrogateescape")
+            if "\0" in name or "\0" in linkname:
+                raise bad(name, "invalid", "a NUL byte in a name")
+            size = info.size
+            pax_size = pax.get(b"size", self.globals.get(b"size"))
+            if pax_size:  # an empty value: the header's (POSIX: it removes the keyword)
+                if len(pax_size) > _NUMBER_MAX or not pax_size.isdigit():  # bytes.isdigit: ASCII only
+                    raise bad(name, "invalid", f"a pax size of {pax_size[:_NUMBER_MAX]!r}")
+                size = int(pax_size)
+            if size < 0:  # a base-256 size may be negative
+                raise bad(name, "invalid", f"a size of {size}")
+            pax_mtime = pax.get(b"mtime", self.globals.get(b"mtime"))
+            mtime_ns = int(info.mtime) * 10**9
+            if pax_mtime:
+                mtime_ns = _pax_time_ns(pax_mtime, mtime_ns, name)
+            if not _MTIME_MIN_NS <= mtime_ns <= _MTIME_MAX_NS:
+                raise bad(name, "invalid", "an mtime past what a file's time can hold")
+            if pax_sparse or self.global_sparse or kind == tarfile.GNUTYPE_SPARSE:
                 kind = b"S"  # refused by the extractor: a sparse file is not expanded here
             if kind == tarfile.AREGTYPE and name.endswith("/"):
                 kind = tarfile.DIRTYPE  # an old archive's directory (as tarfile reads it)
             if kind == tarfile.DIRTYPE:
                 name = name.rstrip("/")  # as tarfile gives a directory's name
             self.members += 1
+            self.last = name
             return Member(name, kind, info.mode, mtime_ns, size, linkname)
 
     def finish_data(self, size: int, copied: int, name: str) -> None:
@@ -253,45 +333,49 @@ class Reader:
             raise bad(name, "truncated", "the archive ends inside this file")
 
 
-def _pax_records(data: bytes, previous: str) -> dict[str, bytes]:
-    """``"<length> key=value\\n"`` records; keys as text, values as bytes (decoded later)."""
-    out: dict[str, bytes] = {}
+def _pax_records(data: bytes, previous: str, into: dict[bytes, bytes]) -> bool:
+    """``"<length> key=value\\n"`` records into ``into``, only the keys in ``_PAX_KEPT`` (values as
+    bytes, decoded later; a size or mtime cut after ``_NUMBER_MAX + 1`` bytes, so a longer one is
+    still seen as too long); returns whether a ``GNU.sparse.*`` key came."""
+    sparse = False
     pos = 0
     while pos < len(data):
         if data[pos] == 0:  # padding some writers leave inside the records
             break
         space = data.find(b" ", pos, pos + 24)
-        try:
-            length = int(data[pos:space])
-        except ValueError:
-            raise bad(previous, "invalid", "a pax record without its length") from None
-        end = pos + length
-        if space < 0 or length <= 0 or end > len(data) or data[end - 1 : end] != b"\n":
+        digits = data[pos:space] if space > pos else b""
+        if not digits.isdigit():  # ASCII digits only (int() takes "+1", "1_0", " 1")
+            raise bad(previous, "invalid", "a pax record without its length")
+        end = pos + int(digits)
+        if end - 1 <= space or end > len(data) or data[end - 1] != 0x0A:
             raise bad(previous, "invalid", "a pax record of a wrong length")
-        key, eq, value = data[space + 1 : end - 1].partition(b"=")
-        if not eq:
+        eq = data.find(b"=", space + 1, end - 1)
+        if eq < 0:
             raise bad(previous, "invalid", "a pax record without '='")
-        out[key.decode("utf-8", "surrogateescape")] = value
+        key = data[space + 1 : eq]
+        if key in _PAX_KEPT:
+            value = data[eq + 1 : end - 1]
+            into[key] = value if key in (b"path", b"linkpath") else value[: _NUMBER_MAX + 1]
+        elif key.startswith(b"GNU.sparse."):
+            sparse = True
         pos = end
-    return out
+    return sparse
 
 
-def _pax_int(value: bytes, default: int) -> int:
-    try:
-        return int(value)
-    except ValueError:
-        return default
-
-
-def _pax_time_ns(value: bytes, default: float) -> int:
-    """A pax time (``-?digits[.digits]``) to nanoseconds, exactly."""
+def _pax_time_ns(value: bytes, default: int, entry: str) -> int:
+    """A pax time (``-?digits[.digits]``) to nanoseconds, exactly; ``default`` (the header's)
+    for one that is no number at all."""
+    if len(value) > _NUMBER_MAX:
+        raise bad(entry, "invalid", f"a pax mtime of more than {_NUMBER_MAX} bytes")
     text = value.strip()
     negative = text.startswith(b"-")
-    whole, _, frac = text.lstrip(b"-").partition(b".")
+    whole, _, frac = text.removeprefix(b"-").partition(b".")
     if not whole.isdigit() or (frac and not frac.isdigit()):
         try:  # another spelling of a number (tarfile writes str(float): 6.1e-05)
             return round(float(text) * 1e9)
-        except (ValueError, OverflowError):
-            return int(default) * 10**9
+        except ValueError:  # not a number (nan too)
+            return default
+        except OverflowError:  # inf
+            raise bad(entry, "invalid", "an mtime past what a file's time can hold") from None
     ns = int(whole) * 10**9 + int((frac[:9] or b"0").ljust(9, b"0"))
     return -ns if negative else ns
