@@ -4,9 +4,11 @@
 Extraction is guestd's own, over the file-system layer: ``tarread`` parses the stream (a
 file's data goes from the received frames straight to its fd); every entry is created with
 ``*at`` calls in a directory fd resolved with ``openat2`` (``RESOLVE_BENEATH |
-RESOLVE_NO_SYMLINKS``) below a temp directory that guestd made beside the
-target (``.<name>.guestd-tree-<random>``, mode 0700 and guestd's while it fills, so the
-workload can neither see nor change what is being extracted). Refused with ``bad_request``
+RESOLVE_NO_SYMLINKS``) below ``tree`` in a private directory that guestd made beside the target
+(``.<name>.guestd-tree-<random>``, mode 0700 and guestd's, held by its fd: the workload owns the
+target's directory, so it may rename the private directory or put another at its name, but it can
+neither enter it nor change its entries, and the commit, the exchange and the removals all go
+through that fd, never its name). Refused with ``bad_request``
 and ``details.entry``: absolute names, ``..``, a symlink whose target is absolute or climbs
 out of the tree, hard links, devices, FIFOs, and any path through a symlink. A symlink's
 target must stay in the tree both read as text and resolved through the links the archive
@@ -15,11 +17,13 @@ archive's links, a name that is no link counting as a directory whether it exist
 ``a/b/c/up -> ../..`` then ``a/b/c/esc -> up/../../../..`` is refused whatever the order of
 the two); a chain of more than 40 links, a loop, or a target of 4096 bytes or more is refused
 too. What waits for the end (directories' modes and mtimes, the links) is bounded in bytes
-(``MAX_TREE_REMEMBERED``), and tarfile's own list of the members read is dropped as it grows. On success the
-temp directory gets its final mode and owner and is renamed into place (``RENAME_NOREPLACE``;
-with ``replace``, exchanged with the old tree, which is then removed); on any failure it is
-removed: nothing half-extracted is left at the target. Modes lose setuid and setgid. New
-entries get the workspace ownership rule of the target's directory.
+(``MAX_TREE_REMEMBERED``), and tarfile's own list of the members read is dropped as it grows. On success
+``tree`` gets its final mode and owner and is renamed from the private directory's fd into place
+(``RENAME_NOREPLACE``; with ``replace``, exchanged with the old tree, which then lies at ``tree``
+and is removed); on any failure ``tree`` is removed. The private directory is removed last, only
+while its name still holds its inode: nothing half-extracted is left at or beside the target.
+Modes lose setuid and setgid. New entries get the workspace ownership rule of the target's
+directory.
 
 Archives out are pax (names that are not UTF-8 kept as bytes, ``hdrcharset=BINARY``); files
 are read through fds checked to be regular (a FIFO is never opened), symlinks archived as
@@ -65,6 +69,7 @@ MAX_WRITE_MANY = 256  # files one file.write_many may write (each holds two fds 
 _DIR = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
 _RESOLVE = RESOLVE_BENEATH | RESOLVE_NO_SYMLINKS | RESOLVE_NO_MAGICLINKS
 _RENAME_EXCHANGE = 2
+_STAGED = b"tree"  # the tree's name in the private staging directory while it fills
 _CREATE = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
 # Reopening an O_PATH fd through /proc/self/fd: O_NOFOLLOW would refuse the magic link itself
 # (the inode is resolved already); O_NONBLOCK so that no open waits.
@@ -297,6 +302,8 @@ class Extractor:
         self.place = place
         self.owner = owner if os.geteuid() == 0 else None
         self.tmp = b"." + place.name[:100] + TREE_TEMP_MARK + os.urandom(6).hex().encode()
+        self.private = -1  # the fd of the private directory made at self.tmp
+        self.staged = False  # _STAGED in it is the tree this extractor made (or the old one, exchanged)
         self.root = -1
         self.entries = 0
         self.bytes = 0
@@ -307,9 +314,11 @@ class Extractor:
         self.links = Links()
 
     def run(self, source: tarread.Source, replace: bool) -> tuple[int, int]:
-        os.mkdir(self.tmp, 0o700, dir_fd=self.place.dirfd)
+        self._make_private()
         try:
-            self.root = os.open(self.tmp, _DIR, dir_fd=self.place.dirfd)
+            os.mkdir(_STAGED, 0o700, dir_fd=self.private)
+            self.staged = True
+            self.root = os.open(_STAGED, _DIR, dir_fd=self.private)
             reader = tarread.Reader(source)
             previous = ""
             while (m := reader.next_member(previous)) is not None:
@@ -327,7 +336,7 @@ class Extractor:
             self._commit(replace)
             return self.entries, self.bytes
         except BaseException:
-            self._remove_tmp()
+            self._remove_staged()
             raise
         finally:
             if self.cached is not None:
@@ -336,6 +345,20 @@ class Extractor:
             if self.root >= 0:
                 os.close(self.root)
                 self.root = -1
+            self._remove_private()
+
+    def _make_private(self) -> None:
+        """Make the private directory and hold its fd. Between the mkdir and the open the
+        workload may put another directory at the name: the one opened must be guestd's and
+        closed to everyone else (a directory the workload made could have its entries changed
+        under the extraction); otherwise the upload is refused."""
+        os.mkdir(self.tmp, 0o700, dir_fd=self.place.dirfd)
+        self.private = os.open(self.tmp, _DIR, dir_fd=self.place.dirfd)
+        info = os.fstat(self.private)
+        if info.st_uid != os.geteuid() or info.st_mode & 0o077:
+            os.close(self.private)
+            self.private = -1
+            raise OSError(errno.EBUSY, "the staging directory was replaced while it was made", self.place.path)
 
     def _parent(self, parts: list[str], name: str) -> int:
         """The fd of the directory an entry goes in (borrowed: the extractor keeps the last one
@@ -470,15 +493,23 @@ class Extractor:
                 os.close(fd)
 
     def _commit(self, replace: bool) -> None:
+        """``tree`` into place, renamed from the private directory's fd: whatever the workload
+        did to the private directory's name, what is committed is the tree guestd extracted."""
         mode, mtime = self.root_meta or (0o755, None)
-        os.fchmod(self.root, mode)
+        # Moving a directory to another parent writes its "..": without CAP_DAC_OVERRIDE that
+        # needs write permission on it, so a read-only mode is set once it is in place.
+        late_mode = os.geteuid() != 0 and not mode & st.S_IWUSR
+        os.fchmod(self.root, mode | st.S_IWUSR if late_mode else mode)
         if self.owner is not None:
             os.fchown(self.root, *self.owner)
         if mtime is not None:
             os.utime(self.root, ns=(mtime, mtime))
-        tmp = Place(self.place.dirfd, self.tmp, self.place.path, None)
+        staged = Place(self.private, _STAGED, self.place.path, None)
         try:
-            rename_noreplace(tmp, self.place)
+            rename_noreplace(staged, self.place)
+            self.staged = False
+            if late_mode:
+                os.fchmod(self.root, mode)
             return
         except FileExistsError:
             if not replace:
@@ -493,24 +524,54 @@ class Extractor:
                 f"{self.place.path} exists and is not a directory",
                 details={"path": self.place.path},
             )
-        _exchange(self.place.dirfd, self.tmp, self.place.name)
-        # the old tree now sits at the temp name: removed (without following anything)
-        remove_tree(self.place.dirfd, self.tmp, self.place.path)
+        _exchange(self.private, _STAGED, self.place.dirfd, self.place.name, self.place.path)
+        if late_mode:
+            os.fchmod(self.root, mode)
+        # whatever was at the target now sits at tree in the private directory: removed there
+        # (run's finally then removes the private directory)
+        self._remove_staged(raising=True)
 
-    def _remove_tmp(self) -> None:
+    def _remove_staged(self, raising: bool = False) -> None:
+        """Remove what lies at ``tree`` in the private directory (the half-extracted tree, or
+        the old one after an exchange) without following anything; only this extractor's
+        entries are there (the workload cannot change the private directory's entries)."""
+        if not self.staged:
+            return
         try:
-            remove_tree(self.place.dirfd, self.tmp, self.place.path)
+            if st.S_ISDIR(os.stat(_STAGED, dir_fd=self.private, follow_symlinks=False).st_mode):
+                remove_tree(self.private, _STAGED, self.place.path)
+            else:  # the workload put a file at the target between the stat and the exchange
+                os.unlink(_STAGED, dir_fd=self.private)
+            self.staged = False
+        except OSError:
+            if raising:
+                raise
+
+    def _remove_private(self) -> None:
+        """rmdir the private directory if its name still holds it (the workload may have
+        renamed it and put another directory there: that one is left alone, and guestd's,
+        empty, stays at the name the workload gave it). Then close its fd."""
+        if self.private < 0:
+            return
+        try:
+            here = os.stat(self.tmp, dir_fd=self.place.dirfd, follow_symlinks=False)
+            mine = os.fstat(self.private)
+            if (here.st_dev, here.st_ino) == (mine.st_dev, mine.st_ino):
+                os.rmdir(self.tmp, dir_fd=self.place.dirfd)  # only ever an empty directory
         except OSError:
             pass
+        finally:
+            os.close(self.private)
+            self.private = -1
 
 
-def _exchange(dirfd: int, a: bytes, b: bytes) -> None:
+def _exchange(src_dir: int, src: bytes, dst_dir: int, dst: bytes, shown: str) -> None:
     import ctypes
 
     libc = ctypes.CDLL(None, use_errno=True)
-    if libc.renameat2(dirfd, a, dirfd, b, _RENAME_EXCHANGE) != 0:
+    if libc.renameat2(src_dir, src, dst_dir, dst, _RENAME_EXCHANGE) != 0:
         err = ctypes.get_errno()
-        raise OSError(err, os.strerror(err), os.fsdecode(b))
+        raise OSError(err, os.strerror(err), shown)
 
 
 def extract(fsys: FileSystem, path: str, parents: bool, replace: bool, source: tarread.Source) -> tuple[int, int]:
