@@ -106,8 +106,9 @@ _RESOLVE = RESOLVE_BENEATH | RESOLVE_NO_SYMLINKS | RESOLVE_NO_MAGICLINKS
 # file.write's temp names (guestd.files.handlers.AtomicFile): an O_TMPFILE inode, which the
 # kernel names "#<inode number>" in its events though no such name ever exists, and the named
 # temp file "." + name + TEMP_MARK + 12 hex digits (an overwrite's link, or where O_TMPFILE is missing);
-# tree.upload's staging directory "." + name + TREE_TEMP_MARK + 12 hex digits, which is renamed to
-# the target when whole (that rename is reported as the target created, its content listed).
+# tree.upload's private staging directory "." + name + TREE_TEMP_MARK + 12 hex digits, never
+# scanned or watched; its "tree" is moved to the target when whole (a move in: reported as the
+# target created, its content listed).
 _TMPFILE_NAME = re.compile(rb"#[0-9]+\Z")
 _TEMP_NAME = re.compile(
     rb"\..*(?:" + re.escape(TEMP_MARK) + b"|" + re.escape(TREE_TEMP_MARK) + rb")[0-9a-f]{12}\Z", re.DOTALL
