@@ -287,15 +287,23 @@ def test_a_foreign_kernels_processes_die_with_it(kernel_user: Guestd, tmp_path: 
         try:
             r = c.code_run('id -u; pwd; echo "$RT_TAG"', context=ctx.id, timeout_s=30)
             assert r.stdout.split() == [str(NOBODY).encode(), tmp_path.encode(), tag.encode()], r
+
             # 10<tag>1 etc.: sleep's argument carries the tag, so only these are found.
-            spawn = f"setsid -f sleep 10{tag}1; (sleep 10{tag}2 &); nohup sleep 10{tag}3 >/dev/null 2>&1 & disown"
-            c.code_run(spawn, context=ctx.id, timeout_s=30)
+            def spawn_three(prefix: str) -> str:
+                # Built from the prefix, not by replacing "10" in the text: a tag holding "10"
+                # was changed too, so the test looked for names that were never started.
+                return (
+                    f"setsid -f sleep {prefix}{tag}1; (sleep {prefix}{tag}2 &); "
+                    f"nohup sleep {prefix}{tag}3 >/dev/null 2>&1 & disown"
+                )
+
+            c.code_run(spawn_three("10"), context=ctx.id, timeout_s=30)
             assert len(_alive_with(f"sleep 10{tag}")) == 3
             r = c.code_run("kill -9 $PPID", context=ctx.id, timeout_s=30)  # the kernel's Python
             assert r.status != "ok"
             assert _wait_gone(f"sleep 10{tag}") == [], "a dead kernel's processes ran on"
             c.code_restart(ctx.id)
-            c.code_run(spawn.replace("10", "20"), context=ctx.id, timeout_s=30)
+            c.code_run(spawn_three("20"), context=ctx.id, timeout_s=30)
             assert len(_alive_with(f"sleep 20{tag}")) == 3
         finally:
             c.code_close(ctx.id)
