@@ -411,6 +411,9 @@ class Watcher:
                 if replaced is not None and replaced is not moved and parent.children is not None:
                     del parent.children[name]  # not dropped yet: an exchange moves it out next
                     self.displaced = replaced
+                    # The name held a directory: it went first (with a later move out of the name
+                    # in the same window the name nets to deleted, not to nothing).
+                    self._emit("deleted", path, True)
                 self._attach(moved, parent, name)
                 self.last_moved_to = (wd, name, moved)
                 # Its watches moved with it: one change at each end, whatever it holds (a
