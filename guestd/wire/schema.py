@@ -2011,7 +2011,8 @@ WORKSPACE_OPS: tuple[OpSpec, ...] = (
         "Watch a directory tree (inotify) until cancelled: one event per changed path, its relative path as data "
         "under the request's credit, changes to one path coalesced while credit is out, new directories followed "
         "(what a directory made or moved in from outside holds is reported as created; a directory moved within "
-        "the tree is one change at each end), guestd's own temp names never reported, and an overflow event "
+        "the tree is one change at each end; onto an existing directory's name, that name is deleted then "
+        "created), guestd's own temp names never reported, and an overflow event "
         "(never silence) when changes were lost. A watcher that fails ends the watch with unavailable.",
         args=(
             F("path", "path", "directory to watch", True),
