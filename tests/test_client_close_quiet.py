@@ -10,11 +10,12 @@ import asyncio
 import subprocess
 import sys
 import textwrap
+from pathlib import Path
 
 import pytest
 
 from guestd.client import Client
-from guestd.testing import Guestd
+from guestd.testing import Guestd, start_guestd
 
 SCENARIOS = {
     "watch_closed": """
@@ -80,3 +81,48 @@ def test_closing_a_watch_ends_an_iteration_in_another_task(client: Client) -> No
         return seen
 
     assert asyncio.run_coroutine_threadsafe(main(), client._loop).result(60) == []
+
+
+LOST_MID_UPLOAD = """
+import asyncio, gc, os, signal, sys
+from guestd.client import AsyncClient, GuestdError
+address, pid = sys.argv[1], int(sys.argv[2])
+async def main():
+    c = await AsyncClient.connect(address)
+    killed = []
+    def kill_on_first_chunk(n):
+        # Stopped first, so the upload is waiting for the transport to drain when the connection dies.
+        if not killed:
+            killed.append(n)
+            os.kill(pid, signal.SIGSTOP)
+            asyncio.get_running_loop().call_later(0.5, os.kill, pid, signal.SIGKILL)
+    try:
+        await c.upload(b"x" * (64 << 20), "/tmp/lost-mid-upload", progress=kill_on_first_chunk, deadline=60)
+    except GuestdError as e:
+        print("failed:", e.code)
+    finally:
+        await c.close()
+asyncio.run(main())
+gc.collect()
+print('ran')
+"""
+
+
+def test_a_connection_lost_mid_upload_leaves_no_unretrieved_future(tmp_path: Path) -> None:
+    """The upload's own reply future got the connection's error while the upload was still
+    sending, and nobody read it: "Future exception was never retrieved" was logged when it was
+    collected. In a process that was itself parsing Python at the time (pytest rewriting an
+    import) the log's traceback formatting re-entered CPython 3.11's AST builder and failed it
+    with "AST constructor recursion depth mismatch" (CI's host suite ended in an INTERNALERROR)."""
+    g = start_guestd(str(tmp_path))
+    try:
+        done = subprocess.run(
+            [sys.executable, "-c", LOST_MID_UPLOAD, g.address, str(g.pid)],
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+    finally:
+        g.stop()
+    assert done.returncode == 0 and done.stdout == "failed: cancelled\nran\n", (done.stdout, done.stderr)
+    assert "never retrieved" not in done.stderr, done.stderr

@@ -342,6 +342,10 @@ class ClientConnection(asyncio.BufferedProtocol):
         calls, self.calls = self.calls, {}
         for call in calls.values():
             call.finish(None, exc)
+            # The connection's error reaches every caller through check_open as well; a call
+            # whose caller is elsewhere (an upload failing in drain) must not log it again
+            # when collected: that log, run by the GC inside CPython 3.11's ast.parse, breaks it.
+            _mark_retrieved(call.future)
         self._gate.release_all()
         if self.transport is not None:
             self.transport.close()
@@ -356,10 +360,7 @@ class ClientConnection(asyncio.BufferedProtocol):
         Those errors are marked retrieved: a call nobody awaits any more (an abandoned
         stream iterator, a generator finalized after the close) is no "never retrieved"
         warning, while a caller awaiting one still gets it."""
-        pending = list(self.calls.values())
         self._abort(ConnectionClosed("closed by client"))
-        for call in pending:
-            _mark_retrieved(call.future)
 
     def flush(self) -> None:
         if not self.session.has_output:
@@ -417,6 +418,8 @@ class ClientConnection(asyncio.BufferedProtocol):
             self._drop(call)
             call.future.cancel()
             call._wake()
+        elif call.future.done():
+            _mark_retrieved(call.future)  # its caller gave up with an error of its own
 
     async def request(self, op: str, args: dict[str, Any], deadline: float | None) -> dict[str, Any]:
         return await self.wait(self.start(op, args), deadline)
