@@ -47,7 +47,13 @@ rm -rf "$VENV"
 "$PY" -m venv "$VENV" || { echo "$PY -m venv failed" >&2; exit 3; }
 log="$VENV/install.log"
 echo "installing the integration venv $VENV (log: $log)" >&2
-if ! "$VENV/bin/python" -m pip install --disable-pip-version-check -e . -r "$REQS" >"$log" 2>&1; then
+# guestd itself is not installed (pip install -e . rebuilds the native spawn module in the checkout,
+# rewriting in place a .so that the suites running beside this build have mapped): its dependencies
+# are, and a .pth puts the checkout on the venv's path.
+deps=$("$PY" -c 'import tomllib; print("\n".join(tomllib.load(open("pyproject.toml", "rb"))["project"]["dependencies"]))')
+# shellcheck disable=SC2086 # one requirement per word; none holds a space
+if ! "$VENV/bin/python" -m pip install --disable-pip-version-check $deps -r "$REQS" >"$log" 2>&1 \
+  || ! "$VENV/bin/python" -c 'import sys, sysconfig; open(sysconfig.get_paths()["purelib"] + "/guestd-checkout.pth", "w").write(sys.argv[1] + "\n")' "$PWD"; then
   tail -n 5 "$log" >&2
   echo "could not install the agent frameworks (PyPI unreachable?); full log in $log" >&2
   exit 3

@@ -20,6 +20,8 @@ pytest.importorskip("atheris")
 def test_fuzz_server_bounded(tmp_path: object) -> None:
     corpus = f"{tmp_path}/corpus"
     os.makedirs(corpus)
+    work = f"{tmp_path}/work"
+    os.makedirs(work)
     with open(os.path.join(REPO, "protocol", "vectors", "v1.json")) as f:
         vectors = json.load(f)
     for i, v in enumerate(vectors["frames"]):
@@ -42,7 +44,7 @@ def test_fuzz_server_bounded(tmp_path: object) -> None:
         text=True,
         timeout=600,
         cwd=str(tmp_path),
-        env={**os.environ, "PYTHONPATH": REPO},
+        env={**os.environ, "PYTHONPATH": REPO, "GUESTD_FUZZ_WORK": str(work)},
     )
     assert r.returncode == 0, r.stderr[-4000:]
     assert "Done 20000 runs" in r.stderr

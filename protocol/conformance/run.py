@@ -1550,20 +1550,21 @@ def main(argv: list[str] | None = None) -> int:
     if args.serve:
         schema = load_schema(args.schema)
         paths = [Path(a) for a in args.args] or sorted(TRANSCRIPTS.glob("*.json"))
-        tmp = args.tmp or tempfile.mkdtemp(prefix="conformance-serve-")
-        print(f"       ${{TMP}} is {tmp}")
+        with tempfile.TemporaryDirectory(prefix="conformance-serve-") as made:
+            tmp = args.tmp or made  # ours is removed at the end; a --tmp given is the caller's
+            print(f"       ${{TMP}} is {tmp}")
 
-        def served() -> Iterable[Result]:
-            for path in paths:
-                doc = load(path)
-                if not str(doc.get("client_call", "")).startswith(SERVER_TEST):
-                    print(
-                        f"       {path.stem}: waiting for a client on {args.serve}: {doc.get('client_call')}",
-                        flush=True,
-                    )
-                yield serve_transcript(doc, listen_unix(args.serve), tmp, args.timeout, schema)
+            def served() -> Iterable[Result]:
+                for path in paths:
+                    doc = load(path)
+                    if not str(doc.get("client_call", "")).startswith(SERVER_TEST):
+                        print(
+                            f"       {path.stem}: waiting for a client on {args.serve}: {doc.get('client_call')}",
+                            flush=True,
+                        )
+                    yield serve_transcript(doc, listen_unix(args.serve), tmp, args.timeout, schema)
 
-        return _report(served())
+            return _report(served())
     if not args.args:
         ap.error("give an ADDRESS (or --serve, --check, --readme)")
     connect = connector(args.args[0])
