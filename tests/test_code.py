@@ -364,7 +364,7 @@ def test_streaming_run_delivers_lone_surrogates_the_same_way(kg: Guestd) -> None
 
 
 def test_kernel_json_with_lone_surrogates_or_invalid_utf8_decodes_to_valid_text() -> None:
-    from guestd.code.contexts import _load_content
+    from guestd.code.messages import load_content as _load_content
 
     # As guestd.kernel.pack_message writes them ('surrogatepass' bytes), and as \u escapes.
     assert _load_content('{"t": ["a\udcff"], "k\ud800": 1}'.encode("utf-8", "surrogatepass")) == {

@@ -19,12 +19,9 @@ no key on disk at any time (the kernel gets it over a socketpair once it is non-
 from __future__ import annotations
 
 import asyncio
-import base64
 import contextlib
-import hmac
 import json
 import logging
-import math
 import os
 import re
 import secrets
@@ -32,17 +29,16 @@ import signal
 import socket
 import sys
 import time
-from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field
+from collections.abc import Mapping
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
-
-import msgpack
 
 from guestd.capture import OutputCapture, capture_fields
 from guestd.children import usage_between
 from guestd.children.cgroups import guestd_running
 from guestd.children.tree import alive, descendants
 from guestd.code.kernel import NO_IPYKERNEL, PRIVATE_NAME
+from guestd.code.messages import RunState, decode, fit_reply, kernel_content_cap, kernel_max_message
 from guestd.code.python import KernelPython, missing_ipykernel
 from guestd.code.python import resolve as resolve_python
 from guestd.code.reseed import ReseedChannel, handover_channel, kernel_seed
@@ -54,9 +50,6 @@ if TYPE_CHECKING:  # the generated message types: annotations only, never import
     from guestd.children import Child, KilledBy
     from guestd.services import Services
     from guestd.wire.types import (
-        CodeErrorRecord,
-        CodeOutputKind,
-        CodeOutputRecord,
         CodeRunArgs,
         CodeRunReply,
         CodeRunStatus,
@@ -67,8 +60,6 @@ if TYPE_CHECKING:  # the generated message types: annotations only, never import
 
 log = logging.getLogger("guestd.code")
 
-ANSI = re.compile(r"\x1b\[[0-9;?]*+[ -/]*+[@-~]")  # possessive: linear on an unterminated run
-MAX_RESULTS = 64
 POOL_RETRY_S = 5.0  # after a pool kernel failed to start; doubled after each failure in a row
 POOL_RETRY_MAX_S = 300.0
 GONE_WAIT_S = 5.0  # a SIGKILLed kernel's processes are gone within milliseconds; bounded anyway
@@ -76,8 +67,6 @@ EXIT_STATUS_WAIT_S = 2.0  # a start that failed: how long its exit status may ta
 DEFAULT_CONTEXT = "default"
 
 
-DROPPED_MIME = "application/vnd.guestd.dropped+json"  # guestd.code.kernel: a bundle it did not send
-REPLY_SLACK = 1024  # bytes of a reply's frame beyond its measured fields
 # Waits for a kernel's confirmation of its seed after a restore (guestd.code.reseed). An idle
 # kernel's re-seed thread answers within a millisecond; a second means the thread is gone
 # (a cell closed its channel) or the guest is starved: then a hidden cell re-seeds it. A busy
@@ -87,19 +76,6 @@ REPLY_SLACK = 1024  # bytes of a reply's frame beyond its measured fields
 IDLE_CONFIRM_WAIT_S = 1.0
 BUSY_CONFIRM_WAIT_S = 0.05
 NEXT_CELL_CONFIRM_WAIT_S = 1.0  # a pending seed, before the context's next cell
-
-
-def kernel_content_cap(limits: Any) -> int:
-    """Bytes of one message content a kernel sends as is (guestd.code.kernel makes larger ones
-    small): twice a run's result budget (JSON carries images as base64), and room for a
-    stream piece (256 Ki characters) or an echoed cell."""
-    return 2 * int(limits.max_output) + 2 * 1024 * 1024
-
-
-def kernel_max_message(limits: Any) -> int:
-    """ZMQ_MAXMSGSIZE of guestd's kernel sockets: a message part larger than this (only a
-    forged one can be) is refused by libzmq before guestd holds it; its connection resets."""
-    return max(kernel_content_cap(limits), int(limits.max_frame)) + 1024 * 1024
 
 
 KERNEL_RCVHWM = 8
@@ -121,26 +97,6 @@ def _zmq_context(limits: Any) -> Any:
         ctx.setsockopt(zmq.RCVHWM, KERNEL_RCVHWM)
         _zmq_contexts[cap] = ctx
     return ctx
-
-
-def encoded_size(value: Any) -> int | None:
-    """Bytes ``value`` takes in a msgpack frame; None when msgpack cannot carry it at all."""
-    try:
-        return len(msgpack.packb(value, use_bin_type=True))
-    except (TypeError, ValueError, OverflowError):
-        return None
-
-
-def cap_text(text: str, limit: int) -> str:
-    """At most ``limit`` UTF-8 bytes of ``text`` (its start), cut at a character boundary."""
-    if len(text) <= limit // 4:
-        return text
-    data = text.encode("utf-8")
-    return text if len(data) <= limit else data[:limit].decode("utf-8", "ignore")
-
-
-def strip_ansi(text: str) -> str:
-    return ANSI.sub("", text)
 
 
 def _ipython_dir(runtime_dir: str) -> str:
@@ -471,7 +427,7 @@ class Kernel:
             frames = await sock.recv_multipart()
             await asyncio.sleep(0)  # a fast cell's messages must not hold the loop (pings, other runs)
             try:
-                msg = _decode(session, frames)
+                msg = decode(session, frames)
             except Exception:
                 log.warning("kernel %s: undecodable %s message dropped", self.kid, channel)
                 continue
@@ -528,6 +484,10 @@ class Kernel:
     def ready(self) -> bool:
         """Started and answering (guestd reads its channels)."""
         return bool(self.readers)
+
+    def send_input(self, line: str) -> None:
+        """The answer to the cell's ``input()`` (RunState.on_stdin)."""
+        self.kc.input(line)
 
     def interrupt(self) -> None:
         if self.alive and self.spec is not None and self.spec.interrupt_mode == "message" and self.kc is not None:
@@ -594,260 +554,6 @@ class Kernel:
             return int(psutil.Process(self.pid).memory_info().rss)
         except Exception:
             return None
-
-
-@dataclass
-class RunState:
-    msg_id: str
-    stdout: OutputCapture
-    stderr: OutputCapture
-    strip: bool
-    stream: Any  # RequestContext | None
-    input_lines: list[str] | None
-    limits: Any
-    results: list[CodeOutputRecord] = field(default_factory=list)
-    result_sizes: list[int] = field(default_factory=list)  # encoded bytes of each kept result
-    results_dropped: int = 0
-    results_bytes: int = 0
-    error: CodeErrorRecord | None = None
-    execution_count: int | None = None
-    reply_status: str | None = None
-    iopub_idle: bool = False
-    replied: bool = False
-    done: asyncio.Event = field(default_factory=asyncio.Event)
-    stdin_exhausted: bool = False
-    max_frame: int = 1 << 62  # the client's: the reply and every event must fit it
-
-    async def on_iopub(self, msg: dict[str, Any]) -> None:
-        mtype = msg["msg_type"]
-        content = msg["content"]
-        if mtype == "stream":
-            text = content.get("text", "")
-            if self.strip:
-                text = strip_ansi(text)
-            data = text.encode("utf-8")  # cannot fail: _decode replaced lone surrogates
-            name = "stderr" if content.get("name") == "stderr" else "stdout"
-            cap = self.stderr if name == "stderr" else self.stdout
-            if self.stream is not None:
-                cap.total += len(data)
-                for i in range(0, len(data), self.limits.max_chunk):
-                    await self.stream.send_data_event({"ev": name}, data[i : i + self.limits.max_chunk])
-            else:
-                cap.feed(data)
-        elif mtype in ("execute_result", "display_data"):
-            data = content.get("data")
-            if not isinstance(data, dict) or DROPPED_MIME in data:
-                self.results_dropped += 1  # the kernel sent only its size: too large to carry
-                return
-            bundle = _bundle(data)
-            kind: CodeOutputKind = "result" if mtype == "execute_result" else "display"
-            size = encoded_size(bundle)  # what it really takes in the reply, not a guess
-            if size is None:
-                self.results_dropped += 1  # nothing msgpack can carry (guestd converts what it can)
-            elif self.stream is not None:
-                if size + REPLY_SLACK <= min(self.limits.max_chunk, self.max_frame):
-                    await self.stream.send_event({"ev": kind, "bundle": bundle})
-                else:
-                    self.results_dropped += 1
-            elif len(self.results) >= MAX_RESULTS or self.results_bytes + size > self.limits.max_output:
-                self.results_dropped += 1
-            else:
-                self.results.append({"kind": kind, "data": bundle})
-                self.result_sizes.append(size)
-                self.results_bytes += size
-        elif mtype == "error":
-            lines = content.get("traceback")
-            tb = [_as_str(t) for t in lines] if isinstance(lines, list) else []
-            if self.strip:
-                tb = [strip_ansi(t) for t in tb]
-            room = self.limits.max_output // 4  # an error never crowds out the status and the streams
-            while tb and sum(len(t) for t in tb) > room:
-                tb.pop(0)  # the last lines (where it was raised) are kept
-            self.error = {
-                "ename": cap_text(_as_str(content.get("ename")), 1024),
-                "evalue": cap_text(_as_str(content.get("evalue")), room),
-                "traceback": tb,
-            }
-            if self.stream is not None:
-                await self.stream.send_event({"ev": "error", **self.error})
-        elif mtype == "execute_input":
-            ec = content.get("execution_count")
-            if _is_count(ec):
-                self.execution_count = ec
-        elif mtype == "status" and content.get("execution_state") == "idle":
-            self.iopub_idle = True
-            if self.replied:
-                self.done.set()
-
-    def on_shell(self, msg: dict[str, Any]) -> None:
-        content = msg["content"]
-        self.reply_status = content.get("status")
-        ec = content.get("execution_count")
-        if _is_count(ec):
-            self.execution_count = ec
-        self.replied = True
-        if self.iopub_idle:
-            self.done.set()
-
-    def on_stdin(self, msg: dict[str, Any], kernel: Kernel) -> None:
-        if msg["msg_type"] != "input_request":
-            return
-        if self.input_lines:
-            kernel.kc.input(self.input_lines.pop(0))
-        else:
-            # No (more) lines: end the cell instead of letting input() wait forever. No reply
-            # is sent, so a later input() can never receive a stale one.
-            self.stdin_exhausted = True
-            kernel.interrupt()
-
-
-def _decode(session: Any, frames: list[bytes]) -> dict[str, Any]:
-    """Verify and decode one Jupyter wire message (header, parent, content only).
-
-    Every str in the content encodes as UTF-8 (see ``_replace_surrogates``), so whatever the
-    cell printed, raised or displayed, the replies and events built from it can be sent.
-    """
-    _, parts = session.feed_identities(frames)
-    signature, header, parent, _metadata, content = parts[:5]
-    if session.auth is not None and not hmac.compare_digest(signature, session.sign(parts[1:5])):
-        raise ValueError("bad message signature")
-    h = json.loads(header)
-    return {"msg_type": h.get("msg_type"), "parent_header": json.loads(parent), "content": _load_content(content)}
-
-
-def _load_content(raw: bytes) -> Any:
-    try:
-        # Our kernels write lone surrogates as 'surrogatepass' bytes (guestd.code.kernel.pack_message).
-        text = raw.decode("utf-8", "surrogatepass")
-    except UnicodeDecodeError:
-        text = raw.decode("utf-8", "replace")  # any other invalid UTF-8: U+FFFD, not a dropped message
-    content = json.loads(text)
-    # A lone surrogate can only come from the bytes ED A0..ED BF or a \uD800..\uDFFF escape;
-    # without either (a memchr-speed test) the walk is skipped.
-    if b"\xed" in raw or b"\\ud" in raw or b"\\uD" in raw:
-        content = _replace_surrogates(content)
-    return content
-
-
-_SURROGATE = re.compile("[\ud800-\udfff]")
-
-
-def _valid_str(text: str) -> str:
-    if text.isascii():  # O(1) in CPython
-        return text
-    try:
-        text.encode("utf-8")
-        return text
-    except UnicodeEncodeError:
-        return _SURROGATE.sub("\ufffd", text)
-
-
-def _replace_surrogates(value: Any) -> Any:
-    """Replace each lone surrogate in a decoded JSON value's strings (keys too) by U+FFFD.
-
-    Python str allows lone surrogates (``print('\\ud800')``, os.fsdecode of a non-UTF-8
-    name); UTF-8, and so msgpack str, does not. U+FFFD is what a UTF-8 reader shows for
-    bytes it cannot read; it keeps stream bytes valid UTF-8 (unlike 'surrogatepass', which
-    strict host decoders reject) and unambiguous (unlike 'backslashreplace', which reads
-    like text the cell printed). Byte counts stay exact: they count the bytes sent.
-    Iterative, so nesting as deep as json.loads accepts costs no recursion. In place.
-    """
-    return _map_leaves(value, lambda v: _valid_str(v) if isinstance(v, str) else v)
-
-
-def _fit_msgpack_ints(value: Any) -> Any:
-    """Integers beyond msgpack's 64 bits (``JSON({'n': 2**70})``) as floats, the way a JSON
-    reader such as JSON.parse takes them; past the float range, +-inf. In place.
-
-    msgpack cannot encode them, and one in a result would make the whole reply unsendable.
-    Tried first with msgpack itself: C speed for the usual bundle, which has none.
-    """
-    try:
-        msgpack.packb(value)
-        return value
-    except OverflowError:
-        return _map_leaves(value, _int_as_float)
-
-
-def _int_as_float(value: Any) -> Any:
-    if not isinstance(value, int) or -(2**63) <= value < 2**64:
-        return value
-    try:
-        return float(value)
-    except OverflowError:
-        return math.inf if value > 0 else -math.inf
-
-
-def _map_leaves(value: Any, fix: Callable[[Any], Any]) -> Any:
-    """Apply ``fix`` to every str and number of a decoded JSON value, map keys too, in place.
-
-    Iterative, so nesting as deep as json.loads accepts costs no recursion.
-    """
-    if not isinstance(value, (list, dict)):
-        return fix(value)
-    pending: list[list[Any] | dict[Any, Any]] = [value]
-    while pending:
-        node = pending.pop()
-        if isinstance(node, list):
-            for i, item in enumerate(node):
-                if isinstance(item, (list, dict)):
-                    pending.append(item)
-                else:
-                    node[i] = fix(item)
-        else:
-            for key, item in node.items():
-                if isinstance(item, (list, dict)):
-                    pending.append(item)
-                else:
-                    node[key] = fix(item)  # same key: no resize while iterating
-            for key in [k for k in node if fix(k) is not k]:
-                node[fix(key)] = node.pop(key)
-    return value
-
-
-def _as_str(value: Any) -> str:
-    """A field the protocol types as str; real kernels send str, forged messages anything."""
-    if isinstance(value, str):
-        return value
-    return "" if value is None else _valid_str(str(value))
-
-
-def _is_count(value: Any) -> bool:
-    return isinstance(value, int) and 0 <= value < 2**63
-
-
-def _bundle(data: dict[str, Any]) -> dict[str, Any]:
-    """Jupyter MIME bundle -> wire bundle: images as raw bytes, JSON as maps, text as str."""
-    out: dict[str, Any] = {}
-    for mime, value in data.items():
-        if mime.startswith("image/") and mime != "image/svg+xml" and isinstance(value, str):
-            try:
-                out[mime] = base64.b64decode(value)
-                continue
-            except ValueError:
-                pass
-        if isinstance(value, list) and all(isinstance(v, str) for v in value):
-            value = "".join(value)
-        out[mime] = value if isinstance(value, str) else _fit_msgpack_ints(value)
-    return out
-
-
-def _fit_reply(reply: CodeRunReply, st: RunState) -> CodeRunReply:
-    """Keep the results, in order, that fit the client's max_frame beside everything else; the
-    rest are dropped and counted, so the status and the streams always arrive."""
-    if not reply["results"]:
-        return reply
-    rest = encoded_size({**reply, "results": []})
-    room = st.max_frame - (rest if rest is not None else st.max_frame) - REPLY_SLACK
-    kept: list[CodeOutputRecord] = []
-    for record, size in zip(st.results, st.result_sizes, strict=True):
-        if size + 16 > room:  # 16: the record's own keys
-            break
-        kept.append(record)
-        room -= size + 16
-    reply["results_dropped"] += len(st.results) - len(kept)
-    reply["results"] = kept
-    return reply
 
 
 class CodeContext:
@@ -1065,21 +771,7 @@ class CodeContext:
                     usage.append(kernel.child.usage_now() if kernel.child is not None else None)
                     await self.restart()
             else:
-                status = "error" if (st.reply_status == "error" or st.error) else "ok"
-                if st.reply_status in ("aborted", "abort"):  # "abort": bash_kernel's word for an interrupted cell
-                    status = "error"
-                if self._interrupted and (
-                    (st.error and st.error["ename"] == "KeyboardInterrupt")
-                    or (self.spec is not None and st.reply_status != "ok")
-                ):
-                    status = "interrupted"
-                if st.stdin_exhausted:
-                    status = "error"
-                    st.error = {
-                        "ename": "EOFError",
-                        "evalue": "input() was called but the request supplied no more input lines",
-                        "traceback": st.error["traceback"] if st.error else [],
-                    }
+                status = st.finish(interrupted=self._interrupted, foreign=self.spec is not None)
         finally:
             if self._abandoned is None:
                 kernel.current = None
@@ -1105,7 +797,7 @@ class CodeContext:
             "duration_s": time.monotonic() - t0,
             **usage_between(usage[0], usage[1], why, None),  # type: ignore[typeddict-item]  # "run_id": guestd.runs adds it
         }
-        return _fit_reply(reply, st)
+        return fit_reply(reply, st)
 
     async def _wait_done(self, st: RunState, kernel: Kernel, timeout: float | None) -> str:
         if st.done.is_set():
