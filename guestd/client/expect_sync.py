@@ -12,71 +12,18 @@ the :class:`~guestd.client.sync.Client`'s loop (the reader task lives there too)
 from __future__ import annotations
 
 import re
-from types import TracebackType
 from typing import TYPE_CHECKING
 
-from guestd.client.expect import MAX_BUFFER, Expect, ExpectEOF
-from guestd.client.streaming import DERIVED
+from guestd.client._blocking import SyncExpectBase
+from guestd.client.expect import ExpectEOF
 
 if TYPE_CHECKING:
     from guestd.client.results import ShellResult
-    from guestd.client.streaming import RunDeadline
-    from guestd.client.sync import Client
 
 __all__ = ["ExpectEOF", "SyncExpect"]
 
 
-class SyncExpect:
-    def __init__(self, client: Client, expect: Expect) -> None:
-        self._client = client
-        self.aio = expect  # the async helper this one drives
-
-    @classmethod
-    def start(
-        cls,
-        client: Client,
-        session: str,
-        command: str,
-        *,
-        timeout_s: float | None = None,
-        idle_timeout_s: float | None = None,
-        deadline: RunDeadline = DERIVED,
-        max_buffer: int = MAX_BUFFER,
-        rows: int | None = None,
-        cols: int | None = None,
-    ) -> SyncExpect:
-        """Run ``command`` with ``shell.run`` ``pty: true`` in session ``session`` (see :meth:`Expect.start`)."""
-
-        async def make() -> Expect:  # on the client's loop: the reader task is created there
-            return Expect.start(
-                client.aio,
-                session,
-                command,
-                timeout_s=timeout_s,
-                idle_timeout_s=idle_timeout_s,
-                deadline=deadline,
-                max_buffer=max_buffer,
-                rows=rows,
-                cols=cols,
-            )
-
-        return cls(client, client._run(make()))
-
-    @property
-    def before(self) -> bytes:
-        """What came before the last match."""
-        return self.aio.before
-
-    @property
-    def buffer(self) -> bytes:
-        """Output not consumed by a match yet."""
-        return bytes(self.aio.buffer)
-
-    @property
-    def dropped(self) -> int:
-        """Bytes dropped from the front of the buffer (over its bound)."""
-        return self.aio.dropped
-
+class SyncExpect(SyncExpectBase):
     def send(self, data: bytes | str) -> None:
         """Type ``data`` into the terminal."""
         self._client._run(self.aio.send(data))
@@ -104,15 +51,3 @@ class SyncExpect:
     def wait(self, timeout: float) -> ShellResult:
         """The command's result once it has ended, within ``timeout`` s."""
         return self._client._run(self.aio.wait(timeout))
-
-    def close(self) -> None:
-        """Stop reading; a command still running is interrupted (as :meth:`Expect.close`)."""
-        self._client._run(self.aio.close())
-
-    def __enter__(self) -> SyncExpect:
-        return self
-
-    def __exit__(
-        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
-    ) -> None:
-        self.close()

@@ -3,20 +3,12 @@ client's loop thread."""
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
-from guestd.client.git import AsyncGit, GitCommit, GitDiff, GitStatus
-
-if TYPE_CHECKING:
-    from guestd.client.sync import Client
+from guestd.client._blocking import GitBase
+from guestd.client.git import GitCommit, GitDiff, GitStatus
 
 
-class Git:
+class Git(GitBase):
     """git in the guest for a :class:`~guestd.client.Client`; see :class:`AsyncGit`."""
-
-    def __init__(self, client: Client) -> None:
-        self.client = client
-        self.aio = AsyncGit(client.aio)
 
     def status(self, repo: str, *, timeout_s: float | None = None) -> GitStatus:
         return self.client._run(self.aio.status(repo, timeout_s=timeout_s))

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+from guestd.client._blocking import ProcessAttach
 from guestd.client.handles import unless_gone
 from guestd.client.runs import result_of
 from guestd.client.streaming import DERIVED
@@ -20,7 +21,6 @@ if TYPE_CHECKING:
     from guestd.client.aio import OnTimeout
     from guestd.client.replies import (
         CodeCreateResult,
-        ProcessAttachResult,
         ProcessStartResult,
         ProcessWaitResult,
         RunInfo,
@@ -165,7 +165,7 @@ class CodeContext:
         self.close()
 
 
-class Process:
+class Process(ProcessAttach):
     """A background process (``process_start``). Leaving ``with`` kills it if it still runs and
     forgets it (its output goes with it). :meth:`attach` follows its output with callbacks in
     this thread (:meth:`AsyncProcess.attach <guestd.client.handles.AsyncProcess.attach>` iterates
@@ -198,47 +198,6 @@ class Process:
             deadline=deadline,
             progress_timeout=progress_timeout,
         )
-
-    def attach(
-        self,
-        *,
-        on_stdout: OutputCallback | None = None,
-        on_stderr: OutputCallback | None = None,
-        stdout_from: int | None = None,
-        stderr_from: int | None = None,
-        follow: bool | None = None,
-        deadline: float | None = 3600.0,
-        progress_timeout: float | None = None,
-    ) -> ProcessAttachResult:
-        """Follow its output as it comes (to exit by default): ``on_stdout``/``on_stderr`` get each
-        chunk in this (the calling) thread, as exec's callbacks do; returns the final status and
-        the offsets to attach again from. Bytes the ring overwrote before the offsets are skipped
-        (:meth:`output` counts them). Ctrl-C ends the attach, not the process."""
-        from guestd.client.sync import CallerThread
-
-        pump = CallerThread(self.client._loop)
-        out, err = pump.wrap(on_stdout), pump.wrap(on_stderr)
-
-        async def follow_output() -> ProcessAttachResult:
-            attach = self.client.aio.attach(
-                self.id,
-                stdout_from=stdout_from,
-                stderr_from=stderr_from,
-                follow=follow,
-                deadline=deadline,
-                progress_timeout=progress_timeout,
-            )
-            try:
-                async for kind, _offset, data in attach:
-                    deliver = out if kind == "stdout" else err if kind == "stderr" else None
-                    if deliver is not None:
-                        await deliver(data)
-                return await attach.result()
-            except BaseException:
-                attach.cancel()
-                raise
-
-        return self.client._run(follow_output(), pump)
 
     def write(self, data: StdinSource, *, deadline: float | None = 60.0) -> int:
         """Write to its stdin (started with ``stdin=True``): bytes, str, a file or an iterator."""

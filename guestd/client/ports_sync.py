@@ -2,80 +2,14 @@
 
 from __future__ import annotations
 
-from collections.abc import Coroutine
-from typing import TYPE_CHECKING, Any, TypeVar
+from guestd.client._blocking import ClientBase, PortForwarder, ReverseForwarder
+from guestd.client.ports import REVERSE_CONNECT_TIMEOUT, PortList, PortWait
 
-from guestd.client.ports import REVERSE_CONNECT_TIMEOUT, PortForward, PortList, PortWait, ReverseForward
-
-if TYPE_CHECKING:
-    from guestd.client.aio import AsyncClient
-
-T = TypeVar("T")
+__all__ = ["PortForwarder", "ReverseForwarder", "SyncPortsAPI"]
 
 
-class PortForwarder:
-    """A running :class:`~guestd.client.ports.PortForward`: ``with client.port_forward(8000) as f:``
-    then connect to ``f.local_port`` on this host."""
-
-    def __init__(self, ports: SyncPortsAPI, forward: PortForward) -> None:
-        self._ports = ports
-        self.forward = forward
-
-    @property
-    def local_address(self) -> str:
-        return self.forward.local_address
-
-    @property
-    def local_port(self) -> int:
-        return self.forward.local_port
-
-    @property
-    def guest_port(self) -> int:
-        return self.forward.guest_port
-
-    def close(self) -> None:
-        self._ports._run(self.forward.close())
-
-    def __enter__(self) -> PortForwarder:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
-
-
-class ReverseForwarder:
-    """A running :class:`~guestd.client.ports.ReverseForward`: the guest reaches ``destination``
-    by connecting to ``guest_port`` on its loopback until ``close()``."""
-
-    def __init__(self, ports: SyncPortsAPI, forward: ReverseForward) -> None:
-        self._ports = ports
-        self.forward = forward
-
-    @property
-    def guest_port(self) -> int:
-        return self.forward.guest_port
-
-    @property
-    def destination(self) -> tuple[str, int]:
-        return self.forward.destination
-
-    def close(self) -> None:
-        self._ports._run(self.forward.close())
-
-    def __enter__(self) -> ReverseForwarder:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
-
-
-class SyncPortsAPI:
-    """:class:`~guestd.client.Client`'s port methods (a mixin over its ``_aio`` and ``_run``)."""
-
-    _aio: AsyncClient
-
-    def _run(self, coro: Coroutine[Any, Any, T]) -> T:
-        raise NotImplementedError
+class SyncPortsAPI(ClientBase):
+    """:class:`~guestd.client.Client`'s port methods."""
 
     def port_forward(
         self,

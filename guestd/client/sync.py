@@ -10,24 +10,11 @@ from async code, or :meth:`Client.process_output` to collect what an attach deli
 
 from __future__ import annotations
 
-import asyncio
-import concurrent.futures
-import queue
-import socket
-import threading
-from collections.abc import Awaitable, Callable, Coroutine
-from typing import Any, TypeVar, overload
+from collections.abc import Callable
+from typing import Any, overload
 
-from guestd.client.aio import (
-    CONNECT_TIMEOUT,
-    DEFAULT_DEADLINE,
-    UNBOUNDED_RUN_DEADLINE,
-    AsyncClient,
-    OnTimeout,
-    Progress,
-    WriteFlag,
-)
-from guestd.client.connection import DEFAULT_WINDOW
+from guestd.client._blocking import CALLBACK_BACKLOG, CANCEL_SEND_S, ITEM_COST, CallerThread, ClientBase, held_size
+from guestd.client.aio import DEFAULT_DEADLINE, UNBOUNDED_RUN_DEADLINE, OnTimeout, Progress, WriteFlag
 from guestd.client.git_sync import Git
 from guestd.client.handles_sync import CodeContext, KeptRun, Process, Shell
 from guestd.client.ports_sync import SyncPortsAPI
@@ -45,178 +32,13 @@ from guestd.client.replies import (
 from guestd.client.results import CodeResult, DirListing, ExecResult, FileStat, Info, ProcessOutput, ShellResult
 from guestd.client.streaming import DERIVED, EventCallback, OutputCallback, RunDeadline, StdinSource
 from guestd.client.workspace_sync import SyncWorkspaceAPI
-from guestd.wire.frames import DEFAULT_MAX_FRAME
 from guestd.wire.paths import WirePath
 
-T = TypeVar("T")
-V = TypeVar("V")
-
-CANCEL_SEND_S = 5.0  # an interrupted call: how long the cancel may take to be sent
-CALLBACK_BACKLOG = 4 * 1024 * 1024  # bytes handed to the caller's thread and not yet taken
-ITEM_COST = 256  # what one waiting item costs besides its data (an empty chunk is not free)
+__all__ = ["CALLBACK_BACKLOG", "CANCEL_SEND_S", "ITEM_COST", "CallerThread", "Client", "held_size"]
 
 
-def held_size(value: object) -> int:
-    """About what ``value`` (a chunk, or a code result or error as decoded) holds in memory: its
-    bytes and text, walked through maps and lists (bounded by the frame it came in)."""
-    if isinstance(value, (bytes, str)):
-        return len(value)
-    if isinstance(value, dict):
-        return sum(held_size(k) + held_size(v) + 16 for k, v in value.items())
-    if isinstance(value, (list, tuple)):
-        return sum(held_size(v) + 8 for v in value)
-    return 8
-
-
-class CallerThread:
-    """Callbacks the loop thread makes, run in the thread that waits for the call (so user code
-    never runs on the client's loop). At most CALLBACK_BACKLOG bytes wait here: beyond it the
-    loop stops reading the run's events, so its credit (and the guest) waits for the caller."""
-
-    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
-        self._loop = loop
-        self._items: queue.SimpleQueue[tuple[Callable[[Any], object], Any, int] | None] = queue.SimpleQueue()
-        self._backlog = 0  # on the loop thread only
-        self._room: asyncio.Event | None = None
-
-    def wrap(self, fn: Callable[[V], object] | None) -> Callable[[V], Awaitable[None]] | None:
-        """A loop-side callback that hands ``fn``'s calls over to the caller's thread."""
-        if fn is None:
-            return None
-
-        async def hand_over(value: V) -> None:
-            size = ITEM_COST + held_size(value)
-            self._backlog += size
-            self._items.put((fn, value, size))
-            while self._backlog > CALLBACK_BACKLOG:
-                self._room = asyncio.Event()
-                await self._room.wait()
-
-        return hand_over
-
-    def _taken(self, size: int) -> None:
-        self._backlog -= size
-        if self._backlog <= CALLBACK_BACKLOG and self._room is not None:
-            self._room.set()
-
-    def wake(self) -> None:
-        self._items.put(None)
-
-    def run_until_done(self, future: concurrent.futures.Future[Any]) -> None:
-        """Run the callbacks handed over, in order, until ``future`` is done."""
-        while (item := self._items.get()) is not None or not future.done():
-            if item is None:
-                continue
-            fn, value, size = item
-            try:
-                fn(value)
-            finally:
-                self._loop.call_soon_threadsafe(self._taken, size)
-
-
-class Client(SyncPortsAPI, SyncWorkspaceAPI):
+class Client(SyncPortsAPI, SyncWorkspaceAPI, ClientBase):
     """``with Client("unix:/run/guestd.sock") as c: c.exec(["ls"])``"""
-
-    def __init__(
-        self,
-        address: str,
-        *,
-        connect_timeout: float = CONNECT_TIMEOUT,
-        token: str | None = None,
-        max_frame: int = DEFAULT_MAX_FRAME,
-        stream_window: int = DEFAULT_WINDOW,
-        default_timeout_s: float | None = None,
-        sock: socket.socket | None = None,
-    ) -> None:
-        """Connect to ``address``; or, with ``sock``, speak over an already connected stream socket
-        (QEMU's chardev socket behind a virtio-serial port, for example). ``connect_timeout``
-        bounds connecting and the handshake; ``default_timeout_s`` is the ``timeout_s`` of exec and
-        shell_run where a call leaves it out. A failure to connect is a :class:`~guestd.client.ConnectError` (an
-        OSError) whose text names the address and what to try."""
-        self._loop = asyncio.new_event_loop()
-        self._thread = threading.Thread(target=self._loop.run_forever, name="guestd-client", daemon=True)
-        self._thread.start()
-        try:
-            if sock is not None:
-                self._aio: AsyncClient = self._run(
-                    AsyncClient.from_socket(
-                        sock,
-                        connect_timeout=connect_timeout,
-                        token=token,
-                        max_frame=max_frame,
-                        stream_window=stream_window,
-                        default_timeout_s=default_timeout_s,
-                    )
-                )
-            else:
-                connecting = AsyncClient.connect(
-                    address,
-                    connect_timeout=connect_timeout,
-                    token=token,
-                    max_frame=max_frame,
-                    stream_window=stream_window,
-                    default_timeout_s=default_timeout_s,
-                )
-
-                async def connect() -> AsyncClient:
-                    return await connecting
-
-                self._aio = self._run(connect())
-        except BaseException:
-            self._stop()
-            raise
-
-    def _run(self, coro: Coroutine[Any, Any, T], callbacks: CallerThread | None = None) -> T:
-        """Run ``coro`` on the loop thread and wait for it, running the ``callbacks`` it hands
-        over meanwhile (here, in the caller's thread). Interrupted while waiting (Ctrl-C is
-        KeyboardInterrupt here), or by a callback that raises, the coroutine is cancelled, which
-        cancels its request: guestd ends the command's process tree. The cancel is given up to
-        CANCEL_SEND_S to reach the socket before the exception goes on; the connection stays
-        usable."""
-        ended = threading.Event()
-
-        async def tracked() -> T:
-            try:
-                return await coro
-            finally:
-                ended.set()
-
-        future = asyncio.run_coroutine_threadsafe(tracked(), self._loop)
-        try:
-            if callbacks is not None:
-                future.add_done_callback(lambda _: callbacks.wake())
-                callbacks.run_until_done(future)
-            return future.result()
-        except BaseException:
-            if not future.done():
-                future.cancel()
-                ended.wait(CANCEL_SEND_S)
-            raise
-
-    def _stop(self) -> None:
-        self._loop.call_soon_threadsafe(self._loop.stop)
-        self._thread.join(timeout=5)
-        if not self._thread.is_alive():
-            self._loop.close()
-
-    def __enter__(self) -> Client:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
-
-    @property
-    def aio(self) -> AsyncClient:
-        """The asyncio client underneath; its coroutines must run on this client's loop thread."""
-        return self._aio
-
-    def close(self) -> None:
-        if self._loop.is_closed():
-            return
-        try:
-            self._run(self._aio.close())
-        finally:
-            self._stop()
 
     def call(
         self, op: str, args: dict[str, Any] | None = None, *, deadline: float | None = DEFAULT_DEADLINE

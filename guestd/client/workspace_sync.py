@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
-from collections.abc import Coroutine, Mapping
-from typing import TYPE_CHECKING, Any, TypeVar, overload
+from collections.abc import Mapping
+from typing import overload
 
+from guestd.client._blocking import ClientBase
 from guestd.client.replies import PatchedFile
 from guestd.client.workspace import (
     DEFAULT_DEADLINE,
@@ -19,19 +20,9 @@ from guestd.client.workspace import (
 )
 from guestd.wire.paths import WirePath
 
-if TYPE_CHECKING:
-    from guestd.client.aio import AsyncClient
 
-T = TypeVar("T")
-
-
-class SyncWorkspaceAPI:
-    """:class:`~guestd.client.Client`'s workspace methods (a mixin over its ``_aio`` and ``_run``)."""
-
-    _aio: AsyncClient
-
-    def _run(self, coro: Coroutine[Any, Any, T]) -> T:
-        raise NotImplementedError
+class SyncWorkspaceAPI(ClientBase):
+    """:class:`~guestd.client.Client`'s workspace methods."""
 
     def view(
         self,
