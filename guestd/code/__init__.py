@@ -1,1 +1,2 @@
-"""code capability: persistent Python contexts (engine: contexts.py; kernel entry: kernel.py)."""
+"""code capability: persistent code contexts (engine: contexts.py over kernel_process.py, kernelspec.py and
+messages.py; the kernel's entry: kernel.py)."""

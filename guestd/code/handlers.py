@@ -42,7 +42,7 @@ def register(services: Services) -> None:
     def on_start() -> None:
         kdir = services.kernel_dir()
         if os.listdir(kdir):  # a previous guestd may have crashed and left kernels
-            from guestd.code.contexts import reap_orphan_kernels
+            from guestd.code.kernel_process import reap_orphan_kernels
 
             orphans = reap_orphan_kernels(kdir)
             if orphans:

@@ -57,7 +57,7 @@ def pack_message(obj: Any) -> bytes:
     Python str allows lone surrogates (``print('\\ud800')``, or a non-UTF-8 file name from
     os.fsdecode) and UTF-8 does not: the stock packer raises, and the stream text, the
     error or the display is never sent. Here they go out as 'surrogatepass' bytes, which
-    json.loads in guestd reads back; guestd then replaces them (guestd.code.contexts).
+    json.loads in guestd reads back; guestd then replaces them (guestd.code.messages).
     """
     from jupyter_client.jsonutil import json_clean, json_default
 
