@@ -25,6 +25,7 @@ import asyncio
 import logging
 import os
 import time
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from guestd.capture import OutputCapture, capture_fields
@@ -40,6 +41,7 @@ from guestd.wire.errors import ErrorCode, GuestdError, limit_error
 
 if TYPE_CHECKING:  # the generated message types: annotations only, never imported at run time
     from guestd.children import KilledBy
+    from guestd.children.cgroups import RunUsage
     from guestd.services import Services
     from guestd.wire.types import (
         CodeRunArgs,
@@ -66,6 +68,16 @@ DEFAULT_CONTEXT = "default"
 IDLE_CONFIRM_WAIT_S = 1.0
 BUSY_CONFIRM_WAIT_S = 0.05
 NEXT_CELL_CONFIRM_WAIT_S = 1.0  # a pending seed, before the context's next cell
+
+
+@dataclass
+class _Ending:
+    """How a cell's run ended, beside what its messages made of it (RunState)."""
+
+    status: CodeRunStatus
+    timeout_action: CodeRunTimeoutAction | None = None
+    exit_reason: str | None = None  # status "died": why the kernel ended
+    usage_after: RunUsage | None = None  # timeout_action "restarted": the counters before the restart
 
 
 class CodeContext:
@@ -229,18 +241,60 @@ class CodeContext:
         await self._run_locked(code, _SETUP_OPTS, None, silent=True)
 
     async def _run_locked(self, code: str, opts: CodeRunArgs, ctx: Any, *, silent: bool = False) -> CodeRunReply:
+        """One cell, the context's lock held: sent, waited for (:meth:`_await_end`), reported."""
         if self.pending_seed is not None and not silent:
             await self._settle_seed()  # a restore happened while this context was busy
-        kernel = self.kernel
-        if kernel is None or not kernel.alive:
-            reason = kernel.died.result() if kernel is not None and kernel.died.done() else "not started"
-            raise GuestdError(
-                ErrorCode.UNAVAILABLE,
-                f"context {self.id} has no live kernel ({reason}); restart it",
-                details={"context": self.id, "exit_reason": reason},
-            )
+        kernel = self._live_kernel()
         t0 = time.monotonic()
+        st = self._run_state(opts, ctx)
+        st.msg_id = kernel.kc.execute(
+            code, silent=silent, store_history=not silent, allow_stdin=st.input_lines is not None, stop_on_error=True
+        )
+        kernel.current = st  # replies cannot arrive before we are back in the event loop
+        before = kernel.usage_now()
+        try:
+            ending = await self._await_end(st, kernel, opts)
+        finally:
+            if self._abandoned is None:
+                kernel.current = None
+            self._interrupted = False
+        if st.execution_count is not None:
+            self.execution_count = st.execution_count
+        # A restarted kernel's counters were read before the restart: its leaf is gone after it.
+        after = ending.usage_after if ending.timeout_action == "restarted" else kernel.usage_now()
+        why: KilledBy | None = "timeout" if ending.status == "timeout" else None
+        if ending.status == "died" and kernel.child is not None:
+            why = kernel.child.exit_info()["killed_by"]
         streamed = bool(opts["stream"])
+        reply: CodeRunReply = {
+            "context": self.id,
+            "status": ending.status,
+            "timeout_action": ending.timeout_action,
+            "exit_reason": ending.exit_reason,
+            **capture_fields(st.stdout, st.stderr, streamed=streamed),
+            "results": [] if streamed else st.results,
+            "results_dropped": st.results_dropped,
+            "error": st.error,
+            "stdin_exhausted": st.stdin_exhausted,
+            "execution_count": st.execution_count,
+            "duration_s": time.monotonic() - t0,
+            **usage_between(before, after, why, None),  # type: ignore[typeddict-item]  # "run_id": guestd.runs adds it
+        }
+        return fit_reply(reply, st)
+
+    def _live_kernel(self) -> Kernel:
+        kernel = self.kernel
+        if kernel is not None and kernel.alive:
+            return kernel
+        reason = kernel.died.result() if kernel is not None and kernel.died.done() else "not started"
+        raise GuestdError(
+            ErrorCode.UNAVAILABLE,
+            f"context {self.id} has no live kernel ({reason}); restart it",
+            details={"context": self.id, "exit_reason": reason},
+        )
+
+    def _run_state(self, opts: CodeRunArgs, ctx: Any) -> RunState:
+        """A run's state as the request asks: its capture, stream, input lines and frame bound."""
         lines = opts.get("input_lines")
         st = RunState(
             "",
@@ -254,62 +308,33 @@ class CodeContext:
         max_frame = getattr(ctx, "max_frame", None)
         if isinstance(max_frame, int):
             st.max_frame = max_frame
-        st.msg_id = kernel.kc.execute(
-            code, silent=silent, store_history=not silent, allow_stdin=lines is not None, stop_on_error=True
-        )
-        kernel.current = st  # replies cannot arrive before we are back in the event loop
-        usage = [kernel.child.usage_now() if kernel.child is not None else None]  # before, after
-        status: CodeRunStatus = "ok"
-        timeout_action: CodeRunTimeoutAction | None = None
-        exit_reason = None
+        return st
+
+    async def _await_end(self, st: RunState, kernel: Kernel, opts: CodeRunArgs) -> _Ending:
+        """The cell's end: done (its status from its messages), its kernel dead, or its timeout.
+        Cancelled (nobody waits any more), the cell is interrupted and left to settle."""
         try:
-            try:
-                outcome = await self._wait_done(st, kernel, opts["timeout_s"])
-            except asyncio.CancelledError:
-                kernel.interrupt()  # nobody waits for this cell any more: stop it, like a cancelled exec
-                st.stream = None
-                self._abandoned = (st, kernel, opts["interrupt_grace_s"])
-                raise
-            if outcome == "died":
-                status, exit_reason = "died", kernel.died.result()
-            elif outcome == "timeout":
-                status = "timeout"
-                kernel.interrupt()
-                grace = await self._wait_done(st, kernel, opts["interrupt_grace_s"])
-                if grace == "done":
-                    timeout_action = "interrupted"
-                else:
-                    timeout_action = "restarted"
-                    usage.append(kernel.child.usage_now() if kernel.child is not None else None)
-                    await self.restart()
-            else:
-                status = st.finish(interrupted=self._interrupted, foreign=self.spec is not None)
-        finally:
-            if self._abandoned is None:
-                kernel.current = None
-            self._interrupted = False
-        if st.execution_count is not None:
-            self.execution_count = st.execution_count
-        if len(usage) == 1:
-            usage.append(kernel.child.usage_now() if kernel.child is not None else None)
-        why: KilledBy | None = "timeout" if status == "timeout" else None
-        if status == "died" and kernel.child is not None:
-            why = kernel.child.exit_info()["killed_by"]
-        reply: CodeRunReply = {
-            "context": self.id,
-            "status": status,
-            "timeout_action": timeout_action,
-            "exit_reason": exit_reason,
-            **capture_fields(st.stdout, st.stderr, streamed=streamed),
-            "results": [] if streamed else st.results,
-            "results_dropped": st.results_dropped,
-            "error": st.error,
-            "stdin_exhausted": st.stdin_exhausted,
-            "execution_count": st.execution_count,
-            "duration_s": time.monotonic() - t0,
-            **usage_between(usage[0], usage[1], why, None),  # type: ignore[typeddict-item]  # "run_id": guestd.runs adds it
-        }
-        return fit_reply(reply, st)
+            outcome = await self._wait_done(st, kernel, opts["timeout_s"])
+        except asyncio.CancelledError:
+            kernel.interrupt()  # nobody waits for this cell any more: stop it, like a cancelled exec
+            st.stream = None
+            self._abandoned = (st, kernel, opts["interrupt_grace_s"])
+            raise
+        if outcome == "died":
+            return _Ending("died", exit_reason=kernel.died.result())
+        if outcome == "timeout":
+            return await self._end_timed_out(st, kernel, opts["interrupt_grace_s"])
+        return _Ending(st.finish(interrupted=self._interrupted, foreign=self.spec is not None))
+
+    async def _end_timed_out(self, st: RunState, kernel: Kernel, grace: float) -> _Ending:
+        """A cell past its timeout is interrupted; one still running ``grace`` later costs the
+        context its kernel's state (a restart: a new kernel, same id)."""
+        kernel.interrupt()
+        if await self._wait_done(st, kernel, grace) == "done":
+            return _Ending("timeout", timeout_action="interrupted")
+        ending = _Ending("timeout", timeout_action="restarted", usage_after=kernel.usage_now())
+        await self.restart()
+        return ending
 
     async def _wait_done(self, st: RunState, kernel: Kernel, timeout: float | None) -> str:
         if st.done.is_set():

@@ -41,6 +41,7 @@ from guestd.wire.errors import ErrorCode, GuestdError
 
 if TYPE_CHECKING:
     from guestd.children import Child
+    from guestd.children.cgroups import RunUsage
     from guestd.services import Services
 
 log = logging.getLogger("guestd.code")
@@ -493,6 +494,10 @@ class Kernel:
                 pass
         self._remove_connection_file()
         self._remove_pidfile()
+
+    def usage_now(self) -> RunUsage | None:
+        """The counters of the kernel's run (its cgroup leaf) now: a cell's share is a difference."""
+        return self.child.usage_now() if self.child is not None else None
 
     def memory(self) -> int | None:
         try:
