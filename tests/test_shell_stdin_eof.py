@@ -32,7 +32,7 @@ def test_the_unopened_fifo_is_looked_at_less_and_less_often() -> None:
     (it was every 10 ms for the command's whole life)."""
     from itertools import islice, pairwise
 
-    from guestd.shells.job import UNOPENED_FIFO_FIRST_POLL_S, UNOPENED_FIFO_MAX_POLL_S, backing_off
+    from guestd.shells.stdin import UNOPENED_FIFO_FIRST_POLL_S, UNOPENED_FIFO_MAX_POLL_S, backing_off
 
     intervals = list(islice(backing_off(UNOPENED_FIFO_FIRST_POLL_S, UNOPENED_FIFO_MAX_POLL_S), 40))
     assert intervals[0] == UNOPENED_FIFO_FIRST_POLL_S

@@ -6,7 +6,7 @@ from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:  # the generated message types: annotations only, never imported at run time
     from guestd.services import Request, Services
-    from guestd.shells.session import Shells
+    from guestd.shells.table import Shells
     from guestd.wire.types import (
         ShellCloseArgs,
         ShellCloseReply,
@@ -26,7 +26,7 @@ def register(services: Services) -> None:
 
     def shells() -> Shells:
         if not made:
-            from guestd.shells.session import Shells
+            from guestd.shells.table import Shells
 
             made.append(Shells(services))
         return made[0]

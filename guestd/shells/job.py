@@ -15,11 +15,11 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import os
-import select
 import signal
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
+from guestd.capture import OutputRing
 from guestd.children import ExitInfo, exit_info
 from guestd.children.tree import read_chunk, set_winsize, signal_group
 
@@ -27,11 +27,9 @@ if TYPE_CHECKING:
     from guestd.children.cgroups import RunCgroup
 
 STATUS_MAX = 64  # "pid\nstatus\n": anything longer is not the wrapper's
-# StdinFifo.end_input looks whether the command has opened its stdin at these intervals: soon
-# at first (the usual command opens it within milliseconds), then doubling up to the cap, so a
-# command that never reads its stdin costs a few wake-ups a second, not a hundred.
-UNOPENED_FIFO_FIRST_POLL_S = 0.002
-UNOPENED_FIFO_MAX_POLL_S = 0.25
+# A job's status FIFO as read for its pid: the workload can write into it as well; past this
+# much, it has only kept its own job from being signalled or resized.
+STATUS_SCAN_MAX = 4096
 
 
 class JobFifos:
@@ -100,97 +98,78 @@ class JobFifos:
         self.read = {}
 
 
-def backing_off(first_s: float, cap_s: float) -> Iterator[float]:
-    """first_s, 2 x first_s, 4 x ... up to cap_s, then cap_s for ever."""
-    interval = first_s
-    while True:
-        yield interval
-        interval = min(cap_s, interval * 2)
+class RunningJob:
+    """The job of the command running now (on_timeout detach, or pty): its FIFOs, its output
+    from byte 0 in rings (what a detached job hands over), and its status FIFO's first bytes,
+    which name its pid."""
+
+    def __init__(self, fifos: JobFifos, ring_bytes: int, bash_pid: int) -> None:
+        self.fifos = fifos
+        self.rings = {1: OutputRing(ring_bytes), 2: OutputRing(ring_bytes)}
+        self.bash_pid = bash_pid
+        self._status = bytearray()
+        self._pid: int | None = None
+
+    def output_fd(self, which: int) -> int | None:
+        return self.fifos.read.get("stdout" if which == 1 else "stderr")
+
+    def read_output(self, which: int, size: int) -> bytes | None:
+        """One read of the job's stdout (1) or stderr (2) FIFO, into its ring; None when
+        nothing is ready (its end is seen at close(): guestd holds a write end until then)."""
+        fd = self.output_fd(which)
+        data = read_chunk(fd, size) if fd is not None else None
+        if not data:
+            return None
+        self.rings[which].write(data)
+        return data
+
+    def read_status(self) -> None:
+        fd = self.fifos.read.get("status")
+        if fd is None:
+            return
+        data = read_chunk(fd, STATUS_SCAN_MAX)
+        if data and len(self._status) < STATUS_SCAN_MAX:
+            self._status += data[: STATUS_SCAN_MAX - len(self._status)]
+        if self._pid is None and data:
+            self._pid = self._find_pid()
+
+    def pid(self) -> int | None:
+        """The job's pid (its process group), once its status FIFO has named it."""
+        if self._pid is None:
+            self.read_status()
+        return self._pid
+
+    def _find_pid(self) -> int | None:
+        """The first pid in the status FIFO that is a child of the session's bash leading its
+        own process group. The workload can write into that FIFO too (through
+        /proc/<bash>/fd/9 while bash holds it), and guestd (root) signals the pid's group and
+        moves its processes: a pid is never taken on the FIFO's word alone. Checked while the
+        job runs (it writes its pid first), and kept: its group may outlive it."""
+        for line in bytes(self._status).split(b"\n")[:-1]:
+            if line.isdigit() and leads_a_group_under(int(line), self.bash_pid):
+                return int(line)
+        return None
+
+    def status_from_pid(self) -> bytes:
+        """The status FIFO's bytes from the job's own pid line on (what the workload wrote
+        before it is not the job's)."""
+        buf = bytes(self._status)
+        if self._pid is not None:
+            line = f"{self._pid}\n".encode()
+            at = buf.find(b"\n" + line)
+            buf = buf if buf.startswith(line) or at < 0 else buf[at + 1 :]
+        return buf[:STATUS_MAX]
 
 
-class StdinFifo:
-    """The stdin of a ``stdin_stream`` session command: a FIFO the command opens for reading
-    and guestd writes INPUT data into. guestd holds a read end too, so its write end opens at
-    once and the command's open never blocks; closing the write end is the command's EOF."""
-
-    def __init__(self, directory: str, ids: tuple[int, int] | None) -> None:
-        self.path = os.path.join(directory, f"in-{os.urandom(12).hex()}")
-        os.mkfifo(self.path, 0o600)
-        self.hold: int | None = None
-        self.write: int | None = None
-        try:
-            if ids is not None:
-                os.chown(self.path, *ids)
-            self.hold = os.open(self.path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
-            self.write = os.open(self.path, os.O_WRONLY | os.O_NONBLOCK | os.O_CLOEXEC)
-        except BaseException:
-            self.close()
-            raise
-
-    def close_write(self) -> None:
-        fd, self.write = self.write, None
-        if fd is not None:
-            with contextlib.suppress(OSError):
-                os.close(fd)
-
-    async def end_input(self) -> None:
-        """The command's EOF (INPUT eof). A reader that opens a FIFO without a writer waits for
-        one for ever, so closing the write end before bash has opened the FIFO for the command
-        (data and eof sent right behind the request) hung the command until its timeout. guestd's
-        own read end goes first; then, while poll says the FIFO has no reader (POLLERR), the
-        command has not opened it yet: the write end stays (the bytes written wait in the pipe)
-        and is looked at again after a backing-off interval, for as long as the command runs
-        (this task goes with it)."""
-        fd, self.hold = self.hold, None
-        if fd is not None:
-            with contextlib.suppress(OSError):
-                os.close(fd)
-        intervals = backing_off(UNOPENED_FIFO_FIRST_POLL_S, UNOPENED_FIFO_MAX_POLL_S)
-        while self.write is not None:
-            poller = select.poll()
-            poller.register(self.write, 0)  # POLLERR is always reported
-            if not any(events & select.POLLERR for _, events in poller.poll(0)):
-                break
-            await asyncio.sleep(next(intervals))
-        self.close_write()
-
-    def give_write(self) -> int | None:
-        """The write end for a detached job's stdin (process.write); the FIFO is closed here."""
-        fd, self.write = self.write, None
-        self.close()
-        return fd
-
-    def close(self) -> None:
-        self.close_write()
-        fd, self.hold = self.hold, None
-        if fd is not None:
-            with contextlib.suppress(OSError):
-                os.close(fd)
-        with contextlib.suppress(OSError):
-            os.unlink(self.path)
-
-
-class PtyInput:
-    """INPUT data into a pty-mode command: written to the terminal's primary side (a copy of
-    the fd, closed with the job); eof is the terminal's end-of-file character (^D), which
-    ends a read at the start of a line as a closed pipe would."""
-
-    def __init__(self, master: int) -> None:
-        self.write: int | None = os.dup(master)
-
-    def close_write(self) -> None:
-        if self.write is not None:
-            with contextlib.suppress(OSError):
-                os.write(self.write, b"\x04")
-
-    async def end_input(self) -> None:
-        self.close_write()
-
-    def close(self) -> None:
-        fd, self.write = self.write, None
-        if fd is not None:
-            with contextlib.suppress(OSError):
-                os.close(fd)
+def leads_a_group_under(pid: int, parent: int) -> bool:
+    """``pid`` is a child of ``parent`` and the leader of its own process group."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            stat = f.read()
+    except OSError:
+        return False
+    fields = stat[stat.rfind(b")") + 2 :].split()  # state ppid pgrp ...: after the comm, which may hold anything
+    return len(fields) > 2 and fields[1] == str(parent).encode() and fields[2] == str(pid).encode()
 
 
 class ShellJob:
