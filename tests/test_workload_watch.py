@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import ctypes
 import os
 import shutil
 import subprocess
@@ -21,6 +22,7 @@ import tempfile
 import threading
 from collections.abc import Iterator
 from contextlib import AbstractContextManager, contextmanager
+from pathlib import Path
 
 import pytest
 
@@ -592,3 +594,37 @@ def test_a_watchs_globs_are_matched_on_its_watchers_thread() -> None:
                 await w.close()
 
         asyncio.run(main())
+
+
+def test_a_directory_exchanged_in_before_the_old_one_was_scanned_nets_to_created(tmp_path: Path) -> None:
+    """tree.upload then tree.upload with replace, read by the watcher in one batch: the first
+    tree's move-in queued its scan, and the replace (renameat2 RENAME_EXCHANGE from a private
+    directory the watcher never enters) moved a directory in over it and the unscanned old one
+    out. The move out was taken for a plain delete of the name, so the journal netted the new
+    tree's name to nothing while its content showed as created (file.changes under load)."""
+    root = tmp_path / "ws"
+    outside = tmp_path / "private"
+    root.mkdir()
+    outside.mkdir()
+    got: list[watch.Change] = []
+    w = watch.Watcher(os.open(root, os.O_RDONLY | os.O_DIRECTORY), got.extend)
+    try:
+        w._scan(None, b"", report=False, budget=watch.START_BUDGET)  # as the thread starts, without the thread
+        (outside / "first" / "d").mkdir(parents=True)
+        (outside / "first" / "a").write_bytes(b"one")
+        os.rename(outside / "first", root / "t")
+        (outside / "second").mkdir()
+        (outside / "second" / "c").write_bytes(b"three")
+        libc = ctypes.CDLL(None, use_errno=True)
+        rename_exchange = 2
+        assert libc.renameat2(-100, bytes(outside / "second"), -100, bytes(root / "t"), rename_exchange) == 0
+        for _ in range(100):  # bounded: each step reads what is queued and runs the scans
+            if not w._step():
+                break
+        journal = watch.Journal()
+        journal.add(got)
+        report = journal.report(0)
+        assert "t" in report["created"] and "t/c" in report["created"], (got, report)
+        assert not report["deleted"], (got, report)
+    finally:
+        w.stop()

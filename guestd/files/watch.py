@@ -439,11 +439,13 @@ class Watcher:
                 # The directory that just moved in leaving again is no exchange but a rename back
                 # and forth (a storm, whose name may exist again by the time this is read): it is
                 # a plain move out, below, never a rescan of what moves in next.
+                # A directory not followed yet (its scan still queued, as after a tree.upload
+                # read in the same batch as its replace) leaves nothing to follow either.
                 assert moved_to_just_before is not None
                 leaving = displaced if displaced is not None else child
-                if not is_dir:
+                if not is_dir or leaving is None:
                     return
-                if leaving is not None and leaving is not moved_to_just_before[2]:
+                if leaving is not moved_to_just_before[2]:
                     self.moved_from = (cookie, leaving)
                     return
             if displaced is not None and self.nodes.get(displaced.wd) is displaced:
