@@ -22,12 +22,14 @@ from guestd.shells.script import (
     MAX_CTL_BYTES,
     Marker,
     ansi_c_quote,
+    check_command,
     command_script,
     run_line,
     start_script,
     stdin_source,
     take_marker,
 )
+from guestd.wire.errors import GuestdError
 
 BASH = shutil.which("bash") or "/bin/bash"
 ENV = {"PATH": os.environ.get("PATH", "/usr/bin:/bin"), "LC_ALL": "C"}
@@ -119,6 +121,20 @@ def test_quoted_text_is_one_printable_line() -> None:
         quoted = ansi_c_quote(text)
         assert quoted.startswith("$'") and quoted.endswith("'")
         assert all(0x20 <= ord(c) < 0x7F for c in quoted), text[:40]
+
+
+def test_a_nul_byte_is_refused_not_cut(tmp_path: Path) -> None:
+    """bash ends a string at a NUL: the text before it would run as the whole command."""
+    quoted = ansi_c_quote("echo a\0; rm -rf x")
+    cut = subprocess.run([BASH, "--noprofile", "--norc", "-c", f"builtin printf %s {quoted}"], capture_output=True)
+    assert cut.stdout == b"echo a"  # why: the quoting cannot carry it
+    for command in ("echo a\0; rm -rf x", "\0", "x" * 10 + "\0"):
+        with pytest.raises(GuestdError) as ei:
+            check_command(command)
+        assert ei.value.code == "bad_request" and ei.value.details == {"field": "command"}
+        with pytest.raises(ValueError):
+            command_script(command, "00")
+    check_command(ALL_BYTES)
 
 
 def test_a_nonce_is_hex_or_nothing_is_built() -> None:

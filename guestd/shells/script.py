@@ -31,6 +31,8 @@ import os
 from collections.abc import Mapping
 from typing import NamedTuple
 
+from guestd.wire.errors import ErrorCode, GuestdError
+
 CTL_FD = 63  # the status socket, in bash; closed for the command
 MAX_CTL_BYTES = 16 * 1024 * 1024  # a marker carries `export -p`; more than this is not one
 
@@ -78,6 +80,18 @@ def ansi_c_quote(text: str) -> str:
             out.append(f"\\x{b:02x}")
     out.append("'")
     return "".join(out)
+
+
+def check_command(command: str) -> None:
+    """A command bash can hold. bash has no NUL in a string: ``$'a\\x00b'`` is ``a``, so the
+    text up to the first NUL would run, silently, as if it were the command."""
+    at = command.find("\0")
+    if at >= 0:
+        raise GuestdError(
+            ErrorCode.BAD_REQUEST,
+            f"command: a NUL byte at offset {at} (bash cannot hold one)",
+            details={"field": "command"},
+        )
 
 
 def _nonce_text(nonce: str) -> str:
@@ -140,6 +154,8 @@ def command_script(
     ``if`` condition (set -e cannot end bash) and the marker with its status. ``stdin``:
     stdin_source's text; ``job_paths``: the job's FIFOs (on_timeout detach, pty); ``tty``:
     pty mode's terminal."""
+    if "\0" in command:
+        raise ValueError("a command with a NUL byte (check_command refuses it)")
     if tty is not None:
         command = pty_command(command, tty)
     run = run_line(stdin, merge_stderr, job_paths)

@@ -35,7 +35,7 @@ from guestd.shells.command import Command, Outcome, reply
 from guestd.shells.control import StatusChannel, socket_pair
 from guestd.shells.job import JobFifos, RunningJob, ShellJob
 from guestd.shells.output import ShellOutput
-from guestd.shells.script import CTL_FD, LIBRARY, Marker, command_script, start_script
+from guestd.shells.script import CTL_FD, LIBRARY, Marker, check_command, command_script, start_script
 from guestd.shells.stdin import CommandInput, StdinFifo
 from guestd.shells.syntax import check_syntax
 from guestd.spill import Spill, abandon, finish, give_away_spills, open_spills
@@ -317,6 +317,7 @@ class Session:
             )
         if args["spill"] and args["stream"]:
             raise GuestdError(ErrorCode.BAD_REQUEST, "spill: not with stream", details={"field": "spill"})
+        check_command(args["command"])
         if args["check_syntax"]:
             await check_syntax(self.services, args["command"])
         # The command runs in a task of its own that holds the session until the command has
