@@ -7,6 +7,7 @@ the marker with the command's nonce."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import subprocess
@@ -24,6 +25,7 @@ from guestd.shells.script import (
     ansi_c_quote,
     check_command,
     command_script,
+    pty_command,
     run_line,
     start_script,
     stdin_source,
@@ -326,3 +328,53 @@ def test_a_command_cannot_write_a_marker_that_is_believed(tmp_path: Path) -> Non
     assert ran.stdout == b"deadbeefdeadbeefdeadbeefdeadbeef\x000\x00/forged\x00x\x00next\n"
     assert b"Bad file descriptor" in ran.stderr  # __gd_mark: fd 63 is closed for the command
     assert ran.discarded > 0  # the forged markers through bash's saved copy: not believed
+
+
+# -- pty mode --------------------------------------------------------------------------------
+def on_a_terminal(command: str, setup: str = "") -> tuple[bytes, int]:
+    """pty_command's text as a job's subshell runs it (``eval`` in a subshell, after the
+    session's ``setup``), on a real terminal; what the terminal shows, and the status. The
+    output is small: the terminal holds it until the shell has ended."""
+    primary, secondary = os.openpty()
+    try:
+        text = pty_command(command, os.ttyname(secondary))
+        code = subprocess.run(
+            [BASH, "--noprofile", "--norc", "-c", f'shopt -s expand_aliases; {setup}\n( eval -- "$1" )', "bash", text],
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+            env=ENV,
+            timeout=30,
+        ).returncode
+        os.set_blocking(primary, False)
+        shown = bytearray()
+        with contextlib.suppress(BlockingIOError):
+            while data := os.read(primary, 65536):
+                shown += data
+        return bytes(shown), code
+    finally:
+        os.close(primary)
+        os.close(secondary)
+
+
+PTY_TEXT = [
+    ("echo hi; echo err >&2; [ -t 0 ] && [ -t 1 ] && [ -t 2 ] && echo all-tty", b"hi\r\nerr\r\nall-tty\r\n", 0),
+    ("cat <<EOF\nhello", b"hello\r\n", 0),  # a heredoc ended by the end of the text
+    ("echo trailing \\", b"trailing \\\r\n", 0),
+    ("echo one\n}; echo two", b"one\r\n", 2),  # a syntax error after what ran
+    ("echo (", b"syntax error", 2),  # reaches the terminal
+    ('echo "[$TERM]"; (exit 4)', b"[xterm-256color]\r\n", 4),
+]
+
+
+@pytest.mark.parametrize(("command", "shown", "status"), PTY_TEXT, ids=range(len(PTY_TEXT)))
+def test_a_pty_command_runs_as_its_text_runs_without_a_terminal(command: str, shown: bytes, status: int) -> None:
+    """The text is not spliced into guestd's syntax: with ``{ text } <tty``, the first four
+    ended with status 2 and not a byte on the terminal."""
+    seen, code = on_a_terminal(command)
+    assert (shown in seen, code) == (True, status), seen
+
+
+def test_the_pty_lines_are_not_the_sessions_aliases_or_functions() -> None:
+    setup = "alias builtin=echo exec=echo; exec() { echo function; }; unset TERM"
+    assert on_a_terminal('echo "[$TERM]"', setup) == (b"[xterm-256color]\r\n", 0)

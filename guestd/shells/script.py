@@ -121,11 +121,18 @@ def stdin_source(path: str | None) -> str:
 
 
 def pty_command(command: str, tty: str) -> str:
-    """pty mode: the command as its job's subshell runs it (job.py), on the terminal ``tty``,
-    with a TERM a terminal program can use."""
+    """pty mode: the command as its job's subshell runs it (job.py), on the terminal ``tty``.
+    Line 1 makes the terminal the subshell's stdin, stdout and stderr (``\\command exec``: an
+    alias, or a function named exec, of the session's does not stand in; a redirection that
+    fails ends the job with 1) and gives it a TERM a terminal program can use; the command follows from line 2 as it
+    came, never inside guestd's syntax: a text that runs without a terminal (a heredoc the end
+    of the text ends, a trailing backslash) runs the same with one, and bash's syntax errors
+    reach the terminal."""
     tty_q = ansi_c_quote(tty)
-    term = "[[ ${TERM:-dumb} != dumb ]] || builtin export TERM=xterm-256color"
-    return f"{term}; {{\n{command}\n}} <{tty_q} >{tty_q} 2>&1"
+    return (
+        f"\\command exec <{tty_q} >{tty_q} 2>&1 || \\builtin exit 1; "
+        "[[ ${TERM:-dumb} != dumb ]] || \\builtin export TERM=xterm-256color\n" + command
+    )
 
 
 def run_line(stdin: str, merge_stderr: bool, job_paths: Mapping[str, str] | None = None) -> str:
