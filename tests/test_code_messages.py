@@ -19,6 +19,7 @@ import pytest
 from guestd.capture import OutputCapture
 from guestd.code.messages import (
     DROPPED_MIME,
+    MAX_BUNDLE_NESTING,
     MAX_ENAME,
     MAX_RESULTS,
     REPLY_SLACK,
@@ -26,8 +27,10 @@ from guestd.code.messages import (
     cap_text,
     decode,
     encoded_size,
+    error_record,
     fit_reply,
     load_content,
+    nesting,
 )
 from guestd.config import Limits
 
@@ -132,6 +135,12 @@ def test_streamed_output_goes_out_in_pieces_of_max_chunk_and_is_counted() -> Non
     assert (st.stderr.total, st.stderr.data()) == (10, b"")
 
 
+def test_a_stream_message_whose_text_is_not_a_string_is_dropped() -> None:
+    # A forged message (real kernels send str). Before: AttributeError, logged with a traceback.
+    st = feed(run_state(), *[("stream", {"text": t}) for t in (5, None, ["a"], {"t": "a"})])
+    assert (st.stdout.total, st.stderr.total) == (0, 0)
+
+
 # -- results and displays ---------------------------------------------------------------------
 
 
@@ -195,6 +204,36 @@ def test_a_streamed_bundle_is_sent_when_it_fits_a_chunk_and_the_clients_frame() 
     assert (st.results, st.results_dropped) == ([], 2)
 
 
+def deep(levels: int) -> Any:
+    value: Any = "leaf"
+    for _ in range(levels):
+        value = [value]
+    return value
+
+
+def test_a_bundle_nesting_deeper_than_a_client_accepts_is_dropped_and_counted() -> None:
+    # A client refuses a frame nesting deeper than 64 whole, connection and all. Before, a cell's
+    # display(JSON(...)) nested 80 deep ended the client's connection (tests/test_code_hostile_output.py).
+    fits = deep(MAX_BUNDLE_NESTING - 1)  # the MIME map is one level
+    st = feed(
+        run_state(),
+        ("display_data", {"data": {"application/json": fits}}),
+        ("display_data", {"data": {"application/json": deep(MAX_BUNDLE_NESTING)}}),
+        ("display_data", {"data": {"application/json": json.loads("[" * 900 + "]" * 900)}}),
+    )
+    assert [r["data"]["application/json"] for r in st.results] == [fits]
+    assert st.results_dropped == 2
+    sink = Sink()
+    feed(run_state(stream=sink), ("display_data", {"data": {"application/json": deep(MAX_BUNDLE_NESTING)}}))
+    assert sink.events == []
+
+
+def test_nesting_counts_levels_of_lists_and_maps_and_stops_past_its_limit() -> None:
+    values: list[Any] = [1, "s", [], {}, [1, [2]], {"a": {"b": [{}]}}]
+    assert [nesting(v, 10) for v in values] == [0, 0, 1, 1, 2, 4]
+    assert nesting(deep(10_000), 5) == 6  # stops: no recursion, no walk of the rest
+
+
 # -- errors -----------------------------------------------------------------------------------
 
 
@@ -226,7 +265,37 @@ def test_an_errors_name_value_and_traceback_are_bounded() -> None:
     assert tb[-1] == "0999" and tb == [f"{i:04}" for i in range(1000 - len(tb), 1000)]  # where it was raised
 
 
+class CountedStr(str):
+    """A str that counts how often its length is asked: the work done on a traceback."""
+
+    asked = 0
+
+    def __len__(self) -> int:
+        CountedStr.asked += 1
+        return super().__len__()
+
+
+def test_trimming_a_traceback_is_linear_in_its_lines() -> None:
+    # A cell decides how many lines its traceback has (IPython's _render_traceback_): before,
+    # trimming summed the remaining lines once per line dropped, so 60,000 lines held guestd's
+    # event loop (every client, every capability) for 100 s, and 800,000 for hours.
+    n, room = 4000, 1000
+    CountedStr.asked = 0
+    record = error_record({"traceback": [CountedStr("ab")] * n}, False, room)
+    assert len(record["traceback"]) == room // 2
+    assert CountedStr.asked <= 3 * n  # before: ~6,000,000 for these 4,000 lines
+
+
 # -- counts, replies, idle --------------------------------------------------------------------
+
+
+def test_execution_counts_are_taken_only_when_they_are_plain_integers_in_range() -> None:
+    for bad in (True, False, -1, 2**63, "3", 3.0, None, [3]):
+        assert feed(run_state(), ("execute_input", {"execution_count": bad})).execution_count is None, bad
+        st = run_state()
+        st.on_shell({"msg_type": "execute_reply", "content": {"status": "ok", "execution_count": bad}})
+        assert st.execution_count is None, bad
+    assert feed(run_state(), ("execute_input", {"execution_count": 7})).execution_count == 7
 
 
 def test_a_run_is_done_once_both_its_reply_and_idle_have_arrived_in_either_order() -> None:
@@ -327,6 +396,16 @@ def test_decode_verifies_the_signature_and_reads_header_parent_and_content() -> 
     forged[-1] = b'{"name": "stdout", "text": "changed"}'
     with pytest.raises(ValueError, match="signature"):
         decode(s, forged)
+
+
+def test_a_message_whose_header_parent_or_content_is_not_a_map_is_undecodable() -> None:
+    # Before, a parent header that was a list reached the channel's reader, which ended on it:
+    # the run in progress never saw its idle status and timed out (tests/test_code_hostile_output.py).
+    s = session()
+    for shape in ([], ["a"], "text", 5, None):
+        for where in ("parent", "content", "header"):
+            with pytest.raises(ValueError):
+                decode(s, frames(s, **{where: shape}))
 
 
 def test_content_with_lone_surrogates_or_invalid_utf8_decodes_to_valid_text() -> None:

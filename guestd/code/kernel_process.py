@@ -48,6 +48,9 @@ log = logging.getLogger("guestd.code")
 
 GONE_WAIT_S = 5.0  # a SIGKILLed kernel's processes are gone within milliseconds; bounded anyway
 EXIT_STATUS_WAIT_S = 2.0  # a start that failed: how long its exit status may take to be known
+# A kernel's cells can forge messages without end (they hold its key): guestd's log is not
+# theirs to fill, so it tells of a kernel's first few unusable messages only.
+MAX_LOGGED_DROPS = 10
 KERNEL_RCVHWM = 8
 _zmq_contexts: dict[int, Any] = {}
 
@@ -150,6 +153,7 @@ class Kernel:
         self.readers: list[asyncio.Future[None]] = []
         self.current: RunState | None = None  # the run whose messages the readers deliver
         self.python: KernelPython | None = None  # the interpreter of a "python" kernel, once resolved
+        self.drops = 0  # messages that could not be used (forged, most likely)
 
     async def start(self, cwd: str | None, env: dict[str, str] | None, wait: StartWait) -> None:
         """Start the kernel and wait (``wait``) until it answers. A start that fails or is
@@ -377,7 +381,7 @@ class Kernel:
             try:
                 msg = decode(session, frames)
             except Exception:
-                log.warning("kernel %s: undecodable %s message dropped", self.kid, channel)
+                self._dropped(f"undecodable {channel} message dropped")
                 continue
             run = self.current
             if run is None or msg["parent_header"].get("msg_id") != run.msg_id:
@@ -392,7 +396,14 @@ class Kernel:
             except ConnectionResetError:
                 run.stream = None  # the streaming client left; keep reading for the kernel's sake
             except Exception:
-                log.exception("kernel %s: handling a %s message failed", self.kid, channel)
+                self._dropped(f"handling a {channel} message failed", exc_info=True)
+
+    def _dropped(self, what: str, *, exc_info: bool = False) -> None:
+        """Log a message guestd could not use, the first MAX_LOGGED_DROPS of this kernel only."""
+        self.drops += 1
+        if self.drops <= MAX_LOGGED_DROPS:
+            last = " (this kernel's later ones are not logged)" if self.drops == MAX_LOGGED_DROPS else ""
+            log.warning("kernel %s: %s%s", self.kid, what, last, exc_info=exc_info)
 
     def _pidfile(self) -> str:
         return os.path.join(self.services.kernel_dir(), f"{self.kid}.pid")

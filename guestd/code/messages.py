@@ -5,9 +5,12 @@ iopub, shell and stdin messages of its cell; where a streamed run's events go an
 whose input requests it answers are handed in (:class:`EventSink`, :class:`KernelInput`).
 
 Every kernel is the workload's (its cells hold the session key: they can send any message
-guestd will read), so nothing here trusts a message's fields: those the protocol types as
-str are made str, integers msgpack cannot carry become floats, lone surrogates become U+FFFD,
-and what a run keeps is bounded by the request's limits (SECURITY.md, "code contexts").
+guestd will read), so nothing here trusts a message's shape: a header, parent header or
+content that is not a map makes the message undecodable (dropped), fields the protocol types
+as str are made str, integers msgpack cannot carry become floats, lone surrogates become
+U+FFFD, bundles nesting deeper than a client accepts are dropped and counted, the work on a
+message is linear in its size, and what a run keeps is bounded by the request's limits
+(SECURITY.md, "code contexts").
 """
 
 from __future__ import annotations
@@ -20,11 +23,13 @@ import math
 import re
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
+from itertools import compress, repeat
 from typing import TYPE_CHECKING, Any, Protocol
 
 import msgpack
 
 from guestd.capture import OutputCapture
+from guestd.wire.messages import MAX_DEPTH
 
 if TYPE_CHECKING:  # the generated message types: annotations only, never imported at run time
     from guestd.wire.types import CodeErrorRecord, CodeOutputKind, CodeOutputRecord, CodeRunReply, CodeRunStatus
@@ -34,6 +39,10 @@ MAX_RESULTS = 64
 DROPPED_MIME = "application/vnd.guestd.dropped+json"  # guestd.code.kernel: a bundle it did not send
 REPLY_SLACK = 1024  # bytes of a reply's frame beyond its measured fields
 MAX_ENAME = 1024  # bytes of an error's name
+# A bundle (the MIME map counted) nests at most this deep: the deepest frame one travels in,
+# run.get's (body, run, result, results, record), adds 5 levels, and a client refuses any
+# frame nesting deeper than MAX_DEPTH (guestd.wire.messages) whole, with its connection.
+MAX_BUNDLE_NESTING = MAX_DEPTH - 8
 
 
 def kernel_content_cap(limits: Any) -> int:
@@ -129,6 +138,8 @@ class RunState:
 
     async def _on_stream(self, content: dict[str, Any]) -> None:
         text = content.get("text", "")
+        if not isinstance(text, str):
+            return  # a forged stream message: nothing a cell printed
         if self.strip:
             text = strip_ansi(text)
         data = text.encode("utf-8")  # cannot fail: decode replaced lone surrogates
@@ -145,6 +156,9 @@ class RunState:
         """A result or display: streamed or kept when it fits, else counted as dropped."""
         if not isinstance(data, dict) or DROPPED_MIME in data:
             self.results_dropped += 1  # the kernel sent only its size: too large to carry
+            return
+        if nesting(data, MAX_BUNDLE_NESTING) > MAX_BUNDLE_NESTING:
+            self.results_dropped += 1  # deeper than a client accepts: it would refuse the whole frame
             return
         bundle = _bundle(data)
         size = encoded_size(bundle)  # what it really takes in the reply, not a guess
@@ -219,12 +233,15 @@ def error_record(content: dict[str, Any], strip: bool, room: int) -> CodeErrorRe
     tb = [_as_str(t) for t in lines] if isinstance(lines, list) else []
     if strip:
         tb = [strip_ansi(t) for t in tb]
-    while tb and sum(len(t) for t in tb) > room:
-        tb.pop(0)
+    # Linear: a cell decides how many lines its traceback has (IPython's _render_traceback_).
+    total, first = sum(map(len, tb)), 0
+    while first < len(tb) and total > room:
+        total -= len(tb[first])
+        first += 1
     return {
         "ename": cap_text(_as_str(content.get("ename")), MAX_ENAME),
         "evalue": cap_text(_as_str(content.get("evalue")), room),
-        "traceback": tb,
+        "traceback": tb[first:],
     }
 
 
@@ -238,8 +255,10 @@ def decode(session: Any, frames: list[bytes]) -> dict[str, Any]:
     signature, header, parent, _metadata, content = parts[:5]
     if session.auth is not None and not hmac.compare_digest(signature, session.sign(parts[1:5])):
         raise ValueError("bad message signature")
-    h = json.loads(header)
-    return {"msg_type": h.get("msg_type"), "parent_header": json.loads(parent), "content": load_content(content)}
+    h, p, c = json.loads(header), json.loads(parent), load_content(content)
+    if not (isinstance(h, dict) and isinstance(p, dict) and isinstance(c, dict)):
+        raise ValueError("a message's header, parent header and content are maps")  # forged
+    return {"msg_type": h.get("msg_type"), "parent_header": p, "content": c}
 
 
 def load_content(raw: bytes) -> Any:
@@ -340,7 +359,27 @@ def _as_str(value: Any) -> str:
 
 
 def _is_count(value: Any) -> bool:
-    return isinstance(value, int) and 0 <= value < 2**63
+    # Not a bool (an int in Python): the reply's schema types the count as an integer.
+    return isinstance(value, int) and not isinstance(value, bool) and 0 <= value < 2**63
+
+
+def nesting(value: Any, limit: int) -> int:
+    """How deep ``value``'s lists and maps nest (a scalar 0, ``[]`` or ``{}`` 1), counted up to
+    ``limit + 1`` at most. Level by level, the items of each container tested in C: linear
+    in the value's size, and no recursion however deep it is."""
+    level = [value] if isinstance(value, (list, dict)) else []
+    depth = 0
+    while level and depth <= limit:
+        depth += 1
+        below: list[Any] = []
+        for node in level:
+            items = node.values() if isinstance(node, dict) else node
+            below.extend(compress(items, map(isinstance, items, repeat(_CONTAINERS))))
+        level = below
+    return depth
+
+
+_CONTAINERS = (list, dict)
 
 
 def _bundle(data: dict[str, Any]) -> dict[str, Any]:
