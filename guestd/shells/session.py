@@ -379,31 +379,26 @@ class Session:
 
     def _prepare(self, a: ShellRunArgs, ctx: Request | None, spills: tuple[Spill, Spill] | None) -> Command:
         """The captures, the job (on_timeout "detach", pty) and the stdin of a command."""
+        child = self.child
+        assert child is not None
         detach = self._detach_applies(a)
         self.output.drain()  # whatever background jobs wrote since the last command is not ours
+        # What runs in the session now (bash, jobs of earlier commands): a timeout or cancel of
+        # this command ends everything else in the session's cgroup, wherever it went.
+        self._before = set(child.cgroup.pids()) if child.cgroup is not None else set()
+        usage_before = child.usage_now()
         caps = {1: OutputCapture(a["max_output"], a["capture"]), 2: OutputCapture(a["max_output"], a["capture"])}
         if spills is not None:
             caps[1].spill, caps[2].spill = spills
         job = self._start_job((a["rows"], a["cols"]) if a["pty"] else None) if detach or a["pty"] else None
         try:
-            stdin = CommandInput.prepare(
-                self.services,
-                a["input"],
-                a["stdin_stream"],
-                ctx,
-                job.fifos if job is not None else None,
-                self._signal_job,
-            )
+            fifos = job.fifos if job is not None else None
+            stdin = CommandInput.prepare(self.services, a["input"], a["stdin_stream"], ctx, fifos, self._signal_job)
         except BaseException:
             self._stop_job(give_away=False)
             raise
         self.output.begin(caps, ctx if a["stream"] and ctx is not None else None)
-        child = self.child
-        assert child is not None
-        # What runs in the session now (bash, jobs of earlier commands): a timeout or cancel of
-        # this command ends everything else in the session's cgroup, wherever it went.
-        self._before = set(child.cgroup.pids()) if child.cgroup is not None else set()
-        return Command(a, ctx, detach, job, stdin, child, child.usage_now())
+        return Command(a, ctx, detach, job, stdin, child, usage_before)
 
     def _detach_applies(self, a: ShellRunArgs) -> bool:
         """on_timeout "detach" with a timeout to apply it at; a full process table is a limit
