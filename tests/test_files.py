@@ -435,8 +435,8 @@ def test_a_write_queued_behind_an_abort_never_lands_in_a_file_that_reuses_the_fd
     # An upload cancelled while its write waits for an I/O thread: abort closes the temp
     # file's fd, the next open (another upload) gets the same number, then the stale write
     # runs. Before the fix it wrote into that other file (seen: 8192 bytes in a 4096-byte upload).
+    from guestd.files.atomic import AtomicFile
     from guestd.files.fs import FileSystem
-    from guestd.files.handlers import AtomicFile
 
     first = AtomicFile(FileSystem().place(f"{tmp_path}/first"), "overwrite", None)
     stale_fd = first.fd

@@ -28,14 +28,21 @@ OLD = b"old\n" * 1000
 NEW = b"N" * (4 << 20)
 
 
-async def _write_and_kill(g: Guestd, targets: list[str], delay: float) -> None:
-    """Three writes at once on one connection; guestd is SIGKILLed ``delay`` seconds in."""
+async def _write_and_kill(g: Guestd, targets: list[str], delay: float, after_a_temp_name: bool = False) -> None:
+    """Three writes at once on one connection; guestd is SIGKILLed ``delay`` seconds in (with
+    ``after_a_temp_name``: seconds after a temp name shows beside the targets, so that on a
+    loaded machine the kill still lands while a write is in progress)."""
     async with await AsyncClient.connect(g.address) as c:
         jobs = [
             asyncio.ensure_future(c.upload(NEW, targets[0], deadline=10)),
             asyncio.ensure_future(c.write_file(targets[1], NEW, deadline=10)),
             asyncio.ensure_future(c.write_file(targets[2], NEW, flag="create", deadline=10)),
         ]
+        if after_a_temp_name:
+            for _ in range(2000):  # bounded: about 10 s
+                if _temp_names(os.path.dirname(targets[0])) or all(j.done() for j in jobs):
+                    break
+                await asyncio.sleep(0.005)
         await asyncio.sleep(delay)
         os.kill(g.pid, signal.SIGKILL)
         await asyncio.gather(*jobs, return_exceptions=True)  # they fail: guestd is gone
@@ -78,15 +85,15 @@ def test_sigkill_during_writes_and_uploads_leaves_no_temp_file_and_a_whole_targe
 
 KILLED_BETWEEN_LINK_AND_RENAME = """
 import os, signal, sys
-from guestd.files import handlers
+from guestd.files import atomic
 from guestd.files.fs import FileSystem, PendingTemps
 
 target, runtime = sys.argv[1], sys.argv[2]
-f = handlers.AtomicFile(FileSystem().place(target), "overwrite", None, PendingTemps(runtime))
+f = atomic.AtomicFile(FileSystem().place(target), "overwrite", None, PendingTemps(runtime))
 assert f.anonymous, "this file system has no O_TMPFILE"
 f.write(b"new")
 # guestd dies at the worst moment: the new inode has its temp name, the rename has not run
-handlers.AtomicFile._rename_temp_over_target = lambda self: os.kill(os.getpid(), signal.SIGKILL)
+atomic.AtomicFile._rename_temp_over_target = lambda self: os.kill(os.getpid(), signal.SIGKILL)
 f.commit()
 """
 
@@ -143,7 +150,7 @@ def test_named_temp_files_where_there_is_no_o_tmpfile_are_removed_by_the_next_gu
                 with open(path, "wb") as out:
                     out.write(OLD)
             g = start_guestd(tempfile.mkdtemp(prefix="run-", dir=work), "--runtime-dir", runtime)
-            asyncio.run(_write_and_kill(g, targets, rng.uniform(0.0, 0.15)))
+            asyncio.run(_write_and_kill(g, targets, rng.uniform(0.0, 0.02), after_a_temp_name=True))
             g.proc.wait(10)
             left = _temp_names(data)
             assert _content(targets[0]) in (OLD, NEW) and _content(targets[1]) in (OLD, NEW), f"round {i}: torn"

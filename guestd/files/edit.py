@@ -34,8 +34,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from guestd.files.atomic import AtomicFile
 from guestd.files.fs import FileSystem, Place, reopen_regular
-from guestd.files.handlers import AtomicFile
 from guestd.files.walk import Filter, Walk
 from guestd.wire.errors import ErrorCode, GuestdError, too_large
 

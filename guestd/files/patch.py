@@ -47,9 +47,9 @@ import stat as st
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Literal
 
+from guestd.files.atomic import DEFAULT_PERM, fsync_dirfd
 from guestd.files.edit import MAX_EDIT_BYTES, read_at, same_file
 from guestd.files.fs import TEMP_MARK, FileSystem, PendingTemps, Place, rename_noreplace
-from guestd.files.handlers import DEFAULT_PERM, _fsync_dirfd
 from guestd.wire.errors import ErrorCode, GuestdError, too_large
 
 if TYPE_CHECKING:
@@ -622,7 +622,7 @@ class _Commit:
             where = os.fstat(d)
             if (where.st_dev, where.st_ino) not in synced:
                 synced.add((where.st_dev, where.st_ino))
-                _fsync_dirfd(d)
+                fsync_dirfd(d)
 
     def close(self) -> None:
         """What is left of a patch that did not commit goes (temp files, directories made,

@@ -41,6 +41,8 @@ import threading
 from collections.abc import Callable
 
 from guestd.files import tarhead, tarread
+from guestd.files.atomic import AtomicFile
+from guestd.files.entries import remove_tree
 from guestd.files.fs import (
     PATH_MAX,
     RESOLVE_BENEATH,
@@ -53,7 +55,6 @@ from guestd.files.fs import (
     openat2,
     rename_noreplace,
 )
-from guestd.files.handlers import AtomicFile, remove_tree
 from guestd.files.walk import Filter, Walk
 from guestd.wire.errors import ErrorCode, GuestdError
 

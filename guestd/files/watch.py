@@ -103,7 +103,7 @@ NAME_COST = 80  # bytes a remembered name costs besides itself (set slot, bytes 
 
 _EVENT = struct.Struct("iIII")
 _RESOLVE = RESOLVE_BENEATH | RESOLVE_NO_SYMLINKS | RESOLVE_NO_MAGICLINKS
-# file.write's temp names (guestd.files.handlers.AtomicFile): an O_TMPFILE inode, which the
+# file.write's temp names (guestd.files.atomic.AtomicFile): an O_TMPFILE inode, which the
 # kernel names "#<inode number>" in its events though no such name ever exists, and the named
 # temp file "." + name + TEMP_MARK + 12 hex digits (an overwrite's link, or where O_TMPFILE is missing);
 # tree.upload's private staging directory "." + name + TREE_TEMP_MARK + 12 hex digits, never

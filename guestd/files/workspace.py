@@ -12,8 +12,8 @@ from typing import TYPE_CHECKING, Any, TypeVar, cast
 
 from guestd.files import patch, search, trees
 from guestd.files.edit import Editor
+from guestd.files.entries import os_call
 from guestd.files.fs import FileSystem
-from guestd.files.handlers import _os_call
 from guestd.files.ignore import Overrides
 from guestd.files.walk import Filter
 from guestd.files.watch import Handoff, Watcher, WorkspaceChanges, change_cost, merge
@@ -70,7 +70,7 @@ def register_workspace(services: Services, fsys: FileSystem, ids: tuple[int, int
     rg_user = search.search_user(ids)  # grep's rg: nobody where the workload user would be root
 
     async def io(fn: Callable[..., T], *args: Any) -> T:
-        return cast(T, await services.run_in_io(_os_call, fn, *args))
+        return cast(T, await services.run_in_io(os_call, fn, *args))
 
     async def edit(fn: Callable[..., T], *args: Any) -> T:
         return await services.writes.landing(io(fn, *args))  # snapshot.prepare waits for these
@@ -114,7 +114,7 @@ def register_workspace(services: Services, fsys: FileSystem, ids: tuple[int, int
         )
         deadline = asyncio.get_running_loop().time() + a["timeout_s"]
         root_fd, single = await services.acquire_in_io(
-            _os_call, lambda r: os.close(r[0]), search.open_target, fsys, a["path"]
+            os_call, lambda r: os.close(r[0]), search.open_target, fsys, a["path"]
         )
         try:
             outcome = await search.run_rg(
@@ -154,7 +154,7 @@ def register_workspace(services: Services, fsys: FileSystem, ids: tuple[int, int
         def work() -> None:
             # A thread of its own, not an I/O thread: it waits for the stream as long as it lasts.
             try:
-                result = _os_call(trees.extract, fsys, a["path"], a["parents"], a["replace"], feed)
+                result = os_call(trees.extract, fsys, a["path"], a["parents"], a["replace"], feed)
                 loop.call_soon_threadsafe(settle, result, None)
             except BaseException as exc:
                 loop.call_soon_threadsafe(settle, None, exc)
@@ -187,7 +187,7 @@ def register_workspace(services: Services, fsys: FileSystem, ids: tuple[int, int
         chunk = a["chunk"] or services.config.limits.max_chunk
         flt = Filter(globs=[*a["include"], *("!" + g for g in a["exclude"])], gitignore=a["gitignore"], skip_git=False)
         arch: trees.Archive = await services.acquire_in_io(
-            _os_call, trees.Archive.close, trees.open_archive, fsys, a["path"], flt, chunk
+            os_call, trees.Archive.close, trees.open_archive, fsys, a["path"], flt, chunk
         )
         sent = 0
         try:
@@ -205,7 +205,7 @@ def register_workspace(services: Services, fsys: FileSystem, ids: tuple[int, int
     async def start_watcher(
         path: str, sink: Callable[[list[Any]], object], on_end: Callable[[BaseException], object] | None = None
     ) -> Watcher:
-        root_fd: int = await services.acquire_in_io(_os_call, os.close, fsys.open_dir, path)
+        root_fd: int = await services.acquire_in_io(os_call, os.close, fsys.open_dir, path)
         try:
             watcher = Watcher(root_fd, sink, on_end)
         except BaseException:
