@@ -235,3 +235,15 @@ class OutputRing:
         with memoryview(self._buf) as view:
             data = bytes(view[i : i + first]) if first == n else bytes(view[i : i + first]) + bytes(view[: n - first])
         return data, offset, lost
+
+
+def give_away_spills(stdout: OutputCapture, stderr: OutputCapture) -> dict[str, Spill] | None:
+    """A command detaches: its spill files (if any) go with it to the process table, which
+    writes what it prints from now on and closes them; the reply only reports them."""
+    if stdout.spill is None or stderr.spill is None:
+        return None
+    spills = {"stdout": stdout.spill, "stderr": stderr.spill}
+    stdout.spill = stderr.spill = None
+    for spill in spills.values():
+        spill.given_away = True
+    return spills

@@ -22,7 +22,6 @@ if TYPE_CHECKING:
     from guestd.children import Children, ExitInfo
     from guestd.children.cgroups import RunCgroup, WorkloadCgroup
     from guestd.config import Config
-    from guestd.runs import RunTable
     from guestd.spill import Spill
 
 
@@ -242,6 +241,16 @@ class Adopter(Protocol):
         ...
 
 
+class KeptRuns(Protocol):
+    """Where ``keep: true`` runs go (guestd.runs' table, set by guestd.processes)."""
+
+    async def keep(
+        self, ctx: Request | None, op: str, target: str, what: str, run: Callable[[], Awaitable[Any]]
+    ) -> Any:
+        """Run ``run()`` as a kept run; its reply with ``run_id`` (the request may go away first)."""
+        ...
+
+
 # A restore hook gets the restore's entropy and returns what it did, as report fields.
 RestoreHook = Callable[[bytes], Awaitable[dict[str, list[str]]]]
 BusyReport = Callable[[], dict[str, list[str]]]
@@ -271,7 +280,7 @@ class Services:
         self.require: Callable[[str], None] = lambda capability: None
         self._changes: ChangeFeed | None = None
         self._adopter: Adopter | None = None
-        self._runs: RunTable | None = None
+        self._runs: KeptRuns | None = None
         self._io: ThreadPoolExecutor | None = None
         self._kernel_dir: str | None = None
 
@@ -299,14 +308,14 @@ class Services:
         self._adopter = adopter
 
     @property
-    def runs(self) -> RunTable | None:
+    def runs(self) -> KeptRuns | None:
         """keep: true runs (guestd.runs, set by guestd.processes)."""
         if self._runs is None:
             self.require("process")
         return self._runs
 
     @runs.setter
-    def runs(self, table: RunTable | None) -> None:
+    def runs(self, table: KeptRuns | None) -> None:
         self._runs = table
 
     async def changes_cursor(self, wanted: bool) -> int | None:

@@ -23,11 +23,11 @@ import contextlib
 import os
 import threading
 import time
-from typing import TYPE_CHECKING, Any
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any, Protocol
 
 if TYPE_CHECKING:
-    from guestd.capture import OutputCapture
-    from guestd.services import Services
+    from guestd.config import Config
     from guestd.wire.types import SpillInfoRecord, SpillInfoStopped
 
 SPILL_RESERVE_MAX = 64 * 1024 * 1024
@@ -39,7 +39,20 @@ _writing: set[str] = set()  # names of spill files still open for writing: never
 _held: set[str] = set()  # names a background process's record gives: swept only with it (forget, retention)
 
 
-def spill_dir(services: Services) -> int:
+class SpillHost(Protocol):
+    """What spilling needs of the daemon (``guestd.services.Services`` is one)."""
+
+    @property
+    def config(self) -> Config: ...
+
+    def runtime_dir(self) -> str: ...
+
+    async def run_in_io(self, fn: Callable[..., Any], *args: Any) -> Any: ...
+
+    async def acquire_in_io(self, fn: Callable[..., Any], release: Callable[[Any], None], *args: Any) -> Any: ...
+
+
+def spill_dir(services: SpillHost) -> int:
     """The spill directory's fd (O_PATH-free: a real directory fd), made 0700 if missing;
     refused unless it is a directory owned by guestd's uid with no group/other access."""
     base = services.runtime_dir()
@@ -84,7 +97,7 @@ def sweep(dirfd: int, retention_s: float, max_total: int) -> None:
 class Spill:
     """One stream's spill file; ``write`` from the event loop, the disk work in I/O threads."""
 
-    def __init__(self, services: Services, path: str, fd: int, cap: int) -> None:
+    def __init__(self, services: SpillHost, path: str, fd: int, cap: int) -> None:
         self.services = services
         self.path = path
         self._fd: int | None = fd
@@ -194,7 +207,7 @@ class Spill:
         _writing.discard(os.path.basename(self.path))
 
 
-async def open_spills(services: Services, prefix: str) -> tuple[Spill, Spill]:
+async def open_spills(services: SpillHost, prefix: str) -> tuple[Spill, Spill]:
     """A stdout and a stderr spill for one run (``unavailable`` when the directory is not usable)."""
     from guestd.wire.errors import ErrorCode, GuestdError
 
@@ -253,15 +266,3 @@ def abandon(spills: tuple[Spill, Spill] | None) -> None:
             continue
         task = asyncio.ensure_future(s.close())
         task.add_done_callback(lambda t: t.cancelled() or t.exception())
-
-
-def give_away_spills(stdout: OutputCapture, stderr: OutputCapture) -> dict[str, Spill] | None:
-    """A command detaches: its spill files (if any) go with it to the process table, which
-    writes what it prints from now on and closes them; the reply only reports them."""
-    if stdout.spill is None or stderr.spill is None:
-        return None
-    spills = {"stdout": stdout.spill, "stderr": stderr.spill}
-    stdout.spill = stderr.spill = None
-    for spill in spills.values():
-        spill.given_away = True
-    return spills

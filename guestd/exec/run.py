@@ -13,11 +13,10 @@ import os
 import time
 from typing import TYPE_CHECKING, Any
 
-from guestd.capture import OutputCapture, OutputRing, capture_fields_off_loop
+from guestd.capture import OutputCapture, OutputRing, capture_fields_off_loop, give_away_spills
 from guestd.children import Child, KilledBy, run_figures
 from guestd.children.options import parse_signal
 from guestd.children.tree import read_chunk, write_all
-from guestd.spill import give_away_spills
 
 if TYPE_CHECKING:  # the generated message types: annotations only, never imported at run time
     from guestd.services import Adopter, Request
