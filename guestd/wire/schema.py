@@ -934,7 +934,7 @@ _CODE_RESULT = (
         "results_dropped",
         "uint",
         "rich results not returned: over 64, over limits.max_output or the client's max_frame (measured "
-        "encoded), or not encodable",
+        "encoded), nested deeper than 56 levels, or not encodable",
         True,
     ),
     F(
@@ -1239,7 +1239,7 @@ SHELL_OPS: tuple[OpSpec, ...] = (
         "stdin is /dev/null unless input is given. Output capture and counts as in exec; no markers in it.",
         args=(
             F("id", "str", "session id or name", True),
-            F("command", "str", "bash command text (multi-line, heredocs allowed)", True),
+            F("command", "str", "bash command text (multi-line, heredocs allowed; a NUL byte is bad_request)", True),
             F("input", "bin?", "bytes for the command's stdin"),
             _MERGE_STDERR,
             F(
