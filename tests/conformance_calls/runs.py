@@ -89,6 +89,15 @@ async def keep_shell_run(c: AsyncClient, ctx: CallContext) -> object:
     return None
 
 
+async def shell_run_nul(c: AsyncClient, ctx: CallContext) -> object:
+    shell = await c.shell_create()
+    expect_codes(await together(c.shell_run(shell.id, f"touch {ctx.tmp}/nul-ran\0; echo rest")), "bad_request")
+    ran = await c.shell_run(shell.id, f"test -e {ctx.tmp}/nul-ran && echo ran || echo nothing")
+    assert ran.stdout == b"nothing\n"
+    await c.shell_close(shell.id)
+    return None
+
+
 async def runs_get_wait_list(c: AsyncClient, ctx: CallContext) -> object:
     shell = await c.shell_create()
     run_id = await start_kept(c, "shell.run", {"id": shell.id, "command": "sleep 1; echo late"})
@@ -457,6 +466,7 @@ CALLS: dict[str, ClientCall] = {
     "code_lifecycle": code_lifecycle,
     "code_stream_interrupt_restart": code_stream_interrupt_restart,
     "shell_session": shell_session,
+    "shell_run_nul": shell_run_nul,
     "shell_stdin": shell_stdin,
     "shell_stream": shell_stream,
     "shell_pty": shell_pty,
