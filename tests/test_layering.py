@@ -1,6 +1,8 @@
 """The house's layering, checked on the source: a capability package imports nothing above
-itself (the daemon, the server, the client, the CLI, test helpers) and no other capability;
-the layers below the capabilities import none of them. Type-only imports count too."""
+itself (the daemon, the server, the composition root, the client, the CLI, test helpers) and no
+other capability; the layers below the capabilities import none of them; the server imports no
+capability (guestd/capabilities.py composes them into it) and its modules form no import cycle.
+Type-only imports count too."""
 
 from __future__ import annotations
 
@@ -15,7 +17,14 @@ import pytest
 from guestd.testing import REPO
 
 CAPABILITIES = ("exec", "files", "processes", "shells", "code", "snapshot", "system", "ports", "metrics")
-ABOVE = ("guestd.server", "guestd.client", "guestd.cli", "guestd.testing", "guestd.integrations")
+ABOVE = (
+    "guestd.server",
+    "guestd.capabilities",
+    "guestd.client",
+    "guestd.cli",
+    "guestd.testing",
+    "guestd.integrations",
+)
 BELOW = ("guestd/children", "guestd/wire", "guestd/services.py", "guestd/config.py", "guestd/policy.py")
 
 
@@ -95,3 +104,45 @@ def test_the_daemon_does_not_load_test_helpers_or_the_cli() -> None:
         if any(_within(m, p) for p in host_side)
     }
     assert not bad, sorted(bad)
+
+
+def test_the_server_imports_no_capability() -> None:
+    """Connections, dispatch, admission and the daemon serve whatever is composed into them
+    (guestd/capabilities.py); a capability hooks into admission from its own register()."""
+    capabilities = tuple(f"guestd.{c}" for c in CAPABILITIES)
+    bad = {
+        (os.path.relpath(path, REPO), m)
+        for path in modules_under("guestd/server")
+        for m in imports_of(path)
+        if any(_within(m, p) for p in capabilities)
+    }
+    assert not bad, sorted(bad)
+
+
+def test_the_servers_modules_import_each_other_without_a_cycle() -> None:
+    modules = {_module_name(path): path for path in modules_under("guestd/server")}
+    edges = {
+        name: {m for m in imports_of(path) if m in modules and m != name and m != "guestd.server"}
+        for name, path in modules.items()
+    }
+    cycles = []
+    done: set[str] = set()
+
+    def visit(name: str, trail: list[str]) -> None:
+        if name in trail:
+            cycles.append([*trail[trail.index(name) :], name])
+            return
+        if name in done:
+            return
+        for nxt in sorted(edges[name]):
+            visit(nxt, [*trail, name])
+        done.add(name)
+
+    for name in sorted(modules):
+        visit(name, [])
+    assert not cycles, cycles
+
+
+def _module_name(path: str) -> str:
+    name = os.path.relpath(path, REPO).removesuffix(".py").replace(os.sep, ".")
+    return name.removesuffix(".__init__")

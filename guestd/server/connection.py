@@ -10,6 +10,10 @@ the replies cannot make guestd buffer without bound.
 It is an asyncio.BufferedProtocol so that the kernel reads frames straight into the
 session's decoder (``get_buffer``/``buffer_updated``; transports that hand out bytes call
 ``data_received``), and inline ops (ping) are answered without creating a task.
+
+What it needs of the server is a :class:`~guestd.server.host.ConnectionHost` (the daemon is
+one): limits, ops, a slot, the peer and token checks, the hello, and the admission chain that
+every request passes first (guestd/server/admission.py).
 """
 
 from __future__ import annotations
@@ -18,10 +22,11 @@ import asyncio
 import logging
 import os
 import time
-from collections.abc import Awaitable, Callable, Mapping
 from typing import TYPE_CHECKING, Any
 
 from guestd.flow import WriteGate, widen_send_buffer
+from guestd.server.admission import REPLIED
+from guestd.server.request import RequestContext
 from guestd.wire.errors import ErrorCode, GuestdError
 from guestd.wire.session import (
     CancelRequested,
@@ -39,233 +44,15 @@ from guestd.wire.session import (
 )
 
 if TYPE_CHECKING:
-    from guestd.server.daemon import Daemon
+    from guestd.server.admission import Gate
+    from guestd.server.host import ConnectionHost
+    from guestd.server.request import Handler
 
 log = logging.getLogger("guestd.connection")
 
 SERIAL_STALL_S = 1.0
 WRITE_HIGH_WATER = 2 * 1024 * 1024  # unsent bytes per connection before we stop reading from it
-MAX_EARLY_SIGNALS = 16  # signals kept for a handler that has not started yet
-BULK_REPLIES = 4  # replies held whole in memory (file.read, <= limits.max_read each) built at once per connection
 
-
-class RequestContext:
-    """What a handler sees of its request: stream sending with credit, input, cancel."""
-
-    __slots__ = (
-        "_credit_waiters",
-        "_early_signals",
-        "_input",
-        "cancel_reason",
-        "cancel_shielded",
-        "conn",
-        "id",
-        "input_handler",
-        "op",
-        "signal_handler",
-        "stream",
-        "takes_data",
-        "task",
-    )
-
-    def __init__(self, conn: Connection, stream: Stream) -> None:
-        self.conn = conn
-        self.stream = stream  # the core's handle: identity, not the id, decides what it acts on
-        self.id = stream.id
-        self.op = stream.op
-        self.task: asyncio.Task[None] | None = None
-        self._credit_waiters: list[asyncio.Future[None]] = []
-        self._input: asyncio.Queue[dict[str, Any]] | None = None
-        # Handlers that react to INPUT synchronously (exec signals) set this instead of reading ``input``.
-        self.input_handler: Callable[[dict[str, Any]], None] | None = None
-        self.signal_handler: Callable[[Any], None] | None = None
-        self._early_signals: list[Any] = []
-        self.takes_data = True
-        # Set by a handler past its point of no return (an upload committing): a client
-        # cancel then no longer interrupts it, and the reply says what really happened.
-        self.cancel_shielded = False
-        self.cancel_reason: str | None = None
-
-    @property
-    def active(self) -> bool:
-        """False once the request's final frame went out (e.g. the core refused its input)."""
-        return self.stream.open
-
-    @property
-    def connection(self) -> Connection:
-        return self.conn
-
-    @property
-    def write_paused(self) -> bool:
-        """The connection's unsent output is over its mark: producers should wait (drain)."""
-        return self.conn.write_paused
-
-    async def drain(self) -> None:
-        """Until the connection takes more output, or this request has ended (its final frame
-        sent, or its connection gone): a producer never waits for a client that has left."""
-        if not self.stream.open:
-            return  # ended: nothing of it is sent any more, so nothing waits for the peer
-        if not self.conn.write_paused:
-            await self.conn.drain()  # returns at once (or raises: the connection is closing)
-            return
-        ended = asyncio.get_running_loop().create_future()
-        self._credit_waiters.append(ended)
-        drained = asyncio.ensure_future(self.conn.drain())
-        try:
-            await asyncio.wait((drained, ended), return_when=asyncio.FIRST_COMPLETED)
-        finally:
-            if ended in self._credit_waiters:
-                self._credit_waiters.remove(ended)
-            if not drained.done():
-                drained.cancel()
-        if drained.done() and not drained.cancelled():
-            drained.result()  # the connection closed: raise as conn.drain() does
-
-    # -- server -> client stream ------------------------------------------------------
-    async def send_event(self, body: dict[str, Any]) -> None:
-        """Send one small, non-data EVENT (it needs no credit)."""
-        self.post_event(body)
-        await self.conn.drain()
-
-    def post_event(self, body: dict[str, Any]) -> None:
-        """Queue one non-data EVENT without waiting for the transport."""
-        if self.conn.session.send_event(self.stream, body):
-            self.conn.flush()
-
-    async def send_data_event(self, fields: Mapping[str, Any], data: bytes | bytearray) -> None:
-        """Send ``data`` as data EVENTs, each within the client's credit and max_frame.
-
-        When ``fields`` has an ``offset`` it is the offset of ``data``'s first byte, and
-        each frame carries the offset of its own first byte.
-        """
-        session = self.conn.session
-        fields = dict(fields)
-        view = memoryview(data)
-        while view:
-            room = session.data_room(self.stream, fields)
-            if room <= 0:
-                if not self.active:
-                    return
-                await self.wait_credit()
-                continue
-            piece = data if room >= len(view) and len(view) == len(data) else bytes(view[:room])
-            session.send_data(self.stream, fields, piece)
-            self.conn.flush()
-            view = view[len(piece) :]
-            if "offset" in fields:
-                fields["offset"] += len(piece)
-            await self.conn.drain()
-
-    @property
-    def max_frame(self) -> int:
-        """The largest frame payload the client takes: replies and events must fit it."""
-        return self.conn.session.peer_max_frame
-
-    def data_room(self, fields: Mapping[str, Any]) -> int:
-        """Data bytes the next frame may carry now (0: out of credit, or the request ended)."""
-        return self.conn.session.data_room(self.stream, fields)
-
-    def push_data(self, fields: Mapping[str, Any], data: bytes | bytearray) -> None:
-        """Queue one data EVENT of at most :meth:`data_room` bytes without waiting."""
-        if self.conn.session.send_data(self.stream, fields, data):
-            self.conn.flush()
-
-    async def wait_credit(self) -> None:
-        """Until the client grants credit (or the request ends). Several tasks of one
-        request may wait at once (exec's reader and its final drain); each is woken."""
-        while self.stream.open and self.stream.send_credit <= 0:
-            waiter = asyncio.get_running_loop().create_future()
-            self._credit_waiters.append(waiter)
-            try:
-                await waiter
-            finally:
-                if waiter in self._credit_waiters:
-                    self._credit_waiters.remove(waiter)
-
-    async def wait_room(self, fields: Mapping[str, Any], nbytes: int) -> None:
-        """Until one data EVENT with ``fields`` may carry ``nbytes`` whole (or the request
-        ends): for events whose data must not be split (a grep line, a watched path)."""
-        while self.stream.open and self.conn.session.data_room(self.stream, fields) < nbytes:
-            waiter = asyncio.get_running_loop().create_future()
-            self._credit_waiters.append(waiter)
-            try:
-                await waiter
-            finally:
-                if waiter in self._credit_waiters:
-                    self._credit_waiters.remove(waiter)
-
-    def on_credit(self) -> None:
-        waiters, self._credit_waiters = self._credit_waiters, []
-        for w in waiters:
-            if not w.done():
-                w.set_result(None)
-
-    def end(self) -> None:
-        """The request is over (final frame sent, or forgotten with its connection): every task
-        still waiting for its credit or its connection's drain (a shielded final drain, a
-        paused reader) wakes, sees the stream closed and drops what is left instead of
-        holding its session, context or process for a client that will never read."""
-        self.on_credit()
-
-    # -- client -> server input -------------------------------------------------------
-    @property
-    def input(self) -> asyncio.Queue[dict[str, Any]]:
-        if self._input is None:
-            self._input = asyncio.Queue()
-        return self._input
-
-    def push_input(self, body: dict[str, Any]) -> None:
-        # A signal never waits behind data (a process that does not read its stdin must
-        # still be interruptible), nor for the handler to start: it goes to the signal
-        # handler at once, or is kept for it.
-        signal = body.pop("signal", None)
-        if signal is not None:
-            if self.signal_handler is not None:
-                self.signal_handler(signal)
-            elif len(self._early_signals) < MAX_EARLY_SIGNALS:
-                self._early_signals.append(signal)
-        if not body or (body.get("data") == b"" and not body.get("eof")):
-            return  # nothing left to deliver (empty data frames cost no credit: never queue them)
-        if self.input_handler is not None:
-            self.input_handler(body)
-        elif self.takes_data:
-            self.input.put_nowait(body)
-
-    def handle_signals(self, handler: Callable[[Any], None]) -> None:
-        """Apply INPUT signals with ``handler`` from now on; signals that arrived before
-        (in the same read as the request, say) are applied first, not lost."""
-        self.signal_handler = handler
-        early, self._early_signals = self._early_signals, []
-        for signal in early:
-            handler(signal)
-
-    def stop_taking_data(self) -> None:
-        """The handler reads no more data or eof (stdin given whole, or closed): later ones
-        are dropped instead of queued for nobody."""
-        self.takes_data = False
-        if self._input is not None:
-            while not self._input.empty():
-                self._input.get_nowait()
-
-    def ack_input(self, nbytes: int) -> None:
-        """Tell the client it may send ``nbytes`` more (after we consumed them)."""
-        self.conn.session.ack_input(self.stream, nbytes)
-        self.conn.flush()
-
-    def commit(self) -> None:
-        """Past the point of no return (an upload's eof taken): a client cancel no longer
-        interrupts the request and later input is ignored, so the reply reports what
-        really happened."""
-        self.cancel_shielded = True
-        self.conn.session.close_input(self.stream)
-
-    def cancel(self, reason: str) -> None:
-        if self.task is not None and not self.task.done():
-            self.cancel_reason = self.cancel_reason or reason
-            self.task.cancel(msg=reason)
-
-
-Handler = Callable[[RequestContext, Any], Awaitable[Mapping[str, Any]]]
 
 _CANCEL_ERRORS = {
     "cancel": "request cancelled",
@@ -274,14 +61,15 @@ _CANCEL_ERRORS = {
 
 
 class Connection(asyncio.BufferedProtocol):
-    def __init__(self, daemon: Daemon, transport_name: str, serial: bool = False) -> None:
-        self.daemon = daemon
-        self.limits = daemon.config.limits
+    def __init__(self, host: ConnectionHost, transport_name: str, serial: bool = False) -> None:
+        self.host = host
+        self._admit = host.admit  # every request goes through it: looked up once
+        self.limits = host.limits
         self.transport_name = transport_name
         self.serial = serial
         self.session_id = os.urandom(8).hex()
         self.session = ServerSession(
-            ops=daemon.dispatcher.specs,
+            ops=host.op_specs,
             max_frame=self.limits.max_frame,
             stream_window=self.limits.stream_window,
             max_inflight=self.limits.max_inflight,
@@ -292,7 +80,7 @@ class Connection(asyncio.BufferedProtocol):
         self.peer = "?"
         self.opened_at = time.monotonic()
         self.requests: dict[Stream, RequestContext] = {}
-        self._bulk_replies = asyncio.Semaphore(BULK_REPLIES)
+        self.step_state: dict[object, Any] = {}  # what admission steps keep per connection
         self._gate = WriteGate()
         self._closing = False
         self._last_fed = 0.0  # loop time of the last bytes, for serial stall detection
@@ -326,10 +114,10 @@ class Connection(asyncio.BufferedProtocol):
         if set_limits is not None:
             set_limits(high=WRITE_HIGH_WATER)
         widen_send_buffer(transport.get_extra_info("socket"))
-        if not self.daemon.connection_opened(self):
+        if not self.host.connection_opened(self):
             self.refuse(GuestdError(ErrorCode.LIMIT, "too many connections", details={"limit": "max_connections"}))
             return
-        refused = self.daemon.config.policy.peer_allowed(transport.get_extra_info("socket"))
+        refused = self.host.check_peer(transport.get_extra_info("socket"))
         if refused is not None:
             self.refuse(GuestdError(ErrorCode.PERMISSION_DENIED, refused, details={"policy": "allowed_uids"}))
             return
@@ -352,7 +140,16 @@ class Connection(asyncio.BufferedProtocol):
                 handle.cancel()
         self._cancel_all("connection lost")
         self._gate.release_all()
-        self.daemon.connection_closed(self)
+        self.host.connection_closed(self)
+
+    def cancel_requests(self, reason: str) -> list[asyncio.Task[None]]:
+        """Cancel every request running (guestd shutting down); their tasks, to wait for."""
+        tasks = []
+        for ctx in list(self.requests.values()):
+            if ctx.task is not None:
+                tasks.append(ctx.task)
+                ctx.cancel(reason)
+        return tasks
 
     def _cancel_all(self, reason: str) -> None:
         for ctx in list(self.requests.values()):
@@ -517,65 +314,42 @@ class Connection(asyncio.BufferedProtocol):
     def _on_hello(self, hello: dict[str, Any]) -> None:
         # Nothing in a hello takes effect before the token check passes, and the frames
         # after it wait in the session until then.
-        refused = self.daemon.check_token(hello.get("token"))
+        refused = self.host.check_token(hello.get("token"))
         if refused is not None:
             self.refuse(GuestdError(ErrorCode.PERMISSION_DENIED, refused))
             return
         if self._hello_timer is not None:
             self._hello_timer.cancel()
             self._hello_timer = None
-        self.session.accept_hello(lambda _session: self.daemon.hello_body(self))
+        self.session.accept_hello(lambda _session: self.host.hello_body(self))
         self._hello_just_accepted = True  # _on_events then releases the frames behind the hello
-        self.daemon.snapshot.check_host_time(hello.get("time_ns"))
+        self.host.on_hello(hello)
 
     def _on_request(self, event: RequestReceived) -> None:
-        stream, args = event.stream, event.args
-        daemon = self.daemon
+        stream = event.stream
         try:
-            daemon.config.policy.check_op(stream.op)
+            # The admission chain (guestd/server/admission.py): policy, the route (the core admitted
+            # only ops that are served; a declared capability registers now), the gates.
+            route, handler, gate = self._admit(stream.op)
         except GuestdError as err:
             self.session.fail(stream, err)
             return
-        daemon.replied()  # runs after this callback, once the reply of an inline op is written
-        try:
-            # The core admitted only ops that are served; a declared capability registers now.
-            route = daemon.dispatcher.route(stream.op)
-        except GuestdError as err:
-            self.session.fail(stream, err)
-            return
-        gate = daemon.snapshot.gate(stream.op)
-        if route.inline is not None and gate is None:
+        inline = route.inline
+        if inline is not None and gate is None:
             try:
-                self.session.respond(stream, route.inline(args))
+                self.session.respond(stream, inline(event.args))
             except GuestdError as err:
                 self.session.fail(stream, err)
             return
-        handler: Handler = route.handler if route.handler is not None else _as_handler(route.inline)
         ctx = RequestContext(self, stream)
         self.requests[stream] = ctx
-        ctx.task = asyncio.get_running_loop().create_task(self._run(ctx, handler, args, gate, route.bulk_reply))
+        ctx.task = asyncio.get_running_loop().create_task(self._run(ctx, handler, event.args, gate))
         ctx.task.add_done_callback(lambda _task: self._task_done(ctx))
 
-    async def _run(
-        self,
-        ctx: RequestContext,
-        handler: Handler,
-        args: dict[str, Any],
-        gate: asyncio.Event | None,
-        bulk_reply: bool,
-    ) -> None:
+    async def _run(self, ctx: RequestContext, handler: Handler, args: dict[str, Any], gate: Gate | None) -> None:
         try:
             if gate is not None:
-                await gate.wait()  # a restore (or a quiescing prepare) is in progress
-            if bulk_reply:
-                # A reply held in memory in full (file.read): at most a few are built at
-                # once per connection, and none while the client is not reading.
-                async with self._bulk_replies:
-                    await self.drain()
-                    result = await handler(ctx, args)
-                    self.session.respond(ctx.stream, result)
-                    self.flush()
-                    return
+                await gate.wait()  # e.g. a restore (or a quiescing prepare) is in progress
             result = await handler(ctx, args)
         except asyncio.CancelledError:
             self._finish_cancelled(ctx)
@@ -590,7 +364,8 @@ class Connection(asyncio.BufferedProtocol):
             log.exception("op %s failed", ctx.op)
             self.session.fail(ctx.stream, GuestdError(ErrorCode.INTERNAL, f"{type(exc).__name__}: {exc}"))
         else:
-            self.session.respond(ctx.stream, result)
+            if result is not REPLIED:  # a step that sent it itself (the bulk-reply bound)
+                self.session.respond(ctx.stream, result)
         self.flush()
 
     def _finish_cancelled(self, ctx: RequestContext) -> None:
@@ -608,11 +383,3 @@ class Connection(asyncio.BufferedProtocol):
         if ctx.stream.open:
             self._finish_cancelled(ctx)
         ctx.end()
-
-
-def _as_handler(inline: Any) -> Handler:
-    async def handler(ctx: RequestContext, args: dict[str, Any]) -> dict[str, Any]:
-        result: dict[str, Any] = inline(args)
-        return result
-
-    return handler

@@ -1,4 +1,9 @@
-"""The daemon object: configuration, dispatcher, connections, lifecycle, and ``main``."""
+"""The daemon object: configuration, dispatcher, admission, connections, lifecycle, and ``main``.
+
+It names no capability: what guestd serves is composed at the package root
+(``guestd/capabilities.py``), which declares the capabilities, registers the ones needed at
+start and hooks them into the admission chain.
+"""
 
 from __future__ import annotations
 
@@ -11,72 +16,26 @@ import os
 import signal
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any
 
 from guestd import __version__
-from guestd.config import DEFAULT_VSOCK_PORT, Config, load_config_file, take_private_env
+from guestd.config import DEFAULT_VSOCK_PORT, Config, Limits, load_config_file, take_private_env
 from guestd.memtune import tune_malloc
-from guestd.server.connection import Connection
+from guestd.server.admission import AdmissionChain, Admitted, bound_bulk_replies, os_paths
 from guestd.server.dispatch import Dispatcher
 from guestd.server.transports import Listener, listen, parse_listen, refuse_live_unix_socket
 from guestd.wire.errors import ErrorCode, GuestdError
 
 if TYPE_CHECKING:
+    from guestd.server.host import HostedConnection
     from guestd.services import Services
+    from guestd.wire.schema import OpSpec
 
 log = logging.getLogger("guestd")
 SETTLE_AFTER_S = 1.0  # after-first-reply work runs this long after listening when nobody asks first
-PENDING_WRITES = "pending-writes"  # where the files capability records temps of writes in progress
 
-
-def _register_exec(services: Services) -> None:
-    from guestd.exec import handlers
-
-    handlers.register(services)
-
-
-def _register_files(services: Services) -> None:
-    from guestd.files import handlers
-
-    handlers.register(services)
-
-
-def _register_processes(services: Services) -> None:
-    from guestd.processes import handlers
-
-    handlers.register(services)
-
-
-def _register_shells(services: Services) -> None:
-    from guestd.shells import handlers
-
-    handlers.register(services)
-
-
-def _register_ports(services: Services) -> None:
-    from guestd.ports import handlers
-
-    handlers.register(services)
-
-
-def _register_metrics(services: Services) -> None:
-    from guestd.metrics import handlers
-
-    handlers.register(services)
-
-
-# Capabilities declared at start and registered at their first request (schema name -> register):
-# their modules (the files capability alone was 26 ms and 2.7 MiB of guestd's start, issue 34)
-# load only when used. Order: the order they register in when all are needed at once.
-LAZY_CAPABILITIES: dict[str, Callable[[Services], None]] = {
-    "exec": _register_exec,
-    "files": _register_files,
-    "process": _register_processes,
-    "shell": _register_shells,
-    "port": _register_ports,
-    "metrics": _register_metrics,
-}
+Register = Callable[["Services"], None]  # a capability's register(services)
 
 
 def read_boot_id() -> str:
@@ -88,18 +47,25 @@ def read_boot_id() -> str:
 
 
 class Daemon:
-    """Transports, connections, lifecycle; the capabilities get a narrow Services of it."""
+    """Transports, connections, lifecycle; the capabilities get a narrow Services of it, the
+    connections a ConnectionHost (guestd/server/host.py)."""
 
-    def __init__(self, config: Config) -> None:
+    def __init__(self, config: Config, compose: Callable[[Daemon], None] | None = None) -> None:
+        """``compose`` declares and registers the capabilities (default: guestd.capabilities.compose)."""
         self.config = config
         self.started_mono = time.monotonic()
         self.boot_id = read_boot_id()
-        self.connections: set[Connection] = set()
+        self.connections: set[HostedConnection] = set()
         self.token: str | None = None
         self.dispatcher = Dispatcher()
         self.listeners: list[Listener] = []
         self._stopping: asyncio.Event | None = None
         self._sweeper: asyncio.Task[None] | None = None
+        # Policy first: a refused op registers no capability and starts nothing.
+        self.admission = AdmissionChain(self.dispatcher)
+        self.admission.add("policy", check=config.policy.check_op, before_route=True)
+        self.admission.add("first_request", check=self._first_request, before_route=True)
+        self.admit: Callable[[str], Admitted] = self.admission.admit  # ConnectionHost.admit, with no call between
 
         from guestd.children import Children
         from guestd.children.cgroups import WorkloadCgroup
@@ -110,28 +76,30 @@ class Daemon:
         self.services = Services(config, self.children, self.workload, self.dispatcher, self)
 
         self.services.require = self.require
-        self._unregistered = dict(LAZY_CAPABILITIES)
+        self._unregistered: dict[str, Register] = {}
+        self.before_start: list[Callable[[], None]] = []  # at serve(), before the capabilities' on_start
         self._listening = False
         self._settled = False
-        # Registered now: ping and info answer without loading anything, the snapshot state
-        # gates requests and reads hellos, and code's start-up reaps kernels a crashed guestd left.
-        from guestd.code import handlers as code_ops
-        from guestd.snapshot import handlers as snapshot_ops
-        from guestd.system import handlers as system_ops
+        if compose is None:
+            from guestd.capabilities import compose as compose_guestd  # the composition root
 
-        system_ops.register(self.services)
-        for capability in LAZY_CAPABILITIES:
-            self.dispatcher.declare(capability, functools.partial(self.require, capability))
-        code_ops.register(self.services)
-        self.snapshot = snapshot_ops.register(self.services)
-        # A snapshot is taken with every capability loaded: a guest restored from it pays no
-        # first-use import, and snapshot.prepare reports the running work of all of them.
-        self.dispatcher.load_before("snapshot.prepare", self.require_all)
-        # Confinement roots are directory fds opened at start (PROTOCOL.md 8): opened at the
-        # first file request instead, a root the workload renamed and replaced by a symlink in
-        # the meantime would be followed (tests/test_redteam_fs.py). With roots, files loads now.
-        if config.policy.write_roots is not None or config.policy.read_roots is not None:
-            self.require("files")
+            compose = compose_guestd
+        compose(self)
+        # The server's own steps come last, innermost: a reply held whole is built a few at a
+        # time per connection (its route's bulk_reply), and path arguments reach handlers as os strs.
+        self.admission.add("bulk_reply", wrap=bound_bulk_replies)
+        self.admission.add("paths", wrap=os_paths)
+
+    # -- capabilities ---------------------------------------------------------------------
+    def declare(self, capability: str, register: Register) -> None:
+        """Serve ``capability``'s ops from now on; ``register`` registers them at its first
+        request (or when another capability needs it)."""
+        self._unregistered[capability] = register
+        self.dispatcher.declare(capability, functools.partial(self.require, capability))
+
+    def load_before(self, op: str, load: Callable[[], None]) -> None:
+        """Run ``load`` before ``op`` is served the first time (after its own capability's)."""
+        self.dispatcher.load_before(op, load)
 
     def require(self, capability: str) -> None:
         """Register a declared capability (on its first request, or when another one needs it)."""
@@ -152,8 +120,16 @@ class Daemon:
         for capability in list(self._unregistered):
             self.require(capability)
 
-    # -- connections ------------------------------------------------------------------
-    def connection_opened(self, conn: Connection) -> bool:
+    # -- connections (ConnectionHost) ---------------------------------------------------------
+    @property
+    def limits(self) -> Limits:
+        return self.config.limits
+
+    @property
+    def op_specs(self) -> Mapping[str, OpSpec]:
+        return self.dispatcher.specs
+
+    def connection_opened(self, conn: HostedConnection) -> bool:
         if len(self.connections) >= self.config.limits.max_connections:
             # Peers that never said hello must not lock the host out: the oldest of them
             # makes room. Only when every slot has a handshaken peer is the newcomer refused.
@@ -172,7 +148,7 @@ class Daemon:
         self.connections.add(conn)
         return True
 
-    def connection_closed(self, conn: Connection) -> None:
+    def connection_closed(self, conn: HostedConnection) -> None:
         self.connections.discard(conn)
 
     def connection_count(self) -> int:
@@ -187,6 +163,9 @@ class Daemon:
                 dropped += 1
         return dropped
 
+    def check_peer(self, sock: Any) -> str | None:
+        return self.config.policy.peer_allowed(sock)
+
     def check_token(self, token: Any) -> str | None:
         """None when the peer may proceed, else the reason it may not."""
         if self.token is None:
@@ -197,7 +176,7 @@ class Daemon:
             return "missing or wrong access token"
         return None
 
-    def hello_body(self, conn: Connection) -> dict[str, Any]:
+    def hello_body(self, conn: HostedConnection) -> dict[str, Any]:
         return {
             "version": conn.version,
             "server": f"guestd/{__version__}",
@@ -209,6 +188,9 @@ class Daemon:
             "boot_id": self.boot_id,
             "session": conn.session_id,
         }
+
+    def on_hello(self, hello: Mapping[str, Any]) -> None:
+        self.admission.hello(hello)
 
     # -- lifecycle --------------------------------------------------------------------
     async def serve(self, ready_fd: int | None = None) -> None:
@@ -222,12 +204,12 @@ class Daemon:
         # Before any listener: no run may start before the workload cgroup (and its leaves) is set.
         if os.geteuid() == 0:
             self.workload.setup()  # ends what a previous guestd's runs left
-        if self._writes_left_behind():
-            self.require("files")  # its start-up removes the temp files of a guestd killed mid-write
+        for prepare in self.before_start:
+            prepare()
         for start in self.services.on_start:
             start()
         for addr in self.config.listen:
-            listener = await listen(self, parse_listen(addr))
+            listener = await listen(parse_listen(addr), self, self.config.allowed_cids)
             self.listeners.append(listener)
             log.info("listening on %s", listener.address)
         for sig in (signal.SIGTERM, signal.SIGINT):
@@ -256,8 +238,9 @@ class Daemon:
             lag.write()
         await self.shutdown()
 
-    def replied(self) -> None:
-        """A connection answered a request: the work a first reply must not wait for may start."""
+    def _first_request(self, op: str) -> None:
+        """An admission step until guestd settles: a request passed the policy, so the work a
+        first reply must not wait for may start (soon: after this reply is written)."""
         if not self._settled:
             asyncio.get_running_loop().call_soon(self.settle)
 
@@ -265,19 +248,9 @@ class Daemon:
         if self._settled:
             return
         self._settled = True
+        self.admission.remove("first_request")  # its work is done: later requests skip it
         for work in self.services.after_first_reply:
             work()
-
-    def _writes_left_behind(self) -> bool:
-        """Records of another guestd's writes in progress in the runtime dir (files.fs.PendingTemps)."""
-        try:
-            owners = os.listdir(os.path.join(self.services.runtime_dir(), PENDING_WRITES))
-        except OSError:
-            return False
-        from guestd.children.cgroups import guestd_running
-
-        me = os.getpid()
-        return any(owner.isdigit() and int(owner) != me and not guestd_running(int(owner)) for owner in owners)
 
     def stop(self) -> None:
         if self._stopping is not None:
@@ -287,10 +260,7 @@ class Daemon:
         log.info("shutting down")
         for listener in self.listeners:
             listener.close()
-        requests = [ctx for c in self.connections for ctx in c.requests.values() if ctx.task is not None]
-        tasks = [ctx.task for ctx in requests if ctx.task is not None]
-        for ctx in requests:
-            ctx.cancel("shutdown")
+        tasks = [task for c in list(self.connections) for task in c.cancel_requests("shutdown")]
         if tasks:
             # Exec handlers kill their process trees on cancel; give them their grace.
             await asyncio.wait(tasks, timeout=5.0)

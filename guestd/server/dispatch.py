@@ -7,21 +7,14 @@ first reply, idle memory)."""
 
 from __future__ import annotations
 
-from collections.abc import Awaitable, Callable, Mapping
-from typing import TYPE_CHECKING, Any, NamedTuple
+from collections.abc import Callable, Mapping
+from typing import Any, NamedTuple
 
+from guestd.server.request import Handler
 from guestd.wire.errors import ErrorCode, GuestdError
-from guestd.wire.paths import path_from_wire
 from guestd.wire.schema import OPS_BY_NAME, OpSpec
 
-if TYPE_CHECKING:
-    from guestd.server.connection import RequestContext
-
-# Each handler takes its op's generated ``<Op>Args`` and returns its ``<Op>Reply``
-# (guestd/wire/types.py, from the schema); here they meet as the maps the core checked.
-Args = Any
 Result = Mapping[str, Any]
-Handler = Callable[["RequestContext", Any], Awaitable[Result]]
 InlineHandler = Callable[[Any], Result]
 
 
@@ -37,6 +30,7 @@ class Dispatcher:
         self.routes: dict[str, Route] = {}
         self.specs: dict[str, OpSpec] = {}  # the ops served: what the session core admits
         self._loaders: dict[str, Callable[[], None]] = {}  # op -> registers its declared capability
+        self.on_change: list[Callable[[str], None]] = []  # called with an op registered again
 
     def declare(self, capability: str, load: Callable[[], None]) -> None:
         """Serve every schema op of ``capability``; ``load`` registers them on first use."""
@@ -71,12 +65,15 @@ class Dispatcher:
         spec = OPS_BY_NAME[op]  # KeyError here is a programming error: ops must be in the schema
         if (handler is None) == (inline is None):
             raise ValueError("give exactly one of handler / inline")
-        if handler is not None:
-            handler = _with_os_paths(spec, handler)
-        elif any(f.type.rstrip("?") == "path" for f in spec.args):
+        if inline is not None and any(f.type.rstrip("?") == "path" for f in spec.args):
+            # paths reach a handler as os strs (the admission chain's path step), never an inline op
             raise ValueError(f"{op} takes paths: give it a handler, which gets them as os strs")
+        again = op in self.routes
         self.routes[op] = Route(spec, handler, inline, bulk_reply)
         self.specs[op] = spec
+        if again:
+            for changed in self.on_change:
+                changed(op)
 
     def route(self, op: str) -> Route:
         """The op's route; a declared capability is registered at its first request."""
@@ -96,17 +93,3 @@ class Dispatcher:
 
     def ops(self) -> list[str]:
         return sorted(self.specs)
-
-
-def _with_os_paths(spec: OpSpec, handler: Handler) -> Handler:
-    """Hand ``path`` arguments (str or bin on the wire) to the handler as os strs, so every
-    op takes names that are not UTF-8 without converting them itself."""
-    names = [f.name for f in spec.args if f.type.rstrip("?") == "path"]
-    if not names:
-        return handler
-
-    async def call(ctx: RequestContext, args: Args) -> Result:
-        converted = {n: path_from_wire(args[n]) for n in names if args.get(n) is not None}
-        return await handler(ctx, {**args, **converted})
-
-    return call

@@ -15,14 +15,14 @@ import logging
 import os
 import socket
 import stat
-from collections.abc import Callable
+from collections.abc import Callable, Set
 from typing import TYPE_CHECKING, Any, NamedTuple
 
 from guestd.config import DEFAULT_VSOCK_PORT
 from guestd.server.connection import Connection
 
 if TYPE_CHECKING:
-    from guestd.server.daemon import Daemon
+    from guestd.server.host import ConnectionHost
 
 log = logging.getLogger("guestd.transport")
 
@@ -264,13 +264,15 @@ class Listener:
         self._closer()
 
 
-async def listen(daemon: Daemon, address: ListenAddress) -> Listener:
+async def listen(address: ListenAddress, host: ConnectionHost, allowed_cids: Set[int]) -> Listener:
+    """Serve ``address``: each peer gets a Connection to ``host``; on vsock, only peers whose CID
+    is in ``allowed_cids``."""
     loop = asyncio.get_running_loop()
     if address.scheme == "unix":
-        return await _listen_unix(daemon, loop, address)
+        return await _listen_unix(host, loop, address)
     if address.scheme == "vsock":
-        return _listen_vsock(daemon, loop, address)
-    return _listen_serial(daemon, loop, address)
+        return _listen_vsock(host, loop, address, allowed_cids)
+    return _listen_serial(host, loop, address)
 
 
 class AddressInUse(OSError):
@@ -318,7 +320,7 @@ def refuse_live_unix_socket(path: str) -> None:
         )
 
 
-async def _listen_unix(daemon: Daemon, loop: asyncio.AbstractEventLoop, address: ListenAddress) -> Listener:
+async def _listen_unix(host: ConnectionHost, loop: asyncio.AbstractEventLoop, address: ListenAddress) -> Listener:
     path = address.path
     refuse_live_unix_socket(path)
     try:
@@ -328,7 +330,7 @@ async def _listen_unix(daemon: Daemon, loop: asyncio.AbstractEventLoop, address:
         pass
     old_umask = os.umask(0o177)  # created 0600: only the owner (root in a guest) may connect
     try:
-        server = await loop.create_unix_server(lambda: Connection(daemon, "unix"), path, backlog=512)
+        server = await loop.create_unix_server(lambda: Connection(host, "unix"), path, backlog=512)
     finally:
         os.umask(old_umask)
     bound = os.lstat(path)
@@ -346,7 +348,9 @@ async def _listen_unix(daemon: Daemon, loop: asyncio.AbstractEventLoop, address:
     return Listener(address, closer)
 
 
-def _listen_vsock(daemon: Daemon, loop: asyncio.AbstractEventLoop, address: ListenAddress) -> Listener:
+def _listen_vsock(
+    host: ConnectionHost, loop: asyncio.AbstractEventLoop, address: ListenAddress, allowed_cids: Set[int]
+) -> Listener:
     sock = socket.socket(socket.AF_VSOCK, socket.SOCK_STREAM)
     sock.bind((socket.VMADDR_CID_ANY, address.port))
     sock.listen(128)
@@ -360,12 +364,12 @@ def _listen_vsock(daemon: Daemon, loop: asyncio.AbstractEventLoop, address: List
         except OSError as exc:
             log.warning("vsock accept failed: %s", exc)
             return
-        if cid not in daemon.config.allowed_cids:
-            log.warning("vsock: refused peer cid %d (allowed: %s)", cid, sorted(daemon.config.allowed_cids))
+        if cid not in allowed_cids:
+            log.warning("vsock: refused peer cid %d (allowed: %s)", cid, sorted(allowed_cids))
             conn.close()
             return
         fd = conn.detach()
-        FdTransport(loop, fd, Connection(daemon, "vsock"), peername=(cid, port))
+        FdTransport(loop, fd, Connection(host, "vsock"), peername=(cid, port))
 
     loop.add_reader(sock.fileno(), on_accept)
 
@@ -376,7 +380,7 @@ def _listen_vsock(daemon: Daemon, loop: asyncio.AbstractEventLoop, address: List
     return Listener(address, closer)
 
 
-def _listen_serial(daemon: Daemon, loop: asyncio.AbstractEventLoop, address: ListenAddress) -> Listener:
+def _listen_serial(host: ConnectionHost, loop: asyncio.AbstractEventLoop, address: ListenAddress) -> Listener:
     state: dict[str, Any] = {"closed": False, "transport": None}
 
     def schedule_reopen() -> None:
@@ -394,7 +398,7 @@ def _listen_serial(daemon: Daemon, loop: asyncio.AbstractEventLoop, address: Lis
         state["transport"] = FdTransport(
             loop,
             fd,
-            Connection(daemon, "serial", serial=True),
+            Connection(host, "serial", serial=True),
             peername=address.path,
             serial=True,
             on_close=schedule_reopen,

@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from collections.abc import Callable, Mapping
+from typing import TYPE_CHECKING, Any, Protocol
 
 if TYPE_CHECKING:  # the generated message types: annotations only, never imported at run time
+    import asyncio
+
     from guestd.services import Request, Services
     from guestd.wire.types import (
         ClockCheckArgs,
@@ -20,10 +23,22 @@ if TYPE_CHECKING:  # the generated message types: annotations only, never import
 from guestd.snapshot.state import SnapshotState
 
 
-def register(services: Services) -> SnapshotState:
-    """Registers the ops; the daemon keeps the state (it gates requests and reads hellos)."""
+class Admission(Protocol):
+    """Where the snapshot hooks into the server's admission of requests and hellos
+    (guestd.server.admission.AdmissionChain is one)."""
+
+    def add(self, name: str, *, check: Callable[[str], asyncio.Event | None]) -> None: ...
+
+    def add_hello_hook(self, hook: Callable[[Mapping[str, Any]], None]) -> None: ...
+
+
+def register(services: Services, admission: Admission) -> SnapshotState:
+    """Registers the ops, the gate new requests wait at while a restore or a quiescing prepare
+    is in progress, and the hello hook that notices a restore the host did not announce."""
     state = SnapshotState(services)
     services.info.append(lambda: {"snapshot": state.describe()})
+    admission.add("snapshot", check=state.gate)
+    admission.add_hello_hook(lambda hello: state.check_host_time(hello.get("time_ns")))
 
     async def op_prepare(ctx: Request, a: SnapshotPrepareArgs) -> SnapshotPrepareReply:
         return await state.prepare(a["quiesce"], a["timeout_s"], a["freeze"], a["fsfreeze"], a["freeze_max_s"])
