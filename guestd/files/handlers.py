@@ -53,69 +53,75 @@ log = logging.getLogger("guestd.files")
 T = TypeVar("T")
 
 
-def register(services: Services) -> None:
-    limits = services.config.limits
-    policy = services.config.policy
+class FilesCapability:
+    """The files capability's ops on its one ``FileSystem`` (confined to the policy's roots,
+    writes as the workload user); the workspace ops share it (guestd/files/workspace.py)."""
 
-    async def io(fn: Callable[..., T], *args: Any) -> T:
+    def __init__(self, services: Services) -> None:
+        self.services = services
+        self.limits = services.config.limits
+        policy = services.config.policy
+        self.ids: tuple[int, int] | None
+        try:
+            self.ids = policy.workload_ids()
+        except GuestdError:  # a missing workload user: exec and friends report it on use
+            self.ids = None
+        self.pending = PendingTemps(os.path.join(services.runtime_dir(), "pending-writes"))
+        self.fsys = FileSystem(
+            write_roots=policy.write_roots,
+            read_roots=policy.read_roots,
+            workspace=services.config.workspace or "",
+            ids=self.ids,
+            pending=self.pending,
+        )
+
+    async def _io(self, fn: Callable[..., T], *args: Any) -> T:
         """``fn(*args)`` in an I/O thread, OS failures mapped to typed errors."""
-        return cast(T, await services.run_in_io(os_call, fn, *args))
+        return cast(T, await self.services.run_in_io(os_call, fn, *args))
 
-    try:
-        ids = policy.workload_ids()
-    except GuestdError:  # a missing workload user: exec and friends report it on use
-        ids = None
-    pending = PendingTemps(os.path.join(services.runtime_dir(), "pending-writes"))
-    fsys = FileSystem(
-        write_roots=policy.write_roots,
-        read_roots=policy.read_roots,
-        workspace=services.config.workspace or "",
-        ids=ids,
-        pending=pending,
-    )
-
-    def remove_temps_left_behind() -> None:
-        removed = pending.remove_left_behind(guestd_running)
+    def remove_temps_left_behind(self) -> None:
+        """At start: the temp files of writes a previous guestd did not finish."""
+        removed = self.pending.remove_left_behind(guestd_running)
         if removed:
             log.warning("removed %d temp files of writes a previous guestd did not finish", removed)
 
-    services.on_start.append(remove_temps_left_behind)
+    async def op_read(self, ctx: Request, a: FileReadArgs) -> FileReadReply:
+        return await self._io(read_range, self.fsys, a["path"], a["offset"], a["length"], self.limits.max_read)
 
-    async def op_read(ctx: Request, a: FileReadArgs) -> FileReadReply:
-        return await io(read_range, fsys, a["path"], a["offset"], a["length"], limits.max_read)
-
-    async def op_write(ctx: Request, a: FileWriteArgs) -> FileWriteReply:
+    async def op_write(self, ctx: Request, a: FileWriteArgs) -> FileWriteReply:
         # snapshot.prepare waits for these, until the thread is done
-        return await services.writes.landing(
-            io(lambda: write_whole(fsys, a["path"], a["data"], a["flag"], a["perm"], a["parents"]))
+        return await self.services.writes.landing(
+            self._io(write_whole, self.fsys, a["path"], a["data"], a["flag"], a["perm"], a["parents"])
         )
 
-    async def op_stat(ctx: Request, a: FileStatArgs) -> FileStatReply:
-        return await io(stat_path, fsys, a["path"], a["follow"])
+    async def op_stat(self, ctx: Request, a: FileStatArgs) -> FileStatReply:
+        return await self._io(stat_path, self.fsys, a["path"], a["follow"])
 
-    async def op_list(ctx: Request, a: FileListArgs) -> FileListReply:
-        cap = a["max_entries"] if a["max_entries"] is not None else limits.max_list_entries
-        return await io(list_dir, fsys, a["path"], cap)
+    async def op_list(self, ctx: Request, a: FileListArgs) -> FileListReply:
+        cap = a["max_entries"] if a["max_entries"] is not None else self.limits.max_list_entries
+        return await self._io(list_dir, self.fsys, a["path"], cap)
 
-    async def op_mkdir(ctx: Request, a: FileMkdirArgs) -> FileMkdirReply:
-        return await io(make_dir, fsys, a["path"], a["parents"], a["perm"])
+    async def op_mkdir(self, ctx: Request, a: FileMkdirArgs) -> FileMkdirReply:
+        return await self._io(make_dir, self.fsys, a["path"], a["parents"], a["perm"])
 
-    async def op_remove(ctx: Request, a: FileRemoveArgs) -> FileRemoveReply:
-        return await io(remove_path, fsys, a["path"], a["recursive"])
+    async def op_remove(self, ctx: Request, a: FileRemoveArgs) -> FileRemoveReply:
+        return await self._io(remove_path, self.fsys, a["path"], a["recursive"])
 
-    async def op_rename(ctx: Request, a: FileRenameArgs) -> FileRenameReply:
-        return await io(rename_path, fsys, a["src"], a["dst"], a["overwrite"])
+    async def op_rename(self, ctx: Request, a: FileRenameArgs) -> FileRenameReply:
+        return await self._io(rename_path, self.fsys, a["src"], a["dst"], a["overwrite"])
 
-    async def op_upload(ctx: Request, a: FileUploadArgs) -> FileUploadReply:
-        services.writes.started()
+    async def op_upload(self, ctx: Request, a: FileUploadArgs) -> FileUploadReply:
+        self.services.writes.started()
         try:
-            return await _upload(ctx, a)
+            return await self._receive_upload(ctx, a)
         finally:
-            services.writes.finished()
+            self.services.writes.finished()
 
-    async def _upload(ctx: Request, a: FileUploadArgs) -> FileUploadReply:
-        f: AtomicFile = await services.acquire_in_io(
-            os_call, AtomicFile.abort, open_atomic, fsys, a["path"], a["flag"], a["perm"], a["parents"]
+    async def _receive_upload(self, ctx: Request, a: FileUploadArgs) -> FileUploadReply:
+        """The upload's stream into a temp file, put in place at eof (counted as a write in flight
+        by ``op_upload``)."""
+        f: AtomicFile = await self.services.acquire_in_io(
+            os_call, AtomicFile.abort, open_atomic, self.fsys, a["path"], a["flag"], a["perm"], a["parents"]
         )
         # Receiving overlaps writing: while the I/O thread writes one batch, the loop takes in
         # the next, and a batch is every chunk that arrived meanwhile (one thread hop for all of
@@ -152,7 +158,7 @@ def register(services: Services) -> None:
                     await writing  # batches are written one at a time, in order
                     writing = None
                 if batch:
-                    writing = asyncio.ensure_future(io(_write_batch, f, batch))
+                    writing = asyncio.ensure_future(self._io(_write_batch, f, batch))
                     writing.add_done_callback(partial(_ack_when_written, ctx, sum(len(d) for d in batch)))
             if writing is not None:
                 await writing
@@ -166,15 +172,15 @@ def register(services: Services) -> None:
                     f"upload ended at {f.size} bytes, declared {a['size']}; old file kept",
                     details={"field": "size"},
                 )
-            size = await io(f.commit)
+            size = await self._io(f.commit)
             return {"size": size}
         except BaseException:
             f.abort()  # close + unlink of our own temp file: quick, and must happen even on cancel
             raise
 
-    async def op_download(ctx: Request, a: FileDownloadArgs) -> FileDownloadReply:
-        chunk = a["chunk"] or limits.max_chunk
-        fd: int = await services.acquire_in_io(os_call, os.close, fsys.open_file, a["path"])
+    async def op_download(self, ctx: Request, a: FileDownloadArgs) -> FileDownloadReply:
+        chunk = a["chunk"] or self.limits.max_chunk
+        fd: int = await self.services.acquire_in_io(os_call, os.close, self.fsys.open_file, a["path"])
         try:
             size = os.fstat(fd).st_size
             end = size if a["length"] is None else min(size, a["offset"] + a["length"])
@@ -187,7 +193,7 @@ def register(services: Services) -> None:
                 # from the disk in an I/O thread otherwise, so a slow disk never stalls ping.
                 data: bytes | bytearray | None = _read_cached(fd, want, pos)
                 if data is None:
-                    data = await io(os.pread, fd, want, pos)
+                    data = await self._io(os.pread, fd, want, pos)
                 if not data:
                     break  # file shrank while we read it
                 await ctx.send_data_event({"ev": "data"}, data)
@@ -197,19 +203,23 @@ def register(services: Services) -> None:
         finally:
             os.close(fd)
 
+
+def register(services: Services) -> None:
+    files = FilesCapability(services)
+    services.on_start.append(files.remove_temps_left_behind)
     for name, fn in (
-        ("file.read", op_read),
-        ("file.write", op_write),
-        ("file.upload", op_upload),
-        ("file.download", op_download),
-        ("file.stat", op_stat),
-        ("file.list", op_list),
-        ("file.mkdir", op_mkdir),
-        ("file.remove", op_remove),
-        ("file.rename", op_rename),
+        ("file.read", files.op_read),
+        ("file.write", files.op_write),
+        ("file.upload", files.op_upload),
+        ("file.download", files.op_download),
+        ("file.stat", files.op_stat),
+        ("file.list", files.op_list),
+        ("file.mkdir", files.op_mkdir),
+        ("file.remove", files.op_remove),
+        ("file.rename", files.op_rename),
     ):
         services.ops.add(name, fn, bulk_reply=name == "file.read")
-    register_workspace(services, fsys, ids)  # trees, search, edit, watch (guestd/files/workspace.py)
+    register_workspace(services, files.fsys, files.ids)  # trees, search, edit, watch (guestd/files/workspace.py)
 
 
 _RWF_NOWAIT: int | None = getattr(os, "RWF_NOWAIT", None)

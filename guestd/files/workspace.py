@@ -57,51 +57,64 @@ MAX_WATCH_PENDING_BYTES = 4 << 20  # ... and their bytes (paths are up to 4 KiB 
 OVERFLOW_EVERY_S = 1.0  # overflow events of one watch at most this often (they take no credit)
 
 
-def register_workspace(services: Services, fsys: FileSystem, ids: tuple[int, int] | None) -> None:
-    editor = Editor(fsys)
-    closing: set[asyncio.Future[Any]] = set()  # closes that run after their request ended
+class Workspace:
+    """The workspace ops on the files capability's one ``FileSystem``: edit, search, trees,
+    watch and the change feed (``services.changes``)."""
 
-    def close_later(close: Callable[[], None]) -> None:
+    def __init__(self, services: Services, fsys: FileSystem, ids: tuple[int, int] | None) -> None:
+        self.services = services
+        self.fsys = fsys
+        self.editor = Editor(fsys)
+        self._closing: set[asyncio.Future[Any]] = set()  # closes that run after their request ended
+        self.rg_user = search.search_user(ids)  # grep's rg: nobody where the workload user would be root
+        self.changes = WorkspaceChanges(services, self.start_watcher)
+
+    def _close_later(self, close: Callable[[], None]) -> None:
         """``close`` in an I/O thread, not awaited (it waits for a step still running there)."""
-        fut = asyncio.ensure_future(services.run_in_io(close))
-        closing.add(fut)
-        fut.add_done_callback(closing.discard)
+        fut = asyncio.ensure_future(self.services.run_in_io(close))
+        self._closing.add(fut)
+        fut.add_done_callback(self._closing.discard)
 
-    rg_user = search.search_user(ids)  # grep's rg: nobody where the workload user would be root
+    async def _io(self, fn: Callable[..., T], *args: Any) -> T:
+        return cast(T, await self.services.run_in_io(os_call, fn, *args))
 
-    async def io(fn: Callable[..., T], *args: Any) -> T:
-        return cast(T, await services.run_in_io(os_call, fn, *args))
-
-    async def edit(fn: Callable[..., T], *args: Any) -> T:
-        return await services.writes.landing(io(fn, *args))  # snapshot.prepare waits for these
+    async def _edit(self, fn: Callable[..., T], *args: Any) -> T:
+        return await self.services.writes.landing(self._io(fn, *args))  # snapshot.prepare waits for these
 
     # -- edit ---------------------------------------------------------------------------
-    async def op_view(ctx: Request, a: FileViewArgs) -> FileViewReply:
-        return await io(editor.view, a["path"], a["start_line"], a["end_line"])
+    async def op_view(self, ctx: Request, a: FileViewArgs) -> FileViewReply:
+        return await self._io(self.editor.view, a["path"], a["start_line"], a["end_line"])
 
-    async def op_str_replace(ctx: Request, a: FileStrReplaceArgs) -> FileStrReplaceReply:
-        return await edit(editor.str_replace, a["path"], a["old"], a["new"])
+    async def op_str_replace(self, ctx: Request, a: FileStrReplaceArgs) -> FileStrReplaceReply:
+        return await self._edit(self.editor.str_replace, a["path"], a["old"], a["new"])
 
-    async def op_insert(ctx: Request, a: FileInsertArgs) -> FileInsertReply:
-        return await edit(editor.insert, a["path"], a["line"], a["text"])
+    async def op_insert(self, ctx: Request, a: FileInsertArgs) -> FileInsertReply:
+        return await self._edit(self.editor.insert, a["path"], a["line"], a["text"])
 
-    async def op_replace_lines(ctx: Request, a: FileReplaceLinesArgs) -> FileReplaceLinesReply:
-        return await edit(editor.replace_lines, a["path"], a["start_line"], a["end_line"], a["text"])
+    async def op_replace_lines(self, ctx: Request, a: FileReplaceLinesArgs) -> FileReplaceLinesReply:
+        return await self._edit(self.editor.replace_lines, a["path"], a["start_line"], a["end_line"], a["text"])
 
-    async def op_undo(ctx: Request, a: FileUndoArgs) -> FileUndoReply:
-        return await edit(editor.undo, a["path"])
+    async def op_undo(self, ctx: Request, a: FileUndoArgs) -> FileUndoReply:
+        return await self._edit(self.editor.undo, a["path"])
 
-    async def op_apply_patch(ctx: Request, a: FileApplyPatchArgs) -> FileApplyPatchReply:
-        return {"files": await edit(patch.apply, fsys, a["path"], a["patch"], a["strip"])}
+    async def op_apply_patch(self, ctx: Request, a: FileApplyPatchArgs) -> FileApplyPatchReply:
+        return {"files": await self._edit(patch.apply, self.fsys, a["path"], a["patch"], a["strip"])}
 
     # -- search -------------------------------------------------------------------------
-    async def op_glob(ctx: Request, a: FileGlobArgs) -> FileGlobReply:
-        reply = await io(
-            search.glob, fsys, a["path"], a["pattern"], a["gitignore"], a["hidden"], a["max_results"], a["timeout_s"]
+    async def op_glob(self, ctx: Request, a: FileGlobArgs) -> FileGlobReply:
+        reply = await self._io(
+            search.glob,
+            self.fsys,
+            a["path"],
+            a["pattern"],
+            a["gitignore"],
+            a["hidden"],
+            a["max_results"],
+            a["timeout_s"],
         )
         return cast("FileGlobReply", reply)
 
-    async def op_grep(ctx: Request, a: FileGrepArgs) -> FileGrepReply:
+    async def op_grep(self, ctx: Request, a: FileGrepArgs) -> FileGrepReply:
         rg = search.rg_path()
         if rg is None:
             raise GuestdError(
@@ -113,12 +126,12 @@ def register_workspace(services: Services, fsys: FileSystem, ids: tuple[int, int
             a["pattern"], a["literal"], a["ignore_case"], list(a["globs"]), a["context"], a["gitignore"], a["hidden"]
         )
         deadline = asyncio.get_running_loop().time() + a["timeout_s"]
-        root_fd, single = await services.acquire_in_io(
-            os_call, lambda r: os.close(r[0]), search.open_target, fsys, a["path"]
+        root_fd, single = await self.services.acquire_in_io(
+            os_call, lambda r: os.close(r[0]), search.open_target, self.fsys, a["path"]
         )
         try:
             outcome = await search.run_rg(
-                ctx, services.children, rg, q, root_fd, single, rg_user, a["max_matches"], deadline
+                ctx, self.services.children, rg, q, root_fd, single, self.rg_user, a["max_matches"], deadline
             )
         finally:
             os.close(root_fd)
@@ -131,13 +144,14 @@ def register_workspace(services: Services, fsys: FileSystem, ids: tuple[int, int
         }
 
     # -- trees ----------------------------------------------------------------------------
-    async def op_write_many(ctx: Request, a: FileWriteManyArgs) -> FileWriteManyReply:
+    async def op_write_many(self, ctx: Request, a: FileWriteManyArgs) -> FileWriteManyReply:
         items = [(path_from_wire(i["path"]), i["data"], i["perm"]) for i in a["files"]]
-        written, nbytes = await edit(trees.write_many, fsys, items, a["parents"])
+        written, nbytes = await self._edit(trees.write_many, self.fsys, items, a["parents"])
         return {"written": written, "bytes": nbytes}
 
-    async def op_tree_upload(ctx: Request, a: TreeUploadArgs) -> TreeUploadReply:
-        services.writes.started()
+    async def op_tree_upload(self, ctx: Request, a: TreeUploadArgs) -> TreeUploadReply:
+        """The tar stream extracted by a thread of its own as its data comes, in place at eof."""
+        self.services.writes.started()
         loop = asyncio.get_running_loop()
         feed = trees.Feed(lambda n: loop.call_soon_threadsafe(ctx.ack_input, n))
         done: asyncio.Future[tuple[int, int]] = loop.create_future()
@@ -154,7 +168,7 @@ def register_workspace(services: Services, fsys: FileSystem, ids: tuple[int, int
         def work() -> None:
             # A thread of its own, not an I/O thread: it waits for the stream as long as it lasts.
             try:
-                result = os_call(trees.extract, fsys, a["path"], a["parents"], a["replace"], feed)
+                result = os_call(trees.extract, self.fsys, a["path"], a["parents"], a["replace"], feed)
                 loop.call_soon_threadsafe(settle, result, None)
             except BaseException as exc:
                 loop.call_soon_threadsafe(settle, None, exc)
@@ -181,31 +195,33 @@ def register_workspace(services: Services, fsys: FileSystem, ids: tuple[int, int
             feed.abort()  # the extracting thread stops and removes its temp directory
             raise
         finally:
-            services.writes.finished()
+            self.services.writes.finished()
 
-    async def op_tree_download(ctx: Request, a: TreeDownloadArgs) -> TreeDownloadReply:
-        chunk = a["chunk"] or services.config.limits.max_chunk
+    async def op_tree_download(self, ctx: Request, a: TreeDownloadArgs) -> TreeDownloadReply:
+        """The tree under ``path`` as a tar stream, a chunk per step in an I/O thread."""
+        chunk = a["chunk"] or self.services.config.limits.max_chunk
         flt = Filter(globs=[*a["include"], *("!" + g for g in a["exclude"])], gitignore=a["gitignore"], skip_git=False)
-        arch: trees.Archive = await services.acquire_in_io(
-            os_call, trees.Archive.close, trees.open_archive, fsys, a["path"], flt, chunk
+        arch: trees.Archive = await self.services.acquire_in_io(
+            os_call, trees.Archive.close, trees.open_archive, self.fsys, a["path"], flt, chunk
         )
         sent = 0
         try:
             while True:
-                data = await io(arch.step)
+                data = await self._io(arch.step)
                 if data is None:
                     break
                 await ctx.send_data_event({"ev": "data"}, data)
                 sent += len(data)
         finally:
-            close_later(arch.close)
+            self._close_later(arch.close)
         return {"entries": arch.entries, "bytes": sent, "skipped": arch.skipped}
 
     # -- change feed ----------------------------------------------------------------------
     async def start_watcher(
-        path: str, sink: Callable[[list[Any]], object], on_end: Callable[[BaseException], object] | None = None
+        self, path: str, sink: Callable[[list[Any]], object], on_end: Callable[[BaseException], object] | None = None
     ) -> Watcher:
-        root_fd: int = await services.acquire_in_io(os_call, os.close, fsys.open_dir, path)
+        """A watcher of ``path`` whose first scan is done (file.watch's and the change feed's)."""
+        root_fd: int = await self.services.acquire_in_io(os_call, os.close, self.fsys.open_dir, path)
         try:
             watcher = Watcher(root_fd, sink, on_end)
         except BaseException:
@@ -213,7 +229,7 @@ def register_workspace(services: Services, fsys: FileSystem, ids: tuple[int, int
             raise
         watcher.start()
         try:
-            await io(watcher.ready.wait)
+            await self._io(watcher.ready.wait)
         except BaseException:
             # Cancelled while the first scan runs (or waits for an I/O thread): nobody would
             # ever stop the watcher, its thread and its four fds. Its thread closes them.
@@ -224,7 +240,8 @@ def register_workspace(services: Services, fsys: FileSystem, ids: tuple[int, int
             raise watcher.error
         return watcher
 
-    async def op_watch(ctx: Request, a: FileWatchArgs) -> FileWatchReply:
+    async def op_watch(self, ctx: Request, a: FileWatchArgs) -> FileWatchReply:
+        """Change events under ``path`` until the request ends (file.watch never answers)."""
         flt = Overrides([*a["include"], *("!" + g for g in a["exclude"])])
         pending: dict[bytes, tuple[str, str, bool]] = {}  # path -> (first kind, last kind, is_dir)
         pending_bytes = 0
@@ -236,7 +253,7 @@ def register_workspace(services: Services, fsys: FileSystem, ids: tuple[int, int
         # The watcher's thread hands changes over a bounded backlog (a slow loop or client
         # costs an overflow, never memory); only this loop touches pending.
         handoff = Handoff(loop, wake.set, keep=lambda path, is_dir: flt.decide(path, is_dir) != "skip")
-        watcher = await start_watcher(a["path"], handoff.put, handoff.end)
+        watcher = await self.start_watcher(a["path"], handoff.put, handoff.end)
         sent = 0
         try:
             await ctx.send_event({"ev": "ready"})
@@ -300,30 +317,32 @@ def register_workspace(services: Services, fsys: FileSystem, ids: tuple[int, int
         finally:
             watcher.stop()
 
-    feed = WorkspaceChanges(services, start_watcher)
-    services.changes = feed
-
-    async def op_changes(ctx: Request, a: FileChangesArgs) -> FileChangesReply:
+    async def op_changes(self, ctx: Request, a: FileChangesArgs) -> FileChangesReply:
+        """What changed since ``cursor`` and a new cursor; no cursor: a first one."""
         if a["cursor"] is None:
-            cursor = await feed.begin()
+            cursor = await self.changes.begin()
             return {"cursor": cursor, "changes": empty_report()}
-        report = await feed.report(a["cursor"])
-        return {"cursor": await feed.begin(), "changes": report}  # type: ignore[typeddict-item]
+        report = await self.changes.report(a["cursor"])
+        return {"cursor": await self.changes.begin(), "changes": report}  # type: ignore[typeddict-item]
 
+
+def register_workspace(services: Services, fsys: FileSystem, ids: tuple[int, int] | None) -> None:
+    ws = Workspace(services, fsys, ids)
+    services.changes = ws.changes
     for name, fn in (
-        ("file.watch", op_watch),
-        ("file.changes", op_changes),
-        ("file.write_many", op_write_many),
-        ("tree.upload", op_tree_upload),
-        ("tree.download", op_tree_download),
-        ("file.view", op_view),
-        ("file.str_replace", op_str_replace),
-        ("file.insert", op_insert),
-        ("file.replace_lines", op_replace_lines),
-        ("file.undo", op_undo),
-        ("file.apply_patch", op_apply_patch),
-        ("file.glob", op_glob),
-        ("file.grep", op_grep),
+        ("file.watch", ws.op_watch),
+        ("file.changes", ws.op_changes),
+        ("file.write_many", ws.op_write_many),
+        ("tree.upload", ws.op_tree_upload),
+        ("tree.download", ws.op_tree_download),
+        ("file.view", ws.op_view),
+        ("file.str_replace", ws.op_str_replace),
+        ("file.insert", ws.op_insert),
+        ("file.replace_lines", ws.op_replace_lines),
+        ("file.undo", ws.op_undo),
+        ("file.apply_patch", ws.op_apply_patch),
+        ("file.glob", ws.op_glob),
+        ("file.grep", ws.op_grep),
     ):
         services.ops.add(name, fn)
 
