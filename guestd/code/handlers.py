@@ -27,58 +27,67 @@ if TYPE_CHECKING:  # the generated message types: annotations only, never import
 log = logging.getLogger("guestd.code")
 
 
-def register(services: Services) -> None:
-    made: list[Contexts] = []
+class CodeCapability:
+    """The code ops and lifecycle hooks; the context manager (and jupyter_client) on first use."""
 
-    def contexts() -> Contexts:
+    def __init__(self, services: Services) -> None:
+        self.services = services
+        self._made: Contexts | None = None
+
+    def contexts(self) -> Contexts:
         """The code-context manager; made (and jupyter_client imported) on first use."""
-        if not made:
+        if self._made is None:
             from guestd.code.contexts import Contexts
 
-            made.append(Contexts(services))
-            made[0].ensure_pool()
-        return made[0]
+            self._made = Contexts(self.services)
+            self._made.ensure_pool()
+        return self._made
 
-    def on_start() -> None:
-        kdir = services.kernel_dir()
-        if os.listdir(kdir):  # a previous guestd may have crashed and left kernels
+    # -- lifecycle hooks -------------------------------------------------------------------
+    def on_start(self) -> None:
+        """Kills the kernels a previous guestd may have left when it crashed."""
+        kdir = self.services.kernel_dir()
+        if os.listdir(kdir):
             from guestd.code.kernel_process import reap_orphan_kernels
 
             orphans = reap_orphan_kernels(kdir)
             if orphans:
                 log.warning("killed %d kernel(s) left by a previous guestd", orphans)
 
-    def prewarm() -> None:
-        # jupyter_client's import and the kernels' start: not before guestd's first reply
-        if services.config.code_prewarm and services.config.code_pool > 0:
-            contexts()
+    def prewarm(self) -> None:
+        """The pool's kernels, when configured: jupyter_client's import and the kernels' start
+        come after guestd's first reply, never before it."""
+        if self.services.config.code_prewarm and self.services.config.code_pool > 0:
+            self.contexts()
 
-    async def on_restore(entropy: bytes) -> dict[str, list[str]]:
-        return await made[0].reseed(entropy) if made else {"contexts_reseeded": [], "contexts_pending": []}
+    async def on_restore(self, entropy: bytes) -> dict[str, list[str]]:
+        if self._made is None:
+            return {"contexts_reseeded": [], "contexts_pending": []}
+        return await self._made.reseed(entropy)
 
-    async def shutdown() -> None:
-        if made:
-            await made[0].shutdown()
+    def busy(self) -> dict[str, list[str]]:
+        return self._made.busy() if self._made is not None else {"busy_contexts": []}
 
-    def info() -> dict[str, object]:
+    async def shutdown(self) -> None:
+        if self._made is not None:
+            await self._made.shutdown()
+
+    def info(self) -> dict[str, object]:
+        """Which Python each kernel runs (system.info)."""
         from guestd.code.python import kernels_info
 
-        return {"kernels": kernels_info(services.config.code_python)}
+        return {"kernels": kernels_info(self.services.config.code_python)}
 
-    services.on_start.append(on_start)
-    services.after_first_reply.append(prewarm)
-    services.info.append(info)  # which Python each kernel runs
-    services.on_restore.append(on_restore)
-    services.busy.append(lambda: made[0].busy() if made else {"busy_contexts": []})
-    services.on_shutdown.append(shutdown)
-
-    async def resolve(ref: str | None, create_default: bool = False) -> CodeContext:
+    # -- ops -------------------------------------------------------------------------------
+    async def _resolve(self, ref: str | None, create_default: bool = False) -> CodeContext:
         if ref is None and create_default:
-            return await contexts().get_or_create_default()
-        return contexts().find(ref if ref is not None else "default")
+            return await self.contexts().get_or_create_default()
+        return self.contexts().find(ref if ref is not None else "default")
 
-    async def op_create(ctx: Request, a: CodeCreateArgs) -> CodeCreateReply:
-        c, pooled, existing = await contexts().create(a["cwd"], a["env"], a["name"], a["kernel"], a["start_timeout_s"])
+    async def op_create(self, ctx: Request, a: CodeCreateArgs) -> CodeCreateReply:
+        c, pooled, existing = await self.contexts().create(
+            a["cwd"], a["env"], a["name"], a["kernel"], a["start_timeout_s"]
+        )
         assert c.kernel is not None
         return {
             "id": c.id,
@@ -89,9 +98,10 @@ def register(services: Services) -> None:
             "kernel": c.kernel_name,
         }
 
-    async def op_run(ctx: Request, a: CodeRunArgs) -> CodeRunReply:
-        c = await resolve(a["context"], create_default=True)
-        if a["keep"] and services.runs is not None:
+    async def op_run(self, ctx: Request, a: CodeRunArgs) -> CodeRunReply:
+        c = await self._resolve(a["context"], create_default=True)
+        runs = self.services.runs
+        if a["keep"] and runs is not None:
             if a["stream"]:
                 from guestd.wire.errors import ErrorCode, GuestdError
 
@@ -104,35 +114,44 @@ def register(services: Services) -> None:
             async def kept() -> CodeRunReply:
                 return await c.run(a["code"], a, None)
 
-            reply: CodeRunReply = await services.runs.keep(ctx, "code.run", c.id, a["code"], kept)
+            reply: CodeRunReply = await runs.keep(ctx, "code.run", c.id, a["code"], kept)
             return reply
         return await c.run(a["code"], a, ctx)
 
-    async def op_interrupt(ctx: Request, a: CodeInterruptArgs) -> CodeInterruptReply:
-        await (await resolve(a["context"])).interrupt()
+    async def op_interrupt(self, ctx: Request, a: CodeInterruptArgs) -> CodeInterruptReply:
+        await (await self._resolve(a["context"])).interrupt()
         return {}
 
-    async def op_restart(ctx: Request, a: CodeRestartArgs) -> CodeRestartReply:
-        c = await resolve(a["context"])
+    async def op_restart(self, ctx: Request, a: CodeRestartArgs) -> CodeRestartReply:
+        c = await self._resolve(a["context"])
         async with c.lock:  # never swap the kernel under a running cell
             return {"pid": await c.restart()}
 
-    async def op_close(ctx: Request, a: CodeCloseArgs) -> CodeCloseReply:
-        await contexts().close((await resolve(a["context"])).id)
+    async def op_close(self, ctx: Request, a: CodeCloseArgs) -> CodeCloseReply:
+        await self.contexts().close((await self._resolve(a["context"])).id)
         return {}
 
-    async def op_list(ctx: Request, a: CodeListArgs) -> CodeListReply:
-        if not made:
+    async def op_list(self, ctx: Request, a: CodeListArgs) -> CodeListReply:
+        if self._made is None:
             return {"contexts": [], "pool_ready": 0}
-        cs = contexts()
+        cs = self._made
         return {"contexts": [c.describe() for c in cs.contexts.values()], "pool_ready": len(cs.pool)}
 
+
+def register(services: Services) -> None:
+    code = CodeCapability(services)
+    services.on_start.append(code.on_start)
+    services.after_first_reply.append(code.prewarm)
+    services.info.append(code.info)
+    services.on_restore.append(code.on_restore)
+    services.busy.append(code.busy)
+    services.on_shutdown.append(code.shutdown)
     for name, fn in (
-        ("code.create", op_create),
-        ("code.run", op_run),
-        ("code.interrupt", op_interrupt),
-        ("code.restart", op_restart),
-        ("code.close", op_close),
-        ("code.list", op_list),
+        ("code.create", code.op_create),
+        ("code.run", code.op_run),
+        ("code.interrupt", code.op_interrupt),
+        ("code.restart", code.op_restart),
+        ("code.close", code.op_close),
+        ("code.list", code.op_list),
     ):
         services.ops.add(name, fn)
