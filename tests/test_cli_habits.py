@@ -19,7 +19,7 @@ import pytest
 
 from guestd.cli import DEFAULT_CONNECT
 from guestd.testing import REPO, Guestd, scratch_guestd
-from tests.test_cli_terminal import LocalTerminal
+from tests.terminal import LocalTerminal
 
 WAIT_S = 60.0
 NOISE = (b"never retrieved", b"Traceback", b"Task was destroyed", b"Exception ignored")

@@ -25,7 +25,8 @@ from guestd.testing import REPO, Guestd, StartGuestd
 from guestd.testing.fakeguest import FakeGuest, answers, exec_reply
 from guestd.testing.rawwire import RawPeer
 from guestd.wire.frames import Kind
-from tests.test_cli_terminal import LocalTerminal
+from tests.helpers import peak_rss
+from tests.terminal import LocalTerminal
 
 WAIT_S = 60.0
 MiB = 1024 * 1024
@@ -130,20 +131,11 @@ def test_a_stream_shorter_than_the_guest_says_is_reported_and_fails(fake_guest: 
 
 
 # -- stdin streamed ---------------------------------------------------------------------------
-def vm_hwm(pid: int) -> int:
-    """The process's peak resident set, bytes."""
-    with open(f"/proc/{pid}/status") as f:
-        for line in f:
-            if line.startswith("VmHWM:"):
-                return int(line.split()[1]) * 1024
-    raise AssertionError("no VmHWM")
-
-
 def test_500_mb_through_exec_stdin_reach_sha256sum_with_guestd_memory_bounded(fresh_guestd: StartGuestd) -> None:
     """Was: stdin read whole and sent as one frame (above 4 MiB: too_large)."""
     g = fresh_guestd()
     assert g.guestctl("exec", "-i", "--", "sha256sum", stdin=b"warm").returncode == 0
-    before = vm_hwm(g.pid)
+    before = peak_rss(g.pid)
     block = bytearray(os.urandom(MiB))
     local = hashlib.sha256()
     proc = popen(
@@ -167,7 +159,7 @@ def test_500_mb_through_exec_stdin_reach_sha256sum_with_guestd_memory_bounded(fr
             proc.wait()
     assert (proc.returncode, err) == (0, b"")
     assert out.split()[0].decode() == local.hexdigest()
-    growth = vm_hwm(g.pid) - before
+    growth = peak_rss(g.pid) - before
     assert growth < 64 * MiB, f"guestd's peak RSS grew {growth / MiB:.1f} MiB"
 
 

@@ -23,6 +23,7 @@ from guestd.client import AsyncClient
 from guestd.testing import REPO, Guestd, start_guestd
 from guestd.testing.rawwire import RawPeer
 from guestd.wire.frames import Kind
+from tests.helpers import KILLED_BETWEEN_LINK_AND_RENAME
 
 OLD = b"old\n" * 1000
 NEW = b"N" * (4 << 20)
@@ -81,21 +82,6 @@ def test_sigkill_during_writes_and_uploads_leaves_no_temp_file_and_a_whole_targe
             assert _temp_names(data) == [], f"round {i}: temp files left"
     finally:
         shutil.rmtree(work, ignore_errors=True)
-
-
-KILLED_BETWEEN_LINK_AND_RENAME = """
-import os, signal, sys
-from guestd.files import atomic
-from guestd.files.fs import FileSystem, PendingTemps
-
-target, runtime = sys.argv[1], sys.argv[2]
-f = atomic.AtomicFile(FileSystem().place(target), "overwrite", None, PendingTemps(runtime))
-assert f.anonymous, "this file system has no O_TMPFILE"
-f.write(b"new")
-# guestd dies at the worst moment: the new inode has its temp name, the rename has not run
-atomic.AtomicFile._rename_temp_over_target = lambda self: os.kill(os.getpid(), signal.SIGKILL)
-f.commit()
-"""
 
 
 def test_a_guestd_killed_between_an_overwrites_link_and_rename_has_its_temp_name_removed(tmp_path: Path) -> None:

@@ -19,6 +19,7 @@ import pytest
 
 from guestd.client import AsyncClient, Client, GuestdError
 from guestd.testing import REPO, Guestd, start_guestd
+from tests.helpers import KILLED_BETWEEN_LINK_AND_RENAME
 
 NOBODY = 65534
 
@@ -318,8 +319,6 @@ def test_a_temp_name_cleanup_acts_only_in_the_directory_guestd_wrote_in(tmp_path
     there. The victim is planted by the test (the workload cannot make a file with the 48
     random bits of the name outside its own directories, so this guards a hardening, not a
     demonstrated loss); now the path must resolve without symlinks to the recorded inode."""
-    from tests.test_fs_interrupted import KILLED_BETWEEN_LINK_AND_RENAME
-
     ws, rootdir, runtime = _open_dir(f"{tmp_path}/ws"), f"{tmp_path}/rootdir", f"{tmp_path}/rt"
     os.mkdir(rootdir)
     sub = f"{ws}/sub"
