@@ -1,11 +1,12 @@
 """Fixtures: real guestd processes on Unix sockets (guestd.testing starts them), clients for
-them, and a fake guest for the client's side."""
+them, a guestd with a workspace per test module, and a fake guest for the client's side."""
 
 from __future__ import annotations
 
 import os
 import shutil
 import socket
+import subprocess
 import tempfile
 import threading
 from collections.abc import Callable, Iterator
@@ -13,7 +14,7 @@ from collections.abc import Callable, Iterator
 import pytest
 
 from guestd.client import Client
-from guestd.testing import Guestd, StartGuestd, fakeguest, start_guestd
+from guestd.testing import Guestd, StartGuestd, fakeguest, start_guestd, workspace_guestd
 from guestd.testing.rawwire import FAKE_GUEST_HELLO, RawPeer
 from guestd.wire.frames import Kind
 
@@ -49,6 +50,37 @@ def fresh_guestd() -> Iterator[StartGuestd]:
 def client(guestd: Guestd) -> Iterator[Client]:
     with guestd.client() as c:
         yield c
+
+
+@pytest.fixture(scope="module")
+def workspace_env(request: pytest.FixtureRequest) -> Iterator[tuple[Guestd, str]]:
+    """``(guestd, workspace)``: a guestd of this test module's own whose workspace is a new
+    directory (as root: owned by the workload user nobody, whom guestd runs the workload as);
+    stopped and removed after the module. A module that needs files planted before the start
+    overrides this fixture with its own of the same name (workspace_client then uses that)."""
+    module = request.path.stem.removeprefix("test_").replace("_", "-")
+    with workspace_guestd(f"guestd-{module}-") as env:
+        yield env
+
+
+@pytest.fixture
+def workspace_client(workspace_env: tuple[Guestd, str]) -> Iterator[Client]:
+    """A blocking client of the module's workspace guestd, closed after the test."""
+    with workspace_env[0].client() as client:
+        yield client
+
+
+@pytest.fixture
+def workspace_dir(workspace_env: tuple[Guestd, str]) -> Iterator[str]:
+    """A new directory (0755) inside the module's workspace for one test, removed after it."""
+    d = tempfile.mkdtemp(dir=workspace_env[1])
+    os.chmod(d, 0o755)
+    yield d
+    shutil.rmtree(d, ignore_errors=True)
+    if os.path.lexists(d) and shutil.which("chattr") is not None:
+        # What is left is held by an immutable flag a test set (chattr +i) and did not take off.
+        subprocess.run(["chattr", "-R", "-i", d], capture_output=True, check=False)
+        shutil.rmtree(d, ignore_errors=True)
 
 
 FakeGuest = Callable[..., str]

@@ -10,21 +10,13 @@ import os
 import pty
 import select
 import subprocess
-from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 import pytest
 
 from guestd.testing import REPO, Guestd
-from guestd.testing.local import workspace_guestd
 
 A, B, OLD = b"alpha\n", b"beta\n", b"old\n"
-
-
-@pytest.fixture(scope="module")
-def ws_guestd() -> Iterator[tuple[Guestd, str]]:
-    with workspace_guestd("guestd-cp-") as (g, ws):
-        yield g, ws
 
 
 def guestctl(
@@ -144,8 +136,8 @@ CASES = [
 
 @pytest.mark.parametrize("direction", ["up", "down"])
 @pytest.mark.parametrize("case", CASES, ids=[c.name for c in CASES])
-def test_cp_as_docker_cp(ws_guestd: tuple[Guestd, str], tmp_path: str, case: Case, direction: str) -> None:
-    g, ws = ws_guestd
+def test_cp_as_docker_cp(workspace_env: tuple[Guestd, str], tmp_path: str, case: Case, direction: str) -> None:
+    g, ws = workspace_env
     tag = f"{direction}-{CASES.index(case)}"
     local, guest = os.path.join(str(tmp_path), "local"), os.path.join(ws, tag)
     src_root, dst_root = (local, guest) if direction == "up" else (guest, local)
@@ -177,17 +169,17 @@ def test_cp_as_docker_cp(ws_guestd: tuple[Guestd, str], tmp_path: str, case: Cas
     assert not [n for n in os.listdir(dst_root) if n.startswith(".guestctl-cp-")]
 
 
-def test_tree_bytes_mean_content_both_ways(ws_guestd: tuple[Guestd, str], tmp_path: str) -> None:
+def test_tree_bytes_mean_content_both_ways(workspace_env: tuple[Guestd, str], tmp_path: str) -> None:
     """The same figure up and down: the files' bytes (the tar stream is larger)."""
-    g, ws = ws_guestd
+    g, ws = workspace_env
     build(str(tmp_path), {"t/one": b"x" * 1000, "t/two/three": b"y" * 234})
     up = json.loads(guestctl(g, "--json", "cp", f"{tmp_path}/t", f":{ws}/bytes-t").stdout)
     down = json.loads(guestctl(g, "--json", "cp", f":{ws}/bytes-t", f"{tmp_path}/back").stdout)
     assert up["bytes"] == down["bytes"] == 1234 and up["entries"] == down["entries"] == 3
 
 
-def test_dot_and_workspace_as_destinations(ws_guestd: tuple[Guestd, str], tmp_path: str) -> None:
-    g, ws = ws_guestd
+def test_dot_and_workspace_as_destinations(workspace_env: tuple[Guestd, str], tmp_path: str) -> None:
+    g, ws = workspace_env
     build(ws, {"dotsrc/f.txt": A, "one.txt": B})
     here = f"{tmp_path}/here"
     os.makedirs(here)
@@ -206,8 +198,8 @@ def test_dot_and_workspace_as_destinations(ws_guestd: tuple[Guestd, str], tmp_pa
     assert r.returncode != 0 and b":PATH" in (r.stderr + r.stdout)
 
 
-def test_rm_as_coreutils_rm(ws_guestd: tuple[Guestd, str]) -> None:
-    g, ws = ws_guestd
+def test_rm_as_coreutils_rm(workspace_env: tuple[Guestd, str]) -> None:
+    g, ws = workspace_env
     build(ws, {"rm/f1": A, "rm/f2": A, "rm/empty": None, "rm/full/x": A})
     r = guestctl(g, "rm", ":rm/f1", "rm/f2")  # several paths, the colon optional
     assert r.returncode == 0, r.stderr
@@ -228,8 +220,8 @@ def test_rm_as_coreutils_rm(ws_guestd: tuple[Guestd, str]) -> None:
     assert r.returncode == 1 and err["code"] == "not_found" and len(err["details"]["failed"]) == 2
 
 
-def test_ls_mkdir_find_without_colon(ws_guestd: tuple[Guestd, str]) -> None:
-    g, _ = ws_guestd
+def test_ls_mkdir_find_without_colon(workspace_env: tuple[Guestd, str]) -> None:
+    g, _ = workspace_env
     r = guestctl(g, "--json", "mkdir", "-p", "mk/a/b", ":mk/c")
     assert r.returncode == 0 and json.loads(r.stdout) == {"created": 2}, r
     names = {e["name"] for e in json.loads(guestctl(g, "--json", "ls").stdout)["entries"]}  # the workspace
@@ -238,8 +230,8 @@ def test_ls_mkdir_find_without_colon(ws_guestd: tuple[Guestd, str]) -> None:
     assert guestctl(g, "mkdir", "mk/c").returncode == 1  # without -p an existing directory is an error
 
 
-def test_view_lines_and_grep_flags(ws_guestd: tuple[Guestd, str]) -> None:
-    g, ws = ws_guestd
+def test_view_lines_and_grep_flags(workspace_env: tuple[Guestd, str]) -> None:
+    g, ws = workspace_env
     build(ws, {"g/one.txt": b"foo\nfoobar\nx\ny\nz\nw\nfoo end\n", "g/two.txt": b"nothing\n"})
     assert guestctl(g, "view", "g/one.txt", "--lines", "3").stdout == b"     3\tx\n"
     assert guestctl(g, "view", ":g/one.txt", "--lines", "2:3").stdout == b"     2\tfoobar\n     3\tx\n"
@@ -255,8 +247,8 @@ def test_view_lines_and_grep_flags(ws_guestd: tuple[Guestd, str]) -> None:
     assert [x["kind"] for x in lines] == ["match", "match", "summary"] and lines[0]["text"] == "foo\n", lines
 
 
-def test_cat_binary_and_json(ws_guestd: tuple[Guestd, str]) -> None:
-    g, ws = ws_guestd
+def test_cat_binary_and_json(workspace_env: tuple[Guestd, str]) -> None:
+    g, ws = workspace_env
     build(ws, {"c/bin": b"\x89PNG\x00\xff\xfe", "c/text.txt": "h\u00e9\n".encode()})
     assert guestctl(g, "cat", "c/bin").stdout == b"\x89PNG\x00\xff\xfe"  # piped: the bytes
     assert json.loads(guestctl(g, "--json", "cat", "c/text.txt").stdout)["data"] == "h\u00e9\n"
@@ -285,10 +277,10 @@ def on_terminal(g: Guestd, *args: str) -> tuple[int, bytes]:
     return proc.wait(60), bytes(out)
 
 
-def test_trees_and_binary_files_on_a_terminal(ws_guestd: tuple[Guestd, str], tmp_path: str) -> None:
+def test_trees_and_binary_files_on_a_terminal(workspace_env: tuple[Guestd, str], tmp_path: str) -> None:
     """A tree's progress bar on a terminal (a counter: its total is unknown) ended the copy with
     'bool() undefined' before it was checked here; cat of binary data prints a note there."""
-    g, ws = ws_guestd
+    g, ws = workspace_env
     build(str(tmp_path), {"tty/sub/big": b"z" * (2 << 20)})
     code, out = on_terminal(g, "cp", f"{tmp_path}/tty", ":tty-up")
     assert code == 0 and b"1 entries" not in out and b"2097152 bytes (upload)" in out, out

@@ -24,8 +24,9 @@ import pytest
 
 from guestd.client import Client
 from guestd.files import tarhead, tarread
-from guestd.testing import Guestd, workspace_guestd
+from guestd.testing import Guestd
 from guestd.wire.errors import GuestdError
+from tests.helpers import peak_rss
 
 MiB = 1024 * 1024
 END = bytes(1024)
@@ -105,18 +106,6 @@ class Chunks:
         return next(self.pieces, None)
 
 
-@pytest.fixture(scope="module")
-def env() -> Iterator[tuple[Guestd, str]]:
-    with workspace_guestd("guestd-redteam-tar-") as env:
-        yield env
-
-
-@pytest.fixture
-def c(env: tuple[Guestd, str]) -> Iterator[Client]:
-    with env[0].client() as client:
-        yield client
-
-
 def upload(c: Client, dst: str, pieces: Iterable[bytes]) -> dict[str, Any] | GuestdError:
     """tree.upload of ``pieces`` (each one INPUT, cut to frames by the client): the reply's
     body, or the error (guestd's, or the client's own about the reply)."""
@@ -139,14 +128,6 @@ def reset_peak(pid: int) -> None:
         f.write("5")  # VmHWM back to the current RSS
 
 
-def peak(pid: int) -> int:
-    with open(f"/proc/{pid}/status") as f:
-        for line in f:
-            if line.startswith("VmHWM:"):
-                return int(line.split()[1]) * 1024
-    raise AssertionError("no VmHWM")
-
-
 def nothing_left(ws: str, dst: str) -> bool:
     return not os.path.lexists(dst) and not [n for n in os.listdir(ws) if "guestd-tree" in n]
 
@@ -154,42 +135,48 @@ def nothing_left(ws: str, dst: str) -> bool:
 # --------------------------------------------------------------------------- findings
 
 
-def test_bytes_after_the_gzip_stream_are_not_held_in_memory(c: Client, env: tuple[Guestd, str]) -> None:
+def test_bytes_after_the_gzip_stream_are_not_held_in_memory(
+    workspace_client: Client, workspace_env: tuple[Guestd, str]
+) -> None:
     """A gzip member holding a header that announces a 1 GiB file and 100 bytes of it, then
     32 MiB of junk after the gzip end: guestd held all 32 MiB (2x while concatenating, and
     O(n^2) copies: 64 MiB took 2.3 s of CPU) until the input ended. Measured: +152 MiB of peak
     RSS for 64 MiB of junk. The reply (truncated) is right; the memory is the defect."""
-    g, ws = env
+    g, ws = workspace_env
     member = gzip.compress(header(b"f", 1 << 30) + b"x" * 100)
     junk = os.urandom(MiB)
     reset_peak(g.pid)
-    before = peak(g.pid)
-    r = upload(c, f"{ws}/gz-trailing", [member, *[junk] * 32])
+    before = peak_rss(g.pid)
+    r = upload(workspace_client, f"{ws}/gz-trailing", [member, *[junk] * 32])
     assert isinstance(r, GuestdError) and r.code == "bad_request"
-    assert peak(g.pid) - before < 16 * MiB
+    assert peak_rss(g.pid) - before < 16 * MiB
 
 
-def test_an_xz_dictionary_claim_does_not_size_guestds_memory(c: Client, env: tuple[Guestd, str]) -> None:
+def test_an_xz_dictionary_claim_does_not_size_guestds_memory(
+    workspace_client: Client, workspace_env: tuple[Guestd, str]
+) -> None:
     """20 KB of .xz (a 64 MiB file of zeros) whose block header says its dictionary is 1.5 GiB:
     guestd's RSS grows by the whole output (measured +136 MiB for 128 MiB, up to 4 GiB per
     upload), though it inflates 1 MiB at a time. Fix: LZMADecompressor(memlimit=...) (xz -9
     needs 65 MiB to decode), refused as bad_request when passed."""
-    g, ws = env
+    g, ws = workspace_env
     data = xz_claiming_dictionary([header(b"f", 64 * MiB), *[bytes(MiB)] * 64, END], 39)
     assert len(data) < 64 * 1024
     reset_peak(g.pid)
-    before = peak(g.pid)
-    upload(c, f"{ws}/xz-dict", [data])  # refused or extracted: either is fine, the memory is not
-    assert peak(g.pid) - before < 32 * MiB
+    before = peak_rss(g.pid)
+    upload(workspace_client, f"{ws}/xz-dict", [data])  # refused or extracted: either is fine, the memory is not
+    assert peak_rss(g.pid) - before < 32 * MiB
 
 
 @pytest.mark.parametrize("kind", [b"g", b"x"])
-def test_pax_records_guestd_keeps_are_bounded(c: Client, env: tuple[Guestd, str], kind: bytes) -> None:
+def test_pax_records_guestd_keeps_are_bounded(
+    workspace_client: Client, workspace_env: tuple[Guestd, str], kind: bytes
+) -> None:
     """8 extended headers of 1 MiB each (under the per-header bound), distinct keys nobody
     reads: guestd's peak RSS grew by about 140 MiB (17x what was sent), and more headers grow
     it without end. Fix: keep only the keys the reader uses (path, linkpath, size, mtime, and
     whether any GNU.sparse.* came) and bound the records' total."""
-    g, ws = env
+    g, ws = workspace_env
 
     def attack() -> Iterator[bytes]:
         key = 0
@@ -199,19 +186,21 @@ def test_pax_records_guestd_keeps_are_bounded(c: Client, env: tuple[Guestd, str]
         yield regular(b"f", b"x") + END
 
     reset_peak(g.pid)
-    before = peak(g.pid)
-    upload(c, f"{ws}/pax-records-{kind.decode()}", attack())
-    assert peak(g.pid) - before < 32 * MiB
+    before = peak_rss(g.pid)
+    upload(workspace_client, f"{ws}/pax-records-{kind.decode()}", attack())
+    assert peak_rss(g.pid) - before < 32 * MiB
 
 
-def test_a_pax_global_header_does_not_make_every_later_entry_costly(c: Client, env: tuple[Guestd, str]) -> None:
+def test_a_pax_global_header_does_not_make_every_later_entry_costly(
+    workspace_client: Client, workspace_env: tuple[Guestd, str]
+) -> None:
     """One 1 MiB global header (107,000 records) then 200 directory entries (100 KB): each entry
     merged every global record and scanned them for GNU.sparse., about 20 ms of guestd CPU per
     entry (measured 5.9 s for 300; 1,000,000 entries would be hours of a core) against about
     1 ms without the header. Checked without a clock (a CPU-time comparison is at the mercy of
     the machine's load): the reader keeps of the globals only the keys it uses, so merging them
     into an entry is O(1); and guestd still applies the one that matters (mtime)."""
-    ws = env[1]
+    ws = workspace_env[1]
     records, _ = many_tiny_records(0, MiB)
     archive = pax(records + record(b"mtime", b"7"), b"g") + b"".join(header(b"d%d" % i, 0, b"5") for i in range(200))
     reader = tarread.Reader(Chunks([archive + END]))
@@ -219,19 +208,19 @@ def test_a_pax_global_header_does_not_make_every_later_entry_costly(c: Client, e
     while reader.next_member("") is not None:
         entries += 1
     assert entries == 200 and len(reader.globals) <= 4, len(reader.globals)  # path, linkpath, size, mtime
-    r = upload(c, f"{ws}/globals-kept", [archive, END])
+    r = upload(workspace_client, f"{ws}/globals-kept", [archive, END])
     assert isinstance(r, dict) and r["entries"] == 200
     assert os.stat(f"{ws}/globals-kept/d199").st_mtime_ns == 7 * 10**9
 
 
-def test_a_negative_pax_size_is_refused(c: Client, env: tuple[Guestd, str]) -> None:
+def test_a_negative_pax_size_is_refused(workspace_client: Client, workspace_env: tuple[Guestd, str]) -> None:
     """Before: the tree was committed with both entries (f, and g read from 5 bytes past a
     block boundary), and the client got protocol_error 'field bytes must be >= 0'. GNU tar
     refuses such a size; so should the reader (digits only, else bad_request invalid)."""
-    ws = env[1]
+    ws = workspace_env[1]
     dst = f"{ws}/negative-size"
     data = pax(record(b"size", b"-5")) + header(b"f", 0) + b"\0" * 5 + regular(b"g", b"abc") + END
-    r = upload(c, dst, [data])
+    r = upload(workspace_client, dst, [data])
     assert isinstance(r, GuestdError) and r.code == "bad_request", r
     assert nothing_left(ws, dst)
 
@@ -254,30 +243,34 @@ def _base256_mtime_header(name: bytes) -> bytes:
         pytest.param(pax(record(b"mtime", b"9" * 5000)) + regular(b"f", b"x") + END, id="pax-5000-digits"),
     ],
 )
-def test_an_mtime_out_of_range_is_not_internal(c: Client, env: tuple[Guestd, str], archive: bytes) -> None:
+def test_an_mtime_out_of_range_is_not_internal(
+    workspace_client: Client, workspace_env: tuple[Guestd, str], archive: bytes
+) -> None:
     """Refused by the reader as bad_request invalid naming the entry (5000 digits was a bare
     bad_request from int()'s ValueError, without details), nothing left."""
-    ws = env[1]
+    ws = workspace_env[1]
     dst = f"{ws}/mtime-{zlib.crc32(archive):x}"
-    r = upload(c, dst, [archive])
+    r = upload(workspace_client, dst, [archive])
     assert isinstance(r, GuestdError) and r.code == "bad_request", r
     assert r.details.get("reason") == "invalid" and r.details.get("entry") in ("f", "d"), r.details
     assert nothing_left(ws, dst)
 
 
 @pytest.mark.skipif(os.geteuid() != 0, reason="the workload runs as nobody: needs root")
-def test_a_workload_cannot_swap_the_staging_directory(c: Client, env: tuple[Guestd, str]) -> None:
+def test_a_workload_cannot_swap_the_staging_directory(
+    workspace_client: Client, workspace_env: tuple[Guestd, str]
+) -> None:
     """Mid-upload (the stream paused after the first file), nobody renames
     .x.guestd-tree-<random> to stash and puts a directory of its own at that name. Before: the
     reply said entries 1, bytes 9, the target held the workload's 'evil', and guestd's tree was
     left at stash (root's, 0700, never removed). Fix: stage inside a private directory and
     rename from its fd, or compare the temp name's inode with fstat(self.root) before and the
     target's after the rename."""
-    ws = env[1]
+    ws = workspace_env[1]
     dst = f"{ws}/swapped"
 
     async def go() -> dict[str, Any]:
-        call = c._aio._conn.start("tree.upload", {"path": dst})
+        call = workspace_client._aio._conn.start("tree.upload", {"path": dst})
         await call.send_input({"data": regular(b"mine", b"host data")}, 30)
         temp: list[str] = []
         for _ in range(1000):  # until guestd has made its temp directory
@@ -289,11 +282,11 @@ def test_a_workload_cannot_swap_the_staging_directory(c: Client, env: tuple[Gues
         subprocess.run(["sh", "-c", swap], cwd=ws, user=NOBODY, group=NOBODY, check=True)
         await call.send_input({"data": END}, 30)
         await call.send_input({"eof": True}, 30)
-        return await c._aio._conn.wait(call, 30)
+        return await workspace_client._aio._conn.wait(call, 30)
 
     try:
         try:
-            c._run(go())
+            workspace_client._run(go())
         except GuestdError:
             return  # refused: fine, as long as nothing of the workload's was committed
         with open(f"{dst}/mine") as f:
@@ -343,43 +336,47 @@ def test_a_workload_cannot_swap_the_staging_directory(c: Client, env: tuple[Gues
     ],
 )
 def test_hostile_names_links_and_sizes_are_refused_whole(
-    c: Client, env: tuple[Guestd, str], archive: bytes, reason: str
+    workspace_client: Client, workspace_env: tuple[Guestd, str], archive: bytes, reason: str
 ) -> None:
-    ws = env[1]
+    ws = workspace_env[1]
     dst = f"{ws}/held-{reason}-{zlib.crc32(archive):x}"
-    r = upload(c, dst, [archive])
+    r = upload(workspace_client, dst, [archive])
     assert isinstance(r, GuestdError) and r.code == "bad_request", r
     assert r.details.get("reason") == reason, r.details
     assert nothing_left(ws, dst)
 
 
 @pytest.mark.parametrize("where", [b"path", b"linkpath"])
-def test_a_nul_in_a_pax_name_is_refused_and_nothing_is_left(c: Client, env: tuple[Guestd, str], where: bytes) -> None:
-    ws = env[1]
+def test_a_nul_in_a_pax_name_is_refused_and_nothing_is_left(
+    workspace_client: Client, workspace_env: tuple[Guestd, str], where: bytes
+) -> None:
+    ws = workspace_env[1]
     dst = f"{ws}/nul-{where.decode()}"
     entry = regular(b"f", b"x") if where == b"path" else header(b"l", 0, b"2", link=b"x")
-    r = upload(c, dst, [pax(record(where, b"a\0b")) + entry + END])
+    r = upload(workspace_client, dst, [pax(record(where, b"a\0b")) + entry + END])
     assert isinstance(r, GuestdError) and r.code == "bad_request", r
     # before: neither (os.open's ValueError, a bare bad_request)
     assert r.details.get("reason") == "invalid" and "entry" in r.details, r.details
     assert nothing_left(ws, dst)
 
 
-def test_a_checksum_that_lies_is_refused(c: Client, env: tuple[Guestd, str]) -> None:
-    ws = env[1]
+def test_a_checksum_that_lies_is_refused(workspace_client: Client, workspace_env: tuple[Guestd, str]) -> None:
+    ws = workspace_env[1]
     block = bytearray(header(b"f", 1))
     block[0] = ord("g")  # the name changed, the checksum not
     dst = f"{ws}/bad-checksum"
-    r = upload(c, dst, [regular(b"a", b"x") + bytes(block) + padded(b"x") + END])
+    r = upload(workspace_client, dst, [regular(b"a", b"x") + bytes(block) + padded(b"x") + END])
     assert isinstance(r, GuestdError) and r.details.get("reason") == "invalid"
     assert nothing_left(ws, dst)
 
 
-def test_setuid_setgid_and_archive_ids_are_not_kept(c: Client, env: tuple[Guestd, str]) -> None:
-    ws = env[1]
+def test_setuid_setgid_and_archive_ids_are_not_kept(
+    workspace_client: Client, workspace_env: tuple[Guestd, str]
+) -> None:
+    ws = workspace_env[1]
     block = bytearray(tarhead._block(b"f", 0o6777, 0, 0, 1, 0, b"0", b""))  # uid 0, gid 0 (root's)
     dst = f"{ws}/modes"
-    r = upload(c, dst, [bytes(block) + padded(b"x") + header(b"d", 0, b"5", mode=0o2777) + END])
+    r = upload(workspace_client, dst, [bytes(block) + padded(b"x") + header(b"d", 0, b"5", mode=0o2777) + END])
     assert isinstance(r, dict), r
     assert os.stat(f"{dst}/f").st_mode & 0o7777 == 0o777  # setuid and setgid dropped
     assert os.stat(f"{dst}/d").st_mode & 0o7777 == 0o777
@@ -387,9 +384,11 @@ def test_setuid_setgid_and_archive_ids_are_not_kept(c: Client, env: tuple[Guestd
         assert (os.stat(f"{dst}/f").st_uid, os.stat(f"{dst}/d").st_gid) == (NOBODY, NOBODY)
 
 
-def test_a_zero_block_mid_archive_ends_it_and_what_follows_is_not_extracted(c: Client, env: tuple[Guestd, str]) -> None:
-    ws = env[1]
+def test_a_zero_block_mid_archive_ends_it_and_what_follows_is_not_extracted(
+    workspace_client: Client, workspace_env: tuple[Guestd, str]
+) -> None:
+    ws = workspace_env[1]
     dst = f"{ws}/zero-mid"
-    r = upload(c, dst, [regular(b"a", b"x") + bytes(512) + regular(b"b", b"y") + END])
+    r = upload(workspace_client, dst, [regular(b"a", b"x") + bytes(512) + regular(b"b", b"y") + END])
     assert isinstance(r, dict) and r["entries"] == 1
     assert os.listdir(dst) == ["a"]

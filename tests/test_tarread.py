@@ -12,7 +12,7 @@ import os
 import struct
 import tarfile
 import zlib
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 
 import pytest
 from hypothesis import given, settings
@@ -20,8 +20,9 @@ from hypothesis import strategies as hs
 
 from guestd.client import Client
 from guestd.files import tarhead, tarread
-from guestd.testing import Guestd, workspace_guestd
+from guestd.testing import Guestd
 from guestd.wire.errors import GuestdError
+from tests.helpers import tar_of
 
 
 class Pieces:
@@ -124,26 +125,8 @@ def test_a_pax_global_header_applies_to_the_entries_after_it() -> None:
     assert got == tarfile_reads(buf.getvalue()) and got[0][4] == 123_500_000
 
 
-@pytest.fixture(scope="module")
-def env() -> Iterator[tuple[Guestd, str]]:
-    with workspace_guestd("guestd-tarread-") as env:
-        yield env
-
-
-@pytest.fixture
-def c(env: tuple[Guestd, str]) -> Iterator[Client]:
-    with env[0].client() as client:
-        yield client
-
-
 def _archive() -> bytes:
-    buf = io.BytesIO()
-    with tarfile.open(fileobj=buf, mode="w", format=tarfile.PAX_FORMAT) as tar:
-        for name, body in (("a", b"x" * 600), ("b", b"y" * 10), ("c", b"z")):
-            info = tarfile.TarInfo(name)
-            info.size = len(body)
-            tar.addfile(info, io.BytesIO(body))
-    return buf.getvalue()
+    return tar_of(("a", b"x" * 600), ("b", b"y" * 10), ("c", b"z"))
 
 
 def _broken(how: str) -> bytes:
@@ -170,34 +153,38 @@ def _broken(how: str) -> bytes:
     ],
 )
 def test_an_archive_that_cannot_be_read_is_refused_whole(
-    c: Client, env: tuple[Guestd, str], how: str, reason: str
+    workspace_client: Client, workspace_env: tuple[Guestd, str], how: str, reason: str
 ) -> None:
     """Before: a corrupted header after the first entry ended the archive silently (the tree
     was committed with the entries before it, and the reply said done); an empty, foreign or
     truncated archive was ``internal`` (tarfile's ReadError)."""
-    dst = f"{env[1]}/broken-{how.replace(' ', '-')}"
+    dst = f"{workspace_env[1]}/broken-{how.replace(' ', '-')}"
     with pytest.raises(GuestdError) as err:
-        c.upload_tree(_broken(how), dst)
+        workspace_client.upload_tree(_broken(how), dst)
     assert err.value.code == "bad_request" and err.value.details["reason"] == reason
     assert not os.path.exists(dst)
-    assert not [n for n in os.listdir(env[1]) if "guestd-tree" in n]
+    assert not [n for n in os.listdir(workspace_env[1]) if "guestd-tree" in n]
 
 
-def test_an_archive_without_end_blocks_is_taken_as_tar_takes_it(c: Client, env: tuple[Guestd, str]) -> None:
+def test_an_archive_without_end_blocks_is_taken_as_tar_takes_it(
+    workspace_client: Client, workspace_env: tuple[Guestd, str]
+) -> None:
     data = _archive()
     end = data.index(b"z") + 512  # the last file's block, without the two zero blocks
-    r = c.upload_tree(data[:end], f"{env[1]}/no-end")
+    r = workspace_client.upload_tree(data[:end], f"{workspace_env[1]}/no-end")
     assert (r.entries, r.bytes) == (3, 611)
 
 
-def test_an_extended_header_past_its_bound_is_refused_before_it_is_read(c: Client, env: tuple[Guestd, str]) -> None:
+def test_an_extended_header_past_its_bound_is_refused_before_it_is_read(
+    workspace_client: Client, workspace_env: tuple[Guestd, str]
+) -> None:
     """A pax header's records are held whole: one that says 2 MiB is refused from its header
     (tarfile read whatever size it said into memory). A bound, not a defect shown failing."""
     records = b"%d path=" % (2 << 20) + b"p" * ((2 << 20) - 20)
     pax = tarhead._block(b"././@PaxHeader", 0, 0, 0, len(records), 0, b"x", b"")
-    dst = f"{env[1]}/huge-pax"
+    dst = f"{workspace_env[1]}/huge-pax"
     with pytest.raises(GuestdError) as err:
-        c.upload_tree(pax + records, dst)
+        workspace_client.upload_tree(pax + records, dst)
     assert err.value.code == "bad_request" and err.value.details["reason"] == "invalid"
     assert not os.path.exists(dst)
 
@@ -206,12 +193,7 @@ def test_an_extended_header_past_its_bound_is_refused_before_it_is_read(c: Clien
 
 
 def _one_file_tar(name: str = "f", body: bytes = b"hello") -> bytes:
-    buf = io.BytesIO()
-    with tarfile.open(fileobj=buf, mode="w", format=tarfile.PAX_FORMAT) as tar:
-        info = tarfile.TarInfo(name)
-        info.size = len(body)
-        tar.addfile(info, io.BytesIO(body))
-    return buf.getvalue()
+    return tar_of((name, body))
 
 
 def _refusal(data: bytes, sizes: list[int] | None = None) -> dict[str, object]:

@@ -13,7 +13,6 @@ import os
 import stat
 import subprocess
 import tarfile
-from collections.abc import Iterator
 from typing import Any
 
 import pytest
@@ -24,18 +23,6 @@ from guestd.wire.errors import GuestdError
 
 NOBODY = 65534
 as_root = pytest.mark.skipif(os.geteuid() != 0, reason="the workload runs as nobody: needs root")
-
-
-@pytest.fixture(scope="module")
-def env() -> Iterator[tuple[Guestd, str]]:
-    with workspace_guestd("guestd-tree-staging-") as env:
-        yield env
-
-
-@pytest.fixture
-def c(env: tuple[Guestd, str]) -> Iterator[Client]:
-    with env[0].client() as client:
-        yield client
 
 
 def _file(name: str, data: bytes) -> bytes:
@@ -95,14 +82,14 @@ def _planted(ws: str, name: str) -> list[str]:
 
 @as_root
 def test_a_swapped_staging_directory_does_not_keep_the_old_tree_of_a_replace(
-    c: Client, env: tuple[Guestd, str]
+    workspace_client: Client, workspace_env: tuple[Guestd, str]
 ) -> None:
     """With replace, the old tree is exchanged into guestd's private directory and removed
     there, wherever the workload moved it: nothing of it is left at the stash, and the target
     is the host's tree."""
-    ws = env[1]
+    ws = workspace_env[1]
     _as_workload(ws, "mkdir rep && echo old > rep/old-file && mkdir rep/old-dir && echo x > rep/old-dir/f")
-    r = _upload_with_swap(c, ws, "rep", END, replace=True)
+    r = _upload_with_swap(workspace_client, ws, "rep", END, replace=True)
     assert not isinstance(r, GuestdError), r
     assert sorted(os.listdir(f"{ws}/rep")) == ["mine"]
     with open(f"{ws}/rep/mine") as f:
@@ -113,12 +100,12 @@ def test_a_swapped_staging_directory_does_not_keep_the_old_tree_of_a_replace(
 
 @as_root
 def test_a_failed_upload_removes_its_half_tree_from_a_swapped_staging_directory(
-    c: Client, env: tuple[Guestd, str]
+    workspace_client: Client, workspace_env: tuple[Guestd, str]
 ) -> None:
     """An upload refused after the swap removes what it extracted from its private directory
     (wherever it is now), commits nothing, and leaves the workload's directory alone."""
-    ws = env[1]
-    r = _upload_with_swap(c, ws, "bad", _file("../up", b"x") + END, replace=False)
+    ws = workspace_env[1]
+    r = _upload_with_swap(workspace_client, ws, "bad", _file("../up", b"x") + END, replace=False)
     assert isinstance(r, GuestdError) and r.code == "bad_request", r
     assert not os.path.lexists(f"{ws}/bad")
     assert os.listdir(f"{ws}/bad-stash") == []
@@ -126,11 +113,11 @@ def test_a_failed_upload_removes_its_half_tree_from_a_swapped_staging_directory(
 
 
 def test_the_root_entrys_mode_and_mtime_survive_the_rename_out_of_the_private_directory(
-    c: Client, env: tuple[Guestd, str]
+    workspace_client: Client, workspace_env: tuple[Guestd, str]
 ) -> None:
     """The tree moves to another parent at the commit: the archive's "." mode (read-only
     here) and mtime are what the target has, and nothing is left beside it."""
-    ws = env[1]
+    ws = workspace_env[1]
     root = tarfile.TarInfo(".")
     root.type = tarfile.DIRTYPE
     root.mode = 0o555
@@ -141,12 +128,12 @@ def test_the_root_entrys_mode_and_mtime_survive_the_rename_out_of_the_private_di
     archive = out.getvalue()[: tarfile.BLOCKSIZE] + _file("f", b"data") + END
 
     async def go() -> dict[str, Any]:
-        call = c._aio._conn.start("tree.upload", {"path": f"{ws}/ro"})
+        call = workspace_client._aio._conn.start("tree.upload", {"path": f"{ws}/ro"})
         await call.send_input({"data": archive}, 30)
         await call.send_input({"eof": True}, 30)
-        return await c._aio._conn.wait(call, 30)
+        return await workspace_client._aio._conn.wait(call, 30)
 
-    assert c._run(go())["entries"] == 2
+    assert workspace_client._run(go())["entries"] == 2
     info = os.stat(f"{ws}/ro")
     assert stat.S_IMODE(info.st_mode) == 0o555
     assert info.st_mtime == 1_000_000_000

@@ -10,29 +10,14 @@ import io
 import os
 import re
 import tarfile
-from collections.abc import Iterator
 from decimal import Decimal
-
-import pytest
 
 from guestd.client import Client
 from guestd.testing import Guestd, workspace_guestd
 
 
-@pytest.fixture(scope="module")
-def env() -> Iterator[tuple[Guestd, str]]:
-    with workspace_guestd("guestd-tree-transfer-") as env:
-        yield env
-
-
-@pytest.fixture
-def c(env: tuple[Guestd, str]) -> Iterator[Client]:
-    with env[0].client() as client:
-        yield client
-
-
 def test_a_local_tree_with_hard_links_uploads_each_name_as_a_file(
-    c: Client, env: tuple[Guestd, str], tmp_path: str
+    workspace_client: Client, workspace_env: tuple[Guestd, str], tmp_path: str
 ) -> None:
     """tarfile.add wrote a second name of one inode as a hard link entry, which the guest
     refuses (bad_request, hard_link): a local git clone (objects hard-linked) could not be
@@ -43,8 +28,8 @@ def test_a_local_tree_with_hard_links_uploads_each_name_as_a_file(
         f.write(b"packed" * 1000)
     os.link(f"{src}/objects/pack", f"{src}/objects/pack-again")
     os.link(f"{src}/objects/pack", f"{src}/same")
-    dst = f"{env[1]}/hardlinked"
-    c.upload_tree(src, dst)
+    dst = f"{workspace_env[1]}/hardlinked"
+    workspace_client.upload_tree(src, dst)
     for name in ("objects/pack", "objects/pack-again", "same"):
         with open(f"{dst}/{name}", "rb") as f:
             assert f.read() == b"packed" * 1000
@@ -52,7 +37,7 @@ def test_a_local_tree_with_hard_links_uploads_each_name_as_a_file(
 
 
 def test_exclude_leaves_out_files_and_whole_directories_on_upload(
-    c: Client, env: tuple[Guestd, str], tmp_path: str
+    workspace_client: Client, workspace_env: tuple[Guestd, str], tmp_path: str
 ) -> None:
     src = f"{tmp_path}/src"
     os.makedirs(f"{src}/node_modules/pkg")
@@ -60,24 +45,26 @@ def test_exclude_leaves_out_files_and_whole_directories_on_upload(
     for name in ("node_modules/pkg/index.js", "src/a.py", "src/a.pyc", "top.pyc", "keep.txt"):
         with open(f"{src}/{name}", "w") as f:
             f.write(name)
-    dst = f"{env[1]}/excluded"
-    c.upload_tree(src, dst, exclude=["node_modules", "*.pyc"])
+    dst = f"{workspace_env[1]}/excluded"
+    workspace_client.upload_tree(src, dst, exclude=["node_modules", "*.pyc"])
     got = sorted(os.path.relpath(os.path.join(d, n), dst) for d, ds, fs in os.walk(dst) for n in ds + fs)
     assert got == ["keep.txt", "src", "src/a.py"]
 
 
-def test_sub_second_mtimes_go_both_ways(c: Client, env: tuple[Guestd, str], tmp_path: str) -> None:
+def test_sub_second_mtimes_go_both_ways(
+    workspace_client: Client, workspace_env: tuple[Guestd, str], tmp_path: str
+) -> None:
     """Up: to tarfile's float (a microsecond or better); down: the pax record is exact."""
     src = f"{tmp_path}/src"
     os.makedirs(src)
     with open(f"{src}/f", "w") as f:
         f.write("x")
     os.utime(f"{src}/f", ns=(1_700_000_000_123_456_789,) * 2)
-    dst = f"{env[1]}/mtimes"
-    c.upload_tree(src, dst)
+    dst = f"{workspace_env[1]}/mtimes"
+    workspace_client.upload_tree(src, dst)
     assert abs(os.stat(f"{dst}/f").st_mtime_ns - 1_700_000_000_123_456_789) < 1000
     os.utime(f"{dst}/f", ns=(1_600_000_000_987_654_321,) * 2)
-    data = c.download_tree(dst)
+    data = workspace_client.download_tree(dst)
     records = re.findall(rb"\d+ mtime=([0-9.]+)\n", data)
     assert Decimal("1600000000.987654321") in [Decimal(r.decode()) for r in records]
     with tarfile.open(fileobj=io.BytesIO(data)) as tar:
@@ -102,13 +89,15 @@ def test_an_upload_completes_when_the_guests_window_is_smaller_than_a_grant_batc
         assert sorted(tar.getnames()) == sorted(f"f{i}" for i in range(20))
 
 
-def test_a_gzip_archive_given_as_bytes_is_extracted(c: Client, env: tuple[Guestd, str]) -> None:
+def test_a_gzip_archive_given_as_bytes_is_extracted(
+    workspace_client: Client, workspace_env: tuple[Guestd, str]
+) -> None:
     buf = io.BytesIO()
     with tarfile.open(fileobj=buf, mode="w", format=tarfile.GNU_FORMAT) as tar:
         info = tarfile.TarInfo("d/" + "long" * 40)  # a GNU long name
         info.size = 5
         tar.addfile(info, io.BytesIO(b"hello"))
-    dst = f"{env[1]}/gz"
-    c.upload_tree(gzip.compress(buf.getvalue()), dst)
+    dst = f"{workspace_env[1]}/gz"
+    workspace_client.upload_tree(gzip.compress(buf.getvalue()), dst)
     with open(f"{dst}/d/{'long' * 40}", "rb") as f:
         assert f.read() == b"hello"

@@ -374,19 +374,16 @@ def _plant_heavy(ws: str, name: str = "heavy") -> None:
 
 
 @pytest.fixture(scope="module")
-def env() -> Iterator[tuple[Guestd, str]]:
+def workspace_env() -> Iterator[tuple[Guestd, str]]:
+    """conftest's workspace_env, with the issue's and the heavy trees planted before the start
+    (workspace_client connects to this one)."""
+
     def prepare(top: str, ws: str) -> None:
         _plant_issue(ws)
         _plant_heavy(ws)
 
     with workspace_guestd("guestd-patterns-", prepare=prepare) as (g, ws):
         yield g, ws
-
-
-@pytest.fixture
-def c(env: tuple[Guestd, str]) -> Iterator[Client]:
-    with env[0].client() as client:
-        yield client
 
 
 def while_pinging(g: Guestd, work: Callable[[], T]) -> tuple[T, int]:
@@ -417,17 +414,19 @@ def while_pinging(g: Guestd, work: Callable[[], T]) -> tuple[T, int]:
     return result, answered
 
 
-def test_the_issue_gitignore_answers_file_glob(c: Client, env: tuple[Guestd, str]) -> None:
-    g, ws = env
-    r, _ = while_pinging(g, lambda: c.glob(f"{ws}/issue", "**", gitignore=True, timeout_s=10, deadline=30))
+def test_the_issue_gitignore_answers_file_glob(workspace_client: Client, workspace_env: tuple[Guestd, str]) -> None:
+    g, ws = workspace_env
+    r, _ = while_pinging(
+        g, lambda: workspace_client.glob(f"{ws}/issue", "**", gitignore=True, timeout_s=10, deadline=30)
+    )
     assert sorted(os.fsencode(p) for p in r.paths) == [b".gitignore", A200.encode(), b"kept.txt"]
     assert not r.truncated and r.bound is None
-    assert c.ping(deadline=10.0) >= 0
+    assert workspace_client.ping(deadline=10.0) >= 0
 
 
-def test_the_issue_gitignore_answers_tree_download(c: Client, env: tuple[Guestd, str]) -> None:
-    g, ws = env
-    data, _ = while_pinging(g, lambda: c.download_tree(f"{ws}/issue", gitignore=True, deadline=30))
+def test_the_issue_gitignore_answers_tree_download(workspace_client: Client, workspace_env: tuple[Guestd, str]) -> None:
+    g, ws = workspace_env
+    data, _ = while_pinging(g, lambda: workspace_client.download_tree(f"{ws}/issue", gitignore=True, deadline=30))
     assert isinstance(data, bytes)
     with tarfile.open(fileobj=BytesIO(data)) as tar:
         names = sorted(m.name for m in tar.getmembers())
@@ -435,20 +434,24 @@ def test_the_issue_gitignore_answers_tree_download(c: Client, env: tuple[Guestd,
 
 
 def test_a_costly_gitignore_stops_glob_at_its_timeout_and_pings_answer_meanwhile(
-    c: Client, env: tuple[Guestd, str]
+    workspace_client: Client, workspace_env: tuple[Guestd, str]
 ) -> None:
     """Seconds of matching: the walk ends at timeout_s saying so (bound deadline), and pings on
     another connection are answered all along."""
-    g, ws = env
-    r, pings = while_pinging(g, lambda: c.glob(f"{ws}/heavy", "**", gitignore=True, timeout_s=1.5, deadline=30))
+    g, ws = workspace_env
+    r, pings = while_pinging(
+        g, lambda: workspace_client.glob(f"{ws}/heavy", "**", gitignore=True, timeout_s=1.5, deadline=30)
+    )
     assert r.truncated and r.bound == "deadline"
     assert pings >= 1
-    assert c.ping(deadline=10.0) >= 0
+    assert workspace_client.ping(deadline=10.0) >= 0
 
 
-def test_a_costly_gitignore_under_tree_download_leaves_pings_answered(c: Client, env: tuple[Guestd, str]) -> None:
-    g, ws = env
-    data, pings = while_pinging(g, lambda: c.download_tree(f"{ws}/heavy", gitignore=True, deadline=120))
+def test_a_costly_gitignore_under_tree_download_leaves_pings_answered(
+    workspace_client: Client, workspace_env: tuple[Guestd, str]
+) -> None:
+    g, ws = workspace_env
+    data, pings = while_pinging(g, lambda: workspace_client.download_tree(f"{ws}/heavy", gitignore=True, deadline=120))
     assert isinstance(data, bytes) and pings >= 1
     with tarfile.open(fileobj=BytesIO(data)) as tar:
         names = {m.name for m in tar.getmembers()}
@@ -491,8 +494,8 @@ def test_sigterm_stops_guestd_during_a_costly_walk(op: str) -> None:
 
 
 @pytest.fixture(scope="module")
-def agree_tree(env: tuple[Guestd, str]) -> str:
-    ws = env[1]
+def agree_tree(workspace_env: tuple[Guestd, str]) -> str:
+    ws = workspace_env[1]
     root = f"{ws}/agree"
     for d in ("", "pkg1", "pkg1/mod1", "pkg2", "pkg2/mod1", "pkg2/mod2/deep"):
         os.makedirs(f"{root}/{d}", exist_ok=True)
@@ -524,38 +527,40 @@ AGREEING_GLOBS = [
 
 @pytest.mark.skipif(not HAVE_RG, reason="file.grep is ripgrep: rg is not installed")
 @pytest.mark.parametrize("glob", AGREEING_GLOBS)
-def test_find_and_grep_mean_the_same_by_a_glob(c: Client, agree_tree: str, glob: str) -> None:
+def test_find_and_grep_mean_the_same_by_a_glob(workspace_client: Client, agree_tree: str, glob: str) -> None:
     """``find --glob G`` and ``grep --glob G`` choose the same files (a glob without '/' is a
     name at any depth, with one it is anchored to the searched directory), as ripgrep does."""
-    found = c.glob(agree_tree, glob)
+    found = workspace_client.glob(agree_tree, glob)
     files = {p for p in map(os.fsencode, found.paths) if os.path.isfile(os.fsencode(agree_tree) + b"/" + p)}
-    grepped = c.grep(agree_tree, "x", globs=[glob], max_matches=10_000)
+    grepped = workspace_client.grep(agree_tree, "x", globs=[glob], max_matches=10_000)
     assert not grepped.truncated and not grepped.timed_out
     assert files == {os.fsencode(line.path) for line in grepped.lines}, glob
     if glob == "*.py":  # the disagreement of the issue: at any depth for both
         assert b"pkg2/mod2/deep/a.py" in files and b"a.py" in files
 
 
-def test_a_glob_that_does_not_compile_is_bad_request(c: Client, env: tuple[Guestd, str]) -> None:
-    ws = env[1]
+def test_a_glob_that_does_not_compile_is_bad_request(
+    workspace_client: Client, workspace_env: tuple[Guestd, str]
+) -> None:
+    ws = workspace_env[1]
     for call in (
-        lambda: c.glob(f"{ws}/issue", "[z-a]"),
-        lambda: c.glob(f"{ws}/issue", "!*.py"),
-        lambda: c.download_tree(f"{ws}/issue", include=["[z-a]"], deadline=30),
+        lambda: workspace_client.glob(f"{ws}/issue", "[z-a]"),
+        lambda: workspace_client.glob(f"{ws}/issue", "!*.py"),
+        lambda: workspace_client.download_tree(f"{ws}/issue", include=["[z-a]"], deadline=30),
     ):
         with pytest.raises(GuestdError) as err:
             call()
         assert err.value.code == "bad_request"
-    assert c.ping(deadline=10.0) >= 0
+    assert workspace_client.ping(deadline=10.0) >= 0
 
 
 def test_a_gitignore_too_costly_to_hold_leaves_its_directory_unentered_and_says_so(
-    c: Client, env: tuple[Guestd, str]
+    workspace_client: Client, workspace_env: tuple[Guestd, str]
 ) -> None:
     """A 1 MiB .gitignore of distinct wildcard names would hold ~60 MiB compiled (and 256 levels
     of them gigabytes): past the walk's bound the directory is listed, not entered, and the walk
     says it was cut (bound depth)."""
-    ws = env[1]
+    ws = workspace_env[1]
     root = f"{ws}/costly"
     os.makedirs(f"{root}/sub")
     with open(f"{root}/sub/.gitignore", "wb") as f:
@@ -566,10 +571,10 @@ def test_a_gitignore_too_costly_to_hold_leaves_its_directory_unentered_and_says_
         f.write("x\n")
     for p in (root, f"{root}/sub"):
         os.chmod(p, 0o755)
-    r = c.glob(root, "**", gitignore=True, timeout_s=60)
+    r = workspace_client.glob(root, "**", gitignore=True, timeout_s=60)
     assert sorted(os.fsencode(p) for p in r.paths) == [b"sub", b"top.txt"]
     assert r.truncated and r.bound == "depth"
-    whole = c.glob(root, "**", gitignore=False)
+    whole = workspace_client.glob(root, "**", gitignore=False)
     assert b"sub/inside.txt" in {os.fsencode(p) for p in whole.paths} and not whole.truncated
 
 

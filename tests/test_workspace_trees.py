@@ -10,25 +10,12 @@ import os
 import stat
 import subprocess
 import tarfile
-from collections.abc import Iterator
 
 import pytest
 
 from guestd.client import AsyncClient, Client
-from guestd.testing import Guestd, workspace_guestd
+from guestd.testing import Guestd
 from guestd.wire.errors import GuestdError
-
-
-@pytest.fixture(scope="module")
-def env() -> Iterator[tuple[Guestd, str]]:
-    with workspace_guestd("guestd-trees-") as env:
-        yield env
-
-
-@pytest.fixture
-def c(env: tuple[Guestd, str]) -> Iterator[Client]:
-    with env[0].client() as client:
-        yield client
 
 
 def snapshot(root: str) -> dict[bytes, tuple[object, ...]]:
@@ -52,7 +39,7 @@ def snapshot(root: str) -> dict[bytes, tuple[object, ...]]:
 
 
 def test_a_tree_round_trips_with_links_modes_mtimes_empty_dirs_a_50mb_file_and_raw_names(
-    c: Client, env: tuple[Guestd, str], tmp_path: str
+    workspace_client: Client, workspace_env: tuple[Guestd, str], tmp_path: str
 ) -> None:
     src = f"{tmp_path}/src"
     os.makedirs(f"{src}/empty/deeper")
@@ -69,29 +56,29 @@ def test_a_tree_round_trips_with_links_modes_mtimes_empty_dirs_a_50mb_file_and_r
     os.chmod(f"{src}/empty", 0o711)
     os.utime(f"{src}/bin/run.sh", (1_600_000_000, 1_600_000_000))
     os.utime(f"{src}/empty/deeper", (1_500_000_000, 1_500_000_000))
-    dst = f"{env[1]}/round"
+    dst = f"{workspace_env[1]}/round"
     seen: list[int] = []
-    up = c.upload_tree(src, dst, progress=seen.append)
+    up = workspace_client.upload_tree(src, dst, progress=seen.append)
     assert up.entries >= 8 and up.bytes == 50 * (1 << 20) + len("#!/bin/sh\necho hi\n") + len("raw name\n")
     assert sum(seen) > up.bytes
     assert snapshot(dst) == snapshot(src)
     if os.geteuid() == 0:  # in the workspace: the workload's
         assert os.lstat(f"{dst}/bin/run.sh").st_uid == 65534 and os.lstat(f"{dst}/link").st_uid == 65534
     back = f"{tmp_path}/back"
-    c.download_tree(dst, back)
+    workspace_client.download_tree(dst, back)
     assert snapshot(back) == snapshot(src)
-    listing = tarfile.open(fileobj=io.BytesIO(c.download_tree(dst, include=["*.sh"]))).getnames()
+    listing = tarfile.open(fileobj=io.BytesIO(workspace_client.download_tree(dst, include=["*.sh"]))).getnames()
     assert "bin/run.sh" in listing and "big.bin" not in listing
     with pytest.raises(GuestdError) as exists:
-        c.upload_tree(src, dst)
+        workspace_client.upload_tree(src, dst)
     assert exists.value.code == "exists"
     small = f"{tmp_path}/small"
     os.makedirs(small)
     with open(f"{small}/only.txt", "w") as f:
         f.write("new\n")
-    c.upload_tree(small, dst, replace=True)
+    workspace_client.upload_tree(small, dst, replace=True)
     assert os.listdir(dst) == ["only.txt"]
-    assert [n for n in os.listdir(env[1]) if "guestd-tree" in n] == []  # the old tree is gone
+    assert [n for n in os.listdir(workspace_env[1]) if "guestd-tree" in n] == []  # the old tree is gone
 
 
 def tar_with(*members: tuple[tarfile.TarInfo, bytes | None]) -> bytes:
@@ -124,48 +111,50 @@ SLIPS = {
 
 @pytest.mark.parametrize("kind", sorted(SLIPS))
 def test_each_tar_slip_entry_is_refused_by_name_and_leaves_nothing(
-    c: Client, env: tuple[Guestd, str], kind: str
+    workspace_client: Client, workspace_env: tuple[Guestd, str], kind: str
 ) -> None:
-    ws = env[1]
+    ws = workspace_env[1]
     good = (entry("ok/first.txt"), b"fine\n")
     archive = tar_with(good, SLIPS[kind])
     before = set(os.listdir(ws))
     with pytest.raises(GuestdError) as err:
-        c.upload_tree(archive, f"{ws}/slip-{kind}")
+        workspace_client.upload_tree(archive, f"{ws}/slip-{kind}")
     assert err.value.code == "bad_request"
     assert err.value.details["entry"] == SLIPS[kind][0].name
     assert set(os.listdir(ws)) == before  # no target, no temp directory
     assert not os.path.lexists("/tmp/guestd-slip-abs") and not os.path.lexists(f"{os.path.dirname(ws)}/guestd-slip-up")
 
 
-def test_a_path_through_an_archived_symlink_is_refused(c: Client, env: tuple[Guestd, str]) -> None:
+def test_a_path_through_an_archived_symlink_is_refused(
+    workspace_client: Client, workspace_env: tuple[Guestd, str]
+) -> None:
     """A link inside the tree (allowed) must not become a way out for a later entry."""
     archive = tar_with((entry("d", tarfile.SYMTYPE, "."), None), (entry("d/x"), b"x"))
     with pytest.raises(GuestdError) as err:
-        c.upload_tree(archive, f"{env[1]}/via-link")
+        workspace_client.upload_tree(archive, f"{workspace_env[1]}/via-link")
     assert err.value.details == {"entry": "d/x", "reason": "through_link"}
 
 
 def test_download_never_opens_a_fifo_and_archives_links_as_links(
-    c: Client, env: tuple[Guestd, str], tmp_path: str
+    workspace_client: Client, workspace_env: tuple[Guestd, str], tmp_path: str
 ) -> None:
-    d = f"{env[1]}/special"
+    d = f"{workspace_env[1]}/special"
     os.makedirs(d)
     os.mkfifo(f"{d}/fifo")
     os.symlink("/etc/passwd", f"{d}/passwd")
-    data = c.download_tree(d)
+    data = workspace_client.download_tree(d)
     assert isinstance(data, bytes)
     members = {m.name: m for m in tarfile.open(fileobj=io.BytesIO(data))}
     assert "fifo" not in members and members["passwd"].issym() and members["passwd"].linkname == "/etc/passwd"
 
 
-def test_write_many_is_all_or_nothing(c: Client, env: tuple[Guestd, str]) -> None:
-    ws = env[1]
-    assert c.write_files({f"{ws}/wm/a.txt": "a", f"{ws}/wm/sub/b.txt": b"b"}, parents=True) == 2
+def test_write_many_is_all_or_nothing(workspace_client: Client, workspace_env: tuple[Guestd, str]) -> None:
+    ws = workspace_env[1]
+    assert workspace_client.write_files({f"{ws}/wm/a.txt": "a", f"{ws}/wm/sub/b.txt": b"b"}, parents=True) == 2
     assert open(f"{ws}/wm/sub/b.txt").read() == "b"
     os.makedirs(f"{ws}/wm/dir")
     with pytest.raises(GuestdError):
-        c.write_files({f"{ws}/wm/c.txt": "c", f"{ws}/wm/nope/x/y": "y"})  # no parents: the second fails
+        workspace_client.write_files({f"{ws}/wm/c.txt": "c", f"{ws}/wm/nope/x/y": "y"})  # no parents: the second fails
     assert not os.path.exists(f"{ws}/wm/c.txt")
     assert [n for n in os.listdir(f"{ws}/wm") if "guestd-tmp" in n] == []
 
@@ -182,12 +171,12 @@ async def next_change(it: object, want: tuple[str, bytes]) -> list[tuple[str, by
             return seen
 
 
-def test_watch_sees_create_modify_move_delete_in_new_nested_directories(env: tuple[Guestd, str]) -> None:
-    root = f"{env[1]}/watched"
+def test_watch_sees_create_modify_move_delete_in_new_nested_directories(workspace_env: tuple[Guestd, str]) -> None:
+    root = f"{workspace_env[1]}/watched"
     os.makedirs(root)
 
     async def main() -> None:
-        c = await AsyncClient.connect(env[0].address)
+        c = await AsyncClient.connect(workspace_env[0].address)
         w = c.watch(root, latency_s=0)
         await w.wait_ready()
         it = w.__aiter__()
@@ -212,13 +201,13 @@ def test_watch_sees_create_modify_move_delete_in_new_nested_directories(env: tup
     asyncio.run(main())
 
 
-def test_watch_reports_overflow_when_its_client_does_not_read(env: tuple[Guestd, str]) -> None:
+def test_watch_reports_overflow_when_its_client_does_not_read(workspace_env: tuple[Guestd, str]) -> None:
     """Credit runs out (64 KiB of paths), then 10,000 more paths wait; beyond that: overflow."""
-    root = f"{env[1]}/flood"
+    root = f"{workspace_env[1]}/flood"
     os.makedirs(root)
 
     async def main() -> None:
-        c = await AsyncClient.connect(env[0].address, stream_window=65536)
+        c = await AsyncClient.connect(workspace_env[0].address, stream_window=65536)
         w = c.watch(root, latency_s=0)
         await w.wait_ready()
         for i in range(16_000):
@@ -235,8 +224,10 @@ def test_watch_reports_overflow_when_its_client_does_not_read(env: tuple[Guestd,
     asyncio.run(main())
 
 
-def test_report_changes_of_a_git_checkout_touch_and_rm(c: Client, env: tuple[Guestd, str]) -> None:
-    repo = f"{env[1]}/repo"
+def test_report_changes_of_a_git_checkout_touch_and_rm(
+    workspace_client: Client, workspace_env: tuple[Guestd, str]
+) -> None:
+    repo = f"{workspace_env[1]}/repo"
     os.makedirs(repo)
     git = "git -c user.email=t@t -c user.name=t -c init.defaultBranch=main"
     subprocess.run(
@@ -244,7 +235,7 @@ def test_report_changes_of_a_git_checkout_touch_and_rm(c: Client, env: tuple[Gue
     )
     if os.geteuid() == 0:
         subprocess.run(["chown", "-R", "nobody:nogroup", repo], check=True)
-    reply = c.call(
+    reply = workspace_client.call(
         "exec",
         {"shell": f"{git} checkout -q -b x && touch a && rm b", "cwd": repo, "report_changes": True},
     )
@@ -261,5 +252,5 @@ def test_report_changes_of_a_git_checkout_touch_and_rm(c: Client, env: tuple[Gue
     assert "repo/.git/HEAD" in ch["modified"]  # replaced by a rename of HEAD.lock: a modification
     assert not any(p.endswith(".lock") for p in ch["created"] + ch["modified"] + ch["deleted"])
     assert ch["overflow"] is False and ch["total"] == len(ch["created"]) + len(ch["modified"]) + len(ch["deleted"])
-    after = c.changes()
-    assert c.changes(after.cursor).total == 0
+    after = workspace_client.changes()
+    assert workspace_client.changes(after.cursor).total == 0
