@@ -21,33 +21,43 @@ if TYPE_CHECKING:  # the generated message types: annotations only, never import
     )
 
 
-def register(services: Services) -> None:
-    made: list[Shells] = []  # on first use
+class ShellsCapability:
+    """The shell ops and lifecycle hooks; the session table on first use."""
 
-    def shells() -> Shells:
-        if not made:
+    def __init__(self, services: Services) -> None:
+        self.services = services
+        self._made: Shells | None = None
+
+    def shells(self) -> Shells:
+        """The session table, made on first use."""
+        if self._made is None:
             from guestd.shells.table import Shells
 
-            made.append(Shells(services))
-        return made[0]
+            self._made = Shells(self.services)
+        return self._made
 
-    async def on_restore(entropy: bytes) -> dict[str, list[str]]:
-        return await made[0].reseed(entropy) if made else {"shells_reseeded": [], "shells_pending": []}
+    # -- lifecycle hooks -------------------------------------------------------------------
+    async def on_restore(self, entropy: bytes) -> dict[str, list[str]]:
+        if self._made is None:
+            return {"shells_reseeded": [], "shells_pending": []}
+        return await self._made.reseed(entropy)
 
-    async def shutdown() -> None:
-        if made:
-            await made[0].shutdown()
+    def busy(self) -> dict[str, list[str]]:
+        return self._made.busy() if self._made is not None else {"busy_shells": []}
 
-    services.on_restore.append(on_restore)
-    services.busy.append(lambda: made[0].busy() if made else {"busy_shells": []})
-    services.on_shutdown.append(shutdown)
+    async def shutdown(self) -> None:
+        if self._made is not None:
+            await self._made.shutdown()
 
-    async def op_create(ctx: Request, a: ShellCreateArgs) -> ShellCreateReply:
-        s = await shells().create(a["cwd"], a["env"], a["name"])
+    # -- ops -------------------------------------------------------------------------------
+    async def op_create(self, ctx: Request, a: ShellCreateArgs) -> ShellCreateReply:
+        s = await self.shells().create(a["cwd"], a["env"], a["name"])
         return {"id": s.id, "pid": s.pid}
 
-    async def op_run(ctx: Request, a: ShellRunArgs) -> ShellRunReply:
-        if a["keep"] and services.runs is not None:
+    async def op_run(self, ctx: Request, a: ShellRunArgs) -> ShellRunReply:
+        services = self.services
+        runs = services.runs
+        if a["keep"] and runs is not None:
             if a["stream"] or a["stdin_stream"] or a["pty"]:
                 from guestd.wire.errors import ErrorCode, GuestdError
 
@@ -56,35 +66,41 @@ def register(services: Services) -> None:
                     "keep: not with stream, stdin_stream or pty (the run must not need its connection)",
                     details={"field": "keep"},
                 )
-            session = shells().get(a["id"])
+            session = self.shells().get(a["id"])
 
             async def kept() -> ShellRunReply:
                 cursor = await services.changes_cursor(a["report_changes"])
                 return await services.with_changes(cursor, await session.run(a, None))
 
-            reply: ShellRunReply = await services.runs.keep(ctx, "shell.run", session.id, a["command"], kept)
+            reply: ShellRunReply = await runs.keep(ctx, "shell.run", session.id, a["command"], kept)
             return reply
         cursor = await services.changes_cursor(a["report_changes"])
-        return await services.with_changes(cursor, await shells().get(a["id"]).run(a, ctx))
+        return await services.with_changes(cursor, await self.shells().get(a["id"]).run(a, ctx))
 
-    async def op_resize(ctx: Request, a: ShellResizeArgs) -> ShellResizeReply:
-        shells().get(a["id"]).resize(a["rows"], a["cols"])
+    async def op_resize(self, ctx: Request, a: ShellResizeArgs) -> ShellResizeReply:
+        self.shells().get(a["id"]).resize(a["rows"], a["cols"])
         return {}
 
-    async def op_list(ctx: Request, a: ShellListArgs) -> ShellListReply:
-        if not made:
+    async def op_list(self, ctx: Request, a: ShellListArgs) -> ShellListReply:
+        if self._made is None:
             return {"sessions": []}
-        return {"sessions": [s.describe() for s in shells().sessions.values()]}
+        return {"sessions": [s.describe() for s in self._made.sessions.values()]}
 
-    async def op_close(ctx: Request, a: ShellCloseArgs) -> ShellCloseReply:
-        await shells().close(a["id"])
+    async def op_close(self, ctx: Request, a: ShellCloseArgs) -> ShellCloseReply:
+        await self.shells().close(a["id"])
         return {}
 
+
+def register(services: Services) -> None:
+    shells = ShellsCapability(services)
+    services.on_restore.append(shells.on_restore)
+    services.busy.append(shells.busy)
+    services.on_shutdown.append(shells.shutdown)
     for name, fn in (
-        ("shell.create", op_create),
-        ("shell.run", op_run),
-        ("shell.list", op_list),
-        ("shell.resize", op_resize),
-        ("shell.close", op_close),
+        ("shell.create", shells.op_create),
+        ("shell.run", shells.op_run),
+        ("shell.list", shells.op_list),
+        ("shell.resize", shells.op_resize),
+        ("shell.close", shells.op_close),
     ):
         services.ops.add(name, fn)
