@@ -98,6 +98,8 @@ class KeptRun:
 
 
 class RunTable:
+    """The kept runs (``services.runs``) and the run.* ops that read and cancel them."""
+
     def __init__(self, services: Services) -> None:
         self.services = services
         self.runs: dict[str, KeptRun] = {}
@@ -166,25 +168,30 @@ class RunTable:
         for r in self.runs.values():
             r.task.cancel()
 
+    # -- ops: run.get, run.wait, run.list, run.cancel ------------------------------------
+    async def op_get(self, ctx: Request, a: RunGetArgs) -> RunGetReply:
+        return {"run": self.get(a["id"]).describe(with_result=True)}
+
+    async def op_wait(self, ctx: Request, a: RunWaitArgs) -> RunWaitReply:
+        return {"run": (await self.wait(a["id"], a["timeout_s"])).describe(with_result=True)}
+
+    async def op_list(self, ctx: Request, a: RunListArgs) -> RunListReply:
+        self.expire()
+        return {"runs": [r.describe(with_result=False) for r in self.runs.values()]}
+
+    async def op_cancel(self, ctx: Request, a: RunCancelArgs) -> RunCancelReply:
+        return {"run": (await self.cancel(a["id"], a["timeout_s"])).describe(with_result=True)}
+
 
 def register(services: Services) -> RunTable:
     table = RunTable(services)
     services.runs = table
-
-    async def op_get(ctx: Request, a: RunGetArgs) -> RunGetReply:
-        return {"run": table.get(a["id"]).describe(with_result=True)}
-
-    async def op_wait(ctx: Request, a: RunWaitArgs) -> RunWaitReply:
-        return {"run": (await table.wait(a["id"], a["timeout_s"])).describe(with_result=True)}
-
-    async def op_list(ctx: Request, a: RunListArgs) -> RunListReply:
-        table.expire()
-        return {"runs": [r.describe(with_result=False) for r in table.runs.values()]}
-
-    async def op_cancel(ctx: Request, a: RunCancelArgs) -> RunCancelReply:
-        return {"run": (await table.cancel(a["id"], a["timeout_s"])).describe(with_result=True)}
-
     services.on_shutdown.append(table.shutdown)
-    for name, fn in (("run.get", op_get), ("run.wait", op_wait), ("run.list", op_list), ("run.cancel", op_cancel)):
+    for name, fn in (
+        ("run.get", table.op_get),
+        ("run.wait", table.op_wait),
+        ("run.list", table.op_list),
+        ("run.cancel", table.op_cancel),
+    ):
         services.ops.add(name, fn)
     return table
