@@ -39,31 +39,30 @@ if TYPE_CHECKING:
     )
 
 
-def register(services: Services) -> None:
-    limits = services.config.limits
-    policy = services.config.ports
-    streams: dict[object, int] = {}  # connection -> open relay streams
-    forwards: dict[str, Forward] = {}
-    forward_counts: dict[object, int] = {}  # connection -> open reverse forwards
-    forward_ids = itertools.count(1)
+class PortsCapability:
+    """The port ops, with what they count per connection: open relay streams and reverse
+    forwards (the forwards by id, for port.accept)."""
 
-    @contextmanager
-    def counted(table: dict[object, int], owner: object, limit: int, name: str) -> Iterator[None]:
-        if table.get(owner, 0) >= limit:
-            raise _too_many(limit, name)
-        table[owner] = table.get(owner, 0) + 1
-        try:
-            yield
-        finally:
-            _give_back(table, owner)
+    def __init__(self, services: Services) -> None:
+        self.services = services
+        self.limits = services.config.limits
+        self.policy = services.config.ports
+        self.streams: dict[object, int] = {}  # connection -> open relay streams
+        self.forwards: dict[str, Forward] = {}
+        self.forward_counts: dict[object, int] = {}  # connection -> open reverse forwards
+        self.forward_ids = itertools.count(1)
 
-    async def relay(ctx: Request, chunk: int | None, open_socket: Callable[[Relay], Awaitable[None]]) -> dict[str, Any]:
+    async def _relay(
+        self, ctx: Request, chunk: int | None, open_socket: Callable[[Relay], Awaitable[None]]
+    ) -> dict[str, Any]:
+        """A relay stream of the request's connection (at most ``max_port_streams`` open), its
+        socket opened by ``open_socket``; reset unless it ends cleanly."""
         owner = ctx.connection
-        open_now = streams.get(owner, 0)
-        if open_now >= limits.max_port_streams:
-            raise _too_many(limits.max_port_streams, "max_port_streams")
-        streams[owner] = open_now + 1
-        r = Relay(ctx, min(chunk or limits.max_chunk, limits.max_chunk))
+        open_now = self.streams.get(owner, 0)
+        if open_now >= self.limits.max_port_streams:
+            raise _too_many(self.limits.max_port_streams, "max_port_streams")
+        self.streams[owner] = open_now + 1
+        r = Relay(ctx, min(chunk or self.limits.max_chunk, self.limits.max_chunk))
         ok = False
         try:
             await open_socket(r)
@@ -72,17 +71,17 @@ def register(services: Services) -> None:
             return result
         finally:
             r.close(reset=not ok)
-            _give_back(streams, owner)
+            _give_back(self.streams, owner)
 
-    async def op_connect(ctx: Request, a: PortConnectArgs) -> PortConnectReply:
+    async def op_connect(self, ctx: Request, a: PortConnectArgs) -> PortConnectReply:
         address, port, timeout_s = a["address"], a["port"], a["connect_timeout_s"]
         check_local(address)
-        policy.check_port(port)
+        self.policy.check_port(port)
 
-        return await relay(ctx, a["chunk"], lambda r: connect(r, address, port, timeout_s))  # type: ignore[return-value]
+        return await self._relay(ctx, a["chunk"], lambda r: connect(r, address, port, timeout_s))  # type: ignore[return-value]
 
-    async def op_accept(ctx: Request, a: PortAcceptArgs) -> PortAcceptReply:
-        fwd = forwards.get(a["forward"])
+    async def op_accept(self, ctx: Request, a: PortAcceptArgs) -> PortAcceptReply:
+        fwd = self.forwards.get(a["forward"])
         sock = fwd.claim(a["conn"]) if fwd is not None and fwd.owner is ctx.connection else None
         if sock is None:
             raise GuestdError(
@@ -102,14 +101,14 @@ def register(services: Services) -> None:
                 raise
 
         try:
-            return await relay(ctx, a["chunk"], open_socket)  # type: ignore[return-value]
+            return await self._relay(ctx, a["chunk"], open_socket)  # type: ignore[return-value]
         except GuestdError as err:
             if err.details.get("limit") == "max_port_streams":
                 reset(sock)
             raise
 
-    async def op_reverse(ctx: Request, a: PortReverseArgs) -> PortReverseReply:
-        policy.check_reverse()
+    async def op_reverse(self, ctx: Request, a: PortReverseArgs) -> PortReverseReply:
+        self.policy.check_reverse()
         family, loopback = check_address(a["address"])
         if not loopback:
             raise GuestdError(
@@ -118,7 +117,7 @@ def register(services: Services) -> None:
                 details={"policy": "ports.reverse", "field": "address"},
             )
         owner = ctx.connection
-        with counted(forward_counts, owner, limits.max_port_forwards, "max_port_forwards"):
+        with _counted(self.forward_counts, owner, self.limits.max_port_forwards, "max_port_forwards"):
             listener = socket.socket(family, socket.SOCK_STREAM)
             try:
                 listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
@@ -135,8 +134,10 @@ def register(services: Services) -> None:
                         details={"field": "port"},
                     ) from None
                 raise GuestdError.from_os_error(exc, stage="listen") from None
-            fwd = Forward(f"r{next(forward_ids)}", owner, listener, limits.max_port_pending, a["accept_timeout_s"])
-            forwards[fwd.id] = fwd
+            fwd = Forward(
+                f"r{next(self.forward_ids)}", owner, listener, self.limits.max_port_pending, a["accept_timeout_s"]
+            )
+            self.forwards[fwd.id] = fwd
             tasks: list[asyncio.Future[None]] = []
             try:
                 await ctx.send_event({"ev": "listening", "forward": fwd.id, "port": fwd.port})
@@ -149,11 +150,11 @@ def register(services: Services) -> None:
             finally:
                 for t in tasks:
                     t.cancel()
-                del forwards[fwd.id]
+                del self.forwards[fwd.id]
                 fwd.close()
 
-    async def listed(listing: Listing) -> PortListReply:
-        records, searched_all = await services.run_in_io(describe, listing)
+    async def _listed(self, listing: Listing) -> PortListReply:
+        records, searched_all = await self.services.run_in_io(describe, listing)
         return {
             "listeners": records,
             "total": listing.total,
@@ -161,26 +162,26 @@ def register(services: Services) -> None:
             "owners_truncated": not searched_all,
         }
 
-    async def op_list(ctx: Request, a: PortListArgs) -> PortListReply:
-        return await listed(await services.run_in_io(scan, wanted_ports(a["ports"])))
+    async def op_list(self, ctx: Request, a: PortListArgs) -> PortListReply:
+        return await self._listed(await self.services.run_in_io(scan, wanted_ports(a["ports"])))
 
-    async def op_watch(ctx: Request, a: PortWatchArgs) -> PortWatchReply:
+    async def op_watch(self, ctx: Request, a: PortWatchArgs) -> PortWatchReply:
         wanted = wanted_ports(a["ports"])
         loop = asyncio.get_running_loop()
         end = loop.time() + a["timeout_s"]
         while True:
             began = loop.time()
-            listing = await services.run_in_io(scan, wanted)
+            listing = await self.services.run_in_io(scan, wanted)
             took = loop.time() - began
             changed = listing.digest != a["digest"]
             if changed or loop.time() >= end:
-                return {"digest": listing.digest, "changed": changed, **await listed(listing)}
+                return {"digest": listing.digest, "changed": changed, **await self._listed(listing)}
             # The workload decides how long a look takes (how many listeners): a watch spends at
             # most about a tenth of a core on it, whatever interval_s asks.
             pause = max(a["interval_s"], WATCH_PACE * took)
             await asyncio.sleep(min(pause, max(0.0, end - loop.time())))
 
-    async def op_wait(ctx: Request, a: PortWaitArgs) -> PortWaitReply:
+    async def op_wait(self, ctx: Request, a: PortWaitArgs) -> PortWaitReply:
         address, port = a["address"], a["port"]
         path = a["path"] if a["http"] else None
         if path is not None and (not path.startswith("/") or any(c in path for c in " \r\n\t")):
@@ -188,7 +189,7 @@ def register(services: Services) -> None:
                 ErrorCode.BAD_REQUEST, "path must start with / and hold no spaces", details={"field": "path"}
             )
         check_local(address)
-        policy.check_port(port)
+        self.policy.check_port(port)
         loop = asyncio.get_running_loop()
         start = time.monotonic()
         end = loop.time() + a["timeout_s"]
@@ -206,16 +207,31 @@ def register(services: Services) -> None:
             await asyncio.sleep(min(interval, max(0.0, end - loop.time())))
         raise AssertionError("unreachable")
 
-    services.ops.add("port.connect", op_connect)
-    services.ops.add("port.accept", op_accept)
-    services.ops.add("port.reverse", op_reverse)
-    services.ops.add("port.list", op_list)
-    services.ops.add("port.watch", op_watch)
-    services.ops.add("port.wait", op_wait)
+
+def register(services: Services) -> None:
+    ports = PortsCapability(services)
+    services.ops.add("port.connect", ports.op_connect)
+    services.ops.add("port.accept", ports.op_accept)
+    services.ops.add("port.reverse", ports.op_reverse)
+    services.ops.add("port.list", ports.op_list)
+    services.ops.add("port.watch", ports.op_watch)
+    services.ops.add("port.wait", ports.op_wait)
 
 
 def _too_many(limit: int, name: str) -> GuestdError:
     return limit_error(name, limit, f"more than {limit} open on this connection (limits.{name})")
+
+
+@contextmanager
+def _counted(table: dict[object, int], owner: object, limit: int, name: str) -> Iterator[None]:
+    """One more open for ``owner`` in ``table`` while the block runs, at most ``limit`` (``name``)."""
+    if table.get(owner, 0) >= limit:
+        raise _too_many(limit, name)
+    table[owner] = table.get(owner, 0) + 1
+    try:
+        yield
+    finally:
+        _give_back(table, owner)
 
 
 def _give_back(table: dict[object, int], owner: object) -> None:
