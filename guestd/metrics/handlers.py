@@ -15,21 +15,27 @@ if TYPE_CHECKING:
 MIN_STREAM_INTERVAL_MS = 100  # a stream's samples cost a few hundred us each: at most 10 a second
 
 
-def register(services: Services) -> None:
-    async def take(before_ms: int) -> MetricsSampleRecord:
-        path = services.workload.path
+class MetricsCapability:
+    """The metrics op: one sample, or a stream of them owned by the request."""
+
+    def __init__(self, services: Services) -> None:
+        self.services = services
+
+    async def take(self, before_ms: int) -> MetricsSampleRecord:
+        """One sample; its CPU % over the next ``before_ms`` (none when that is 0)."""
+        path = self.services.workload.path
         before = None
         if before_ms > 0:
             before = read_counters(path)
             await asyncio.sleep(before_ms / 1000)
         now = read_counters(path)
-        result: MetricsSampleRecord = await services.run_in_io(sample, path, before, now)
+        result: MetricsSampleRecord = await self.services.run_in_io(sample, path, before, now)
         return result
 
-    async def op_metrics(ctx: Request, a: MetricsArgs) -> MetricsReply:
+    async def op_metrics(self, ctx: Request, a: MetricsArgs) -> MetricsReply:
         interval_ms = a["interval_ms"]
         if not a["stream"]:
-            return {"sample": await take(interval_ms), "samples": 1}
+            return {"sample": await self.take(interval_ms), "samples": 1}
         if interval_ms < MIN_STREAM_INTERVAL_MS:
             raise GuestdError(
                 ErrorCode.BAD_REQUEST,
@@ -37,7 +43,7 @@ def register(services: Services) -> None:
                 details={"field": "interval_ms", "limit": MIN_STREAM_INTERVAL_MS},
             )
         # Owned by this request: it ends with count samples, a cancel, or the connection.
-        path = services.workload.path
+        path = self.services.workload.path
         loop = asyncio.get_running_loop()
         before = read_counters(path)
         oom_seen: int | None = None
@@ -47,7 +53,7 @@ def register(services: Services) -> None:
             next_at += interval_ms / 1000
             await asyncio.sleep(max(0.0, next_at - loop.time()))
             now = read_counters(path)
-            s: MetricsSampleRecord = await services.run_in_io(sample, path, before, now)
+            s: MetricsSampleRecord = await self.services.run_in_io(sample, path, before, now)
             before = now
             kills = s["workload_oom_kills"]
             if kills is not None and oom_seen is not None and kills > oom_seen:
@@ -58,4 +64,6 @@ def register(services: Services) -> None:
             next_at = max(next_at, loop.time() - interval_ms / 1000)  # a slow client skips, never bursts
         return {"sample": None, "samples": sent}
 
-    services.ops.add("metrics", op_metrics)
+
+def register(services: Services) -> None:
+    services.ops.add("metrics", MetricsCapability(services).op_metrics)
