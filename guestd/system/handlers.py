@@ -14,11 +14,16 @@ if TYPE_CHECKING:
     from guestd.services import Services
 
 
-def register(services: Services) -> None:
-    def ping(args: dict[str, Any]) -> dict[str, Any]:
+class SystemCapability:
+    """ping and info: inline ops, answered as the request is read."""
+
+    def __init__(self, services: Services) -> None:
+        self.services = services
+
+    def ping(self, args: dict[str, Any]) -> dict[str, Any]:
         return {"t_ns": time.monotonic_ns()}
 
-    def info(args: dict[str, Any]) -> dict[str, Any]:
+    def info(self, args: dict[str, Any]) -> dict[str, Any]:
         import psutil  # lazily: idle memory should not pay for it
 
         vm = psutil.virtual_memory()
@@ -30,26 +35,29 @@ def register(services: Services) -> None:
         reply: dict[str, Any] = {
             "version": __version__,
             "protocol_version": PROTOCOL_VERSION,
-            "capabilities": services.ops.capabilities(),
-            "ops": services.ops.ops(),
-            "limits": services.config.limits.as_dict(),
-            "boot_id": services.host.boot_id,
+            "capabilities": self.services.ops.capabilities(),
+            "ops": self.services.ops.ops(),
+            "limits": self.services.config.limits.as_dict(),
+            "boot_id": self.services.host.boot_id,
             "pid": os.getpid(),
-            "uptime_s": time.monotonic() - services.host.started_mono,
+            "uptime_s": time.monotonic() - self.services.host.started_mono,
             "host_uptime_s": time.time() - psutil.boot_time(),
             "load": list(os.getloadavg()),
             "memory": {"total": vm.total, "available": vm.available, "used": vm.used},
             "disk": disk,
             "cpu_count": os.cpu_count() or 1,
-            "connections": services.host.connection_count(),
+            "connections": self.services.host.connection_count(),
             "hostname": socket.gethostname(),
-            "workload_cgroup": services.workload.status,
-            "spawn": services.children.spawn_method,
-            "runs_ended_at_start": services.workload.ended_at_start,
+            "workload_cgroup": self.services.workload.status,
+            "spawn": self.services.children.spawn_method,
+            "runs_ended_at_start": self.services.workload.ended_at_start,
         }
-        for contribute in services.info:  # what other capabilities report (snapshot state)
+        for contribute in self.services.info:  # what other capabilities report (snapshot state)
             reply.update(contribute())
         return reply
 
-    services.ops.add("ping", inline=ping)
-    services.ops.add("info", inline=info)
+
+def register(services: Services) -> None:
+    system = SystemCapability(services)
+    services.ops.add("ping", inline=system.ping)
+    services.ops.add("info", inline=system.info)
