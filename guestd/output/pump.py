@@ -106,7 +106,7 @@ class OutputPump:
         """Read ``fd`` from now on (unless paused: then from the resume on)."""
         source = self.sources[name] = _Source(name, fd, channel, taps)
         if not self.paused and not self.closed:
-            self.loop.add_reader(fd, self._on_readable, source)
+            self.loop.add_reader(fd, self._read, source)
 
     def remove(self, name: str) -> int | None:
         """Read ``name`` no more; its fd, which stays open (its owner closes or hands it on)."""
@@ -133,9 +133,6 @@ class OutputPump:
         self.captures, self.stream = captures, stream
 
     # -- reading ---------------------------------------------------------------------------
-    def _on_readable(self, source: _Source) -> None:
-        self._read(source)
-
     def read_once(self, name: str) -> bool:
         """One read of ``name`` now: True when it gave data; False when nothing is ready, the
         source has ended (or is not there), or a streaming client is out of credit."""
@@ -143,6 +140,7 @@ class OutputPump:
         return source is not None and self._read(source)
 
     def _read(self, source: _Source) -> bool:
+        """One read (the loop's reader callback too: it ignores the result)."""
         stream = self.stream
         size = self.read_size
         streaming = stream is not None and stream.active
@@ -226,7 +224,7 @@ class OutputPump:
             return
         self.paused = False
         for source in self.sources.values():
-            self.loop.add_reader(source.fd, self._on_readable, source)
+            self.loop.add_reader(source.fd, self._read, source)
 
     # -- the end ---------------------------------------------------------------------------
     async def wait_ended(self, limit_s: float) -> bool:
