@@ -2,8 +2,9 @@
 
 The process is a run of ``guestd.children`` (its own leaf cgroup, the workload user, clone3
 like vfork, in a spawn thread) instead of the loop's subprocess machinery, whose fork-based
-spawn measured 2.5x slower here. Pipes are read with ``add_reader`` + ``os.read`` and the
-exit is observed through a pidfd, so no SIGCHLD handler or child watcher thread is involved.
+spawn measured 2.5x slower here. Pipes are read by the output pump (``guestd.output.pump``:
+``add_reader`` + ``os.read``, under a streaming client's credit) and the exit is observed
+through a pidfd, so no SIGCHLD handler or child watcher thread is involved.
 """
 
 from __future__ import annotations
@@ -16,15 +17,14 @@ from typing import TYPE_CHECKING, Any
 from guestd.capture import OutputCapture, OutputRing, capture_fields_off_loop, give_away_spills
 from guestd.children import Child, KilledBy, run_figures
 from guestd.children.options import parse_signal
-from guestd.children.tree import read_chunk, write_all
+from guestd.children.tree import write_all
+from guestd.output.pump import OutputPump
 
 if TYPE_CHECKING:  # the generated message types: annotations only, never imported at run time
     from guestd.services import Adopter, Request
     from guestd.wire.types import ExecArgs, ExecReply, ExecTimedOut
 
-READ_SIZE = 256 * 1024
 DETACH_RING_BYTES = 1024 * 1024  # per stream, as process.start's default ring_bytes
-_STREAM_FIELDS = {1: {"ev": "stdout"}, 2: {"ev": "stderr"}}
 
 
 class ExecRun:
@@ -42,18 +42,11 @@ class ExecRun:
         self.stream = bool(args["stream"])
         mode = args["capture"]
         self.caps = {1: OutputCapture(args["max_output"], mode), 2: OutputCapture(args["max_output"], mode)}
-        assert child.stdout is not None
-        self.fds: dict[int, int] = {1: child.stdout}
-        if child.stderr is not None:  # none with merge_stderr: both streams in stdout's pipe
-            self.fds[2] = child.stderr
-        self.open_fds: set[int] = set()
-        self.reading = False
-        self.pipes_done = False
-        self._pipes_waiter: asyncio.Future[None] | None = None
+        self.output = OutputPump()
+        self.output.last_output = t0
+        self.output.route(self.caps, ctx if self.stream else None)
         self.timed_out: ExecTimedOut | None = None
-        self.last_output = self.t0
         self.kill_task: asyncio.Task[None] | None = None
-        self.resume_task: asyncio.Task[None] | None = None
         self.handles: list[asyncio.TimerHandle] = []
         # on_timeout "detach": the output also goes to rings from byte 0, so the background
         # process the command becomes has all of it (within the ring) at continuous offsets.
@@ -69,10 +62,13 @@ class ExecRun:
     def start(self) -> None:
         # Pipes keep the default 64 KiB: F_SETPIPE_SZ to 1 MiB measured +45 us per exec,
         # more than it saves for the short commands agents mostly run.
-        self.open_fds.update(self.fds)
-        self._resume_reading()
-        self.child.watch(self._settle, poll_s=0.01)
-        if not self.child.running:
+        child, rings = self.child, self.rings
+        assert child.stdout is not None
+        self.output.add("stdout", child.stdout, 1, (rings[1],) if rings is not None else ())
+        if child.stderr is not None:  # none with merge_stderr: both streams in stdout's pipe
+            self.output.add("stderr", child.stderr, 2, (rings[2],) if rings is not None else ())
+        child.watch(self._settle, poll_s=0.01)
+        if not child.running:
             self._settle()
         if self.args["timeout_s"] is not None:
             self.handles.append(self.loop.call_later(self.args["timeout_s"], self._fire_timeout, "wall"))
@@ -83,72 +79,10 @@ class ExecRun:
         if not self.settled.done():
             self.settled.set_result(None)
 
-    def _resume_reading(self) -> None:
-        if self.reading:
-            return
-        self.reading = True
-        for which in self.open_fds:
-            self.loop.add_reader(self.fds[which], self._on_readable, which)
-
-    def _pause_reading(self) -> None:
-        if not self.reading:
-            return
-        self.reading = False
-        for which in self.open_fds:
-            self.loop.remove_reader(self.fds[which])
-
-    def _on_readable(self, which: int) -> None:
-        size = READ_SIZE
-        if self.stream:
-            # Read no more than one frame within the client's credit can carry, so no
-            # event ever exceeds the client's max_frame or its window.
-            size = min(size, self.ctx.data_room(_STREAM_FIELDS[which]))
-            if size <= 0:
-                self._wait_for_client()
-                return
-        data = read_chunk(self.fds[which], size)
-        if data is None:
-            return
-        if not data:
-            self._close_pipe(which)
-            return
-        self.last_output = time.monotonic()
-        if self.rings is not None:
-            self.rings[which].write(data)
-        if not self.stream:
-            self.caps[which].feed(data)
-            return
-        self.caps[which].total += len(data)  # streamed, not kept: only counted
-        self.ctx.push_data(_STREAM_FIELDS[which], data)
-        if self.ctx.data_room(_STREAM_FIELDS[which]) <= 0 or self.ctx.write_paused:
-            self._wait_for_client()
-
-    def _wait_for_client(self) -> None:
-        # The client is behind: stop reading so the process blocks on its pipe,
-        # instead of buffering without bound here.
-        self._pause_reading()
-        if self.resume_task is None or self.resume_task.done():
-            self.resume_task = self.loop.create_task(self._resume_when_ready())
-
-    async def _resume_when_ready(self) -> None:
-        await self.ctx.wait_credit()
-        await self.ctx.drain()
-        self._resume_reading()
-
-    def _close_pipe(self, which: int) -> None:
-        if which in self.open_fds:
-            self.open_fds.discard(which)
-            if self.reading:
-                self.loop.remove_reader(self.fds[which])
-        if not self.open_fds:
-            self.pipes_done = True
-            if self._pipes_waiter is not None and not self._pipes_waiter.done():
-                self._pipes_waiter.set_result(None)
-
     def _check_idle(self) -> None:
         idle = self.args["idle_timeout_s"]
         assert idle is not None  # only scheduled when there is one
-        quiet = time.monotonic() - self.last_output
+        quiet = time.monotonic() - self.output.last_output
         if quiet >= idle:
             self._fire_timeout("idle")
         else:
@@ -169,13 +103,9 @@ class ExecRun:
             adopter.check()
         except Exception:  # the table is full (a limit): the timeout kills as on_timeout "kill"
             return False
-        self._pause_reading()
-        if self.resume_task is not None:
-            self.resume_task.cancel()
         for h in self.handles:
             h.cancel()
-        fds = {("stdout" if w == 1 else "stderr"): self.fds[w] for w in self.open_fds}
-        self.open_fds = set()
+        fds = self.output.hand_over()
         rings = {"stdout": self.rings[1], "stderr": self.rings[2]}
         argv = self.args["argv"]
         command = self.args["shell"] if self.args["shell"] is not None else " ".join(argv or [])
@@ -199,53 +129,19 @@ class ExecRun:
             return await self.result()
         if self.kill_task is not None:
             await self.kill_task  # a timed-out tree is gone before we answer
-        if not self.pipes_done:
-            # Leftover children may hold the pipes open (``daemon &``); do not wait for them
-            # forever. Killed trees close their pipes within the kill grace.
+        # Leftover children may hold the pipes open (``daemon &``); do not wait for them
+        # forever. Killed trees close their pipes within the kill grace.
+        if self.output.sources:
             linger = self.args["linger_s"]
             if self.kill_task is not None:
                 linger += self.args["kill_grace_s"]
-            # A future and a timer, not wait_for: that wraps the wait in a task of its own.
-            waiter = self._pipes_waiter = self.loop.create_future()
-            timer = self.loop.call_later(linger, _set_if_pending, waiter)
-            try:
-                await waiter
-            finally:
-                timer.cancel()
+            await self.output.wait_ended(linger)
         # Whatever is still readable right now belongs to the result.
-        for which in list(self.open_fds):
-            if self.stream:
-                await self._drain_to_client(which)
-            else:
-                self._drain_now(which)
+        if self.stream:
+            await self.output.drain_to_client()
+        else:
+            self.output.drain_now()
         return await self.result()
-
-    def _drain_now(self, which: int) -> None:
-        fd = self.fds[which]
-        for _ in range(64):
-            data = read_chunk(fd, READ_SIZE)
-            if not data:
-                return
-            if self.rings is not None:
-                self.rings[which].write(data)
-            self.caps[which].feed(data)
-
-    async def _drain_to_client(self, which: int) -> None:
-        fd, fields = self.fds[which], _STREAM_FIELDS[which]
-        for _ in range(64):
-            room = self.ctx.data_room(fields)
-            if room <= 0:
-                if not self.ctx.active:
-                    return
-                await self.ctx.wait_credit()
-                continue
-            data = read_chunk(fd, min(READ_SIZE, room))
-            if not data:
-                return
-            if self.rings is not None:
-                self.rings[which].write(data)
-            self.caps[which].total += len(data)
-            self.ctx.push_data(fields, data)
 
     async def result(self) -> ExecReply:
         status = self.child.status if self.child.status is not None else 0
@@ -272,16 +168,9 @@ class ExecRun:
         for h in self.handles:
             h.cancel()
         self.handles = []
-        self._pause_reading()
-        if self.resume_task is not None:
-            self.resume_task.cancel()
+        self.output.close()
         if self.detached is None:
             self.child.release()  # else the process table owns it now
-
-
-def _set_if_pending(fut: asyncio.Future[None]) -> None:
-    if not fut.done():
-        fut.set_result(None)
 
 
 async def feed_stdin(run: ExecRun, data: bytes | None) -> None:

@@ -21,7 +21,8 @@ from typing import TYPE_CHECKING, TypedDict
 from guestd.capture import OutputRing
 from guestd.children import DEVNULL, PIPE, STDOUT, Child, ExitInfo, exit_info
 from guestd.children.options import build_env, check_cwd, command_argv
-from guestd.children.tree import read_chunk, set_winsize, write_all
+from guestd.children.tree import set_winsize, write_all
+from guestd.output.pump import CHANNELS, OutputPump
 from guestd.spill import abandon, open_spills
 from guestd.wire.errors import ErrorCode, GuestdError, limit_error
 
@@ -43,7 +44,6 @@ class SpillFields(TypedDict):
     stderr_spill: SpillInfoRecord | None
 
 
-READ_SIZE = 256 * 1024
 SETTLE_S = 0.2  # after exit, how long leftover children may still write into the rings
 
 
@@ -59,7 +59,8 @@ class ManagedProcess:
         self.rings = {"stdout": OutputRing(ring_bytes), "stderr": OutputRing(ring_bytes)}
         self.child: Child | AdoptedRun | None = None
         self.leaf: RunCgroup | None = None
-        self._fds: dict[str, int] = {}  # streams still being read
+        # The streams still being read: into the rings (and spill files), whoever is attached.
+        self.output = OutputPump(on_output=self._notify, on_end=self._stream_ended)
         self._waiters: list[asyncio.Future[None]] = []
         self._write_lock = asyncio.Lock()  # FIFO: process.write calls go in one at a time, in order
         self._writes_queued = 0  # process.write calls received so far
@@ -89,7 +90,7 @@ class ManagedProcess:
             raise
         self._hold_spills()
         for name in ("stdout", "stderr"):
-            if name not in self._fds:
+            if name not in self.output.sources:
                 self._end_spill(name)  # merge_stderr or a pty: nothing comes on stderr
 
     async def _spawn(self, args: ProcessStartArgs, argv: list[str], env: dict[str, str] | None) -> None:
@@ -100,7 +101,7 @@ class ManagedProcess:
             env.setdefault("TERM", "xterm-256color")
             child = await children.spawn(argv, kind="proc", env=env, cwd=args["cwd"], pty=(args["rows"], args["cols"]))
             assert child.pty is not None
-            self._fds = {"stdout": child.pty}
+            fds = {"stdout": child.pty}
         else:
             child = await children.spawn(
                 argv,
@@ -111,17 +112,15 @@ class ManagedProcess:
                 stderr=STDOUT if args["merge_stderr"] else PIPE,
             )
             assert child.stdout is not None
-            self._fds = {"stdout": child.stdout}
+            fds = {"stdout": child.stdout}
             if child.stderr is not None:
-                self._fds["stderr"] = child.stderr
+                fds["stderr"] = child.stderr
             else:
                 self.rings["stderr"].closed = True  # merge_stderr: all of it is in stdout
         self.child = child
         self.leaf = child.cgroup  # kept after exit: KILL still ends what the process left
         self.pid = child.pid
-        loop = asyncio.get_running_loop()
-        for name, fd in self._fds.items():
-            loop.add_reader(fd, self._on_readable, name)
+        self._read_streams(fds)
         child.watch(self._on_exit, 0.05)
 
     def adopt(
@@ -136,44 +135,35 @@ class ManagedProcess:
         self.rings = rings
         self.spills = spills
         self._hold_spills()
-        self._fds = dict(fds)
-        loop = asyncio.get_running_loop()
-        for name, fd in self._fds.items():
-            loop.add_reader(fd, self._on_readable, name)
+        self._read_streams(fds)
         for name in ("stdout", "stderr"):
-            if name not in self._fds:
+            if name not in fds:
                 rings[name].closed = True
                 self._end_spill(name)
         if run.status is not None:
-            loop.call_soon(self._on_exit)  # it ended while being handed over
+            asyncio.get_running_loop().call_soon(self._on_exit)  # it ended while being handed over
         else:
             run.watch(self._on_exit, 0.05)
 
     # -- output -----------------------------------------------------------------------
-    def _on_readable(self, name: str) -> None:
-        fd = self._fds.get(name)
-        if fd is None:
-            return
-        data = read_chunk(fd, READ_SIZE)
-        if data is None:
-            return
-        if not data:
-            self._close_stream(name)
-        else:
-            self.rings[name].write(data)
-            if self.spills is not None:
-                self.spills[name].write(data)
-        self._notify()
+    def _read_streams(self, fds: dict[str, int]) -> None:
+        """Read ``fds`` (by stream name) into the rings, and the spill files with spill."""
+        for name, fd in fds.items():
+            spill = self.spills[name] if self.spills is not None else None
+            taps = (self.rings[name], spill) if spill is not None else (self.rings[name],)
+            self.output.add(name, fd, CHANNELS[name], taps)
 
     def _close_stream(self, name: str) -> None:
-        fd = self._fds.pop(name, None)
-        if fd is not None:
-            asyncio.get_running_loop().remove_reader(fd)
+        self.output.remove(name)
+        self._stream_ended(name)
+
+    def _stream_ended(self, name: str) -> None:
         self.rings[name].closed = True
         self._end_spill(name)
         if name == "stdout" and self.pty_fd is not None:
             self.rings["stderr"].closed = True
         self._release_if_done()
+        self._notify()
 
     def _end_spill(self, name: str) -> None:
         """The stream ended: its spill file is complete once what was accepted is on disk."""
@@ -229,7 +219,7 @@ class ManagedProcess:
 
     def _release_if_done(self) -> None:
         """A finished process whose streams have ended holds no fd: its rings stay readable."""
-        if self.child is not None and not self.running and not self._fds:
+        if self.child is not None and not self.running and not self.output.sources:
             self.child.release()
 
     def _notify(self) -> None:
@@ -258,9 +248,9 @@ class ManagedProcess:
         self._notify()
 
     def _finish_streams_if_idle(self) -> None:
-        if self.pty_fd is not None and "stdout" in self._fds:
+        if self.pty_fd is not None and "stdout" in self.output.sources:
             # A pty master never reports EOF while other processes hold the slave; drain and stop.
-            self._on_readable("stdout")
+            self.output.read_once("stdout")
             self._close_stream("stdout")
         self._release_if_done()
         self._notify()
@@ -405,7 +395,7 @@ class ManagedProcess:
 
     def release(self) -> None:
         """Drop every fd (after the process is gone or forgotten)."""
-        for name in list(self._fds):
+        for name in list(self.output.sources):
             self._close_stream(name)
         if self.child is not None:
             self.child.release()

@@ -457,8 +457,7 @@ class Session:
         run.stdin.close(keep_fifo=run.detached is not None)
         with contextlib.suppress(Exception):
             await asyncio.shield(self.output.drain_stream())  # within the client's credit
-        self.output.stream = None
-        self.output.resume_reading()
+        self.output.stop_streaming()
         self.output.drain()
         if run.detached is None and run.job is not None:
             pid = self._job_pid()
