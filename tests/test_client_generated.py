@@ -153,3 +153,123 @@ def test_check_mode_reports_a_stale_file_and_writes_nothing(
     monkeypatch.setattr(gen, "REPO", tmp_path)
     assert gen.main(["--check"]) == 1
     assert stale.read_text() == "# hand-edited\n" and "stale sync.py" in capsys.readouterr().out
+
+
+# -- the protocols the handles hold the client as (guestd/client/_surface.py, _surface_sync.py) --
+FAKE_HOLDER = """
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from guestd.client._surface import PingClient, ThingClient
+
+
+class Thing:
+    def __init__(self, client: ThingClient) -> None:
+        self.client = client
+
+    async def go(self) -> float:
+        await self.client.download("/etc/hostname")
+        return await self.client.ping() + len(self.client.limits)
+
+
+async def helper(client: PingClient) -> float:
+    return await client.ping(deadline=1.0)
+"""
+
+FAKE_CLIENT = """
+from __future__ import annotations
+
+
+class Token: ...
+
+
+class FakeClient:
+    async def ping(self, token: Token | None = None) -> float: ...
+"""
+
+RENDER_PROTOCOLS = """
+import json, sys
+from guestd.client import _generate_sync as gen
+
+real_load = gen.Source.load
+real_outputs = gen.OUTPUTS
+out = []
+for holder, client in json.load(sys.stdin):
+    fakes = {"fake": holder, "fakeclient": client}
+    loaded = {n: gen.Source(f"guestd.client.{n}", text, gen.ast.parse(text)) for n, text in fakes.items() if text}
+    gen.Source.load = staticmethod(lambda name: loaded.get(name) or real_load(name))
+    part = gen.Protocols("fakeclient.FakeClient" if client else "aio.AsyncClient", ("fake",))
+    output = gen.Output("_surface.py", "Fake.", (part,))
+    gen.OUTPUTS = tuple(output if o.path == output.path else o for o in real_outputs)
+    try:
+        out.append({"text": gen.render_raw(output)})
+    except gen.GenerationError as e:
+        out.append({"error": str(e)})
+print(json.dumps(out))
+"""
+
+
+def render_protocols(*cases: tuple[str, str]) -> list[dict[str, str]]:
+    """Each (holder module, client module or "" for AsyncClient) as the async protocols' only
+    holder: the raw protocols file, or the generator's refusal."""
+    done = subprocess.run(
+        [sys.executable, "-c", RENDER_PROTOCOLS], input=json.dumps(cases), capture_output=True, text=True, check=True
+    )
+    result: list[dict[str, str]] = json.loads(done.stdout)
+    return result
+
+
+def test_a_protocol_lists_what_its_holders_use_with_the_clients_signatures() -> None:
+    (rendered,) = render_protocols((FAKE_HOLDER, ""))
+    text = rendered["text"]
+    ping = "    async def ping(self, *, deadline: float | None=...) -> float: ..."
+    # A function's parameter holds the client too; the docstring names the holders.
+    helper = text.split("class PingClient(Protocol):")[1].split("class ")[0]
+    assert ":func:`~guestd.client.fake.helper` uses it." in helper and ping in helper
+    thing = text.split("class ThingClient(Protocol):")[1]
+    assert ":class:`~guestd.client.fake.Thing` uses it." in thing
+    # Exactly what Thing uses, in AsyncClient's order: a property, a coroutine, an overloaded one
+    # (its overloads, without the implementation); defaults are ``...``.
+    members = [line.strip() for line in thing.splitlines() if line.lstrip().startswith(("def ", "async def "))]
+    assert [m.split("(")[0] for m in members] == ["def limits", "async def ping", *["async def download"] * 3]
+    assert "    @property\n    def limits(self) -> dict[str, Any]: ...\n" in thing
+    assert thing.count("    @overload\n    async def download(") == 3 and ping in thing
+    # Protocol and overload at run time, the signatures' names for the type checker only.
+    imports = text.split("class ")[0]
+    assert "from typing import TYPE_CHECKING, Protocol, overload\n" in imports
+    assert "if TYPE_CHECKING:\n" in imports and "    from guestd.client.params import Progress\n" in imports
+
+
+def test_what_a_protocol_cannot_copy_the_generator_refuses_saying_why() -> None:
+    ping = "return await client.ping(deadline=1.0)"
+    cases = {
+        "has as no method or property": (FAKE_HOLDER.replace(ping, "return await client.pong()"), ""),
+        "plain methods, properties and overloads only": (FAKE_HOLDER.replace(ping, "return client.connect('x')"), ""),
+        # A type the client's own module defines: importing it would close a cycle.
+        "names Token from guestd.client.fakeclient, which needs _surface.py (an import cycle)": (
+            FAKE_HOLDER.replace("await self.client.download", "print"),
+            FAKE_CLIENT,
+        ),
+    }
+    assert ping in FAKE_HOLDER and "await self.client.download" in FAKE_HOLDER
+    results = render_protocols(*cases.values())
+    for says, result in zip(cases, results, strict=True):
+        assert says in result.get("error", ""), (says, result)
+
+
+def test_a_blocking_handle_holds_what_its_async_twin_uses_less_what_its_base_replaces() -> None:
+    from guestd.client import _surface, _surface_sync
+
+    def members(protocol: type) -> set[str]:
+        own = vars(protocol).items()
+        return {n for n, v in own if not n.startswith("__") and (callable(v) or isinstance(v, property))}
+
+    for name in ("ShellClient", "CodeContextClient", "KeptRunClient"):
+        assert members(getattr(_surface_sync, f"Sync{name}")) == members(getattr(_surface, name)) != set(), name
+    # Process.attach is hand-written (it calls back instead of returning a stream): its twin
+    # drops the async attach and takes what the hand-written one uses.
+    async_process, process = members(_surface.ProcessClient), members(_surface_sync.SyncProcessClient)
+    assert "attach" in async_process and "_follow_attach" in process
+    assert async_process - {"attach"} == process - {"_follow_attach"}

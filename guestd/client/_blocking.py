@@ -6,6 +6,9 @@ Everything else of the blocking client (``guestd/client/sync.py`` and ``*_sync.p
 generated from the async sources by :mod:`guestd.client._generate_sync`: each public coroutine
 becomes a method of the same signature that runs it here, through :meth:`ClientBase._run`. The
 generated classes inherit from the bases below, and a method a base defines is not generated.
+Nothing here imports the blocking client built on it (:mod:`guestd.client.sync`): a base holds
+the client as :class:`ClientBase` (all it uses is the loop thread) or as the generated protocol
+of what it calls (:mod:`guestd.client._surface_sync`).
 """
 
 from __future__ import annotations
@@ -29,9 +32,10 @@ from guestd.wire.frames import DEFAULT_MAX_FRAME
 if TYPE_CHECKING:
     from types import TracebackType
 
+    from guestd.client._surface_sync import SyncProcessClient
     from guestd.client.replies import ProcessAttachResult
     from guestd.client.streaming import OutputCallback, RunDeadline
-    from guestd.client.sync import Client
+    from guestd.client.streams import Attach
 
 T = TypeVar("T")
 V = TypeVar("V")
@@ -179,6 +183,32 @@ class ClientBase:
                 ended.wait(CANCEL_SEND_S)
             raise
 
+    def _follow_attach(
+        self,
+        attach: Callable[[AsyncClient], Attach],
+        on_stdout: OutputCallback | None,
+        on_stderr: OutputCallback | None,
+    ) -> ProcessAttachResult:
+        """Follow the attach ``attach`` starts (on the loop thread) to its end, each chunk handed
+        to its callback in this (the calling) thread; its result. Interrupted, it ends the attach,
+        not the process."""
+        pump = CallerThread(self._loop)
+        out, err = pump.wrap(on_stdout), pump.wrap(on_stderr)
+
+        async def follow_output() -> ProcessAttachResult:
+            stream = attach(self._aio)
+            try:
+                async for kind, _offset, data in stream:
+                    deliver = out if kind == "stdout" else err if kind == "stderr" else None
+                    if deliver is not None:
+                        await deliver(data)
+                return await stream.result()
+            except BaseException:
+                stream.cancel()
+                raise
+
+        return self._run(follow_output(), pump)
+
     def _stop(self) -> None:
         self._loop.call_soon_threadsafe(self._loop.stop)
         self._thread.join(timeout=5)
@@ -264,7 +294,7 @@ class ReverseForwarder:
 class GitBase:
     """The blocking ``Client.git``: :class:`~guestd.client.git.AsyncGit` on the client's loop."""
 
-    def __init__(self, client: Client) -> None:
+    def __init__(self, client: ClientBase) -> None:
         self.client = client
         self.aio = AsyncGit(client.aio)
 
@@ -273,7 +303,7 @@ class ProcessAttach:
     """The blocking :class:`~guestd.client.handles_sync.Process`'s ``attach``: the async one
     returns a stream to iterate, this one calls back in the caller's thread."""
 
-    client: Client
+    client: SyncProcessClient
     id: str
 
     def attach(
@@ -291,43 +321,32 @@ class ProcessAttach:
         chunk in this (the calling) thread, as exec's callbacks do; returns the final status and
         the offsets to attach again from. Bytes the ring overwrote before the offsets are skipped
         (:meth:`output` counts them). Ctrl-C ends the attach, not the process."""
-        pump = CallerThread(self.client._loop)
-        out, err = pump.wrap(on_stdout), pump.wrap(on_stderr)
-
-        async def follow_output() -> ProcessAttachResult:
-            attach = self.client.aio.attach(
+        return self.client._follow_attach(
+            lambda aio: aio.attach(
                 self.id,
                 stdout_from=stdout_from,
                 stderr_from=stderr_from,
                 follow=follow,
                 deadline=deadline,
                 progress_timeout=progress_timeout,
-            )
-            try:
-                async for kind, _offset, data in attach:
-                    deliver = out if kind == "stdout" else err if kind == "stderr" else None
-                    if deliver is not None:
-                        await deliver(data)
-                return await attach.result()
-            except BaseException:
-                attach.cancel()
-                raise
-
-        return self.client._run(follow_output(), pump)
+            ),
+            on_stdout,
+            on_stderr,
+        )
 
 
 class SyncExpectBase:
     """The blocking :class:`~guestd.client.expect.Expect`'s own parts: made on the client's loop
     (its reader task lives there), its buffer read from this thread, a context manager."""
 
-    def __init__(self, client: Client, expect: Expect) -> None:
+    def __init__(self, client: ClientBase, expect: Expect) -> None:
         self._client = client
         self.aio = expect  # the async helper this one drives
 
     @classmethod
     def start(
         cls,
-        client: Client,
+        client: ClientBase,
         session: str,
         command: str,
         *,

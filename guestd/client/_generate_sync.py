@@ -46,6 +46,7 @@ CLIENT_DIR = Path(__file__).resolve().parent
 REPO = CLIENT_DIR.parent.parent
 PACKAGE = "guestd.client"
 HAND_WRITTEN = "_blocking"  # the module of the hand-written bases (guestd/client/_blocking.py)
+LINE_LENGTH = 120  # the repository's (pyproject.toml): ruff format leaves comments and docstrings as they are
 
 
 @dataclass(frozen=True)
@@ -78,10 +79,24 @@ class Functions:
 
 
 @dataclass(frozen=True)
+class Protocols:
+    """The client as the objects that hold it use it: a ``typing.Protocol`` for each name the
+    ``holders`` annotate the client with (a class of this output's module), listing exactly the
+    members they use (read from their source), with the client's own signatures. The blocking
+    variant serves the twins of the async holders (their protocols renamed, less what a
+    hand-written base replaces) and the hand-written bases; its signatures are the generated
+    ``Client``'s."""
+
+    client: str  # "module.Class": the async client
+    holders: tuple[str, ...]  # modules (under guestd/client) whose classes and functions hold it
+    blocking: bool = False
+
+
+@dataclass(frozen=True)
 class Output:
     path: str  # under guestd/client
     doc: str
-    parts: tuple[Facade | Twin | Functions, ...]
+    parts: tuple[Facade | Twin | Functions | Protocols, ...]
     reexports: tuple[tuple[str, str], ...] = ()  # (module, name) kept importable from here
 
 
@@ -222,6 +237,32 @@ fetch the result, :func:`~guestd.client.runs.result_of` types it::
         (Functions("runs"),),
         (("runs", "result_of"),),
     ),
+    Output(
+        "_surface.py",
+        """The asyncio client as the objects that hold it use it: for each, a protocol of exactly the
+:class:`~guestd.client.AsyncClient` members it uses, with their signatures (defaults as ``...``).
+
+A handle (``AsyncShell``, ...) and ``AsyncGit`` keep the client that made them as one of these,
+so :mod:`guestd.client.handles` and :mod:`guestd.client.git`, which the client imports, do not
+import it back (``tests/test_import_cycles.py``); mypy holds the client to each protocol where it
+makes the handle. A member is listed because a holder uses it: adding a call to a handle and
+running the generator adds it here.
+""",
+        (Protocols("aio.AsyncClient", ("handles", "git")),),
+    ),
+    Output(
+        "_surface_sync.py",
+        """The blocking client as the objects that hold it use it: for each, a protocol of exactly the
+:class:`~guestd.client.Client` members it uses, with the generated ``Client``'s signatures
+(defaults as ``...``).
+
+The blocking handles (:mod:`guestd.client.handles_sync`) and the hand-written bases
+(:mod:`guestd.client._blocking`) keep the client as one of these, so nothing below
+:mod:`guestd.client.sync` imports it (``tests/test_import_cycles.py``); mypy holds ``Client``
+to each protocol where it makes the handle.
+""",
+        (Protocols("aio.AsyncClient", (HAND_WRITTEN,), blocking=True),),
+    ),
 )
 
 # Async names and their blocking twins, in code and in docstrings (besides the classes above).
@@ -247,6 +288,7 @@ CALLBACK_TYPES = {"OutputCallback", "EventCallback"}
 CALLBACK_NOTE = "The callbacks run in this (the calling) thread."
 # Coroutines with no blocking twin, and why.
 ASYNC_ONLY = {"open_port": "an asyncio (reader, writer) pair has no blocking twin"}
+BLOCKING_PROTOCOL = "Sync{}"  # the name of a protocol of the blocking client, from the async one's
 
 
 class GenerationError(Exception):
@@ -361,12 +403,14 @@ def _docstring(fn: ast.FunctionDef | ast.AsyncFunctionDef | ast.ClassDef) -> ast
 
 # -- names: async -> blocking ------------------------------------------------------------------
 def blocking_names() -> dict[str, str]:
-    """Every async class with a blocking twin -> the twin's name."""
+    """Every async class with a blocking twin -> the twin's name (a protocol of the async client
+    ``XClient`` -> ``SyncXClient``, of the blocking one)."""
     out = dict(TWIN_NAMES)
     for output in OUTPUTS:
         for part in output.parts:
             if isinstance(part, Facade | Twin):
                 out[part.source.split(".")[1]] = part.name
+    out.update({name: BLOCKING_PROTOCOL.format(name) for name in async_protocol_names()})
     return out
 
 
@@ -702,19 +746,330 @@ def write_functions(spec: Functions, module: Module, names: dict[str, str]) -> N
         module.add("\n".join(lines) + "\n\n")
 
 
+# -- protocols: the client as its holders use it ---------------------------------------------
+def _protocols_part(blocking: bool) -> tuple[Output, Protocols]:
+    for output in OUTPUTS:
+        for part in output.parts:
+            if isinstance(part, Protocols) and part.blocking == blocking:
+                return output, part
+    raise GenerationError(f"no {'blocking' if blocking else 'async'} Protocols in OUTPUTS")
+
+
+def _protocols_module(blocking: bool) -> str:
+    return f"{PACKAGE}.{_protocols_part(blocking)[0].path.removesuffix('.py')}"
+
+
+def async_protocol_names() -> set[str]:
+    """The protocols the async holders name (what they import from the async protocols' module)."""
+    module = _protocols_module(blocking=False)
+    holders = _protocols_part(blocking=False)[1].holders
+    return {name for h in holders for name, (where, _) in Source.load(h).scope().items() if where == module}
+
+
+def blocking_protocol_names() -> set[str]:
+    return {BLOCKING_PROTOCOL.format(name) for name in async_protocol_names()}
+
+
+def _twins() -> list[tuple[Twin, str]]:
+    """Every twin, with the module (under guestd/client) it is written to."""
+    return [
+        (part, output.path.removesuffix(".py")) for output in OUTPUTS for part in output.parts if isinstance(part, Twin)
+    ]
+
+
+def _is_self_attribute(node: ast.AST) -> bool:
+    return isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and node.value.id == "self"
+
+
+def holder_uses(
+    node: ast.ClassDef | ast.FunctionDef | ast.AsyncFunctionDef, protocols: set[str], skip: set[str]
+) -> dict[str, set[str]]:
+    """What ``node`` (a class, or a function) uses of the client it holds as one of ``protocols``:
+    protocol -> the names of the members used (an empty set: held, nothing used). The client is a
+    parameter annotated with the protocol, or an attribute of ``self`` that ``__init__`` stores such
+    a parameter in or the class body annotates with it; a use is an attribute of it
+    (``self.client.shell_run``). The methods in ``skip`` are left out."""
+
+    def held_params(fn: ast.FunctionDef | ast.AsyncFunctionDef) -> dict[str, str]:
+        return {
+            p.arg: p.annotation.id
+            for p in _params(fn)
+            if isinstance(p.annotation, ast.Name) and p.annotation.id in protocols
+        }
+
+    if isinstance(node, ast.ClassDef):
+        functions = [
+            n for n in node.body if isinstance(n, ast.FunctionDef | ast.AsyncFunctionDef) and n.name not in skip
+        ]
+        held = {
+            n.target.id: n.annotation.id
+            for n in node.body
+            if isinstance(n, ast.AnnAssign)
+            and isinstance(n.target, ast.Name)
+            and isinstance(n.annotation, ast.Name)
+            and n.annotation.id in protocols
+        }
+        for fn in functions:
+            params = held_params(fn) if fn.name == "__init__" else {}
+            for n in ast.walk(fn):
+                if isinstance(n, ast.Assign) and isinstance(n.value, ast.Name) and n.value.id in params:
+                    stored = [t.attr for t in n.targets if isinstance(t, ast.Attribute) and _is_self_attribute(t)]
+                    held.update(dict.fromkeys(stored, params[n.value.id]))
+    else:
+        functions, held = [node], {}
+    found: dict[str, set[str]] = {protocol: set() for protocol in held.values()}
+    for fn in functions:
+        params = held_params(fn)
+        for protocol in params.values():
+            found.setdefault(protocol, set())
+        for n in ast.walk(fn):
+            if not isinstance(n, ast.Attribute):
+                continue
+            if isinstance(n.value, ast.Name) and n.value.id in params:
+                found[params[n.value.id]].add(n.attr)
+            elif isinstance(n.value, ast.Attribute) and _is_self_attribute(n.value) and n.value.attr in held:
+                found[held[n.value.attr]].add(n.attr)
+    return found
+
+
+@dataclass
+class ProtocolUses:
+    """One protocol to write: the members its holders use, and the holders (for its docstring)."""
+
+    members: set[str]
+    holders: list[str]  # Sphinx references to them
+
+
+def _add_uses(
+    out: dict[str, ProtocolUses], found: dict[str, set[str]], reference: str, rename: dict[str, str] | None = None
+) -> None:
+    for protocol, members in found.items():
+        uses = out.setdefault(rename[protocol] if rename else protocol, ProtocolUses(set(), []))
+        uses.members |= members
+        uses.holders.append(reference)
+
+
+def _holders_in(module: str, protocols: set[str], out: dict[str, ProtocolUses]) -> None:
+    """The uses of every class and function of ``module`` (under guestd/client) holding the client."""
+    source = Source.load(module)
+    for node in source.tree.body:
+        if isinstance(node, ast.ClassDef | ast.FunctionDef | ast.AsyncFunctionDef):
+            role = "class" if isinstance(node, ast.ClassDef) else "func"
+            _add_uses(out, holder_uses(node, protocols, set()), f":{role}:`~{source.module}.{node.name}`")
+
+
+def protocol_uses(part: Protocols) -> dict[str, ProtocolUses]:
+    """Each protocol of ``part`` -> what its holders use of the client."""
+    out: dict[str, ProtocolUses] = {}
+    if not part.blocking:
+        for module in part.holders:
+            _holders_in(module, async_protocol_names(), out)
+        return out
+    # The blocking twins: the async holder's uses, renamed, less what the hand-written base replaces.
+    names = blocking_names()
+    bases = hand_written_bases()
+    for twin, stem in _twins():
+        src_module, cls_name = twin.source.split(".")
+        skip = bases[twin.base] if twin.base is not None else set()
+        found = holder_uses(Source.load(src_module).cls(cls_name), async_protocol_names(), skip)
+        _add_uses(out, found, f":class:`~{PACKAGE}.{stem}.{twin.name}`", names)
+    for module in part.holders:
+        _holders_in(module, blocking_protocol_names(), out)
+    return out
+
+
+@dataclass
+class ClientClass:
+    """A class whose members a protocol may copy: its definition, where its names come from."""
+
+    cls: ast.ClassDef
+    where: dict[str, tuple[str, str | None]]
+
+
+def _async_client_classes(qualified: str) -> list[ClientClass]:
+    """``module.Class`` and its bases that are classes of guestd.client, as members are looked up."""
+    module, name = qualified.split(".")
+    source = Source.load(module)
+    cls = source.cls(name)
+    out = [ClientClass(cls, source.scope())]
+    for base in cls.bases:
+        if isinstance(base, ast.Name) and base.id in out[0].where:
+            where, attr = out[0].where[base.id]
+            if where.startswith(f"{PACKAGE}.") and attr is not None:
+                out += _async_client_classes(f"{where.removeprefix(PACKAGE + '.')}.{attr}")
+    return out
+
+
+def _blocking_client_classes(client: str) -> list[ClientClass]:
+    """The generated blocking client of the async ``client`` (its class as the generator writes it)
+    and its bases: the other facades, and the hand-written ones."""
+    facades = {part.name: (part, output) for output in OUTPUTS for part in output.parts if isinstance(part, Facade)}
+    hand_written = Source.load(HAND_WRITTEN)
+    names, bases = blocking_names(), hand_written_bases()
+    todo = [next(name for name, (part, _) in facades.items() if part.source == client)]
+    seen = set()
+    out = []
+    while todo:
+        name = todo.pop(0)
+        if name in seen:
+            continue
+        seen.add(name)
+        if name in facades:
+            spec, output = facades[name]
+            module = Module(output.path, [], set(), set())
+            FacadeWriter(spec, module, names, bases).write()
+            cls = ast.parse("\n".join(module.lines)).body[0]
+            assert isinstance(cls, ast.ClassDef)
+            out.append(ClientClass(cls, _where(output)))
+        elif name in bases:
+            cls = hand_written.cls(name)
+            out.append(ClientClass(cls, hand_written.scope()))
+        else:
+            continue
+        todo += [b.id for b in cls.bases if isinstance(b, ast.Name)]
+    return out
+
+
+def _stub(fns: list[ast.FunctionDef | ast.AsyncFunctionDef], where: str) -> tuple[list[str], set[str]]:
+    """A protocol's member for a method (its overloads, if it has any): the signature, defaults as
+    ``...``, no body; and the names it uses."""
+    overloads = [fn for fn in fns if "overload" in _decorators(fn)]
+    lines: list[str] = []
+    used: set[str] = set()
+    for fn in overloads or fns[:1]:  # the overloads, not their implementation; a property's getter
+        decorators = _decorators(fn)
+        if len(decorators) != len(fn.decorator_list) or decorators - {"property", "overload"}:
+            raise GenerationError(f"{where}: a protocol copies plain methods, properties and overloads only")
+        args = copy.deepcopy(fn.args)
+        args.defaults = [ast.Constant(...) for _ in args.defaults]
+        args.kw_defaults = [None if d is None else ast.Constant(...) for d in args.kw_defaults]
+        keyword = "async def" if isinstance(fn, ast.AsyncFunctionDef) else "def"
+        returns = "" if fn.returns is None else f" -> {ast.unparse(fn.returns)}"
+        lines += [f"    @{d}" for d in sorted(decorators)]
+        lines.append(f"    {keyword} {fn.name}({ast.unparse(args)}){returns}: ...")
+        used |= _names(args) | _names(fn.returns) | decorators - {"property"}
+    return lines, used
+
+
+def _methods(cls: ast.ClassDef, name: str) -> list[ast.FunctionDef | ast.AsyncFunctionDef]:
+    """The definitions of method ``name`` in ``cls`` (more than one: its overloads)."""
+    return [n for n in cls.body if isinstance(n, ast.FunctionDef | ast.AsyncFunctionDef) and n.name == name]
+
+
+def _protocol_imports(imports: dict[str, tuple[str, str | None]]) -> list[str]:
+    """``Protocol`` (and ``overload``) at run time; the names the signatures use for the type
+    checker only (they are annotations)."""
+    runtime = sorted(n for n in imports if n in ("Protocol", "overload"))
+    lines = [f"from typing import {', '.join(['TYPE_CHECKING', *runtime])}", ""]
+    later: dict[str, set[str]] = {}
+    for name, (module, attr) in imports.items():
+        if name not in runtime:
+            later.setdefault(module, set()).add("" if attr is None else name if attr == name else f"{attr} as {name}")
+    if later:
+        lines.append("if TYPE_CHECKING:")
+    for module, taken in sorted(later.items()):
+        if "" in taken:
+            lines.append(f"    import {module}")
+        if taken - {""}:
+            lines.append(f"    from {module} import {', '.join(sorted(taken - {''}))}")
+    return lines
+
+
+def render_protocols(output: Output, part: Protocols) -> str:
+    """The protocols file: a class for each protocol, its members in the order the client has them."""
+    if part.blocking:
+        classes, client = _blocking_client_classes(part.client), ":class:`~guestd.client.Client`"
+    else:
+        classes, client = _async_client_classes(part.client), ":class:`~guestd.client.AsyncClient`"
+    # What the protocols may not import: a module that imports them would make a cycle.
+    refused = {f"{PACKAGE}.{o.path.removesuffix('.py')}" for o in OUTPUTS} | {f"{PACKAGE}.{h}" for h in part.holders}
+    if not part.blocking:
+        refused.add(f"{PACKAGE}.{part.client.split('.')[0]}")
+    imports: dict[str, tuple[str, str | None]] = {"Protocol": ("typing", "Protocol")}
+    body = []
+    for protocol, uses in sorted(protocol_uses(part).items()):
+        holders = " and ".join(uses.holders)
+        found = []
+        for member in uses.members:
+            at = next(((rank, c) for rank, c in enumerate(classes) if _methods(c.cls, member)), None)
+            if at is None:
+                raise GenerationError(
+                    f"{protocol}: {holders} use {member!r}, which {client} has as no method or property"
+                    " (what a protocol copies)"
+                )
+            fns = _methods(at[1].cls, member)
+            found.append((at[0], fns[0].lineno, member, fns, at[1]))
+        verb = "uses" if len(uses.holders) == 1 else "use"
+        doc = f'"""The {client} as {holders} {verb} it."""'
+        body += [
+            "",
+            "",
+            f"class {protocol}(Protocol):",
+            *textwrap.wrap(doc, LINE_LENGTH, initial_indent="    ", subsequent_indent="    "),
+        ]
+        for _, _, member, fns, c in sorted(found, key=lambda f: f[:2]):
+            where = f"{c.cls.name}.{member}"
+            lines, used = _stub(fns, where)
+            body += ["", *lines]
+            for name in sorted(used):
+                if name not in c.where:
+                    if hasattr(builtins, name):
+                        continue
+                    raise GenerationError(f"{where}: no import known for {name!r}")
+                origin = c.where[name]
+                if origin[0] in refused:
+                    raise GenerationError(
+                        f"{where} names {name} from {origin[0]}, which needs {output.path} (an import cycle):"
+                        " move it to a module below both (as guestd/client/params.py)"
+                    )
+                if imports.setdefault(name, origin) != origin:
+                    raise GenerationError(f"{output.path}: {name} would come from {imports[name][0]} and {origin[0]}")
+    return "\n".join([*_head(output), *_protocol_imports(imports), *body]).rstrip() + "\n"
+
+
 # -- imports and formatting -------------------------------------------------------------------
+def _source_module(part: Facade | Twin | Functions | Protocols) -> str:
+    """The async module (under guestd/client) a part is written from."""
+    if isinstance(part, Functions):
+        return part.module
+    if isinstance(part, Protocols):
+        return part.client.split(".")[0]
+    return part.source.split(".")[0]
+
+
 def _sources_scope() -> dict[str, tuple[str, str | None]]:
     """Where each name the async sources use comes from (first definition wins)."""
     out: dict[str, tuple[str, str | None]] = {}
     seen = set()
     for output in OUTPUTS:
         for part in output.parts:
-            name = part.module if isinstance(part, Functions) else part.source.split(".")[0]
+            name = _source_module(part)
             if name not in seen:
                 seen.add(name)
                 for key, value in Source.load(name).scope().items():
                     out.setdefault(key, value)
     return out
+
+
+def _where(output: Output) -> dict[str, tuple[str, str | None]]:
+    """Where each name the output's generated code uses is imported from."""
+    where = _sources_scope()
+    for part in output.parts:  # this file's own async sources first (two define DEFAULT_DEADLINE)
+        where.update(Source.load(_source_module(part)).scope())
+    for out in OUTPUTS:
+        stem = out.path.removesuffix(".py")
+        for part in out.parts:
+            if isinstance(part, Facade | Twin):
+                where[part.name] = (f"{PACKAGE}.{stem}", part.name)
+    where.update({name: (f"{PACKAGE}.{HAND_WRITTEN}", name) for name in _hand_written_names()})
+    blocking_surface = _protocols_module(blocking=True)
+    where.update({name: (blocking_surface, name) for name in blocking_protocol_names()})
+    for part in output.parts:
+        if isinstance(part, Functions):
+            where[part.module] = (PACKAGE, part.module)
+    for source, name in output.reexports:
+        where[name] = (f"{PACKAGE}.{source}", name)
+    return where
 
 
 def _import_lines(module: Module, where: dict[str, tuple[str, str | None]], own: str) -> list[str]:
@@ -745,7 +1100,13 @@ def _import_lines(module: Module, where: dict[str, tuple[str, str | None]], own:
 
 
 def _source_paths(output: Output) -> list[str]:
-    stems = [p.module if isinstance(p, Functions) else p.source.split(".")[0] for p in output.parts]
+    stems = []
+    for part in output.parts:
+        stems.append(_source_module(part))
+        if isinstance(part, Protocols):
+            stems += part.holders
+            if part.blocking:
+                stems += [_source_module(twin) for twin, _ in _twins()]
     return [f"guestd/client/{stem}.py" for stem in dict.fromkeys(stems)]
 
 
@@ -754,8 +1115,26 @@ def _all_order(name: str) -> tuple[int, str]:
     return (0 if name.isupper() else 1 if name[0].isupper() else 2, name)
 
 
+def _head(output: Output) -> list[str]:
+    """The generated file's first lines: where it comes from, its docstring, future annotations."""
+    doc = output.doc.rstrip()
+    origin = f"Generated by `{COMMAND}` from {', '.join(_source_paths(output))}: do not edit."
+    return [
+        *textwrap.wrap(origin, LINE_LENGTH, initial_indent="# ", subsequent_indent="# ", break_on_hyphens=False),
+        f'"""{doc}\n"""' if "\n" in doc else f'"""{doc}"""',
+        "",
+        "from __future__ import annotations",
+        "",
+    ]
+
+
 def render_raw(output: Output) -> str:
     """One output file before ruff has sorted its imports and formatted it."""
+    protocols = [part for part in output.parts if isinstance(part, Protocols)]
+    if protocols:
+        if len(output.parts) != 1:
+            raise GenerationError(f"{output.path}: protocols are a file of their own")
+        return render_protocols(output, protocols[0])
     names = blocking_names()
     bases = hand_written_bases()
     module = Module(output.path, [], set(), set())
@@ -764,33 +1143,12 @@ def render_raw(output: Output) -> str:
             FacadeWriter(part, module, names, bases).write()
         elif isinstance(part, Twin):
             write_twin(part, module, names, bases)
-        else:
+        elif isinstance(part, Functions):
             write_functions(part, module, names)
-    where = _sources_scope()
-    for part in output.parts:  # this file's own async sources first (two define DEFAULT_DEADLINE)
-        where.update(Source.load(part.module if isinstance(part, Functions) else part.source.split(".")[0]).scope())
-    for out in OUTPUTS:
-        stem = out.path.removesuffix(".py")
-        for part in out.parts:
-            if isinstance(part, Facade | Twin):
-                where[part.name] = (f"{PACKAGE}.{stem}", part.name)
-    where.update({name: (f"{PACKAGE}.{HAND_WRITTEN}", name) for name in _hand_written_names()})
-    for part in output.parts:
-        if isinstance(part, Functions):
-            where[part.module] = (PACKAGE, part.module)
-    for source, name in output.reexports:
-        where[name] = (f"{PACKAGE}.{source}", name)
-        module.runtime.add(name)
+    where = _where(output)
+    module.runtime |= {name for _, name in output.reexports}
     stem = output.path.removesuffix(".py")
-    head = [
-        f"# Generated by `{COMMAND}` from {', '.join(_source_paths(output))}: do not edit.",
-        f'"""{output.doc.rstrip()}\n"""' if "\n" in output.doc.rstrip() else f'"""{output.doc}"""',
-        "",
-        "from __future__ import annotations",
-        "",
-        *_import_lines(module, where, stem),
-        "",
-    ]
+    head = [*_head(output), *_import_lines(module, where, stem), ""]
     if output.reexports:
         exported = sorted({n for _, n in output.reexports} | {n for n in module.defined if not n.startswith("_")})
         head += [f"__all__ = [{', '.join(repr(n) for n in sorted(exported, key=_all_order))}]", ""]

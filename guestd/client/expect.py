@@ -26,9 +26,10 @@ from guestd.client.streaming import DERIVED
 from guestd.wire.errors import ErrorCode, GuestdError
 
 if TYPE_CHECKING:
-    from guestd.client.aio import AsyncClient, ShellStream
+    from guestd.client.aio import AsyncClient
     from guestd.client.results import ShellResult
     from guestd.client.streaming import RunDeadline
+    from guestd.client.streams import ShellStream
 
 MAX_BUFFER = 1024 * 1024  # unconsumed output kept; older bytes are dropped (counted)
 SEARCH_OVERLAP = 64 * 1024  # how far back in output already searched a match may start

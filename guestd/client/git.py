@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING
 from guestd.wire.errors import ErrorCode, GuestdError
 
 if TYPE_CHECKING:
-    from guestd.client.aio import AsyncClient
+    from guestd.client._surface import GitClient
     from guestd.client.results import ExecResult
 
 GIT_TIMEOUT_S = 120.0  # a git command's guest timeout unless a call gives one (hooks included)
@@ -183,7 +183,7 @@ def _parse_branch(head: str) -> tuple[str | None, str | None, int, int]:
 class AsyncGit:
     """git in the guest for an :class:`~guestd.client.AsyncClient` (``client.git``)."""
 
-    def __init__(self, client: AsyncClient) -> None:
+    def __init__(self, client: GitClient) -> None:
         self.client = client
 
     async def _git(

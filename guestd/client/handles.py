@@ -7,7 +7,9 @@ the rest of the reply as attributes) and an async context manager that releases 
 
 The blocking twins are in :mod:`guestd.client.handles_sync`. The flat methods taking an id
 (``client.shell_run(sid, ...)``) stay; a handle's methods call them, with the same parameters
-(``tests/test_client_typed.py`` keeps them equal).
+(``tests/test_client_typed.py`` keeps them equal). A handle holds its client as the protocol of
+exactly those methods (``ShellClient``, ...: :mod:`guestd.client._surface`, generated from
+AsyncClient's signatures), so this module, which the client imports, never imports it back.
 """
 
 from __future__ import annotations
@@ -16,12 +18,13 @@ import contextlib
 from collections.abc import Iterator
 from typing import TYPE_CHECKING
 
-from guestd.client.runs import result_of
+from guestd.client.results import result_of
 from guestd.client.streaming import DERIVED
 from guestd.wire.errors import ErrorCode, GuestdError
 
 if TYPE_CHECKING:
-    from guestd.client.aio import AsyncClient, Attach, OnTimeout
+    from guestd.client._surface import CodeContextClient, KeptRunClient, ProcessClient, ShellClient
+    from guestd.client.params import OnTimeout
     from guestd.client.replies import (
         CodeCreateResult,
         ProcessStartResult,
@@ -31,6 +34,7 @@ if TYPE_CHECKING:
     )
     from guestd.client.results import CodeResult, ProcessOutput, ShellResult
     from guestd.client.streaming import EventCallback, OutputCallback, RunDeadline, StdinSource
+    from guestd.client.streams import Attach
 
 GONE = (ErrorCode.NOT_FOUND.value,)  # releasing what is already gone is not an error
 
@@ -48,7 +52,7 @@ def unless_gone(*also: str) -> Iterator[None]:
 class AsyncShell:
     """A persistent bash session (cd, variables, venvs persist between runs)."""
 
-    def __init__(self, client: AsyncClient, created: ShellCreateResult) -> None:
+    def __init__(self, client: ShellClient, created: ShellCreateResult) -> None:
         self.client = client
         self.info = created  # the create call's reply
         self.id = created.id
@@ -113,7 +117,7 @@ class AsyncShell:
 class AsyncCodeContext:
     """A code context: a kernel whose state persists between cells."""
 
-    def __init__(self, client: AsyncClient, created: CodeCreateResult) -> None:
+    def __init__(self, client: CodeContextClient, created: CodeCreateResult) -> None:
         self.client = client
         self.info = created  # the create call's reply
         self.id = created.id
@@ -183,7 +187,7 @@ class AsyncProcess:
     """A background process (``process_start``). Leaving ``async with`` kills it if it still
     runs and forgets it (its output goes with it)."""
 
-    def __init__(self, client: AsyncClient, started: ProcessStartResult) -> None:
+    def __init__(self, client: ProcessClient, started: ProcessStartResult) -> None:
         self.client = client
         self.info = started  # the start call's reply
         self.id = started.id
@@ -261,7 +265,7 @@ class AsyncKeptRun:
     """A kept run (``keep=True``): it outlives the connection that started it. Leaving
     ``async with`` cancels it if it still runs."""
 
-    def __init__(self, client: AsyncClient, run_id: str) -> None:
+    def __init__(self, client: KeptRunClient, run_id: str) -> None:
         self.client = client
         self.id = run_id
 

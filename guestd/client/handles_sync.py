@@ -10,25 +10,20 @@ A handle's methods call the flat :class:`~guestd.client.Client` methods with the
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 from guestd.client._blocking import ProcessAttach
-from guestd.client.aio import OnTimeout
+from guestd.client._surface_sync import SyncCodeContextClient, SyncKeptRunClient, SyncProcessClient, SyncShellClient
 from guestd.client.handles import unless_gone
+from guestd.client.params import OnTimeout
 from guestd.client.replies import CodeCreateResult, ProcessStartResult, ProcessWaitResult, RunInfo, ShellCreateResult
-from guestd.client.results import CodeResult, ProcessOutput, ShellResult
-from guestd.client.runs import result_of
+from guestd.client.results import CodeResult, ProcessOutput, ShellResult, result_of
 from guestd.client.streaming import DERIVED, EventCallback, OutputCallback, RunDeadline, StdinSource
 from guestd.wire.errors import ErrorCode
-
-if TYPE_CHECKING:
-    from guestd.client.sync import Client
 
 
 class Shell:
     """A persistent bash session (cd, variables, venvs persist between runs)."""
 
-    def __init__(self, client: Client, created: ShellCreateResult) -> None:
+    def __init__(self, client: SyncShellClient, created: ShellCreateResult) -> None:
         self.client = client
         self.info = created  # the create call's reply
         self.id = created.id
@@ -93,7 +88,7 @@ class Shell:
 class CodeContext:
     """A code context: a kernel whose state persists between cells."""
 
-    def __init__(self, client: Client, created: CodeCreateResult) -> None:
+    def __init__(self, client: SyncCodeContextClient, created: CodeCreateResult) -> None:
         self.client = client
         self.info = created  # the create call's reply
         self.id = created.id
@@ -163,7 +158,7 @@ class Process(ProcessAttach):
     """A background process (``process_start``). Leaving ``with`` kills it if it still
     runs and forgets it (its output goes with it)."""
 
-    def __init__(self, client: Client, started: ProcessStartResult) -> None:
+    def __init__(self, client: SyncProcessClient, started: ProcessStartResult) -> None:
         self.client = client
         self.info = started  # the start call's reply
         self.id = started.id
@@ -222,7 +217,7 @@ class KeptRun:
     """A kept run (``keep=True``): it outlives the connection that started it. Leaving
     ``with`` cancels it if it still runs."""
 
-    def __init__(self, client: Client, run_id: str) -> None:
+    def __init__(self, client: SyncKeptRunClient, run_id: str) -> None:
         self.client = client
         self.id = run_id
 

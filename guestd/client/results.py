@@ -23,10 +23,13 @@ from __future__ import annotations
 
 import base64
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeVar, cast
 
-from guestd.client.replies import ProcessAttachResult, SpillInfo
+from guestd.client.connection import GuestProtocolError
+from guestd.client.replies import ProcessAttachResult, RunInfo, SpillInfo
+from guestd.wire.errors import ErrorCode, GuestdError
 from guestd.wire.paths import WirePath
+from guestd.wire.schema import OPS_BY_NAME, validate
 from guestd.wire.session import PeerViolation
 
 if TYPE_CHECKING:  # the schema's own types (guestd/wire/types.py, generated), for the fields below
@@ -44,6 +47,14 @@ if TYPE_CHECKING:  # the schema's own types (guestd/wire/types.py, generated), f
         ShellRunReply,
         ShellRunTimedOut,
     )
+
+Reply = TypeVar("Reply")
+
+
+def checked(shape: type[Reply], body: dict[str, Any]) -> Reply:
+    """``body`` as its op's generated reply type: the session core has validated it against
+    the same schema entry the type is generated from (records and enums included)."""
+    return cast(Reply, body)
 
 
 def check_bundle(data: dict[Any, Any], where: str) -> None:
@@ -369,3 +380,27 @@ class OomKills:
 
     oom_kills: int
     new: int
+
+
+def result_of(run: RunInfo) -> ShellResult | CodeResult:
+    """A done run's result as the op's result type; a failed run's error raised. The record is
+    the guest's word: ``result`` (a map in the schema) is checked against its op's reply schema
+    and anything of the wrong shape is a :class:`GuestProtocolError`, never a KeyError."""
+    op, state, rid = run.op, run.state, run.id
+    if op not in ("shell.run", "code.run") or not isinstance(rid, str):
+        raise GuestProtocolError(f"run record: op {op!r} or id {rid!r} is not a kept run's")
+    if state == "failed":
+        err = run.error
+        if not isinstance(err, dict):
+            raise GuestProtocolError(f"run {rid}: failed without an error map")
+        code, message, details = err.get("code", "internal"), err.get("message", ""), err.get("details")
+        if not isinstance(code, str) or not isinstance(message, str) or not isinstance(details, dict | None):
+            raise GuestProtocolError(f"run {rid}: its error is not {{code, message, details}}")
+        raise GuestdError(code, message, details=details)
+    if state != "done" or not isinstance(run.result, dict):
+        raise GuestdError(ErrorCode.BAD_REQUEST, f"run {rid} has not ended", details={"run": rid})
+    try:
+        body = validate(OPS_BY_NAME[op].result, run.result)
+        return ShellResult.from_body(body) if op == "shell.run" else CodeResult.from_body(body)  # type: ignore[arg-type]
+    except GuestdError as e:
+        raise GuestProtocolError(f"run {rid}: its result is not a {op} reply: {e.message}") from None

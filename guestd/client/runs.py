@@ -17,14 +17,15 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from guestd.client.connection import GuestProtocolError
 from guestd.client.replies import RunInfo
-from guestd.client.results import CodeResult, ShellResult
+from guestd.client.results import result_of
 from guestd.wire.errors import ErrorCode, GuestdError
-from guestd.wire.schema import OPS_BY_NAME, validate
 
 if TYPE_CHECKING:
     from guestd.client.aio import AsyncClient
+
+# result_of (a kept run's result typed) lives in results.py, below the handles that use it.
+__all__ = ["result_of", "run_cancel", "run_get", "run_list", "run_wait", "start_kept"]
 
 
 async def start_kept(client: AsyncClient, op: str, args: dict[str, Any], timeout: float = 30.0) -> str:
@@ -58,27 +59,3 @@ async def run_cancel(client: AsyncClient, run_id: str, *, timeout_s: float | Non
 
 async def run_list(client: AsyncClient, *, deadline: float | None = 30.0) -> list[RunInfo]:
     return await client.run_list(deadline=deadline)
-
-
-def result_of(run: RunInfo) -> ShellResult | CodeResult:
-    """A done run's result as the op's result type; a failed run's error raised. The record is
-    the guest's word: ``result`` (a map in the schema) is checked against its op's reply schema
-    and anything of the wrong shape is a :class:`GuestProtocolError`, never a KeyError."""
-    op, state, rid = run.op, run.state, run.id
-    if op not in ("shell.run", "code.run") or not isinstance(rid, str):
-        raise GuestProtocolError(f"run record: op {op!r} or id {rid!r} is not a kept run's")
-    if state == "failed":
-        err = run.error
-        if not isinstance(err, dict):
-            raise GuestProtocolError(f"run {rid}: failed without an error map")
-        code, message, details = err.get("code", "internal"), err.get("message", ""), err.get("details")
-        if not isinstance(code, str) or not isinstance(message, str) or not isinstance(details, dict | None):
-            raise GuestProtocolError(f"run {rid}: its error is not {{code, message, details}}")
-        raise GuestdError(code, message, details=details)
-    if state != "done" or not isinstance(run.result, dict):
-        raise GuestdError(ErrorCode.BAD_REQUEST, f"run {rid} has not ended", details={"run": rid})
-    try:
-        body = validate(OPS_BY_NAME[op].result, run.result)
-        return ShellResult.from_body(body) if op == "shell.run" else CodeResult.from_body(body)  # type: ignore[arg-type]
-    except GuestdError as e:
-        raise GuestProtocolError(f"run {rid}: its result is not a {op} reply: {e.message}") from None

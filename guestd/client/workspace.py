@@ -17,11 +17,12 @@ import stat
 import tarfile
 import tempfile
 import threading
-from collections.abc import AsyncIterator, Callable, Mapping
+from collections.abc import AsyncIterator, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Literal, cast, overload
 
 from guestd.client.connection import Call, ClientConnection, GuestProtocolError
+from guestd.client.params import Progress
 from guestd.client.replies import PatchedFile
 from guestd.files import tarhead
 from guestd.wire.paths import WirePath, path_to_wire
@@ -35,7 +36,6 @@ TRANSFER_DEADLINE = 3600.0  # a tree upload or download without a deadline of it
 SEARCH_MARGIN = 30.0  # on top of a search's timeout_s: the trip there and back
 TREE_CHUNK = 1024 * 1024
 TREE_MEMORY_CAP = 256 * 1024 * 1024  # an in-memory tree download without max_bytes
-Progress = Callable[[int], None]
 GrepEngine = Literal["auto", "rg"]  # both ripgrep: the Python engine was removed (issue 29)
 
 

@@ -7,6 +7,7 @@ from collections.abc import Mapping
 from typing import overload
 
 from guestd.client._blocking import ClientBase
+from guestd.client.params import Progress
 from guestd.client.replies import PatchedFile
 from guestd.client.workspace import (
     DEFAULT_DEADLINE,
@@ -15,7 +16,6 @@ from guestd.client.workspace import (
     GlobResult,
     GrepEngine,
     GrepResult,
-    Progress,
     TreeUpload,
     View,
 )

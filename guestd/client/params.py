@@ -1,0 +1,16 @@
+"""Parameter types the client's calls share: what a guest timeout does, how a write opens its
+file, a transfer's progress callback.
+
+They live below :mod:`guestd.client.aio` so the handles, the protocols they hold the client as
+(:mod:`guestd.client._surface`) and the blocking twins can name them without importing the
+client (``tests/test_import_cycles.py``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Literal
+
+Progress = Callable[[int], None]  # called with each chunk's size as an upload or download moves it
+OnTimeout = Literal["kill", "detach"]  # what a guest timeout does to exec / shell.run
+WriteFlag = Literal["overwrite", "create", "append"]
