@@ -16,6 +16,10 @@ mirrors the async sources is written here from them, read with :mod:`ast`:
   methods, which have the same signatures on both sides.
 - **functions** (``runs_sync``): each coroutine function of a module that takes the client
   first, run through that client.
+- **protocols** (``_surface``, ``_surface_sync``): what holds the client (a handle, ``AsyncGit``,
+  their blocking twins, a hand-written base) annotates it with a protocol of exactly the members
+  it uses, found in its source; the protocol copies the client's signatures. The holders then
+  never import the client that makes them, so ``guestd.client`` has no import cycle.
 
 Not mirrored: private names, constructors (class and static methods), async generators and
 plain methods returning streams (``exec_stream``, ``attach``, ``watch``, ...: async only),
