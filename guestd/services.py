@@ -15,6 +15,8 @@ import time
 from collections.abc import Awaitable, Callable, Coroutine, Mapping
 from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 
+from guestd.output.stream import CreditedStream
+
 if TYPE_CHECKING:
     from concurrent.futures import ThreadPoolExecutor
 
@@ -25,39 +27,34 @@ if TYPE_CHECKING:
     from guestd.spill import Spill
 
 
-class Request(Protocol):
-    """One request in flight, as a handler sees it (guestd.server.connection implements it)."""
+class Request(CreditedStream, Protocol):
+    """One request in flight, as a handler sees it (guestd.server.connection implements it).
 
-    @property
-    def active(self) -> bool: ...
+    Its data events within the client's credit (``active``, ``data_room``, ``push_data``,
+    ``wait_credit``, ``drain``, ``write_paused``) are :class:`CreditedStream`'s: a handler hands
+    its request to the output pump (guestd.output.pump) or the port relay, which pace it; what
+    a handler does with the request itself is below."""
 
-    @property
-    def input(self) -> asyncio.Queue[dict[str, Any]]: ...
-
-    # Set, INPUT bodies go to it as they arrive (on the loop, in frame order) instead of ``input``.
-    input_handler: Callable[[dict[str, Any]], None] | None
-
-    @property
-    def write_paused(self) -> bool: ...
-
-    async def drain(self) -> None: ...
-
+    # -- events (small ones need no credit; data is split to the credit and max_frame) --
     async def send_event(self, body: dict[str, Any]) -> None: ...
 
     def post_event(self, body: dict[str, Any]) -> None: ...
 
     async def send_data_event(self, fields: Mapping[str, Any], data: bytes | bytearray) -> None: ...
 
-    def push_data(self, fields: Mapping[str, Any], data: bytes | bytearray) -> None: ...
+    async def wait_room(self, fields: Mapping[str, Any], nbytes: int) -> None:
+        """Until one data event may carry ``nbytes`` whole (a grep line, a watched path)."""
+        ...
 
     @property
     def max_frame(self) -> int: ...
 
-    def data_room(self, fields: Mapping[str, Any]) -> int: ...
+    # -- input, signals, the point of no return ------------------------------------------
+    @property
+    def input(self) -> asyncio.Queue[dict[str, Any]]: ...
 
-    async def wait_credit(self) -> None: ...
-
-    async def wait_room(self, fields: Mapping[str, Any], nbytes: int) -> None: ...
+    # Set, INPUT bodies go to it as they arrive (on the loop, in frame order) instead of ``input``.
+    input_handler: Callable[[dict[str, Any]], None] | None
 
     def handle_signals(self, handler: Callable[[Any], None]) -> None: ...
 
