@@ -32,9 +32,13 @@ def _register_files(services: Services) -> None:
 
 
 def _register_processes(services: Services) -> None:
+    from guestd import runs
     from guestd.processes import handlers
 
     handlers.register(services)
+    # Kept runs (shell.run / code.run keep: true) are a capability of their own, served under the
+    # contract's capability name "process" (PROTOCOL.md 10.4).
+    runs.register(services)
 
 
 def _register_shells(services: Services) -> None:

@@ -10,10 +10,8 @@ from guestd.children.options import parse_signal
 from guestd.wire.errors import ErrorCode, GuestdError
 
 if TYPE_CHECKING:  # the generated message types: annotations only, never imported at run time
-    from guestd.capture import OutputRing
-    from guestd.processes.table import ManagedProcess, ProcessTable
-    from guestd.services import AdoptedRun, Request, Services
-    from guestd.spill import Spill
+    from guestd.processes.table import ManagedProcess
+    from guestd.services import Request, Services
     from guestd.wire.types import (
         ProcessAttachArgs,
         ProcessAttachReply,
@@ -38,64 +36,33 @@ if TYPE_CHECKING:  # the generated message types: annotations only, never import
 EXIT_SETTLE_S = 0.5  # after exit, how long attach keeps reading output of leftover children
 
 
-def register(services: Services) -> None:
-    limits = services.config.limits
-    tables: list[ProcessTable] = []  # made on first use
+class ProcessesCapability:
+    """The process ops over one process table. The table is made at the capability's first
+    use of it (its module is not imported before) and is itself the services' adopter: on_timeout
+    "detach" of exec and shell.run hands runs to it."""
 
-    def table() -> ProcessTable:
-        if not tables:
-            from guestd.processes.table import ProcessTable
+    def __init__(self, services: Services) -> None:
+        from guestd.processes.table import ProcessTable
 
-            tables.append(ProcessTable(services))
-        return tables[0]
+        self.limits = services.config.limits
+        self.table = ProcessTable(services)
 
-    def busy() -> dict[str, list[str]]:
-        return {"processes": [p.id for p in tables[0].procs.values() if p.running] if tables else []}
+    def busy(self) -> dict[str, list[str]]:
+        return {"processes": [p.id for p in self.table.procs.values() if p.running]}
 
-    async def shutdown() -> None:
-        if tables:
-            await tables[0].shutdown()
+    async def shutdown(self) -> None:
+        await self.table.shutdown()
 
-    class Adopter:
-        """on_timeout "detach" of exec and shell.run hands its run to the table through this."""
-
-        def check(self) -> None:
-            table().check_adopt()
-
-        def adopt(
-            self,
-            command: str,
-            run: AdoptedRun,
-            fds: dict[str, int],
-            rings: dict[str, OutputRing],
-            spills: dict[str, Spill] | None = None,
-        ) -> str:
-            return table().adopt(command, run, fds, rings, spills)
-
-    services.busy.append(busy)
-    services.on_shutdown.append(shutdown)
-    services.adopter = Adopter()
-
-    async def op_start(ctx: Request, a: ProcessStartArgs) -> ProcessStartReply:
-        p = await table().start(a)
+    async def op_start(self, ctx: Request, a: ProcessStartArgs) -> ProcessStartReply:
+        p = await self.table.start(a)
         return {"id": p.id, "pid": p.pid}
 
-    async def op_list(ctx: Request, a: ProcessListArgs) -> ProcessListReply:
-        if not tables:
-            return {"processes": []}
-        return {"processes": [p.describe() for p in table().procs.values()]}
+    async def op_list(self, ctx: Request, a: ProcessListArgs) -> ProcessListReply:
+        return {"processes": [p.describe() for p in self.table.procs.values()]}
 
-    def final(p: ManagedProcess, offs: dict[str, int]) -> ProcessAttachReply:
-        return {
-            "state": "running" if p.running else "exited",
-            **p.exit_info(),
-            "stdout_offset": offs["stdout"],
-            "stderr_offset": offs["stderr"],
-        }
-
-    async def op_attach(ctx: Request, a: ProcessAttachArgs) -> ProcessAttachReply:
-        p = table().get(a["id"])
-        chunk = a["chunk"] or limits.max_chunk
+    async def op_attach(self, ctx: Request, a: ProcessAttachArgs) -> ProcessAttachReply:
+        p = self.table.get(a["id"])
+        chunk = a["chunk"] or self.limits.max_chunk
         offs = {"stdout": a["stdout_from"], "stderr": a["stderr_from"]}
         loop_time = time.monotonic
         exited_at: float | None = None
@@ -113,17 +80,17 @@ def register(services: Services) -> None:
             if progressed:
                 continue
             if not a["follow"]:
-                return final(p, offs)
+                return _attach_reply(p, offs)
             if not p.running:
                 if exited_at is None:
                     exited_at = loop_time()
                 drained = all(p.rings[n].closed for n in ("stdout", "stderr"))
                 if drained or loop_time() - exited_at >= EXIT_SETTLE_S:
-                    return final(p, offs)
+                    return _attach_reply(p, offs)
             await p.changed(timeout=0.1 if not p.running else EXIT_SETTLE_S)
 
-    async def op_wait(ctx: Request, a: ProcessWaitArgs) -> ProcessWaitReply:
-        p = table().get(a["id"])
+    async def op_wait(self, ctx: Request, a: ProcessWaitArgs) -> ProcessWaitReply:
+        p = self.table.get(a["id"])
         loop = asyncio.get_running_loop()
         deadline = None if a["timeout_s"] is None else loop.time() + a["timeout_s"]
         while p.running:
@@ -135,41 +102,53 @@ def register(services: Services) -> None:
         # spill files are complete.
         return {"state": "exited", **p.exit_info(), "timed_out": False, **await p.spill_fields(EXIT_SETTLE_S)}
 
-    async def op_signal(ctx: Request, a: ProcessSignalArgs) -> ProcessSignalReply:
+    async def op_signal(self, ctx: Request, a: ProcessSignalArgs) -> ProcessSignalReply:
         sig = parse_signal(a["signal"])
         if sig is None:
             raise GuestdError(ErrorCode.BAD_REQUEST, f"unknown signal {a['signal']!r}", details={"field": "signal"})
-        table().get(a["id"]).send_signal(sig)
+        self.table.get(a["id"]).send_signal(sig)
         return {}
 
-    async def op_write(ctx: Request, a: ProcessWriteArgs) -> ProcessWriteReply:
-        return {"written": await table().get(a["id"]).write_stdin(a["data"])}
+    async def op_write(self, ctx: Request, a: ProcessWriteArgs) -> ProcessWriteReply:
+        return {"written": await self.table.get(a["id"]).write_stdin(a["data"])}
 
-    async def op_close_stdin(ctx: Request, a: ProcessCloseStdinArgs) -> ProcessCloseStdinReply:
-        table().get(a["id"]).close_stdin()
+    async def op_close_stdin(self, ctx: Request, a: ProcessCloseStdinArgs) -> ProcessCloseStdinReply:
+        self.table.get(a["id"]).close_stdin()
         return {}
 
-    async def op_resize(ctx: Request, a: ProcessResizeArgs) -> ProcessResizeReply:
-        table().get(a["id"]).resize(a["rows"], a["cols"])
+    async def op_resize(self, ctx: Request, a: ProcessResizeArgs) -> ProcessResizeReply:
+        self.table.get(a["id"]).resize(a["rows"], a["cols"])
         return {}
 
-    async def op_forget(ctx: Request, a: ProcessForgetArgs) -> ProcessForgetReply:
-        table().forget(a["id"])
+    async def op_forget(self, ctx: Request, a: ProcessForgetArgs) -> ProcessForgetReply:
+        self.table.forget(a["id"])
         return {}
 
+
+def _attach_reply(p: ManagedProcess, offs: dict[str, int]) -> ProcessAttachReply:
+    return {
+        "state": "running" if p.running else "exited",
+        **p.exit_info(),
+        "stdout_offset": offs["stdout"],
+        "stderr_offset": offs["stderr"],
+    }
+
+
+def register(services: Services) -> ProcessesCapability:
+    capability = ProcessesCapability(services)
+    services.busy.append(capability.busy)
+    services.on_shutdown.append(capability.shutdown)
+    services.adopter = capability.table
     for name, fn in (
-        ("process.start", op_start),
-        ("process.list", op_list),
-        ("process.attach", op_attach),
-        ("process.wait", op_wait),
-        ("process.signal", op_signal),
-        ("process.write", op_write),
-        ("process.close_stdin", op_close_stdin),
-        ("process.resize", op_resize),
-        ("process.forget", op_forget),
+        ("process.start", capability.op_start),
+        ("process.list", capability.op_list),
+        ("process.attach", capability.op_attach),
+        ("process.wait", capability.op_wait),
+        ("process.signal", capability.op_signal),
+        ("process.write", capability.op_write),
+        ("process.close_stdin", capability.op_close_stdin),
+        ("process.resize", capability.op_resize),
+        ("process.forget", capability.op_forget),
     ):
         services.ops.add(name, fn)
-
-    from guestd.runs import register as register_runs
-
-    register_runs(services)  # kept runs (shell.run / code.run keep: true) belong to this capability
+    return capability

@@ -48,9 +48,9 @@ SETTLE_S = 0.2  # after exit, how long leftover children may still write into th
 
 
 class ManagedProcess:
-    def __init__(self, table: ProcessTable, pid_id: str, command: str, ring_bytes: int) -> None:
+    def __init__(self, table: ProcessTable, process_id: str, command: str, ring_bytes: int) -> None:
         self.table = table
-        self.id = pid_id
+        self.id = process_id
         self.command = command
         self.pid = 0
         self.started_at = time.time()
@@ -408,10 +408,10 @@ class ProcessTable:
         self.procs: dict[str, ManagedProcess] = {}
         self._sweeper: asyncio.Task[None] | None = None
 
-    def get(self, pid_id: str) -> ManagedProcess:
-        p = self.procs.get(pid_id)
+    def get(self, process_id: str) -> ManagedProcess:
+        p = self.procs.get(process_id)
         if p is None:
-            raise GuestdError(ErrorCode.NOT_FOUND, f"no process {pid_id!r}", details={"process": pid_id})
+            raise GuestdError(ErrorCode.NOT_FOUND, f"no process {process_id!r}", details={"process": process_id})
         return p
 
     async def start(self, args: ProcessStartArgs) -> ManagedProcess:
@@ -438,7 +438,8 @@ class ProcessTable:
             self._sweeper = asyncio.get_running_loop().create_task(self._sweep())
         return mp
 
-    def check_adopt(self) -> None:
+    def check(self) -> None:
+        """Raise the typed ``limit`` error when no more live processes may be adopted (services.Adopter)."""
         self._expire()
         limits = self.services.config.limits
         if sum(1 for p in self.procs.values() if p.running) >= limits.max_processes:
@@ -466,15 +467,15 @@ class ProcessTable:
             self._sweeper = asyncio.get_running_loop().create_task(self._sweep())
         return mp.id
 
-    def forget(self, pid_id: str) -> None:
-        p = self.get(pid_id)
+    def forget(self, process_id: str) -> None:
+        p = self.get(process_id)
         if p.running:
             raise GuestdError(
                 ErrorCode.BAD_REQUEST,
-                f"process {pid_id} is still running; signal it first",
-                details={"process": pid_id},
+                f"process {process_id} is still running; signal it first",
+                details={"process": process_id},
             )
-        del self.procs[pid_id]
+        del self.procs[process_id]
         p.release()
         p.remove_spills()
 
