@@ -32,6 +32,26 @@ class Admission(Protocol):
     def add_hello_hook(self, hook: Callable[[Mapping[str, Any]], None]) -> None: ...
 
 
+class SnapshotOps:
+    """The snapshot ops: thin methods over the snapshot state (engine: state.py)."""
+
+    def __init__(self, state: SnapshotState) -> None:
+        self.state = state
+
+    async def op_prepare(self, ctx: Request, a: SnapshotPrepareArgs) -> SnapshotPrepareReply:
+        return await self.state.prepare(a["quiesce"], a["timeout_s"], a["freeze"], a["fsfreeze"], a["freeze_max_s"])
+
+    async def op_resume(self, ctx: Request, a: SnapshotResumeArgs) -> SnapshotResumeReply:
+        await self.state.resume()
+        return {}
+
+    async def op_restore(self, ctx: Request, a: SnapshotRestoreArgs) -> SnapshotRestoreReply:
+        return await self.state.restore(a, ctx.connection)
+
+    async def op_clock_check(self, ctx: Request, a: ClockCheckArgs) -> ClockCheckReply:
+        return self.state.check_clock(a["time_ns"])
+
+
 def register(services: Services, admission: Admission) -> SnapshotState:
     """Registers the ops, the gate new requests wait at while a restore or a quiescing prepare
     is in progress, and the hello hook that notices a restore the host did not announce."""
@@ -39,22 +59,9 @@ def register(services: Services, admission: Admission) -> SnapshotState:
     services.info.append(lambda: {"snapshot": state.describe()})
     admission.add("snapshot", check=state.gate)
     admission.add_hello_hook(lambda hello: state.check_host_time(hello.get("time_ns")))
-
-    async def op_prepare(ctx: Request, a: SnapshotPrepareArgs) -> SnapshotPrepareReply:
-        return await state.prepare(a["quiesce"], a["timeout_s"], a["freeze"], a["fsfreeze"], a["freeze_max_s"])
-
-    async def op_resume(ctx: Request, a: SnapshotResumeArgs) -> SnapshotResumeReply:
-        await state.resume()
-        return {}
-
-    async def op_restore(ctx: Request, a: SnapshotRestoreArgs) -> SnapshotRestoreReply:
-        return await state.restore(a, ctx.connection)
-
-    async def op_clock_check(ctx: Request, a: ClockCheckArgs) -> ClockCheckReply:
-        return state.check_clock(a["time_ns"])
-
-    services.ops.add("snapshot.prepare", op_prepare)
-    services.ops.add("clock.check", op_clock_check)
-    services.ops.add("snapshot.resume", op_resume)
-    services.ops.add("snapshot.restore", op_restore)
+    ops = SnapshotOps(state)
+    services.ops.add("snapshot.prepare", ops.op_prepare)
+    services.ops.add("clock.check", ops.op_clock_check)
+    services.ops.add("snapshot.resume", ops.op_resume)
+    services.ops.add("snapshot.restore", ops.op_restore)
     return state
