@@ -8,6 +8,7 @@ and hooks them into the server: ``guestd.server.daemon.Daemon`` calls :func:`com
 
 from __future__ import annotations
 
+import importlib
 import os
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Protocol
@@ -19,16 +20,13 @@ if TYPE_CHECKING:
 PENDING_WRITES = "pending-writes"  # where the files capability records temps of writes in progress
 
 
-def _register_exec(services: Services) -> None:
-    from guestd.exec import handlers
+def _register(module: str) -> Callable[[Services], None]:
+    """The capability in ``module`` (its ``register(services)``), imported when it registers."""
 
-    handlers.register(services)
+    def register(services: Services) -> None:
+        importlib.import_module(module).register(services)
 
-
-def _register_files(services: Services) -> None:
-    from guestd.files import handlers
-
-    handlers.register(services)
+    return register
 
 
 def _register_processes(services: Services) -> None:
@@ -41,34 +39,16 @@ def _register_processes(services: Services) -> None:
     runs.register(services)
 
 
-def _register_shells(services: Services) -> None:
-    from guestd.shells import handlers
-
-    handlers.register(services)
-
-
-def _register_ports(services: Services) -> None:
-    from guestd.ports import handlers
-
-    handlers.register(services)
-
-
-def _register_metrics(services: Services) -> None:
-    from guestd.metrics import handlers
-
-    handlers.register(services)
-
-
 # Capabilities declared at start and registered at their first request (schema name -> register):
 # their modules (the files capability alone was 26 ms and 2.7 MiB of guestd's start, issue 34)
 # load only when used. Order: the order they register in when all are needed at once.
 LAZY_CAPABILITIES: dict[str, Callable[[Services], None]] = {
-    "exec": _register_exec,
-    "files": _register_files,
+    "exec": _register("guestd.exec.handlers"),
+    "files": _register("guestd.files.handlers"),
     "process": _register_processes,
-    "shell": _register_shells,
-    "port": _register_ports,
-    "metrics": _register_metrics,
+    "shell": _register("guestd.shells.handlers"),
+    "port": _register("guestd.ports.handlers"),
+    "metrics": _register("guestd.metrics.handlers"),
 }
 
 
