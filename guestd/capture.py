@@ -10,10 +10,17 @@ from __future__ import annotations
 
 import asyncio
 from collections import deque
-from typing import TYPE_CHECKING, NamedTuple, TypedDict
+from typing import TYPE_CHECKING, NamedTuple
+
+from guestd.wire.types import CapturedOutput
 
 if TYPE_CHECKING:
     from guestd.spill import Spill
+
+
+# The result fields every output producer reports: the schema's captured_output group alone (closed, so
+# a reply spreads it with **).
+CapturedFields = CapturedOutput
 
 
 class OutputCapture:
@@ -75,19 +82,6 @@ class OutputCapture:
 
     def data(self) -> bytes:
         return bytes(self._head) + b"".join(self._tail)
-
-
-class CapturedFields(TypedDict):
-    """The result fields every output producer reports (the schema's captured-output fields)."""
-
-    stdout: bytes
-    stdout_bytes: int
-    stdout_dropped: int
-    stdout_gap_at: int | None
-    stderr: bytes
-    stderr_bytes: int
-    stderr_dropped: int
-    stderr_gap_at: int | None
 
 
 # Kept bytes shaped on the event loop; more are shaped in a worker thread. Shaping is linear

@@ -287,3 +287,88 @@ def test_generated_types_are_current() -> None:
 
     with open(types_path()) as f:
         assert f.read() == render(), "run: python -m guestd.wire.codegen"
+
+
+def _generated_classes() -> dict[str, tuple[list[str], dict[str, bool], bool]]:
+    """Every class of the generated types: (its TypedDict bases, its own fields -> required, closed)."""
+    import ast
+
+    from guestd.wire.codegen import render
+
+    out = {}
+    for node in ast.walk(ast.parse(render())):  # the closed types under TYPE_CHECKING included
+        if isinstance(node, ast.ClassDef):
+            bases = [b.id for b in node.bases if isinstance(b, ast.Name) and b.id != "TypedDict"]
+            own = {
+                s.target.id: not ast.unparse(s.annotation).startswith("NotRequired[")
+                for s in node.body
+                if isinstance(s, ast.AnnAssign) and isinstance(s.target, ast.Name)
+            }
+            closed = any(k.arg == "closed" and ast.literal_eval(k.value) is True for k in node.keywords)
+            out[node.name] = (bases, own, closed)
+    return out
+
+
+def test_generated_types_through_their_group_bases_are_each_message_with_its_required_ness() -> None:
+    """Each reply, event, input and record type, its group bases' fields included, has exactly the
+    message's fields, NotRequired where the schema's field is not required; a group's fields come
+    only from its base (the reply composes from the group's producer); args types list every
+    field, all present. The runtime cannot show this (3.11 reads NotRequired only from evaluated
+    annotations, and the module's are strings), so the generated source is read."""
+    from guestd.wire.codegen import camel, group_base
+    from guestd.wire.schema import GROUPS, RECORDS, F, groups_of
+
+    classes = _generated_classes()
+
+    def flat(name: str) -> dict[str, bool]:
+        bases, own, _ = classes[name]
+        out: dict[str, bool] = {}
+        for base in bases:
+            inherited = flat(base)
+            assert not set(inherited) & set(out), f"{name}: bases overlap"
+            out.update(inherited)
+        assert not set(own) & set(out), f"{name} declares again a field of its bases"
+        return {**out, **own}
+
+    def check(name: str, fields: tuple[F, ...], bases: list[str]) -> None:
+        assert flat(name) == {f.name: f.required for f in fields}, name
+        assert classes[name][0] == bases, name
+
+    messages = [(f"{camel(n)}Record", fields) for n, fields in RECORDS.items()]
+    for op in OPS:
+        messages += [(f"{camel(op.name)}Reply", op.result)]
+        messages += [(f"{camel(op.name)}Event", op.events)] if op.events else []
+        messages += [(f"{camel(op.name)}Input", op.input)] if op.input else []
+        assert flat(f"{camel(op.name)}Args") == {f.name: True for f in op.args}
+    for name, fields in messages:
+        check(name, fields, [group_base(g) for g in groups_of(name, fields)])
+    assert {g for _, fields in messages for f in fields if (g := f.group)} == set(GROUPS)  # each one used
+    for name, group in GROUPS.items():
+        check(group_base(name), group.fields, [])
+        assert classes[camel(name)] == ([group_base(name)], {}, True)  # alone: closed, nothing added
+    assert flat("ExecReply")["stdout"] and not flat("ExecReply")["killed_by"]  # required-ness through a base
+
+
+def test_a_message_has_a_group_whole_and_a_group_has_one_shape() -> None:
+    from dataclasses import replace
+
+    from guestd.wire.schema import GROUPS, F, Group, groups_of
+
+    figures = GROUPS["run_figures"].fields
+    untagged = tuple(replace(f, group=None) for f in figures)
+    assert groups_of("whole", (F("pid", "int", "", True), *figures)) == ("run_figures",)
+    with pytest.raises(AssertionError, match="part of group run_figures"):
+        groups_of("part", figures[:2])
+    with pytest.raises(AssertionError, match="declared twice"):
+        Group("run_figures", GROUPS["run_figures"].doc, untagged[:2])  # another shape, the same name
+    with pytest.raises(AssertionError, match="already in group"):
+        Group("nested", "", figures)
+    assert list(GROUPS) == [
+        "run_figures",
+        "ring_starts",
+        "spill_files",
+        "captured_output",
+        "reported_changes",
+        "kept_run_id",
+    ]
+

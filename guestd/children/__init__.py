@@ -31,7 +31,7 @@ import termios
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Literal, TypedDict
+from typing import TYPE_CHECKING, Any, Literal
 
 from guestd.children.cgroups import RunCgroup, RunUsage, WorkloadCgroup, WorkloadConfig
 from guestd.children.reaper import Reaper
@@ -45,6 +45,7 @@ from guestd.children.tree import (
     try_reap_usage,
 )
 from guestd.wire.errors import ErrorCode, GuestdError
+from guestd.wire.types import RunFigures, RunFiguresFields
 
 if TYPE_CHECKING:
     from concurrent.futures import ThreadPoolExecutor
@@ -147,18 +148,9 @@ def _load_native() -> ModuleType | None:
 KilledBy = Literal["timeout", "idle_timeout", "cancel", "signal", "oom"]
 
 
-class RunFigures(TypedDict):
-    """Why a run ended and what it used: every run's result carries these (nil: not known)."""
-
-    killed_by: KilledBy | None
-    oom_killed: bool | None
-    cpu_user_s: float | None
-    cpu_sys_s: float | None
-    max_rss_bytes: int | None
-
-
-class ExitInfo(RunFigures):
-    """How a process ended, as every process reply reports it (nil while it runs)."""
+class ExitInfo(RunFiguresFields):
+    """How a process ended, as every process reply reports it (nil while it runs), with the
+    figures of why and what it used (the schema's run_figures group; nil: not known)."""
 
     exit_code: int | None
     signal: int | None

@@ -278,7 +278,7 @@ class CodeContext:
             "stdin_exhausted": st.stdin_exhausted,
             "execution_count": st.execution_count,
             "duration_s": time.monotonic() - t0,
-            **usage_between(before, after, why, None),  # type: ignore[typeddict-item]  # "run_id": guestd.runs adds it
+            **usage_between(before, after, why, None),  # "run_id": guestd.runs adds it
         }
         return fit_reply(reply, st)
 

@@ -161,7 +161,7 @@ class ExecRun:
             "duration_s": time.monotonic() - self.t0,
             "pid": self.pid,
             "detached": self.detached,
-            **run_figures(self.child.exit_info()),  # type: ignore[typeddict-item]  # "changes": the handler adds it
+            **run_figures(self.child.exit_info()),
         }
 
     def close(self) -> None:

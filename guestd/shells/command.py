@@ -84,5 +84,5 @@ async def reply(
         ),
         "duration_s": duration_s,
         "detached": run.detached,
-        **usage_between(run.usage_before, usage_after, why, code),  # type: ignore[typeddict-item]  # "changes"
+        **usage_between(run.usage_before, usage_after, why, code),
     }

@@ -22,14 +22,20 @@ Per op, two facts about its frames: ``final`` says what may end it (``response_o
 ``error_only`` for an op that runs until cancelled and never sends a RESPONSE) and
 ``events_when`` names the bool args of which one must be true for the op to send any EVENT
 (empty: events whenever the op has them).
+
+Field groups (:class:`Group`): a named set of fields several messages share (``run_figures``,
+``captured_output``...), spliced into each with ``*GROUP``. The wire does not see them (the
+JSON snapshot and PROTOCOL.md list every message's fields flat); :mod:`guestd.wire.codegen`
+makes each one a TypedDict base of the messages that have it, so a reply composes from the
+parts the code produces.
 """
 
 from __future__ import annotations
 
 import re
 import sys
-from collections.abc import Mapping
-from dataclasses import dataclass, field
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from guestd.wire.errors import ErrorCode, GuestdError, limit_error
@@ -63,6 +69,8 @@ class F:
     le: float | None = None
     min_len: int | None = None
     le_limit: str | None = None
+    # The Group this field belongs to (set by Group; not on the wire).
+    group: str | None = field(default=None, compare=False, repr=False)
 
     def to_json(self) -> dict[str, Any]:
         out: dict[str, Any] = {"type": self.type, "required": self.required, "doc": self.doc}
@@ -88,6 +96,51 @@ class F:
         if self.min_len is not None:
             parts.append(f"length >= {self.min_len}")
         return ", ".join(parts)
+
+
+# Every group by name, in the order they are declared (the generator's order).
+GROUPS: dict[str, Group] = {}
+
+
+@dataclass(frozen=True)
+class Group:
+    """Fields several messages share, under one name: splice them into each with ``*GROUP``.
+
+    Each message that has one field of a group has them all (checked when the schema loads).
+    Two groups may share a name when they differ only in their docs (``captured_output`` says
+    whose output it is); names, types and required-ness are the group's and must agree. A
+    field belongs to one group at most (no nesting).
+    """
+
+    name: str
+    doc: str
+    fields: tuple[F, ...]
+
+    def __post_init__(self) -> None:
+        for f in self.fields:
+            if f.group is not None:
+                raise AssertionError(f"group {self.name}: field {f.name} is already in group {f.group}")
+        object.__setattr__(self, "fields", tuple(replace(f, group=self.name) for f in self.fields))
+        first = GROUPS.setdefault(self.name, self)
+        if first.shape() != self.shape() or first.doc != self.doc:
+            raise AssertionError(f"group {self.name} is declared twice with different fields or doc")
+
+    def __iter__(self) -> Iterator[F]:
+        return iter(self.fields)
+
+    def shape(self) -> tuple[tuple[str, str, bool], ...]:
+        return tuple((f.name, f.type, f.required) for f in self.fields)
+
+
+def groups_of(where: str, fields: tuple[F, ...]) -> tuple[str, ...]:
+    """The groups a message has, in the order of their first field; each one whole."""
+    names = {f.name for f in fields}
+    out = tuple(dict.fromkeys(f.group for f in fields if f.group is not None))
+    for name in out:
+        missing = [f.name for f in GROUPS[name].fields if f.name not in names]
+        if missing:
+            raise AssertionError(f"{where}: has part of group {name} but not {', '.join(missing)}")
+    return out
 
 
 @dataclass(frozen=True)
@@ -121,6 +174,15 @@ class OpSpec:
         for name in self.events_when:
             if self.fields_by_name[name].type != "bool" or not self.events:
                 raise AssertionError(f"{self.name}: events_when names bool args of an op with events")
+        for rule, groups in (("one_of", self.one_of), ("exclusive", self.exclusive)):
+            for names in groups:
+                if len(names) < 2 or any(n not in self.fields_by_name for n in names):
+                    raise AssertionError(f"{self.name}: {rule} {names} must name two or more of its args")
+        if any(f.group is not None for f in self.args):
+            raise AssertionError(f"{self.name}: args take no field group (their type lists every field)")
+        groups_of(f"{self.name} result", self.result)
+        groups_of(f"{self.name} events", self.events)
+        groups_of(f"{self.name} input", self.input)
 
     def sends_events(self, args: Mapping[str, Any]) -> bool:
         """Whether a request with these args may receive EVENT frames."""
@@ -161,47 +223,60 @@ def _bad(name: str, want: str, got: Any) -> GuestdError:
 
 # Named nested types: a field of type NAME is a map of these fields, list<NAME> a list of them.
 # Why a run ended and what it used (PROTOCOL.md "Why a run ended"): in every result of a run.
-_FIGURES = (
-    F(
-        "killed_by",
-        "enum(timeout|idle_timeout|cancel|signal|oom)?",
-        "why the run ended when it did not exit by itself: guestd ended it (timeout, idle_timeout, cancel), "
-        "the kernel's OOM killer, or another signal; nil: it exited by itself (or is still running)",
-    ),
-    F(
-        "oom_killed",
-        "bool?",
-        "the OOM killer killed a process of this run (the run's cgroup memory.events); nil: not known "
-        "(no memory controller on the runs' cgroups)",
-    ),
-    F("cpu_user_s", "float?", "CPU seconds in user mode used by the run (nil: not known)"),
-    F("cpu_sys_s", "float?", "CPU seconds in the kernel used by the run (nil: not known)"),
-    F(
-        "max_rss_bytes",
-        "uint?",
-        "peak memory of the run's cgroup (memory.peak: every process of the run, page cache included); nil: "
-        "not known (no memory controller on the runs' cgroups, Linux before 5.19, or part of a long-lived run)",
+_FIGURES = Group(
+    "run_figures",
+    "why a run ended and what it used",
+    (
+        F(
+            "killed_by",
+            "enum(timeout|idle_timeout|cancel|signal|oom)?",
+            "why the run ended when it did not exit by itself: guestd ended it (timeout, idle_timeout, cancel), "
+            "the kernel's OOM killer, or another signal; nil: it exited by itself (or is still running)",
+        ),
+        F(
+            "oom_killed",
+            "bool?",
+            "the OOM killer killed a process of this run (the run's cgroup memory.events); nil: not known "
+            "(no memory controller on the runs' cgroups)",
+        ),
+        F("cpu_user_s", "float?", "CPU seconds in user mode used by the run (nil: not known)"),
+        F("cpu_sys_s", "float?", "CPU seconds in the kernel used by the run (nil: not known)"),
+        F(
+            "max_rss_bytes",
+            "uint?",
+            "peak memory of the run's cgroup (memory.peak: every process of the run, page cache included); nil: "
+            "not known (no memory controller on the runs' cgroups, Linux before 5.19, or part of a long-lived run)",
+        ),
     ),
 )
 
 # Background processes: where each stream's ring starts, and with spill: true the files holding every byte.
-_RING_STARTS = (
-    F(
-        "stdout_ring_start",
-        "uint?",
-        "offset of the oldest stdout byte still in the ring: [0, stdout_ring_start) is gone from it "
-        "(with spill, at the same offsets in stdout_spill)",
+_RING_STARTS = Group(
+    "ring_starts",
+    "where each stream's ring of a background process starts",
+    (
+        F(
+            "stdout_ring_start",
+            "uint?",
+            "offset of the oldest stdout byte still in the ring: [0, stdout_ring_start) is gone from it "
+            "(with spill, at the same offsets in stdout_spill)",
+        ),
+        F("stderr_ring_start", "uint?", "the same for stderr"),
     ),
-    F("stderr_ring_start", "uint?", "the same for stderr"),
 )
-_PROCESS_SPILL = (
-    F(
-        "stdout_spill",
-        "spill_info?",
-        "process.start spill: the file holding stdout from byte 0 (bytes: what is on disk so far; final once "
-        "the process has exited and its streams ended)",
+_SPILL_FILES_DOC = "spill: the files holding every byte of stdout and stderr"
+_PROCESS_SPILL = Group(
+    "spill_files",
+    _SPILL_FILES_DOC,
+    (
+        F(
+            "stdout_spill",
+            "spill_info?",
+            "process.start spill: the file holding stdout from byte 0 (bytes: what is on disk so far; final once "
+            "the process has exited and its streams ended)",
+        ),
+        F("stderr_spill", "spill_info?", "the same for stderr"),
     ),
-    F("stderr_spill", "spill_info?", "the same for stderr"),
 )
 
 
@@ -574,7 +649,7 @@ RECORDS.update(
 # --------------------------------------------------------------------------- ops
 
 
-def _captured(who: str) -> tuple[F, ...]:
+def _captured(who: str) -> Group:
     """The bounded-capture fields shared by exec, shell.run and code.run results."""
     out: list[F] = []
     for s in ("stdout", "stderr"):
@@ -583,11 +658,12 @@ def _captured(who: str) -> tuple[F, ...]:
             F(f"{s}_bytes", "uint", f"total bytes {who} wrote to {s}", True),
             F(f"{s}_dropped", "uint", f"bytes of {s} not returned", True),
         ]
-    return (
+    fields = (
         *out,
         F("stdout_gap_at", "uint?", "offset in stdout where the dropped bytes were cut out"),
         F("stderr_gap_at", "uint?", "offset in stderr where the dropped bytes were cut out"),
     )
+    return Group("captured_output", "the bounded capture of a run's stdout and stderr", fields)
 
 
 _OUTPUT_RESULT = (
@@ -616,10 +692,21 @@ _SPILL = F(
     "not with stream",
     default=False,
 )
-_SPILL_RESULT = (
-    F("stdout_spill", "spill_info?", "spill: the file holding stdout from byte 0"),
-    F("stderr_spill", "spill_info?", "spill: the file holding stderr from byte 0"),
+_SPILL_RESULT = Group(
+    "spill_files",
+    _SPILL_FILES_DOC,
+    (
+        F("stdout_spill", "spill_info?", "spill: the file holding stdout from byte 0"),
+        F("stderr_spill", "spill_info?", "spill: the file holding stderr from byte 0"),
+    ),
 )
+# Added to a result by the code around the run (Services.with_changes, KeptRuns.keep), not by the run's own.
+_CHANGES_RESULT = Group(
+    "reported_changes",
+    "report_changes: what changed under the workspace during the run",
+    (F("changes", "change_report?", "report_changes: what changed under the workspace during the run"),),
+)
+_KEPT_RESULT = Group("kept_run_id", "keep: the run's id", (F("run_id", "str?", "keep: the run's id"),))
 
 _SHAPING = (
     F(
@@ -750,7 +837,7 @@ OPS: tuple[OpSpec, ...] = (
         ),
         result=(
             *_OUTPUT_RESULT,
-            F("changes", "change_report?", "report_changes: what changed under the workspace during the run"),
+            *_CHANGES_RESULT,
             *_SPILL_RESULT,
         ),
         events=(
@@ -1028,7 +1115,7 @@ CODE_OPS: tuple[OpSpec, ...] = (
             F("stream", "bool", "send output and results as EVENT frames as they arrive", default=False),
             _KEEP,
         ),
-        result=(*_CODE_RESULT, F("run_id", "str?", "keep: the run's id")),
+        result=(*_CODE_RESULT, *_KEPT_RESULT),
         events=(
             F("ev", "enum(stdout|stderr|result|display|error|kept)", "event type", True),
             _KEPT_EVENT,
@@ -1297,8 +1384,8 @@ SHELL_OPS: tuple[OpSpec, ...] = (
                 "on_timeout detach: the background process id the command goes on as (exit_code and killed_by are "
                 "then nil, timed_out says which timeout; process.wait gives the job's status)",
             ),
-            F("changes", "change_report?", "report_changes: what changed under the workspace during the run"),
-            F("run_id", "str?", "keep: the run's id"),
+            *_CHANGES_RESULT,
+            *_KEPT_RESULT,
             *_SPILL_RESULT,
         ),
         events=(
@@ -2156,6 +2243,14 @@ RUN_OPS: tuple[OpSpec, ...] = (
 
 OPS = OPS + CODE_OPS + PROCESS_OPS + SHELL_OPS + SNAPSHOT_OPS + PORT_OPS + WORKSPACE_OPS + METRICS_OPS + RUN_OPS
 OPS_BY_NAME = {op.name: op for op in OPS}
+
+
+def _check_record_groups() -> None:
+    for name, fields in RECORDS.items():
+        groups_of(f"record {name}", fields)
+
+
+_check_record_groups()
 
 
 def schema_document() -> dict[str, Any]:

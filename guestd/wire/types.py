@@ -2,7 +2,86 @@
 
 from __future__ import annotations
 
-from typing import Any, Literal, NotRequired, TypedDict
+from typing import TYPE_CHECKING, Any, Literal, NotRequired, TypedDict
+
+
+class RunFiguresFields(TypedDict):
+    """group `run_figures`: why a run ended and what it used"""
+
+    killed_by: NotRequired[Literal["timeout", "idle_timeout", "cancel", "signal", "oom"] | None]
+    oom_killed: NotRequired[bool | None]
+    cpu_user_s: NotRequired[float | None]
+    cpu_sys_s: NotRequired[float | None]
+    max_rss_bytes: NotRequired[int | None]
+
+
+class RingStartsFields(TypedDict):
+    """group `ring_starts`: where each stream's ring of a background process starts"""
+
+    stdout_ring_start: NotRequired[int | None]
+    stderr_ring_start: NotRequired[int | None]
+
+
+class SpillFilesFields(TypedDict):
+    """group `spill_files`: spill: the files holding every byte of stdout and stderr"""
+
+    stdout_spill: NotRequired[SpillInfoRecord | None]
+    stderr_spill: NotRequired[SpillInfoRecord | None]
+
+
+class CapturedOutputFields(TypedDict):
+    """group `captured_output`: the bounded capture of a run's stdout and stderr"""
+
+    stdout: bytes
+    stdout_bytes: int
+    stdout_dropped: int
+    stderr: bytes
+    stderr_bytes: int
+    stderr_dropped: int
+    stdout_gap_at: NotRequired[int | None]
+    stderr_gap_at: NotRequired[int | None]
+
+
+class ReportedChangesFields(TypedDict):
+    """group `reported_changes`: report_changes: what changed under the workspace during the run"""
+
+    changes: NotRequired[ChangeReportRecord | None]
+
+
+class KeptRunIdFields(TypedDict):
+    """group `kept_run_id`: keep: the run's id"""
+
+    run_id: NotRequired[str | None]
+
+
+if TYPE_CHECKING:
+
+    class RunFigures(RunFiguresFields, closed=True):
+        """group `run_figures` alone (closed: no other key)"""
+
+    class RingStarts(RingStartsFields, closed=True):
+        """group `ring_starts` alone (closed: no other key)"""
+
+    class SpillFiles(SpillFilesFields, closed=True):
+        """group `spill_files` alone (closed: no other key)"""
+
+    class CapturedOutput(CapturedOutputFields, closed=True):
+        """group `captured_output` alone (closed: no other key)"""
+
+    class ReportedChanges(ReportedChangesFields, closed=True):
+        """group `reported_changes` alone (closed: no other key)"""
+
+    class KeptRunId(KeptRunIdFields, closed=True):
+        """group `kept_run_id` alone (closed: no other key)"""
+
+else:
+    RunFigures = RunFiguresFields
+    RingStarts = RingStartsFields
+    SpillFiles = SpillFilesFields
+    CapturedOutput = CapturedOutputFields
+    ReportedChanges = ReportedChangesFields
+    KeptRunId = KeptRunIdFields
+
 
 DirEntryType = Literal["file", "dir", "symlink", "fifo", "socket", "char", "block", "other"]
 
@@ -69,7 +148,7 @@ ProcessInfoState = Literal["running", "exited"]
 ProcessInfoKilledBy = Literal["timeout", "idle_timeout", "cancel", "signal", "oom"]
 
 
-class ProcessInfoRecord(TypedDict):
+class ProcessInfoRecord(RunFiguresFields, RingStartsFields, SpillFilesFields):
     """record `process_info`"""
 
     id: str
@@ -85,15 +164,6 @@ class ProcessInfoRecord(TypedDict):
     stderr_offset: int
     cpu_s: NotRequired[float | None]
     rss: NotRequired[int | None]
-    killed_by: NotRequired[Literal["timeout", "idle_timeout", "cancel", "signal", "oom"] | None]
-    oom_killed: NotRequired[bool | None]
-    cpu_user_s: NotRequired[float | None]
-    cpu_sys_s: NotRequired[float | None]
-    max_rss_bytes: NotRequired[int | None]
-    stdout_ring_start: NotRequired[int | None]
-    stderr_ring_start: NotRequired[int | None]
-    stdout_spill: NotRequired[SpillInfoRecord | None]
-    stderr_spill: NotRequired[SpillInfoRecord | None]
 
 
 ListenerFamily = Literal["ipv4", "ipv6"]
@@ -304,31 +374,15 @@ class ExecArgs(TypedDict):
     report_changes: bool
 
 
-class ExecReply(TypedDict):
+class ExecReply(CapturedOutputFields, RunFiguresFields, ReportedChangesFields, SpillFilesFields):
     """`exec` result"""
 
     exit_code: NotRequired[int | None]
     signal: NotRequired[int | None]
     timed_out: NotRequired[Literal["wall", "idle"] | None]
-    stdout: bytes
-    stdout_bytes: int
-    stdout_dropped: int
-    stderr: bytes
-    stderr_bytes: int
-    stderr_dropped: int
-    stdout_gap_at: NotRequired[int | None]
-    stderr_gap_at: NotRequired[int | None]
     duration_s: float
     pid: int
-    killed_by: NotRequired[Literal["timeout", "idle_timeout", "cancel", "signal", "oom"] | None]
-    oom_killed: NotRequired[bool | None]
-    cpu_user_s: NotRequired[float | None]
-    cpu_sys_s: NotRequired[float | None]
-    max_rss_bytes: NotRequired[int | None]
     detached: NotRequired[str | None]
-    changes: NotRequired[ChangeReportRecord | None]
-    stdout_spill: NotRequired[SpillInfoRecord | None]
-    stderr_spill: NotRequired[SpillInfoRecord | None]
 
 
 class ExecEvent(TypedDict):
@@ -547,33 +601,19 @@ class CodeRunArgs(TypedDict):
     keep: bool
 
 
-class CodeRunReply(TypedDict):
+class CodeRunReply(CapturedOutputFields, RunFiguresFields, KeptRunIdFields):
     """`code.run` result"""
 
     context: str
     status: Literal["ok", "error", "timeout", "interrupted", "died"]
     timeout_action: NotRequired[Literal["interrupted", "restarted"] | None]
     exit_reason: NotRequired[str | None]
-    stdout: bytes
-    stdout_bytes: int
-    stdout_dropped: int
-    stderr: bytes
-    stderr_bytes: int
-    stderr_dropped: int
-    stdout_gap_at: NotRequired[int | None]
-    stderr_gap_at: NotRequired[int | None]
     results: list[CodeOutputRecord]
     results_dropped: int
     error: NotRequired[CodeErrorRecord | None]
     stdin_exhausted: bool
     execution_count: NotRequired[int | None]
     duration_s: float
-    killed_by: NotRequired[Literal["timeout", "idle_timeout", "cancel", "signal", "oom"] | None]
-    oom_killed: NotRequired[bool | None]
-    cpu_user_s: NotRequired[float | None]
-    cpu_sys_s: NotRequired[float | None]
-    max_rss_bytes: NotRequired[int | None]
-    run_id: NotRequired[str | None]
 
 
 class CodeRunEvent(TypedDict):
@@ -681,17 +721,12 @@ class ProcessAttachArgs(TypedDict):
     chunk: int | None
 
 
-class ProcessAttachReply(TypedDict):
+class ProcessAttachReply(RunFiguresFields):
     """`process.attach` result"""
 
     state: Literal["running", "exited"]
     exit_code: NotRequired[int | None]
     signal: NotRequired[int | None]
-    killed_by: NotRequired[Literal["timeout", "idle_timeout", "cancel", "signal", "oom"] | None]
-    oom_killed: NotRequired[bool | None]
-    cpu_user_s: NotRequired[float | None]
-    cpu_sys_s: NotRequired[float | None]
-    max_rss_bytes: NotRequired[int | None]
     stdout_offset: int
     stderr_offset: int
 
@@ -719,22 +754,13 @@ class ProcessWaitArgs(TypedDict):
     timeout_s: float | None
 
 
-class ProcessWaitReply(TypedDict):
+class ProcessWaitReply(RunFiguresFields, RingStartsFields, SpillFilesFields):
     """`process.wait` result"""
 
     state: Literal["running", "exited"]
     exit_code: NotRequired[int | None]
     signal: NotRequired[int | None]
-    killed_by: NotRequired[Literal["timeout", "idle_timeout", "cancel", "signal", "oom"] | None]
-    oom_killed: NotRequired[bool | None]
-    cpu_user_s: NotRequired[float | None]
-    cpu_sys_s: NotRequired[float | None]
-    max_rss_bytes: NotRequired[int | None]
     timed_out: bool
-    stdout_ring_start: NotRequired[int | None]
-    stderr_ring_start: NotRequired[int | None]
-    stdout_spill: NotRequired[SpillInfoRecord | None]
-    stderr_spill: NotRequired[SpillInfoRecord | None]
 
 
 class ProcessSignalArgs(TypedDict):
@@ -839,7 +865,7 @@ class ShellRunArgs(TypedDict):
     report_changes: bool
 
 
-class ShellRunReply(TypedDict):
+class ShellRunReply(CapturedOutputFields, RunFiguresFields, ReportedChangesFields, KeptRunIdFields, SpillFilesFields):
     """`shell.run` result"""
 
     exit_code: NotRequired[int | None]
@@ -847,25 +873,8 @@ class ShellRunReply(TypedDict):
     interrupted: bool
     session_restarted: bool
     cwd: str | bytes
-    stdout: bytes
-    stdout_bytes: int
-    stdout_dropped: int
-    stderr: bytes
-    stderr_bytes: int
-    stderr_dropped: int
-    stdout_gap_at: NotRequired[int | None]
-    stderr_gap_at: NotRequired[int | None]
     duration_s: float
-    killed_by: NotRequired[Literal["timeout", "idle_timeout", "cancel", "signal", "oom"] | None]
-    oom_killed: NotRequired[bool | None]
-    cpu_user_s: NotRequired[float | None]
-    cpu_sys_s: NotRequired[float | None]
-    max_rss_bytes: NotRequired[int | None]
     detached: NotRequired[str | None]
-    changes: NotRequired[ChangeReportRecord | None]
-    run_id: NotRequired[str | None]
-    stdout_spill: NotRequired[SpillInfoRecord | None]
-    stderr_spill: NotRequired[SpillInfoRecord | None]
 
 
 class ShellRunEvent(TypedDict):
