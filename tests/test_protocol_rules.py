@@ -129,6 +129,39 @@ def test_above_a_limit_is_limit_and_every_other_bound_is_bad_request(guestd: Gue
     assert not wrong, wrong
 
 
+def given(f: F) -> Any:
+    """A value of ``f``'s type that counts as given for one_of / exclusive (not nil, not false)."""
+    return True if f.type.rstrip("?") == "bool" else sample(f)
+
+
+def args_with_all_given(op: OpSpec, group: tuple[str, ...]) -> dict[str, Any]:
+    """Valid args of ``op`` (required ones, each one_of satisfied) with every name of ``group`` given."""
+    args = required_args(op)
+    for names in op.one_of:
+        if not any(n in group for n in names):
+            args[names[0]] = given(op.fields_by_name[names[0]])
+    return {**args, **{n: given(op.fields_by_name[n]) for n in group}}
+
+
+# All of a group given: the field named is the second of them (schema.validate_args).
+EXCLUSIVE_CASES = [(op.name, group[1], args_with_all_given(op, group)) for op in OPS for group in op.exclusive]
+
+
+def test_every_exclusive_group_given_whole_is_bad_request_naming_its_second(guestd: Guestd) -> None:
+    """Every op's ``exclusive`` (at most one of each group given) is held by the session core
+    before any handler: all given is bad_request with details.field the second of the group
+    (exec and shell.run: spill with stream names spill, as their handlers' own checks did)."""
+    assert {(op, field) for op, field, _ in EXCLUSIVE_CASES} >= {("exec", "spill"), ("shell.run", "spill")}
+    finals = walk(guestd, EXCLUSIVE_CASES)
+    wrong = []
+    for i, (op, name, args) in enumerate(EXCLUSIVE_CASES, 1):
+        kind, body = finals[i]
+        got = (kind, body.get("code"), body.get("details", {}).get("field"))
+        if got != (Kind.ERROR, "bad_request", name):
+            wrong.append((op, sorted(args), got))
+    assert not wrong, wrong
+
+
 # ------------------------------------------------------------------ the rules a walk cannot show
 
 

@@ -372,3 +372,20 @@ def test_a_message_has_a_group_whole_and_a_group_has_one_shape() -> None:
         "kept_run_id",
     ]
 
+
+@pytest.mark.parametrize(("op", "args"), [("exec", {"argv": ["true"]}), ("shell.run", {"id": "s", "command": "true"})])
+def test_spill_with_stream_is_refused_by_the_schema_naming_spill(op: str, args: dict[str, Any]) -> None:
+    """The rule the exec and shell.run handlers checked by hand, as the ops' exclusive: refused in
+    validate_args, before any handler (the error frame is the same: bad_request, field spill)."""
+    spec = OPS_BY_NAME[op]
+    assert ("stream", "spill") in spec.exclusive
+    with pytest.raises(GuestdError) as ei:
+        validate_args(spec, {**args, "spill": True, "stream": True})
+    assert (ei.value.code, ei.value.details) == ("bad_request", {"field": "spill"})
+    for alone in (
+        {"spill": True},
+        {"stream": True},
+        {"spill": True, "stream": False},
+        {"spill": False, "stream": True},
+    ):
+        validate_args(spec, {**args, **alone})

@@ -30,11 +30,8 @@ def register(services: Services) -> None:
                 raise GuestdError(ErrorCode.BAD_REQUEST, "on_timeout detach needs the process capability")
             services.adopter.check()  # a full process table is a limit error now, not at the timeout
         check_cwd(args["cwd"])
-        spills = None
-        if args["spill"]:
-            if args["stream"]:
-                raise GuestdError(ErrorCode.BAD_REQUEST, "spill: not with stream", details={"field": "spill"})
-            spills = await open_spills(services, "exec")
+        # spill with stream is refused before this (the schema's exclusive).
+        spills = await open_spills(services, "exec") if args["spill"] else None
         try:
             cursor = await services.changes_cursor(args["report_changes"])
             child = await services.children.spawn(

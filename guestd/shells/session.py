@@ -315,8 +315,6 @@ class Session:
                 "pty: input comes from INPUT frames (no input or stdin_stream) and on_timeout is kill",
                 details={"field": "pty"},
             )
-        if args["spill"] and args["stream"]:
-            raise GuestdError(ErrorCode.BAD_REQUEST, "spill: not with stream", details={"field": "spill"})
         check_command(args["command"])
         if args["check_syntax"]:
             await check_syntax(self.services, args["command"])

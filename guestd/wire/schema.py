@@ -852,7 +852,7 @@ OPS: tuple[OpSpec, ...] = (
         ),
         errors=("bad_request", "not_found", "permission_denied", "not_a_directory", "limit", "too_large", "cancelled"),
         one_of=(("argv", "shell"),),
-        exclusive=(("stdin", "stdin_stream"),),
+        exclusive=(("stdin", "stdin_stream"), ("stream", "spill")),
         events_when=("stream",),
     ),
     OpSpec(
@@ -1399,7 +1399,7 @@ SHELL_OPS: tuple[OpSpec, ...] = (
             F("signal", "str", "pty only: " + _SIGNAL_DOC + " for the command's process group"),
         ),
         errors=("not_found", "limit", "bad_request"),
-        exclusive=(("input", "stdin_stream"),),
+        exclusive=(("input", "stdin_stream"), ("stream", "spill")),
         events_when=("stream", "keep"),  # keep without stream: the one kept event
     ),
     OpSpec(
