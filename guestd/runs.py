@@ -19,6 +19,7 @@ import time
 from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING, Any
 
+from guestd.services import add_ops, op
 from guestd.wire.errors import ErrorCode, GuestdError, limit_error
 
 if TYPE_CHECKING:
@@ -169,16 +170,20 @@ class RunTable:
             r.task.cancel()
 
     # -- ops: run.get, run.wait, run.list, run.cancel ------------------------------------
+    @op("run.get")
     async def op_get(self, ctx: Request, a: RunGetArgs) -> RunGetReply:
         return {"run": self.get(a["id"]).describe(with_result=True)}
 
+    @op("run.wait")
     async def op_wait(self, ctx: Request, a: RunWaitArgs) -> RunWaitReply:
         return {"run": (await self.wait(a["id"], a["timeout_s"])).describe(with_result=True)}
 
+    @op("run.list")
     async def op_list(self, ctx: Request, a: RunListArgs) -> RunListReply:
         self.expire()
         return {"runs": [r.describe(with_result=False) for r in self.runs.values()]}
 
+    @op("run.cancel")
     async def op_cancel(self, ctx: Request, a: RunCancelArgs) -> RunCancelReply:
         return {"run": (await self.cancel(a["id"], a["timeout_s"])).describe(with_result=True)}
 
@@ -187,11 +192,5 @@ def register(services: Services) -> RunTable:
     table = RunTable(services)
     services.runs = table
     services.on_shutdown.append(table.shutdown)
-    for name, fn in (
-        ("run.get", table.op_get),
-        ("run.wait", table.op_wait),
-        ("run.list", table.op_list),
-        ("run.cancel", table.op_cancel),
-    ):
-        services.ops.add(name, fn)
+    add_ops(services.ops, table)
     return table

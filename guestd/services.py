@@ -71,6 +71,7 @@ class Request(CreditedStream, Protocol):
 
 
 R = TypeVar("R")
+C = TypeVar("C", bound=Callable[..., Any])
 Handler = Callable[[Request, Any], Awaitable[Mapping[str, Any]]]
 InlineHandler = Callable[[Any], Mapping[str, Any]]
 
@@ -85,6 +86,36 @@ class Registry(Protocol):
     def capabilities(self) -> list[str]: ...
 
     def ops(self) -> list[str]: ...
+
+
+_OP_MARK = "_guestd_op"
+
+
+def op(name: str, *, bulk_reply: bool = False, inline: bool = False) -> Callable[[C], C]:
+    """Mark a capability's method as the handler of the op ``name`` (``inline``: it answers
+    at once, without a task; ``bulk_reply``: its reply is held whole, see the server's
+    admission chain); :func:`add_ops` registers every marked method of a capability."""
+
+    def mark(method: C) -> C:
+        setattr(method, _OP_MARK, (name, bulk_reply, inline))
+        return method
+
+    return mark
+
+
+def add_ops(registry: Registry, capability: object) -> None:
+    """Register each method of ``capability`` marked with :func:`op`, in the order its class
+    defines them, bound to ``capability``."""
+    for attribute, member in vars(type(capability)).items():
+        mark: tuple[str, bool, bool] | None = getattr(member, _OP_MARK, None)
+        if mark is None:
+            continue
+        name, bulk_reply, inline = mark
+        bound = getattr(capability, attribute)
+        if inline:
+            registry.add(name, inline=bound)
+        else:
+            registry.add(name, bound, bulk_reply=bulk_reply)
 
 
 class Host(Protocol):

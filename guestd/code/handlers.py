@@ -6,6 +6,8 @@ import logging
 import os
 from typing import TYPE_CHECKING
 
+from guestd.services import add_ops, op
+
 if TYPE_CHECKING:  # the generated message types: annotations only, never imported at run time
     from guestd.code.contexts import CodeContext, Contexts
     from guestd.services import Request, Services
@@ -84,6 +86,7 @@ class CodeCapability:
             return await self.contexts().get_or_create_default()
         return self.contexts().find(ref if ref is not None else "default")
 
+    @op("code.create")
     async def op_create(self, ctx: Request, a: CodeCreateArgs) -> CodeCreateReply:
         c, pooled, existing = await self.contexts().create(
             a["cwd"], a["env"], a["name"], a["kernel"], a["start_timeout_s"]
@@ -98,6 +101,7 @@ class CodeCapability:
             "kernel": c.kernel_name,
         }
 
+    @op("code.run")
     async def op_run(self, ctx: Request, a: CodeRunArgs) -> CodeRunReply:
         c = await self._resolve(a["context"], create_default=True)
         runs = self.services.runs
@@ -118,19 +122,23 @@ class CodeCapability:
             return reply
         return await c.run(a["code"], a, ctx)
 
+    @op("code.interrupt")
     async def op_interrupt(self, ctx: Request, a: CodeInterruptArgs) -> CodeInterruptReply:
         await (await self._resolve(a["context"])).interrupt()
         return {}
 
+    @op("code.restart")
     async def op_restart(self, ctx: Request, a: CodeRestartArgs) -> CodeRestartReply:
         c = await self._resolve(a["context"])
         async with c.lock:  # never swap the kernel under a running cell
             return {"pid": await c.restart()}
 
+    @op("code.close")
     async def op_close(self, ctx: Request, a: CodeCloseArgs) -> CodeCloseReply:
         await self.contexts().close((await self._resolve(a["context"])).id)
         return {}
 
+    @op("code.list")
     async def op_list(self, ctx: Request, a: CodeListArgs) -> CodeListReply:
         if self._made is None:
             return {"contexts": [], "pool_ready": 0}
@@ -146,12 +154,4 @@ def register(services: Services) -> None:
     services.on_restore.append(code.on_restore)
     services.busy.append(code.busy)
     services.on_shutdown.append(code.shutdown)
-    for name, fn in (
-        ("code.create", code.op_create),
-        ("code.run", code.op_run),
-        ("code.interrupt", code.op_interrupt),
-        ("code.restart", code.op_restart),
-        ("code.close", code.op_close),
-        ("code.list", code.op_list),
-    ):
-        services.ops.add(name, fn)
+    add_ops(services.ops, code)

@@ -23,6 +23,7 @@ from guestd.files.fs import (
     FileSystem,
     PendingTemps,
 )
+from guestd.services import add_ops, op
 from guestd.wire.errors import ErrorCode, GuestdError
 
 if TYPE_CHECKING:  # the generated message types: annotations only, never imported at run time
@@ -85,31 +86,39 @@ class FilesCapability:
         if removed:
             log.warning("removed %d temp files of writes a previous guestd did not finish", removed)
 
+    @op("file.read", bulk_reply=True)
     async def op_read(self, ctx: Request, a: FileReadArgs) -> FileReadReply:
         return await self._io(read_range, self.fsys, a["path"], a["offset"], a["length"], self.limits.max_read)
 
+    @op("file.write")
     async def op_write(self, ctx: Request, a: FileWriteArgs) -> FileWriteReply:
         # snapshot.prepare waits for these, until the thread is done
         return await self.services.writes.landing(
             self._io(write_whole, self.fsys, a["path"], a["data"], a["flag"], a["perm"], a["parents"])
         )
 
+    @op("file.stat")
     async def op_stat(self, ctx: Request, a: FileStatArgs) -> FileStatReply:
         return await self._io(stat_path, self.fsys, a["path"], a["follow"])
 
+    @op("file.list")
     async def op_list(self, ctx: Request, a: FileListArgs) -> FileListReply:
         cap = a["max_entries"] if a["max_entries"] is not None else self.limits.max_list_entries
         return await self._io(list_dir, self.fsys, a["path"], cap)
 
+    @op("file.mkdir")
     async def op_mkdir(self, ctx: Request, a: FileMkdirArgs) -> FileMkdirReply:
         return await self._io(make_dir, self.fsys, a["path"], a["parents"], a["perm"])
 
+    @op("file.remove")
     async def op_remove(self, ctx: Request, a: FileRemoveArgs) -> FileRemoveReply:
         return await self._io(remove_path, self.fsys, a["path"], a["recursive"])
 
+    @op("file.rename")
     async def op_rename(self, ctx: Request, a: FileRenameArgs) -> FileRenameReply:
         return await self._io(rename_path, self.fsys, a["src"], a["dst"], a["overwrite"])
 
+    @op("file.upload")
     async def op_upload(self, ctx: Request, a: FileUploadArgs) -> FileUploadReply:
         self.services.writes.started()
         try:
@@ -178,6 +187,7 @@ class FilesCapability:
             f.abort()  # close + unlink of our own temp file: quick, and must happen even on cancel
             raise
 
+    @op("file.download")
     async def op_download(self, ctx: Request, a: FileDownloadArgs) -> FileDownloadReply:
         chunk = a["chunk"] or self.limits.max_chunk
         fd: int = await self.services.acquire_in_io(os_call, os.close, self.fsys.open_file, a["path"])
@@ -207,18 +217,7 @@ class FilesCapability:
 def register(services: Services) -> None:
     files = FilesCapability(services)
     services.on_start.append(files.remove_temps_left_behind)
-    for name, fn in (
-        ("file.read", files.op_read),
-        ("file.write", files.op_write),
-        ("file.upload", files.op_upload),
-        ("file.download", files.op_download),
-        ("file.stat", files.op_stat),
-        ("file.list", files.op_list),
-        ("file.mkdir", files.op_mkdir),
-        ("file.remove", files.op_remove),
-        ("file.rename", files.op_rename),
-    ):
-        services.ops.add(name, fn, bulk_reply=name == "file.read")
+    add_ops(services.ops, files)
     register_workspace(services, files.fsys, files.ids)  # trees, search, edit, watch (guestd/files/workspace.py)
 
 

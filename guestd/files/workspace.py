@@ -17,6 +17,7 @@ from guestd.files.fs import FileSystem
 from guestd.files.ignore import Overrides
 from guestd.files.walk import Filter
 from guestd.files.watch import Handoff, Watcher, WorkspaceChanges, change_cost, merge
+from guestd.services import add_ops, op
 from guestd.wire.errors import ErrorCode, GuestdError
 from guestd.wire.paths import path_from_wire
 
@@ -82,25 +83,32 @@ class Workspace:
         return await self.services.writes.landing(self._io(fn, *args))  # snapshot.prepare waits for these
 
     # -- edit ---------------------------------------------------------------------------
+    @op("file.view")
     async def op_view(self, ctx: Request, a: FileViewArgs) -> FileViewReply:
         return await self._io(self.editor.view, a["path"], a["start_line"], a["end_line"])
 
+    @op("file.str_replace")
     async def op_str_replace(self, ctx: Request, a: FileStrReplaceArgs) -> FileStrReplaceReply:
         return await self._edit(self.editor.str_replace, a["path"], a["old"], a["new"])
 
+    @op("file.insert")
     async def op_insert(self, ctx: Request, a: FileInsertArgs) -> FileInsertReply:
         return await self._edit(self.editor.insert, a["path"], a["line"], a["text"])
 
+    @op("file.replace_lines")
     async def op_replace_lines(self, ctx: Request, a: FileReplaceLinesArgs) -> FileReplaceLinesReply:
         return await self._edit(self.editor.replace_lines, a["path"], a["start_line"], a["end_line"], a["text"])
 
+    @op("file.undo")
     async def op_undo(self, ctx: Request, a: FileUndoArgs) -> FileUndoReply:
         return await self._edit(self.editor.undo, a["path"])
 
+    @op("file.apply_patch")
     async def op_apply_patch(self, ctx: Request, a: FileApplyPatchArgs) -> FileApplyPatchReply:
         return {"files": await self._edit(patch.apply, self.fsys, a["path"], a["patch"], a["strip"])}
 
     # -- search -------------------------------------------------------------------------
+    @op("file.glob")
     async def op_glob(self, ctx: Request, a: FileGlobArgs) -> FileGlobReply:
         reply = await self._io(
             search.glob,
@@ -114,6 +122,7 @@ class Workspace:
         )
         return cast("FileGlobReply", reply)
 
+    @op("file.grep")
     async def op_grep(self, ctx: Request, a: FileGrepArgs) -> FileGrepReply:
         rg = search.rg_path()
         if rg is None:
@@ -144,11 +153,13 @@ class Workspace:
         }
 
     # -- trees ----------------------------------------------------------------------------
+    @op("file.write_many")
     async def op_write_many(self, ctx: Request, a: FileWriteManyArgs) -> FileWriteManyReply:
         items = [(path_from_wire(i["path"]), i["data"], i["perm"]) for i in a["files"]]
         written, nbytes = await self._edit(trees.write_many, self.fsys, items, a["parents"])
         return {"written": written, "bytes": nbytes}
 
+    @op("tree.upload")
     async def op_tree_upload(self, ctx: Request, a: TreeUploadArgs) -> TreeUploadReply:
         """The tar stream extracted by a thread of its own as its data comes, in place at eof."""
         self.services.writes.started()
@@ -197,6 +208,7 @@ class Workspace:
         finally:
             self.services.writes.finished()
 
+    @op("tree.download")
     async def op_tree_download(self, ctx: Request, a: TreeDownloadArgs) -> TreeDownloadReply:
         """The tree under ``path`` as a tar stream, a chunk per step in an I/O thread."""
         chunk = a["chunk"] or self.services.config.limits.max_chunk
@@ -240,6 +252,7 @@ class Workspace:
             raise watcher.error
         return watcher
 
+    @op("file.watch")
     async def op_watch(self, ctx: Request, a: FileWatchArgs) -> FileWatchReply:
         """Change events under ``path`` until the request ends (file.watch never answers)."""
         flt = Overrides([*a["include"], *("!" + g for g in a["exclude"])])
@@ -317,6 +330,7 @@ class Workspace:
         finally:
             watcher.stop()
 
+    @op("file.changes")
     async def op_changes(self, ctx: Request, a: FileChangesArgs) -> FileChangesReply:
         """What changed since ``cursor`` and a new cursor; no cursor: a first one."""
         if a["cursor"] is None:
@@ -329,22 +343,7 @@ class Workspace:
 def register_workspace(services: Services, fsys: FileSystem, ids: tuple[int, int] | None) -> None:
     ws = Workspace(services, fsys, ids)
     services.changes = ws.changes
-    for name, fn in (
-        ("file.watch", ws.op_watch),
-        ("file.changes", ws.op_changes),
-        ("file.write_many", ws.op_write_many),
-        ("tree.upload", ws.op_tree_upload),
-        ("tree.download", ws.op_tree_download),
-        ("file.view", ws.op_view),
-        ("file.str_replace", ws.op_str_replace),
-        ("file.insert", ws.op_insert),
-        ("file.replace_lines", ws.op_replace_lines),
-        ("file.undo", ws.op_undo),
-        ("file.apply_patch", ws.op_apply_patch),
-        ("file.glob", ws.op_glob),
-        ("file.grep", ws.op_grep),
-    ):
-        services.ops.add(name, fn)
+    add_ops(services.ops, ws)
 
 
 def empty_report() -> Any:

@@ -6,6 +6,7 @@ import asyncio
 from typing import TYPE_CHECKING
 
 from guestd.metrics.sampler import read_counters, sample
+from guestd.services import add_ops, op
 from guestd.wire.errors import ErrorCode, GuestdError
 
 if TYPE_CHECKING:
@@ -32,6 +33,7 @@ class MetricsCapability:
         result: MetricsSampleRecord = await self.services.run_in_io(sample, path, before, now)
         return result
 
+    @op("metrics")
     async def op_metrics(self, ctx: Request, a: MetricsArgs) -> MetricsReply:
         interval_ms = a["interval_ms"]
         if not a["stream"]:
@@ -66,4 +68,4 @@ class MetricsCapability:
 
 
 def register(services: Services) -> None:
-    services.ops.add("metrics", MetricsCapability(services).op_metrics)
+    add_ops(services.ops, MetricsCapability(services))

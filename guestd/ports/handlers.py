@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Any
 from guestd.ports.listeners import MAX_WANTED_PORTS, WAIT_INTERVALS_S, Listing, describe, probe, scan
 from guestd.ports.relay import Relay, check_address, check_local, connect
 from guestd.ports.reverse import Forward, reset
+from guestd.services import add_ops, op
 from guestd.wire.errors import ErrorCode, GuestdError, limit_error
 
 WATCH_PACE = 10.0  # port.watch waits at least this many times as long as its last look took
@@ -73,6 +74,7 @@ class PortsCapability:
             r.close(reset=not ok)
             _give_back(self.streams, owner)
 
+    @op("port.connect")
     async def op_connect(self, ctx: Request, a: PortConnectArgs) -> PortConnectReply:
         address, port, timeout_s = a["address"], a["port"], a["connect_timeout_s"]
         check_local(address)
@@ -80,6 +82,7 @@ class PortsCapability:
 
         return await self._relay(ctx, a["chunk"], lambda r: connect(r, address, port, timeout_s))  # type: ignore[return-value]
 
+    @op("port.accept")
     async def op_accept(self, ctx: Request, a: PortAcceptArgs) -> PortAcceptReply:
         fwd = self.forwards.get(a["forward"])
         sock = fwd.claim(a["conn"]) if fwd is not None and fwd.owner is ctx.connection else None
@@ -107,6 +110,7 @@ class PortsCapability:
                 reset(sock)
             raise
 
+    @op("port.reverse")
     async def op_reverse(self, ctx: Request, a: PortReverseArgs) -> PortReverseReply:
         self.policy.check_reverse()
         family, loopback = check_address(a["address"])
@@ -162,9 +166,11 @@ class PortsCapability:
             "owners_truncated": not searched_all,
         }
 
+    @op("port.list")
     async def op_list(self, ctx: Request, a: PortListArgs) -> PortListReply:
         return await self._listed(await self.services.run_in_io(scan, wanted_ports(a["ports"])))
 
+    @op("port.watch")
     async def op_watch(self, ctx: Request, a: PortWatchArgs) -> PortWatchReply:
         wanted = wanted_ports(a["ports"])
         loop = asyncio.get_running_loop()
@@ -181,6 +187,7 @@ class PortsCapability:
             pause = max(a["interval_s"], WATCH_PACE * took)
             await asyncio.sleep(min(pause, max(0.0, end - loop.time())))
 
+    @op("port.wait")
     async def op_wait(self, ctx: Request, a: PortWaitArgs) -> PortWaitReply:
         address, port = a["address"], a["port"]
         path = a["path"] if a["http"] else None
@@ -210,12 +217,7 @@ class PortsCapability:
 
 def register(services: Services) -> None:
     ports = PortsCapability(services)
-    services.ops.add("port.connect", ports.op_connect)
-    services.ops.add("port.accept", ports.op_accept)
-    services.ops.add("port.reverse", ports.op_reverse)
-    services.ops.add("port.list", ports.op_list)
-    services.ops.add("port.watch", ports.op_watch)
-    services.ops.add("port.wait", ports.op_wait)
+    add_ops(services.ops, ports)
 
 
 def _too_many(limit: int, name: str) -> GuestdError:

@@ -7,6 +7,7 @@ import time
 from typing import TYPE_CHECKING
 
 from guestd.children.options import parse_signal
+from guestd.services import add_ops, op
 from guestd.wire.errors import ErrorCode, GuestdError
 
 if TYPE_CHECKING:  # the generated message types: annotations only, never imported at run time
@@ -53,13 +54,16 @@ class ProcessesCapability:
     async def shutdown(self) -> None:
         await self.table.shutdown()
 
+    @op("process.start")
     async def op_start(self, ctx: Request, a: ProcessStartArgs) -> ProcessStartReply:
         p = await self.table.start(a)
         return {"id": p.id, "pid": p.pid}
 
+    @op("process.list")
     async def op_list(self, ctx: Request, a: ProcessListArgs) -> ProcessListReply:
         return {"processes": [p.describe() for p in self.table.procs.values()]}
 
+    @op("process.attach")
     async def op_attach(self, ctx: Request, a: ProcessAttachArgs) -> ProcessAttachReply:
         p = self.table.get(a["id"])
         chunk = a["chunk"] or self.limits.max_chunk
@@ -89,6 +93,7 @@ class ProcessesCapability:
                     return _attach_reply(p, offs)
             await p.changed(timeout=0.1 if not p.running else EXIT_SETTLE_S)
 
+    @op("process.wait")
     async def op_wait(self, ctx: Request, a: ProcessWaitArgs) -> ProcessWaitReply:
         p = self.table.get(a["id"])
         loop = asyncio.get_running_loop()
@@ -102,6 +107,7 @@ class ProcessesCapability:
         # spill files are complete.
         return {"state": "exited", **p.exit_info(), "timed_out": False, **await p.spill_fields(EXIT_SETTLE_S)}
 
+    @op("process.signal")
     async def op_signal(self, ctx: Request, a: ProcessSignalArgs) -> ProcessSignalReply:
         sig = parse_signal(a["signal"])
         if sig is None:
@@ -109,17 +115,21 @@ class ProcessesCapability:
         self.table.get(a["id"]).send_signal(sig)
         return {}
 
+    @op("process.write")
     async def op_write(self, ctx: Request, a: ProcessWriteArgs) -> ProcessWriteReply:
         return {"written": await self.table.get(a["id"]).write_stdin(a["data"])}
 
+    @op("process.close_stdin")
     async def op_close_stdin(self, ctx: Request, a: ProcessCloseStdinArgs) -> ProcessCloseStdinReply:
         self.table.get(a["id"]).close_stdin()
         return {}
 
+    @op("process.resize")
     async def op_resize(self, ctx: Request, a: ProcessResizeArgs) -> ProcessResizeReply:
         self.table.get(a["id"]).resize(a["rows"], a["cols"])
         return {}
 
+    @op("process.forget")
     async def op_forget(self, ctx: Request, a: ProcessForgetArgs) -> ProcessForgetReply:
         self.table.forget(a["id"])
         return {}
@@ -139,16 +149,5 @@ def register(services: Services) -> ProcessesCapability:
     services.busy.append(capability.busy)
     services.on_shutdown.append(capability.shutdown)
     services.adopter = capability.table
-    for name, fn in (
-        ("process.start", capability.op_start),
-        ("process.list", capability.op_list),
-        ("process.attach", capability.op_attach),
-        ("process.wait", capability.op_wait),
-        ("process.signal", capability.op_signal),
-        ("process.write", capability.op_write),
-        ("process.close_stdin", capability.op_close_stdin),
-        ("process.resize", capability.op_resize),
-        ("process.forget", capability.op_forget),
-    ):
-        services.ops.add(name, fn)
+    add_ops(services.ops, capability)
     return capability

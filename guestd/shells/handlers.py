@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+from guestd.services import add_ops, op
+
 if TYPE_CHECKING:  # the generated message types: annotations only, never imported at run time
     from guestd.services import Request, Services
     from guestd.shells.table import Shells
@@ -50,10 +52,12 @@ class ShellsCapability:
             await self._made.shutdown()
 
     # -- ops -------------------------------------------------------------------------------
+    @op("shell.create")
     async def op_create(self, ctx: Request, a: ShellCreateArgs) -> ShellCreateReply:
         s = await self.shells().create(a["cwd"], a["env"], a["name"])
         return {"id": s.id, "pid": s.pid}
 
+    @op("shell.run")
     async def op_run(self, ctx: Request, a: ShellRunArgs) -> ShellRunReply:
         services = self.services
         runs = services.runs
@@ -77,15 +81,18 @@ class ShellsCapability:
         cursor = await services.changes_cursor(a["report_changes"])
         return await services.with_changes(cursor, await self.shells().get(a["id"]).run(a, ctx))
 
+    @op("shell.resize")
     async def op_resize(self, ctx: Request, a: ShellResizeArgs) -> ShellResizeReply:
         self.shells().get(a["id"]).resize(a["rows"], a["cols"])
         return {}
 
+    @op("shell.list")
     async def op_list(self, ctx: Request, a: ShellListArgs) -> ShellListReply:
         if self._made is None:
             return {"sessions": []}
         return {"sessions": [s.describe() for s in self._made.sessions.values()]}
 
+    @op("shell.close")
     async def op_close(self, ctx: Request, a: ShellCloseArgs) -> ShellCloseReply:
         await self.shells().close(a["id"])
         return {}
@@ -96,11 +103,4 @@ def register(services: Services) -> None:
     services.on_restore.append(shells.on_restore)
     services.busy.append(shells.busy)
     services.on_shutdown.append(shells.shutdown)
-    for name, fn in (
-        ("shell.create", shells.op_create),
-        ("shell.run", shells.op_run),
-        ("shell.list", shells.op_list),
-        ("shell.resize", shells.op_resize),
-        ("shell.close", shells.op_close),
-    ):
-        services.ops.add(name, fn)
+    add_ops(services.ops, shells)

@@ -5,6 +5,8 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any, Protocol
 
+from guestd.services import add_ops, op
+
 if TYPE_CHECKING:  # the generated message types: annotations only, never imported at run time
     import asyncio
 
@@ -38,16 +40,20 @@ class SnapshotOps:
     def __init__(self, state: SnapshotState) -> None:
         self.state = state
 
+    @op("snapshot.prepare")
     async def op_prepare(self, ctx: Request, a: SnapshotPrepareArgs) -> SnapshotPrepareReply:
         return await self.state.prepare(a["quiesce"], a["timeout_s"], a["freeze"], a["fsfreeze"], a["freeze_max_s"])
 
+    @op("snapshot.resume")
     async def op_resume(self, ctx: Request, a: SnapshotResumeArgs) -> SnapshotResumeReply:
         await self.state.resume()
         return {}
 
+    @op("snapshot.restore")
     async def op_restore(self, ctx: Request, a: SnapshotRestoreArgs) -> SnapshotRestoreReply:
         return await self.state.restore(a, ctx.connection)
 
+    @op("clock.check")
     async def op_clock_check(self, ctx: Request, a: ClockCheckArgs) -> ClockCheckReply:
         return self.state.check_clock(a["time_ns"])
 
@@ -60,8 +66,5 @@ def register(services: Services, admission: Admission) -> SnapshotState:
     admission.add("snapshot", check=state.gate)
     admission.add_hello_hook(lambda hello: state.check_host_time(hello.get("time_ns")))
     ops = SnapshotOps(state)
-    services.ops.add("snapshot.prepare", ops.op_prepare)
-    services.ops.add("clock.check", ops.op_clock_check)
-    services.ops.add("snapshot.resume", ops.op_resume)
-    services.ops.add("snapshot.restore", ops.op_restore)
+    add_ops(services.ops, ops)
     return state

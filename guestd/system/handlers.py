@@ -8,6 +8,7 @@ import time
 from typing import TYPE_CHECKING, Any
 
 from guestd import __version__
+from guestd.services import add_ops, op
 from guestd.wire.schema import PROTOCOL_VERSION
 
 if TYPE_CHECKING:
@@ -20,9 +21,11 @@ class SystemCapability:
     def __init__(self, services: Services) -> None:
         self.services = services
 
+    @op("ping", inline=True)
     def ping(self, args: dict[str, Any]) -> dict[str, Any]:
         return {"t_ns": time.monotonic_ns()}
 
+    @op("info", inline=True)
     def info(self, args: dict[str, Any]) -> dict[str, Any]:
         import psutil  # lazily: idle memory should not pay for it
 
@@ -59,5 +62,4 @@ class SystemCapability:
 
 def register(services: Services) -> None:
     system = SystemCapability(services)
-    services.ops.add("ping", inline=system.ping)
-    services.ops.add("info", inline=system.info)
+    add_ops(services.ops, system)
