@@ -25,6 +25,7 @@ if TYPE_CHECKING:
     from guestd.children.cgroups import RunCgroup, WorkloadCgroup
     from guestd.config import Config
     from guestd.spill import Spill
+    from guestd.wire.types import ChangeReportRecord, ReportedChangesFields
 
 
 class Request(CreditedStream, Protocol):
@@ -71,6 +72,8 @@ class Request(CreditedStream, Protocol):
 
 
 R = TypeVar("R")
+# A reply that may carry a change report (exec, shell.run: the schema's reported_changes group).
+ReportsChanges = TypeVar("ReportsChanges", bound="ReportedChangesFields")
 C = TypeVar("C", bound=Callable[..., Any])
 Handler = Callable[[Request, Any], Awaitable[Mapping[str, Any]]]
 InlineHandler = Callable[[Any], Mapping[str, Any]]
@@ -222,7 +225,7 @@ class ChangeFeed(Protocol):
 
     async def begin(self) -> int: ...
 
-    async def report(self, cursor: int) -> dict[str, Any]: ...
+    async def report(self, cursor: int) -> ChangeReportRecord: ...
 
 
 class AdoptedRun(Protocol):
@@ -359,11 +362,11 @@ class Services:
             )
         return await changes.begin()
 
-    async def with_changes(self, cursor: int | None, reply: R) -> R:
+    async def with_changes(self, cursor: int | None, reply: ReportsChanges) -> ReportsChanges:
         """``reply`` with ``changes`` since ``cursor`` added (unchanged when cursor is None)."""
         changes = self._changes
         if cursor is not None and changes is not None:
-            reply["changes"] = await changes.report(cursor)  # type: ignore[index]
+            reply["changes"] = await changes.report(cursor)
         return reply
 
     def runtime_dir(self) -> str:

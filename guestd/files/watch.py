@@ -1034,7 +1034,8 @@ class WorkspaceChanges:
         await self._synced()
         return self.journal.cursor()
 
-    async def report(self, cursor: int) -> dict[str, Any]:
+    async def report(self, cursor: int) -> ChangeReportRecord:
         complete = await self._synced()
         # Off the loop: up to MAX_JOURNAL changes are merged and sorted.
-        return dict(await self.services.run_in_io(self.journal.report, cursor, complete))
+        report: ChangeReportRecord = await self.services.run_in_io(self.journal.report, cursor, complete)
+        return report

@@ -337,7 +337,7 @@ class Workspace:
             cursor = await self.changes.begin()
             return {"cursor": cursor, "changes": empty_report()}
         report = await self.changes.report(a["cursor"])
-        return {"cursor": await self.changes.begin(), "changes": report}  # type: ignore[typeddict-item]
+        return {"cursor": await self.changes.begin(), "changes": report}
 
 
 def register_workspace(services: Services, fsys: FileSystem, ids: tuple[int, int] | None) -> None:
