@@ -2,7 +2,7 @@
 
     .venv/bin/python -m bench.shaping
 
-- ``guestd.shaping.shape`` (strip_ansi + collapse_cr) in this process on 1 MiB inputs a
+- ``guestd.output.shaping.shape`` (strip_ansi + collapse_cr) in this process on 1 MiB inputs a
   workload can write: the issue's redraw line (512 KiB of text, then 256 Ki ``x\\r``), other
   long redraw lines, many short redrawn lines (the worst case per byte), CRLF output, escape
   floods; best of 3;
@@ -25,7 +25,7 @@ import threading
 import time
 from collections.abc import Callable
 
-from guestd import shaping
+from guestd.output import shaping
 from guestd.testing import Guestd, start_guestd
 
 HERE = os.path.dirname(os.path.abspath(__file__))

@@ -20,11 +20,11 @@ from guestd.output.stream import CreditedStream
 if TYPE_CHECKING:
     from concurrent.futures import ThreadPoolExecutor
 
-    from guestd.capture import OutputRing
     from guestd.children import Children, ExitInfo
     from guestd.children.cgroups import RunCgroup, WorkloadCgroup
     from guestd.config import Config
-    from guestd.spill import Spill
+    from guestd.output.capture import OutputRing
+    from guestd.output.spill import Spill
     from guestd.wire.types import ChangeReportRecord, ReportedChangesFields
 
 

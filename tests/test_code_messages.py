@@ -16,7 +16,6 @@ from typing import Any
 import msgpack
 import pytest
 
-from guestd.capture import OutputCapture
 from guestd.code.messages import (
     DROPPED_MIME,
     MAX_BUNDLE_NESTING,
@@ -33,6 +32,7 @@ from guestd.code.messages import (
     nesting,
 )
 from guestd.config import Limits
+from guestd.output.capture import OutputCapture
 
 MSG_ID = "m1"
 

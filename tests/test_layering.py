@@ -25,7 +25,7 @@ ABOVE = (
     "guestd.testing",
     "guestd.integrations",
 )
-BELOW = ("guestd/children", "guestd/wire", "guestd/services.py", "guestd/config.py", "guestd/policy.py")
+BELOW = ("guestd/children", "guestd/wire", "guestd/services.py", "guestd/config.py", "guestd/policy.py", "guestd/output")
 
 
 def imports_of(path: str) -> set[str]:
@@ -79,6 +79,18 @@ def test_a_capability_imports_nothing_above_it_and_no_other_capability(capabilit
         for path in modules_under(f"guestd/{capability}")
         for m in imports_of(path)
         if any(_within(m, p) for p in (*ABOVE, *others))
+    }
+    assert not bad, sorted(bad)
+
+
+def test_the_run_output_engine_sits_below_the_services() -> None:
+    """guestd/output (pump, capture, spill, shaping) is what services and the capabilities
+    build on: it sees a request only as output/stream.py's narrow shape, never Services."""
+    bad = {
+        (os.path.relpath(path, REPO), m)
+        for path in modules_under("guestd/output")
+        for m in imports_of(path)
+        if _within(m, "guestd.services")
     }
     assert not bad, sorted(bad)
 

@@ -12,7 +12,7 @@ from typing import Any
 import pytest
 import uvloop
 
-from guestd.capture import OutputCapture, OutputRing
+from guestd.output.capture import OutputCapture, OutputRing
 from guestd.output.pump import OutputPump
 from guestd.output.stream import CreditedStream
 

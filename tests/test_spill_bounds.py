@@ -13,7 +13,7 @@ import asyncio
 import os
 
 from guestd.client.aio import AsyncClient
-from guestd.spill import MAX_PENDING, SPILL_RESERVE_MAX
+from guestd.output.spill import MAX_PENDING, SPILL_RESERVE_MAX
 from guestd.testing import Guestd, StartGuestd
 from tests.private_fs import (
     assert_fds_back_to,

@@ -10,7 +10,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from guestd.capture import OutputCapture
+from guestd.output.capture import OutputCapture
 from guestd.wire.errors import GuestdError
 from guestd.wire.frames import (
     HEADER_SIZE,
@@ -267,7 +267,7 @@ def test_protocol_md_op_reference_is_current() -> None:
 def test_ring_holds_exactly_the_last_bytes_by_offset(
     chunks: list[bytes], capacity: int, reads: list[tuple[int, int]]
 ) -> None:
-    from guestd.capture import OutputRing
+    from guestd.output.capture import OutputRing
 
     ring = OutputRing(capacity)
     for c in chunks:

@@ -25,10 +25,10 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from guestd import shaping
 from guestd.client import Client
 from guestd.client.workspace import EditResult, View
 from guestd.files import edit
+from guestd.output import shaping
 from guestd.testing import Guestd, scratch_guestd, workspace_guestd
 from guestd.testing.local import REPO
 from guestd.wire.errors import GuestdError

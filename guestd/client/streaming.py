@@ -23,12 +23,12 @@ import inspect
 from collections.abc import AsyncIterable, AsyncIterator, Callable, Iterable, Iterator
 from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
-from guestd.capture import OutputCapture, capture_fields
+from guestd.output.capture import OutputCapture, capture_fields
 from guestd.wire.errors import ErrorCode, GuestdError
 
 if TYPE_CHECKING:
-    from guestd.capture import CapturedFields
     from guestd.client.connection import Call, ClientConnection
+    from guestd.output.capture import CapturedFields
 
 
 class Derived(enum.Enum):

@@ -28,7 +28,6 @@ import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from guestd.capture import OutputCapture, capture_fields
 from guestd.children import usage_between
 from guestd.code.kernel import PRIVATE_NAME
 from guestd.code.kernel_process import Kernel
@@ -36,6 +35,7 @@ from guestd.code.kernelspec import PYTHON_KERNEL, ForeignSpec, find_kernelspec
 from guestd.code.messages import RunState, fit_reply
 from guestd.code.reseed import kernel_seed
 from guestd.code.start import StartWait
+from guestd.output.capture import OutputCapture, capture_fields
 from guestd.services import derive
 from guestd.wire.errors import ErrorCode, GuestdError, limit_error
 

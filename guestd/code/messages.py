@@ -28,7 +28,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 import msgpack
 
-from guestd.capture import OutputCapture
+from guestd.output.capture import OutputCapture
 from guestd.wire.messages import MAX_DEPTH
 
 if TYPE_CHECKING:  # the generated message types: annotations only, never imported at run time

@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING
 from guestd.children import DEVNULL, PIPE, STDOUT
 from guestd.children.options import build_env, check_cwd, command_argv
 from guestd.exec.run import ExecRun, apply_signal, feed_stdin
-from guestd.spill import abandon, finish, open_spills
+from guestd.output.spill import abandon, finish, open_spills
 from guestd.wire.errors import ErrorCode, GuestdError
 
 if TYPE_CHECKING:  # the generated message types: annotations only, never imported at run time

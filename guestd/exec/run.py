@@ -14,10 +14,10 @@ import os
 import time
 from typing import TYPE_CHECKING, Any
 
-from guestd.capture import OutputCapture, OutputRing, capture_fields_off_loop, give_away_spills
 from guestd.children import Child, KilledBy, run_figures
 from guestd.children.options import parse_signal
 from guestd.children.tree import write_all
+from guestd.output.capture import OutputCapture, OutputRing, capture_fields_off_loop, give_away_spills
 from guestd.output.pump import OutputPump
 
 if TYPE_CHECKING:  # the generated message types: annotations only, never imported at run time

@@ -29,7 +29,7 @@ from typing import TYPE_CHECKING, Protocol
 from guestd.children.tree import read_chunk
 
 if TYPE_CHECKING:
-    from guestd.capture import OutputCapture
+    from guestd.output.capture import OutputCapture
     from guestd.output.stream import CreditedStream
 
 READ_SIZE = 256 * 1024  # per read: one event's worth when streaming (the client's credit permitting)

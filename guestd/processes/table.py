@@ -5,7 +5,7 @@ arrives, whether or not anyone is attached, so a stalled reader never blocks the
 process or other readers. Readers address output by absolute offsets and can
 reattach after a dropped connection without gaps or duplicates.
 
-With ``spill: true`` every byte also goes to a file per stream (guestd.spill), from byte 0,
+With ``spill: true`` every byte also goes to a file per stream (guestd.output.spill), from byte 0,
 so what a ring no longer holds (``[0, ring start)``) is still there at the same offsets.
 """
 
@@ -18,18 +18,18 @@ import signal
 import time
 from typing import TYPE_CHECKING, TypedDict
 
-from guestd.capture import OutputRing
 from guestd.children import DEVNULL, PIPE, STDOUT, Child, ExitInfo, exit_info
 from guestd.children.options import build_env, check_cwd, command_argv
 from guestd.children.tree import set_winsize, write_all
+from guestd.output.capture import OutputRing
 from guestd.output.pump import CHANNELS, OutputPump
-from guestd.spill import abandon, open_spills
+from guestd.output.spill import abandon, open_spills
 from guestd.wire.errors import ErrorCode, GuestdError, limit_error
 
 if TYPE_CHECKING:  # the generated message types: annotations only, never imported at run time
     from guestd.children.cgroups import RunCgroup
+    from guestd.output.spill import Spill
     from guestd.services import AdoptedRun, Services
-    from guestd.spill import Spill
     from guestd.wire.types import ProcessInfoRecord, ProcessStartArgs, SpillInfoRecord
 
 __all__ = ["ExitInfo", "ManagedProcess", "ProcessTable"]

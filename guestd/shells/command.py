@@ -5,13 +5,13 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Literal
 
-from guestd.capture import capture_fields_off_loop
 from guestd.children import KilledBy, exit_info, usage_between
+from guestd.output.capture import capture_fields_off_loop
 
 if TYPE_CHECKING:
-    from guestd.capture import OutputCapture
     from guestd.children import Child
     from guestd.children.cgroups import RunUsage
+    from guestd.output.capture import OutputCapture
     from guestd.services import Request
     from guestd.shells.job import RunningJob
     from guestd.shells.script import Marker

@@ -19,9 +19,9 @@ import signal
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
-from guestd.capture import OutputRing
 from guestd.children import ExitInfo, exit_info
 from guestd.children.tree import read_chunk, set_winsize, signal_group
+from guestd.output.capture import OutputRing
 
 if TYPE_CHECKING:
     from guestd.children.cgroups import RunCgroup

@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING
 from guestd.output.pump import OutputPump
 
 if TYPE_CHECKING:
-    from guestd.capture import OutputCapture
+    from guestd.output.capture import OutputCapture
     from guestd.output.stream import CreditedStream
     from guestd.shells.job import RunningJob
 

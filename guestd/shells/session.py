@@ -26,10 +26,11 @@ import signal
 import time
 from typing import TYPE_CHECKING, Any
 
-from guestd.capture import OutputCapture, give_away_spills
 from guestd.children import PIPE, Child
 from guestd.children.options import build_env, check_cwd, parse_signal
 from guestd.children.tree import descendants, set_winsize, signal_each, signal_group, write_all
+from guestd.output.capture import OutputCapture, give_away_spills
+from guestd.output.spill import Spill, abandon, finish, open_spills
 from guestd.services import to_the_end
 from guestd.shells.command import Command, Outcome, reply
 from guestd.shells.control import StatusChannel, socket_pair
@@ -38,7 +39,6 @@ from guestd.shells.output import ShellOutput
 from guestd.shells.script import CTL_FD, LIBRARY, Marker, check_command, command_script, start_script
 from guestd.shells.stdin import CommandInput, StdinFifo
 from guestd.shells.syntax import check_syntax
-from guestd.spill import Spill, abandon, finish, open_spills
 from guestd.wire.errors import ErrorCode, GuestdError
 from guestd.wire.paths import path_to_wire
 

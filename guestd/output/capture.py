@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, NamedTuple
 from guestd.wire.types import CapturedOutput
 
 if TYPE_CHECKING:
-    from guestd.spill import Spill
+    from guestd.output.spill import Spill
 
 
 # The result fields every output producer reports: the schema's captured_output group alone (closed, so
@@ -100,7 +100,7 @@ def capture_fields(
     """The result fields every output producer reports (exec, shell.run, code.run).
 
     When the output was streamed as events it is not repeated: empty data, nothing dropped.
-    ``strip_ansi`` / ``collapse_cr`` shape the returned bytes (guestd.shaping); the counts
+    ``strip_ansi`` / ``collapse_cr`` shape the returned bytes (guestd.output.shaping); the counts
     stay those of the raw stream. Shapes on the calling thread: on the event loop, use
     :func:`capture_fields_off_loop`.
     """
@@ -153,7 +153,7 @@ def _kept(cap: OutputCapture) -> _Kept:
 
 
 def _shaped_fields(stdout: _Kept, stderr: _Kept, strip_ansi: bool, collapse_cr: bool) -> CapturedFields:
-    from guestd.shaping import shape
+    from guestd.output.shaping import shape
 
     out: dict[str, object] = {}
     for name, kept in (("stdout", stdout), ("stderr", stderr)):
