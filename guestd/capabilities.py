@@ -40,7 +40,7 @@ def _register_processes(services: Services) -> None:
 
 
 # Capabilities declared at start and registered at their first request (schema name -> register):
-# their modules (the files capability alone was 26 ms and 2.7 MiB of guestd's start, issue 34)
+# their modules (the files capability alone was 26 ms and 2.7 MiB of guestd's start)
 # load only when used. Order: the order they register in when all are needed at once.
 LAZY_CAPABILITIES: dict[str, Callable[[Services], None]] = {
     "exec": _register("guestd.exec.handlers"),

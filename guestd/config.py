@@ -15,7 +15,7 @@ HOST_CID = 2
 
 # Limits and Config are plain classes, not dataclasses: a dataclass compiles its generated
 # methods at every start (guestd's start path spent ~50 M instructions parsing and compiling
-# such code, issue 34); these are read from the pyc.
+# such code, at start-up); these are read from the pyc.
 class Limits:
     """Every limit, as a class attribute (its default) that a config or a flag overrides per instance."""
 

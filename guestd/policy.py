@@ -17,7 +17,7 @@ from guestd.wire.errors import ErrorCode, GuestdError
 
 
 class Policy:
-    # A plain class, not a dataclass: those compile their generated methods at every start (issue 34).
+    # A plain class, not a dataclass: those compile their generated methods at every start.
     def __init__(self) -> None:
         self.allowed_uids: set[int] | None = None  # Unix-socket peers; None: guestd's own uid and root
         self.allow_ops: list[str] | None = None  # fnmatch patterns; None: every op

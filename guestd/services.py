@@ -290,7 +290,7 @@ ShutdownHook = Callable[[], Awaitable[None]]
 
 class Services:
     """What the daemon gives every capability. A plain class, not a dataclass: a dataclass
-    compiles its generated methods at every start (~1-2 ms of CPU each here, issue 34)."""
+    compiles its generated methods at every start (~1-2 ms of CPU each here)."""
 
     def __init__(self, config: Config, children: Children, workload: WorkloadCgroup, ops: Registry, host: Host) -> None:
         self.config = config

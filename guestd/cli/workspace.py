@@ -1,4 +1,4 @@
-"""guestctl find | grep | view | edit | apply-patch | watch: the workspace ops of issue 18 (a
+"""guestctl find | grep | view | edit | apply-patch | watch: the workspace ops (a
 tree's ``cp`` is :mod:`guestd.cli.cp`). They take only guest paths, the ``:`` optional. Guest
 text is printed through the terminal sanitizer."""
 

@@ -39,7 +39,7 @@ CONNECT_MARGIN = 10.0  # on top of the guest's connect_timeout_s: the trip there
 DEFAULT_CONNECT_TIMEOUT_S = 10.0  # port.connect's schema default, for the client's own deadline
 MAX_REVERSE_STREAMS = 64  # connections one reverse forward relays at once; more are refused
 REVERSE_CONNECT_TIMEOUT = 10.0  # connecting to a reverse forward's host destination
-OLD_GUEST_CUT = 4096  # listeners a guestd before issue 29 listed at most, without a total
+OLD_GUEST_CUT = 4096  # listeners a guestd before port.list's total listed at most, without a total
 
 
 def _relay_exception(err: BaseException | None) -> Exception | None:

@@ -1,4 +1,4 @@
-"""Workspace methods of the client (issue 18): trees in and out, search, edit, patch, and the
+"""Workspace methods of the client: trees in and out, search, edit, patch, and the
 change feed. A mixin of :class:`~guestd.client.AsyncClient` (over its ``_conn``), with a
 blocking twin in :mod:`guestd.client.workspace_sync`.
 
@@ -36,7 +36,7 @@ TRANSFER_DEADLINE = 3600.0  # a tree upload or download without a deadline of it
 SEARCH_MARGIN = 30.0  # on top of a search's timeout_s: the trip there and back
 TREE_CHUNK = 1024 * 1024
 TREE_MEMORY_CAP = 256 * 1024 * 1024  # an in-memory tree download without max_bytes
-GrepEngine = Literal["auto", "rg"]  # both ripgrep: the Python engine was removed (issue 29)
+GrepEngine = Literal["auto", "rg"]  # both ripgrep: the Python engine was removed (a hostile pattern froze it)
 
 
 def _present(**fields: Any) -> dict[str, Any]:

@@ -492,7 +492,7 @@ class Kernel:
                 except TimeoutError:
                     log.warning("kernel %s (pid %d) did not exit after SIGKILL", self.kid, self.pid)
             # Answer only once they are all gone: the next request must not find a kernel whose
-            # start was given up still in the workload's cgroup (issue 29).
+            # start was given up still in the workload's cgroup (containment of kernel starts).
             loop = asyncio.get_running_loop()
             deadline = loop.time() + GONE_WAIT_S
             while (cg.populated() if cg is not None else alive(tree)) and loop.time() < deadline:

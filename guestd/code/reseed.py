@@ -1,4 +1,4 @@
-"""guestd's end of a kernel's re-seed side channel (issue 34: restore with 8 live contexts).
+"""guestd's end of a kernel's re-seed side channel (a restore with many live contexts re-seeds them at once).
 
 A restore used to re-seed each kernel with a hidden cell: one round trip through the kernel's
 message loop per context (about 8 ms each here, 70 ms for eight on a loaded host), and a

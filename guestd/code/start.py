@@ -1,4 +1,4 @@
-"""How long a kernel may take to start, and what a start that gives up leaves (issue 29).
+"""How long a kernel may take to start, and what a start that gives up leaves.
 
 A fixed wait failed slow guests: a QEMU TCG guest under load needed more than 30 s to import
 ipykernel, every ``code.create`` failed, and the pool kept starting kernels that failed the

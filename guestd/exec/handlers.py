@@ -77,7 +77,7 @@ def register(services: Services) -> None:
                 t.cancel()
             run.close()
             # The request context held the run through this handler: dropped, the run and its
-            # context are freed as the request ends, not by the garbage collector (issue 34).
+            # context are freed as the request ends, not by the garbage collector (exec under load).
             ctx.handle_signals(_ignore_signal)
 
     services.ops.add("exec", op_exec)

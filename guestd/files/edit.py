@@ -1,4 +1,4 @@
-"""Editor ops (issue 18): ``file.view``, ``file.str_replace``, ``file.insert``,
+"""Editor ops: ``file.view``, ``file.str_replace``, ``file.insert``,
 ``file.replace_lines``, ``file.undo``, with the semantics agents know from editor tools.
 
 Each edit reads the file through its kernel-resolved parent (``FileSystem.place``: the final
@@ -13,7 +13,7 @@ files, ``UNDO_FILES`` files, oldest forgotten first), keyed by the resolved dire
 An undo applies only over the exact bytes the edit left (a digest), so it never reverts someone
 else's later change.
 
-Memory (issue 29: a 16 MiB file of newlines once cost 665 MiB per view, a Python int per line):
+Memory (a 16 MiB file of newlines once cost 665 MiB per view, a Python int per line):
 the ops hold file-sized buffers and a view's worth of lines, never an object per line of the
 file. Lines are found by counting newlines over the bytes (``nth_newline``). A view streams
 the file in ``READ_CHUNK`` pieces, keeping the ``MAX_VIEW_BYTES`` from its first line. An edit

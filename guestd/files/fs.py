@@ -1,4 +1,4 @@
-"""The file-system layer under every file op (issue 15): paths are resolved by the
+"""The file-system layer under every file op: paths are resolved by the
 kernel in the call that acts, relative to a directory fd, and nothing the workload planted
 (a FIFO, a socket, a device where a file is expected) can block an I/O thread.
 

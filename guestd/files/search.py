@@ -5,7 +5,7 @@ followed, ``.git`` left out, overrides before ``.gitignore`` before hidden names
 
 grep is ripgrep, in every deployment: one regex dialect (Rust's regex crate: linear time, no
 look-around or backreferences; a pattern it refuses is ``bad_request``). The in-process Python
-engine is gone (issue 29): a pathological pattern froze guestd with the GIL held. rg runs as a
+engine is gone: a pathological pattern froze guestd with the GIL held. rg runs as a
 workload process through ``guestd.children``, so what a search costs (a regex over a huge
 tree, a 200 MiB line held whole) is paid by the workload's cgroup: its memory limit ends rg,
 never guestd. Without rg, grep is ``unavailable`` (install the ``ripgrep`` package;

@@ -1,5 +1,5 @@
 """Directory trees in and out as tar streams (``tree.upload``, ``tree.download``) and
-``file.write_many`` (issue 18).
+``file.write_many``.
 
 Extraction is guestd's own, over the file-system layer: ``tarread`` parses the stream (a
 file's data goes from the received frames straight to its fd); every entry is created with

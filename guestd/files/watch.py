@@ -1,4 +1,4 @@
-"""The change feed (issue 18, bounded by issue 29): ``file.watch`` streams, ``file.changes`` and
+"""The change feed, bounded against the workload: ``file.watch`` streams, ``file.changes`` and
 exec's ``report_changes`` from one inotify watcher of a tree.
 
 A :class:`Watcher` runs on a thread of its own. It watches every directory of the tree as a

@@ -1,5 +1,5 @@
 """Globs matched without backtracking: the one matcher behind ``.gitignore`` files, ``file.glob``,
-tree include/exclude and watch filters (issue 29).
+tree include/exclude and watch filters, in linear time.
 
 A glob used to become a Python ``re``; ``*a*a*a*a*a*a*a*a*a*a*a*a*b`` against a name of 200
 ``a`` then backtracked through every way of sharing the a's among twelve stars, holding the

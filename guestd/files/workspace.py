@@ -1,4 +1,4 @@
-"""Registration of the workspace ops (issue 18): trees, search, edit, patch, watch and the
+"""The workspace ops, as methods of ``Workspace``: trees, search, edit, patch, watch and the
 change feed, all on the files capability's one ``FileSystem`` (``register_workspace`` is called
 by ``guestd.files.handlers.register``)."""
 

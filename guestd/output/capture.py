@@ -126,7 +126,7 @@ async def capture_fields_off_loop(
     collapse_cr: bool = False,
 ) -> CapturedFields:
     """:func:`capture_fields`, shaping more than :data:`SHAPE_ON_LOOP_BYTES` in a worker
-    thread so the loop keeps answering (issue 29: a 1 MiB redraw line once held it 22-29 s).
+    thread so the loop keeps answering (a 1 MiB redraw line once held it 22-29 s).
     The kept bytes and counts are taken on the loop first: output still read meanwhile is
     in neither, so the reply stays consistent."""
     shaping = (strip_ansi or collapse_cr) and not streamed

@@ -7,7 +7,7 @@ offset in the shaped bytes); an escape sequence or a line cut by the gap is shap
 as it is there.
 
 The workload writes these bytes, so shaping is linear in them and holds O(window) Python
-objects whatever their shape (issue 29: the old ``collapse_cr`` rebuilt the whole line for
+objects whatever their shape (the old ``collapse_cr`` rebuilt the whole line for
 every ``\\r`` segment, 22-29 s for one 1 MiB line of redraws). ``capture.shaped_fields``
 runs it off the event loop when there is more than a little of it.
 """

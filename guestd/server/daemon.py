@@ -225,7 +225,7 @@ class Daemon:
 
             lag = start_from_env(loop)
         # What start-up made lives as long as guestd: full collections need not walk it again
-        # (a gen-2 pause was 25-40 ms of CPU under an exec flood, issue 34).
+        # (a gen-2 pause was 25-40 ms of CPU under an exec flood).
         gc.freeze()
         gc.enable()  # guestd/__main__.py turned collection off for the start-up
         self._listening = True

@@ -2,7 +2,7 @@
 
 A capability may be declared instead of registered: its ops are served (the hello lists them,
 the session core admits them) and the first request for one of them registers the capability
-then. Start-up does not pay for importing capabilities nobody has used yet (issue 34: start to
+then. Start-up does not pay for importing capabilities nobody has used yet (start to
 first reply, idle memory)."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Workload processes that race guestd's file ops (issue 15), as scripts for a Python the
+"""Workload processes that race guestd's file ops, as scripts for a Python the
 workload user can run: on the host (tests/test_fs_boundary.py) and in the guest
 (tests/qemu/test_systemd.py). Each takes ``name out seconds``."""
 

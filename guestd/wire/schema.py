@@ -1764,7 +1764,7 @@ PORT_OPS: tuple[OpSpec, ...] = (
     ),
 )
 
-# --------------------------------------------------------------------------- workspace (issue 18)
+# --------------------------------------------------------------------------- workspace
 # Trees, search, edit and the change feed: capability "files", built on its file-system layer
 # (PROTOCOL.md section 8.1).
 
@@ -2172,7 +2172,7 @@ METRICS_OPS: tuple[OpSpec, ...] = (
     ),
 )
 
-# --------------------------------------------------------------------------- kept runs (issue 16)
+# --------------------------------------------------------------------------- kept runs
 # shell.run / code.run {keep: true}: capability "process" (PROTOCOL.md 10.4).
 
 _RUN_ID = F("id", "str", "run id (the kept event's run_id)", True)
