@@ -113,16 +113,6 @@ class RunningJob:
     def output_fd(self, which: int) -> int | None:
         return self.fifos.read.get("stdout" if which == 1 else "stderr")
 
-    def read_output(self, which: int, size: int) -> bytes | None:
-        """One read of the job's stdout (1) or stderr (2) FIFO, into its ring; None when
-        nothing is ready (its end is seen at close(): guestd holds a write end until then)."""
-        fd = self.output_fd(which)
-        data = read_chunk(fd, size) if fd is not None else None
-        if not data:
-            return None
-        self.rings[which].write(data)
-        return data
-
     def read_status(self) -> None:
         fd = self.fifos.read.get("status")
         if fd is None:
