@@ -155,19 +155,16 @@ class RequestContext:
     async def wait_credit(self) -> None:
         """Until the client grants credit (or the request ends). Several tasks of one
         request may wait at once (exec's reader and its final drain); each is woken."""
-        while self.stream.open and self.stream.send_credit <= 0:
-            waiter = asyncio.get_running_loop().create_future()
-            self._credit_waiters.append(waiter)
-            try:
-                await waiter
-            finally:
-                if waiter in self._credit_waiters:
-                    self._credit_waiters.remove(waiter)
+        await self._wait_until(lambda: self.stream.send_credit > 0)
 
     async def wait_room(self, fields: Mapping[str, Any], nbytes: int) -> None:
         """Until one data EVENT with ``fields`` may carry ``nbytes`` whole (or the request
         ends): for events whose data must not be split (a grep line, a watched path)."""
-        while self.stream.open and self.conn.session.data_room(self.stream, fields) < nbytes:
+        await self._wait_until(lambda: self.conn.session.data_room(self.stream, fields) >= nbytes)
+
+    async def _wait_until(self, ready: Callable[[], bool]) -> None:
+        """Until ``ready()`` or the request ends, woken at each credit grant (:meth:`on_credit`)."""
+        while self.stream.open and not ready():
             waiter = asyncio.get_running_loop().create_future()
             self._credit_waiters.append(waiter)
             try:
