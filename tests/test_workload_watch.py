@@ -29,6 +29,7 @@ import pytest
 from guestd.client import AsyncClient
 from guestd.client.workspace import Change
 from guestd.files import watch
+from guestd.files.journal import MAX_JOURNAL_BYTES, Handoff, Journal, WorkspaceChanges
 from guestd.testing import Guestd
 from guestd.testing.local import NOBODY, REPO, start_guestd, workspace_guestd
 from guestd.testing.rawwire import RawPeer
@@ -342,7 +343,7 @@ def test_a_watcher_whose_thread_dies_tells_its_users(tmp_path: object) -> None:
     def sink(changes: list[watch.Change]) -> None:
         raise RuntimeError("the loop is gone")
 
-    journal = watch.Journal()
+    journal = Journal()
     root = os.open(str(tmp_path), os.O_RDONLY | os.O_DIRECTORY)
     w = watch.Watcher(root, sink, ended.append)
     w.start()
@@ -362,7 +363,7 @@ def test_a_watcher_whose_thread_dies_tells_its_users(tmp_path: object) -> None:
     loop = asyncio.new_event_loop()
     try:
         woken = threading.Event()
-        handoff = watch.Handoff(loop, woken.set)
+        handoff = Handoff(loop, woken.set)
         handoff.put([("created", b"x", False)])
         handoff.end(RuntimeError("gone"))
         loop.run_until_complete(asyncio.sleep(0))
@@ -404,18 +405,18 @@ def test_the_backlog_bound_is_said_as_overflow_not_memory() -> None:
     The journal keeps at most MAX_JOURNAL_BYTES: a cursor before what it dropped: overflow."""
     loop = asyncio.new_event_loop()
     try:
-        handoff = watch.Handoff(loop, lambda: None, max_bytes=64 * 1024)
+        handoff = Handoff(loop, lambda: None, max_bytes=64 * 1024)
         handoff.put([("created", b"p%06d" % i, False) for i in range(10_000)])
         changes, lost, _ = handoff.take()
         assert lost and sum(watch.change_cost(p) for _, p, _ in changes) <= 64 * 1024
         loop.run_until_complete(asyncio.sleep(0))
     finally:
         loop.close()
-    journal = watch.Journal()
+    journal = Journal()
     cursor = journal.cursor()
     long_path = b"x" * 4000
-    journal.add([("modified", long_path + b"%d" % i, False) for i in range(watch.MAX_JOURNAL_BYTES // 4000 + 10)])
-    assert journal.nbytes <= watch.MAX_JOURNAL_BYTES
+    journal.add([("modified", long_path + b"%d" % i, False) for i in range(MAX_JOURNAL_BYTES // 4000 + 10)])
+    assert journal.nbytes <= MAX_JOURNAL_BYTES
     assert journal.report(cursor)["overflow"] is True
     later = journal.cursor()
     journal.add([("created", b"new", False)])
@@ -549,7 +550,7 @@ def test_the_journal_says_overflow_and_starts_a_new_watcher_when_its_watcher_die
         raise OSError(5, "Input/output error")
 
     async def main() -> None:
-        feed = watch.WorkspaceChanges(Services(), start)  # type: ignore[arg-type]
+        feed = WorkspaceChanges(Services(), start)  # type: ignore[arg-type]
         cursor = await feed.begin()
         first = feed.watcher
         assert first is not None and first.alive
@@ -621,7 +622,7 @@ def test_a_directory_exchanged_in_before_the_old_one_was_scanned_nets_to_created
         for _ in range(100):  # bounded: each step reads what is queued and runs the scans
             if not w._step():
                 break
-        journal = watch.Journal()
+        journal = Journal()
         journal.add(got)
         report = journal.report(0)
         assert "t" in report["created"] and "t/c" in report["created"], (got, report)

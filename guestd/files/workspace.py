@@ -15,8 +15,9 @@ from guestd.files.edit import Editor
 from guestd.files.entries import os_call
 from guestd.files.fs import FileSystem
 from guestd.files.ignore import Overrides
+from guestd.files.journal import Handoff, WorkspaceChanges, merge
 from guestd.files.walk import Filter
-from guestd.files.watch import Handoff, Watcher, WorkspaceChanges, change_cost, merge
+from guestd.files.watch import Watcher, change_cost
 from guestd.services import add_ops, op
 from guestd.wire.errors import ErrorCode, GuestdError
 from guestd.wire.paths import path_from_wire
