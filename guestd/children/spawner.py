@@ -1,0 +1,510 @@
+"""``Children``: spawns runs and owns them until their leaf cgroup is gone.
+
+The native clone3 path or the subprocess fallback in a thread pool; the watchdog of spawns
+stopped before exec; the orphan reaper and the sweep of emptied leaves; every run ended at
+shutdown."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import subprocess
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from guestd.children.cgroups import RunCgroup, WorkloadCgroup
+from guestd.children.child import Child
+from guestd.children.launch import (
+    ALL_CPUS,
+    NICE_RESET,
+    NO_CLONE3,
+    NOFILE_AT_START,
+    OOM_RESET,
+    Clone3Unavailable,
+    clone_module,
+    exec_paths,
+    load_native,
+    popen_fallback,
+    spawn_error,
+)
+from guestd.children.reaper import Reaper
+from guestd.children.tree import set_winsize
+from guestd.wire.errors import ErrorCode, GuestdError
+
+if TYPE_CHECKING:
+    from concurrent.futures import ThreadPoolExecutor
+
+log = logging.getLogger("guestd.children")
+
+PIPE = -1  # a new pipe; guestd keeps the other end
+STDOUT = -2  # stderr only: the same pipe as stdout
+DEVNULL = -3
+# A child stopped (SIGSTOP from the workload) between dropping to the workload user and exec
+# would hold its spawn thread forever (CLONE_VFORK). While spawns are in flight a watchdog
+# looks every WATCH_S: a child found stopped is killed, and any child not exec'd after
+# STUCK_SPAWN_S (a spawn takes milliseconds, even under TCG).
+WATCH_S = 0.05
+STUCK_SPAWN_S = 10.0
+IDS_TTL_S = 1.0  # how long a lookup of the workload user's ids is reused
+
+
+@dataclass(frozen=True)
+class SpawnOrder:
+    """One spawn, as the spawn thread gets it (see Children.spawn for the meaning of each)."""
+
+    argv: list[str]
+    kind: str
+    run_id: str
+    env: dict[str, str] | None
+    cwd: str | None
+    stdin: int
+    stdout: int
+    stderr: int
+    pty: tuple[int, int] | None
+    extra_fds: dict[int, int] | None
+    user: tuple[int, int] | None = None
+
+
+# pid, pidfd, leaf cgroup, guestd's ends of the pipes, and the Popen of the fallback spawn
+Spawned = tuple[int, "int | None", "RunCgroup | None", dict[str, int], "subprocess.Popen[bytes] | None"]
+
+
+class Children:
+    """Spawns runs and owns them until their leaf is empty and removed."""
+
+    def __init__(self, workload: WorkloadCgroup, workload_ids: Callable[[], tuple[int, int] | None]) -> None:
+        self.workload = workload
+        self.workload_ids = workload_ids
+        self._ids: tuple[float, tuple[int, int] | None] | None = None  # (when looked up, ids)
+        self._env_encoded: tuple[dict[str, str], list[bytes]] | None = None
+        self.reaper = Reaper()
+        self.native = load_native()
+        self.live: set[Child] = set()
+        self.lingering: set[RunCgroup] = set()  # finished runs whose leaf still has processes
+        self._pool: ThreadPoolExecutor | None = None
+        self._done_fd: int | None = None  # the native spawn threads' eventfd, watched by the loop
+        self._null_fd: int | None = None
+        self._counter = 0
+        # Spawns in flight: their pids are not tracked yet, so the orphan sweep must wait
+        # (it would reap them as orphans and their owners would see status 255).
+        self._spawning = 0
+        self._watchdog: asyncio.Task[None] | None = None
+        self.closing = False
+        self._loop: asyncio.AbstractEventLoop | None = None
+
+    def ids(self) -> tuple[int, int] | None:
+        """The workload user's (uid, gid), looked up at most once every IDS_TTL_S (a password
+        database lookup is 12 us here, and every spawn needed it twice)."""
+        now = time.monotonic()
+        cached = self._ids
+        if cached is None or now - cached[0] > IDS_TTL_S:
+            cached = self._ids = (now, self.workload_ids())  # an error (no such user) is not kept
+        return cached[1]
+
+    def _encode_env(self, env: dict[str, str]) -> list[bytes]:
+        """``env`` as NAME=value bytes; the last one is kept (most runs share one environment,
+        and encoding it took 17 us per spawn)."""
+        last = self._env_encoded
+        if last is not None and last[0] == env:
+            return last[1]
+        encoded = [os.fsencode(k) + b"=" + os.fsencode(v) for k, v in env.items()]
+        self._env_encoded = (dict(env), encoded)
+        return encoded
+
+    @property
+    def spawn_method(self) -> str:
+        return "clone3" if self.native is not None else "popen"
+
+    def _devnull(self) -> int:
+        if self._null_fd is None:
+            self._null_fd = os.open(os.devnull, os.O_RDWR | os.O_CLOEXEC)
+        return self._null_fd
+
+    async def spawn(
+        self,
+        argv: list[str],
+        *,
+        kind: str,
+        env: dict[str, str] | None = None,
+        cwd: str | None = None,
+        stdin: int = DEVNULL,
+        stdout: int = PIPE,
+        stderr: int = PIPE,
+        pty: tuple[int, int] | None = None,
+        extra_fds: dict[int, int] | None = None,
+        user: tuple[int, int] | None = None,
+    ) -> Child:
+        """Start ``argv`` as a new run of ``kind``. Raises GuestdError (details.stage: cwd or spawn).
+
+        ``stdin``/``stdout``/``stderr``: PIPE, DEVNULL, STDOUT (stderr) or an fd to give the
+        child (the caller keeps it). ``pty=(rows, cols)``: all three on a new terminal that
+        becomes the child's controlling tty; guestd's end is ``Child.pty``. ``extra_fds``:
+        {target fd in the child: fd here}. ``user``: (uid, gid) to run as instead of the
+        workload user (guestd as root only; grep's rg when there is no workload user).
+        """
+        if self.closing:
+            raise GuestdError(ErrorCode.UNAVAILABLE, "guestd is stopping", details={"stage": "spawn"})
+        self._counter += 1
+        run_id = f"{self._counter}-{os.urandom(4).hex()}"
+        order = SpawnOrder(argv, kind, run_id, env, cwd, stdin, stdout, stderr, pty, extra_fds, user)
+        if self.native is not None:
+            try:
+                return await self._spawn_native(order)
+            except Clone3Unavailable:
+                pass  # this kernel has no clone3 (into a cgroup): the subprocess path from now on
+        return await self._spawn_pooled(order)
+
+    async def _spawn_pooled(self, order: SpawnOrder) -> Child:
+        """The subprocess fallback: a spawn in a thread pool (Python runs in the forked child)."""
+        if self._pool is None:
+            # A spawn blocks its thread until the child has exec'd, never the loop.
+            # They live as long as guestd: a kernel's PR_SET_PDEATHSIG follows the thread that
+            # created it, so a worker that exited would take its kernels with it.
+            from concurrent.futures import ThreadPoolExecutor  # on first spawn: idle memory
+
+            self._pool = ThreadPoolExecutor(max_workers=4, thread_name_prefix="guestd-spawn")
+        kind = order.kind
+        loop = self._loop = asyncio.get_running_loop()
+        self._spawning += 1
+        fut = loop.run_in_executor(self._pool, self._spawn_blocking, order)
+        try:
+            pid, pidfd, cgroup, fds, popen = await asyncio.shield(fut)
+        except asyncio.CancelledError:
+            # The thread cannot be stopped: whatever it starts is ended at once, and the orphan
+            # sweep reaps it.
+            def cleanup(done: asyncio.Future[Any]) -> None:
+                self._spawned()
+                if not done.cancelled() and done.exception() is None:
+                    child = Child(self, kind, *done.result())
+                    child.kill_now()
+                    child.release()
+
+            fut.add_done_callback(cleanup)
+            raise
+        except BaseException:
+            self._spawned()
+            # The future holds the exception, whose traceback holds this frame: let go of it,
+            # so a failed spawn is freed as it is reported, not by the garbage collector.
+            del fut
+            raise
+        child = Child(self, kind, pid, pidfd, cgroup, fds, popen)
+        self.live.add(child)
+        self.reaper.tracked.add(pid)
+        self._spawned()
+        return child
+
+    async def _spawn_native(self, o: SpawnOrder) -> Child:
+        """Pipes here, the leaf and clone3 in a spawn thread of the native module (no GIL: the
+        loop is not kept waiting, and no Python thread has to be handed the spawn); the loop
+        learns it is done through the module's eventfd (``_collect``)."""
+        native = self.native
+        assert native is not None
+        loop = self._loop = asyncio.get_running_loop()
+        if self._done_fd is None:
+            self._done_fd = native.spawner()
+            loop.add_reader(self._done_fd, self._collect)
+        try:
+            ours, theirs, child_fds = self._child_fds(o)
+        except OSError as exc:  # pipes or a pty: out of fds, most likely
+            raise GuestdError.from_os_error(exc, stage="spawn", argv0=o.argv[0]) from None
+        leaf = self.workload.leaf_order(o.kind, o.run_id)
+        ids = o.user if o.user is not None and os.geteuid() == 0 else self.ids()
+        pending = _NativeSpawn(self, o, loop.create_future(), ours, theirs, leaf[1] if leaf else None)
+        try:
+            native.submit(
+                pending,
+                leaf[0] if leaf else None,
+                exec_paths(o.argv[0], (os.environ if o.env is None else o.env).get("PATH")),
+                [os.fsencode(a) for a in o.argv],
+                None if o.env is None else self._encode_env(o.env),
+                None if o.cwd is None else os.fsencode(o.cwd),
+                child_fds,
+                ids[0] if ids else -1,
+                ids[1] if ids else -1,
+                True,
+                o.pty is not None,
+                -1,
+                OOM_RESET,
+                NOFILE_AT_START,
+                ALL_CPUS,
+                NICE_RESET,
+            )
+        except (ValueError, TypeError) as exc:  # NUL bytes in argv, env or cwd
+            pending.close_fds(ours=True)
+            raise GuestdError(ErrorCode.BAD_REQUEST, f"cannot spawn: {exc}", details={"stage": "spawn"}) from None
+        self._spawning += 1
+        if self._watchdog is None or self._watchdog.done():
+            self._watchdog = loop.create_task(self._watch_spawns())
+        fut = pending.fut
+        try:
+            return await fut
+        except asyncio.CancelledError:
+            # Started, but the request went away before it saw the child: ended at once (a spawn
+            # still in its thread is ended by _collect, which finds the future cancelled).
+            if fut.done() and not fut.cancelled() and fut.exception() is None:
+                child = fut.result()
+                child.kill_now()
+                child.release()
+            raise
+        finally:
+            del fut, pending  # an exception's traceback holds this frame: no cycle per failed spawn
+
+    def _collect(self) -> None:
+        """The spawn threads' eventfd is readable: hand each finished spawn to its waiter."""
+        assert self.native is not None or self._done_fd is not None
+        for pending, outcome in _collect_native():
+            pending.finish(outcome)
+
+    def _spawned(self) -> None:
+        self._spawning -= 1
+
+    def _spawn_blocking(self, o: SpawnOrder) -> Spawned:
+        """Runs in a spawn thread: pipes, the leaf, the process."""
+        try:
+            return self._spawn_in_thread(o)
+        except OSError as exc:  # pipes or a pty: out of fds, most likely
+            raise GuestdError.from_os_error(exc, stage="spawn", argv0=o.argv[0]) from None
+
+    def _child_fds(self, o: SpawnOrder) -> tuple[dict[str, int], list[int], list[tuple[int, int]]]:
+        """guestd's ends (returned), the child's ends (closed once it has started) and the
+        (source, target) fds the child gets."""
+        ours: dict[str, int] = {}
+        theirs: list[int] = []
+        child_fds: list[tuple[int, int]] = []
+        try:
+            if o.pty is not None:
+                master, slave = os.openpty()
+                theirs.append(slave)
+                ours["pty"] = master
+                os.set_inheritable(master, False)
+                set_winsize(master, o.pty[0], o.pty[1])
+                child_fds += [(slave, 0), (slave, 1), (slave, 2)]
+            else:
+                for target, name, how in ((0, "stdin", o.stdin), (1, "stdout", o.stdout), (2, "stderr", o.stderr)):
+                    if how == PIPE:
+                        r, w = os.pipe2(os.O_CLOEXEC)
+                        mine, its = (w, r) if target == 0 else (r, w)
+                        ours[name] = mine
+                        theirs.append(its)
+                        os.set_blocking(mine, False)
+                        child_fds.append((its, target))
+                    elif how == DEVNULL:
+                        child_fds.append((self._devnull(), target))
+                    elif how == STDOUT:
+                        child_fds.append((dict((t, s) for s, t in child_fds)[1], 2))
+                    else:
+                        child_fds.append((how, target))
+        except BaseException:
+            for fd in [*ours.values(), *theirs]:
+                os.close(fd)
+            raise
+        for target, source in (o.extra_fds or {}).items():
+            child_fds.append((source, target))
+        return ours, theirs, child_fds
+
+    def _spawn_in_thread(self, o: SpawnOrder) -> Spawned:
+        ours, theirs, child_fds = self._child_fds(o)
+        cgroup: RunCgroup | None = None
+        try:
+            try:
+                cgroup = self.workload.new_run(o.kind, o.run_id)
+            except OSError as exc:
+                raise GuestdError(
+                    ErrorCode.UNAVAILABLE, f"cannot make the run's cgroup: {exc}", details={"stage": "spawn"}
+                ) from None
+            ids = o.user if o.user is not None and os.geteuid() == 0 else self.ids()
+            pid, pidfd, popen = self._start(o.argv, o.env, o.cwd, child_fds, ids, o.pty is not None, cgroup)
+        except BaseException:
+            for fd in list(ours.values()):
+                os.close(fd)
+            if cgroup is not None:
+                self._drop_leaf(cgroup, threadsafe=True)
+            raise
+        finally:
+            for fd in theirs:
+                os.close(fd)
+        return pid, pidfd, cgroup, ours, popen
+
+    def _drop_leaf(self, cgroup: RunCgroup, threadsafe: bool = False) -> None:
+        """The leaf of a spawn that failed: removed, or (a child killed by the watchdog mid-exec
+        may still be in it) killed and left to the sweep."""
+        if not cgroup.remove():
+            cgroup.kill()
+            cgroup.close_fd()
+            if threadsafe and self._loop is not None:
+                self._loop.call_soon_threadsafe(self.lingering.add, cgroup)
+            elif not threadsafe:
+                self.lingering.add(cgroup)
+
+    def _start(
+        self,
+        argv: list[str],
+        env: dict[str, str] | None,
+        cwd: str | None,
+        child_fds: list[tuple[int, int]],
+        ids: tuple[int, int] | None,
+        ctty: bool,
+        cgroup: RunCgroup | None,
+    ) -> tuple[int, int | None, subprocess.Popen[bytes] | None]:
+        try:
+            popen = popen_fallback(argv, env, cwd, child_fds, ids, ctty, cgroup)
+            pidfd = None
+            with contextlib.suppress(OSError, AttributeError):
+                pidfd = os.pidfd_open(popen.pid)
+            return popen.pid, pidfd, popen
+        except OSError as exc:
+            raise spawn_error(exc, argv[0], cwd) from None
+        except (ValueError, TypeError) as exc:  # NUL bytes in argv, env or cwd
+            raise GuestdError(ErrorCode.BAD_REQUEST, f"cannot spawn: {exc}", details={"stage": "spawn"}) from None
+        except subprocess.SubprocessError as exc:
+            raise GuestdError(
+                ErrorCode.UNAVAILABLE,
+                f"could not set up the child (workload cgroup / workload user): {exc}",
+                details={"stage": "spawn"},
+            ) from None
+
+    # -- bookkeeping ------------------------------------------------------------------------
+    def reaped(self, child: Child) -> None:
+        self.reaper.tracked.discard(child.pid)
+        if self.reaper.enabled and not self._spawning:
+            self.reaper.sweep()  # a sweep may have stopped at this child while it was unreaped
+
+    def retire(self, child: Child) -> None:
+        """The run is over for guestd: its leaf is removed now, or once its last process is gone."""
+        self.live.discard(child)
+        if child.status is None:
+            # Not reaped yet (released during a kill grace): the reaper sweep takes it.
+            self.reaper.tracked.discard(child.pid)
+        cg, child.cgroup = child.cgroup, None
+        if cg is not None:
+            cg.close_fd()  # nothing is spawned into a retired leaf
+            # Removed right after the current callback (an exec's reply is written first: the
+            # rmdir is 30-80 us here); kept as lingering until then, so shutdown and the sweep
+            # see it whatever happens meanwhile.
+            self.lingering.add(cg)
+            if self._loop is not None and not self._loop.is_closed():
+                self._loop.call_soon(self._remove_leaf, cg)
+            else:
+                self._remove_leaf(cg)
+
+    def _remove_leaf(self, cg: RunCgroup) -> None:
+        if cg in self.lingering and cg.remove():
+            self.lingering.discard(cg)
+
+    def kill_stuck_spawns(self, stopped_after_s: float = WATCH_S, older_than_s: float = STUCK_SPAWN_S) -> int:
+        if self.native is None or not self._spawning:
+            return 0
+        return int(self.native.kill_stuck(stopped_after_s, older_than_s))
+
+    async def _watch_spawns(self) -> None:
+        while self._spawning:
+            await asyncio.sleep(WATCH_S)
+            if self.kill_stuck_spawns():
+                log.warning("killed a child stopped before it could exec (the workload stops its own processes)")
+
+    def sweep(self) -> None:
+        """Periodic: reap orphans, remove leaves that have emptied."""
+        if self.reaper.enabled and not self._spawning:
+            self.reaper.sweep()
+        for cg in list(self.lingering):
+            if cg.remove():
+                self.lingering.discard(cg)
+
+    async def run_periodic(self, interval_s: float = 1.0) -> None:
+        while True:
+            await asyncio.sleep(interval_s)
+            self.sweep()
+
+    async def shutdown(self, grace_s: float = 2.0) -> None:
+        """guestd is stopping: end every run it started, leftovers of finished runs included."""
+        self.closing = True  # no new spawn starts: queued ones are cancelled, running ones end
+        if self._pool is not None:
+            self._pool.shutdown(wait=False, cancel_futures=True)
+        self.kill_stuck_spawns(0.0, 0.0)
+        for _ in range(100):  # in-flight spawns return within a watchdog tick
+            if not self._spawning:
+                break
+            self.kill_stuck_spawns(0.0, 0.0)
+            await asyncio.sleep(0.02)
+        ends = [c.end(grace_s) for c in list(self.live)]
+        for cg in self.lingering:
+            cg.kill()
+        if ends:
+            await asyncio.wait(ends, timeout=grace_s + 3.0)
+        for c in list(self.live):
+            c.kill_now()
+        for _ in range(100):
+            self.sweep()
+            if not self.lingering:
+                break
+            await asyncio.sleep(0.02)
+
+
+def _collect_native() -> list[tuple[_NativeSpawn, tuple[int, int, int] | OSError]]:
+    done: list[tuple[_NativeSpawn, tuple[int, int, int] | OSError]] = clone_module().collect()
+    return done
+
+
+class _NativeSpawn:
+    """One spawn handed to the native spawn threads: what to do with it once it is done."""
+
+    __slots__ = ("fut", "leaf_path", "order", "ours", "owner", "theirs")
+
+    def __init__(
+        self,
+        owner: Children,
+        order: SpawnOrder,
+        fut: asyncio.Future[Child],
+        ours: dict[str, int],
+        theirs: list[int],
+        leaf_path: str | None,
+    ) -> None:
+        self.owner = owner
+        self.order = order
+        self.fut = fut
+        self.ours = ours
+        self.theirs = theirs
+        self.leaf_path = leaf_path
+
+    def close_fds(self, ours: bool) -> None:
+        for fd in self.theirs:
+            os.close(fd)
+        self.theirs = []
+        if ours:
+            for fd in self.ours.values():
+                os.close(fd)
+            self.ours = {}
+
+    def finish(self, outcome: tuple[int, int, int] | OSError) -> None:
+        owner, fut = self.owner, self.fut
+        owner._spawned()
+        if isinstance(outcome, BaseException):
+            self.close_fds(ours=True)
+            leaf_fd = getattr(outcome, "leaf_fd", -1)
+            if leaf_fd >= 0 and self.leaf_path is not None:
+                owner._drop_leaf(RunCgroup(self.leaf_path, leaf_fd))
+            if getattr(outcome, "stage", None) == "clone" and outcome.errno in NO_CLONE3:
+                log.warning("clone3 spawn unavailable (%s); using subprocess from now on", outcome)
+                owner.native = None
+                error: BaseException = Clone3Unavailable()
+            else:
+                error = spawn_error(outcome, self.order.argv[0], self.order.cwd)
+            if not fut.done():
+                fut.set_exception(error)
+            self.fut = None  # type: ignore[assignment]  # the exception's traceback: no cycle kept
+            return
+        self.close_fds(ours=False)
+        pid, pidfd, leaf_fd = outcome
+        cgroup = RunCgroup(self.leaf_path, leaf_fd) if leaf_fd >= 0 and self.leaf_path is not None else None
+        child = Child(owner, self.order.kind, pid, pidfd, cgroup, self.ours, None)
+        owner.live.add(child)
+        owner.reaper.tracked.add(pid)  # now, before any sweep could take it for an orphan
+        if fut.done():  # the request went away meanwhile: the run ends at once
+            child.kill_now()
+            child.release()
+        else:
+            fut.set_result(child)
