@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from typing import Any
 
 from guestd.children.cgroups import WorkloadConfig
@@ -115,6 +116,120 @@ def _cgroup_value(key: str, value: Any) -> str:
     raise ConfigError(f"config key {key!r} must be {allowed}, not {value!r}")
 
 
+def _apply_code(cfg: Config, table: Any) -> None:
+    """The [code] table: the kernels' pool, their Python and how long a run waits for its context."""
+    for k, v in _want("code", table, dict).items():
+        if k == "pool":
+            cfg.code_pool = _want("code.pool", v, int)
+        elif k == "prewarm":
+            cfg.code_prewarm = _want("code.prewarm", v, bool)
+        elif k == "python":  # code_python
+            cfg.code_python = _want("code.python", v, str).strip()
+            if not cfg.code_python:
+                raise ConfigError('code.python must be "guestd", "auto", or a Python\'s name or path')
+        elif k == "queue_wait_s":
+            cfg.code_queue_wait_s = float(_want("code.queue_wait_s", v, (int, float)))
+            if not cfg.code_queue_wait_s > 0:
+                raise ConfigError("code.queue_wait_s must be > 0")
+        else:
+            raise ConfigError(f"unknown config key code.{k}")
+
+
+def _apply_processes(cfg: Config, table: Any) -> None:
+    """The [processes] table: background processes' retention and stdin deadline."""
+    for k, v in _want("processes", table, dict).items():
+        if k == "retention_s":
+            cfg.process_retention_s = float(_want("processes.retention_s", v, (int, float)))
+        elif k == "stdin_timeout_s":
+            cfg.process_stdin_timeout_s = float(_want("processes.stdin_timeout_s", v, (int, float)))
+            if not cfg.process_stdin_timeout_s > 0:
+                raise ConfigError("processes.stdin_timeout_s must be > 0")
+        else:
+            raise ConfigError(f"unknown config key processes.{k}")
+
+
+def _apply_policy(cfg: Config, table: Any) -> None:
+    """The [policy] table: who may connect, which ops, which roots, as whom the workload runs."""
+    pol = cfg.policy
+    for k, v in _want("policy", table, dict).items():
+        if k == "allowed_uids":
+            pol.allowed_uids = {_want("policy.allowed_uids[]", x, int) for x in _want(k, v, list)}
+        elif k in ("allow_ops", "deny_ops", "write_roots", "read_roots"):
+            setattr(pol, k, [_want(f"policy.{k}[]", x, str) for x in _want(k, v, list)])
+        elif k == "workload_user":
+            pol.workload_user = str(_want(k, v, (str, int)))
+        else:
+            raise ConfigError(f"unknown config key policy.{k}")
+
+
+def _apply_ports(cfg: Config, table: Any) -> None:
+    """The [ports] table: which guest ports the host may reach, and reverse forwards."""
+    for k, v in _want("ports", table, dict).items():
+        if k == "allow":
+            cfg.ports.allow = [_want("ports.allow[]", x, str) for x in _want(k, v, list)]
+            try:
+                cfg.ports.check_syntax()
+            except ValueError as exc:
+                raise ConfigError(str(exc)) from None
+        elif k == "reverse":
+            cfg.ports.reverse = _want("ports.reverse", v, bool)
+        else:
+            raise ConfigError(f"unknown config key ports.{k}")
+
+
+def _apply_workload(cfg: Config, table: Any) -> None:
+    """The [workload] table: the workload's cgroup and its limits."""
+    wl = cfg.workload
+    for k, v in _want("workload", table, dict).items():
+        if k == "cgroup":
+            wl.cgroup = _want("workload.cgroup", v, str)
+        elif k in ("memory_max", "pids_max", "run_pids_max"):
+            setattr(wl, k, _cgroup_value(f"workload.{k}", v))
+        elif k == "memory_reserve":
+            wl.memory_reserve = _want("workload.memory_reserve", v, int)
+            if wl.memory_reserve < 0:
+                raise ConfigError("workload.memory_reserve must be >= 0 (bytes)")
+        elif k == "cpu_weight":
+            wl.cpu_weight = _want("workload.cpu_weight", v, int)
+            if not 1 <= wl.cpu_weight <= 10_000:
+                raise ConfigError("workload.cpu_weight must be 1..10000")
+        else:
+            raise ConfigError(f"unknown config key workload.{k}")
+
+
+def _apply_limits(cfg: Config, table: Any) -> None:
+    """The [limits] table: any of :data:`LIMIT_NAMES`."""
+    for k, v in _want("limits", table, dict).items():
+        if k not in LIMIT_NAMES:
+            raise ConfigError(f"unknown config key limits.{k}")
+        setattr(cfg.limits, k, float(v) if k.endswith("_s") else _want(f"limits.{k}", v, int))
+
+
+# The config file's top-level keys that are not tables: the type each takes and where it goes.
+_TOP_KEYS: dict[str, tuple[type, Callable[[Config, Any], None]]] = {
+    "listen": (list, lambda cfg, v: setattr(cfg, "listen", [_want("listen[]", x, str) for x in v])),
+    "allowed_cids": (list, lambda cfg, v: setattr(cfg, "allowed_cids", {_want("allowed_cids[]", x, int) for x in v})),
+    "workspace": (str, lambda cfg, v: setattr(cfg, "workspace", v)),
+    "runtime_dir": (str, lambda cfg, v: setattr(cfg, "runtime_dir", v)),
+    "token_file": (str, lambda cfg, v: setattr(cfg, "token_file", v)),
+    "log_level": (str, lambda cfg, v: setattr(cfg, "log_level", v)),
+    "io_threads": (int, lambda cfg, v: setattr(cfg, "io_threads", v)),
+    "uvloop": (bool, lambda cfg, v: setattr(cfg, "use_uvloop", v)),
+    "simulate_privileged": (bool, lambda cfg, v: setattr(cfg, "simulate_privileged", v)),
+    "in_guest": (bool, lambda cfg, v: setattr(cfg, "in_guest", v)),
+}
+
+# The config file's tables ([code], [policy]...): each one's keys are checked by its own function.
+_TABLES: dict[str, Callable[[Config, Any], None]] = {
+    "code": _apply_code,
+    "processes": _apply_processes,
+    "policy": _apply_policy,
+    "ports": _apply_ports,
+    "workload": _apply_workload,
+    "limits": _apply_limits,
+}
+
+
 def load_config_file(path: str, cfg: Config) -> Config:
     """Apply a TOML config file (see rootfs-overlay/etc/guestd/guestd.toml) onto ``cfg``.
 
@@ -128,93 +243,12 @@ def load_config_file(path: str, cfg: Config) -> Config:
             doc = tomllib.load(f)
     except (OSError, tomllib.TOMLDecodeError) as exc:
         raise ConfigError(f"{path}: {exc}") from None
-    top: dict[str, tuple[Any, Any]] = {
-        "listen": (list, lambda v: setattr(cfg, "listen", [_want("listen[]", x, str) for x in v])),
-        "allowed_cids": (list, lambda v: setattr(cfg, "allowed_cids", {_want("allowed_cids[]", x, int) for x in v})),
-        "workspace": (str, lambda v: setattr(cfg, "workspace", v)),
-        "runtime_dir": (str, lambda v: setattr(cfg, "runtime_dir", v)),
-        "token_file": (str, lambda v: setattr(cfg, "token_file", v)),
-        "log_level": (str, lambda v: setattr(cfg, "log_level", v)),
-        "io_threads": (int, lambda v: setattr(cfg, "io_threads", v)),
-        "uvloop": (bool, lambda v: setattr(cfg, "use_uvloop", v)),
-        "simulate_privileged": (bool, lambda v: setattr(cfg, "simulate_privileged", v)),
-        "in_guest": (bool, lambda v: setattr(cfg, "in_guest", v)),
-    }
     for key, value in doc.items():
-        if key in top:
-            typ, apply = top[key]
-            apply(_want(key, value, typ))
-        elif key == "code":
-            for k, v in _want("code", value, dict).items():
-                if k == "pool":
-                    cfg.code_pool = _want("code.pool", v, int)
-                elif k == "prewarm":
-                    cfg.code_prewarm = _want("code.prewarm", v, bool)
-                elif k == "python":  # code_python
-                    cfg.code_python = _want("code.python", v, str).strip()
-                    if not cfg.code_python:
-                        raise ConfigError('code.python must be "guestd", "auto", or a Python\'s name or path')
-                elif k == "queue_wait_s":
-                    cfg.code_queue_wait_s = float(_want("code.queue_wait_s", v, (int, float)))
-                    if not cfg.code_queue_wait_s > 0:
-                        raise ConfigError("code.queue_wait_s must be > 0")
-                else:
-                    raise ConfigError(f"unknown config key code.{k}")
-        elif key == "processes":
-            for k, v in _want("processes", value, dict).items():
-                if k == "retention_s":
-                    cfg.process_retention_s = float(_want("processes.retention_s", v, (int, float)))
-                elif k == "stdin_timeout_s":
-                    cfg.process_stdin_timeout_s = float(_want("processes.stdin_timeout_s", v, (int, float)))
-                    if not cfg.process_stdin_timeout_s > 0:
-                        raise ConfigError("processes.stdin_timeout_s must be > 0")
-                else:
-                    raise ConfigError(f"unknown config key processes.{k}")
-        elif key == "policy":
-            pol = cfg.policy
-            for k, v in _want("policy", value, dict).items():
-                if k == "allowed_uids":
-                    pol.allowed_uids = {_want("policy.allowed_uids[]", x, int) for x in _want(k, v, list)}
-                elif k in ("allow_ops", "deny_ops", "write_roots", "read_roots"):
-                    setattr(pol, k, [_want(f"policy.{k}[]", x, str) for x in _want(k, v, list)])
-                elif k == "workload_user":
-                    pol.workload_user = str(_want(k, v, (str, int)))
-                else:
-                    raise ConfigError(f"unknown config key policy.{k}")
-        elif key == "ports":
-            for k, v in _want("ports", value, dict).items():
-                if k == "allow":
-                    cfg.ports.allow = [_want("ports.allow[]", x, str) for x in _want(k, v, list)]
-                    try:
-                        cfg.ports.check_syntax()
-                    except ValueError as exc:
-                        raise ConfigError(str(exc)) from None
-                elif k == "reverse":
-                    cfg.ports.reverse = _want("ports.reverse", v, bool)
-                else:
-                    raise ConfigError(f"unknown config key ports.{k}")
-        elif key == "workload":
-            wl = cfg.workload
-            for k, v in _want("workload", value, dict).items():
-                if k == "cgroup":
-                    wl.cgroup = _want("workload.cgroup", v, str)
-                elif k in ("memory_max", "pids_max", "run_pids_max"):
-                    setattr(wl, k, _cgroup_value(f"workload.{k}", v))
-                elif k == "memory_reserve":
-                    wl.memory_reserve = _want("workload.memory_reserve", v, int)
-                    if wl.memory_reserve < 0:
-                        raise ConfigError("workload.memory_reserve must be >= 0 (bytes)")
-                elif k == "cpu_weight":
-                    wl.cpu_weight = _want("workload.cpu_weight", v, int)
-                    if not 1 <= wl.cpu_weight <= 10_000:
-                        raise ConfigError("workload.cpu_weight must be 1..10000")
-                else:
-                    raise ConfigError(f"unknown config key workload.{k}")
-        elif key == "limits":
-            for k, v in _want("limits", value, dict).items():
-                if k not in LIMIT_NAMES:
-                    raise ConfigError(f"unknown config key limits.{k}")
-                setattr(cfg.limits, k, float(v) if k.endswith("_s") else _want(f"limits.{k}", v, int))
+        if key in _TOP_KEYS:
+            typ, apply = _TOP_KEYS[key]
+            apply(cfg, _want(key, value, typ))
+        elif key in _TABLES:
+            _TABLES[key](cfg, value)
         else:
             raise ConfigError(f"unknown config key {key!r}")
     return cfg
