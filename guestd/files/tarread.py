@@ -27,7 +27,7 @@ import lzma
 import tarfile
 import zlib
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Protocol
 
 from guestd.wire.errors import ErrorCode, GuestdError
@@ -152,6 +152,21 @@ class _Inflate:
         raise _Corrupt(f"bytes after the end of the {self.kind} stream")
 
 
+# The header kinds that describe the entry after them: pax ("x", "g") and GNU long names ("L", "K").
+_EXTENDED_KINDS = (tarfile.XHDTYPE, tarfile.XGLTYPE, tarfile.GNUTYPE_LONGNAME, tarfile.GNUTYPE_LONGLINK)
+
+
+@dataclass(slots=True)
+class _Extended:
+    """What one entry's extended headers said, until its own header comes."""
+
+    came: bool = False  # an extended header came: an entry must follow
+    pax: dict[bytes, bytes] = field(default_factory=dict)  # the kept records of its "x" headers
+    pax_sparse: bool = False
+    long_name: bytes | None = None
+    long_link: bytes | None = None
+
+
 class Reader:
     """The archive's bytes from ``source`` (raw chunks, as they came), inflated if compressed."""
 
@@ -248,83 +263,115 @@ class Reader:
     def next_member(self, previous: str) -> Member | None:
         """The next entry's header (its data follows), or None at the end of the archive.
         ``previous`` names the last entry, for a message about what follows it."""
-        pax: dict[bytes, bytes] = {}  # the kept records of this entry's "x" headers
-        pax_sparse = False
-        extended = False  # an extended header came: an entry must follow
-        long_name: bytes | None = None
-        long_link: bytes | None = None
+        ext = _Extended()
         while True:
-            block = self.read(BLOCK)
-            if not block and not extended:
-                if not self.members:
-                    raise bad(previous, "truncated", "the archive is empty (not even its end blocks)")
-                return None  # the input ended between entries
-            if len(block) < BLOCK:
-                raise bad(previous, "truncated", "the archive ends inside a header")
-            if block == _ZERO_BLOCK:
-                if extended:
-                    raise bad(previous, "invalid", "an extended header is followed by the end")
+            info = self._header(previous, ext.came)
+            if info is None:
                 return None
-            try:
-                info = tarfile.TarInfo.frombuf(block, "utf-8", "surrogateescape")
-            except tarfile.HeaderError as exc:
-                raise bad(previous, "invalid", f"an unreadable header after {previous!r} ({exc})") from None
-            kind = info.type
-            if kind in (tarfile.XHDTYPE, tarfile.XGLTYPE, tarfile.GNUTYPE_LONGNAME, tarfile.GNUTYPE_LONGLINK):
-                if not 0 <= info.size <= _PAX_MAX:
-                    raise bad(previous, "invalid", f"an extended header of {info.size} bytes")
-                data = self.read(info.size)
-                if len(data) < info.size or self.copy(-info.size % BLOCK, None) < -info.size % BLOCK:
-                    raise bad(previous, "truncated", "the archive ends inside an extended header")
-                extended = True
-                if kind == tarfile.GNUTYPE_LONGNAME:
-                    long_name = data.split(b"\0", 1)[0]
-                elif kind == tarfile.GNUTYPE_LONGLINK:
-                    long_link = data.split(b"\0", 1)[0]
-                elif kind == tarfile.XHDTYPE:
-                    pax_sparse |= _pax_records(data, previous, pax)
-                else:
-                    self.global_sparse |= _pax_records(data, previous, self.globals)
+            if info.type in _EXTENDED_KINDS:
+                self._take_extended(info, previous, ext)
                 continue
-            name = info.name
-            if long_name is not None:
-                name = long_name.decode("utf-8", "surrogateescape")
-            linkname = info.linkname
-            if long_link is not None:
-                linkname = long_link.decode("utf-8", "surrogateescape")
-            # pax text is UTF-8; with hdrcharset=BINARY (or bytes that are not UTF-8) the bytes as
-            # they are, kept as surrogates (what tarfile gives with errors="surrogateescape")
-            path = pax.get(b"path", self.globals.get(b"path"))
-            if path is not None:
-                name = path.decode("utf-8", "surrogateescape")
-            link = pax.get(b"linkpath", self.globals.get(b"linkpath"))
-            if link is not None:
-                linkname = link.decode("utf-8", "surrogateescape")
-            if "\0" in name or "\0" in linkname:
-                raise bad(name, "invalid", "a NUL byte in a name")
-            size = info.size
-            pax_size = pax.get(b"size", self.globals.get(b"size"))
-            if pax_size:  # an empty value: the header's (POSIX: it removes the keyword)
-                if len(pax_size) > _NUMBER_MAX or not pax_size.isdigit():  # bytes.isdigit: ASCII only
-                    raise bad(name, "invalid", f"a pax size of {pax_size[:_NUMBER_MAX]!r}")
-                size = int(pax_size)
-            if size < 0:  # a base-256 size may be negative
-                raise bad(name, "invalid", f"a size of {size}")
-            pax_mtime = pax.get(b"mtime", self.globals.get(b"mtime"))
-            mtime_ns = int(info.mtime) * 10**9
-            if pax_mtime:
-                mtime_ns = _pax_time_ns(pax_mtime, mtime_ns, name)
-            if not _MTIME_MIN_NS <= mtime_ns <= _MTIME_MAX_NS:
-                raise bad(name, "invalid", "an mtime past what a file's time can hold")
-            if pax_sparse or self.global_sparse or kind == tarfile.GNUTYPE_SPARSE:
-                kind = b"S"  # refused by the extractor: a sparse file is not expanded here
-            if kind == tarfile.AREGTYPE and name.endswith("/"):
-                kind = tarfile.DIRTYPE  # an old archive's directory (as tarfile reads it)
-            if kind == tarfile.DIRTYPE:
-                name = name.rstrip("/")  # as tarfile gives a directory's name
+            member = self._member(info, ext)
             self.members += 1
-            self.last = name
-            return Member(name, kind, info.mode, mtime_ns, size, linkname)
+            self.last = member.name
+            return member
+
+    def _header(self, previous: str, extended: bool) -> tarfile.TarInfo | None:
+        """The next header block decoded, or None at the end of the archive (refused right after
+        an extended header: an entry must follow one)."""
+        block = self.read(BLOCK)
+        if not block and not extended:
+            if not self.members:
+                raise bad(previous, "truncated", "the archive is empty (not even its end blocks)")
+            return None  # the input ended between entries
+        if len(block) < BLOCK:
+            raise bad(previous, "truncated", "the archive ends inside a header")
+        if block == _ZERO_BLOCK:
+            if extended:
+                raise bad(previous, "invalid", "an extended header is followed by the end")
+            return None
+        try:
+            return tarfile.TarInfo.frombuf(block, "utf-8", "surrogateescape")
+        except tarfile.HeaderError as exc:
+            raise bad(previous, "invalid", f"an unreadable header after {previous!r} ({exc})") from None
+
+    def _take_extended(self, info: tarfile.TarInfo, previous: str, ext: _Extended) -> None:
+        """An extended header's data (at most ``_PAX_MAX`` bytes) into ``ext`` (pax "g": into the
+        reader's globals, for every entry after it)."""
+        if not 0 <= info.size <= _PAX_MAX:
+            raise bad(previous, "invalid", f"an extended header of {info.size} bytes")
+        data = self.read(info.size)
+        if len(data) < info.size or self.copy(-info.size % BLOCK, None) < -info.size % BLOCK:
+            raise bad(previous, "truncated", "the archive ends inside an extended header")
+        ext.came = True
+        kind = info.type
+        if kind == tarfile.GNUTYPE_LONGNAME:
+            ext.long_name = data.split(b"\0", 1)[0]
+        elif kind == tarfile.GNUTYPE_LONGLINK:
+            ext.long_link = data.split(b"\0", 1)[0]
+        elif kind == tarfile.XHDTYPE:
+            ext.pax_sparse |= _pax_records(data, previous, ext.pax)
+        else:
+            self.global_sparse |= _pax_records(data, previous, self.globals)
+
+    def _pax(self, ext: _Extended, key: bytes) -> bytes | None:
+        """A pax record of this entry, else of the globals before it."""
+        return ext.pax.get(key, self.globals.get(key))
+
+    def _names(self, info: tarfile.TarInfo, ext: _Extended) -> tuple[str, str]:
+        """The entry's name and link name: the header's, replaced by a GNU long name's, replaced
+        in turn by a pax record's."""
+        name = info.name
+        if ext.long_name is not None:
+            name = ext.long_name.decode("utf-8", "surrogateescape")
+        linkname = info.linkname
+        if ext.long_link is not None:
+            linkname = ext.long_link.decode("utf-8", "surrogateescape")
+        # pax text is UTF-8; with hdrcharset=BINARY (or bytes that are not UTF-8) the bytes as
+        # they are, kept as surrogates (what tarfile gives with errors="surrogateescape")
+        path = self._pax(ext, b"path")
+        if path is not None:
+            name = path.decode("utf-8", "surrogateescape")
+        link = self._pax(ext, b"linkpath")
+        if link is not None:
+            linkname = link.decode("utf-8", "surrogateescape")
+        if "\0" in name or "\0" in linkname:
+            raise bad(name, "invalid", "a NUL byte in a name")
+        return name, linkname
+
+    def _size(self, info: tarfile.TarInfo, ext: _Extended, name: str) -> int:
+        size = info.size
+        pax_size = self._pax(ext, b"size")
+        if pax_size:  # an empty value: the header's (POSIX: it removes the keyword)
+            if len(pax_size) > _NUMBER_MAX or not pax_size.isdigit():  # bytes.isdigit: ASCII only
+                raise bad(name, "invalid", f"a pax size of {pax_size[:_NUMBER_MAX]!r}")
+            size = int(pax_size)
+        if size < 0:  # a base-256 size may be negative
+            raise bad(name, "invalid", f"a size of {size}")
+        return size
+
+    def _mtime_ns(self, info: tarfile.TarInfo, ext: _Extended, name: str) -> int:
+        pax_mtime = self._pax(ext, b"mtime")
+        mtime_ns = int(info.mtime) * 10**9
+        if pax_mtime:
+            mtime_ns = _pax_time_ns(pax_mtime, mtime_ns, name)
+        if not _MTIME_MIN_NS <= mtime_ns <= _MTIME_MAX_NS:
+            raise bad(name, "invalid", "an mtime past what a file's time can hold")
+        return mtime_ns
+
+    def _member(self, info: tarfile.TarInfo, ext: _Extended) -> Member:
+        """The entry a (non-extended) header describes, with its extended headers applied."""
+        name, linkname = self._names(info, ext)
+        size = self._size(info, ext, name)
+        mtime_ns = self._mtime_ns(info, ext, name)
+        kind = info.type
+        if ext.pax_sparse or self.global_sparse or kind == tarfile.GNUTYPE_SPARSE:
+            kind = b"S"  # refused by the extractor: a sparse file is not expanded here
+        if kind == tarfile.AREGTYPE and name.endswith("/"):
+            kind = tarfile.DIRTYPE  # an old archive's directory (as tarfile reads it)
+        if kind == tarfile.DIRTYPE:
+            name = name.rstrip("/")  # as tarfile gives a directory's name
+        return Member(name, kind, info.mode, mtime_ns, size, linkname)
 
     def finish_data(self, size: int, copied: int, name: str) -> None:
         """After a file's ``copied`` of ``size`` bytes: the padding to a block, or truncated."""
