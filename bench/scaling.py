@@ -719,7 +719,7 @@ WHY = {
     ],
     "background": [
         "Why: each exec pays for every live process twice, both linear in their number. (1) `Children.reaped` "
-        "(guestd/children/__init__.py) calls `Reaper.sweep` (guestd/children/reaper.py) after each exit: "
+        "(guestd/children/spawner.py) calls `Reaper.sweep` (guestd/children/reaper.py) after each exit: "
         "`waitid(P_ALL, WNOHANG | WNOWAIT)` makes the kernel walk all of guestd's children "
         "(`wait_consider_task`). (2) the clone3 child (guestd/children/_clone.c, no `CLONE_FILES`) gets a copy of"
         " guestd's fd table (`dup_fd`) and `close_from` closes every inherited fd with `close_range`, each close "

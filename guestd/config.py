@@ -153,11 +153,11 @@ def _apply_policy(cfg: Config, table: Any) -> None:
     pol = cfg.policy
     for k, v in _want("policy", table, dict).items():
         if k == "allowed_uids":
-            pol.allowed_uids = {_want("policy.allowed_uids[]", x, int) for x in _want(k, v, list)}
+            pol.allowed_uids = {_want("policy.allowed_uids[]", x, int) for x in _want(f"policy.{k}", v, list)}
         elif k in ("allow_ops", "deny_ops", "write_roots", "read_roots"):
-            setattr(pol, k, [_want(f"policy.{k}[]", x, str) for x in _want(k, v, list)])
+            setattr(pol, k, [_want(f"policy.{k}[]", x, str) for x in _want(f"policy.{k}", v, list)])
         elif k == "workload_user":
-            pol.workload_user = str(_want(k, v, (str, int)))
+            pol.workload_user = str(_want(f"policy.{k}", v, (str, int)))
         else:
             raise ConfigError(f"unknown config key policy.{k}")
 
@@ -166,7 +166,7 @@ def _apply_ports(cfg: Config, table: Any) -> None:
     """The [ports] table: which guest ports the host may reach, and reverse forwards."""
     for k, v in _want("ports", table, dict).items():
         if k == "allow":
-            cfg.ports.allow = [_want("ports.allow[]", x, str) for x in _want(k, v, list)]
+            cfg.ports.allow = [_want("ports.allow[]", x, str) for x in _want("ports.allow", v, list)]
             try:
                 cfg.ports.check_syntax()
             except ValueError as exc:
@@ -202,7 +202,9 @@ def _apply_limits(cfg: Config, table: Any) -> None:
     for k, v in _want("limits", table, dict).items():
         if k not in LIMIT_NAMES:
             raise ConfigError(f"unknown config key limits.{k}")
-        setattr(cfg.limits, k, float(v) if k.endswith("_s") else _want(f"limits.{k}", v, int))
+        seconds = k.endswith("_s")
+        value = _want(f"limits.{k}", v, (int, float) if seconds else int)
+        setattr(cfg.limits, k, float(value) if seconds else value)
 
 
 # The config file's top-level keys that are not tables: the type each takes and where it goes.

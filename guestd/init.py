@@ -253,7 +253,7 @@ class Supervisor:
 
     def start(self) -> None:
         try:
-            # What guestd starts gets a normal OOM score back (see guestd.children: _OOM_RESET).
+            # What guestd starts gets a normal OOM score back (see guestd.children.launch: OOM_RESET).
             env = {**os.environ, "GUESTD_CHILD_OOM_SCORE_ADJ": "0"}
             self.child = subprocess.Popen(self.argv, start_new_session=True, env=env)
             log(f"started {' '.join(self.argv)} (pid {self.child.pid})")
