@@ -25,7 +25,14 @@ ABOVE = (
     "guestd.testing",
     "guestd.integrations",
 )
-BELOW = ("guestd/children", "guestd/wire", "guestd/services.py", "guestd/config.py", "guestd/policy.py", "guestd/output")
+BELOW = (
+    "guestd/children",
+    "guestd/wire",
+    "guestd/services.py",
+    "guestd/config.py",
+    "guestd/policy.py",
+    "guestd/output",
+)
 
 
 def imports_of(path: str) -> set[str]:
