@@ -310,8 +310,11 @@ def interrupt(proc: subprocess.Popen[bytes]) -> tuple[int, bytes, bytes]:
 
 
 def popen(w: World, *argv: str) -> subprocess.Popen[bytes]:
+    # Unbuffered: readline's select() sees the pipe only, so a reader's buffer must not hold a
+    # second line already (two lines read in one go left the second unseen: "no line in time").
     return subprocess.Popen(
         w.g.guestctl_argv(*argv),
+        bufsize=0,
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         env={**os.environ, "PYTHONPATH": REPO},
