@@ -285,12 +285,14 @@ def test_events_come_only_with_stream_for_every_op_that_takes_it(guestd: Guestd,
     p.request(2, "metrics", {"interval_ms": 0})
     p.request(3, "shell.create", {"cwd": str(tmp_path)})
     got: list[tuple[int, int]] = []
-    while True:
+    ended: set[int] = set()
+    while ended != {1, 2, 3}:  # in any order: shell.create may answer before exec (recv is bounded)
         kind, rid, body = p.recv()
         got.append((kind, rid))
+        if kind in (Kind.RESPONSE, Kind.ERROR):
+            ended.add(rid)
         if (kind, rid) == (Kind.RESPONSE, 3):
             session = body["id"]
-            break
     p.request(4, "shell.run", {"id": session, "command": "echo hi"})
     kind, body = p.recv_final(4)
     assert kind == Kind.RESPONSE and body["stdout"] == b"hi\n"
