@@ -6,7 +6,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import os
-from collections.abc import Callable, Coroutine, Iterator, Mapping
+from collections.abc import Callable, Coroutine, Iterator
 from typing import Any
 
 import pytest
@@ -15,67 +15,7 @@ import uvloop
 from guestd.output.capture import OutputCapture, OutputRing
 from guestd.output.pump import OutputPump
 from guestd.output.stream import CreditedStream
-
-
-class FakeStream:
-    """A request whose client grants credit only when the test says so; its data events land
-    in ``sent``. ``max_frame`` bounds one event as the real session does."""
-
-    def __init__(self, credit: int = 0, max_frame: int = 1 << 20) -> None:
-        self.credit = credit
-        self.max_frame = max_frame
-        self.active = True
-        self.write_paused = False
-        self.sent: list[tuple[str, bytes]] = []
-        self.drain_error: Exception | None = None  # drain raises it: the connection is closing
-        self.on_wait_credit: Callable[[], None] | None = None  # runs in each wait_credit
-        self._waiters: list[asyncio.Future[None]] = []
-
-    def data_room(self, fields: Mapping[str, Any]) -> int:
-        return min(self.credit, self.max_frame) if self.active else 0
-
-    def push_data(self, fields: Mapping[str, Any], data: bytes | bytearray) -> None:
-        assert self.active and 0 < len(data) <= self.data_room(fields), "an event beyond the credit"
-        self.credit -= len(data)
-        self.sent.append((fields["ev"], bytes(data)))
-
-    async def wait_credit(self) -> None:
-        if self.on_wait_credit is not None:
-            self.on_wait_credit()
-        while self.active and self.credit <= 0:
-            await self._wait()
-
-    async def drain(self) -> None:
-        if self.drain_error is not None:
-            raise self.drain_error
-        while self.active and self.write_paused:
-            await self._wait()
-
-    async def _wait(self) -> None:
-        waiter = asyncio.get_running_loop().create_future()
-        self._waiters.append(waiter)
-        await waiter
-
-    def _wake(self) -> None:
-        waiters, self._waiters = self._waiters, []
-        for w in waiters:
-            if not w.done():
-                w.set_result(None)
-
-    def grant(self, nbytes: int) -> None:
-        self.credit += nbytes
-        self._wake()
-
-    def set_write_paused(self, paused: bool) -> None:
-        self.write_paused = paused
-        self._wake()
-
-    def end(self) -> None:
-        self.active = False
-        self._wake()
-
-    def data(self, ev: str = "stdout") -> bytes:
-        return b"".join(d for e, d in self.sent if e == ev)
+from guestd.testing.services import FakeStream
 
 
 def _typed(stream: FakeStream) -> CreditedStream:
@@ -142,6 +82,13 @@ def captures(limit: int = 1 << 20, mode: str = "tail") -> dict[int, OutputCaptur
     return {1: OutputCapture(limit, mode), 2: OutputCapture(limit, mode)}
 
 
+def streaming_pump() -> tuple[FakeStream, dict[int, OutputCapture], OutputPump]:
+    """A pump routed to a stream with no credit yet, and the captures it falls back to."""
+    stream, caps, pump = FakeStream(credit=0), captures(), OutputPump()
+    pump.route(caps, _typed(stream))
+    return stream, caps, pump
+
+
 def open_fds() -> set[str]:
     return set(os.listdir("/proc/self/fd"))
 
@@ -151,10 +98,7 @@ def test_no_credit_nothing_is_read(run: Any, pipe: tuple[int, int]) -> None:
     r, w = pipe
 
     async def test() -> None:
-        stream = FakeStream(credit=0)
-        caps = captures()
-        pump = OutputPump()
-        pump.route(caps, _typed(stream))
+        stream, caps, pump = streaming_pump()
         os.write(w, b"x" * 100)
         pump.add("stdout", r, 1)
         await ticks()
@@ -170,10 +114,7 @@ def test_granted_credit_sends_exactly_that_many_bytes(run: Any, pipe: tuple[int,
     r, w = pipe
 
     async def test() -> None:
-        stream = FakeStream(credit=0)
-        caps = captures()
-        pump = OutputPump()
-        pump.route(caps, _typed(stream))
+        stream, caps, pump = streaming_pump()
         payload = bytes(range(100))
         os.write(w, payload)
         pump.add("stdout", r, 1)
@@ -235,10 +176,7 @@ def test_an_ended_request_gets_nothing_and_the_output_is_captured(run: Any, pipe
     r, w = pipe
 
     async def test() -> None:
-        stream = FakeStream(credit=0)
-        caps = captures()
-        pump = OutputPump()
-        pump.route(caps, _typed(stream))
+        stream, caps, pump = streaming_pump()
         stream.end()
         os.write(w, b"late")
         pump.add("stdout", r, 1)
@@ -476,10 +414,7 @@ def test_resume_reads_again_at_once(run: Any, pipe: tuple[int, int]) -> None:
     r, w = pipe
 
     async def test() -> None:
-        stream = FakeStream(credit=0)
-        caps = captures()
-        pump = OutputPump()
-        pump.route(caps, _typed(stream))
+        stream, caps, pump = streaming_pump()
         os.write(w, b"held")
         pump.add("stdout", r, 1)
         await until(lambda: pump.paused)

@@ -25,7 +25,7 @@ from guestd.services import Handler, InlineHandler, Services
 from guestd.wire.paths import path_from_wire
 from guestd.wire.schema import OPS_BY_NAME, validate_args
 
-__all__ = ["FakeRequest", "RecordingRegistry", "call", "fake_services"]
+__all__ = ["FakeRequest", "FakeStream", "RecordingRegistry", "call", "fake_services"]
 
 
 class RecordingRegistry:
@@ -98,39 +98,38 @@ def fake_services(runtime_dir: str | Path, config: Config | None = None) -> Serv
     return Services(cfg, children, workload, RecordingRegistry(), FakeHost())
 
 
-class FakeRequest:
-    """A request as a handler sees it (guestd.services.Request): events and data land in
-    ``events``; data goes out only within ``credit``, which the test grants; INPUT bodies the
-    test puts in ``input``."""
+class FakeStream:
+    """A request's credited data side (guestd.output.stream.CreditedStream) whose client grants
+    credit only when the test says so (:meth:`grant`); data events land in ``sent`` as
+    ``(ev, bytes)``. ``max_frame`` bounds one event as the real session does."""
 
-    def __init__(self, credit: int = 1 << 30, max_frame: int = 1 << 20) -> None:
+    def __init__(self, credit: int = 0, max_frame: int = 1 << 20) -> None:
         self.credit = credit
-        self._max_frame = max_frame
+        self.max_frame = max_frame
         self.active = True
         self.write_paused = False
-        self.events: list[dict[str, Any]] = []
-        self._input: asyncio.Queue[dict[str, Any]] | None = None
-        self.input_handler: Callable[[dict[str, Any]], None] | None = None
-        self.signal_handler: Callable[[Any], None] | None = None
-        self.acked = 0
-        self.committed = False
-        self.taking_data = True
+        self.sent: list[tuple[str, bytes]] = []
+        self.drain_error: Exception | None = None  # drain raises it: the connection is closing
+        self.on_wait_credit: Callable[[], None] | None = None  # runs in each wait_credit
         self._waiters: list[asyncio.Future[None]] = []
 
-    # -- credit ---------------------------------------------------------------------------
     def data_room(self, fields: Mapping[str, Any]) -> int:
-        return min(self.credit, self._max_frame) if self.active else 0
+        return min(self.credit, self.max_frame) if self.active else 0
 
     def push_data(self, fields: Mapping[str, Any], data: bytes | bytearray) -> None:
         assert self.active and 0 < len(data) <= self.data_room(fields), "a data event beyond the credit"
         self.credit -= len(data)
-        self.events.append({**fields, "data": bytes(data)})
+        self.sent.append((fields["ev"], bytes(data)))
 
     async def wait_credit(self) -> None:
+        if self.on_wait_credit is not None:
+            self.on_wait_credit()
         while self.active and self.credit <= 0:
             await self._wait()
 
     async def drain(self) -> None:
+        if self.drain_error is not None:
+            raise self.drain_error
         while self.active and self.write_paused:
             await self._wait()
 
@@ -138,10 +137,18 @@ class FakeRequest:
         self.credit += nbytes
         self._wake()
 
+    def set_write_paused(self, paused: bool) -> None:
+        self.write_paused = paused
+        self._wake()
+
     def end(self) -> None:
         """The request's final frame went out (or the client cancelled)."""
         self.active = False
         self._wake()
+
+    def data(self, ev: str = "stdout") -> bytes:
+        """Every data byte of the events named ``ev``, in order."""
+        return b"".join(d for e, d in self.sent if e == ev)
 
     async def _wait(self) -> None:
         waiter = asyncio.get_running_loop().create_future()
@@ -153,6 +160,22 @@ class FakeRequest:
         for waiter in waiters:
             if not waiter.done():
                 waiter.set_result(None)
+
+
+class FakeRequest(FakeStream):
+    """A request as a handler sees it (guestd.services.Request): its data as :class:`FakeStream`
+    (credit 1 GiB unless given), its other events in ``events``, INPUT bodies the test puts in
+    ``input``."""
+
+    def __init__(self, credit: int = 1 << 30, max_frame: int = 1 << 20) -> None:
+        super().__init__(credit, max_frame)
+        self.events: list[dict[str, Any]] = []
+        self._input: asyncio.Queue[dict[str, Any]] | None = None
+        self.input_handler: Callable[[dict[str, Any]], None] | None = None
+        self.signal_handler: Callable[[Any], None] | None = None
+        self.acked = 0
+        self.committed = False
+        self.taking_data = True
 
     # -- events ---------------------------------------------------------------------------
     async def send_event(self, body: dict[str, Any]) -> None:
@@ -174,10 +197,6 @@ class FakeRequest:
     async def wait_room(self, fields: Mapping[str, Any], nbytes: int) -> None:
         while self.active and self.data_room(fields) < nbytes:
             await self._wait()
-
-    @property
-    def max_frame(self) -> int:
-        return self._max_frame
 
     # -- input, signals, the point of no return -------------------------------------------
     @property
@@ -201,10 +220,6 @@ class FakeRequest:
     @property
     def connection(self) -> object:
         return self
-
-    def data(self, ev: str) -> bytes:
-        """Every data byte of the events named ``ev``, in order."""
-        return b"".join(e["data"] for e in self.events if e.get("ev") == ev and "data" in e)
 
 
 async def call(
