@@ -30,7 +30,7 @@ from guestd.server.daemon import Daemon
 from guestd.server.dispatch import Dispatcher, Route
 from guestd.server.request import Handler, RequestContext
 from guestd.testing import StartGuestd
-from guestd.testing.rawwire import RawPeer
+from guestd.testing.rawwire import RawPeer, SinkTransport
 from guestd.wire.errors import ErrorCode, GuestdError
 from guestd.wire.frames import Frame, FrameDecoder, Kind, encode_frame
 from guestd.wire.messages import decode_body
@@ -283,25 +283,6 @@ def test_the_daemon_composes_policy_first_and_its_own_steps_last() -> None:
     assert daemon.admission.names() == ["policy", ROUTE, "snapshot", "bulk_reply", "paths"]
 
 
-class _Sink:
-    """A transport that keeps what the connection writes."""
-
-    def __init__(self) -> None:
-        self.out = bytearray()
-
-    def write(self, data: bytes) -> None:
-        self.out += data
-
-    def get_extra_info(self, name: str, default: Any = None) -> Any:
-        return default
-
-    def get_write_buffer_size(self) -> int:
-        return 0
-
-    def close(self) -> None:
-        pass
-
-
 def _finals(out: bytes) -> dict[int, tuple[int, dict[str, Any]]]:
     decoder = FrameDecoder(1 << 30)
     decoder.feed(out)
@@ -330,7 +311,7 @@ def test_during_a_restore_even_ping_waits_at_the_snapshot_gate_but_the_restore_d
         daemon = Daemon(cfg, compose)
         (state,) = states
         conn = Connection(daemon, "test", serial=True)
-        sink = _Sink()
+        sink = SinkTransport()
         conn.connection_made(sink)  # type: ignore[arg-type]
         conn.data_received(encode_frame(Kind.HELLO, 0, {"versions": [1]}))
         await state.lock.acquire()  # as snapshot.restore does while it works

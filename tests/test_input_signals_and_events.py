@@ -148,29 +148,14 @@ def test_thousands_of_hellos_in_one_serial_write_do_not_recurse() -> None:
     from guestd.config import Config
     from guestd.server.connection import Connection
     from guestd.server.daemon import Daemon
+    from guestd.testing.rawwire import SinkTransport
     from guestd.wire.frames import FrameDecoder
-
-    class Sink:
-        def __init__(self) -> None:
-            self.out = bytearray()
-
-        def write(self, data: bytes) -> None:
-            self.out += data
-
-        def get_extra_info(self, name: str, default: Any = None) -> Any:
-            return default
-
-        def get_write_buffer_size(self) -> int:
-            return 0
-
-        def close(self) -> None:
-            pass
 
     async def serve() -> bytes:
         cfg = Config()
         cfg.simulate_privileged = True  # hellos without time_ns anyway: nothing touches the clock
         conn = Connection(Daemon(cfg), "serial-test", serial=True)
-        sink = Sink()
+        sink = SinkTransport()
         conn.connection_made(sink)  # type: ignore[arg-type]
         hello = encode_frame(Kind.HELLO, 0, {"versions": [1]})
         conn.data_received(hello * 3000 + encode_frame(Kind.REQUEST, 7, {"op": "ping", "args": {}}))

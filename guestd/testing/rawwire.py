@@ -130,3 +130,27 @@ FAKE_GUEST_HELLO: dict[str, Any] = {
     "boot_id": "x",
     "session": "y",
 }
+
+
+class SinkTransport:
+    """A transport for a server ``Connection`` driven in-process: it keeps what the connection
+    writes in ``out`` and whether it was closed."""
+
+    def __init__(self) -> None:
+        self.out = bytearray()
+        self.closed = False
+
+    def write(self, data: bytes) -> None:
+        self.out += data
+
+    def get_extra_info(self, name: str, default: Any = None) -> Any:
+        return default
+
+    def get_write_buffer_size(self) -> int:
+        return 0
+
+    def set_write_buffer_limits(self, high: int | None = None, low: int | None = None) -> None:
+        pass
+
+    def close(self) -> None:
+        self.closed = True

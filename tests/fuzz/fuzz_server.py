@@ -15,7 +15,6 @@ import asyncio
 import os
 import sys
 import tempfile
-from typing import Any
 
 import atheris
 
@@ -23,29 +22,12 @@ with atheris.instrument_imports():
     from guestd.config import Config
     from guestd.server.connection import Connection
     from guestd.server.daemon import Daemon
+    from guestd.testing.rawwire import SinkTransport
     from guestd.wire.frames import FrameDecoder, Kind, OversizeFrame, encode_frame
 
 # libFuzzer ends the process without atexit: a test gives a directory it removes itself.
 WORK = os.environ.get("GUESTD_FUZZ_WORK") or tempfile.mkdtemp(prefix="guestd-fuzz-")
 os.chdir(WORK)
-
-
-class Sink:
-    def __init__(self) -> None:
-        self.out = bytearray()
-        self.closed = False
-
-    def write(self, data: bytes) -> None:
-        self.out += data
-
-    def get_extra_info(self, name: str, default: Any = None) -> Any:
-        return default
-
-    def close(self) -> None:
-        self.closed = True
-
-    def set_write_buffer_limits(self, high: int | None = None, low: int | None = None) -> None:
-        pass
 
 
 loop = asyncio.new_event_loop()
@@ -68,7 +50,7 @@ async def serve_one(data: bytes) -> None:
     # Inside the loop, as asyncio calls a protocol: handlers become tasks, timers are set.
     fdp = atheris.FuzzedDataProvider(data)
     conn = Connection(daemon, "fuzz")
-    sink = Sink()
+    sink = SinkTransport()
     conn.connection_made(sink)  # type: ignore[arg-type]
     if fdp.ConsumeBool():
         conn.data_received(HELLO)
