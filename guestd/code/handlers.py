@@ -50,7 +50,7 @@ class CodeCapability:
         """Kills the kernels a previous guestd may have left when it crashed."""
         kdir = self.services.kernel_dir()
         if os.listdir(kdir):
-            from guestd.code.kernel_process import reap_orphan_kernels
+            from guestd.code.pidfiles import reap_orphan_kernels
 
             orphans = reap_orphan_kernels(kdir)
             if orphans:

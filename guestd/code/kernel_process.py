@@ -1,7 +1,7 @@
 """One kernel process and guestd's channels to it: the spawn of guestd's own Python kernel or
 a kernelspec's, its environment, the hand-over of its connection (key) once it is
-non-dumpable, its pid file, death and shutdown, and the reaping of kernels a crashed guestd
-left behind.
+non-dumpable, its death and shutdown (its pid file, for the guestd after a crash:
+guestd.code.pidfiles).
 
 jupyter_client (and zmq, tornado, traitlets) is imported on first use only, so a
 guestd that never runs code does not pay for it in memory or start-up time.
@@ -19,7 +19,6 @@ import contextlib
 import json
 import logging
 import os
-import re
 import secrets
 import signal
 import socket
@@ -27,11 +26,11 @@ import sys
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
-from guestd.children.cgroups import guestd_running
 from guestd.children.tree import alive, descendants
-from guestd.code.kernel import NO_IPYKERNEL, PRIVATE_NAME
+from guestd.code.kernel import NO_IPYKERNEL
 from guestd.code.kernelspec import ForeignSpec, foreign_command
 from guestd.code.messages import RunState, decode, kernel_content_cap, kernel_max_message
+from guestd.code.pidfiles import remove_pidfile, write_pidfile
 from guestd.code.python import KernelPython, missing_ipykernel
 from guestd.code.python import resolve as resolve_python
 from guestd.code.reseed import ReseedChannel, handover_channel
@@ -242,7 +241,7 @@ class Kernel:
         # Watched and recorded from the spawn on: a kernel that dies, or whose start is given up,
         # is reaped (and a crashed guestd's successor finds its pid file) however far it came.
         self.child.watch(self._on_exit, 0.2)
-        self._write_pidfile()
+        write_pidfile(self.services.kernel_dir(), self.kid, self.pid, foreign=self.spec is not None)
         child = self.child
         cgroup_pids = child.cgroup.pids if child.cgroup is not None else None
         came_up = False
@@ -405,20 +404,6 @@ class Kernel:
             last = " (this kernel's later ones are not logged)" if self.drops == MAX_LOGGED_DROPS else ""
             log.warning("kernel %s: %s%s", self.kid, what, last, exc_info=exc_info)
 
-    def _pidfile(self) -> str:
-        return os.path.join(self.services.kernel_dir(), f"{self.kid}.pid")
-
-    def _write_pidfile(self) -> None:
-        try:
-            import psutil
-
-            ctime = psutil.Process(self.pid).create_time()
-            with open(self._pidfile(), "w") as f:
-                # A foreign kernel's command line is its kernelspec's, not guestd.code.kernel.
-                f.write(f"{self.pid} {ctime}" + (" foreign\n" if self.spec is not None else "\n"))
-        except (OSError, ImportError, Exception):  # best effort: PDEATHSIG is the first line of defence
-            log.debug("could not record kernel pid", exc_info=True)
-
     def _on_exit(self) -> None:
         assert self.child is not None
         # What the kernel started (``setsid -f``, ``cmd &``) dies with it: a dead context can only
@@ -427,13 +412,7 @@ class Kernel:
         self.child.kill_now()
         if not self.died.done():
             self.died.set_result(_exit_reason(self.child.status))
-        self._remove_pidfile()
-
-    def _remove_pidfile(self) -> None:
-        try:
-            os.unlink(self._pidfile())
-        except OSError:
-            pass
+        remove_pidfile(self.services.kernel_dir(), self.kid)
 
     @property
     def alive(self) -> bool:
@@ -504,7 +483,7 @@ class Kernel:
             except Exception:
                 pass
         self._remove_connection_file()
-        self._remove_pidfile()
+        remove_pidfile(self.services.kernel_dir(), self.kid)
 
     def usage_now(self) -> RunUsage | None:
         """The counters of the kernel's run (its cgroup leaf) now: a cell's share is a difference."""
@@ -517,15 +496,6 @@ class Kernel:
             return int(psutil.Process(self.pid).memory_info().rss)
         except Exception:
             return None
-
-
-def _owner_alive(name: str) -> bool:
-    """Kernel ids are ``k<guestd pid>-...``: is the guestd that made this file still running?"""
-    m = re.match(r"k(\d+)-", name)
-    if not m:
-        return False
-    owner = int(m.group(1))
-    return owner == os.getpid() or guestd_running(owner)
 
 
 async def hand_over_connection(
@@ -562,44 +532,3 @@ def _traced_by(pid: int) -> int:
             if line.startswith("TracerPid:"):
                 return int(line.split()[1])
     return 0
-
-
-def reap_orphan_kernels(kernel_dir: str) -> int:
-    """Kill kernels whose guestd is gone (it crashed; their pid files survived it). Returns how many.
-
-    Files of a guestd that is still running (another instance sharing the directory)
-    are left alone.
-    """
-    killed = 0
-    try:
-        names = os.listdir(kernel_dir)
-    except OSError:
-        return 0
-    for n in names:
-        if _owner_alive(n):
-            continue
-        path = os.path.join(kernel_dir, n)
-        if n.endswith(".pid"):
-            try:
-                with open(path) as f:
-                    words = f.read().split()
-                pid, ctime = int(words[0]), float(words[1])
-                foreign = words[2:3] == ["foreign"]  # its command line is its kernelspec's
-                import psutil
-
-                p = psutil.Process(pid)
-                command = " ".join(p.cmdline())
-                ours = "guestd.code.kernel" in command or PRIVATE_NAME in command  # own or workload Python
-                if abs(p.create_time() - ctime) < 0.01 and (foreign or ours):
-                    try:
-                        os.killpg(pid, signal.SIGKILL)
-                    except OSError:
-                        p.kill()
-                    killed += 1
-            except Exception:
-                pass
-        try:
-            os.unlink(path)
-        except OSError:
-            pass
-    return killed
