@@ -49,7 +49,8 @@ def peak_rss(pid: int) -> int:
 KILLED_BETWEEN_LINK_AND_RENAME = """
 import os, signal, sys
 from guestd.files import atomic
-from guestd.files.fs import FileSystem, PendingTemps
+from guestd.files.fs import FileSystem
+from guestd.files.temps import PendingTemps
 
 target, runtime = sys.argv[1], sys.argv[2]
 f = atomic.AtomicFile(FileSystem().place(target), "overwrite", None, PendingTemps(runtime))

@@ -16,13 +16,13 @@ from collections.abc import Callable
 import pytest
 
 from guestd.client import Client, GuestdError
-from guestd.files import fs
+from guestd.files import fs, resolver
 from guestd.testing import Guestd
 
 Resolver = Callable[[int, bytes, int, int, int], int]
 RESOLVERS: dict[str, Resolver] = {
-    "openat2": lambda d, p, f, m, r: fs.openat2(d, p, f, m, r),
-    "walk": lambda d, p, f, m, r: fs._walk(d, p, f | os.O_CLOEXEC, m, r),  # kernels before 5.6
+    "openat2": lambda d, p, f, m, r: resolver.openat2(d, p, f, m, r),
+    "walk": lambda d, p, f, m, r: resolver._walk(d, p, f | os.O_CLOEXEC, m, r),  # kernels before 5.6
 }
 
 
@@ -52,25 +52,25 @@ def test_beneath_keeps_every_path_inside_its_directory(tree: str, how: str) -> N
     resolve = RESOLVERS[how]
     root = os.open(tree, os.O_PATH | os.O_DIRECTORY)
     try:
-        assert _read(resolve(root, b"a/b/file", os.O_RDONLY, 0, fs.RESOLVE_BENEATH)) == b"inside"
-        assert _read(resolve(root, b"rel/file", os.O_RDONLY, 0, fs.RESOLVE_BENEATH)) == b"inside"
-        assert _read(resolve(root, b"a/../a/b/file", os.O_RDONLY, 0, fs.RESOLVE_BENEATH)) == b"inside"
+        assert _read(resolve(root, b"a/b/file", os.O_RDONLY, 0, resolver.RESOLVE_BENEATH)) == b"inside"
+        assert _read(resolve(root, b"rel/file", os.O_RDONLY, 0, resolver.RESOLVE_BENEATH)) == b"inside"
+        assert _read(resolve(root, b"a/../a/b/file", os.O_RDONLY, 0, resolver.RESOLVE_BENEATH)) == b"inside"
         for escape in (b"../x", b"a/../../x", b"up/x", b"out/passwd", b"/etc/passwd"):
             with pytest.raises(OSError) as ei:
-                resolve(root, escape, os.O_RDONLY, 0, fs.RESOLVE_BENEATH)
+                resolve(root, escape, os.O_RDONLY, 0, resolver.RESOLVE_BENEATH)
             assert ei.value.errno == errno.EXDEV, escape
         with pytest.raises(OSError) as ei:
-            resolve(root, b"loop", os.O_RDONLY, 0, fs.RESOLVE_BENEATH)
+            resolve(root, b"loop", os.O_RDONLY, 0, resolver.RESOLVE_BENEATH)
         assert ei.value.errno == errno.ELOOP
         with pytest.raises(OSError) as ei:
-            resolve(root, b"rel/file", os.O_RDONLY, 0, fs.RESOLVE_BENEATH | fs.RESOLVE_NO_SYMLINKS)
+            resolve(root, b"rel/file", os.O_RDONLY, 0, resolver.RESOLVE_BENEATH | resolver.RESOLVE_NO_SYMLINKS)
         assert ei.value.errno == errno.ELOOP
         with pytest.raises(OSError) as ei:  # O_NOFOLLOW on the last component
-            resolve(root, b"rel", os.O_RDONLY | os.O_NOFOLLOW, 0, fs.RESOLVE_BENEATH)
+            resolve(root, b"rel", os.O_RDONLY | os.O_NOFOLLOW, 0, resolver.RESOLVE_BENEATH)
         assert ei.value.errno == errno.ELOOP
         # Without BENEATH the kernel's usual rules: the symlink out is followed.
         assert _read(resolve(root, b"out/hostname", os.O_RDONLY, 0, 0)) == open("/etc/hostname", "rb").read()[:100]
-        new = resolve(root, b"a/new", os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600, fs.RESOLVE_BENEATH)
+        new = resolve(root, b"a/new", os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600, resolver.RESOLVE_BENEATH)
         os.close(new)
         assert os.path.isfile(os.path.join(tree, "a", "new"))
     finally:
@@ -81,10 +81,10 @@ def test_deep_and_long_paths_are_typed(tree: str) -> None:
     root = os.open(tree, os.O_PATH | os.O_DIRECTORY)
     try:
         with pytest.raises(OSError) as ei:
-            fs.openat2(root, b"x/" * 3000 + b"f", os.O_RDONLY, 0, fs.RESOLVE_BENEATH)
+            resolver.openat2(root, b"x/" * 3000 + b"f", os.O_RDONLY, 0, resolver.RESOLVE_BENEATH)
         assert ei.value.errno == errno.ENAMETOOLONG
         with pytest.raises(ValueError):
-            fs.openat2(root, b"a\0b", os.O_RDONLY)
+            resolver.openat2(root, b"a\0b", os.O_RDONLY)
     finally:
         os.close(root)
 

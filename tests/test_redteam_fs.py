@@ -189,19 +189,19 @@ def test_a_rename_does_not_carry_a_workload_owned_file_into_a_root_directory_out
 
 
 def test_the_pre_openat2_walk_refuses_magic_links_too() -> None:
-    """fs._walk (kernels without openat2) ignores RESOLVE_NO_MAGICLINKS: /proc/<pid>/cwd and
+    """resolver._walk (kernels without openat2) ignores RESOLVE_NO_MAGICLINKS: /proc/<pid>/cwd and
     /proc/<pid>/root are read with readlink and followed as paths. openat2 refuses them (ELOOP)."""
-    from guestd.files import fs
+    from guestd.files import fs, resolver
 
     d = tempfile.mkdtemp(prefix="guestd-redteam-walk-")
-    saved = fs._have_openat2
+    saved = resolver._have_openat2
     try:
         with open(f"{d}/incwd", "w") as f:
             f.write("x")
         os.symlink(f"/proc/{os.getpid()}/root", f"{d}/root")
-        fs._have_openat2 = False
+        resolver._have_openat2 = False
         with pytest.raises(OSError):
             os.close(fs.FileSystem().open_file(f"{d}/root{d}/incwd"))
     finally:
-        fs._have_openat2 = saved
+        resolver._have_openat2 = saved
         shutil.rmtree(d, ignore_errors=True)

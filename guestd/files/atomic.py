@@ -11,14 +11,8 @@ import stat as st
 import threading
 from typing import TYPE_CHECKING, Any
 
-from guestd.files.fs import (
-    TEMP_MARK,
-    FileSystem,
-    Owner,
-    PendingTemps,
-    Place,
-    open_to_write_in_place,
-)
+from guestd.files.fs import FileSystem, Owner, Place, open_to_write_in_place
+from guestd.files.temps import TEMP_MARK, PendingTemps
 from guestd.wire.errors import ErrorCode, GuestdError
 
 if TYPE_CHECKING:  # the generated message types: annotations only, never imported at run time
@@ -185,7 +179,7 @@ class AtomicFile:
 
     def _record_temp_name(self) -> None:
         if self.pending is not None:
-            self.record = self.pending.record(self.place, self.tmp)
+            self.record = self.pending.record(self.place.dirfd, self.tmp)
 
     def _forget_record(self) -> None:
         if self.record is not None:

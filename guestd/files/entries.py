@@ -8,21 +8,16 @@ import errno
 import heapq
 import os
 import stat as st
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
-from guestd.files.fs import (
-    FileSystem,
-    Place,
-    rename_noreplace,
-)
+from guestd.files.fs import FileSystem, Place, entry_type, rename_noreplace
 from guestd.wire.errors import ErrorCode, GuestdError, too_large
 from guestd.wire.paths import path_to_wire
 
 if TYPE_CHECKING:  # the generated message types: annotations only, never imported at run time
     from guestd.wire.types import (
         DirEntryRecord,
-        DirEntryType,
         FileListReply,
         FileMkdirReply,
         FileReadReply,
@@ -30,22 +25,6 @@ if TYPE_CHECKING:  # the generated message types: annotations only, never import
         FileRenameReply,
         FileStatReply,
     )
-
-
-def _type_name(mode: int) -> DirEntryType:
-    kinds: tuple[tuple[Callable[[int], bool], DirEntryType], ...] = (
-        (st.S_ISREG, "file"),
-        (st.S_ISDIR, "dir"),
-        (st.S_ISLNK, "symlink"),
-        (st.S_ISFIFO, "fifo"),
-        (st.S_ISSOCK, "socket"),
-        (st.S_ISCHR, "char"),
-        (st.S_ISBLK, "block"),
-    )
-    for test, name in kinds:
-        if test(mode):
-            return name
-    return "other"
 
 
 def os_call(fn: Any, *args: Any) -> Any:
@@ -97,7 +76,7 @@ def _read_to_eof(fd: int, offset: int, limit: int) -> bytes:
 def stat_path(fsys: FileSystem, path: str, follow: bool) -> FileStatReply:
     s, target = fsys.stat(path, follow)
     out: FileStatReply = {
-        "type": _type_name(s.st_mode),
+        "type": entry_type(s.st_mode),
         "size": s.st_size,
         "mode": st.S_IMODE(s.st_mode),
         "uid": s.st_uid,
@@ -146,7 +125,7 @@ def _records(first: list[os.DirEntry[str]]) -> list[DirEntryRecord]:
         entries.append(
             {
                 "name": path_to_wire(e.name),
-                "type": _type_name(s.st_mode),
+                "type": entry_type(s.st_mode),
                 "size": s.st_size,
                 "mode": st.S_IMODE(s.st_mode),
                 "mtime_ns": s.st_mtime_ns,

@@ -2,11 +2,8 @@
 kernel in the call that acts, relative to a directory fd, and nothing the workload planted
 (a FIFO, a socket, a device where a file is expected) can block an I/O thread.
 
-``openat2`` is the kernel's resolver with rules (``RESOLVE_BENEATH``: nothing may leave the
-directory fd, neither ``..`` nor a symlink; ``RESOLVE_NO_MAGICLINKS``: no /proc/*/fd jumps).
-Python has no binding for it, so it is called through ``syscall``; kernels before 5.6 get a
-walk that opens one component at a time with ``O_NOFOLLOW`` and follows symlinks itself under
-the same rules.
+Paths are resolved with ``openat2`` (:mod:`guestd.files.resolver`); guestd's temp names and
+their records are :mod:`guestd.files.temps`.
 """
 
 from __future__ import annotations
@@ -15,139 +12,50 @@ import ctypes
 import errno
 import os
 import stat as st
-import struct
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
+from guestd.files.resolver import (
+    AT_FDCWD,
+    RESOLVE_BENEATH,
+    RESOLVE_NO_MAGICLINKS,
+    RESOLVE_NO_SYMLINKS,
+    openat2,
+)
+from guestd.files.temps import PendingTemps
 from guestd.wire.errors import ErrorCode, GuestdError
 
-RESOLVE_NO_XDEV = 0x01
-RESOLVE_NO_MAGICLINKS = 0x02
-RESOLVE_NO_SYMLINKS = 0x04
-RESOLVE_BENEATH = 0x08
-RESOLVE_IN_ROOT = 0x10
+if TYPE_CHECKING:  # the generated message types: annotations only, never imported at run time
+    from guestd.wire.types import DirEntryType
 
-_SYS_OPENAT2 = 437  # the same number on every architecture (the generic syscall table)
-_MAX_SYMLINKS = 40  # as the kernel's MAXSYMLINKS
 _libc = ctypes.CDLL(None, use_errno=True)
-_libc.syscall.restype = ctypes.c_long
-_have_openat2: bool | None = None  # learned on first use
+
+# Each kind of entry: how its mode is told, its name on the wire (file.list, file.stat) and in
+# a message.
+ENTRY_KINDS: tuple[tuple[Callable[[int], bool], DirEntryType, str], ...] = (
+    (st.S_ISREG, "file", "a regular file"),
+    (st.S_ISDIR, "dir", "a directory"),
+    (st.S_ISLNK, "symlink", "a symlink"),
+    (st.S_ISFIFO, "fifo", "a FIFO"),
+    (st.S_ISSOCK, "socket", "a socket"),
+    (st.S_ISCHR, "char", "a character device"),
+    (st.S_ISBLK, "block", "a block device"),
+)
 
 
-def openat2(dirfd: int, path: str | bytes, flags: int, mode: int = 0, resolve: int = 0) -> int:
-    """``openat2(2)``: open ``path`` relative to ``dirfd`` under the ``RESOLVE_*`` rules.
-
-    Raises OSError (EXDEV when the path would leave a ``RESOLVE_BENEATH`` root, ELOOP for a
-    symlink that ``RESOLVE_NO_SYMLINKS`` or ``O_NOFOLLOW`` refuses)."""
-    global _have_openat2
-    raw = os.fsencode(path)
-    if b"\0" in raw:
-        raise ValueError("embedded null byte")
-    if _have_openat2 is not False:
-        how = ctypes.create_string_buffer(struct.pack("QQQ", flags | os.O_CLOEXEC, mode, resolve), 24)
-        fd = _libc.syscall(_SYS_OPENAT2, dirfd, raw, how, 24)
-        if fd >= 0:
-            _have_openat2 = True
-            return int(fd)
-        err = ctypes.get_errno()
-        if err != errno.ENOSYS:
-            raise OSError(err, os.strerror(err), os.fsdecode(raw))
-        _have_openat2 = False
-    return _walk(dirfd, raw, flags | os.O_CLOEXEC, mode, resolve)
-
-
-def _walk(dirfd: int, path: bytes, flags: int, mode: int, resolve: int) -> int:
-    """openat2's rules one component at a time, for kernels without it. Symlinks are read and
-    followed here (each hop counted), ``..`` never climbs above ``dirfd`` under BENEATH."""
-    beneath = bool(resolve & (RESOLVE_BENEATH | RESOLVE_IN_ROOT))
-    if beneath and path.startswith(b"/"):
-        if resolve & RESOLVE_IN_ROOT:
-            path = path.lstrip(b"/")
-        else:
-            raise OSError(errno.EXDEV, os.strerror(errno.EXDEV), os.fsdecode(path))
-    stack: list[int] = []  # directory fds from dirfd down to where we are
-    here = os.dup(dirfd) if dirfd != -100 else os.open(".", os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC)
-    if path.startswith(b"/"):
-        os.close(here)
-        here = os.open("/", os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC)
-    parts = [p for p in path.split(b"/") if p not in (b"", b".")]
-    hops = 0
-    try:
-        while parts:
-            name = parts.pop(0)
-            if name == b"..":
-                if stack:
-                    os.close(here)
-                    here = stack.pop()
-                elif beneath:
-                    raise OSError(errno.EXDEV, os.strerror(errno.EXDEV), os.fsdecode(path))
-                else:
-                    up = os.open(b"..", os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC, dir_fd=here)
-                    os.close(here)
-                    here = up
-                continue
-            last = not parts
-            try:
-                s = os.stat(name, dir_fd=here, follow_symlinks=False)
-            except FileNotFoundError:
-                if last and flags & os.O_CREAT:
-                    fd = os.open(name, flags | os.O_NOFOLLOW, mode, dir_fd=here)
-                    return fd
-                raise
-            if st.S_ISLNK(s.st_mode) and not (last and flags & os.O_NOFOLLOW):
-                if resolve & RESOLVE_NO_SYMLINKS or (resolve & RESOLVE_NO_MAGICLINKS and _in_proc_below_top(here)):
-                    raise OSError(errno.ELOOP, os.strerror(errno.ELOOP), os.fsdecode(path))
-                hops += 1
-                if hops > _MAX_SYMLINKS:
-                    raise OSError(errno.ELOOP, os.strerror(errno.ELOOP), os.fsdecode(path))
-                target = os.readlink(name, dir_fd=here)
-                target_b = os.fsencode(target)
-                if target_b.startswith(b"/"):
-                    if resolve & RESOLVE_BENEATH:
-                        raise OSError(errno.EXDEV, os.strerror(errno.EXDEV), os.fsdecode(path))
-                    # IN_ROOT: absolute targets start again at the root; otherwise at "/"
-                    while stack:
-                        os.close(here)
-                        here = stack.pop()
-                    if not resolve & RESOLVE_IN_ROOT:
-                        os.close(here)
-                        here = os.open("/", os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC)
-                parts = [p for p in target_b.split(b"/") if p not in (b"", b".")] + parts
-                continue
-            if last:
-                return os.open(name, flags | os.O_NOFOLLOW, mode, dir_fd=here)
-            sub = os.open(name, os.O_PATH | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=here)
-            stack.append(here)
-            here = sub
-        return os.open(".", flags, mode, dir_fd=here)  # the path named dirfd itself
-    finally:
-        os.close(here)
-        for fd in stack:
-            os.close(fd)
-
-
-def _in_proc_below_top(dirfd: int) -> bool:
-    """Is ``dirfd`` a procfs directory other than /proc itself? Every symlink there is a magic
-    link (fd/N, cwd, root, exe, ns/*, map_files/*); the only ordinary ones (self, thread-self,
-    mounts, net) sit in /proc's top directory. The walk's stand-in for RESOLVE_NO_MAGICLINKS."""
-    try:
-        proc = os.stat("/proc")
-    except OSError:
-        return False
-    here = os.fstat(dirfd)
-    return here.st_dev == proc.st_dev and here.st_ino != proc.st_ino
+def entry_type(mode: int) -> DirEntryType:
+    """The entry's type as the wire names it."""
+    for test, name, _ in ENTRY_KINDS:
+        if test(mode):
+            return name
+    return "other"
 
 
 def describe_type(mode: int) -> str:
-    for test, name in (
-        (st.S_ISFIFO, "a FIFO"),
-        (st.S_ISSOCK, "a socket"),
-        (st.S_ISCHR, "a character device"),
-        (st.S_ISBLK, "a block device"),
-        (st.S_ISDIR, "a directory"),
-        (st.S_ISLNK, "a symlink"),
-    ):
+    """The entry's type as a message says it."""
+    for test, _, described in ENTRY_KINDS:
         if test(mode):
-            return name
+            return described
     return "not a regular file"
 
 
@@ -195,7 +103,6 @@ def not_a_file(path: str, what: str) -> GuestdError:
 
 # --------------------------------------------------------------------------- where ops act
 
-AT_FDCWD = -100
 PATH_MAX = 4096  # Linux's, counting the terminating NUL
 _DIR_PATH = os.O_PATH | os.O_DIRECTORY
 Owner = tuple[int, int] | None  # (uid, gid) for new files and directories; None: guestd's own
@@ -543,93 +450,3 @@ def rename_noreplace(src: Place, dst: Place) -> None:
     except FileNotFoundError:
         pass
     os.rename(src.name, dst.name, src_dir_fd=src.dirfd, dst_dir_fd=dst.dirfd)
-
-
-class PendingTemps:
-    """Named temp files of writes in progress, for file systems without ``O_TMPFILE`` (FUSE,
-    NFS, vfat): each is recorded under the runtime dir before it is made and forgotten when
-    its write commits or aborts, so a guestd killed mid-write has them removed by the next
-    guestd that starts. Records live in a directory per guestd pid: a second guestd sharing
-    the runtime dir leaves a live one's alone."""
-
-    def __init__(self, directory: str) -> None:
-        self.directory = directory
-        self.mine = os.path.join(directory, str(os.getpid()))
-
-    def record(self, place: Place, temp_name: bytes) -> str:
-        """Record ``temp_name`` in ``place``'s directory: its path as the kernel resolved it (no
-        symlinks in it) and its identity (device, inode), which the cleanup checks."""
-        where = os.fsencode(os.readlink(f"/proc/self/fd/{place.dirfd}"))
-        entry = where + b"\0" + temp_name + b"\0" + _dir_identity(place.dirfd)
-        os.makedirs(self.mine, mode=0o700, exist_ok=True)
-        record = os.path.join(self.mine, temp_name.hex()[-24:])
-        fd = os.open(record, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
-        try:
-            os.write(fd, entry)
-        finally:
-            os.close(fd)
-        return record
-
-    @staticmethod
-    def forget(record: str) -> None:
-        try:
-            os.unlink(record)
-        except FileNotFoundError:
-            pass
-
-    def remove_left_behind(self, running: Callable[[int], bool]) -> int:
-        """Remove the temp files recorded by guestds that are gone; returns how many."""
-        removed = 0
-        try:
-            owners = os.listdir(self.directory)
-        except FileNotFoundError:
-            return 0
-        for owner in owners:
-            if not owner.isdigit() or int(owner) == os.getpid() or running(int(owner)):
-                continue
-            folder = os.path.join(self.directory, owner)
-            for entry in os.listdir(folder):
-                record = os.path.join(folder, entry)
-                with open(record, "rb") as f:
-                    where, _, rest = f.read().partition(b"\0")
-                name, _, identity = rest.partition(b"\0")
-                removed += _remove_temp(where, name, identity)
-                os.unlink(record)
-            os.rmdir(folder)
-        return removed
-
-
-def _dir_identity(dirfd: int) -> bytes:
-    """``b"DEV:INODE"`` of the directory open at ``dirfd``, as a temp-name record keeps it."""
-    dir_st = os.fstat(dirfd)
-    return f"{dir_st.st_dev}:{dir_st.st_ino}".encode()
-
-
-def _remove_temp(where: bytes, name: bytes, identity: bytes = b"") -> int:
-    """Unlink the temp file ``name`` in the directory ``where`` if it is still one of ours:
-    a regular file with our mark, in the very directory guestd wrote in. The recorded path
-    had no symlink in it (the kernel's name for the directory), so one found now is the
-    workload's and is refused (RESOLVE_NO_SYMLINKS), and the directory must be the recorded
-    inode: one the workload moved away and replaced (by another directory, or a link to a
-    directory it cannot write) is left alone. The name is unlinked in that fd."""
-    if TEMP_MARK not in name or b"/" in name:
-        return 0
-    try:
-        dirfd = openat2(AT_FDCWD, where, _DIR_PATH, 0, RESOLVE_NO_SYMLINKS | RESOLVE_NO_MAGICLINKS)
-    except OSError:
-        return 0
-    try:
-        if identity and _dir_identity(dirfd) != identity:  # records of an older guestd have none
-            return 0
-        if not st.S_ISREG(os.stat(name, dir_fd=dirfd, follow_symlinks=False).st_mode):
-            return 0
-        os.unlink(name, dir_fd=dirfd)
-        return 1
-    except OSError:
-        return 0
-    finally:
-        os.close(dirfd)
-
-
-TEMP_MARK = b".guestd-tmp-"
-TREE_TEMP_MARK = b".guestd-tree-"  # a tree upload's staging directory: "." + name + mark + 12 hex digits

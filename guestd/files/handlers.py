@@ -19,10 +19,8 @@ from typing import TYPE_CHECKING, Any, TypeVar, cast
 from guestd.children.cgroups import guestd_running
 from guestd.files.atomic import AtomicFile, open_atomic, write_whole
 from guestd.files.entries import list_dir, make_dir, os_call, read_range, remove_path, rename_path, stat_path
-from guestd.files.fs import (
-    FileSystem,
-    PendingTemps,
-)
+from guestd.files.fs import FileSystem
+from guestd.files.temps import PendingTemps
 from guestd.services import add_ops, op
 from guestd.wire.errors import ErrorCode, GuestdError
 

@@ -49,7 +49,8 @@ from typing import TYPE_CHECKING, Literal
 
 from guestd.files.atomic import DEFAULT_PERM, fsync_dirfd
 from guestd.files.edit import MAX_EDIT_BYTES, read_at, same_file
-from guestd.files.fs import TEMP_MARK, FileSystem, PendingTemps, Place, rename_noreplace
+from guestd.files.fs import FileSystem, Place, rename_noreplace
+from guestd.files.temps import TEMP_MARK, PendingTemps
 from guestd.wire.errors import ErrorCode, GuestdError, too_large
 
 if TYPE_CHECKING:
@@ -479,7 +480,7 @@ class _Commit:
     def _record(self, s: _Staged, temp: bytes) -> None:
         """Record a temp name before it exists: a guestd killed now has it removed by the next."""
         if self.fsys.pending is not None:
-            s.records[temp] = self.fsys.pending.record(s.place, temp)
+            s.records[temp] = self.fsys.pending.record(s.place.dirfd, temp)
 
     def stage_write(self, s: _Staged, content: bytes, mode: int, owner: tuple[int, int] | None) -> None:
         """The new content in a temp file beside the target, complete and synced."""

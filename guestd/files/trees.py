@@ -43,18 +43,9 @@ from collections.abc import Callable
 from guestd.files import tarhead, tarread
 from guestd.files.atomic import AtomicFile
 from guestd.files.entries import remove_tree
-from guestd.files.fs import (
-    PATH_MAX,
-    RESOLVE_BENEATH,
-    RESOLVE_NO_MAGICLINKS,
-    RESOLVE_NO_SYMLINKS,
-    TREE_TEMP_MARK,
-    FileSystem,
-    Owner,
-    Place,
-    openat2,
-    rename_noreplace,
-)
+from guestd.files.fs import PATH_MAX, FileSystem, Owner, Place, rename_noreplace
+from guestd.files.resolver import RESOLVE_BENEATH, RESOLVE_NO_MAGICLINKS, RESOLVE_NO_SYMLINKS, openat2
+from guestd.files.temps import TREE_TEMP_MARK
 from guestd.files.walk import Filter, Walk
 from guestd.wire.errors import ErrorCode, GuestdError
 

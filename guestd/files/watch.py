@@ -41,14 +41,8 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from guestd.files.fs import (
-    RESOLVE_BENEATH,
-    RESOLVE_NO_MAGICLINKS,
-    RESOLVE_NO_SYMLINKS,
-    TEMP_MARK,
-    TREE_TEMP_MARK,
-    openat2,
-)
+from guestd.files.resolver import RESOLVE_BENEATH, RESOLVE_NO_MAGICLINKS, RESOLVE_NO_SYMLINKS, openat2
+from guestd.files.temps import TEMP_MARK, TREE_TEMP_MARK
 from guestd.files.walk import DIR_FLAGS, MAX_DEPTH
 
 log = logging.getLogger("guestd.watch")
