@@ -19,7 +19,7 @@ import queue
 import socket
 import threading
 from collections.abc import Awaitable, Callable, Coroutine
-from typing import TYPE_CHECKING, Any, Self, TypeVar
+from typing import TYPE_CHECKING, Any, Generic, Protocol, Self, TypeVar
 
 from guestd.client.aio import CONNECT_TIMEOUT, AsyncClient
 from guestd.client.connection import DEFAULT_WINDOW
@@ -235,13 +235,42 @@ class ClientBase:
             self._stop()
 
 
-class PortForwarder:
-    """A running :class:`~guestd.client.ports.PortForward`: ``with client.port_forward(8000) as f:``
-    then connect to ``f.local_port`` on this host."""
+class Forward(Protocol):
+    """What a blocking forwarder uses of the async forward it runs."""
 
-    def __init__(self, ports: ClientBase, forward: PortForward) -> None:
+    guest_port: int
+
+    async def close(self) -> None: ...
+
+
+F = TypeVar("F", bound=Forward)
+
+
+class Forwarder(Generic[F]):
+    """A running forward (``forward``, the async one) driven on the client's loop: its
+    ``guest_port``, ``close()``, and a context manager that closes it on exit."""
+
+    def __init__(self, ports: ClientBase, forward: F) -> None:
         self._ports = ports
         self.forward = forward
+
+    @property
+    def guest_port(self) -> int:
+        return self.forward.guest_port
+
+    def close(self) -> None:
+        self._ports._run(self.forward.close())
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+class PortForwarder(Forwarder[PortForward]):
+    """A running :class:`~guestd.client.ports.PortForward`: ``with client.port_forward(8000) as f:``
+    then connect to ``f.local_port`` on this host."""
 
     @property
     def local_address(self) -> str:
@@ -251,44 +280,14 @@ class PortForwarder:
     def local_port(self) -> int:
         return self.forward.local_port
 
-    @property
-    def guest_port(self) -> int:
-        return self.forward.guest_port
 
-    def close(self) -> None:
-        self._ports._run(self.forward.close())
-
-    def __enter__(self) -> PortForwarder:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
-
-
-class ReverseForwarder:
+class ReverseForwarder(Forwarder[ReverseForward]):
     """A running :class:`~guestd.client.ports.ReverseForward`: the guest reaches ``destination``
     by connecting to ``guest_port`` on its loopback until ``close()``."""
-
-    def __init__(self, ports: ClientBase, forward: ReverseForward) -> None:
-        self._ports = ports
-        self.forward = forward
-
-    @property
-    def guest_port(self) -> int:
-        return self.forward.guest_port
 
     @property
     def destination(self) -> tuple[str, int]:
         return self.forward.destination
-
-    def close(self) -> None:
-        self._ports._run(self.forward.close())
-
-    def __enter__(self) -> ReverseForwarder:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
 
 
 class GitBase:

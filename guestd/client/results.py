@@ -93,8 +93,33 @@ def _spills(b: ExecReply | ShellRunReply) -> dict[str, SpillInfo | None]:
     }
 
 
+class DecodedOutput:
+    """``stdout`` and ``stderr`` (bytes, as produced) also as text: UTF-8, undecodable bytes as
+    U+FFFD. A base of every result that holds a run's output."""
+
+    stdout: bytes
+    stderr: bytes
+
+    @property
+    def stdout_text(self) -> str:
+        return self.stdout.decode("utf-8", "replace")
+
+    @property
+    def stderr_text(self) -> str:
+        return self.stderr.decode("utf-8", "replace")
+
+
+class CommandOutput(DecodedOutput):
+    """A command's output, whose ``text`` is its stdout's (a cell's is its value instead)."""
+
+    @property
+    def text(self) -> str:
+        """stdout as text (UTF-8, undecodable bytes as U+FFFD): ``print(r.text[-2000:])``."""
+        return self.stdout_text
+
+
 @dataclass(frozen=True, kw_only=True)
-class CapturedOutput:
+class CapturedOutput(CommandOutput):
     """What every output-producing result carries: the kept bytes of each stream and exact
     counts of what was produced and dropped (the schema's bounded-capture fields)."""
 
@@ -109,19 +134,6 @@ class CapturedOutput:
     @property
     def truncated(self) -> bool:
         return bool(self.stdout_dropped or self.stderr_dropped)
-
-    @property
-    def text(self) -> str:
-        """stdout as text (UTF-8, undecodable bytes as U+FFFD): ``print(r.text[-2000:])``."""
-        return self.stdout_text
-
-    @property
-    def stdout_text(self) -> str:
-        return self.stdout.decode("utf-8", "replace")
-
-    @property
-    def stderr_text(self) -> str:
-        return self.stderr.decode("utf-8", "replace")
 
     def to_json(self) -> dict[str, Any]:
         """JSON-ready: bytes as UTF-8 text, plus ``<field>_base64`` when they are not UTF-8."""
@@ -230,7 +242,7 @@ class CodeError:
 
 
 @dataclass(frozen=True)
-class CodeResult(RunFigures):
+class CodeResult(RunFigures, DecodedOutput):
     """One cell's outcome. ``results`` holds MIME bundles: ``{"kind", "data": {mime: value}}``.
     (Not a CapturedOutput: its ``text`` is the cell's value, not its stdout.)"""
 
@@ -287,15 +299,6 @@ class CodeResult(RunFigures):
         return self.status == "ok"
 
     @property
-    def stdout_text(self) -> str:
-        """stdout as text (UTF-8, undecodable bytes as U+FFFD)."""
-        return self.stdout.decode("utf-8", "replace")
-
-    @property
-    def stderr_text(self) -> str:
-        return self.stderr.decode("utf-8", "replace")
-
-    @property
     def text(self) -> str | None:
         """``text/plain`` of the cell's value (its execute_result), if any (as E2B's
         ``Execution.text``); the cell's printed output is :attr:`stdout_text`."""
@@ -348,7 +351,7 @@ class ShellResult(RunFigures, CapturedOutput):
 
 
 @dataclass(frozen=True)
-class ProcessOutput:
+class ProcessOutput(CommandOutput):
     """What :meth:`~guestd.client.AsyncClient.process_output` collected from a background
     process: its output from the offsets asked, and its status when the attach ended
     (``status.stdout_offset`` is where to attach again). ``*_lost``: bytes the ring had
@@ -359,18 +362,6 @@ class ProcessOutput:
     status: ProcessAttachResult
     stdout_lost: int = 0
     stderr_lost: int = 0
-
-    @property
-    def text(self) -> str:
-        return self.stdout_text
-
-    @property
-    def stdout_text(self) -> str:
-        return self.stdout.decode("utf-8", "replace")
-
-    @property
-    def stderr_text(self) -> str:
-        return self.stderr.decode("utf-8", "replace")
 
 
 @dataclass(frozen=True)

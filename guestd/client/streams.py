@@ -59,7 +59,37 @@ class DeadlineClock:
         return left if self._progress_timeout is None else min(left, self._progress_timeout)
 
 
-class ExecStream:
+class CallStream:
+    """What every stream object is: one call of the client's connection followed to its end
+    within a :class:`DeadlineClock`. A wait that times out gives up on the call (it is
+    cancelled in the guest)."""
+
+    # A timed-out wait's error says this instead of the connection's "no progress within".
+    deadline_message: str | None = None
+
+    def __init__(self, client: Connected, call: Call, clock: DeadlineClock) -> None:
+        self._client = client
+        self._call = call
+        self._clock = clock
+
+    async def _next_event(self) -> dict[str, Any] | None:
+        """The call's next event within the clock (None: the call has ended)."""
+        try:
+            return await self._call.next_event(self._clock.wait_s())
+        except GuestdError as e:
+            if e.code != ErrorCode.TIMEOUT.value:
+                raise
+            self._client._conn._forget(self._call)
+            if self.deadline_message is None:
+                raise
+            raise GuestdError(ErrorCode.TIMEOUT, self.deadline_message) from None
+
+    async def _reply(self) -> dict[str, Any]:
+        """The call's final reply, within the clock."""
+        return await self._client._conn.wait(self._call, self._clock.wait_s())
+
+
+class ExecStream(CallStream):
     """A streaming exec: iterate ``(stream, bytes)`` pairs, then await :meth:`result`.
 
     ``deadline`` (from the request; None: none) bounds the iteration and the result together.
@@ -79,9 +109,7 @@ class ExecStream:
         collapse_cr: bool = False,
         stdin: StdinSource | None = None,
     ) -> None:
-        self._client = client
-        self._call = call
-        self._clock = DeadlineClock(call.conn.loop, "exec stream", deadline)
+        super().__init__(client, call, DeadlineClock(call.conn.loop, "exec stream", deadline))
         self._kept = kept
         self._shaping = (strip_ansi, collapse_cr)
         self.pid: int | None = None
@@ -93,17 +121,10 @@ class ExecStream:
     def __aiter__(self) -> AsyncIterator[tuple[str, bytes]]:
         return self._iter()
 
+    deadline_message = "exec stream: no result before the client deadline"
+
     async def _iter(self) -> AsyncIterator[tuple[str, bytes]]:
-        while True:
-            try:
-                ev = await self._call.next_event(self._clock.wait_s())
-            except GuestdError as e:
-                if e.code == ErrorCode.TIMEOUT.value:
-                    self._client._conn._forget(self._call)
-                    raise GuestdError(ErrorCode.TIMEOUT, "exec stream: no result before the client deadline") from None
-                raise
-            if ev is None:
-                return
+        while (ev := await self._next_event()) is not None:
             kind = ev.get("ev")
             if kind == "started" and isinstance(ev.get("pid"), int):
                 self.pid = ev["pid"]
@@ -142,7 +163,7 @@ class ExecStream:
         it never arrived."""
         async for _ in self._iter():
             pass
-        body = await self._client._conn.wait(self._call, self._clock.wait_s())
+        body = await self._reply()
         if self._kept is None:
             return body
         fields: dict[str, Any] = dict(self._kept.fields(*self._shaping))
@@ -165,7 +186,7 @@ class ShellStream(ExecStream):
         return ShellResult.from_body(checked(ShellRunReply, await self._final_body()))
 
 
-class CodeStream:
+class CodeStream(CallStream):
     """A streaming code run: iterate events as they arrive, then await :meth:`result`.
 
     Events are ``("stdout"|"stderr", bytes)``, ``("result"|"display", bundle)`` and
@@ -174,23 +195,13 @@ class CodeStream:
     """
 
     def __init__(self, client: Connected, call: Call, deadline: float | None) -> None:
-        self._client = client
-        self._call = call
-        self._clock = DeadlineClock(call.conn.loop, "code stream", deadline)
+        super().__init__(client, call, DeadlineClock(call.conn.loop, "code stream", deadline))
 
     def __aiter__(self) -> AsyncIterator[tuple[str, Any]]:
         return self._iter()
 
     async def _iter(self) -> AsyncIterator[tuple[str, Any]]:
-        while True:
-            try:
-                ev = await self._call.next_event(self._clock.wait_s())
-            except GuestdError as e:
-                if e.code == ErrorCode.TIMEOUT.value:
-                    self._client._conn._forget(self._call)
-                raise
-            if ev is None:
-                return
+        while (ev := await self._next_event()) is not None:
             kind = ev.get("ev")
             if kind in ("stdout", "stderr") and isinstance(ev.get("data"), bytes):
                 yield kind, ev["data"]
@@ -200,12 +211,10 @@ class CodeStream:
                 yield kind, {k: ev.get(k) for k in ("ename", "evalue", "traceback")}
 
     async def result(self) -> CodeResult:
-        return CodeResult.from_body(
-            checked(CodeRunReply, await self._client._conn.wait(self._call, self._clock.wait_s()))
-        )
+        return CodeResult.from_body(checked(CodeRunReply, await self._reply()))
 
 
-class Attach:
+class Attach(CallStream):
     """Output of a background process from given offsets: iterate ``(stream, offset, data)``.
 
     A ``("lost", offset, b"")`` item says bytes before ``offset`` were overwritten in the
@@ -215,23 +224,14 @@ class Attach:
     """
 
     def __init__(self, client: Connected, call: Call, deadline: float | None, progress_timeout: float | None) -> None:
-        self._client = client
-        self._call = call
-        self._clock = DeadlineClock(call.conn.loop, "attach", deadline, progress_timeout)
+        super().__init__(client, call, DeadlineClock(call.conn.loop, "attach", deadline, progress_timeout))
         self.lost_bytes = {"stdout": 0, "stderr": 0}
 
     def __aiter__(self) -> AsyncIterator[tuple[str, int, bytes]]:
         return self._iter()
 
     async def _iter(self) -> AsyncIterator[tuple[str, int, bytes]]:
-        while True:
-            try:
-                ev = await self._call.next_event(self._clock.wait_s())
-            except GuestdError:
-                self._client._conn._forget(self._call)
-                raise
-            if ev is None:
-                return
+        while (ev := await self._next_event()) is not None:
             kind = ev.get("ev")
             offset = ev.get("offset")
             if not isinstance(offset, int):
@@ -243,7 +243,7 @@ class Attach:
                 yield "lost", offset, b""
 
     async def result(self) -> ProcessAttachResult:
-        body = await self._client._conn.wait(self._call, self._clock.wait_s())
+        body = await self._reply()
         return ProcessAttachResult.from_wire(checked(ProcessAttachReply, body))
 
     def cancel(self) -> None:
