@@ -21,10 +21,8 @@ call: then before its next cell. A shell session is re-seeded at once when idle,
 before its next run when busy.
 
 Privileged steps (ioctls on /dev/random, clock_settime, sethostname, /etc/machine-id,
-random-seed files, FIFREEZE) run for real only when the config says guestd runs in a guest
-(``in_guest = true``: the baked config, and ``guestd-init`` as PID 1, say so). Otherwise, and
-always with ``simulate_privileged``, they are recorded instead and every reply that would
-have made them says why (``simulated``): on a host they would change the host itself.
+random-seed files, FIFREEZE) go through guestd.snapshot.privileged, which records them instead
+when guestd does not run in a guest; guestd.snapshot.inputs checks a request's inputs first.
 """
 
 from __future__ import annotations
@@ -32,183 +30,25 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
-import re
 import time
-from typing import TYPE_CHECKING, Any, NamedTuple, cast
+from typing import TYPE_CHECKING, Any, cast
 
 from guestd.services import derive
 from guestd.snapshot.clock import ClockWatch
 from guestd.snapshot.hazards import clone_hazards
+from guestd.snapshot.inputs import Identity, check_fsfreeze_target, checked_identity, restore_input_error
 from guestd.snapshot.notify import signal_registered, write_generation_file
+from guestd.snapshot.privileged import Privileged, why_simulated
 from guestd.wire.errors import ErrorCode, GuestdError
 
 if TYPE_CHECKING:  # the generated message types: annotations only, never imported at run time
-    from guestd.config import Config
     from guestd.services import Services
     from guestd.wire.types import ClockCheckReply, SnapshotPrepareReply, SnapshotRestoreArgs, SnapshotRestoreReply
 
 log = logging.getLogger("guestd.snapshot")
 
-RNDADDENTROPY = 0x40085203
-RNDRESEEDCRNG = 0x5207
-RANDOM_SEED_FILES = ("/var/lib/systemd/random-seed", "/var/lib/urandom/random-seed", "/var/lib/random-seed")
-FIFREEZE, FITHAW = 0xC0045877, 0xC0045878
 FREEZE_SETTLE_POLLS = 500  # x 10 ms: how long prepare waits for cgroup.events "frozen 1"
 CLOCK_THRESHOLD_S = 0.2  # the host's clock arrives a request latency late; below this, leave the clock alone
-
-
-NOT_IN_GUEST = (
-    "guestd is not configured as a guest (in_guest = false): on a host these steps would change the "
-    "host itself (its clock, hostname, machine-id, random seed)"
-)
-FORCED = "simulate_privileged is set (--simulate-privileged)"
-
-
-def why_simulated(config: Config) -> str | None:
-    """Why the privileged steps are simulated, or None when they are done. Safe by default: a
-    guestd that was not told it runs in a guest (a development guestd on a host) never acts."""
-    if config.simulate_privileged:
-        return FORCED
-    if not config.in_guest:
-        return NOT_IN_GUEST
-    return None
-
-
-class Privileged:
-    """Steps that change the machine. Recorded instead of done when simulating (``why``)."""
-
-    def __init__(self, why: str | None) -> None:
-        self.why = why  # None: done for real
-        self.simulate = why is not None
-        self.recorded: list[str] = []
-
-    def _record(self, what: str) -> bool:
-        if self.simulate:
-            self.recorded.append(what)
-        return self.simulate
-
-    def reseed_crng(self, entropy: bytes) -> str:
-        if self._record(f"RNDADDENTROPY {len(entropy)} bytes + RNDRESEEDCRNG"):
-            return "simulated"
-        import fcntl
-        import struct
-
-        fd = os.open("/dev/random", os.O_WRONLY | os.O_CLOEXEC)
-        try:
-            words = (len(entropy) + 3) // 4
-            buf = struct.pack("ii", len(entropy) * 8, len(entropy)) + entropy.ljust(words * 4, b"\0")
-            fcntl.ioctl(fd, RNDADDENTROPY, buf)
-            fcntl.ioctl(fd, RNDRESEEDCRNG)
-        finally:
-            os.close(fd)
-        return "done"
-
-    def set_clock(self, time_ns: int) -> str:
-        if self._record(f"clock_settime(CLOCK_REALTIME, {time_ns})"):
-            return "simulated"
-        time.clock_settime_ns(time.CLOCK_REALTIME, time_ns)
-        return "done"
-
-    def set_hostname(self, name: str) -> str:
-        if self._record(f"sethostname({name!r}) and /etc/hostname"):
-            return "simulated"
-        import socket
-
-        socket.sethostname(name)
-        try:
-            with open("/etc/hostname", "w") as f:
-                f.write(name + "\n")
-        except OSError:
-            pass
-        return "done"
-
-    def set_machine_id(self, machine_id: str) -> str:
-        if self._record(f"/etc/machine-id = {machine_id}"):
-            return "simulated"
-        tmp = "/etc/machine-id.guestd-tmp"
-        with open(tmp, "w") as f:
-            f.write(machine_id + "\n")
-        os.replace(tmp, "/etc/machine-id")
-        return "done"
-
-    def remove_seed_files(self) -> list[str]:
-        removed = []
-        for path in RANDOM_SEED_FILES:
-            if os.path.exists(path):
-                if not self._record(f"unlink {path}"):
-                    os.unlink(path)
-                removed.append(path)
-        return removed
-
-
-HOSTNAME = re.compile(r"[A-Za-z0-9](?:[A-Za-z0-9.-]{0,62}[A-Za-z0-9])?")  # sethostname: <= 64 bytes
-CLOCK_MAX_NS = 2**63 - 1  # what clock_settime takes (time_t in ns)
-
-
-class Identity(NamedTuple):
-    """A restore's identity, checked whole before anything is applied."""
-
-    sandbox_id: str | None
-    hostname: str | None
-    env: dict[str, str] | None
-    token: str | None
-
-
-def _bad(field: str, why: str) -> GuestdError:
-    return GuestdError(
-        ErrorCode.BAD_REQUEST, f"snapshot.restore: {field} {why}; nothing was applied", details={"field": field}
-    )
-
-
-def _checked_identity(args: SnapshotRestoreArgs) -> Identity:
-    """Every input of a restore, checked before any step runs: bad input changes nothing."""
-    if not 0 <= args["time_ns"] <= CLOCK_MAX_NS:
-        raise _bad("time_ns", "is outside what the clock can be set to")
-    raw = args["identity"] or {}
-    known = {"sandbox_id", "hostname", "env", "token"}
-    for key in raw:
-        if key not in known:
-            raise _bad(f"identity.{key}", "is not an identity field (sandbox_id, hostname, env, token)")
-
-    def text(key: str) -> str | None:
-        value = raw.get(key)
-        if value is None or value == "":
-            return None
-        if not isinstance(value, str):
-            raise _bad(f"identity.{key}", "must be a string")
-        if "\0" in value or "\n" in value:
-            raise _bad(f"identity.{key}", "must not hold NUL or a newline")
-        return value
-
-    sandbox_id, hostname, token = text("sandbox_id"), text("hostname"), text("token")
-    if hostname is not None and not HOSTNAME.fullmatch(hostname):
-        raise _bad("identity.hostname", "must be 1-64 letters, digits, '-' or '.'")
-    env = raw.get("env")
-    if env is not None:
-        if not isinstance(env, dict):
-            raise _bad("identity.env", "must be a map of strings")
-        for k, v in env.items():
-            if not isinstance(k, str) or not isinstance(v, str):
-                raise _bad(f"identity.env.{k}", "must map a string to a string")
-            if not k or "=" in k or "\0" in k or "\0" in v:
-                raise _bad(f"identity.env.{k}", "is not a valid environment entry (a name without '=' or NUL)")
-    return Identity(sandbox_id, hostname, env, token)
-
-
-def _check_fsfreeze(path: str) -> None:
-    """Only a mount point, never the root file system: guestd itself (its log, its runtime dir,
-    the Python it imports lazily) would block on a frozen /."""
-    bad = None
-    if not os.path.isabs(path):
-        bad = "must be an absolute path"
-    elif os.path.realpath(path) == "/":
-        bad = "must not be the root file system"
-    elif not os.path.ismount(path):
-        bad = "is not a mount point"
-    if bad is not None:
-        raise GuestdError(
-            ErrorCode.BAD_REQUEST, f"fsfreeze {path!r} {bad}", details={"field": "fsfreeze", "stage": "fsfreeze"}
-        )
 
 
 # Ops that never wait behind a quiesce (health checks and the snapshot ops themselves).
@@ -266,7 +106,7 @@ class SnapshotState:
                 details={"stage": "freeze", "field": "freeze"},
             )
         if fsfreeze is not None:
-            _check_fsfreeze(fsfreeze)
+            check_fsfreeze_target(fsfreeze)
         if quiesce or freeze or fsfreeze is not None:
             self.quiesced = True
             self.ready.clear()  # new work waits for restore (or resume); in-flight work finishes
@@ -333,18 +173,7 @@ class SnapshotState:
 
     def _freeze_fs(self, path: str) -> None:
         """FIFREEZE (in an I/O thread: it syncs the file system first)."""
-        if self.priv._record(f"FIFREEZE {path}"):
-            self._fs_frozen = (path, -1)
-            return
-        import fcntl
-
-        fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
-        try:
-            fcntl.ioctl(fd, FIFREEZE, 0)
-        except OSError as exc:
-            os.close(fd)
-            raise GuestdError.from_os_error(exc, stage="fsfreeze", path=path) from None
-        self._fs_frozen = (path, fd)
+        self._fs_frozen = (path, self.priv.freeze_fs(path))
 
     def thaw(self) -> bool:
         """Lift a freeze of prepare: the file system first, then the workload. True if one was on."""
@@ -355,15 +184,7 @@ class SnapshotState:
         if self._fs_frozen is not None:
             path, fd = self._fs_frozen
             self._fs_frozen = None
-            if not self.priv._record(f"FITHAW {path}"):
-                import fcntl
-
-                try:
-                    fcntl.ioctl(fd, FITHAW, 0)
-                except OSError as exc:
-                    log.warning("cannot thaw %s: %s", path, exc)
-                finally:
-                    os.close(fd)
+            self.priv.thaw_fs(path, fd)
         if self._frozen_workload:
             self._frozen_workload = False
             try:
@@ -401,7 +222,7 @@ class SnapshotState:
         running = self._inflight.get(nonce)
         if running is not None:  # a retry while the first call still runs: its report, once it has one
             return {**await asyncio.shield(running), "replayed": True}
-        identity = _checked_identity(args)  # every input, before anything changes
+        identity = checked_identity(args)  # every input, before anything changes
         gen = args["generation"]
         self._check_generation(gen)
         first: asyncio.Future[SnapshotRestoreReply] = asyncio.get_running_loop().create_future()
@@ -557,7 +378,7 @@ class SnapshotState:
             try:
                 how = self._step_clock(host_time_ns, report)
             except (ValueError, OverflowError):
-                raise _bad("time_ns", "is outside what the clock can be set to") from None
+                raise restore_input_error("time_ns", "is outside what the clock can be set to") from None
             except OSError as exc:
                 raise GuestdError.from_os_error(exc, stage="clock") from None
         return {
