@@ -311,12 +311,12 @@ def test_a_watcher_whose_first_scan_failed_is_stopped_without_touching_its_close
     the number the thread had closed: EBADF raised out of stop() (this test, the thread done
     first), or, with the thread between its close and its bookkeeping, a byte into whatever fd
     took that number (in guestd: another connection's socket)."""
-    from guestd.files import watch
+    from guestd.files import watch, watchscan
 
     def failing_sink(changes: list[watch.Change]) -> None:
         raise RuntimeError("the loop is gone")
 
-    monkeypatch.setattr(watch, "MAX_WATCHES", 0)  # the first watch reports overflow to the sink
+    monkeypatch.setattr(watchscan, "MAX_WATCHES", 0)  # the first watch reports overflow to the sink
     root = os.open(str(tmp_path), os.O_RDONLY | os.O_DIRECTORY)
     w = watch.Watcher(root, failing_sink)
     fds = (w.ifd, w.wake_r, w.wake_w, root)

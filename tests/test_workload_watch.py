@@ -28,7 +28,7 @@ import pytest
 
 from guestd.client import AsyncClient
 from guestd.client.workspace import Change
-from guestd.files import watch
+from guestd.files import watch, watchscan, watchtree
 from guestd.files.journal import MAX_JOURNAL_BYTES, Handoff, Journal, WorkspaceChanges
 from guestd.testing import Guestd
 from guestd.testing.local import NOBODY, REPO, start_guestd, workspace_guestd
@@ -381,8 +381,8 @@ def test_more_directories_than_the_watch_bound_is_said_as_overflow(
     unwatched are said (overflow, and every journal report says overflow since the watcher
     cannot vouch for the tree), never silently missing. The kernel's own max_user_watches
     (ENOSPC) takes the same path."""
-    held = watch.WATCHES.used  # by other watchers of this process, if any
-    monkeypatch.setattr(watch, "MAX_WATCHES", held + 4)
+    held = watchtree.WATCHES.used  # by other watchers of this process, if any
+    monkeypatch.setattr(watchscan, "MAX_WATCHES", held + 4)
     for i in range(8):
         os.makedirs(os.path.join(str(tmp_path), f"d{i}"))
     got: list[watch.Change] = []
@@ -391,12 +391,12 @@ def test_more_directories_than_the_watch_bound_is_said_as_overflow(
     try:
         assert w.ready.wait(10) and w.error is None
         assert w.incomplete and any(kind == "overflow" for kind, _, _ in got), got
-        assert len(w.nodes) == 4 and watch.WATCHES.used == held + 4
+        assert len(w.nodes) == 4 and watchtree.WATCHES.used == held + 4
     finally:
         w.stop()
         assert w.thread is not None
         w.thread.join(10)
-    assert watch.WATCHES.used == held  # given back
+    assert watchtree.WATCHES.used == held  # given back
 
 
 def test_the_backlog_bound_is_said_as_overflow_not_memory() -> None:
