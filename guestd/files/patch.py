@@ -2,18 +2,18 @@
 
 Three phases; nothing the workload can see changes before the third.
 
-1. Parse and validate the whole patch (``parse``, ``plan``). A name the patch gives more than
-   once is one file whose sections apply in order, each to the result of the one before; a
-   sequence that cannot be (a file created twice, deleted twice, changed after its deletion) is
-   ``bad_request`` naming the file.
+1. Parse and validate the whole patch (``parse``, ``plan`` of :mod:`guestd.files.patchparse`).
+   A name the patch gives more than once is one file whose sections apply in order, each to the
+   result of the one before; a sequence that cannot be (a file created twice, deleted twice,
+   changed after its deletion) is ``bad_request`` naming the file.
 2. Stage (``_Stager``). Every file is read through the file-system layer (``edit.read_at``: a
    regular file at a name resolved under the write roots, never a symlink's target) and its
-   hunks are placed on the bytes in memory. A hunk fits at its stated line or, failing that,
-   where its old lines occur exactly once after the previous hunk; otherwise it is reported
-   (``conflict``, ``details.hunks``: file, hunk number, line, reason) and nothing changes. Each
-   new content is written to a temp file beside its target (``.NAME.guestd-tmp-*``, recorded
-   first so that the next guestd removes it if this one dies); missing parents of a new file
-   are made now and removed again if the patch fails.
+   hunks are placed on the bytes in memory (:mod:`guestd.files.patchplace`). A hunk fits at its
+   stated line or, failing that, where its old lines occur exactly once after the previous hunk;
+   otherwise it is reported (``conflict``, ``details.hunks``: file, hunk number, line, reason)
+   and nothing changes. Each new content is written to a temp file beside its target
+   (``.NAME.guestd-tmp-*``, recorded first so that the next guestd removes it if this one dies);
+   missing parents of a new file are made now and removed again if the patch fails.
 3. Commit with rollback (``_Commit``). In patch order: a modified file is exchanged with its
    temp file (``RENAME_EXCHANGE``, one atomic step: the old inode stays under the temp name), a
    new file is renamed into place (``RENAME_NOREPLACE``), a deleted file is renamed aside. A
@@ -50,376 +50,18 @@ from typing import TYPE_CHECKING, Literal
 from guestd.files.atomic import DEFAULT_PERM, fsync_dirfd
 from guestd.files.edit import MAX_EDIT_BYTES, read_at, same_file
 from guestd.files.fs import FileSystem, Place, rename_noreplace
+from guestd.files.patchparse import Target, bad_patch, check_sequence, parse, plan
+from guestd.files.patchplace import MAX_PLACEMENT_SCAN, Scan, apply_hunks
 from guestd.files.temps import TEMP_MARK, PendingTemps
 from guestd.wire.errors import ErrorCode, GuestdError, too_large
 
 if TYPE_CHECKING:
     from guestd.wire.types import PatchedFileRecord
 
-MAX_PATCH_FILES = 256  # file sections one patch may hold (each staged file holds a directory fd)
+__all__ = ["MAX_PLACEMENT_SCAN", "apply"]
+
 MAX_REPORTED = 100  # failed hunks listed in the conflict's details
-MAX_PLACEMENT_SCAN = 256 * 1024 * 1024  # bytes looked at to place the hunks of one patch
-_MAX_DIGITS = 9  # a hunk header's numbers: a 16 MiB file has fewer lines than 10**9
-_NEWLINE = 0x0A
-_WINDOW = 1 << 20  # bytes one find or count looks at (about 1 ms holding the GIL)
 Action = Literal["modify", "create", "delete"]
-
-
-# --------------------------------------------------------------------------- parsing
-
-
-@dataclass(frozen=True, slots=True)
-class Hunk:
-    old_start: int  # as the header says (1-based; 0 for an insertion at the top)
-    new_start: int
-    old: bytes  # the old lines joined, each with its newline (but a last one without)
-    new: bytes
-    old_lines: int
-    new_lines: int
-
-
-@dataclass(slots=True)
-class Section:
-    """One ``---``/``+++`` header and its hunks."""
-
-    old_name: bytes | None  # None: /dev/null (a new file)
-    new_name: bytes | None  # None: /dev/null (a deleted file)
-    hunks: list[Hunk] = field(default_factory=list)
-
-    @property
-    def name(self) -> bytes:
-        name = self.new_name if self.new_name is not None else self.old_name
-        assert name is not None  # parse refuses /dev/null to /dev/null
-        return name
-
-    @property
-    def creates(self) -> bool:
-        """From /dev/null, or (diff -N) every hunk adds to an empty file: ``-0,0``."""
-        return self.old_name is None or all(h.old_start == 0 and not h.old_lines for h in self.hunks)
-
-    @property
-    def deletes(self) -> bool:
-        """To /dev/null, or (diff -N) every hunk leaves an empty file: ``+0,0``."""
-        return self.new_name is None or all(h.new_start == 0 and not h.new_lines for h in self.hunks)
-
-
-def _bad(message: str, path: bytes | None = None) -> GuestdError:
-    details: dict[str, object] = {"field": "patch"}
-    if path is not None:
-        details["path"] = os.fsdecode(path)
-    return GuestdError(ErrorCode.BAD_REQUEST, message, details=details)
-
-
-def _line(patch: bytes, pos: int) -> tuple[bytes, int]:
-    """The line starting at ``pos`` with its newline, and where the next one starts."""
-    nl = patch.find(b"\n", pos)
-    end = len(patch) if nl < 0 else nl + 1
-    return patch[pos:end], end
-
-
-def _name(raw: bytes, strip: int) -> bytes | None:
-    raw = raw.rstrip(b"\n").split(b"\t")[0].rstrip(b"\r")
-    if raw == b"/dev/null":
-        return None
-    if raw.startswith(b'"'):
-        raise _bad(f"quoted file names are not supported: {raw[:200]!r}")
-    parts = [p for p in raw.split(b"/") if p]
-    if raw.startswith(b"/") and strip == 0:
-        raise _bad(f"absolute file name in the patch: {raw[:200]!r}")
-    parts = parts[strip:]
-    if not parts or b".." in parts:
-        raise _bad(f"file name {raw[:200]!r} leaves the patch's directory or is empty after strip {strip}")
-    return b"/".join(p for p in parts if p != b".")
-
-
-def _number(line: bytes, pos: int) -> tuple[int, int]:
-    end = pos
-    while end < len(line) and end - pos <= _MAX_DIGITS and 0x30 <= line[end] <= 0x39:
-        end += 1
-    if end == pos or end - pos > _MAX_DIGITS:
-        raise _bad(f"malformed hunk header: {line[:80]!r}")
-    return int(line[pos:end]), end
-
-
-def _hunk_header(line: bytes) -> tuple[int, int, int, int]:
-    """``@@ -a[,b] +c[,d] @@...`` read by hand (no regex, so no backtracking)."""
-    old_start, pos = _number(line, 4)
-    old_len = 1
-    if line[pos : pos + 1] == b",":
-        old_len, pos = _number(line, pos + 1)
-    if line[pos : pos + 2] != b" +":
-        raise _bad(f"malformed hunk header: {line[:80]!r}")
-    new_start, pos = _number(line, pos + 2)
-    new_len = 1
-    if line[pos : pos + 1] == b",":
-        new_len, pos = _number(line, pos + 1)
-    if line[pos : pos + 3] != b" @@":
-        raise _bad(f"malformed hunk header: {line[:80]!r}")
-    return old_start, old_len, new_start, new_len
-
-
-def _hunk(patch: bytes, header: bytes, pos: int) -> tuple[Hunk, int]:
-    """The hunk whose header line is ``header``, its body starting at ``pos``; and where the
-    patch goes on after it."""
-    old_start, old_len, new_start, new_len = _hunk_header(header)
-    old, new = bytearray(), bytearray()
-    seen_old = seen_new = 0
-    last = b""  # the tag of the previous line, for a "\ No newline at end of file"
-    while pos < len(patch) and (seen_old < old_len or seen_new < new_len or patch[pos] == 0x5C):
-        body, pos = _line(patch, pos)
-        tag, text = body[:1], body[1:]
-        if tag == b"\\":  # the line before has no newline
-            sides = {b" ": (old, new), b"-": (old,), b"+": (new,)}.get(last, ())
-            for side in sides:
-                if side.endswith(b"\n"):
-                    del side[-1]
-                if side.endswith(b"\r"):
-                    del side[-1]
-            last = b""
-            continue
-        if body in (b"\n", b"\r\n"):  # an empty context line whose space was stripped
-            tag, text = b" ", body
-        if tag == b" ":
-            old += text
-            new += text
-            seen_old += 1
-            seen_new += 1
-        elif tag == b"-":
-            old += text
-            seen_old += 1
-        elif tag == b"+":
-            new += text
-            seen_new += 1
-        else:
-            raise _bad(f"unexpected line in a hunk: {body[:80]!r}")
-        last = tag
-    if seen_old != old_len or seen_new != new_len:
-        raise _bad(f"the hunk at -{old_start} does not have the lines its header counts")
-    return Hunk(old_start, new_start, bytes(old), bytes(new), old_len, new_len), pos
-
-
-def parse(patch: bytes, strip: int) -> list[Section]:
-    """The patch's file sections in order, every hunk read; one pass over the bytes."""
-    sections: list[Section] = []
-    pos = 0
-    while pos < len(patch):
-        line, after = _line(patch, pos)
-        if line.startswith(b"--- ") and after < len(patch):
-            second, rest = _line(patch, after)
-            if second.startswith(b"+++ "):
-                old, new = _name(line[4:], strip), _name(second[4:], strip)
-                if old is None and new is None:
-                    raise _bad("a file patch from /dev/null to /dev/null")
-                if len(sections) == MAX_PATCH_FILES:
-                    raise GuestdError(
-                        ErrorCode.LIMIT,
-                        f"the patch touches more than {MAX_PATCH_FILES} files",
-                        details={"limit": "max_patch_files", "value": MAX_PATCH_FILES},
-                    )
-                sections.append(Section(old, new))
-                pos = rest
-                continue
-        if line.startswith(b"@@ -"):
-            if not sections:
-                raise _bad("a hunk before any file header")
-            hunk, pos = _hunk(patch, line, after)
-            sections[-1].hunks.append(hunk)
-            continue
-        pos = after  # diff --git, index, mode lines, prose: not the patch's business
-    if not sections:
-        raise _bad("no file patches found (expected --- / +++ headers)")
-    for section in sections:
-        if not section.hunks:
-            raise _bad(f"the patch names {os.fsdecode(section.name)} but has no hunk for it", section.name)
-    return sections
-
-
-@dataclass(slots=True)
-class Target:
-    """One file the patch changes: its sections in patch order."""
-
-    name: bytes
-    sections: list[Section]
-    existed: bool  # the patch expects it to exist before (its first section creates nothing)
-
-
-def _check_sequence(name: bytes, section: Section, present: bool, previous: Section) -> None:
-    """A later section for a file must fit what the earlier ones left: ``present`` or not."""
-    shown = os.fsdecode(name)
-    if section.creates and present:
-        if previous.creates:
-            raise _bad(f"the patch creates {shown} twice", name)
-        raise _bad(f"the patch creates {shown}, which it changes in an earlier section", name)
-    if not section.creates and not present:
-        if section.deletes:
-            raise _bad(f"the patch deletes {shown} twice", name)
-        raise _bad(f"the patch changes {shown} after deleting it", name)
-
-
-def plan(sections: list[Section]) -> list[Target]:
-    """The files in order of first mention, their sections merged; a sequence that cannot
-    apply is ``bad_request`` before any file is looked at."""
-    targets: dict[bytes, Target] = {}
-    present: dict[bytes, bool] = {}  # after the sections so far (a deletion assumed to empty it)
-    for section in sections:
-        name = section.name
-        target = targets.get(name)
-        if target is None:
-            targets[name] = Target(name, [section], not section.creates)
-        else:
-            _check_sequence(name, section, present[name], target.sections[-1])
-            target.sections.append(section)
-        present[name] = not section.deletes
-    return list(targets.values())
-
-
-# --------------------------------------------------------------------------- placement
-
-
-class _OutOfBudget(Exception):
-    pass
-
-
-class _Scan:
-    """Bytes looked at while placing hunks, charged to one budget for the whole patch. Scans go
-    in windows of about ``_WINDOW`` bytes: ``bytes.find`` and ``count`` hold the GIL, and a
-    16 MiB scan in one call would hold it (and every other request) for 15-60 ms."""
-
-    def __init__(self, budget: int) -> None:
-        self.left = budget
-
-    def take(self, nbytes: int) -> None:
-        if nbytes > self.left:
-            self.left = 0
-            raise _OutOfBudget
-        self.left -= nbytes
-
-    def find(self, data: bytes, needle: bytes, start: int) -> int:
-        """``data.find(needle, start)`` within what is left of the budget."""
-        end = min(len(data), start + self.left + len(needle))
-        step = max(_WINDOW, len(needle))  # windows overlap by len(needle) - 1: no match is cut
-        pos = start
-        while True:
-            stop = min(end, pos + step + len(needle) - 1)
-            at = data.find(needle, pos, stop)
-            if at >= 0 or stop >= end:
-                break
-            pos += step
-        self.left -= min(self.left, (end if at < 0 else at + len(needle)) - start)
-        if at < 0 and end < len(data):
-            raise _OutOfBudget
-        return at
-
-    def newlines(self, data: bytes, start: int, stop: int) -> int:
-        self.take(stop - start)
-        return sum(data.count(b"\n", pos, min(stop, pos + _WINDOW)) for pos in range(start, stop, _WINDOW))
-
-
-def _line_offset(data: bytes, off: int, count: int, scan: _Scan) -> int | None:
-    """The offset of the line ``count`` lines after the line starting at ``off``, or None past
-    the end (``len(data)`` is the place after the last line). A few lines on: one ``find`` each;
-    further: newlines counted in doubling windows, then the window halved down to the line."""
-    end = len(data)
-    if count <= 16:
-        for _ in range(count):
-            if off >= end:
-                return None
-            nl = scan.find(data, b"\n", off)
-            off = end if nl < 0 else nl + 1
-        return off
-    lo, need, step = off, count, 64
-    while True:
-        hi = min(end, lo + step)
-        found = scan.newlines(data, lo, hi)
-        if found >= need:
-            break
-        need -= found
-        if hi >= end:  # out of newlines: a last line without one is one more line
-            return end if need == 1 and off < end and not data.endswith(b"\n") else None
-        lo, step = hi, min(step * 2, _WINDOW)
-    while hi - lo > 1:  # [lo, hi) holds the need-th newline from lo
-        mid = (lo + hi) // 2
-        found = scan.newlines(data, lo, mid)
-        if found >= need:
-            hi = mid
-        else:
-            need -= found
-            lo = mid
-    return hi
-
-
-def _fits(data: bytes, hunk: Hunk, off: int, scan: _Scan) -> bool:
-    scan.take(len(hunk.old))
-    if not data.startswith(hunk.old, off):
-        return False
-    # old lines whose last has no newline end the file
-    return not hunk.old or hunk.old.endswith(b"\n") or off + len(hunk.old) == len(data)
-
-
-def _search(data: bytes, hunk: Hunk, after_line: int, after_off: int, scan: _Scan) -> tuple[int, int] | str:
-    """(line, offset) of the one place at or after the previous hunk's end where the hunk's old
-    lines are, or why there is none. Only line starts count: the needle is a newline and the
-    old lines (the first line of the range is checked on its own), and at most two are found."""
-    old = hunk.old
-    if not old:  # an insertion fits between any two lines: the end is the only single place
-        return (after_line, after_off) if after_off == len(data) else "ambiguous"
-    if not old.endswith(b"\n"):  # its last line has no newline: it can only end the file
-        at = len(data) - len(old)
-        scan.take(len(old))
-        if at >= after_off and (at == 0 or data[at - 1] == _NEWLINE) and data.endswith(old):
-            return after_line + scan.newlines(data, after_off, at), at
-        return "context_mismatch"
-    hits: list[int] = []
-    scan.take(len(old))
-    if data.startswith(old, after_off):
-        hits.append(after_off)
-    needle = b"\n" + old
-    pos = after_off
-    while len(hits) < 2:
-        nl = scan.find(data, needle, pos)
-        if nl < 0:
-            break
-        hits.append(nl + 1)
-        pos = nl + 1
-    if not hits:
-        return "context_mismatch"
-    if len(hits) > 1:
-        return "ambiguous"
-    return after_line + scan.newlines(data, after_off, hits[0]), hits[0]
-
-
-def apply_hunks(data: bytes, hunks: list[Hunk], scan: _Scan) -> tuple[bytes, list[tuple[int, str]]]:
-    """``data`` with the hunks placed in order (none before the end of the one before), and
-    the hunks that did not fit: (index, reason)."""
-    view = memoryview(data)
-    pieces: list[bytes | memoryview] = []
-    failed: list[tuple[int, str]] = []
-    after_line = after_off = 0  # where the previous hunk's old lines end
-    far_line = far_off = 0  # the furthest line whose offset is known (lines are found going forward)
-    for index, hunk in enumerate(hunks):
-        at: tuple[int, int] | str | None = None
-        try:
-            want = max(0, hunk.old_start - 1 if hunk.old_lines else hunk.old_start)
-            if want >= after_line:
-                base_line, base_off = (far_line, far_off) if after_line <= far_line <= want else (after_line, after_off)
-                off = _line_offset(data, base_off, want - base_line, scan)
-                if off is not None:
-                    far_line, far_off = want, off
-                    if _fits(data, hunk, off, scan):
-                        at = (want, off)
-            if at is None:
-                at = _search(data, hunk, after_line, after_off, scan)
-        except _OutOfBudget:
-            at = "search_budget"
-        if isinstance(at, str):
-            failed.append((index, at))
-            continue
-        line, off = at
-        pieces.append(view[after_off:off])
-        pieces.append(hunk.new)
-        after_line, after_off = line + hunk.old_lines, off + len(hunk.old)
-    pieces.append(view[after_off:])
-    return b"".join(pieces), failed
 
 
 # --------------------------------------------------------------------------- commit with rollback
@@ -684,7 +326,7 @@ class _Stager:
     def __init__(self, fsys: FileSystem, base: str) -> None:
         self.fsys = fsys
         self.base = base
-        self.scan = _Scan(MAX_PLACEMENT_SCAN)
+        self.scan = Scan(MAX_PLACEMENT_SCAN)
         self.commit = _Commit(fsys)
         self.failures = 0
         self.failed: list[dict[str, object]] = []  # the first MAX_REPORTED
@@ -716,7 +358,7 @@ class _Stager:
             number = 0  # hunks of this file in the sections before, for the report
             for i, section in enumerate(target.sections):
                 if i:
-                    _check_sequence(target.name, section, present, target.sections[i - 1])
+                    check_sequence(target.name, section, present, target.sections[i - 1])
                 new, bad = apply_hunks(data if present else b"", section.hunks, self.scan)
                 for index, reason in bad:
                     self._fail(shown, number + index + 1, section.hunks[index].old_start, reason)
@@ -761,7 +403,7 @@ class _Stager:
         where = os.fstat(place.dirfd)
         key = (where.st_dev, where.st_ino, place.name)
         if key in self.seen:
-            raise _bad(f"{os.fsdecode(self.seen[key])} and {shown} in the patch are the same file", target.name)
+            raise bad_patch(f"{os.fsdecode(self.seen[key])} and {shown} in the patch are the same file", target.name)
         self.seen[key] = target.name
         if target.existed:
             return
