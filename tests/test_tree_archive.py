@@ -1,4 +1,4 @@
-"""``trees.Archive`` (tree.download's tar maker) on its own: pieces of exactly ``chunk`` bytes
+"""``archive.Archive`` (tree.download's tar maker) on its own: pieces of exactly ``chunk`` bytes
 that tarfile reads back, a file that shrinks while read padded to its size at open, and
 ``close`` from another thread ending the maker's thread and its fds whatever it was doing."""
 
@@ -12,7 +12,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from guestd.files import trees
+from guestd.files import archive
 from guestd.files.walk import Filter
 
 
@@ -20,11 +20,11 @@ def _fds() -> set[str]:
     return set(os.listdir("/proc/self/fd"))
 
 
-def _archive(root: str, chunk: int) -> trees.Archive:
-    return trees.Archive(os.open(root, os.O_RDONLY | os.O_DIRECTORY), Filter(skip_git=False), chunk)
+def _archive(root: str, chunk: int) -> archive.Archive:
+    return archive.Archive(os.open(root, os.O_RDONLY | os.O_DIRECTORY), Filter(skip_git=False), chunk)
 
 
-def _pieces(arch: trees.Archive) -> Iterator[bytes]:
+def _pieces(arch: archive.Archive) -> Iterator[bytes]:
     while (piece := arch.step()) is not None:
         yield bytes(piece)
 

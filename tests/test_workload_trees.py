@@ -10,7 +10,7 @@ import os
 import pytest
 
 from guestd.client import Client
-from guestd.files.trees import MAX_LINK_HOPS
+from guestd.files.tarlinks import MAX_LINK_HOPS
 from guestd.testing import Guestd
 from guestd.wire.errors import GuestdError
 from tests.helpers import tar_of

@@ -1,6 +1,6 @@
 """Atomic writes: a temp file beside the target, renamed over it only when complete (file.write,
-file.upload, and every capability that replaces a file: edits, patches, trees). Blocking: the
-callers run it in the daemon's I/O threads."""
+file.upload, file.write_many, and every capability that replaces a file: edits, patches, trees).
+Blocking: the callers run it in the daemon's I/O threads."""
 
 from __future__ import annotations
 
@@ -20,6 +20,7 @@ if TYPE_CHECKING:  # the generated message types: annotations only, never import
 
 
 DEFAULT_PERM = 0o644
+MAX_WRITE_MANY = 256  # files one file.write_many may write (each holds two fds until the commit)
 
 
 class AtomicFile:
@@ -292,3 +293,34 @@ def open_atomic(fsys: FileSystem, path: str, flag: str, perm: int | None, parent
     except BaseException:
         place.close()
         raise
+
+
+def write_many(fsys: FileSystem, items: list[tuple[str, bytes, int | None]], parents: bool) -> tuple[int, int]:
+    """Every file to its temp file first; then all committed. One that cannot be prepared
+    (a bad path, no space) aborts all: nothing is written."""
+    if len(items) > MAX_WRITE_MANY:
+        raise GuestdError(
+            ErrorCode.LIMIT,
+            f"more than {MAX_WRITE_MANY} files in one file.write_many",
+            details={"limit": "max_write_many", "value": MAX_WRITE_MANY, "field": "files"},
+        )
+    prepared: list[AtomicFile] = []
+    try:
+        for path, data, perm in items:
+            place = fsys.place(path, parents=parents, field="files")
+            try:
+                f = AtomicFile(place, "overwrite", perm, fsys.pending)
+            except BaseException:
+                place.close()
+                raise
+            prepared.append(f)
+            f.write(data)
+        total = 0
+        while prepared:
+            f = prepared[0]
+            total += f.commit()
+            prepared.pop(0)
+        return len(items), total
+    finally:
+        for f in prepared:
+            f.abort()

@@ -1,5 +1,5 @@
-"""Directory trees in and out as tar streams (``tree.upload``, ``tree.download``) and
-``file.write_many``.
+"""``tree.upload``: a tar stream extracted into a private staging directory beside the target,
+then committed in one rename.
 
 Extraction is guestd's own, over the file-system layer: ``tarread`` parses the stream (a
 file's data goes from the received frames straight to its fd); every entry is created with
@@ -12,8 +12,8 @@ through that fd, never its name). Refused with ``bad_request``
 and ``details.entry``: absolute names, ``..``, a symlink whose target is absolute or climbs
 out of the tree, hard links, devices, FIFOs, and any path through a symlink. A symlink's
 target must stay in the tree both read as text and resolved through the links the archive
-itself made (``Links``: once every entry is in, each target is resolved over a trie of the
-archive's links, a name that is no link counting as a directory whether it exists or not, so
+itself made (``Links`` of :mod:`guestd.files.tarlinks`: once every entry is in, each target is
+resolved over a trie of the archive's links, a name that is no link counting as a directory whether it exists or not, so
 ``a/b/c/up -> ../..`` then ``a/b/c/esc -> up/../../../..`` is refused whatever the order of
 the two); a chain of more than 40 links, a loop, or a target of 4096 bytes or more is refused
 too. What waits for the end (directories' modes and mtimes, the links) is bounded in bytes
@@ -25,9 +25,7 @@ while its name still holds its inode: nothing half-extracted is left at or besid
 Modes lose setuid and setgid. New entries get the workspace ownership rule of the target's
 directory.
 
-Archives out are pax (names that are not UTF-8 kept as bytes, ``hdrcharset=BINARY``); files
-are read through fds checked to be regular (a FIFO is never opened), symlinks archived as
-links, never followed, and FIFOs, sockets and devices left out (counted in ``skipped``).
+The way back out (``tree.download``) is :mod:`guestd.files.archive`.
 """
 
 from __future__ import annotations
@@ -37,16 +35,14 @@ import os
 import queue
 import stat as st
 import tarfile
-import threading
 from collections.abc import Callable
 
-from guestd.files import tarhead, tarread
-from guestd.files.atomic import AtomicFile
+from guestd.files import tarread
 from guestd.files.entries import remove_tree
 from guestd.files.fs import PATH_MAX, FileSystem, Owner, Place, rename_noreplace
 from guestd.files.resolver import RESOLVE_BENEATH, RESOLVE_NO_MAGICLINKS, RESOLVE_NO_SYMLINKS, openat2
+from guestd.files.tarlinks import Links, entry_parts, link_stays_inside, refused
 from guestd.files.temps import TREE_TEMP_MARK
-from guestd.files.walk import Filter, Walk
 from guestd.wire.errors import ErrorCode, GuestdError
 
 MAX_TREE_ENTRIES = 1_000_000  # entries one archive may hold
@@ -57,23 +53,11 @@ MAX_TREE_ENTRIES = 1_000_000  # entries one archive may hold
 MAX_TREE_REMEMBERED = 64 * 1024 * 1024
 _DIR_COST = 200
 _LINK_NODE_COST = 350
-MAX_WRITE_MANY = 256  # files one file.write_many may write (each holds two fds until the commit)
 _DIR = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
 _RESOLVE = RESOLVE_BENEATH | RESOLVE_NO_SYMLINKS | RESOLVE_NO_MAGICLINKS
 _RENAME_EXCHANGE = 2
 _STAGED = b"tree"  # the tree's name in the private staging directory while it fills
 _CREATE = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
-# Reopening an O_PATH fd through /proc/self/fd: O_NOFOLLOW would refuse the magic link itself
-# (the inode is resolved already); O_NONBLOCK so that no open waits.
-_READ_REGULAR = os.O_RDONLY | os.O_NONBLOCK | os.O_NOCTTY | os.O_CLOEXEC
-
-
-def refused(entry: str, reason: str, what: str) -> GuestdError:
-    return GuestdError(
-        ErrorCode.BAD_REQUEST,
-        f"tar entry {entry!r} refused: {what}",
-        details={"entry": entry, "reason": reason},
-    )
 
 
 # --------------------------------------------------------------------------- input bridge
@@ -135,158 +119,6 @@ class Feed:
 
 
 # --------------------------------------------------------------------------- extraction
-
-
-def _parts(name: str) -> list[str]:
-    """An entry's name as components, or refused (absolute, ``..``)."""
-    if name.startswith("/"):
-        raise refused(name, "absolute", "absolute name")
-    parts = [p for p in name.split("/") if p not in ("", ".")]
-    if ".." in parts:
-        raise refused(name, "dotdot", "'..' in the name")
-    return parts
-
-
-def _link_stays_inside(parts: list[str], target: str) -> bool:
-    if not target or target.startswith("/"):
-        return False
-    where = list(parts[:-1])
-    for comp in target.split("/"):
-        if comp in ("", "."):
-            continue
-        if comp == "..":
-            if not where:
-                return False
-            where.pop()
-        else:
-            where.append(comp)
-    return True
-
-
-MAX_LINK_HOPS = 40  # links followed in one resolution, as the kernel's MAXSYMLINKS
-
-
-class _LinkNode:
-    """A name on the path of a link the archive made (the link itself, or a directory above)."""
-
-    __slots__ = ("children", "name", "parent", "resolved", "target")
-
-    def __init__(self, parent: _LinkNode | None, name: str) -> None:
-        self.parent = parent
-        self.name = name
-        self.children: dict[str, _LinkNode] | None = None
-        self.target: str | None = None  # set while a link of the archive is at this name
-        self.resolved: tuple[_LinkNode, int, int] | None = None  # see Links._resolve
-
-
-class _LeavesTree(Exception):
-    pass
-
-
-class _TooManyLinks(Exception):
-    pass
-
-
-class Links:
-    """The symlinks an archive made, as a trie of their paths, to check at the end that every
-    link's target, followed through the others, stays in the tree.
-
-    Resolution is lexical over the trie: ``..`` goes to the parent (above the root: out), a
-    name that is a link of the archive is followed (at most MAX_LINK_HOPS in one resolution),
-    and any other name counts as a directory, whether it exists or not (a link that leaves
-    the tree once the workload makes a missing directory is refused now). Each link is
-    resolved once and remembered, so the check is linear in the bytes of the link targets."""
-
-    def __init__(self) -> None:
-        self.root = _LinkNode(None, "")
-        self.order: list[_LinkNode] = []  # the links in archive order (one node per name)
-
-    def add(self, parts: list[str], target: str) -> int:
-        """A link at ``parts``; returns how many names the trie grew by."""
-        node, grew = self.root, 0
-        for name in parts:
-            if node.children is None:
-                node.children = {}
-            child = node.children.get(name)
-            if child is None:
-                child = node.children[name] = _LinkNode(node, name)
-                grew += 1
-            node = child
-        if node.target is None:
-            self.order.append(node)
-        node.target = target
-        return grew
-
-    def remove(self, parts: list[str]) -> None:
-        """The link at ``parts`` was replaced by a file."""
-        node: _LinkNode | None = self.root
-        for name in parts:
-            node = node.children.get(name) if node is not None and node.children else None
-        if node is not None:
-            node.target = None
-
-    def check(self) -> None:
-        """Refuse the first link (in archive order) that leads out or loops."""
-        for node in self.order:
-            if node.target is None:
-                continue
-            try:
-                self._resolve(node, 0)
-            except _LeavesTree:
-                raise refused(
-                    self._entry(node), "link_out", f"symlink to {node.target!r} leads out of the tree"
-                ) from None
-            except _TooManyLinks:
-                raise refused(
-                    self._entry(node),
-                    "link_loop",
-                    f"symlink to {node.target!r} goes through more than {MAX_LINK_HOPS} links or loops",
-                ) from None
-
-    @staticmethod
-    def _entry(node: _LinkNode) -> str:
-        names: list[str] = []
-        at: _LinkNode | None = node
-        while at is not None and at.parent is not None:
-            names.append(at.name)
-            at = at.parent
-        return "/".join(reversed(names))
-
-    def _resolve(self, link: _LinkNode, depth: int) -> tuple[_LinkNode, int, int]:
-        """Where ``link``'s target leads: (the trie node reached, names below it that hold no
-        link, links followed to get there, itself included, as the kernel counts them)."""
-        if link.resolved is not None:
-            if link.resolved[0] is link:  # being resolved: a loop
-                raise _TooManyLinks
-            return link.resolved
-        assert link.target is not None and link.parent is not None
-        link.resolved = (link, 0, 0)
-        where, below, hops = link.parent, 0, 1
-        for name in link.target.split("/"):
-            if name in ("", "."):
-                continue
-            if name == "..":
-                if below:
-                    below -= 1
-                elif where.parent is None:
-                    raise _LeavesTree
-                else:
-                    where = where.parent
-                continue
-            child = where.children.get(name) if not below and where.children else None
-            if child is None:
-                below += 1
-            elif child.target is None:
-                where = child
-            else:
-                if depth >= MAX_LINK_HOPS:
-                    raise _TooManyLinks
-                where, below, used = self._resolve(child, depth + 1)
-                hops += used
-                if hops > MAX_LINK_HOPS:
-                    raise _TooManyLinks
-        link.resolved = (where, below, hops)
-        return link.resolved
 
 
 class Extractor:
@@ -385,7 +217,7 @@ class Extractor:
 
     def _entry(self, reader: tarread.Reader, m: tarread.Member) -> None:
         name = m.name
-        parts = _parts(name)
+        parts = entry_parts(name)
         mode = m.mode & 0o1777
         kind = m.kind
         is_dir, is_link = kind == tarfile.DIRTYPE, kind == tarfile.SYMTYPE
@@ -404,7 +236,7 @@ class Extractor:
             raise refused(name, "type", "an entry of an unknown type")
         if is_link and len(os.fsencode(m.linkname)) >= PATH_MAX:
             raise refused(name, "link_long", f"symlink target of {len(os.fsencode(m.linkname))} bytes")
-        if is_link and not _link_stays_inside(parts, m.linkname):
+        if is_link and not link_stays_inside(parts, m.linkname):
             raise refused(name, "link_out", f"symlink to {m.linkname!r} points out of the tree")
         parent = self._parent(parts, name)
         last = parts[-1]
@@ -569,185 +401,3 @@ def _exchange(src_dir: int, src: bytes, dst_dir: int, dst: bytes, shown: str) ->
 def extract(fsys: FileSystem, path: str, parents: bool, replace: bool, source: tarread.Source) -> tuple[int, int]:
     with fsys.place(path, parents=parents) as place:
         return Extractor(place, place.owner).run(source, replace)
-
-
-# --------------------------------------------------------------------------- archiving
-
-
-class _Closed(Exception):
-    """The download ended (closed) while its archive was being made."""
-
-
-class Archive:
-    """A pax tar of the tree below ``root_fd``, made in pieces of ``chunk`` bytes.
-
-    A thread of its own makes the pieces one ahead of :meth:`step` (a queue of one), so the
-    next piece is filled while the loop sends the last one and the client reads it: made on
-    demand, the two waited for each other (the send's drain lasts until the client has read
-    most of the piece). Headers are made by hand (``tarhead``) and file data is read straight
-    into the piece (``tarhead.Pieces``), so a stream holds at most three pieces (one sent, one
-    ready, one filling) and nothing else."""
-
-    def __init__(self, root_fd: int, flt: Filter, chunk: int) -> None:
-        self.root_fd = root_fd
-        self.walk = Walk(root_fd, flt)
-        self.chunk = chunk
-        self.entries = 0
-        self.skipped = 0
-        self.ready: queue.Queue[bytearray | BaseException | None] = queue.Queue(maxsize=1)
-        self.closed = threading.Event()
-        self.ended = False  # step() has handed out the end (or an error)
-        self.thread = threading.Thread(target=self._produce, name="guestd-tree-download", daemon=True)
-        self.thread.start()
-
-    def step(self) -> bytearray | None:
-        """The next piece (blocks until it is made), None at the end; the walk's error if any."""
-        if self.ended or self.closed.is_set():
-            return None
-        item = self.ready.get()
-        if item is None or isinstance(item, BaseException):
-            self.ended = True
-            if item is not None:
-                raise item
-        return item
-
-    def close(self) -> None:
-        """Stop the thread and wait for it (it has closed every fd when this returns). The walk
-        is stopped first: a costly .gitignore or a huge tree lets go within milliseconds."""
-        self.walk.stop()
-        self.closed.set()
-        while True:  # a thread waiting to hand over a piece gets the room and sees the stop
-            try:
-                self.ready.get_nowait()
-            except queue.Empty:
-                break
-        try:
-            self.ready.put_nowait(None)  # a step() waiting meanwhile ends
-        except queue.Full:
-            pass
-        self.thread.join()
-
-    def _produce(self) -> None:
-        try:
-            try:
-                self._make(tarhead.Pieces(self.chunk, self._hand))
-            finally:
-                os.close(self.root_fd)  # before the end is handed over: the reply finds no fd left
-            self._hand(None)
-        except _Closed:
-            pass
-        except BaseException as exc:
-            try:
-                self._hand(exc)
-            except _Closed:
-                pass
-
-    def _hand(self, item: bytearray | BaseException | None) -> None:
-        """Into the queue of one; raises _Closed once closed (checked while waiting for room)."""
-        while not self.closed.is_set():
-            try:
-                self.ready.put(item, timeout=0.05)
-                return
-            except queue.Full:
-                continue
-        raise _Closed
-
-    def _make(self, out: tarhead.Pieces) -> None:
-        """The archive into ``out``: the walk's entries in its order, then the end blocks."""
-        entries = self.walk.entries()
-        try:
-            for e in entries:
-                info = e.info
-                mode = info.st_mode
-                if st.S_ISREG(mode):
-                    opened = self._open_regular(e.dirfd, e.name)
-                    if opened is None:
-                        self.skipped += 1
-                        continue
-                    fd, info = opened  # the inode opened: its size is what the header says
-                    try:
-                        self.entries += 1
-                        out.put(self._header(e.rel, info, tarhead.REGULAR, info.st_size))
-                        out.file(fd, info.st_size)
-                    finally:
-                        os.close(fd)
-                elif st.S_ISDIR(mode):
-                    self.entries += 1
-                    out.put(self._header(e.rel, info, tarhead.DIRECTORY))
-                elif st.S_ISLNK(mode):
-                    try:
-                        target = os.readlink(e.name, dir_fd=e.dirfd)
-                    except OSError:
-                        self.skipped += 1
-                        continue
-                    self.entries += 1
-                    out.put(self._header(e.rel, info, tarhead.SYMLINK, link=target))
-                else:
-                    self.skipped += 1  # FIFO, socket, device: never opened
-            out.finish()
-        finally:
-            entries.close()  # the walk's directory fds
-
-    @staticmethod
-    def _header(rel: bytes, info: os.stat_result, kind: bytes, size: int = 0, link: bytes = b"") -> bytes:
-        return tarhead.header(
-            rel, st.S_IMODE(info.st_mode), info.st_uid, info.st_gid, size, info.st_mtime_ns, kind, link
-        )
-
-    @staticmethod
-    def _open_regular(dirfd: int, name: bytes) -> tuple[int, os.stat_result] | None:
-        """A read fd of the regular file ``name`` and its stat, or None (skipped): through an
-        ``O_PATH | O_NOFOLLOW`` fd checked regular first, so a symlink is never followed and
-        a FIFO or device never opened (as ``reopen_regular``, whose fstat this reuses)."""
-        try:
-            pathfd = os.open(name, os.O_PATH | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=dirfd)
-        except OSError:
-            return None
-        try:
-            info = os.fstat(pathfd)
-            if not st.S_ISREG(info.st_mode):
-                return None
-            return os.open(f"/proc/self/fd/{pathfd}", _READ_REGULAR), info
-        except OSError:
-            return None
-        finally:
-            os.close(pathfd)
-
-
-def open_archive(fsys: FileSystem, path: str, flt: Filter, chunk: int) -> Archive:
-    fd = fsys.open_dir(path)
-    return Archive(fd, flt, chunk)
-
-
-# --------------------------------------------------------------------------- write_many
-
-
-def write_many(fsys: FileSystem, items: list[tuple[str, bytes, int | None]], parents: bool) -> tuple[int, int]:
-    """Every file to its temp file first; then all committed. One that cannot be prepared
-    (a bad path, no space) aborts all: nothing is written."""
-    if len(items) > MAX_WRITE_MANY:
-        raise GuestdError(
-            ErrorCode.LIMIT,
-            f"more than {MAX_WRITE_MANY} files in one file.write_many",
-            details={"limit": "max_write_many", "value": MAX_WRITE_MANY, "field": "files"},
-        )
-    prepared: list[AtomicFile] = []
-    try:
-        for path, data, perm in items:
-            place = fsys.place(path, parents=parents, field="files")
-            try:
-                f = AtomicFile(place, "overwrite", perm, fsys.pending)
-            except BaseException:
-                place.close()
-                raise
-            prepared.append(f)
-            f.write(data)
-        total = 0
-        while prepared:
-            f = prepared[0]
-            total += f.commit()
-            prepared.pop(0)
-        return len(items), total
-    finally:
-        for f in prepared:
-            f.abort()

@@ -10,7 +10,8 @@ import threading
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, TypeVar, cast
 
-from guestd.files import patch, search, trees
+from guestd.files import archive, patch, search, trees
+from guestd.files.atomic import write_many
 from guestd.files.edit import Editor
 from guestd.files.entries import os_call
 from guestd.files.fs import FileSystem
@@ -157,7 +158,7 @@ class Workspace:
     @op("file.write_many")
     async def op_write_many(self, ctx: Request, a: FileWriteManyArgs) -> FileWriteManyReply:
         items = [(path_from_wire(i["path"]), i["data"], i["perm"]) for i in a["files"]]
-        written, nbytes = await self._edit(trees.write_many, self.fsys, items, a["parents"])
+        written, nbytes = await self._edit(write_many, self.fsys, items, a["parents"])
         return {"written": written, "bytes": nbytes}
 
     @op("tree.upload")
@@ -214,8 +215,8 @@ class Workspace:
         """The tree under ``path`` as a tar stream, a chunk per step in an I/O thread."""
         chunk = a["chunk"] or self.services.config.limits.max_chunk
         flt = Filter(globs=[*a["include"], *("!" + g for g in a["exclude"])], gitignore=a["gitignore"], skip_git=False)
-        arch: trees.Archive = await self.services.acquire_in_io(
-            os_call, trees.Archive.close, trees.open_archive, self.fsys, a["path"], flt, chunk
+        arch: archive.Archive = await self.services.acquire_in_io(
+            os_call, archive.Archive.close, archive.open_archive, self.fsys, a["path"], flt, chunk
         )
         sent = 0
         try:

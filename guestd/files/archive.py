@@ -1,0 +1,166 @@
+"""``tree.download``: a pax tar of a directory tree, made in pieces on a thread of its own.
+
+Names that are not UTF-8 are kept as bytes (``hdrcharset=BINARY``); files are read through fds
+checked to be regular (a FIFO is never opened), symlinks archived as links, never followed, and
+FIFOs, sockets and devices left out (counted in ``skipped``).
+"""
+
+from __future__ import annotations
+
+import os
+import queue
+import stat as st
+import threading
+
+from guestd.files import tarhead
+from guestd.files.fs import FileSystem
+from guestd.files.walk import Filter, Walk
+
+# Reopening an O_PATH fd through /proc/self/fd: O_NOFOLLOW would refuse the magic link itself
+# (the inode is resolved already); O_NONBLOCK so that no open waits.
+_READ_REGULAR = os.O_RDONLY | os.O_NONBLOCK | os.O_NOCTTY | os.O_CLOEXEC
+
+
+class _Closed(Exception):
+    """The download ended (closed) while its archive was being made."""
+
+
+class Archive:
+    """A pax tar of the tree below ``root_fd``, made in pieces of ``chunk`` bytes.
+
+    A thread of its own makes the pieces one ahead of :meth:`step` (a queue of one), so the
+    next piece is filled while the loop sends the last one and the client reads it: made on
+    demand, the two waited for each other (the send's drain lasts until the client has read
+    most of the piece). Headers are made by hand (``tarhead``) and file data is read straight
+    into the piece (``tarhead.Pieces``), so a stream holds at most three pieces (one sent, one
+    ready, one filling) and nothing else."""
+
+    def __init__(self, root_fd: int, flt: Filter, chunk: int) -> None:
+        self.root_fd = root_fd
+        self.walk = Walk(root_fd, flt)
+        self.chunk = chunk
+        self.entries = 0
+        self.skipped = 0
+        self.ready: queue.Queue[bytearray | BaseException | None] = queue.Queue(maxsize=1)
+        self.closed = threading.Event()
+        self.ended = False  # step() has handed out the end (or an error)
+        self.thread = threading.Thread(target=self._produce, name="guestd-tree-download", daemon=True)
+        self.thread.start()
+
+    def step(self) -> bytearray | None:
+        """The next piece (blocks until it is made), None at the end; the walk's error if any."""
+        if self.ended or self.closed.is_set():
+            return None
+        item = self.ready.get()
+        if item is None or isinstance(item, BaseException):
+            self.ended = True
+            if item is not None:
+                raise item
+        return item
+
+    def close(self) -> None:
+        """Stop the thread and wait for it (it has closed every fd when this returns). The walk
+        is stopped first: a costly .gitignore or a huge tree lets go within milliseconds."""
+        self.walk.stop()
+        self.closed.set()
+        while True:  # a thread waiting to hand over a piece gets the room and sees the stop
+            try:
+                self.ready.get_nowait()
+            except queue.Empty:
+                break
+        try:
+            self.ready.put_nowait(None)  # a step() waiting meanwhile ends
+        except queue.Full:
+            pass
+        self.thread.join()
+
+    def _produce(self) -> None:
+        try:
+            try:
+                self._make(tarhead.Pieces(self.chunk, self._hand))
+            finally:
+                os.close(self.root_fd)  # before the end is handed over: the reply finds no fd left
+            self._hand(None)
+        except _Closed:
+            pass
+        except BaseException as exc:
+            try:
+                self._hand(exc)
+            except _Closed:
+                pass
+
+    def _hand(self, item: bytearray | BaseException | None) -> None:
+        """Into the queue of one; raises _Closed once closed (checked while waiting for room)."""
+        while not self.closed.is_set():
+            try:
+                self.ready.put(item, timeout=0.05)
+                return
+            except queue.Full:
+                continue
+        raise _Closed
+
+    def _make(self, out: tarhead.Pieces) -> None:
+        """The archive into ``out``: the walk's entries in its order, then the end blocks."""
+        entries = self.walk.entries()
+        try:
+            for e in entries:
+                info = e.info
+                mode = info.st_mode
+                if st.S_ISREG(mode):
+                    opened = self._open_regular(e.dirfd, e.name)
+                    if opened is None:
+                        self.skipped += 1
+                        continue
+                    fd, info = opened  # the inode opened: its size is what the header says
+                    try:
+                        self.entries += 1
+                        out.put(self._header(e.rel, info, tarhead.REGULAR, info.st_size))
+                        out.file(fd, info.st_size)
+                    finally:
+                        os.close(fd)
+                elif st.S_ISDIR(mode):
+                    self.entries += 1
+                    out.put(self._header(e.rel, info, tarhead.DIRECTORY))
+                elif st.S_ISLNK(mode):
+                    try:
+                        target = os.readlink(e.name, dir_fd=e.dirfd)
+                    except OSError:
+                        self.skipped += 1
+                        continue
+                    self.entries += 1
+                    out.put(self._header(e.rel, info, tarhead.SYMLINK, link=target))
+                else:
+                    self.skipped += 1  # FIFO, socket, device: never opened
+            out.finish()
+        finally:
+            entries.close()  # the walk's directory fds
+
+    @staticmethod
+    def _header(rel: bytes, info: os.stat_result, kind: bytes, size: int = 0, link: bytes = b"") -> bytes:
+        return tarhead.header(
+            rel, st.S_IMODE(info.st_mode), info.st_uid, info.st_gid, size, info.st_mtime_ns, kind, link
+        )
+
+    @staticmethod
+    def _open_regular(dirfd: int, name: bytes) -> tuple[int, os.stat_result] | None:
+        """A read fd of the regular file ``name`` and its stat, or None (skipped): through an
+        ``O_PATH | O_NOFOLLOW`` fd checked regular first, so a symlink is never followed and
+        a FIFO or device never opened (as ``reopen_regular``, whose fstat this reuses)."""
+        try:
+            pathfd = os.open(name, os.O_PATH | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=dirfd)
+        except OSError:
+            return None
+        try:
+            info = os.fstat(pathfd)
+            if not st.S_ISREG(info.st_mode):
+                return None
+            return os.open(f"/proc/self/fd/{pathfd}", _READ_REGULAR), info
+        except OSError:
+            return None
+        finally:
+            os.close(pathfd)
+
+
+def open_archive(fsys: FileSystem, path: str, flt: Filter, chunk: int) -> Archive:
+    fd = fsys.open_dir(path)
+    return Archive(fd, flt, chunk)
