@@ -1,4 +1,4 @@
-"""code capability: persistent code contexts, Python or any installed kernelspec (engine: contexts.py)."""
+"""code capability: persistent code contexts, Python or any installed kernelspec (engine: table.py, contexts.py)."""
 
 from __future__ import annotations
 
@@ -9,7 +9,8 @@ from typing import TYPE_CHECKING
 from guestd.services import add_ops, op
 
 if TYPE_CHECKING:  # the generated message types: annotations only, never imported at run time
-    from guestd.code.contexts import CodeContext, Contexts
+    from guestd.code.contexts import CodeContext
+    from guestd.code.table import Contexts
     from guestd.services import Request, Services
     from guestd.wire.types import (
         CodeCloseArgs,
@@ -39,7 +40,7 @@ class CodeCapability:
     def contexts(self) -> Contexts:
         """The code-context manager; made (and jupyter_client imported) on first use."""
         if self._made is None:
-            from guestd.code.contexts import Contexts
+            from guestd.code.table import Contexts
 
             self._made = Contexts(self.services)
             self._made.ensure_pool()
@@ -143,7 +144,7 @@ class CodeCapability:
         if self._made is None:
             return {"contexts": [], "pool_ready": 0}
         cs = self._made
-        return {"contexts": [c.describe() for c in cs.contexts.values()], "pool_ready": len(cs.pool)}
+        return {"contexts": [c.describe() for c in cs.by_id.values()], "pool_ready": len(cs.pool)}
 
 
 def register(services: Services) -> None:

@@ -70,7 +70,7 @@ class ShellsCapability:
                     "keep: not with stream, stdin_stream or pty (the run must not need its connection)",
                     details={"field": "keep"},
                 )
-            session = self.shells().get(a["id"])
+            session = self.shells().find(a["id"])
 
             async def kept() -> ShellRunReply:
                 cursor = await services.changes_cursor(a["report_changes"])
@@ -79,18 +79,18 @@ class ShellsCapability:
             reply: ShellRunReply = await runs.keep(ctx, "shell.run", session.id, a["command"], kept)
             return reply
         cursor = await services.changes_cursor(a["report_changes"])
-        return await services.with_changes(cursor, await self.shells().get(a["id"]).run(a, ctx))
+        return await services.with_changes(cursor, await self.shells().find(a["id"]).run(a, ctx))
 
     @op("shell.resize")
     async def op_resize(self, ctx: Request, a: ShellResizeArgs) -> ShellResizeReply:
-        self.shells().get(a["id"]).resize(a["rows"], a["cols"])
+        self.shells().find(a["id"]).resize(a["rows"], a["cols"])
         return {}
 
     @op("shell.list")
     async def op_list(self, ctx: Request, a: ShellListArgs) -> ShellListReply:
         if self._made is None:
             return {"sessions": []}
-        return {"sessions": [s.describe() for s in self._made.sessions.values()]}
+        return {"sessions": [s.describe() for s in self._made.by_id.values()]}
 
     @op("shell.close")
     async def op_close(self, ctx: Request, a: ShellCloseArgs) -> ShellCloseReply:
