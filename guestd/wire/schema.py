@@ -782,6 +782,35 @@ _KEEP = F(
 )
 _KEPT_EVENT = F("run_id", "str", "kept: the run's id")
 
+# Fields several ops declare alike (args take no Group: each is spliced in where it stands).
+_ARGV_OR_SHELL = (
+    F("argv", "list<str>?", "program and arguments (exactly one of argv / shell)", min_len=1),
+    F("shell", "str?", "command string run by /bin/sh -c"),
+)
+_ENV = (
+    F("env", "map<str,str>?", "environment variables"),
+    F(
+        "env_mode",
+        "enum(merge|replace)",
+        "merge env into guestd's (a run as the workload user gets its HOME, USER, LOGNAME unless env "
+        "names them), or use env alone",
+        default="merge",
+    ),
+)
+_CAPTURE_BOUNDS = (
+    F("max_output", "uint", "bytes kept per stream", default=65536, le_limit="max_output"),
+    F("capture", "enum(tail|head_tail)", "which bytes are kept when over max_output", default="tail"),
+)
+_REPORT_CHANGES = F(
+    "report_changes",
+    "bool",
+    "also report the files created, modified and deleted under the workspace during the run",
+    default=False,
+)
+_OUTPUT_DATA_EVENT = F("data", "bin", "stdout/stderr: next bytes of the stream")
+_TARGET_PATH = F("path", "path", "target path", True)
+_PARENTS = F("parents", "bool", "create missing parent directories", default=False)
+
 _ON_TIMEOUT = F(
     "on_timeout",
     "enum(kill|detach)",
@@ -841,17 +870,9 @@ OPS: tuple[OpSpec, ...] = (
         "whole process tree. Could-not-start failures (bad argv, bad cwd) are ERROR frames "
         "with details.stage; a process that ran and failed is a RESPONSE with its exit status.",
         args=(
-            F("argv", "list<str>?", "program and arguments (exactly one of argv / shell)", min_len=1),
-            F("shell", "str?", "command string run by /bin/sh -c"),
+            *_ARGV_OR_SHELL,
             F("cwd", "path?", "working directory (default: guestd's)"),
-            F("env", "map<str,str>?", "environment variables"),
-            F(
-                "env_mode",
-                "enum(merge|replace)",
-                "merge env into guestd's (a run as the workload user gets its HOME, USER, LOGNAME unless env "
-                "names them), or use env alone",
-                default="merge",
-            ),
+            *_ENV,
             F("stdin", "bin?", "bytes fed to stdin, then closed; nil means /dev/null"),
             F("stdin_stream", "bool", "stdin comes from INPUT frames (data / eof)", default=False),
             _MERGE_STDERR,
@@ -865,8 +886,7 @@ OPS: tuple[OpSpec, ...] = (
             ),
             F("kill_grace_s", "float", "SIGTERM -> SIGKILL grace after a timeout", default=2.0, ge=0, le=60),
             _ON_TIMEOUT,
-            F("max_output", "uint", "bytes kept per stream", default=65536, le_limit="max_output"),
-            F("capture", "enum(tail|head_tail)", "which bytes are kept when over max_output", default="tail"),
+            *_CAPTURE_BOUNDS,
             F("stream", "bool", "send output as EVENT frames as it arrives", default=False),
             _SPILL,
             *_SHAPING,
@@ -878,12 +898,7 @@ OPS: tuple[OpSpec, ...] = (
                 ge=0,
                 le=60,
             ),
-            F(
-                "report_changes",
-                "bool",
-                "also report the files created, modified and deleted under the workspace during the run",
-                default=False,
-            ),
+            _REPORT_CHANGES,
         ),
         result=(
             *_OUTPUT_RESULT,
@@ -893,7 +908,7 @@ OPS: tuple[OpSpec, ...] = (
         events=(
             F("ev", "enum(started|stdout|stderr)", "event type", True),
             F("pid", "int", "started: process id"),
-            F("data", "bin", "stdout/stderr: next bytes of the stream"),
+            _OUTPUT_DATA_EVENT,
         ),
         input=(
             F("data", "bin", "bytes to write to stdin (stdin_stream only; counts against the window)"),
@@ -928,7 +943,7 @@ OPS: tuple[OpSpec, ...] = (
         "fsync, rename): readers see the old or the new file, never a mix, and a failure "
         "leaves the old file untouched.",
         args=(
-            F("path", "path", "target path", True),
+            _TARGET_PATH,
             F("data", "bin", "content", True),
             F(
                 "flag",
@@ -937,7 +952,7 @@ OPS: tuple[OpSpec, ...] = (
                 default="overwrite",
             ),
             F("perm", "uint?", "permission bits for a new file (default 0o644; overwrite keeps the old file's)"),
-            F("parents", "bool", "create missing parent directories", default=False),
+            _PARENTS,
         ),
         result=(F("size", "uint", "file size after the write", True),),
         errors=(
@@ -957,10 +972,10 @@ OPS: tuple[OpSpec, ...] = (
         "server grants credit with WINDOW frames (the initial credit is the negotiated hello.stream_window). "
         "Written to a temp file and renamed into place on eof, so it is atomic like file.write.",
         args=(
-            F("path", "path", "target path", True),
+            _TARGET_PATH,
             F("flag", "enum(overwrite|create)", "replace atomically, or fail if it exists", default="overwrite"),
             F("perm", "uint?", "permission bits (default 0o644)"),
-            F("parents", "bool", "create missing parent directories", default=False),
+            _PARENTS,
             F("size", "uint?", "expected size; a mismatch at eof fails and keeps the old file"),
         ),
         result=(F("size", "uint", "bytes written", True),),
@@ -1160,8 +1175,7 @@ CODE_OPS: tuple[OpSpec, ...] = (
             ),
             F("input_lines", "list<str>?", "answers for input()/getpass(), in order"),
             F("strip_ansi", "bool", "remove ANSI colour codes from output and tracebacks", default=False),
-            F("max_output", "uint", "bytes kept per stream", default=65536, le_limit="max_output"),
-            F("capture", "enum(tail|head_tail)", "which bytes are kept when over max_output", default="tail"),
+            *_CAPTURE_BOUNDS,
             F("stream", "bool", "send output and results as EVENT frames as they arrive", default=False),
             _KEEP,
         ),
@@ -1214,6 +1228,7 @@ CODE_OPS: tuple[OpSpec, ...] = (
 )
 
 _PID = F("id", "str", "process id returned by process.start", True)
+_TERMINAL_SIZE = (F("rows", "uint", "rows", True, ge=1, le=9999), F("cols", "uint", "columns", True, ge=1, le=9999))
 _EXIT = (
     F("state", "enum(running|exited)", "process state", True),
     F("exit_code", "int?", "exit status once exited normally"),
@@ -1231,17 +1246,9 @@ PROCESS_OPS: tuple[OpSpec, ...] = (
         "(details.argv0), or details.stage cwd (details.cwd) for the working directory; with shell, /bin/sh "
         "starts and a missing command is the process's exit status 127.",
         args=(
-            F("argv", "list<str>?", "program and arguments (exactly one of argv / shell)", min_len=1),
-            F("shell", "str?", "command string run by /bin/sh -c"),
+            *_ARGV_OR_SHELL,
             F("cwd", "path?", "working directory"),
-            F("env", "map<str,str>?", "environment variables"),
-            F(
-                "env_mode",
-                "enum(merge|replace)",
-                "merge env into guestd's (a run as the workload user gets its HOME, USER, LOGNAME unless env "
-                "names them), or use env alone",
-                default="merge",
-            ),
+            *_ENV,
             F("stdin", "bool", "keep a stdin pipe for process.write (else /dev/null)", default=False),
             F(
                 "pty",
@@ -1338,7 +1345,7 @@ PROCESS_OPS: tuple[OpSpec, ...] = (
         "process",
         "Set the pty size (the foreground job gets SIGWINCH). A process without a pty: bad_request "
         "(details.process, no details.field).",
-        args=(_PID, F("rows", "uint", "rows", True, ge=1, le=9999), F("cols", "uint", "columns", True, ge=1, le=9999)),
+        args=(_PID, *_TERMINAL_SIZE),
         errors=("not_found", "bad_request"),
     ),
     OpSpec(
@@ -1350,6 +1357,8 @@ PROCESS_OPS: tuple[OpSpec, ...] = (
         errors=("not_found", "bad_request"),
     ),
 )
+
+_SESSION_REF = F("id", "str", "session id or name", True)
 
 SHELL_OPS: tuple[OpSpec, ...] = (
     OpSpec(
@@ -1375,7 +1384,7 @@ SHELL_OPS: tuple[OpSpec, ...] = (
         "Run a command in the session: cd, variables, functions, aliases and activated venvs persist. "
         "stdin is /dev/null unless input is given. Output capture and counts as in exec; no markers in it.",
         args=(
-            F("id", "str", "session id or name", True),
+            _SESSION_REF,
             F("command", "str", "bash command text (multi-line, heredocs allowed; a NUL byte is bad_request)", True),
             F("input", "bin?", "bytes for the command's stdin"),
             _MERGE_STDERR,
@@ -1410,14 +1419,8 @@ SHELL_OPS: tuple[OpSpec, ...] = (
             _KEEP,
             _SPILL,
             *_SHAPING,
-            F("max_output", "uint", "bytes kept per stream", default=65536, le_limit="max_output"),
-            F("capture", "enum(tail|head_tail)", "which bytes are kept when over max_output", default="tail"),
-            F(
-                "report_changes",
-                "bool",
-                "also report the files created, modified and deleted under the workspace during the run",
-                default=False,
-            ),
+            *_CAPTURE_BOUNDS,
+            _REPORT_CHANGES,
         ),
         result=(
             F("exit_code", "int?", "the command's status (nil when the session had to be restarted)"),
@@ -1440,7 +1443,7 @@ SHELL_OPS: tuple[OpSpec, ...] = (
         ),
         events=(
             F("ev", "enum(stdout|stderr|kept)", "event type", True),
-            F("data", "bin", "stdout/stderr: next bytes of the stream"),
+            _OUTPUT_DATA_EVENT,
             _KEPT_EVENT,
         ),
         input=(
@@ -1459,9 +1462,8 @@ SHELL_OPS: tuple[OpSpec, ...] = (
         "gets SIGWINCH. bad_request when no pty command runs in the session, with details.session (the "
         "session's id, also when id was its name) and no details.field.",
         args=(
-            F("id", "str", "session id or name", True),
-            F("rows", "uint", "rows", True, ge=1, le=9999),
-            F("cols", "uint", "columns", True, ge=1, le=9999),
+            _SESSION_REF,
+            *_TERMINAL_SIZE,
         ),
         errors=("not_found", "bad_request"),
     ),
@@ -1475,9 +1477,16 @@ SHELL_OPS: tuple[OpSpec, ...] = (
         "shell.close",
         "shell",
         "End a session (a close whose request is cancelled still ends its bash and releases it).",
-        args=(F("id", "str", "session id or name", True),),
+        args=(_SESSION_REF,),
         errors=("not_found",),
     ),
+)
+
+_SIMULATED = F(
+    "simulated",
+    "str?",
+    "why the privileged steps were recorded instead of done (not configured as a guest: in_guest = "
+    "false; or simulate_privileged); nil: they were done",
 )
 
 SNAPSHOT_OPS: tuple[OpSpec, ...] = (
@@ -1527,12 +1536,7 @@ SNAPSHOT_OPS: tuple[OpSpec, ...] = (
             F("fs_frozen", "path?", "the file system frozen (FIFREEZE), if any"),
             F("hazards", "snapshot_hazards", "what every clone would duplicate", True),
             F("duration_s", "float", "wall time", True),
-            F(
-                "simulated",
-                "str?",
-                "why the privileged steps were recorded instead of done (not configured as a guest: in_guest = "
-                "false; or simulate_privileged); nil: they were done",
-            ),
+            _SIMULATED,
         ),
     ),
     OpSpec(
@@ -1563,12 +1567,7 @@ SNAPSHOT_OPS: tuple[OpSpec, ...] = (
                 "the clock was set back while runs were in flight (their CLOCK_REALTIME timers fire late by that)",
                 True,
             ),
-            F(
-                "simulated",
-                "str?",
-                "why the privileged steps were recorded instead of done (not configured as a guest: in_guest = "
-                "false; or simulate_privileged); nil: they were done",
-            ),
+            _SIMULATED,
         ),
         errors=("bad_request",),
     ),
@@ -1612,12 +1611,7 @@ SNAPSHOT_OPS: tuple[OpSpec, ...] = (
             F("shells_reseeded", "list<str>", "shell sessions whose $RANDOM was re-seeded", True),
             F("shells_pending", "list<str>", "busy sessions, re-seeded before their next command", True),
             F("actions", "list<str>", "privileged steps recorded instead of done (see simulated)", True),
-            F(
-                "simulated",
-                "str?",
-                "why the privileged steps were recorded instead of done (not configured as a guest: in_guest = "
-                "false; or simulate_privileged); nil: they were done",
-            ),
+            _SIMULATED,
             F("instance_id", "str", "guestd's regenerated instance id", True),
             F("hostname", "str?", "done | simulated, when a hostname was given"),
             F("machine_id", "str?", "done | simulated, when a sandbox id was given (/etc/machine-id)"),
@@ -1661,7 +1655,7 @@ _RELAY_RESULT = (
     F("sent", "uint", "bytes written to the guest socket", True),
     F("received", "uint", "bytes read from the guest socket", True),
 )
-_RELAY_CHUNK = F("chunk", "uint?", "most bytes per data event; default limits.max_chunk", ge=1, le_limit="max_chunk")
+_CHUNK = F("chunk", "uint?", "most bytes per data event; default limits.max_chunk", ge=1, le_limit="max_chunk")
 _GUEST_ADDRESS = F(
     "address",
     "str",
@@ -1702,7 +1696,7 @@ PORT_OPS: tuple[OpSpec, ...] = (
             F("port", "uint", "guest TCP port", True, ge=1, le=65535),
             _GUEST_ADDRESS,
             F("connect_timeout_s", "float", "give up connecting after this long (timeout)", default=10.0, gt=0, le=300),
-            _RELAY_CHUNK,
+            _CHUNK,
         ),
         result=_RELAY_RESULT,
         events=_RELAY_EVENTS,
@@ -1751,7 +1745,7 @@ PORT_OPS: tuple[OpSpec, ...] = (
             F("forward", "str", "the forward's id (its listening event)", True),
             F("conn", "uint", "the connection's number (its accepted event)", True),
             F("refuse", "bool", "reset the guest connection (the host could not reach its destination)", default=False),
-            _RELAY_CHUNK,
+            _CHUNK,
         ),
         result=_RELAY_RESULT,
         events=_RELAY_EVENTS,
@@ -1821,7 +1815,7 @@ PORT_OPS: tuple[OpSpec, ...] = (
 RECORDS.update(
     {
         "write_item": (
-            F("path", "path", "target path", True),
+            _TARGET_PATH,
             F("data", "bin", "content", True),
             F("perm", "uint?", "permission bits of a new file (default 0o644; a replaced file keeps its own)"),
         ),
@@ -1847,6 +1841,7 @@ RECORDS.update(
     }
 )
 
+_EDITED_FILE = F("path", "path", "the file", True)
 _EDIT_RESULT = (
     F("size", "uint", "file size after the edit", True),
     F(
@@ -1911,7 +1906,7 @@ WORKSPACE_OPS: tuple[OpSpec, ...] = (
         "exactly once: else conflict with details.reason no_match or multiple_matches, details.matches and "
         "details.lines (the line of each match, at most 100).",
         args=(
-            F("path", "path", "the file", True),
+            _EDITED_FILE,
             F("old", "str", "text to replace, matched exactly (bytes of its UTF-8)", True, min_len=1),
             F("new", "str", "replacement (may be empty)", True),
         ),
@@ -1924,7 +1919,7 @@ WORKSPACE_OPS: tuple[OpSpec, ...] = (
         "Insert text as whole lines after line (0: at the top); a newline is added to text that lacks one. A line "
         "beyond the file is bad_request naming line (details.total_lines).",
         args=(
-            F("path", "path", "the file", True),
+            _EDITED_FILE,
             F("line", "uint", "insert after this line (0..lines in the file)", True),
             F("text", "str", "the lines to insert", True),
         ),
@@ -1936,7 +1931,7 @@ WORKSPACE_OPS: tuple[OpSpec, ...] = (
         "files",
         "Replace lines start_line..end_line (inclusive) with text as whole lines; empty text deletes them.",
         args=(
-            F("path", "path", "the file", True),
+            _EDITED_FILE,
             F("start_line", "uint", "first line replaced (1-based)", True, ge=1),
             F("end_line", "uint", "last line replaced, >= start_line", True, ge=1),
             F("text", "str", "the new lines", True),
@@ -1950,7 +1945,7 @@ WORKSPACE_OPS: tuple[OpSpec, ...] = (
         "Revert the last edit (file.str_replace, insert, replace_lines) of this file, byte for byte. Refused "
         "with conflict (details.reason no_history, changed_since) when there is none or the file changed since; "
         "a missing file is not_found.",
-        args=(F("path", "path", "the file", True),),
+        args=(_EDITED_FILE,),
         result=_EDIT_RESULT,
         errors=_EDIT_ERRORS,
     ),
@@ -2080,7 +2075,7 @@ WORKSPACE_OPS: tuple[OpSpec, ...] = (
                 True,
                 min_len=1,
             ),
-            F("parents", "bool", "create missing parent directories", default=False),
+            _PARENTS,
         ),
         result=(F("written", "uint", "files written", True), F("bytes", "uint", "bytes written", True)),
         errors=("not_found", "is_a_directory", "not_a_directory", "permission_denied", "no_space", "too_large"),
@@ -2100,7 +2095,7 @@ WORKSPACE_OPS: tuple[OpSpec, ...] = (
                 "replace an existing directory (swapped atomically, the old tree then removed)",
                 default=False,
             ),
-            F("parents", "bool", "create missing parent directories", default=False),
+            _PARENTS,
         ),
         result=(
             F(
@@ -2127,7 +2122,7 @@ WORKSPACE_OPS: tuple[OpSpec, ...] = (
             F("include", "list<str>", "ripgrep-style globs: only matching files (directories are walked)", default=[]),
             F("exclude", "list<str>", "globs left out (with everything below a directory that matches)", default=[]),
             F("gitignore", "bool", "leave out what .gitignore files ignore", default=False),
-            F("chunk", "uint?", "most bytes per data event; default limits.max_chunk", ge=1, le_limit="max_chunk"),
+            _CHUNK,
         ),
         result=(
             F(
@@ -2226,6 +2221,7 @@ METRICS_OPS: tuple[OpSpec, ...] = (
 # shell.run / code.run {keep: true}: capability "process" (PROTOCOL.md 10.4).
 
 _RUN_ID = F("id", "str", "run id (the kept event's run_id)", True)
+_RUN = F("run", "run_info", "the run", True)
 
 RECORDS.update(
     {
@@ -2254,7 +2250,7 @@ RUN_OPS: tuple[OpSpec, ...] = (
         "process",
         "A kept run with its result or error once it has ended.",
         args=(_RUN_ID,),
-        result=(F("run", "run_info", "the run", True),),
+        result=(_RUN,),
         errors=("not_found",),
     ),
     OpSpec(
@@ -2265,7 +2261,7 @@ RUN_OPS: tuple[OpSpec, ...] = (
             _RUN_ID,
             F("timeout_s", "float", "how long to wait", default=30.0, ge=0, le_limit="max_exec_timeout_s"),
         ),
-        result=(F("run", "run_info", "the run", True),),
+        result=(_RUN,),
         errors=("not_found",),
     ),
     OpSpec(
@@ -2286,7 +2282,7 @@ RUN_OPS: tuple[OpSpec, ...] = (
             _RUN_ID,
             F("timeout_s", "float", "how long to wait for the run to end", default=10.0, ge=0, le=60.0),
         ),
-        result=(F("run", "run_info", "the run", True),),
+        result=(_RUN,),
         errors=("not_found",),
     ),
 )
