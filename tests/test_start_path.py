@@ -38,13 +38,16 @@ NOT_AT_START = (
     "guestd.metrics.sampler",
     "guestd.code.contexts",
     "shutil",  # argparse's default help formatter asks it for the terminal's width
+    "argparse",  # a plain command line is read without it (guestd/server/options.py)
+    "guestd.memtune",  # malloc's tuning for bulk transfers waits for the first reply
 )
 
 _START_PATH = """
 import json, sys
 from guestd.config import Config
-from guestd.server.daemon import Daemon, build_parser
-build_parser().parse_args(["--listen", "unix:/nowhere.sock"])
+from guestd.server.daemon import Daemon
+from guestd.server.options import parse_command_line
+parse_command_line(["--listen", "unix:/nowhere.sock"])
 cfg = Config()
 cfg.runtime_dir = sys.argv[1]
 daemon = Daemon(cfg)
@@ -88,6 +91,40 @@ def test_a_pinged_guestd_has_loaded_no_engine_and_its_hello_lists_every_op(
         assert not _mapped(g, "_hashlib")
         assert c.exec(["true"]).exit_code == 0  # the exec capability registers at its first request
         assert c.exec(["true"]).exit_code == 0
+
+
+# A heavy package shows in a process's maps by an extension module it loads (the pure-Python
+# ones, difflib say, cannot be seen from outside; test_constructing_the_daemon_... covers those):
+# package -> a file name part of the .so its import maps.
+HEAVY_EXTENSIONS = {
+    "jupyter_client": "zmq",  # pyzmq's _zmq and libzmq: the code capability's kernels
+    "psutil": "_psutil_linux",
+    "hashlib": "_hashlib",  # OpenSSL's hashes: the port relays, a configured token
+    "tarfile": "_lzma",  # shutil's compressors, which tarfile (the files capability's trees) imports
+}
+
+
+def _maps_of(pid: int) -> str:
+    with open(f"/proc/{pid}/maps") as f:
+        return f.read()
+
+
+def test_the_heavy_packages_are_told_by_their_extension_modules() -> None:
+    """The needles of HEAVY_EXTENSIONS are right: importing each package maps its .so, so the
+    test below cannot pass for looking for a name no import maps."""
+    for package, needle in HEAVY_EXTENSIONS.items():
+        probe = f"import {package}; print({needle!r} in open('/proc/self/maps').read())"
+        done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True, timeout=120)
+        assert done.stdout.strip() == "True", (package, needle)
+
+
+def test_a_guestd_that_served_only_pings_maps_no_heavy_package(fresh_guestd: StartGuestd, tmp_path: object) -> None:
+    g = fresh_guestd("--runtime-dir", f"{tmp_path}/rt")
+    with g.client() as c:
+        c.ping()
+        c.ping()  # the first request's after-first-reply work (Daemon.settle) has run by now
+        maps = _maps_of(g.pid)
+        assert [p for p, needle in HEAVY_EXTENSIONS.items() if needle in maps] == []
 
 
 def test_a_first_exec_gets_what_other_capabilities_provide(fresh_guestd: StartGuestd, tmp_path: object) -> None:

@@ -7,7 +7,6 @@ start and hooks them into the admission chain.
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import functools
 import gc
@@ -21,9 +20,9 @@ from typing import TYPE_CHECKING, Any
 
 from guestd import __version__
 from guestd.config import DEFAULT_VSOCK_PORT, Config, Limits, load_config_file, take_private_env
-from guestd.memtune import tune_malloc
 from guestd.server.admission import AdmissionChain, Admitted, bound_bulk_replies, os_paths
 from guestd.server.dispatch import Dispatcher
+from guestd.server.options import parse_command_line
 from guestd.server.transports import Listener, listen, parse_listen, refuse_live_unix_socket
 from guestd.wire.errors import ErrorCode, GuestdError
 
@@ -272,67 +271,8 @@ class Daemon:
         self.services.close_io()
 
 
-class _HelpFormatter(argparse.HelpFormatter):
-    """Help at a fixed width. argparse makes a formatter per add_argument and the default one
-    asks shutil for the terminal's width: importing shutil (and zlib, bz2, lzma with it) was
-    ~4 ms of guestd's start to first reply, for help nobody reads at start."""
-
-    def __init__(self, prog: str) -> None:
-        super().__init__(prog, width=100)
-
-
-def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
-        prog="guestd", description="guestd: the in-guest sandbox agent", formatter_class=_HelpFormatter
-    )
-    p.add_argument("--config", default=None, metavar="FILE", help="TOML config file; flags override it")
-    p.add_argument(
-        "--listen",
-        action="append",
-        default=[],
-        metavar="ADDR",
-        help=f"unix:PATH, vsock:PORT (default port {DEFAULT_VSOCK_PORT}) or serial:DEVICE; repeatable",
-    )
-    p.add_argument(
-        "--allow-cid",
-        action="append",
-        type=int,
-        default=[],
-        metavar="CID",
-        help="vsock peer CID allowed to connect (repeatable; default: 2, the host)",
-    )
-    p.add_argument("--max-frame", type=int, default=None, help="max frame payload bytes")
-    p.add_argument("--max-inflight", type=int, default=None, help="max requests in flight per connection")
-    p.add_argument("--max-connections", type=int, default=None)
-    p.add_argument("--token-file", default=None, help="file holding an access token clients must present")
-    p.add_argument("--runtime-dir", default="", help="private state directory (default /run/guestd as root)")
-    p.add_argument("--code-pool", type=int, default=None, help="pre-started kernels kept ready (default 1; 0 disables)")
-    p.add_argument("--code-prewarm", action="store_true", help="fill the kernel pool at start-up, not on first use")
-    p.add_argument("--max-contexts", type=int, default=None)
-    p.add_argument("--max-processes", type=int, default=None, help="live background processes")
-    p.add_argument("--max-kept-processes", type=int, default=None, help="kept background processes, finished included")
-    p.add_argument("--process-retention", type=float, default=None, help="seconds a finished process stays attachable")
-    p.add_argument("--max-shells", type=int, default=None)
-    p.add_argument("--no-uvloop", action="store_true", help="use the default asyncio loop")
-    p.add_argument(
-        "--simulate-privileged",
-        action="store_true",
-        help="record CRNG/clock/hostname/machine-id changes instead of making them, even in a guest",
-    )
-    p.add_argument(
-        "--in-guest",
-        action="store_true",
-        help="this machine is a guest VM (config: in_guest = true): restore and prepare may set its clock, "
-        "hostname, machine-id and random seed; without it they are simulated",
-    )
-    p.add_argument("--ready-fd", type=int, default=None, help="write 'ready' to this fd once listening")
-    p.add_argument("--workspace", default=None, help="working directory (created if missing)")
-    p.add_argument("--log-level", default=None)
-    p.add_argument("--version", action="version", version=f"guestd {__version__}")
-    return p
-
-
-def config_from_args(ns: argparse.Namespace) -> Config:
+def config_from_args(ns: Any) -> Config:
+    """The Config the options of ``parse_command_line`` ask for."""
     cfg = Config()
     if ns.config:
         load_config_file(ns.config, cfg)
@@ -377,8 +317,17 @@ def config_from_args(ns: argparse.Namespace) -> Config:
     return cfg
 
 
+def tune_malloc() -> None:
+    """Bulk transfers reuse warm heap instead of page-faulting fresh mmaps (guestd/memtune.py).
+    Done after the first reply: no transfer comes before a first request, and memtune's ctypes
+    need not be on the start path."""
+    from guestd.memtune import tune_malloc as tune
+
+    tune()
+
+
 def main(argv: list[str] | None = None) -> int:
-    ns = build_parser().parse_args(argv)
+    ns = parse_command_line(sys.argv[1:] if argv is None else argv)
     take_private_env()
     try:
         cfg = config_from_args(ns)
@@ -406,8 +355,8 @@ def main(argv: list[str] | None = None) -> int:
     from guestd.children import raise_fd_limit
 
     raise_fd_limit()  # two pipes per run and a socket per connection; children get the old limit back
-    tune_malloc()  # bulk transfers reuse warm heap instead of page-faulting fresh mmaps
     daemon = Daemon(cfg)
+    daemon.services.after_first_reply.append(tune_malloc)
     if cfg.token_file:
         with open(cfg.token_file) as f:
             daemon.token = f.read().strip()
