@@ -43,6 +43,8 @@ from guestd.children.tree import read_chunk
 from guestd.files.fs import FileSystem
 from guestd.files.ignore import find_glob
 from guestd.files.walk import Filter, Walk
+from guestd.output.capture import OutputCapture
+from guestd.output.pump import OutputPump
 from guestd.wire.errors import ErrorCode, GuestdError
 from guestd.wire.paths import path_to_wire
 
@@ -93,6 +95,7 @@ MAX_TEXT_KEPT = 4 * MAX_LINE_BYTES + len(OMITTED)
 MAX_RG_PATH = 1024 * 1024  # one path in rg's output (rg's own walk stays far below)
 READ_SIZE = 256 * 1024
 RG_STDERR = 64 * 1024
+_STDERR_READ = 64 * 1024  # bytes of rg's stderr read at once
 KILL_WAIT_S = 5.0  # a SIGKILLed rg is gone within milliseconds; bounded anyway
 
 
@@ -362,21 +365,13 @@ async def run_rg(
             details={"stage": "cwd"},
         ) from None
     outcome = GrepOutcome()
-    stderr = bytearray()
     assert child.stdout is not None and child.stderr is not None
-    out_fd, err_fd = child.stdout, child.stderr
-
-    def on_stderr() -> None:
-        data = read_chunk(err_fd, 65536)
-        if data is None:
-            return
-        if not data:
-            loop.remove_reader(err_fd)
-            return
-        stderr.extend(data)
-        del stderr[:-RG_STDERR]
-
-    loop.add_reader(err_fd, on_stderr)
+    out_fd = child.stdout
+    # rg's stderr as every child's output is read: its last RG_STDERR bytes kept, for the error.
+    stderr = OutputCapture(RG_STDERR)
+    stderr_pump = OutputPump(read_size=_STDERR_READ, drain_reads=RG_STDERR // _STDERR_READ + 1)
+    stderr_pump.route({2: stderr})
+    stderr_pump.add("stderr", child.stderr, 2)
     child.watch()
     ended = False
     try:
@@ -413,15 +408,10 @@ async def run_rg(
             ) from None
         outcome.files = len(files)
     finally:
-        loop.remove_reader(err_fd)
         if ended:  # what rg wrote before it exited, whether or not the loop saw it yet
-            for _ in range(RG_STDERR // 65536 + 1):
-                rest = read_chunk(err_fd, 65536)
-                if not rest:
-                    break
-                stderr.extend(rest)
-            del stderr[:-RG_STDERR]
-        else:
+            stderr_pump.drain_now()
+        stderr_pump.close()
+        if not ended:
             reason: KilledBy = "timeout" if outcome.timed_out else "cancel"
             child.note_end(reason)
             child.kill_now()
@@ -429,7 +419,7 @@ async def run_rg(
                 await asyncio.wait_for(asyncio.shield(child.exited), KILL_WAIT_S)
         child.release()
     if ended:
-        _check_exit(child, bytes(stderr))
+        _check_exit(child, stderr.data())
     return outcome
 
 
