@@ -32,10 +32,10 @@ import os
 import socket
 import time
 from collections.abc import AsyncIterator, Callable, Coroutine, Generator
-from typing import Any, cast, overload
+from typing import Any, TypeVar, cast, overload
 
 from guestd.client.address import open_socket, parse_address
-from guestd.client.connection import DEFAULT_WINDOW, ClientConnection, GuestProtocolError
+from guestd.client.connection import DEFAULT_WINDOW, Call, ClientConnection, GuestProtocolError
 from guestd.client.git import AsyncGit
 from guestd.client.handles import AsyncCodeContext, AsyncKeptRun, AsyncProcess, AsyncShell
 from guestd.client.params import OnTimeout as OnTimeout
@@ -71,6 +71,7 @@ from guestd.client.results import (
 )
 from guestd.client.streaming import (
     DERIVED,
+    CaptureOptions,
     Derived,
     EventCallback,
     OutputCallback,
@@ -106,7 +107,6 @@ from guestd.wire.types import (
     ProcessListReply,
     ProcessStartReply,
     ProcessWaitReply,
-    RunCancelReply,
     RunGetReply,
     RunListReply,
     RunWaitReply,
@@ -131,6 +131,8 @@ DOWNLOAD_MEMORY_CAP = 256 * 1024 * 1024  # an in-memory download without max_byt
 TRANSFER_DEADLINE = UNBOUNDED_RUN_DEADLINE  # an upload or download without a deadline: one hour
 CODE_RESULTS_KEPT = 64  # a streamed cell's rich results kept for its CodeResult (as the guest keeps)
 
+RunStream = TypeVar("RunStream", bound=ExecStream)  # ExecStream or ShellStream
+
 
 def present(**fields: Any) -> dict[str, Any]:
     """Request args without the fields left at None (the guest applies its defaults)."""
@@ -144,6 +146,15 @@ def schema_default(op: str, field: str) -> Any:
 
 def _seconds(value: float | None) -> float | None:
     return None if value is None else float(value)
+
+
+def _wire_path(path: WirePath | None) -> WirePath | None:
+    return None if path is None else path_to_wire(path)
+
+
+def _command(cmd: list[str] | str) -> dict[str, Any]:
+    """A command's request field: a string for ``/bin/sh -c``, else an argv list."""
+    return {"shell": cmd} if isinstance(cmd, str) else {"argv": list(cmd)}
 
 
 def _run_deadline(timeout_s: float | None, idle_timeout_s: float | None, stop_s: float) -> float:
@@ -342,6 +353,7 @@ class AsyncClient(PortsAPI, WorkspaceAPI):
     @staticmethod
     def _exec_args(
         cmd: list[str] | str,
+        capture: dict[str, Any],
         *,
         cwd: WirePath | None,
         env: dict[str, str] | None,
@@ -349,41 +361,29 @@ class AsyncClient(PortsAPI, WorkspaceAPI):
         stdin: bytes | str | None,
         timeout_s: float | None,
         idle_timeout_s: float | None,
-        max_output: int | None,
-        head_tail: bool,
         kill_grace_s: float | None,
         linger_s: float | None,
-        stream: bool,
-        stdin_stream: bool | None = None,
-        on_timeout: OnTimeout | None = None,
-        merge_stderr: bool | None = None,
-        spill: bool | None = None,
-        strip_ansi: bool | None = None,
-        collapse_cr: bool | None = None,
+        stdin_stream: bool,
+        on_timeout: OnTimeout | None,
+        merge_stderr: bool | None,
+        spill: bool | None,
     ) -> dict[str, Any]:
-        args: dict[str, Any] = {"shell": cmd} if isinstance(cmd, str) else {"argv": list(cmd)}
-        args.update(
-            present(
-                cwd=None if cwd is None else path_to_wire(cwd),
-                env=env,
-                env_mode="replace" if replace_env else None,
-                stdin=None if stdin is None else as_bytes(stdin),
-                timeout_s=_seconds(timeout_s),
-                idle_timeout_s=_seconds(idle_timeout_s),
-                max_output=max_output,
-                capture="head_tail" if head_tail else None,
-                kill_grace_s=_seconds(kill_grace_s),
-                linger_s=_seconds(linger_s),
-                stream=True if stream else None,
-                stdin_stream=stdin_stream,
-                on_timeout=on_timeout,
-                merge_stderr=merge_stderr,
-                spill=spill,
-                strip_ansi=strip_ansi,
-                collapse_cr=collapse_cr,
-            )
+        """exec's request args; ``capture``: the run's :meth:`CaptureOptions.request_args`."""
+        fields = present(
+            cwd=_wire_path(cwd),
+            env=env,
+            env_mode="replace" if replace_env else None,
+            stdin=None if stdin is None else as_bytes(stdin),
+            timeout_s=_seconds(timeout_s),
+            idle_timeout_s=_seconds(idle_timeout_s),
+            kill_grace_s=_seconds(kill_grace_s),
+            linger_s=_seconds(linger_s),
+            stdin_stream=True if stdin_stream else None,
+            on_timeout=on_timeout,
+            merge_stderr=merge_stderr,
+            spill=spill,
         )
-        return args
+        return {**_command(cmd), **fields, **capture}
 
     async def exec(
         self,
@@ -428,30 +428,43 @@ class AsyncClient(PortsAPI, WorkspaceAPI):
         timeout_s = self._default_timeout(timeout_s)
         inline, streamed = split_stdin(stdin)
         watch = on_stdout is not None or on_stderr is not None
+        capture = CaptureOptions(max_output, head_tail, strip_ansi, collapse_cr)
         args = self._exec_args(
             cmd,
+            capture.request_args(live=watch),
             cwd=cwd,
             env=env,
             replace_env=replace_env,
             stdin=inline,
             timeout_s=timeout_s,
             idle_timeout_s=idle_timeout_s,
-            max_output=None if watch else max_output,
-            head_tail=head_tail and not watch,
             kill_grace_s=kill_grace_s,
             linger_s=linger_s,
-            stream=watch,
-            stdin_stream=True if streamed is not None else None,
+            stdin_stream=streamed is not None,
             on_timeout=on_timeout,
             merge_stderr=merge_stderr,
             spill=spill,
-            strip_ansi=None if watch else strip_ansi,
-            collapse_cr=None if watch else collapse_cr,
         )
         wait = _resolve(deadline, lambda: _exec_deadline(timeout_s, idle_timeout_s, kill_grace_s, linger_s))
-        if streamed is None and not watch:
-            return ExecResult.from_body(checked(ExecReply, await self._conn.request("exec", args, wait)))
-        kept = RunOutput(self._max_output("exec", max_output), head_tail)
+        watched = (capture, on_stdout, on_stderr) if watch else None
+        body = await self._run_to_end(self._conn.start("exec", args), wait, streamed, watched)
+        return ExecResult.from_body(checked(ExecReply, body))
+
+    async def _run_to_end(
+        self,
+        call: Call,
+        wait: float | None,
+        stdin: StdinSource | None,
+        watched: tuple[CaptureOptions, OutputCallback | None, OutputCallback | None] | None,
+    ) -> dict[str, Any]:
+        """The reply of a run (exec, shell.run) within ``wait``; streaming ``stdin``, or
+        ``watched``: its output live to the callbacks and kept here by the capture options."""
+        if stdin is None and watched is None:
+            return await self._conn.wait(call, wait)
+        if watched is None:
+            return await run_call(self._conn, call, wait, stdin=stdin)
+        capture, on_stdout, on_stderr = watched
+        kept = capture.output(int(schema_default(call.op, "max_output")))
 
         async def on_event(ev: dict[str, Any]) -> None:
             kind, data = ev.get("ev"), ev.get("data")
@@ -459,11 +472,8 @@ class AsyncClient(PortsAPI, WorkspaceAPI):
                 kept.feed(kind, data)
                 await deliver(on_stdout if kind == "stdout" else on_stderr, data)
 
-        call = self._conn.start("exec", args)
-        body = await run_call(self._conn, call, wait, stdin=streamed, on_event=on_event if watch else None)
-        if watch:
-            body = {**body, **kept.fields(bool(strip_ansi), bool(collapse_cr))}
-        return ExecResult.from_body(checked(ExecReply, body))
+        body = await run_call(self._conn, call, wait, stdin=stdin, on_event=on_event)
+        return {**body, **capture.fields(kept)}
 
     def _default_timeout(self, timeout_s: float | None) -> float | None:
         """``timeout_s``, or the client's ``default_timeout_s`` when it is None."""
@@ -508,58 +518,57 @@ class AsyncClient(PortsAPI, WorkspaceAPI):
         (iteration ends at once); the guest keeps the bounded capture (``spill`` only so) and
         the stream carries stdin and the result. ``deadline`` as in
         :meth:`exec`: None waits for ever (cancel, or cancel the awaiting task, to stop)."""
-        if spill and live:
-            raise ValueError("exec_stream: spill keeps the output in the guest; it needs live=False")
+        inline, streamed = self._stream_stdin("exec_stream", stdin, stdin_stream, spill, live)
         timeout_s = self._default_timeout(timeout_s)
-        inline, streamed = self._stream_stdin(stdin, stdin_stream)
+        capture = CaptureOptions(max_output, head_tail, strip_ansi, collapse_cr)
         args = self._exec_args(
             cmd,
+            capture.request_args(live),
             cwd=cwd,
             env=env,
             replace_env=replace_env,
             stdin=inline,
             timeout_s=timeout_s,
             idle_timeout_s=idle_timeout_s,
-            max_output=None if live else max_output,
-            head_tail=head_tail and not live,
             kill_grace_s=kill_grace_s,
             linger_s=linger_s,
-            stream=live,
-            stdin_stream=True if streamed is not None or stdin_stream else None,
+            stdin_stream=streamed is not None or bool(stdin_stream),
             on_timeout=on_timeout,
             merge_stderr=merge_stderr,
             spill=spill,
-            strip_ansi=None if live else strip_ansi,
-            collapse_cr=None if live else collapse_cr,
         )
         wait = _resolve(deadline, lambda: _exec_deadline(timeout_s, idle_timeout_s, kill_grace_s, linger_s))
-        return ExecStream(
+        return self._open_stream(ExecStream, self._conn.start("exec", args), wait, live, capture, streamed)
+
+    def _open_stream(
+        self,
+        kind: type[RunStream],
+        call: Call,
+        wait: float | None,
+        live: bool,
+        capture: CaptureOptions,
+        stdin: StdinSource | None,
+    ) -> RunStream:
+        """A run's stream object; a live one keeps its output here only when a capture option is given."""
+        kept = capture.output(int(schema_default(call.op, "max_output"))) if live and capture.given else None
+        return kind(
             self,
-            self._conn.start("exec", args),
+            call,
             wait,
-            kept=self._stream_capture("exec", live, max_output, head_tail, strip_ansi, collapse_cr),
-            strip_ansi=bool(strip_ansi),
-            collapse_cr=bool(collapse_cr),
-            stdin=streamed,
+            kept=kept,
+            strip_ansi=bool(capture.strip_ansi),
+            collapse_cr=bool(capture.collapse_cr),
+            stdin=stdin,
         )
 
-    def _stream_capture(
-        self,
-        op: str,
-        live: bool,
-        max_output: int | None,
-        head_tail: bool,
-        strip_ansi: bool | None,
-        collapse_cr: bool | None,
-    ) -> RunOutput | None:
-        """What a live stream keeps for its result: nothing unless a capture option is given."""
-        if not live or (max_output is None and not head_tail and strip_ansi is None and collapse_cr is None):
-            return None
-        return RunOutput(self._max_output(op, max_output), head_tail)
-
     @staticmethod
-    def _stream_stdin(stdin: StdinSource | None, stdin_stream: bool | None) -> tuple[bytes | None, StdinSource | None]:
-        """A stream's ``(inline, streamed)`` stdin; a source and ``stdin_stream`` exclude each other."""
+    def _stream_stdin(
+        method: str, stdin: StdinSource | None, stdin_stream: bool | None, spill: bool | None, live: bool
+    ) -> tuple[bytes | None, StdinSource | None]:
+        """A stream's ``(inline, streamed)`` stdin; a source and ``stdin_stream`` exclude each
+        other, as ``spill`` and ``live`` do."""
+        if spill and live:
+            raise ValueError(f"{method}: spill keeps the output in the guest; it needs live=False")
         if stdin is not None and stdin_stream:
             raise ValueError("give stdin (a source sent for you) or stdin_stream=True (write it yourself), not both")
         return split_stdin(stdin)
@@ -907,8 +916,9 @@ class AsyncClient(PortsAPI, WorkspaceAPI):
         without it guestd waits while the kernel makes progress, at most 300 s. A start that fails
         is ``unavailable`` (``details["reason"]``), its kernel already ended. ``deadline``: that
         wait plus a margin unless given (reaching it cancels the create, which ends the kernel)."""
-        wire_cwd = None if cwd is None else path_to_wire(cwd)
-        args = present(cwd=wire_cwd, env=env, name=name, kernel=kernel, start_timeout_s=_seconds(start_timeout_s))
+        args = present(
+            cwd=_wire_path(cwd), env=env, name=name, kernel=kernel, start_timeout_s=_seconds(start_timeout_s)
+        )
         if deadline is None:
             deadline = (KERNEL_START_CAP_S if start_timeout_s is None else start_timeout_s) + REPLY_MARGIN
         body = checked(CodeCreateReply, await self._conn.request("code.create", args, deadline))
@@ -1047,20 +1057,16 @@ class AsyncClient(PortsAPI, WorkspaceAPI):
         ``spill``: every byte of stdout and stderr also goes to a file in the guest, named with the
         offset where each ring starts by :meth:`process_list` and :meth:`process_wait`
         (``stdout_spill``, ``stdout_ring_start``): read what the ring lost with :meth:`read_file`."""
-        args: dict[str, Any] = {"shell": cmd} if isinstance(cmd, str) else {"argv": list(cmd)}
-        wire_cwd = None if cwd is None else path_to_wire(cwd)
-        args.update(
-            present(
-                cwd=wire_cwd,
-                env=env,
-                stdin=stdin,
-                pty=pty,
-                rows=rows,
-                cols=cols,
-                ring_bytes=ring_bytes,
-                merge_stderr=merge_stderr,
-                spill=spill,
-            )
+        args = _command(cmd) | present(
+            cwd=_wire_path(cwd),
+            env=env,
+            stdin=stdin,
+            pty=pty,
+            rows=rows,
+            cols=cols,
+            ring_bytes=ring_bytes,
+            merge_stderr=merge_stderr,
+            spill=spill,
         )
         body = checked(ProcessStartReply, await self._conn.request("process.start", args, deadline))
         return AsyncProcess(self, ProcessStartResult.from_wire(body))
@@ -1157,11 +1163,8 @@ class AsyncClient(PortsAPI, WorkspaceAPI):
         deadline: float | None = 60.0,
     ) -> AsyncShell:
         """A new bash session; its handle (``.id``, ``.pid``; ``async with`` it to close it after)."""
-        wire_cwd = None if cwd is None else path_to_wire(cwd)
-        body = checked(
-            ShellCreateReply,
-            await self._conn.request("shell.create", present(cwd=wire_cwd, env=env, name=name), deadline),
-        )
+        args = present(cwd=_wire_path(cwd), env=env, name=name)
+        body = checked(ShellCreateReply, await self._conn.request("shell.create", args, deadline))
         return AsyncShell(self, ShellCreateResult.from_wire(body))
 
     async def shell_run(
@@ -1195,39 +1198,24 @@ class AsyncClient(PortsAPI, WorkspaceAPI):
         timeout_s = self._default_timeout(timeout_s)
         inline, streamed = split_stdin(input)
         watch = on_stdout is not None or on_stderr is not None
+        capture = CaptureOptions(max_output, head_tail, strip_ansi, collapse_cr)
         args = present(
             id=session,
             command=command,
             input=inline,
             stdin_stream=True if streamed is not None else None,
-            stream=True if watch else None,
             timeout_s=_seconds(timeout_s),
             idle_timeout_s=_seconds(idle_timeout_s),
-            max_output=None if watch else max_output,
-            capture="head_tail" if head_tail and not watch else None,
             on_timeout=on_timeout,
             merge_stderr=merge_stderr,
             check_syntax=check_syntax,
             keep=keep,
             spill=spill,
-            strip_ansi=None if watch else strip_ansi,
-            collapse_cr=None if watch else collapse_cr,
+            **capture.request_args(live=watch),
         )
         wait = _resolve(deadline, lambda: _run_deadline(timeout_s, idle_timeout_s, SHELL_STOP_S))
-        if streamed is None and not watch:
-            return ShellResult.from_body(checked(ShellRunReply, await self._conn.request("shell.run", args, wait)))
-        kept = RunOutput(self._max_output("shell.run", max_output), head_tail)
-
-        async def on_event(ev: dict[str, Any]) -> None:
-            kind, data = ev.get("ev"), ev.get("data")
-            if kind in ("stdout", "stderr") and isinstance(data, bytes):
-                kept.feed(kind, data)
-                await deliver(on_stdout if kind == "stdout" else on_stderr, data)
-
-        call = self._conn.start("shell.run", args)
-        body = await run_call(self._conn, call, wait, stdin=streamed, on_event=on_event if watch else None)
-        if watch:
-            body = {**body, **kept.fields(bool(strip_ansi), bool(collapse_cr))}
+        watched = (capture, on_stdout, on_stderr) if watch else None
+        body = await self._run_to_end(self._conn.start("shell.run", args), wait, streamed, watched)
         return ShellResult.from_body(checked(ShellRunReply, body))
 
     def shell_stream(
@@ -1259,40 +1247,27 @@ class AsyncClient(PortsAPI, WorkspaceAPI):
         options as there. ``pty`` runs it on a terminal of ``rows`` x ``cols`` (write_stdin types
         into it, ``signal("INT")`` is Ctrl-C, :meth:`shell_resize` resizes it; see
         :mod:`guestd.client.expect`). ``deadline`` as in :meth:`shell_run` (None: for ever)."""
-        if spill and live:
-            raise ValueError("shell_stream: spill keeps the output in the guest; it needs live=False")
+        inline, streamed = self._stream_stdin("shell_stream", input, stdin_stream, spill, live)
         timeout_s = self._default_timeout(timeout_s)
-        inline, streamed = self._stream_stdin(input, stdin_stream)
+        capture = CaptureOptions(max_output, head_tail, strip_ansi, collapse_cr)
         args = present(
             id=session,
             command=command,
             input=inline,
-            stream=True if live else None,
             stdin_stream=True if streamed is not None or stdin_stream else None,
             timeout_s=_seconds(timeout_s),
             idle_timeout_s=_seconds(idle_timeout_s),
-            max_output=None if live else max_output,
-            capture="head_tail" if head_tail and not live else None,
             on_timeout=on_timeout,
             merge_stderr=merge_stderr,
             check_syntax=check_syntax,
             spill=spill,
-            strip_ansi=None if live else strip_ansi,
-            collapse_cr=None if live else collapse_cr,
             pty=pty,
             rows=rows,
             cols=cols,
+            **capture.request_args(live),
         )
         wait = _resolve(deadline, lambda: _run_deadline(timeout_s, idle_timeout_s, SHELL_STOP_S))
-        return ShellStream(
-            self,
-            self._conn.start("shell.run", args),
-            wait,
-            kept=self._stream_capture("shell.run", live, max_output, head_tail, strip_ansi, collapse_cr),
-            strip_ansi=bool(strip_ansi),
-            collapse_cr=bool(collapse_cr),
-            stdin=streamed,
-        )
+        return self._open_stream(ShellStream, self._conn.start("shell.run", args), wait, live, capture, streamed)
 
     async def shell_resize(self, session: str, rows: int, cols: int, *, deadline: float | None = 30.0) -> None:
         """The terminal size of the session's running ``pty`` command (it gets SIGWINCH)."""
@@ -1312,16 +1287,19 @@ class AsyncClient(PortsAPI, WorkspaceAPI):
         """The kept run once it has ended, or as it is after ``timeout_s`` (the guest's
         default when None; state running)."""
         args = present(id=run_id, timeout_s=_seconds(timeout_s))
-        wait = timeout_s if timeout_s is not None else schema_default("run.wait", "timeout_s")
-        body = checked(RunWaitReply, await self._conn.request("run.wait", args, wait + 30.0))
-        return RunInfo.from_wire(body["run"])
+        return await self._kept_run_until(self._conn.start("run.wait", args), timeout_s)
 
     async def run_cancel(self, run_id: str, *, timeout_s: float | None = None) -> RunInfo:
         """Cancel a running kept run (its command or cell is interrupted); the run once it has
         ended (state failed, error cancelled), or as it is after ``timeout_s``."""
         args = present(id=run_id, timeout_s=_seconds(timeout_s))
-        wait = timeout_s if timeout_s is not None else schema_default("run.cancel", "timeout_s")
-        body = checked(RunCancelReply, await self._conn.request("run.cancel", args, wait + 30.0))
+        return await self._kept_run_until(self._conn.start("run.cancel", args), timeout_s)
+
+    async def _kept_run_until(self, call: Call, timeout_s: float | None) -> RunInfo:
+        """What a ``run.wait`` or ``run.cancel`` call answers: the run once it has ended, or as it
+        is after the guest waited ``timeout_s`` (the schema's default when None)."""
+        wait = timeout_s if timeout_s is not None else schema_default(call.op, "timeout_s")
+        body = checked(RunWaitReply, await self._conn.wait(call, wait + 30.0))
         return RunInfo.from_wire(body["run"])
 
     async def run_list(self, *, deadline: float | None = 30.0) -> list[RunInfo]:
@@ -1355,7 +1333,7 @@ class AsyncClient(PortsAPI, WorkspaceAPI):
             quiesce=quiesce,
             timeout_s=_seconds(timeout_s),
             freeze=freeze,
-            fsfreeze=None if fsfreeze is None else path_to_wire(fsfreeze),
+            fsfreeze=_wire_path(fsfreeze),
             freeze_max_s=_seconds(freeze_max_s),
         )
         if deadline is None:

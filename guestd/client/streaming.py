@@ -21,6 +21,7 @@ import asyncio
 import enum
 import inspect
 from collections.abc import AsyncIterable, AsyncIterator, Callable, Iterable, Iterator
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 from guestd.output.capture import OutputCapture, capture_fields
@@ -148,6 +149,43 @@ class RunOutput:
 
     def fields(self, strip_ansi: bool, collapse_cr: bool) -> CapturedFields:
         return capture_fields(self.stdout, self.stderr, strip_ansi=strip_ansi, collapse_cr=collapse_cr)
+
+
+@dataclass(frozen=True)
+class CaptureOptions:
+    """What a run's result keeps of its output (exec, shell.run and their streams): at most
+    ``max_output`` bytes a stream (None: the schema's default), its tail or head and tail, ANSI
+    escapes stripped, carriage-return overwrites collapsed. The guest applies them, unless the
+    output comes live as events: then this side keeps it, by the same rules."""
+
+    max_output: int | None = None
+    head_tail: bool = False
+    strip_ansi: bool | None = None
+    collapse_cr: bool | None = None
+
+    def request_args(self, live: bool) -> dict[str, Any]:
+        """The request's fields: these options for the guest, or ``stream: true`` alone (live)."""
+        if live:
+            return {"stream": True}
+        fields = {
+            "max_output": self.max_output,
+            "capture": "head_tail" if self.head_tail else None,
+            "strip_ansi": self.strip_ansi,
+            "collapse_cr": self.collapse_cr,
+        }
+        return {k: v for k, v in fields.items() if v is not None}
+
+    @property
+    def given(self) -> bool:
+        return self != CaptureOptions()
+
+    def output(self, default_max_output: int) -> RunOutput:
+        """A live run's output as this side keeps it (``default_max_output``: the op's default)."""
+        return RunOutput(default_max_output if self.max_output is None else self.max_output, self.head_tail)
+
+    def fields(self, kept: RunOutput) -> CapturedFields:
+        """The result's capture fields from the output kept here."""
+        return kept.fields(bool(self.strip_ansi), bool(self.collapse_cr))
 
 
 async def run_call(
