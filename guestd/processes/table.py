@@ -415,17 +415,7 @@ class ProcessTable:
         return p
 
     async def start(self, args: ProcessStartArgs) -> ManagedProcess:
-        limits = self.services.config.limits
-        self._expire()
-        running = sum(1 for p in self.procs.values() if p.running)
-        if running >= limits.max_processes:
-            raise limit_error("max_processes", limits.max_processes, f"at most {limits.max_processes} live processes")
-        if len(self.procs) >= limits.max_kept_processes:
-            self._evict_oldest_finished()
-            if len(self.procs) >= limits.max_kept_processes:
-                raise limit_error(
-                    "max_kept_processes", limits.max_kept_processes, "too many kept processes; forget some"
-                )
+        self.check()
         command = args["shell"] if args["shell"] is not None else " ".join(args["argv"] or [])
         mp = ManagedProcess(self, "p" + os.urandom(6).hex(), command, args["ring_bytes"])
         self.procs[mp.id] = mp  # reserved now: concurrent starts count against the limits
@@ -434,12 +424,12 @@ class ProcessTable:
         except BaseException:
             del self.procs[mp.id]
             raise
-        if self._sweeper is None or self._sweeper.done():
-            self._sweeper = asyncio.get_running_loop().create_task(self._sweep())
+        self._keep_sweeping()
         return mp
 
     def check(self) -> None:
-        """Raise the typed ``limit`` error when no more live processes may be adopted (services.Adopter)."""
+        """Raise the typed ``limit`` error when no more live processes may be started or adopted
+        (services.Adopter); a finished one is evicted first to make room among the kept."""
         self._expire()
         limits = self.services.config.limits
         if sum(1 for p in self.procs.values() if p.running) >= limits.max_processes:
@@ -463,9 +453,13 @@ class ProcessTable:
         mp = ManagedProcess(self, "p" + os.urandom(6).hex(), command, 1)
         mp.adopt(run, fds, rings, spills)
         self.procs[mp.id] = mp
+        self._keep_sweeping()
+        return mp.id
+
+    def _keep_sweeping(self) -> None:
+        """The sweeper of expired processes running while the table holds any."""
         if self._sweeper is None or self._sweeper.done():
             self._sweeper = asyncio.get_running_loop().create_task(self._sweep())
-        return mp.id
 
     def forget(self, process_id: str) -> None:
         p = self.get(process_id)
