@@ -13,7 +13,7 @@ import asyncio
 import os
 import time
 from collections.abc import Awaitable, Callable, Coroutine, Mapping
-from typing import TYPE_CHECKING, Any, Protocol, TypeVar
+from typing import TYPE_CHECKING, Any, Generic, Protocol, TypeVar
 
 from guestd.output.stream import CreditedStream
 
@@ -75,6 +75,7 @@ R = TypeVar("R")
 # A reply that may carry a change report (exec, shell.run: the schema's reported_changes group).
 ReportsChanges = TypeVar("ReportsChanges", bound="ReportedChangesFields")
 C = TypeVar("C", bound=Callable[..., Any])
+P = TypeVar("P")
 Handler = Callable[[Request, Any], Awaitable[Mapping[str, Any]]]
 InlineHandler = Callable[[Any], Mapping[str, Any]]
 
@@ -288,9 +289,35 @@ BusyReport = Callable[[], dict[str, list[str]]]
 ShutdownHook = Callable[[], Awaitable[None]]
 
 
+class Provided(Generic[P]):
+    """A slot of :class:`Services` that one capability fills for others (``services.adopter =
+    table``). Read while it is empty, it registers its provider first (``Services.require``)."""
+
+    def __init__(self, provider: str) -> None:
+        self.provider = provider  # the capability that sets it
+        self.slot = ""
+
+    def __set_name__(self, owner: type, name: str) -> None:
+        self.slot = "_" + name
+
+    def __get__(self, services: Services, owner: type | None = None) -> P | None:
+        if getattr(services, self.slot) is None:
+            services.require(self.provider)
+        value: P | None = getattr(services, self.slot)
+        return value
+
+    def __set__(self, services: Services, value: P | None) -> None:
+        setattr(services, self.slot, value)
+
+
 class Services:
     """What the daemon gives every capability. A plain class, not a dataclass: a dataclass
     compiles its generated methods at every start (~1-2 ms of CPU each here)."""
+
+    # What one capability provides to others.
+    changes: Provided[ChangeFeed] = Provided("files")  # the workspace's change feed
+    adopter: Provided[Adopter] = Provided("process")  # where on_timeout "detach" hands runs
+    runs: Provided[KeptRuns] = Provided("process")  # keep: true runs (guestd.runs, set by guestd.processes)
 
     def __init__(self, config: Config, children: Children, workload: WorkloadCgroup, ops: Registry, host: Host) -> None:
         self.config = config
@@ -314,40 +341,6 @@ class Services:
         self._runs: KeptRuns | None = None
         self._io: ThreadPoolExecutor | None = None
         self._kernel_dir: str | None = None
-
-    # What one capability provides to others: read, it registers its provider first.
-    @property
-    def changes(self) -> ChangeFeed | None:
-        """The workspace's change feed (set by the files capability)."""
-        if self._changes is None:
-            self.require("files")
-        return self._changes
-
-    @changes.setter
-    def changes(self, feed: ChangeFeed | None) -> None:
-        self._changes = feed
-
-    @property
-    def adopter(self) -> Adopter | None:
-        """Where on_timeout "detach" hands runs (set by guestd.processes)."""
-        if self._adopter is None:
-            self.require("process")
-        return self._adopter
-
-    @adopter.setter
-    def adopter(self, adopter: Adopter | None) -> None:
-        self._adopter = adopter
-
-    @property
-    def runs(self) -> KeptRuns | None:
-        """keep: true runs (guestd.runs, set by guestd.processes)."""
-        if self._runs is None:
-            self.require("process")
-        return self._runs
-
-    @runs.setter
-    def runs(self, table: KeptRuns | None) -> None:
-        self._runs = table
 
     async def changes_cursor(self, wanted: bool) -> int | None:
         """``report_changes``: the change journal's cursor before a run (None: not wanted)."""
