@@ -95,6 +95,14 @@ def _want(key: str, value: Any, typ: type | tuple[type, ...]) -> Any:
     return value
 
 
+def _seconds(key: str, value: Any, *, positive: bool = False) -> float:
+    """A number of seconds, a whole one or not; ``positive``: refused unless > 0 (NaN too)."""
+    seconds = float(_want(key, value, (int, float)))
+    if positive and not seconds > 0:
+        raise ConfigError(f"{key} must be > 0")
+    return seconds
+
+
 # The words each [workload] limit takes besides a whole number (bytes for memory, processes
 # and threads for pids); "N%" is a share of the workload's own pids.max.
 _CGROUP_WORDS = {
@@ -128,9 +136,7 @@ def _apply_code(cfg: Config, table: Any) -> None:
             if not cfg.code_python:
                 raise ConfigError('code.python must be "guestd", "auto", or a Python\'s name or path')
         elif k == "queue_wait_s":
-            cfg.code_queue_wait_s = float(_want("code.queue_wait_s", v, (int, float)))
-            if not cfg.code_queue_wait_s > 0:
-                raise ConfigError("code.queue_wait_s must be > 0")
+            cfg.code_queue_wait_s = _seconds("code.queue_wait_s", v, positive=True)
         else:
             raise ConfigError(f"unknown config key code.{k}")
 
@@ -139,11 +145,9 @@ def _apply_processes(cfg: Config, table: Any) -> None:
     """The [processes] table: background processes' retention and stdin deadline."""
     for k, v in _want("processes", table, dict).items():
         if k == "retention_s":
-            cfg.process_retention_s = float(_want("processes.retention_s", v, (int, float)))
+            cfg.process_retention_s = _seconds("processes.retention_s", v)
         elif k == "stdin_timeout_s":
-            cfg.process_stdin_timeout_s = float(_want("processes.stdin_timeout_s", v, (int, float)))
-            if not cfg.process_stdin_timeout_s > 0:
-                raise ConfigError("processes.stdin_timeout_s must be > 0")
+            cfg.process_stdin_timeout_s = _seconds("processes.stdin_timeout_s", v, positive=True)
         else:
             raise ConfigError(f"unknown config key processes.{k}")
 
