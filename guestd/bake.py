@@ -92,20 +92,15 @@ def copy_python(root: str) -> str:
     return f"{dst}/lib/{ver}/site-packages"
 
 
+def pip_install_into(target: str, *options: str) -> list[str]:
+    """The command line of this Python's pip installing into the directory ``target``, quietly."""
+    pip = [sys.executable, "-m", "pip", "install", "--quiet", "--disable-pip-version-check"]
+    return [*pip, *options, "--target", target]
+
+
 def install_packages(site: str) -> None:
     os.makedirs(site, exist_ok=True)
-    cmd = [
-        sys.executable,
-        "-m",
-        "pip",
-        "install",
-        "--quiet",
-        "--disable-pip-version-check",
-        "--no-compile",
-        "--target",
-        site,
-        *RUNTIME_DEPS,
-    ]
+    cmd = [*pip_install_into(site, "--no-compile"), *RUNTIME_DEPS]
     log("pip install --target " + site)
     subprocess.run(cmd, check=True)
     pkg = os.path.join(REPO, "guestd")
@@ -252,16 +247,7 @@ def add_workload_ipykernel(root: str, name: str = "python3") -> None:
     if any(os.path.isdir(root + d + "/ipykernel") for d in sites):
         log(f"{python} (Python {version}) has ipykernel: code contexts run there")
         return
-    cmd = [
-        sys.executable,
-        "-m",
-        "pip",
-        "install",
-        "--quiet",
-        "--disable-pip-version-check",
-        "--target",
-        root + sites[0],
-    ]
+    cmd = pip_install_into(root + sites[0])
     if version != f"{sys.version_info[0]}.{sys.version_info[1]}":
         cmd += ["--only-binary=:all:", "--python-version", version, "--implementation", "cp"]
     log(f"pip install ipykernel --target {sites[0]} (for {python}, Python {version})")
