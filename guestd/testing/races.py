@@ -2,12 +2,18 @@
 workload user can run: on the host (tests/test_fs_boundary.py) and in the guest
 (tests/qemu/test_systemd.py). Each takes ``name out seconds``."""
 
-# A workload process that keeps swapping a name between a directory and a symlink out.
-SWAPPER = r"""
+# Every script's head: its arguments, then a loop until ``seconds`` have passed (the body
+# that follows is indented as the loop's).
+_RACE_FOR_SECONDS = r"""
 import os, sys, time
 name, out, seconds = sys.argv[1], sys.argv[2], float(sys.argv[3])
 end = time.time() + seconds
-while time.time() < end:
+while time.time() < end:"""
+
+# A workload process that keeps swapping a name between a directory and a symlink out.
+SWAPPER = (
+    _RACE_FOR_SECONDS
+    + r"""
     try:
         os.rmdir(name)
     except OSError:
@@ -25,14 +31,13 @@ while time.time() < end:
     except OSError:
         pass
 """
+)
 
 
 # A workload process that turns every fresh directory at ``name`` into a symlink to ``out``.
-SNATCHER = r"""
-import os, sys, time
-name, out, seconds = sys.argv[1], sys.argv[2], float(sys.argv[3])
-end = time.time() + seconds
-while time.time() < end:
+SNATCHER = (
+    _RACE_FOR_SECONDS
+    + r"""
     try:
         os.rmdir(name)
         os.symlink(out, name)
@@ -44,3 +49,4 @@ while time.time() < end:
         except OSError:
             pass
 """
+)
