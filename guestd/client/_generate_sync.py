@@ -13,7 +13,8 @@ mirrors the async sources is written here from them, read with :mod:`ast`:
   that return an async twin (``kept_run``, ``git``) are copied with the names mapped.
 - a **twin** class (the handles) is the async class's own source with ``async``/``await``
   dropped and the names mapped (as unasync does): a handle's methods call the flat client
-  methods, which have the same signatures on both sides.
+  methods, which have the same signatures on both sides. Its bases are twins too (the
+  handles' shared ``AsyncHandle``), written before it.
 - **functions** (``runs_sync``): each coroutine function of a module that takes the client
   first, run through that client.
 - **protocols** (``_surface``, ``_surface_sync``): what holds the client (a handle, ``AsyncGit``,
@@ -222,6 +223,7 @@ context, a background process, a kept run, each a context manager that releases 
 A handle's methods call the flat :class:`~guestd.client.Client` methods with the same parameters.
 """,
         (
+            Twin("handles.AsyncHandle", "Handle"),
             Twin("handles.AsyncShell", "Shell"),
             Twin("handles.AsyncCodeContext", "CodeContext"),
             Twin("handles.AsyncProcess", "Process", base="ProcessAttach"),
@@ -697,10 +699,12 @@ def write_twin(spec: Twin, module: Module, names: dict[str, str], bases: dict[st
     src_module, cls_name = spec.source.split(".")
     source = Source.load(src_module)
     cls = source.cls(cls_name)
-    if cls.bases:
-        raise GenerationError(f"{spec.source}: a twin class is rewritten whole, without bases")
+    twin_bases = [names.get(b.id, "") if isinstance(b, ast.Name) else "" for b in cls.bases]
+    if not all(twin_bases):
+        raise GenerationError(f"{spec.source}: a twin's bases must be twins (a Twin before it)")
     skip = bases[spec.base] if spec.base is not None else set()
-    out = [f"class {spec.name}({spec.base}):" if spec.base else f"class {spec.name}:"]
+    all_bases = [*twin_bases, *([spec.base] if spec.base else [])]
+    out = [f"class {spec.name}({', '.join(all_bases)}):" if all_bases else f"class {spec.name}:"]
     doc = _docstring(cls)
     after = (doc.end_lineno or 0) if doc is not None else cls.lineno
     if doc is not None:
@@ -716,7 +720,7 @@ def write_twin(spec: Twin, module: Module, names: dict[str, str], bases: dict[st
     text = "\n".join(out) + "\n"
     module.lines.append(text)
     module.defined.add(spec.name)
-    module.runtime |= _free_names(text) | ({spec.base} if spec.base else set())
+    module.runtime |= _free_names(text) | set(all_bases)
 
 
 def write_functions(spec: Functions, module: Module, names: dict[str, str]) -> None:

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterator
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Self
 
 from guestd.client.results import result_of
 from guestd.client.streaming import DERIVED
@@ -49,7 +49,21 @@ def unless_gone(*also: str) -> Iterator[None]:
             raise
 
 
-class AsyncShell:
+class AsyncHandle:
+    """What every handle is: ``async with`` it, and what it holds is released on exit (:meth:`close`)."""
+
+    async def close(self) -> None:
+        """Release it (what is already gone is not an error)."""
+        raise NotImplementedError
+
+    async def __aenter__(self) -> Self:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()
+
+
+class AsyncShell(AsyncHandle):
     """A persistent bash session (cd, variables, venvs persist between runs)."""
 
     def __init__(self, client: ShellClient, created: ShellCreateResult) -> None:
@@ -107,14 +121,8 @@ class AsyncShell:
         with unless_gone():
             await self.client.shell_close(self.id, deadline=deadline)
 
-    async def __aenter__(self) -> AsyncShell:
-        return self
 
-    async def __aexit__(self, *exc: object) -> None:
-        await self.close()
-
-
-class AsyncCodeContext:
+class AsyncCodeContext(AsyncHandle):
     """A code context: a kernel whose state persists between cells."""
 
     def __init__(self, client: CodeContextClient, created: CodeCreateResult) -> None:
@@ -176,14 +184,8 @@ class AsyncCodeContext:
         with unless_gone():
             await self.client.code_close(self.id, deadline=deadline)
 
-    async def __aenter__(self) -> AsyncCodeContext:
-        return self
 
-    async def __aexit__(self, *exc: object) -> None:
-        await self.close()
-
-
-class AsyncProcess:
+class AsyncProcess(AsyncHandle):
     """A background process (``process_start``). Leaving ``async with`` kills it if it still
     runs and forgets it (its output goes with it)."""
 
@@ -254,14 +256,8 @@ class AsyncProcess:
         with unless_gone():
             await self.client.process_forget(self.id, deadline=deadline)
 
-    async def __aenter__(self) -> AsyncProcess:
-        return self
 
-    async def __aexit__(self, *exc: object) -> None:
-        await self.close()
-
-
-class AsyncKeptRun:
+class AsyncKeptRun(AsyncHandle):
     """A kept run (``keep=True``): it outlives the connection that started it. Leaving
     ``async with`` cancels it if it still runs."""
 
@@ -290,9 +286,3 @@ class AsyncKeptRun:
         run = await self.get()
         if run.state == "running":
             await self.cancel()
-
-    async def __aenter__(self) -> AsyncKeptRun:
-        return self
-
-    async def __aexit__(self, *exc: object) -> None:
-        await self.close()

@@ -10,6 +10,8 @@ A handle's methods call the flat :class:`~guestd.client.Client` methods with the
 
 from __future__ import annotations
 
+from typing import Self
+
 from guestd.client._blocking import ProcessAttach
 from guestd.client._surface_sync import SyncCodeContextClient, SyncKeptRunClient, SyncProcessClient, SyncShellClient
 from guestd.client.handles import unless_gone
@@ -20,7 +22,21 @@ from guestd.client.streaming import DERIVED, EventCallback, OutputCallback, RunD
 from guestd.wire.errors import ErrorCode
 
 
-class Shell:
+class Handle:
+    """What every handle is: ``with`` it, and what it holds is released on exit (:meth:`close`)."""
+
+    def close(self) -> None:
+        """Release it (what is already gone is not an error)."""
+        raise NotImplementedError
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+class Shell(Handle):
     """A persistent bash session (cd, variables, venvs persist between runs)."""
 
     def __init__(self, client: SyncShellClient, created: ShellCreateResult) -> None:
@@ -78,14 +94,8 @@ class Shell:
         with unless_gone():
             self.client.shell_close(self.id, deadline=deadline)
 
-    def __enter__(self) -> Shell:
-        return self
 
-    def __exit__(self, *exc: object) -> None:
-        self.close()
-
-
-class CodeContext:
+class CodeContext(Handle):
     """A code context: a kernel whose state persists between cells."""
 
     def __init__(self, client: SyncCodeContextClient, created: CodeCreateResult) -> None:
@@ -147,14 +157,8 @@ class CodeContext:
         with unless_gone():
             self.client.code_close(self.id, deadline=deadline)
 
-    def __enter__(self) -> CodeContext:
-        return self
 
-    def __exit__(self, *exc: object) -> None:
-        self.close()
-
-
-class Process(ProcessAttach):
+class Process(Handle, ProcessAttach):
     """A background process (``process_start``). Leaving ``with`` kills it if it still
     runs and forgets it (its output goes with it)."""
 
@@ -206,14 +210,8 @@ class Process(ProcessAttach):
         with unless_gone():
             self.client.process_forget(self.id, deadline=deadline)
 
-    def __enter__(self) -> Process:
-        return self
 
-    def __exit__(self, *exc: object) -> None:
-        self.close()
-
-
-class KeptRun:
+class KeptRun(Handle):
     """A kept run (``keep=True``): it outlives the connection that started it. Leaving
     ``with`` cancels it if it still runs."""
 
@@ -242,9 +240,3 @@ class KeptRun:
         run = self.get()
         if run.state == "running":
             self.cancel()
-
-    def __enter__(self) -> KeptRun:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
