@@ -115,6 +115,8 @@ def popen_fallback(
     by_target = dict((t, s) for s, t in child_fds)
     procs = os.path.join(cgroup.path, "cgroup.procs") if cgroup is not None else ""
 
+    extra = [(source, target) for target, source in by_target.items() if target > 2]
+
     def preexec() -> None:
         if procs:
             with open(procs, "w") as f:
@@ -124,16 +126,14 @@ def popen_fallback(
         if OOM_RESET is not None:
             with contextlib.suppress(OSError), open("/proc/self/oom_score_adj", "wb") as f:
                 f.write(OOM_RESET)
+        place_fds(extra)  # before the fd limit is set back: a copy may land above it
         resource.setrlimit(resource.RLIMIT_NOFILE, NOFILE_AT_START)
         if ALL_CPUS:
             with contextlib.suppress(OSError):
-                os.sched_setaffinity(0, range(1024))
+                os.sched_setaffinity(0, range(1024))  # as the native spawn: every CPU the cpuset allows
         if NICE_RESET:
             with contextlib.suppress(OSError):
-                os.setpriority(os.PRIO_PROCESS, 0, 0)  # as the native spawn: every CPU the cpuset allows
-        for target, source in by_target.items():
-            if target > 2:
-                os.dup2(source, target, inheritable=True)
+                os.setpriority(os.PRIO_PROCESS, 0, 0)
         if ids is not None:
             os.setgroups([])
             os.setresgid(ids[1], ids[1], ids[1])
@@ -152,6 +152,22 @@ def popen_fallback(
         close_fds=False,
         preexec_fn=preexec,
     )
+
+
+def place_fds(fds: list[tuple[int, int]]) -> None:
+    """In a forked child: each (source, target) fd onto its number, open across exec. As
+    _clone.c, every source is first copied above every target: ``dup2(fd, fd)`` changes
+    nothing, so a source already on its number would keep guestd's O_CLOEXEC and be closed by
+    exec (a session's status socket on fd 63: bash could not report, and start waited 30 s),
+    and a source that is another's target would be overwritten before it is placed."""
+    if not fds:
+        return
+    above = max(target for _, target in fds) + 1
+    copies = [(fcntl.fcntl(source, fcntl.F_DUPFD_CLOEXEC, above), target) for source, target in fds]
+    for copy, target in copies:
+        os.dup2(copy, target, inheritable=True)  # a copy is never its target: the flag is cleared
+    for copy, _ in copies:
+        os.close(copy)
 
 
 def spawn_error(exc: OSError, argv0: str, cwd: str | None) -> GuestdError:

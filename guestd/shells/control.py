@@ -4,11 +4,14 @@ bash itself wrote it (SO_PASSCRED) with the nonce guestd chose for that command.
 from __future__ import annotations
 
 import asyncio
+import logging
 import os
 import socket
 import struct
 
 from guestd.shells.script import Marker, take_marker
+
+log = logging.getLogger("guestd.shells")
 
 _CREDS_SPACE = socket.CMSG_SPACE(struct.calcsize("iII"))  # struct ucred: pid, uid, gid
 
@@ -40,9 +43,13 @@ class StatusChannel:
         self.sock: socket.socket | None = sock
         self.writer = writer
         self.forged_bytes = 0  # bytes from another process, or without the expected nonce
+        self.stranger_logged = False  # bytes from another process are logged once a session
         self._buf = bytearray()
         self._nonce: bytes | None = None  # the marker guestd waits for now
         self._marker: asyncio.Future[Marker] | None = None
+        # Done at end of file: every copy of bash's end is closed (bash exited, or never had
+        # it), so no marker can come any more.
+        self.writer_gone: asyncio.Future[None] = asyncio.get_running_loop().create_future()
         asyncio.get_running_loop().add_reader(sock.fileno(), self.on_readable)
 
     def expect(self) -> str:
@@ -70,8 +77,18 @@ class StatusChannel:
             data, ancillary = b"", []
         if not data:
             asyncio.get_running_loop().remove_reader(sock.fileno())
+            if not self.writer_gone.done():
+                self.writer_gone.set_result(None)
             return
-        if sender_pid(ancillary) != self.writer:
+        sender = sender_pid(ancillary)
+        if sender != self.writer:
+            if not self.stranger_logged:  # a workload that keeps at it is not logged each time
+                self.stranger_logged = True
+                log.warning(
+                    "status bytes of shell %d from pid %s, not bash: dropped (the rest are counted)",
+                    self.writer,
+                    sender,
+                )
             self.forged_bytes += len(data)  # a process the command started, not bash
             return
         self._buf += data

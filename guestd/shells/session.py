@@ -48,6 +48,7 @@ if TYPE_CHECKING:  # the generated message types: annotations only, never import
     from guestd.wire.types import ShellInfoRecord, ShellRunArgs, ShellRunReply
 
 GRACE_S = 1.0
+START_S = 30.0  # for bash to read its start script, and again to be ready
 DETACH_RING_BYTES = 1024 * 1024  # per stream, as process.start's default ring_bytes
 
 
@@ -178,14 +179,35 @@ class Session:
         # A restarted session keeps its exported environment.
         script = start_script(lib, self.status.expect(), self.exports if replay_exports else "")
         try:
-            await asyncio.wait_for(self._send(script), 30.0)
-            await asyncio.wait_for(asyncio.shield(self._marker()), 30.0)
-        except (TimeoutError, OSError):
-            await self.kill()
-            raise GuestdError(ErrorCode.UNAVAILABLE, "bash did not start within 30 s") from None
+            await asyncio.wait_for(self._send(script), START_S)
+            not_started = await self._ready(START_S)
+        except TimeoutError:
+            not_started = f"bash did not read its start script within {START_S:g} s"
+        except OSError as exc:
+            not_started = f"bash did not read its start script: {exc}"
         except BaseException:  # cancelled: the session is not made, so neither is its bash
             await asyncio.shield(self.kill())
             raise
+        if not_started is not None:
+            await self.kill()
+            raise GuestdError(ErrorCode.UNAVAILABLE, not_started)
+
+    async def _ready(self, timeout: float) -> str | None:
+        """Wait for bash's first marker: None once it came, else why bash is not ready. Ends
+        early when no marker can come (bash's end of the status channel is gone, or bash is)."""
+        status, child = self.status, self.child
+        assert status is not None and child is not None
+        marker = status.marker
+        waits: set[asyncio.Future[Any]] = {marker, status.writer_gone, child.exited}
+        await asyncio.wait(waits, timeout=timeout, return_when=asyncio.FIRST_COMPLETED)
+        if marker.done():
+            return None
+        dropped = f" ({status.forged_bytes} status bytes not from bash were dropped)" if status.forged_bytes else ""
+        if child.exited.done():
+            return f"bash ended (status {child.status}) before it was ready" + dropped
+        if status.writer_gone.done():  # bash never had its end, or has just ended
+            return "bash did not start: its end of the status channel was closed before it was ready" + dropped
+        return f"bash did not start within {timeout:g} s" + dropped
 
     def _marker(self) -> asyncio.Future[Marker]:
         assert self.status is not None
