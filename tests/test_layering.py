@@ -32,6 +32,7 @@ BELOW = (
     "guestd/config.py",
     "guestd/policy.py",
     "guestd/output",
+    "guestd/tables.py",
 )
 
 

@@ -317,7 +317,7 @@ def test_a_second_guestd_on_the_same_workload_cgroup_spares_live_runs(scratch: s
     """A second guestd configured with the same workload cgroup (a test instance, a manual
     start next to the unit) takes every leaf for a dead guestd's leftover and kills it: the
     first guestd's running process dies with SIGKILL. Kernels' pid files already check that
-    their owner is gone (contexts._owner_alive); the cgroup leaves do not."""
+    their owner is gone (code.pidfiles._owner_alive); the cgroup leaves do not."""
     g = start_contained(scratch, "shared")
     d2 = tempfile.mkdtemp(prefix="guestd-red-second-")
     os.chmod(d2, 0o755)
