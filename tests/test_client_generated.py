@@ -131,10 +131,22 @@ def test_a_coroutine_added_to_an_async_class_gets_its_blocking_twin() -> None:
         assert line in imports, line
 
 
+def test_an_overloaded_coroutine_without_a_private_implementation_runs_through_its_overloads() -> None:
+    """The type checker matches the implementation's arguments to the overloads one union at a
+    time; the coroutines that gives are one coroutine of the implementation's result."""
+    (rendered,) = render_fakes(FAKE.replace("return await self._get(name, into)", "return b''"))
+    text = rendered["text"]
+    assert text.count("    @overload\n    def get(") == 2
+    assert (
+        "-> bytes | int:\n"
+        "        made: Coroutine[Any, Any, bytes | int] = self._aio.get(name, into)\n"
+        "        return self._run(made)\n"
+    ) in text
+
+
 def test_what_the_generator_cannot_mirror_it_refuses_saying_why() -> None:
     forget = "def forget(self, name: str) -> None"
     cases = {
-        "give it a private implementation": ("return await self._get(name, into)", "return b''"),
         "say how to wrap it in WRAPS": (forget, "def forget(self, name: str) -> AsyncKeptRun"),
         "a parameter is named made, a generated local": (forget, "def forget(self, made: str) -> AsyncShell"),
     }

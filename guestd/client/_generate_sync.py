@@ -624,8 +624,15 @@ class FacadeWriter:
                 raise GenerationError(f"{where}: callbacks, but {self.spec.name} has no loop to hand them over from")
             self.use({"CallerThread"})
             lines.append(f"        {PUMP} = CallerThread({self.spec.loop})")
-        delegate = _overload_delegate(fn, where) if fn.name in self.overloaded else fn.name
+        delegate = _overload_delegate(fn) if fn.name in self.overloaded else fn.name
         call = f"{self.spec.target}.{delegate}({_call_arguments(fn, 1, callbacks)})"
+        if delegate == fn.name and fn.name in self.overloaded:
+            # The overloads' results, one coroutine per overload matched: as one coroutine of
+            # the implementation's result, which the runner then returns.
+            assert fn.returns is not None
+            self.use({"Coroutine", "Any"})
+            lines.append(f"        {MADE}: Coroutine[Any, Any, {ast.unparse(fn.returns)}] = {call}")
+            call = MADE
         run = f"{self.spec.runner}({call}{', ' + PUMP if callbacks else ''})"
         if isinstance(fn.returns, ast.Constant) and fn.returns.value is None:
             lines.append(f"        {run}")
@@ -663,10 +670,13 @@ def _check_locals(fn: ast.FunctionDef | ast.AsyncFunctionDef, where: str) -> Non
         raise GenerationError(f"{where}: a parameter is named {', '.join(sorted(taken))}, a generated local")
 
 
-def _overload_delegate(fn: ast.AsyncFunctionDef, where: str) -> str:
-    """The coroutine the blocking twin of an overloaded ``fn`` runs: the private implementation
-    its body hands over to (``return await self._download(...)``), which takes the union of the
-    overloads' arguments as they are (``fn`` itself would want one overload's)."""
+def _overload_delegate(fn: ast.AsyncFunctionDef) -> str:
+    """The coroutine the blocking twin of an overloaded ``fn`` runs, passing on its
+    implementation's arguments: ``fn`` itself, which the type checker matches to the overloads
+    one union at a time (``dst: str | None`` -> the ``None`` and the ``str`` overloads); or,
+    where no overload takes some mix of the arguments (``download``'s ``dst`` and ``sink``), the
+    private implementation ``fn``'s body hands over to (``return await self._download(...)``),
+    which takes them as they are."""
     body = fn.body[1:] if _docstring(fn) is not None else fn.body
     if len(body) == 1 and isinstance(body[0], ast.Return) and isinstance(body[0].value, ast.Await):
         call = body[0].value.value
@@ -675,12 +685,10 @@ def _overload_delegate(fn: ast.AsyncFunctionDef, where: str) -> str:
             and isinstance(call.func, ast.Attribute)
             and isinstance(call.func.value, ast.Name)
             and call.func.value.id == "self"
+            and call.func.attr.startswith("_")
         ):
             return call.func.attr
-    raise GenerationError(
-        f"{where} is overloaded: give it a private implementation that takes every overload's "
-        f"arguments (return await self._{fn.name}(...)) for its blocking twin to run"
-    )
+    return fn.name
 
 
 def _free_names(text: str) -> set[str]:

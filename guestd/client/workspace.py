@@ -534,34 +534,6 @@ class WorkspaceAPI:
         """The guest directory ``src`` as a tar archive: extracted into the new local directory
         ``dst`` (returns the archive's size), or returned as bytes (at most ``max_bytes``,
         default 256 MiB). ``chunk`` bounds each data event (default: the guest's max_chunk)."""
-        return await self._download_tree(
-            src,
-            dst,
-            include=include,
-            exclude=exclude,
-            gitignore=gitignore,
-            max_bytes=max_bytes,
-            chunk=chunk,
-            progress=progress,
-            deadline=deadline,
-            progress_timeout=progress_timeout,
-        )
-
-    async def _download_tree(
-        self,
-        src: WirePath,
-        dst: str | None = None,
-        *,
-        include: list[str] | None = None,
-        exclude: list[str] | None = None,
-        gitignore: bool | None = None,
-        max_bytes: int | None = None,
-        chunk: int | None = None,
-        progress: Progress | None = None,
-        deadline: float | None = None,
-        progress_timeout: float | None = DEFAULT_DEADLINE,
-    ) -> bytes | int:
-        """The transfer behind the overloads of :meth:`download_tree`."""
         cap = max_bytes if max_bytes is not None else (TREE_MEMORY_CAP if dst is None else None)
         args = _present(path=path_to_wire(src), include=include, exclude=exclude, gitignore=gitignore, chunk=chunk)
         call = self._conn.start("tree.download", args)

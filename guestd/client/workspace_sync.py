@@ -3,8 +3,8 @@
 
 from __future__ import annotations
 
-from collections.abc import Mapping
-from typing import overload
+from collections.abc import Coroutine, Mapping
+from typing import Any, overload
 
 from guestd.client._blocking import ClientBase
 from guestd.client.params import Progress
@@ -218,20 +218,19 @@ class SyncWorkspaceAPI(ClientBase):
         """The guest directory ``src`` as a tar archive: extracted into the new local directory
         ``dst`` (returns the archive's size), or returned as bytes (at most ``max_bytes``,
         default 256 MiB). ``chunk`` bounds each data event (default: the guest's max_chunk)."""
-        return self._run(
-            self._aio._download_tree(
-                src,
-                dst,
-                include=include,
-                exclude=exclude,
-                gitignore=gitignore,
-                max_bytes=max_bytes,
-                chunk=chunk,
-                progress=progress,
-                deadline=deadline,
-                progress_timeout=progress_timeout,
-            )
+        made: Coroutine[Any, Any, bytes | int] = self._aio.download_tree(
+            src,
+            dst,
+            include=include,
+            exclude=exclude,
+            gitignore=gitignore,
+            max_bytes=max_bytes,
+            chunk=chunk,
+            progress=progress,
+            deadline=deadline,
+            progress_timeout=progress_timeout,
         )
+        return self._run(made)
 
     # -- change feed --------------------------------------------------------------------
     def changes(self, cursor: int | None = None, *, deadline: float | None = DEFAULT_DEADLINE) -> Changes:
