@@ -30,8 +30,6 @@ from guestd.client.streaming import DERIVED
 from guestd.wire.frames import DEFAULT_MAX_FRAME
 
 if TYPE_CHECKING:
-    from types import TracebackType
-
     from guestd.client._surface_sync import SyncProcessClient
     from guestd.client.replies import ProcessAttachResult
     from guestd.client.streaming import OutputCallback, RunDeadline
@@ -103,7 +101,20 @@ class CallerThread:
                 self._loop.call_soon_threadsafe(self._taken, size)
 
 
-class ClientBase:
+class ClosedOnExit:
+    """A context manager that calls ``close()`` on exit (the client, a forwarder, an expect)."""
+
+    def close(self) -> None:
+        raise NotImplementedError
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+class ClientBase(ClosedOnExit):
     """What :class:`~guestd.client.Client` adds to the generated methods: the connection, the
     loop thread that runs the :class:`~guestd.client.AsyncClient` underneath, and closing."""
 
@@ -215,12 +226,6 @@ class ClientBase:
         if not self._thread.is_alive():
             self._loop.close()
 
-    def __enter__(self) -> Self:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
-
     @property
     def aio(self) -> AsyncClient:
         """The asyncio client underneath; its coroutines must run on this client's loop thread."""
@@ -246,7 +251,7 @@ class Forward(Protocol):
 F = TypeVar("F", bound=Forward)
 
 
-class Forwarder(Generic[F]):
+class Forwarder(ClosedOnExit, Generic[F]):
     """A running forward (``forward``, the async one) driven on the client's loop: its
     ``guest_port``, ``close()``, and a context manager that closes it on exit."""
 
@@ -260,12 +265,6 @@ class Forwarder(Generic[F]):
 
     def close(self) -> None:
         self._ports._run(self.forward.close())
-
-    def __enter__(self) -> Self:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
 
 
 class PortForwarder(Forwarder[PortForward]):
@@ -334,7 +333,7 @@ class ProcessAttach:
         )
 
 
-class SyncExpectBase:
+class SyncExpectBase(ClosedOnExit):
     """The blocking :class:`~guestd.client.expect.Expect`'s own parts: made on the client's loop
     (its reader task lives there), its buffer read from this thread, a context manager."""
 
@@ -391,11 +390,3 @@ class SyncExpectBase:
     def close(self) -> None:
         """Stop reading; a command still running is interrupted (as :meth:`Expect.close`)."""
         self._client._run(self.aio.close())
-
-    def __enter__(self) -> Self:
-        return self
-
-    def __exit__(
-        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
-    ) -> None:
-        self.close()

@@ -119,9 +119,9 @@ class CommandOutput(DecodedOutput):
 
 
 @dataclass(frozen=True, kw_only=True)
-class CapturedOutput(CommandOutput):
-    """What every output-producing result carries: the kept bytes of each stream and exact
-    counts of what was produced and dropped (the schema's bounded-capture fields)."""
+class OutputCounts(DecodedOutput):
+    """What every run's result carries: the kept bytes of each stream and exact counts of what
+    was produced and dropped (the schema's bounded-capture fields)."""
 
     stdout: bytes
     stderr: bytes
@@ -129,11 +129,17 @@ class CapturedOutput(CommandOutput):
     stderr_bytes: int
     stdout_dropped: int
     stderr_dropped: int
-    duration_s: float
 
     @property
     def truncated(self) -> bool:
         return bool(self.stdout_dropped or self.stderr_dropped)
+
+
+@dataclass(frozen=True, kw_only=True)
+class CapturedOutput(OutputCounts, CommandOutput):
+    """A command's result (exec, shell.run): its output and counts, how long it ran."""
+
+    duration_s: float
 
     def to_json(self) -> dict[str, Any]:
         """JSON-ready: bytes as UTF-8 text, plus ``<field>_base64`` when they are not UTF-8."""
@@ -242,7 +248,7 @@ class CodeError:
 
 
 @dataclass(frozen=True)
-class CodeResult(RunFigures, DecodedOutput):
+class CodeResult(RunFigures, OutputCounts):
     """One cell's outcome. ``results`` holds MIME bundles: ``{"kind", "data": {mime: value}}``.
     (Not a CapturedOutput: its ``text`` is the cell's value, not its stdout.)"""
 
@@ -250,12 +256,6 @@ class CodeResult(RunFigures, DecodedOutput):
     status: CodeRunStatus
     timeout_action: CodeRunTimeoutAction | None
     exit_reason: str | None
-    stdout: bytes
-    stderr: bytes
-    stdout_bytes: int
-    stderr_bytes: int
-    stdout_dropped: int
-    stderr_dropped: int
     results: list[CodeOutputRecord]
     results_dropped: int
     error: CodeError | None
