@@ -97,11 +97,7 @@ class PortsCapability:
             return {"sent": 0, "received": 0}
 
         async def open_socket(r: Relay) -> None:
-            try:
-                await asyncio.get_running_loop().connect_accepted_socket(r.protocol, sock)
-            except BaseException:
-                reset(sock)
-                raise
+            r.open(sock)
 
         try:
             return await self._relay(ctx, a["chunk"], open_socket)  # type: ignore[return-value]
