@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import errno
+import functools
 import ipaddress
 from collections import deque
 from collections.abc import Callable, Iterator
@@ -103,6 +104,8 @@ class RelayTransport(asyncio.Transport):
         self.connected: asyncio.Future[None] = self._loop.create_future()
         self._pump: asyncio.Task[None] | None = None
         self._grace: asyncio.TimerHandle | None = None
+        self._deadline: asyncio.TimerHandle | None = None
+        self.timed_out: GuestdError | None = None  # the guest side did not connect in time
         call.relay = self
 
     # -- from the connection -------------------------------------------------------------
@@ -111,6 +114,7 @@ class RelayTransport(asyncio.Transport):
         if ev == "connected":
             if self.connected.done():
                 raise GuestProtocolError("guest sent connected twice")
+            self._stop_deadline()
             self.connected.set_result(None)
             self.start()  # now, not when the opener resumes: data may follow in this same read
             return
@@ -139,6 +143,7 @@ class RelayTransport(asyncio.Transport):
         if self._finished:
             return
         self._finished = True
+        self._stop_deadline()
         if self._grace is not None:
             self._grace.cancel()
         if self._pump is not None:
@@ -165,11 +170,33 @@ class RelayTransport(asyncio.Transport):
         self._made = True
         self._protocol.connection_made(self)
 
+    def start_deadline(self, deadline: float) -> None:
+        """Abort the relay (``timed_out`` says so) unless the guest side connects within
+        ``deadline`` seconds."""
+        self._deadline = self._loop.call_later(deadline, self._expire, deadline)
+
+    def _stop_deadline(self) -> None:
+        if self._deadline is not None:
+            self._deadline.cancel()
+            self._deadline = None
+
+    def _expire(self, deadline: float) -> None:
+        self._deadline = None
+        if not self.connected.done():
+            self.timed_out = GuestdError(
+                ErrorCode.TIMEOUT, f"{self._call.op}: not connected within {deadline} s (cancelled)"
+            )
+            self.abort()  # cancels `connected`
+
     def _kick(self) -> None:
         """Something waits to go out (data, eof) or may now: wake the sender, started on first
-        use, so a stream that never sends (a connect check, a download) runs no task for it."""
+        use, so a stream that never sends (a connect check, a download) runs no task for it.
+        It may run before the guest side is connected: what a forward's host connection sends
+        first goes right behind the request, within the credit every stream starts with, and
+        guestd holds it until its socket is open (one round trip for a connect and a first
+        request, not two)."""
         self._wake.set()
-        if self._pump is None and self._made and not self._finished:
+        if self._pump is None and not self._finished:
             self._pump = self._loop.create_task(self._send())
 
     async def _send(self) -> None:
@@ -225,6 +252,9 @@ class RelayTransport(asyncio.Transport):
         return piece
 
     # -- asyncio.Transport -----------------------------------------------------------------
+    def get_protocol(self) -> Any:
+        return self._protocol
+
     def write(self, data: bytes | bytearray | memoryview) -> None:
         if self._eof_wanted and not self._closing:
             raise RuntimeError("write() after write_eof()")
@@ -276,13 +306,14 @@ class RelayTransport(asyncio.Transport):
     def close(self) -> None:
         """Send what is buffered, then eof; the guest side gets ``CLOSE_GRACE_S`` to end too
         (what it still sends is dropped), then it is reset. The protocol's ``connection_lost``
-        comes when the stream has ended."""
+        comes when the stream has ended. Before the guest side is connected (a forward whose
+        host connection sent and left), the same: it gets the bytes and eof once it is."""
         if self._closing:
             return
         self._closing = True
         self._eof_wanted = True
         self._kick()
-        if self.connected.done() and not self._finished:
+        if not self._finished:
             self._grace = self._loop.call_later(CLOSE_GRACE_S, self.abort)
         else:
             self._lose(None)
@@ -293,6 +324,7 @@ class RelayTransport(asyncio.Transport):
             self._lose(None)
             return
         self._finished = True
+        self._stop_deadline()
         if self._pump is not None:
             self._pump.cancel()
         if self._grace is not None:
@@ -303,41 +335,48 @@ class RelayTransport(asyncio.Transport):
         self._lose(None)
 
 
+def start_relay(
+    op: Literal["port.connect", "port.accept"],
+    conn: ClientConnection,
+    args: dict[str, Any],
+    protocol_factory: Callable[[], asyncio.BaseProtocol],
+    peer: tuple[str, int],
+    deadline: float,
+) -> RelayTransport:
+    """Send a relay request and return its transport at once. Its ``connected`` is done when
+    the guest side is (``connection_made`` is called on the protocol at that moment, before
+    any data arrives); it fails with the guest's error, or is cancelled after ``deadline``
+    seconds (then ``timed_out`` is set) or by :meth:`RelayTransport.abort`. The request goes
+    out first: the protocol and the transport are made while it travels."""
+    conn.check_open()
+    stream = conn.session.start(op, args)
+    conn.flush()
+    call = RelayCall(conn, stream)
+    conn.calls[call.id] = call
+    transport = RelayTransport(call, protocol_factory(), peer)
+    transport.start_deadline(deadline)
+    return transport
+
+
 async def open_relay(
     op: Literal["port.connect", "port.accept"],
     conn: ClientConnection,
     args: dict[str, Any],
-    protocol: asyncio.BaseProtocol,
+    protocol_factory: Callable[[], asyncio.BaseProtocol],
     peer: tuple[str, int],
     deadline: float,
 ) -> RelayTransport:
-    """Start a relay request and return its transport once the guest side is connected
-    (``protocol.connection_made`` is called at that moment, before any data arrives)."""
-    conn.check_open()
-    call = RelayCall(conn, conn.session.start(op, args))
-    conn.calls[call.id] = call
-    transport = RelayTransport(call, protocol, peer)
-    conn.flush()
-    # A timer and a plain await: wait_for(shield(...)) chained three futures, each one more
-    # pass of the event loop between the guest's `connected` and the opener (bench/relay.py).
-    expired = False
-
-    def expire() -> None:
-        nonlocal expired
-        if not transport.connected.done():
-            expired = True
-            transport.abort()  # cancels `connected`: the await below ends
-
-    timer = conn.loop.call_later(deadline, expire)
+    """:func:`start_relay`, returning once the guest side is connected. A plain await on
+    ``connected``: wait_for(shield(...)) chained three futures, each one more pass of the
+    event loop between the guest's ``connected`` and the opener (bench/relay.py)."""
+    transport = start_relay(op, conn, args, protocol_factory, peer, deadline)
     try:
         await transport.connected
     except asyncio.CancelledError:
-        if expired:
-            raise GuestdError(ErrorCode.TIMEOUT, f"{op}: not connected within {deadline} s (cancelled)") from None
+        if transport.timed_out is not None:
+            raise transport.timed_out from None
         transport.abort()
         raise
-    finally:
-        timer.cancel()
     return transport
 
 
@@ -444,8 +483,7 @@ class PortForward:
         self._args = args
         self._deadline = connect_deadline
         self._server: asyncio.AbstractServer | None = None
-        self._open: set[Splice] = set()
-        self._tasks: set[asyncio.Task[None]] = set()
+        self._open: set[Splice] = set()  # guest ends, connecting or connected
         self.local_address = ""
         self.local_port = 0
         self.connections = 0  # host connections accepted so far
@@ -462,37 +500,42 @@ class PortForward:
         return Splice(on_made=self._made)
 
     def _made(self, host: Splice) -> None:
-        host.transport.pause_reading()  # until the guest side is connected
-        task = asyncio.get_running_loop().create_task(self._relay(host))
-        self._tasks.add(task)
-        task.add_done_callback(self._tasks.discard)
-
-    async def _relay(self, host: Splice) -> None:
+        """A host connection: its ``port.connect`` goes out now, and what the host sends goes
+        right behind it while the guest side connects (within the credit a stream starts
+        with; guestd holds it until its socket is open), so a connect and a first request
+        cost one round trip, not two. Callbacks, no task per connection."""
         guest = Splice()
         link(host, guest)  # before the relay opens: guest bytes may arrive with its connected event
         try:
-            await open_relay(
-                "port.connect", self._conn, dict(self._args), guest, ("guest", self.guest_port), self._deadline
+            transport = start_relay(
+                "port.connect", self._conn, dict(self._args), lambda: guest, ("guest", self.guest_port), self._deadline
             )
-        except GuestdError as err:
-            self.errors = [*self.errors[-15:], err]
-            host.abort()
+        except GuestdError as err:  # the connection to guestd is gone
+            self._failed(host, err)
             return
-        except asyncio.CancelledError:
-            host.abort()  # the forward is closing while the guest side connects: the host's goes too
-            raise
+        guest.transport = transport  # the host's bytes, eof and close go to it from now on
         self._open.add(guest)
-        guest.closed.add_done_callback(lambda _: self._open.discard(guest))
-        if host.lost:
-            guest.abort()
-        else:
-            host.transport.resume_reading()
+        transport.connected.add_done_callback(functools.partial(self._connected, host, guest, transport))
+
+    def _connected(
+        self, host: Splice, guest: Splice, transport: RelayTransport, connected: asyncio.Future[None]
+    ) -> None:
+        if not connected.cancelled() and connected.exception() is None:
+            guest.closed.add_done_callback(lambda _: self._open.discard(guest))
+            return
+        self._open.discard(guest)
+        # Refused, unreachable, timed out (cancelled by the deadline), or aborted by close().
+        err = transport.timed_out if connected.cancelled() else connected.exception()
+        self._failed(host, err if isinstance(err, GuestdError) else None)
+
+    def _failed(self, host: Splice, err: GuestdError | None) -> None:
+        if err is not None:
+            self.errors = [*self.errors[-15:], err]
+        host.abort()
 
     async def close(self) -> None:
         if self._server is not None:
             self._server.close()
-        for task in list(self._tasks):
-            task.cancel()
         for guest in list(self._open):
             guest.abort()
             if guest.peer is not None:
@@ -581,7 +624,7 @@ class ReverseForward:
                 "port.accept",
                 self._conn,
                 {"forward": self.forward_id, "conn": n},
-                guest,
+                lambda: guest,
                 ("guest", self.guest_port),
                 30.0,
             )
@@ -784,13 +827,19 @@ class PortsAPI:
         (``details.reason``), a connect slower than ``connect_timeout_s`` is ``timeout``; once
         open, a reset in the guest reaches the reader as ``ConnectionResetError``."""
         loop = asyncio.get_running_loop()
-        reader = asyncio.StreamReader(loop=loop)
-        protocol = asyncio.StreamReaderProtocol(reader, loop=loop)
+        reader: asyncio.StreamReader | None = None
+
+        def streams() -> asyncio.StreamReaderProtocol:
+            nonlocal reader
+            reader = asyncio.StreamReader(loop=loop)
+            return asyncio.StreamReaderProtocol(reader, loop=loop)
+
         args = _present(port=port, address=address, connect_timeout_s=connect_timeout_s)
         transport = await open_relay(
-            "port.connect", self._conn, args, protocol, ("guest", port), _connect_deadline(connect_timeout_s)
+            "port.connect", self._conn, args, streams, ("guest", port), _connect_deadline(connect_timeout_s)
         )
-        return reader, asyncio.StreamWriter(transport, protocol, reader, loop)
+        assert reader is not None
+        return reader, asyncio.StreamWriter(transport, transport.get_protocol(), reader, loop)
 
     async def port_forward(
         self,
