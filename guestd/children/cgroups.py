@@ -31,6 +31,7 @@ import logging
 import os
 import signal
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 log = logging.getLogger("guestd.cgroups")
@@ -275,6 +276,36 @@ class RunCgroup:
         """SIGKILL every process of the leaf but ``keep`` (a shell's bash and the jobs earlier
         commands left), race-free: frozen processes cannot fork, and a fatal signal still ends
         them while frozen."""
+        with self._frozen():
+            for _ in range(rounds):
+                victims = [p for p in self.pids() if p not in keep]
+                if not victims:
+                    return
+                for pid in victims:
+                    with contextlib.suppress(ProcessLookupError, PermissionError):
+                        os.kill(pid, signal.SIGKILL)
+                time.sleep(0.001)  # killed processes leave the list as they exit
+
+    def move_except(self, keep: set[int], dest: RunCgroup, rounds: int = 50) -> list[int]:
+        """Move every process of the leaf but ``keep`` into ``dest``, race-free: frozen, they
+        cannot fork meanwhile (a shell command detached on its timeout: its processes, wherever
+        they went, leave the session's leaf). Returns the pids moved."""
+        moved: list[int] = []
+        with self._frozen():
+            for _ in range(rounds):
+                movers = [p for p in self.pids() if p not in keep]
+                if not movers:
+                    break
+                for pid in movers:
+                    with contextlib.suppress(OSError):  # gone meanwhile
+                        _write(os.path.join(dest.path, "cgroup.procs"), str(pid))
+                        moved.append(pid)
+        return moved
+
+    @contextlib.contextmanager
+    def _frozen(self) -> Iterator[None]:
+        """The leaf frozen while the block runs (its processes cannot fork), thawed after.
+        Where the freezer cannot be written the block runs all the same."""
         freeze = os.path.join(self.path, "cgroup.freeze")
         try:
             _write(freeze, "1")
@@ -285,47 +316,11 @@ class RunCgroup:
                 if not freeze or self._event("frozen") == "1":
                     break
                 time.sleep(0.001)
-            for _ in range(rounds):
-                victims = [p for p in self.pids() if p not in keep]
-                if not victims:
-                    return
-                for pid in victims:
-                    with contextlib.suppress(ProcessLookupError, PermissionError):
-                        os.kill(pid, signal.SIGKILL)
-                time.sleep(0.001)  # killed processes leave the list as they exit
+            yield
         finally:
             if freeze:
                 with contextlib.suppress(OSError):
                     _write(freeze, "0")
-
-    def move_except(self, keep: set[int], dest: RunCgroup, rounds: int = 50) -> list[int]:
-        """Move every process of the leaf but ``keep`` into ``dest``, race-free: frozen, they
-        cannot fork meanwhile (a shell command detached on its timeout: its processes, wherever
-        they went, leave the session's leaf). Returns the pids moved."""
-        freeze = os.path.join(self.path, "cgroup.freeze")
-        moved: list[int] = []
-        try:
-            _write(freeze, "1")
-        except OSError:
-            freeze = ""
-        try:
-            for _ in range(100):
-                if not freeze or self._event("frozen") == "1":
-                    break
-                time.sleep(0.001)
-            for _ in range(rounds):
-                movers = [p for p in self.pids() if p not in keep]
-                if not movers:
-                    break
-                for pid in movers:
-                    with contextlib.suppress(OSError):  # gone meanwhile
-                        _write(os.path.join(dest.path, "cgroup.procs"), str(pid))
-                        moved.append(pid)
-        finally:
-            if freeze:
-                with contextlib.suppress(OSError):
-                    _write(freeze, "0")
-        return moved
 
     def close_fd(self) -> None:
         if self.fd >= 0:

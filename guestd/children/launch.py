@@ -111,7 +111,8 @@ def popen_fallback(
     ctty: bool,
     cgroup: RunCgroup | None,
 ) -> subprocess.Popen[bytes]:
-    """Where the native spawn is missing: fork + a Python preexec step (slower, see _clone.c)."""
+    """Where the native spawn is missing: fork + a Python preexec step (slower, see _clone.c).
+    Raises GuestdError (details.stage: cwd or spawn)."""
     by_target = dict((t, s) for s, t in child_fds)
     procs = os.path.join(cgroup.path, "cgroup.procs") if cgroup is not None else ""
 
@@ -139,19 +140,30 @@ def popen_fallback(
             os.setresgid(ids[1], ids[1], ids[1])
             os.setresuid(ids[0], ids[0], ids[0])
 
-    return subprocess.Popen(
-        argv,
-        stdin=by_target.get(0),
-        stdout=by_target.get(1),
-        stderr=by_target.get(2),
-        cwd=cwd,
-        env=env,
-        start_new_session=True,
-        # Extra fds are dup'ed onto their numbers in preexec, which runs before close_fds would
-        # close them; every fd guestd opens is O_CLOEXEC (PEP 446), so nothing else leaks.
-        close_fds=False,
-        preexec_fn=preexec,
-    )
+    try:
+        return subprocess.Popen(
+            argv,
+            stdin=by_target.get(0),
+            stdout=by_target.get(1),
+            stderr=by_target.get(2),
+            cwd=cwd,
+            env=env,
+            start_new_session=True,
+            # Extra fds are dup'ed onto their numbers in preexec, which runs before close_fds would
+            # close them; every fd guestd opens is O_CLOEXEC (PEP 446), so nothing else leaks.
+            close_fds=False,
+            preexec_fn=preexec,
+        )
+    except OSError as exc:
+        raise spawn_error(exc, argv[0], cwd) from None
+    except (ValueError, TypeError) as exc:  # NUL bytes in argv, env or cwd
+        raise GuestdError(ErrorCode.BAD_REQUEST, f"cannot spawn: {exc}", details={"stage": "spawn"}) from None
+    except subprocess.SubprocessError as exc:
+        raise GuestdError(
+            ErrorCode.UNAVAILABLE,
+            f"could not set up the child (workload cgroup / workload user): {exc}",
+            details={"stage": "spawn"},
+        ) from None
 
 
 def place_fds(fds: list[tuple[int, int]]) -> None:

@@ -317,7 +317,10 @@ class Children:
                     ErrorCode.UNAVAILABLE, f"cannot make the run's cgroup: {exc}", details={"stage": "spawn"}
                 ) from None
             ids = o.user if o.user is not None and os.geteuid() == 0 else self.ids()
-            pid, pidfd, popen = self._start(o.argv, o.env, o.cwd, child_fds, ids, o.pty is not None, cgroup)
+            popen = popen_fallback(o.argv, o.env, o.cwd, child_fds, ids, o.pty is not None, cgroup)
+            pidfd = None
+            with contextlib.suppress(OSError, AttributeError):
+                pidfd = os.pidfd_open(popen.pid)
         except BaseException:
             for fd in list(ours.values()):
                 os.close(fd)
@@ -327,7 +330,7 @@ class Children:
         finally:
             for fd in theirs:
                 os.close(fd)
-        return pid, pidfd, cgroup, ours, popen
+        return popen.pid, pidfd, cgroup, ours, popen
 
     def _drop_leaf(self, cgroup: RunCgroup, threadsafe: bool = False) -> None:
         """The leaf of a spawn that failed: removed, or (a child killed by the watchdog mid-exec
@@ -339,33 +342,6 @@ class Children:
                 self._loop.call_soon_threadsafe(self.lingering.add, cgroup)
             elif not threadsafe:
                 self.lingering.add(cgroup)
-
-    def _start(
-        self,
-        argv: list[str],
-        env: dict[str, str] | None,
-        cwd: str | None,
-        child_fds: list[tuple[int, int]],
-        ids: tuple[int, int] | None,
-        ctty: bool,
-        cgroup: RunCgroup | None,
-    ) -> tuple[int, int | None, subprocess.Popen[bytes] | None]:
-        try:
-            popen = popen_fallback(argv, env, cwd, child_fds, ids, ctty, cgroup)
-            pidfd = None
-            with contextlib.suppress(OSError, AttributeError):
-                pidfd = os.pidfd_open(popen.pid)
-            return popen.pid, pidfd, popen
-        except OSError as exc:
-            raise spawn_error(exc, argv[0], cwd) from None
-        except (ValueError, TypeError) as exc:  # NUL bytes in argv, env or cwd
-            raise GuestdError(ErrorCode.BAD_REQUEST, f"cannot spawn: {exc}", details={"stage": "spawn"}) from None
-        except subprocess.SubprocessError as exc:
-            raise GuestdError(
-                ErrorCode.UNAVAILABLE,
-                f"could not set up the child (workload cgroup / workload user): {exc}",
-                details={"stage": "spawn"},
-            ) from None
 
     # -- bookkeeping ------------------------------------------------------------------------
     def reaped(self, child: Child) -> None:
@@ -449,26 +425,16 @@ def _collect_native() -> list[tuple[_NativeSpawn, tuple[int, int, int] | OSError
     return done
 
 
+@dataclass(slots=True, eq=False)
 class _NativeSpawn:
     """One spawn handed to the native spawn threads: what to do with it once it is done."""
 
-    __slots__ = ("fut", "leaf_path", "order", "ours", "owner", "theirs")
-
-    def __init__(
-        self,
-        owner: Children,
-        order: SpawnOrder,
-        fut: asyncio.Future[Child],
-        ours: dict[str, int],
-        theirs: list[int],
-        leaf_path: str | None,
-    ) -> None:
-        self.owner = owner
-        self.order = order
-        self.fut = fut
-        self.ours = ours
-        self.theirs = theirs
-        self.leaf_path = leaf_path
+    owner: Children
+    order: SpawnOrder
+    fut: asyncio.Future[Child]
+    ours: dict[str, int]
+    theirs: list[int]
+    leaf_path: str | None
 
     def close_fds(self, ours: bool) -> None:
         for fd in self.theirs:
