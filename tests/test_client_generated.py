@@ -131,6 +131,35 @@ def test_a_coroutine_added_to_an_async_class_gets_its_blocking_twin() -> None:
         assert line in imports, line
 
 
+def test_a_class_method_making_the_async_class_from_the_client_is_mirrored_on_the_loop() -> None:
+    """``Expect.start``'s rule: the blocking twin makes the async object on the client's loop
+    (what it starts runs there) and returns the facade around it; other class methods are not
+    mirrored."""
+    made = (
+        "    @classmethod\n"
+        "    def create(cls, client: AsyncClient, name: str, *, n: int = 1) -> AsyncThing:\n"
+        '        """Make one."""\n\n'
+        "    @classmethod\n"
+        "    def other(cls, name: str) -> AsyncThing: ...\n\n"
+    )
+    source = FAKE.replace("    async def forget(", made + "    async def forget(")
+    source = source.replace(
+        "from guestd.client.handles import",
+        "from guestd.client.aio import AsyncClient\nfrom guestd.client.handles import",
+    )
+    (rendered,) = render_fakes(source)
+    text = rendered["text"]
+    assert (
+        "    @classmethod\n"
+        "    def create(cls, client: Client, name: str, *, n: int=1) -> Thing:\n"
+        '        """Make one."""\n\n'
+        "        async def make() -> AsyncThing:\n"
+        "            return AsyncThing.create(client.aio, name, n=n)\n\n"
+        "        return cls(client, client._run(make()))\n"
+    ) in text
+    assert "def other" not in text
+
+
 def test_an_overloaded_coroutine_without_a_private_implementation_runs_through_its_overloads() -> None:
     """The type checker matches the implementation's arguments to the overloads one union at a
     time; the coroutines that gives are one coroutine of the implementation's result."""

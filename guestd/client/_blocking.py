@@ -23,16 +23,15 @@ from typing import TYPE_CHECKING, Any, Generic, Protocol, Self, TypeVar
 
 from guestd.client.aio import CONNECT_TIMEOUT, AsyncClient
 from guestd.client.connection import DEFAULT_WINDOW
-from guestd.client.expect import MAX_BUFFER, Expect
+from guestd.client.expect import Expect
 from guestd.client.git import AsyncGit
 from guestd.client.ports import PortForward, ReverseForward
-from guestd.client.streaming import DERIVED
 from guestd.wire.frames import DEFAULT_MAX_FRAME
 
 if TYPE_CHECKING:
     from guestd.client._surface_sync import SyncProcessClient
     from guestd.client.replies import ProcessAttachResult
-    from guestd.client.streaming import OutputCallback, RunDeadline
+    from guestd.client.streaming import OutputCallback
     from guestd.client.streams import Attach
 
 T = TypeVar("T")
@@ -340,37 +339,6 @@ class SyncExpectBase(ClosedOnExit):
     def __init__(self, client: ClientBase, expect: Expect) -> None:
         self._client = client
         self.aio = expect  # the async helper this one drives
-
-    @classmethod
-    def start(
-        cls,
-        client: ClientBase,
-        session: str,
-        command: str,
-        *,
-        timeout_s: float | None = None,
-        idle_timeout_s: float | None = None,
-        deadline: RunDeadline = DERIVED,
-        max_buffer: int = MAX_BUFFER,
-        rows: int | None = None,
-        cols: int | None = None,
-    ) -> Self:
-        """Run ``command`` with ``shell.run`` ``pty: true`` in session ``session`` (see :meth:`Expect.start`)."""
-
-        async def make() -> Expect:  # on the client's loop: the reader task is created there
-            return Expect.start(
-                client.aio,
-                session,
-                command,
-                timeout_s=timeout_s,
-                idle_timeout_s=idle_timeout_s,
-                deadline=deadline,
-                max_buffer=max_buffer,
-                rows=rows,
-                cols=cols,
-            )
-
-        return cls(client, client._run(make()))
 
     @property
     def before(self) -> bytes:

@@ -10,7 +10,9 @@ mirrors the async sources is written here from them, read with :mod:`ast`:
   through the facade's runner. Parameters typed as output or event callbacks are handed to the
   caller's thread (:class:`~guestd.client._blocking.CallerThread`); a coroutine that returns an
   async handle or a forward returns its blocking twin (``WRAPS``). Plain methods and properties
-  that return an async twin (``kept_run``, ``git``) are copied with the names mapped.
+  that return an async twin (``kept_run``, ``git``) are copied with the names mapped; a class
+  method that makes the async class from the ``AsyncClient`` (``Expect.start``) makes it on the
+  blocking client's loop and returns the facade around it.
 - a **twin** class (the handles) is the async class's own source with ``async``/``await``
   dropped and the names mapped (as unasync does): a handle's methods call the flat client
   methods, which have the same signatures on both sides. Its bases are twins too (the
@@ -22,7 +24,7 @@ mirrors the async sources is written here from them, read with :mod:`ast`:
   it uses, found in its source; the protocol copies the client's signatures. The holders then
   never import the client that makes them, so ``guestd.client`` has no import cycle.
 
-Not mirrored: private names, constructors (class and static methods), async generators and
+Not mirrored: private names, other class and static methods (constructors), async generators and
 plain methods returning streams (``exec_stream``, ``attach``, ``watch``, ...: async only),
 ``ASYNC_ONLY``, and whatever the hand-written base class in ``_blocking.py`` defines (so a
 special case is written there and wins). Adding an op to the async client and running this
@@ -289,6 +291,8 @@ WRAPS = {
 }
 MADE = "made"  # the generated code's local for what a wrapped coroutine returned
 PUMP = "pump"  # and for the CallerThread its callbacks go through
+MAKE = "make"  # a mirrored constructor's coroutine that makes the async object on the loop
+ASYNC_CLIENT = "AsyncClient"  # what a mirrored constructor takes first (the blocking Client there)
 # Parameters of these types are callbacks: the blocking twin runs them in the calling thread.
 CALLBACK_TYPES = {"OutputCallback", "EventCallback"}
 CALLBACK_NOTE = "The callbacks run in this (the calling) thread."
@@ -588,8 +592,10 @@ class FacadeWriter:
     def member(self, fn: ast.FunctionDef | ast.AsyncFunctionDef) -> str | None:
         """The blocking twin of one member, or None for a member that has none."""
         decorators = _decorators(fn)
-        if fn.name.startswith("_") or fn.name in self.hand_written or decorators & {"classmethod", "staticmethod"}:
+        if fn.name.startswith("_") or fn.name in self.hand_written:
             return None
+        if decorators & {"classmethod", "staticmethod"}:
+            return self.constructor(fn) if self._is_constructor(fn) else None
         if isinstance(fn, ast.FunctionDef):
             # A plain method or property that makes an async twin (``kept_run``, ``git``): copied.
             if not _names(fn.returns) & set(self.names):
@@ -602,6 +608,45 @@ class FacadeWriter:
         if decorators - {"overload"}:
             raise GenerationError(f"{self.spec.source}.{fn.name}: decorators {decorators} are not mirrored")
         return self.coroutine(fn)
+
+    def _is_constructor(self, fn: ast.FunctionDef | ast.AsyncFunctionDef) -> bool:
+        """A class method that makes the async class from the async client (``Expect.start``)."""
+        params = fn.args.posonlyargs + fn.args.args
+        return (
+            isinstance(fn, ast.FunctionDef)
+            and _decorators(fn) == {"classmethod"}
+            and len(params) > 1
+            and isinstance(params[1].annotation, ast.Name)
+            and params[1].annotation.id == ASYNC_CLIENT
+            and isinstance(fn.returns, ast.Name)
+            and fn.returns.id == self.cls.name
+        )
+
+    def constructor(self, fn: ast.FunctionDef | ast.AsyncFunctionDef) -> str:
+        """``cls(client, <the async class made on the client's loop>)``: made there, since what it
+        starts (``Expect``'s reader task) runs on that loop."""
+        where = f"{self.spec.source}.{fn.name}"
+        if _callbacks(fn):
+            raise GenerationError(f"{where}: a constructor with callbacks is not mirrored")
+        taken = {p.arg for p in _params(fn)} & {MAKE}
+        if taken:
+            raise GenerationError(f"{where}: a parameter is named {MAKE}, a generated local")
+        facade = copy.copy(fn)
+        facade.returns = ast.Name(self.spec.name, ast.Load())  # the async class made -> the facade around it
+        signature, used = _signature(facade, self.names)
+        client = (fn.args.posonlyargs + fn.args.args)[1].arg
+        self.use(used | {self.cls.name})
+        lines = ["    @classmethod", f"    {signature}"]
+        lines += _docstring_lines(self.source, fn, self.names, [], "        ")
+        call = f"{self.cls.name}.{fn.name}({client}.aio, {_call_arguments(fn, 2, set())})"
+        lines += [
+            "",
+            f"        async def {MAKE}() -> {self.cls.name}:",
+            f"            return {call}",
+            "",
+            f"        return cls({client}, {client}._run({MAKE}()))",
+        ]
+        return "\n".join([*lines, ""])
 
     def coroutine(self, fn: ast.AsyncFunctionDef) -> str:
         where = f"{self.spec.source}.{fn.name}"

@@ -214,14 +214,6 @@ class ClientConnection(asyncio.BufferedProtocol):
         self._closed_exc: BaseException | None = None
         self._gate = WriteGate()
 
-    @property
-    def max_frame(self) -> int:
-        return self.session.max_frame
-
-    @property
-    def stream_window(self) -> int:
-        return self.session.stream_window
-
     # -- set-up ---------------------------------------------------------------------
     @classmethod
     async def open(

@@ -73,7 +73,8 @@ class Expect:
         rows: int | None = None,
         cols: int | None = None,
     ) -> Expect:
-        """``rows`` x ``cols``: the terminal's size (guestd's default 24 x 80)."""
+        """Run ``command`` with ``shell.run`` ``pty: true`` in session ``session``; ``rows`` x
+        ``cols``: the terminal's size (guestd's default 24 x 80)."""
         stream = client.shell_stream(
             session,
             command,

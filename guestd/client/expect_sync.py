@@ -13,16 +13,53 @@ the :class:`~guestd.client.sync.Client`'s loop (the reader task lives there too)
 from __future__ import annotations
 
 import re
+from typing import TYPE_CHECKING
 
 from guestd.client._blocking import SyncExpectBase
-from guestd.client.expect import ExpectEOF
+from guestd.client.expect import MAX_BUFFER, Expect, ExpectEOF
 from guestd.client.results import ShellResult
+from guestd.client.streaming import DERIVED, RunDeadline
+
+if TYPE_CHECKING:
+    from guestd.client.sync import Client
 
 __all__ = ["ExpectEOF", "SyncExpect"]
 
 
 class SyncExpect(SyncExpectBase):
     """Drive an interactive command in a shell session (see :class:`~guestd.client.expect.Expect`)."""
+
+    @classmethod
+    def start(
+        cls,
+        client: Client,
+        session: str,
+        command: str,
+        *,
+        timeout_s: float | None = None,
+        idle_timeout_s: float | None = None,
+        deadline: RunDeadline = DERIVED,
+        max_buffer: int = MAX_BUFFER,
+        rows: int | None = None,
+        cols: int | None = None,
+    ) -> SyncExpect:
+        """Run ``command`` with ``shell.run`` ``pty: true`` in session ``session``; ``rows`` x
+        ``cols``: the terminal's size (guestd's default 24 x 80)."""
+
+        async def make() -> Expect:
+            return Expect.start(
+                client.aio,
+                session,
+                command,
+                timeout_s=timeout_s,
+                idle_timeout_s=idle_timeout_s,
+                deadline=deadline,
+                max_buffer=max_buffer,
+                rows=rows,
+                cols=cols,
+            )
+
+        return cls(client, client._run(make()))
 
     def send(self, data: bytes | str) -> None:
         self._client._run(self.aio.send(data))
