@@ -317,13 +317,14 @@ def config_from_args(ns: Any) -> Config:
     return cfg
 
 
-def tune_malloc() -> None:
-    """Bulk transfers reuse warm heap instead of page-faulting fresh mmaps (guestd/memtune.py).
-    Done after the first reply: no transfer comes before a first request, and memtune's ctypes
-    need not be on the start path."""
-    from guestd.memtune import tune_malloc as tune
+def tune_memory() -> None:
+    """Bulk transfers reuse warm heap instead of page-faulting fresh mmaps, and start-up's free
+    heap goes back to the kernel (guestd/memtune.py). Done after the first reply: no transfer
+    comes before a first request, and memtune's ctypes need not be on the start path."""
+    from guestd.memtune import release_free_heap, tune_malloc
 
-    tune()
+    tune_malloc()
+    release_free_heap()
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -356,7 +357,7 @@ def main(argv: list[str] | None = None) -> int:
 
     raise_fd_limit()  # two pipes per run and a socket per connection; children get the old limit back
     daemon = Daemon(cfg)
-    daemon.services.after_first_reply.append(tune_malloc)
+    daemon.services.after_first_reply.append(tune_memory)
     if cfg.token_file:
         with open(cfg.token_file) as f:
             daemon.token = f.read().strip()
