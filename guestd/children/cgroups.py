@@ -216,26 +216,23 @@ class RunCgroup:
         """What the leaf has counted so far: CPU of every process that ran in it (cpu.stat, no
         controller needed), OOM kills of its processes and its peak memory (memory.events and
         memory.peak, None without the memory controller on the leaves). Three small files."""
-        user = sys_ = None
-        try:
-            for line in self._read_small(b"cpu.stat").splitlines():
-                name, _, value = line.partition(b" ")
-                if name == b"user_usec":
-                    user = int(value)
-                elif name == b"system_usec":
-                    sys_ = int(value)
-        except (OSError, ValueError):
-            pass
-        oom = peak = None
-        try:
-            for line in self._read_small(b"memory.events").splitlines():
-                name, _, value = line.partition(b" ")
-                if name == b"oom_kill":
-                    oom = int(value)
+        user = sys_ = oom = peak = None
+        with contextlib.suppress(OSError, ValueError):
+            user, sys_ = self._counters(b"cpu.stat", b"user_usec", b"system_usec")
+        with contextlib.suppress(OSError, ValueError):
+            (oom,) = self._counters(b"memory.events", b"oom_kill")
             peak = int(self._read_small(b"memory.peak"))  # Linux 5.19
-        except (OSError, ValueError):
-            pass
         return RunUsage(user, sys_, oom, peak)
+
+    def _counters(self, name: bytes, *keys: bytes) -> list[int | None]:
+        """The values of ``keys`` in a flat-keyed file of the leaf ("name value" lines:
+        cpu.stat, memory.events), None for a key it lacks."""
+        found: dict[bytes, int] = {}
+        for line in self._read_small(name).splitlines():
+            key, _, value = line.partition(b" ")
+            if key in keys:
+                found[key] = int(value)
+        return [found.get(key) for key in keys]
 
     def _read_small(self, name: bytes) -> bytes:
         """One small file of the leaf, through its directory fd while it has one: every run's
@@ -277,10 +274,7 @@ class RunCgroup:
         commands left), race-free: frozen processes cannot fork, and a fatal signal still ends
         them while frozen."""
         with self._frozen():
-            for _ in range(rounds):
-                victims = [p for p in self.pids() if p not in keep]
-                if not victims:
-                    return
+            for victims in self._others(keep, rounds):
                 for pid in victims:
                     with contextlib.suppress(ProcessLookupError, PermissionError):
                         os.kill(pid, signal.SIGKILL)
@@ -292,15 +286,21 @@ class RunCgroup:
         they went, leave the session's leaf). Returns the pids moved."""
         moved: list[int] = []
         with self._frozen():
-            for _ in range(rounds):
-                movers = [p for p in self.pids() if p not in keep]
-                if not movers:
-                    break
+            for movers in self._others(keep, rounds):
                 for pid in movers:
                     with contextlib.suppress(OSError):  # gone meanwhile
                         _write(os.path.join(dest.path, "cgroup.procs"), str(pid))
                         moved.append(pid)
         return moved
+
+    def _others(self, keep: set[int], rounds: int) -> Iterator[list[int]]:
+        """The leaf's processes but ``keep``, read again each round until none is left (at
+        most ``rounds`` times): what the caller did to the last ones may not have taken yet."""
+        for _ in range(rounds):
+            others = [p for p in self.pids() if p not in keep]
+            if not others:
+                return
+            yield others
 
     @contextlib.contextmanager
     def _frozen(self) -> Iterator[None]:
