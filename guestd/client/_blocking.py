@@ -101,7 +101,8 @@ class CallerThread:
 
 
 class ClosedOnExit:
-    """A context manager that calls ``close()`` on exit (the client, a forwarder, an expect)."""
+    """A context manager that calls ``close()`` on exit: the client, a forwarder, an expect, and
+    the handles (the blocking twin of :class:`~guestd.client.handles.AsyncHandle`)."""
 
     def close(self) -> None:
         raise NotImplementedError

@@ -16,7 +16,7 @@ mirrors the async sources is written here from them, read with :mod:`ast`:
 - a **twin** class (the handles) is the async class's own source with ``async``/``await``
   dropped and the names mapped (as unasync does): a handle's methods call the flat client
   methods, which have the same signatures on both sides. Its bases are twins too (the
-  handles' shared ``AsyncHandle``), written before it.
+  handles' shared ``AsyncHandle``: ``_blocking.ClosedOnExit``).
 - **functions** (``runs_sync``): each coroutine function of a module that takes the client
   first, run through that client.
 - **protocols** (``_surface``, ``_surface_sync``): what holds the client (a handle, ``AsyncGit``,
@@ -225,7 +225,6 @@ context, a background process, a kept run, each a context manager that releases 
 A handle's methods call the flat :class:`~guestd.client.Client` methods with the same parameters.
 """,
         (
-            Twin("handles.AsyncHandle", "Handle"),
             Twin("handles.AsyncShell", "Shell"),
             Twin("handles.AsyncCodeContext", "CodeContext"),
             Twin("handles.AsyncProcess", "Process", base="ProcessAttach"),
@@ -275,6 +274,7 @@ to each protocol where it makes the handle.
 
 # Async names and their blocking twins, in code and in docstrings (besides the classes above).
 TWIN_NAMES = {
+    "AsyncHandle": "ClosedOnExit",  # the blocking client's own (_blocking.py): close() on exit
     "PortForward": "PortForwarder",
     "ReverseForward": "ReverseForwarder",
     "__aenter__": "__enter__",
@@ -754,7 +754,7 @@ def write_twin(spec: Twin, module: Module, names: dict[str, str], bases: dict[st
     cls = source.cls(cls_name)
     twin_bases = [names.get(b.id, "") if isinstance(b, ast.Name) else "" for b in cls.bases]
     if not all(twin_bases):
-        raise GenerationError(f"{spec.source}: a twin's bases must be twins (a Twin before it)")
+        raise GenerationError(f"{spec.source}: a twin's bases must have twins (a Twin before it, or TWIN_NAMES)")
     skip = bases[spec.base] if spec.base is not None else set()
     all_bases = [*twin_bases, *([spec.base] if spec.base else [])]
     out = [f"class {spec.name}({', '.join(all_bases)}):" if all_bases else f"class {spec.name}:"]

@@ -10,9 +10,7 @@ A handle's methods call the flat :class:`~guestd.client.Client` methods with the
 
 from __future__ import annotations
 
-from typing import Self
-
-from guestd.client._blocking import ProcessAttach
+from guestd.client._blocking import ClosedOnExit, ProcessAttach
 from guestd.client._surface_sync import SyncCodeContextClient, SyncKeptRunClient, SyncProcessClient, SyncShellClient
 from guestd.client.handles import unless_gone
 from guestd.client.params import OnTimeout
@@ -22,21 +20,7 @@ from guestd.client.streaming import DERIVED, EventCallback, OutputCallback, RunD
 from guestd.wire.errors import ErrorCode
 
 
-class Handle:
-    """What every handle is: ``with`` it, and what it holds is released on exit (:meth:`close`)."""
-
-    def close(self) -> None:
-        """Release it (what is already gone is not an error)."""
-        raise NotImplementedError
-
-    def __enter__(self) -> Self:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
-
-
-class Shell(Handle):
+class Shell(ClosedOnExit):
     """A persistent bash session (cd, variables, venvs persist between runs)."""
 
     def __init__(self, client: SyncShellClient, created: ShellCreateResult) -> None:
@@ -95,7 +79,7 @@ class Shell(Handle):
             self.client.shell_close(self.id, deadline=deadline)
 
 
-class CodeContext(Handle):
+class CodeContext(ClosedOnExit):
     """A code context: a kernel whose state persists between cells."""
 
     def __init__(self, client: SyncCodeContextClient, created: CodeCreateResult) -> None:
@@ -158,7 +142,7 @@ class CodeContext(Handle):
             self.client.code_close(self.id, deadline=deadline)
 
 
-class Process(Handle, ProcessAttach):
+class Process(ClosedOnExit, ProcessAttach):
     """A background process (``process_start``). Leaving ``with`` kills it if it still
     runs and forgets it (its output goes with it)."""
 
@@ -211,7 +195,7 @@ class Process(Handle, ProcessAttach):
             self.client.process_forget(self.id, deadline=deadline)
 
 
-class KeptRun(Handle):
+class KeptRun(ClosedOnExit):
     """A kept run (``keep=True``): it outlives the connection that started it. Leaving
     ``with`` cancels it if it still runs."""
 
