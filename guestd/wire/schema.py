@@ -1376,7 +1376,7 @@ SHELL_OPS: tuple[OpSpec, ...] = (
             F("name", "str?", "a name to find the session by"),
         ),
         result=(F("id", "str", "session id", True), F("pid", "int", "bash's pid", True)),
-        errors=("limit", "not_found", "not_a_directory", "exists"),
+        errors=("limit", "not_found", "not_a_directory", "exists", "unavailable"),
     ),
     OpSpec(
         "shell.run",
@@ -1451,7 +1451,7 @@ SHELL_OPS: tuple[OpSpec, ...] = (
             F("eof", "bool", "close the command's stdin (pty: type ^D)"),
             F("signal", "str", "pty only: " + _SIGNAL_DOC + " for the command's process group"),
         ),
-        errors=("not_found", "limit", "bad_request"),
+        errors=("not_found", "limit", "bad_request", "unavailable"),
         exclusive=(("input", "stdin_stream"), ("stream", "spill")),
         events_when=("stream", "keep"),  # keep without stream: the one kept event
     ),
