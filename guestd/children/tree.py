@@ -197,9 +197,27 @@ def set_winsize(fd: int, rows: int, cols: int) -> None:
     fcntl.ioctl(fd, termios.TIOCSWINSZ, struct.pack("HHHH", rows, cols, 0, 0))
 
 
-def _set_if_pending(fut: asyncio.Future[None]) -> None:
+def set_if_pending(fut: asyncio.Future[None]) -> None:
+    """A callback that completes ``fut`` unless it is done already (cancelled, or woken twice)."""
     if not fut.done():
         fut.set_result(None)
+
+
+async def wait_fd(loop: asyncio.AbstractEventLoop, fd: int, *, writable: bool = False) -> None:
+    """Wait until a non-blocking fd is readable (or writable); the watch is removed however the
+    wait ends (a cancelled reader must not leave a callback on the loop)."""
+    ready: asyncio.Future[None] = loop.create_future()
+    if writable:
+        loop.add_writer(fd, set_if_pending, ready)
+    else:
+        loop.add_reader(fd, set_if_pending, ready)
+    try:
+        await ready
+    finally:
+        if writable:
+            loop.remove_writer(fd)
+        else:
+            loop.remove_reader(fd)
 
 
 async def write_all(loop: asyncio.AbstractEventLoop, fd: int, data: bytes, sent: list[int] | None = None) -> None:
@@ -215,9 +233,4 @@ async def write_all(loop: asyncio.AbstractEventLoop, fd: int, data: bytes, sent:
             continue
         except BlockingIOError:
             pass
-        fut: asyncio.Future[None] = loop.create_future()
-        loop.add_writer(fd, _set_if_pending, fut)
-        try:
-            await fut
-        finally:
-            loop.remove_writer(fd)
+        await wait_fd(loop, fd, writable=True)

@@ -39,7 +39,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from guestd.children import PIPE, Child, Children, KilledBy
-from guestd.children.tree import read_chunk
+from guestd.children.tree import read_chunk, wait_fd
 from guestd.files.fs import FileSystem
 from guestd.files.ignore import find_glob
 from guestd.files.walk import Filter, Walk
@@ -429,17 +429,7 @@ async def _read(loop: asyncio.AbstractEventLoop, fd: int) -> bytes:
         data = read_chunk(fd, READ_SIZE)
         if data is not None:
             return data
-        ready: asyncio.Future[None] = loop.create_future()
-        loop.add_reader(fd, _set_once, ready)
-        try:
-            await ready
-        finally:
-            loop.remove_reader(fd)
-
-
-def _set_once(fut: asyncio.Future[None]) -> None:
-    if not fut.done():
-        fut.set_result(None)
+        await wait_fd(loop, fd)
 
 
 def _check_exit(child: Child, stderr: bytes) -> None:

@@ -26,7 +26,7 @@ import time
 from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Protocol
 
-from guestd.children.tree import read_chunk
+from guestd.children.tree import read_chunk, set_if_pending
 
 if TYPE_CHECKING:
     from guestd.output.capture import OutputCapture
@@ -234,7 +234,7 @@ class OutputPump:
             return True
         # A future and a timer, not wait_for: that wraps the wait in a task of its own.
         ended = self._ended = self.loop.create_future()
-        timer = self.loop.call_later(limit_s, _set_if_pending, ended)
+        timer = self.loop.call_later(limit_s, set_if_pending, ended)
         try:
             await ended
         finally:
@@ -274,8 +274,3 @@ class OutputPump:
             for source in self.sources.values():
                 self.loop.remove_reader(source.fd)
         self.closed = True
-
-
-def _set_if_pending(fut: asyncio.Future[None]) -> None:
-    if not fut.done():
-        fut.set_result(None)
