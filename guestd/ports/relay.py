@@ -224,6 +224,7 @@ class Relay:
         self._failure: Exception | None = None  # the client's side failed: the stream ends with it
         self._waiter: asyncio.Future[None] | None = None  # the task sleeping in _sleep
         self._announced = False  # `connected` went out
+        self._idle = False  # the task sleeps with nothing under way (see _send_now)
         self._closed: bool | None = None  # closed (reset: True) before the transport was attached
         # INPUT may come with the request, before this handler ran: it waits in the queue.
         queued = ctx.input
@@ -293,10 +294,26 @@ class Relay:
 
     def on_read(self, nbytes: int) -> None:
         self._buffered += nbytes
+        if self._idle and self._send_now():
+            return
         if self._fill is not None and self._buffered >= len(self._fill) and not self._reading_paused:
             self._reading_paused = True  # a full buffer waits to go out: read no more till then
             self.transport.pause_reading()
         self._wake()
+
+    def _send_now(self) -> bool:
+        """Send what was just read as one data event from the read callback itself, when the
+        task has nothing else under way (it sleeps at the bottom of run, where it checks every
+        state again when it wakes) and the credit and the connection take it whole: a reply
+        through a relay then costs no task wake-up (a loop iteration) on its way out. The
+        same checks as run's; anything else (no credit, output paused) goes the task's way."""
+        ctx = self.ctx
+        n = self._buffered
+        if self._failure is not None or not ctx.active or ctx.write_paused or min(ctx.data_room(_DATA), self.chunk) < n:
+            return False
+        ctx.push_data(_DATA, self._take(n))
+        self.received += n
+        return True
 
     def on_eof(self) -> None:
         self._eof = True
@@ -389,7 +406,11 @@ class Relay:
                     continue
             elif self._input_eof and not self._unacked:
                 break
-            await self._sleep()
+            self._idle = True  # nothing under way: the read callback may send (_send_now)
+            try:
+                await self._sleep()
+            finally:
+                self._idle = False
         return {"sent": self.sent, "received": self.received}
 
     async def _until(self, waiting: Coroutine[Any, Any, None]) -> None:
