@@ -153,18 +153,45 @@ async def pings(c: AsyncClient, n: int) -> list[float]:
     return [await c.ping() for _ in range(n)]
 
 
-async def measure_connect(c: AsyncClient, port: int, n: int) -> dict[str, Any]:
+async def exchanges(port: int, n: int) -> list[float]:
+    """Seconds for a connect, one request and its whole answer on a fresh connection to the
+    reply server at ``port`` (or a forward to it), as an HTTP/1.0 GET or a health check
+    makes. Direct and through a forward alike on this loop (a forward runs on its client's)."""
+    out = []
+    for _ in range(n):
+        t0 = time.perf_counter()
+        r, w = await asyncio.open_connection("127.0.0.1", port)
+        w.write(b"ping\n")
+        assert await r.read() == b"ok"
+        out.append(time.perf_counter() - t0)
+        w.close()
+    return out
+
+
+async def measure_connect(c: AsyncClient, ports: dict[str, int], n: int) -> dict[str, Any]:
     """The connect rows: ``n`` of each, interleaved in CONNECT_ROUNDS rounds."""
-    series: dict[str, list[float]] = {"direct": [], "direct_guest_cpu": [], "ping": [], "relay": []}
+    port = ports["accept"]
+    series: dict[str, list[float]] = {
+        "direct": [],
+        "direct_guest_cpu": [],
+        "ping": [],
+        "relay": [],
+        "exchange_direct": [],
+        "exchange_forward": [],
+    }
     per_round = max(1, n // CONNECT_ROUNDS)
-    await relay_connects(c, port, per_round)  # warm both ends up
-    for _ in range(CONNECT_ROUNDS):
-        series["direct"] += await asyncio.to_thread(direct_connects, port, per_round)
-        series["direct_guest_cpu"] += await asyncio.to_thread(
-            pinned(SERVER_CPUS, lambda: direct_connects(port, per_round))
-        )
-        series["ping"] += await pings(c, per_round)
-        series["relay"] += await relay_connects(c, port, per_round)
+    async with await c.port_forward(ports["reply"]) as fwd:
+        await relay_connects(c, port, per_round)  # warm both ends up
+        await exchanges(fwd.local_port, per_round)
+        for _ in range(CONNECT_ROUNDS):
+            series["direct"] += await asyncio.to_thread(direct_connects, port, per_round)
+            series["direct_guest_cpu"] += await asyncio.to_thread(
+                pinned(SERVER_CPUS, lambda: direct_connects(port, per_round))
+            )
+            series["ping"] += await pings(c, per_round)
+            series["relay"] += await relay_connects(c, port, per_round)
+            series["exchange_direct"] += await exchanges(ports["reply"], per_round)
+            series["exchange_forward"] += await exchanges(fwd.local_port, per_round)
     out: dict[str, Any] = {"n": len(series["relay"])}
     for name, xs in series.items():
         out[f"{name}_p50_ms"], out[f"{name}_p99_ms"] = p50_ms(xs), p99_ms(xs)
@@ -200,7 +227,7 @@ async def measure(address: str, ports: dict[str, int], quick: bool, connect_only
     load_before = os.getloadavg()[0]
     c = await AsyncClient.connect(address)
     try:
-        res["connect"] = await measure_connect(c, ports["accept"], n_connect)
+        res["connect"] = await measure_connect(c, ports, n_connect)
         if connect_only:
             return res
         up_floor, up_relay, down_floor, down_relay = [], [], [], []
@@ -255,6 +282,13 @@ def connect_rows(cn: dict[str, Any]) -> list[str]:
         f"| direct connect made from the servers' CPU (where guestd connects), p50 / p99 | "
         f"{cn['direct_guest_cpu_p50_ms']:.3f} / {cn['direct_guest_cpu_p99_ms']:.3f} ms | - | "
         f"{cn['direct_guest_cpu_p50_ms'] / cn['direct_p50_ms']:.1f}x of the floor | |",
+        f"| one round trip to guestd alone (ping), p50, against the connect floor | {cn['direct_p50_ms']:.3f} ms | "
+        f"{cn['ping_p50_ms']:.3f} ms | {cn['ping_p50_ms'] / cn['direct_p50_ms']:.1f}x | |",
+        f"| connect + one request and its answer, fresh connection, through a forward, p50 | "
+        f"{cn['exchange_direct_p50_ms']:.3f} ms | {cn['exchange_forward_p50_ms']:.3f} ms | "
+        f"{cn['exchange_forward_p50_ms'] / cn['exchange_direct_p50_ms']:.1f}x | |",
+        f"| the same, p99 | {cn['exchange_direct_p99_ms']:.3f} ms | {cn['exchange_forward_p99_ms']:.3f} ms | "
+        f"{cn['exchange_forward_p99_ms'] / cn['exchange_direct_p99_ms']:.1f}x | |",
     ]
 
 

@@ -1,8 +1,8 @@
 """The workload side of bench/relay.py: loopback servers in one process, one thread per connection.
 
 Prints one JSON line with their ports: ``sink`` (reads to eof, answers the byte count),
-``source`` (sends N bytes, then eof), ``accept`` (accepts and closes), ``http`` (HTTP/1.0,
-a 1 KiB page).
+``source`` (sends N bytes, then eof), ``accept`` (accepts and closes), ``reply`` (reads one
+request, answers ``ok``, closes), ``http`` (HTTP/1.0, a 1 KiB page).
 """
 
 from __future__ import annotations
@@ -43,6 +43,21 @@ def serve_accept_only(sock: socket.socket) -> None:
         while True:
             conn, _ = sock.accept()
             conn.close()
+
+    threading.Thread(target=loop, daemon=True).start()
+
+
+def serve_reply(sock: socket.socket) -> None:
+    """Read one request (whatever the first read brings), answer ``ok`` and close, in the
+    accept loop itself (as serve_accept_only, for the same reason): a connect and a first
+    exchange, as an HTTP/1.0 GET or a health check makes."""
+
+    def loop() -> None:
+        while True:
+            conn, _ = sock.accept()
+            with conn:
+                if conn.recv(65536):
+                    conn.sendall(b"ok")
 
     threading.Thread(target=loop, daemon=True).start()
 
@@ -89,6 +104,9 @@ def main() -> None:
     s = listener()
     serve_accept_only(s)
     ports["accept"] = s.getsockname()[1]
+    s = listener()
+    serve_reply(s)
+    ports["reply"] = s.getsockname()[1]
     http.server.ThreadingHTTPServer.request_queue_size = 1024
     web = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Page)
     web.daemon_threads = True
