@@ -317,12 +317,23 @@ def report(res: dict[str, Any]) -> str:
             f"Load average (1 min) when the run began and ended: {res['load'][0]:.2f} and {res['load'][1]:.2f} "
             "(2 CPUs; anything above ~0.5 means other work shared them).",
             "",
+            *([f"What else ran: {res['note']}", ""] if res.get("note") else []),
             "A relay connect is one round trip to guestd and back with a connect in the guest in the",
-            "middle, so it cannot beat a ping plus a direct connect (the third connect row). guestd's own",
-            "connect is made on the servers' CPU, where the server it wakes shares the CPU with it (the",
-            "fourth row: the same direct connect made from there). The connect server accepts and closes",
-            "in its accept loop; it started a thread per connection before, and that thread's start ran",
-            "on guestd's CPU during guestd's connect.",
+            "middle, so it cannot beat a ping plus a direct connect (the third connect row); one round",
+            "trip alone is already two to three times the connect floor here (the fifth row), so a relay",
+            "connect within 3x of a plain loopback connect (issue 34's goal) is below what one round trip",
+            "allows on this machine. On the way now: the client sends the request before it builds the",
+            "transport; guestd connects the socket itself (a loopback connect is done when connect()",
+            "returns) and says connected in that same task step, attaching the transport after; a",
+            "forward sends what its host connection sent first right behind the request (the sixth row:",
+            "connect, request and answer in one round trip to guestd), and data goes out from the",
+            "callback that has it on both sides. What remains is per request, not per relay: guestd's",
+            "intake of the frame and the task it runs the op in, the frames' decoding on both sides, and",
+            "in this back-to-back loop the previous stream's cancel, which guestd serves before the next",
+            "connect. guestd's connect is made on the servers' CPU, where the server it wakes shares the",
+            "CPU with it (the fourth row: the same direct connect made from there; a busy guestd is",
+            "preempted by the server it wakes, a sleeping thread is not). The connect and reply servers",
+            "answer in their accept loops; a thread per connection started there ran on guestd's CPU.",
             "",
         ]
     )
@@ -332,6 +343,7 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--connect", action="store_true", help="the connect rows only (printed, not written)")
+    ap.add_argument("--note", default="", help="what else ran on the machine, for RELAY.md")
     ns = ap.parse_args()
     if CLIENT_CPUS:
         os.sched_setaffinity(0, CLIENT_CPUS)
@@ -354,6 +366,7 @@ def main() -> None:
         print("\n".join(["| measure | floor | through the relay | ratio | goal |", "|---|---|---|---|---|"]))
         print("\n".join(connect_rows(res["connect"])))
         return
+    res["note"] = ns.note
     text = report(res)
     print(text)
     os.makedirs(os.path.join(HERE, "out"), exist_ok=True)
