@@ -41,6 +41,7 @@ from guestd.client.handles import AsyncCodeContext, AsyncKeptRun, AsyncProcess, 
 from guestd.client.params import OnTimeout as OnTimeout
 from guestd.client.params import Progress as Progress
 from guestd.client.params import WriteFlag as WriteFlag
+from guestd.client.params import present as present
 from guestd.client.ports import PortsAPI
 from guestd.client.replies import (
     ClockCheckResult,
@@ -132,11 +133,6 @@ TRANSFER_DEADLINE = UNBOUNDED_RUN_DEADLINE  # an upload or download without a de
 CODE_RESULTS_KEPT = 64  # a streamed cell's rich results kept for its CodeResult (as the guest keeps)
 
 RunStream = TypeVar("RunStream", bound=ExecStream)  # ExecStream or ShellStream
-
-
-def present(**fields: Any) -> dict[str, Any]:
-    """Request args without the fields left at None (the guest applies its defaults)."""
-    return {k: v for k, v in fields.items() if v is not None}
 
 
 def schema_default(op: str, field: str) -> Any:

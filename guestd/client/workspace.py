@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from typing import IO, TYPE_CHECKING, Any, Literal, cast, overload
 
 from guestd.client.connection import Call, ClientConnection, GuestProtocolError
-from guestd.client.params import Progress
+from guestd.client.params import Progress, present
 from guestd.client.replies import PatchedFile
 from guestd.files import tarhead
 from guestd.wire.paths import WirePath, path_to_wire
@@ -38,10 +38,6 @@ SEARCH_MARGIN = 30.0  # on top of a search's timeout_s: the trip there and back
 TREE_CHUNK = 1024 * 1024
 TREE_MEMORY_CAP = 256 * 1024 * 1024  # an in-memory tree download without max_bytes
 GrepEngine = Literal["auto", "rg"]  # both ripgrep: the Python engine was removed (a hostile pattern froze it)
-
-
-def _present(**fields: Any) -> dict[str, Any]:
-    return {k: v for k, v in fields.items() if v is not None}
 
 
 @dataclass(frozen=True)
@@ -289,7 +285,7 @@ class WorkspaceAPI:
     ) -> View:
         """A file's lines numbered like ``cat -n`` (a range with ``start_line``/``end_line``),
         or a directory listed two levels deep."""
-        args = _present(path=path_to_wire(path), start_line=start_line, end_line=end_line)
+        args = present(path=path_to_wire(path), start_line=start_line, end_line=end_line)
         b = await self._conn.request("file.view", args, deadline)
         return View(
             b["kind"], b["content"], b.get("start_line"), b.get("end_line"), b.get("total_lines"), b["truncated"]
@@ -338,7 +334,7 @@ class WorkspaceAPI:
         hunks that did not apply in ``details.hunks``). Returns the files changed."""
         if isinstance(patch, str):
             patch = patch.encode()
-        args = _present(path=path_to_wire(path), patch=patch, strip=strip)
+        args = present(path=path_to_wire(path), patch=patch, strip=strip)
         body: FileApplyPatchReply = cast(
             "FileApplyPatchReply", await self._conn.request("file.apply_patch", args, deadline)
         )
@@ -361,7 +357,7 @@ class WorkspaceAPI:
         ``--glob``): without a ``/`` it matches a name at any depth (``*.py``), with one it is
         anchored to ``path`` (``src/*.py``; ``/*.py`` for the top only; ``**/`` crosses
         directories); a trailing ``/`` matches directories only."""
-        args = _present(
+        args = present(
             path=path_to_wire(path),
             pattern=pattern,
             gitignore=gitignore,
@@ -390,7 +386,7 @@ class WorkspaceAPI:
     ) -> GrepResult:
         """Matching lines (and ``context`` lines around them) under ``path``, found by ripgrep in the
         guest (its regex syntax; a line longer than 4096 bytes comes cut, with ``truncated``)."""
-        args = _present(
+        args = present(
             path=path_to_wire(path),
             pattern=pattern,
             literal=literal,
@@ -432,7 +428,7 @@ class WorkspaceAPI:
     ) -> int:
         """Write several files in one request (all prepared before any is renamed into place)."""
         items = [{"path": path_to_wire(p), "data": d.encode() if isinstance(d, str) else d} for p, d in files.items()]
-        args = _present(files=items, parents=parents)
+        args = present(files=items, parents=parents)
         return int((await self._conn.request("file.write_many", args, deadline))["written"])
 
     async def upload_tree(
@@ -453,7 +449,7 @@ class WorkspaceAPI:
         not for an archive given as bytes."""
         if exclude and isinstance(src, bytes):
             raise ValueError("upload_tree: exclude applies to a local directory, not to an archive's bytes")
-        call = self._conn.start("tree.upload", _present(path=path_to_wire(dst), replace=replace, parents=parents))
+        call = self._conn.start("tree.upload", present(path=path_to_wire(dst), replace=replace, parents=parents))
         loop = asyncio.get_running_loop()
         chunks: queue.Queue[bytes | BaseException | None] = queue.Queue(maxsize=8)
         stop = threading.Event()
@@ -536,7 +532,7 @@ class WorkspaceAPI:
         ``dst`` (returns the archive's size), or returned as bytes (at most ``max_bytes``,
         default 256 MiB). ``chunk`` bounds each data event (default: the guest's max_chunk)."""
         cap = max_bytes if max_bytes is not None else (TREE_MEMORY_CAP if dst is None else None)
-        args = _present(path=path_to_wire(src), include=include, exclude=exclude, gitignore=gitignore, chunk=chunk)
+        args = present(path=path_to_wire(src), include=include, exclude=exclude, gitignore=gitignore, chunk=chunk)
         call = self._conn.start("tree.download", args)
         # In memory: one BytesIO, whose getvalue() hands its buffer over without a copy; a list of
         # pieces joined at the end held the archive twice and faulted in twice its pages (the join
@@ -586,12 +582,12 @@ class WorkspaceAPI:
     ) -> Watch:
         """Changes under ``path`` as they happen: ``async for change in client.watch(p)``;
         ``await w.wait_ready()`` first to know from when changes are seen."""
-        args = _present(path=path_to_wire(path), include=include, exclude=exclude, latency_s=latency_s)
+        args = present(path=path_to_wire(path), include=include, exclude=exclude, latency_s=latency_s)
         return Watch(self._conn, self._conn.start("file.watch", args))
 
     async def changes(self, cursor: int | None = None, *, deadline: float | None = DEFAULT_DEADLINE) -> Changes:
         """What changed in the workspace since ``cursor`` (None: just the current cursor)."""
-        b = await self._conn.request("file.changes", _present(cursor=cursor), deadline)
+        b = await self._conn.request("file.changes", present(cursor=cursor), deadline)
         return Changes.from_body(b["cursor"], b["changes"])
 
 
