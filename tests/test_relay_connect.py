@@ -15,12 +15,15 @@ once it has the host's bytes, which a forward that waits for ``connected`` never
 
 from __future__ import annotations
 
+import asyncio
 import os
 import socket
 import threading
 from typing import Any
 
-from guestd.client import Client
+import uvloop
+
+from guestd.client import AsyncClient, Client
 from guestd.testing import Guestd
 from guestd.testing.rawwire import RawPeer
 from guestd.wire.frames import Kind
@@ -121,6 +124,62 @@ def test_a_forward_to_a_refused_port_resets_the_host_connection_and_says_why(gue
                 break
             c.ping()
         assert [e.details.get("reason") for e in fwd.forward.errors] == ["refused"]
+
+
+def _syn_sent_to(port: int) -> int:
+    """Sockets of this network namespace whose connect to 127.0.0.1:``port`` waits for an answer."""
+    count = 0
+    with open("/proc/net/tcp") as table:
+        next(table)
+        for row in table:
+            fields = row.split()
+            if fields[2] == f"0100007F:{port:04X}" and fields[3] == "02":  # SYN_SENT
+                count += 1
+    return count
+
+
+def test_a_connect_that_waits_for_the_handshake_is_relayed(guestd: Guestd) -> None:
+    """The slow path of guestd's hand-made connect: the listener's backlog is full, so the SYN
+    goes unanswered (connect() returns EINPROGRESS) until the listener accepts and the SYN is
+    sent again; guestd waits for writability, then attaches the same socket to a transport."""
+    listener = socket.socket()
+    listener.bind(("127.0.0.1", 0))
+    listener.listen(0)
+    port = listener.getsockname()[1]
+    filler = socket.create_connection(("127.0.0.1", port))  # the backlog's one place
+    listener.settimeout(30)
+
+    async def main() -> bytes:
+        c = await AsyncClient.connect(guestd.address)
+        try:
+            opening = asyncio.ensure_future(c.open_port(port, connect_timeout_s=30))
+            for _ in range(3000):  # guestd's SYN is out and unanswered
+                if _syn_sent_to(port):
+                    break
+                await asyncio.sleep(0.01)
+            assert _syn_sent_to(port) and not opening.done()
+            first, _ = await asyncio.to_thread(listener.accept)  # room in the backlog: the SYN's retry gets in
+            first.close()
+            reader, writer = await opening
+            conn, _ = await asyncio.to_thread(listener.accept)
+            with conn:
+                writer.write(b"through")
+                writer.write_eof()
+                got = b""
+                while chunk := await asyncio.to_thread(conn.recv, 65536):
+                    got += chunk
+                conn.sendall(b"back")
+            answer = await asyncio.wait_for(reader.read(), 30)
+            writer.close()
+            return got + b"/" + answer
+        finally:
+            await c.close()
+
+    try:
+        assert uvloop.run(main()) == b"through/back"
+    finally:
+        filler.close()
+        listener.close()
 
 
 def test_many_connects_leave_no_socket_behind_in_guestd(guestd: Guestd) -> None:
