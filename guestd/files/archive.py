@@ -3,6 +3,13 @@
 Names that are not UTF-8 are kept as bytes (``hdrcharset=BINARY``); files are read through fds
 checked to be regular (a FIFO is never opened), symlinks archived as links, never followed, and
 FIFOs, sockets and devices left out (counted in ``skipped``).
+
+The walk describes each entry through an ``O_PATH | O_NOFOLLOW`` fd (its ``fstat`` is the
+entry's lstat), kept for a regular file, which is then reopened for reading through
+``/proc/self/fd`` (a directory fd held open, so only the fd's number is looked up): a file's
+name is looked up once, where an ``lstat`` by the walk and an ``O_PATH`` open by the archive
+looked it up twice (with the full ``/proc/self/fd/N`` path, the lstat and the reopen were a
+third of the archive's thread).
 """
 
 from __future__ import annotations
@@ -19,6 +26,8 @@ from guestd.files.walk import Filter, Walk
 # Reopening an O_PATH fd through /proc/self/fd: O_NOFOLLOW would refuse the magic link itself
 # (the inode is resolved already); O_NONBLOCK so that no open waits.
 _READ_REGULAR = os.O_RDONLY | os.O_NONBLOCK | os.O_NOCTTY | os.O_CLOEXEC
+_PATH = os.O_PATH | os.O_NOFOLLOW | os.O_CLOEXEC
+_FD_DIR = os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC
 
 
 class _Closed(Exception):
@@ -37,7 +46,9 @@ class Archive:
 
     def __init__(self, root_fd: int, flt: Filter, chunk: int) -> None:
         self.root_fd = root_fd
-        self.walk = Walk(root_fd, flt)
+        self.walk = Walk(root_fd, flt, lstat=self._describe)
+        # the O_PATH fd of the regular file the walk described last, its directory fd and name
+        self.held: tuple[int, int, bytes] | None = None
         self.chunk = chunk
         self.entries = 0
         self.skipped = 0
@@ -99,20 +110,41 @@ class Archive:
                 continue
         raise _Closed
 
+    def _describe(self, name: bytes, dirfd: int) -> os.stat_result:
+        """The walk's lstat of an entry: ``fstat`` of an ``O_PATH | O_NOFOLLOW`` fd (a symlink's
+        describes the link), the fd kept in ``held`` when the entry is a regular file."""
+        self._let_go()
+        pathfd = os.open(name, _PATH, dir_fd=dirfd)
+        try:
+            info = os.fstat(pathfd)
+        except BaseException:
+            os.close(pathfd)
+            raise
+        if st.S_ISREG(info.st_mode):
+            self.held = (pathfd, dirfd, name)
+        else:
+            os.close(pathfd)
+        return info
+
+    def _let_go(self) -> None:
+        if self.held is not None:
+            os.close(self.held[0])
+            self.held = None
+
     def _make(self, out: tarhead.Pieces) -> None:
         """The archive into ``out``: the walk's entries in its order, then the end blocks."""
         entries = self.walk.entries()
+        fds = os.open("/proc/self/fd", _FD_DIR)
         try:
             for e in entries:
                 info = e.info
                 mode = info.st_mode
                 if st.S_ISREG(mode):
-                    opened = self._open_regular(e.dirfd, e.name)
-                    if opened is None:
+                    fd = self._open_held(fds, e.dirfd, e.name)
+                    if fd < 0:
                         self.skipped += 1
                         continue
-                    fd, info = opened  # the inode opened: its size is what the header says
-                    try:
+                    try:  # info is the fstat of the inode opened: its size is what the header says
                         self.entries += 1
                         out.put(self._header(e.rel, info, tarhead.REGULAR, info.st_size))
                         out.file(fd, info.st_size)
@@ -134,6 +166,8 @@ class Archive:
             out.finish()
         finally:
             entries.close()  # the walk's directory fds
+            self._let_go()
+            os.close(fds)
 
     @staticmethod
     def _header(rel: bytes, info: os.stat_result, kind: bytes, size: int = 0, link: bytes = b"") -> bytes:
@@ -141,22 +175,21 @@ class Archive:
             rel, st.S_IMODE(info.st_mode), info.st_uid, info.st_gid, size, info.st_mtime_ns, kind, link
         )
 
-    @staticmethod
-    def _open_regular(dirfd: int, name: bytes) -> tuple[int, os.stat_result] | None:
-        """A read fd of the regular file ``name`` and its stat, or None (skipped): through an
-        ``O_PATH | O_NOFOLLOW`` fd checked regular first, so a symlink is never followed and
-        a FIFO or device never opened (as ``reopen_regular``, whose fstat this reuses)."""
+    def _open_held(self, fds: int, dirfd: int, name: bytes) -> int:
+        """A read fd of the regular file the walk described last (``name`` in ``dirfd``), or -1
+        (skipped): its ``O_PATH`` fd, checked regular, reopened through ``fds`` (the
+        ``/proc/self/fd`` directory), so a symlink is never followed and a FIFO or device
+        never opened (as ``reopen_regular``)."""
+        held, self.held = self.held, None
+        if held is None or held[1:] != (dirfd, name):
+            if held is not None:
+                os.close(held[0])
+            return -1  # not what the walk described last: never the case, the walk yields it at once
+        pathfd = held[0]
         try:
-            pathfd = os.open(name, os.O_PATH | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=dirfd)
+            return os.open(str(pathfd), _READ_REGULAR, dir_fd=fds)
         except OSError:
-            return None
-        try:
-            info = os.fstat(pathfd)
-            if not st.S_ISREG(info.st_mode):
-                return None
-            return os.open(f"/proc/self/fd/{pathfd}", _READ_REGULAR), info
-        except OSError:
-            return None
+            return -1
         finally:
             os.close(pathfd)
 

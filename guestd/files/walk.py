@@ -16,7 +16,7 @@ from __future__ import annotations
 import heapq
 import os
 import stat as st
-from collections.abc import Generator, Iterator
+from collections.abc import Callable, Generator, Iterator
 from dataclasses import dataclass, field
 
 from guestd.files.ignore import Overrides, Rule, RuleSet, read_ignore_file
@@ -68,6 +68,11 @@ class Filter:
 SORT_CHUNK = 16_384  # names sorted in one call (a few ms); larger directories are merged lazily
 
 
+def lstat_at(name: bytes, dirfd: int) -> os.stat_result:
+    """How a walk describes an entry by default: ``lstat`` relative to its directory."""
+    return os.stat(name, dir_fd=dirfd, follow_symlinks=False)
+
+
 @dataclass
 class Walk:
     """An iterative, sorted, depth-first walk below ``root_fd`` (not closed here)."""
@@ -81,6 +86,9 @@ class Walk:
     truncated: str | None = None  # which bound stopped the walk: entries, depth, deadline
     errors: int = 0  # directories that could not be opened or listed (vanished, swapped, denied)
     budget: Budget = field(default_factory=Budget, repr=False)  # matching's time budget (the deadline)
+    # What describes an entry (name, its directory's fd): an lstat, never following a symlink; an
+    # OSError skips the entry. tree.download's archive opens files O_PATH here and keeps the fd.
+    lstat: Callable[[bytes, int], os.stat_result] = field(default=lstat_at, repr=False)
 
     def stop(self) -> None:
         """From any thread: the walk ends at its next step, or within milliseconds of a match
@@ -128,7 +136,7 @@ class Walk:
                     self.truncated = "entries"
                     return
                 try:
-                    info = os.stat(name, dir_fd=fd, follow_symlinks=False)
+                    info = self.lstat(name, fd)
                 except OSError:
                     continue  # gone meanwhile
                 rel = here + b"/" + name if here else name
