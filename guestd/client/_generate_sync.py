@@ -1115,7 +1115,7 @@ def _sources_scope() -> dict[str, tuple[str, str | None]]:
 def _where(output: Output) -> dict[str, tuple[str, str | None]]:
     """Where each name the output's generated code uses is imported from."""
     where = _sources_scope()
-    for part in output.parts:  # this file's own async sources first (two define DEFAULT_DEADLINE)
+    for part in output.parts:  # where two sources have a name, this file's own source says where from
         where.update(Source.load(_source_module(part)).scope())
     for out in OUTPUTS:
         stem = out.path.removesuffix(".py")

@@ -38,6 +38,8 @@ from guestd.client.address import open_socket, parse_address
 from guestd.client.connection import DEFAULT_WINDOW, Call, ClientConnection, GuestProtocolError
 from guestd.client.git import AsyncGit
 from guestd.client.handles import AsyncCodeContext, AsyncKeptRun, AsyncProcess, AsyncShell
+from guestd.client.params import DEFAULT_DEADLINE as DEFAULT_DEADLINE
+from guestd.client.params import TRANSFER_DEADLINE as TRANSFER_DEADLINE
 from guestd.client.params import OnTimeout as OnTimeout
 from guestd.client.params import Progress as Progress
 from guestd.client.params import WriteFlag as WriteFlag
@@ -119,8 +121,7 @@ from guestd.wire.types import (
 )
 
 CONNECT_TIMEOUT = 10.0  # connect + handshake
-DEFAULT_DEADLINE = 300.0  # a request with no bound of its own in the guest
-UNBOUNDED_RUN_DEADLINE = DEFAULT_DEADLINE * 12  # a run with no guest timeout at all: one hour
+UNBOUNDED_RUN_DEADLINE = 3600.0  # a run with no guest timeout at all: one hour
 REPLY_MARGIN = 30.0  # on top of a guest-enforced bound: the guest's own clean-up and the trip back
 KERNEL_START_CAP_S = 300.0  # guestd's longest default kernel start (code.create without start_timeout_s)
 # On top of a cell's timeout: the default context's first start (or a restart) may take as long
@@ -129,7 +130,6 @@ KERNEL_MARGIN = KERNEL_START_CAP_S
 SHELL_STOP_S = 5.0  # a timed-out shell command: INT, TERM, KILL 1 s apart (guestd/shells.py), then a restart
 PREPARE_MARGIN = 90.0  # on top of snapshot.prepare's wait for writes: the filesystem sync after it
 DOWNLOAD_MEMORY_CAP = 256 * 1024 * 1024  # an in-memory download without max_bytes
-TRANSFER_DEADLINE = UNBOUNDED_RUN_DEADLINE  # an upload or download without a deadline: one hour
 CODE_RESULTS_KEPT = 64  # a streamed cell's rich results kept for its CodeResult (as the guest keeps)
 
 RunStream = TypeVar("RunStream", bound=ExecStream)  # ExecStream or ShellStream

@@ -12,6 +12,9 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any, Literal
 
+DEFAULT_DEADLINE = 300.0  # the client's wait for a request with no bound of its own in the guest
+TRANSFER_DEADLINE = 3600.0  # the client's wait for a whole upload or download without a deadline
+
 Progress = Callable[[int], None]  # called with each chunk's size as an upload or download moves it
 OnTimeout = Literal["kill", "detach"]  # what a guest timeout does to exec / shell.run
 WriteFlag = Literal["overwrite", "create", "append"]

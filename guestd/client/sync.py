@@ -18,10 +18,10 @@ from collections.abc import Callable
 from typing import Any, overload
 
 from guestd.client._blocking import CALLBACK_BACKLOG, CANCEL_SEND_S, ITEM_COST, CallerThread, ClientBase, held_size
-from guestd.client.aio import DEFAULT_DEADLINE, UNBOUNDED_RUN_DEADLINE
+from guestd.client.aio import UNBOUNDED_RUN_DEADLINE
 from guestd.client.git_sync import Git
 from guestd.client.handles_sync import CodeContext, KeptRun, Process, Shell
-from guestd.client.params import OnTimeout, Progress, WriteFlag
+from guestd.client.params import DEFAULT_DEADLINE, OnTimeout, Progress, WriteFlag
 from guestd.client.ports_sync import SyncPortsAPI
 from guestd.client.replies import (
     ClockCheckResult,

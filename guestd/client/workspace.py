@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from typing import IO, TYPE_CHECKING, Any, Literal, cast, overload
 
 from guestd.client.connection import Call, ClientConnection, GuestProtocolError
-from guestd.client.params import Progress, present
+from guestd.client.params import DEFAULT_DEADLINE, TRANSFER_DEADLINE, Progress, present
 from guestd.client.replies import PatchedFile
 from guestd.files import tarhead
 from guestd.wire.paths import WirePath, path_to_wire
@@ -32,8 +32,6 @@ if TYPE_CHECKING:
     from guestd.files.ignore import Overrides
     from guestd.wire.types import ChangeReportRecord, FileApplyPatchReply
 
-DEFAULT_DEADLINE = 300.0
-TRANSFER_DEADLINE = 3600.0  # a tree upload or download without a deadline of its own
 SEARCH_MARGIN = 30.0  # on top of a search's timeout_s: the trip there and back
 TREE_CHUNK = 1024 * 1024
 TREE_MEMORY_CAP = 256 * 1024 * 1024  # an in-memory tree download without max_bytes

@@ -7,18 +7,9 @@ from collections.abc import Coroutine, Mapping
 from typing import Any, overload
 
 from guestd.client._blocking import ClientBase
-from guestd.client.params import Progress
+from guestd.client.params import DEFAULT_DEADLINE, Progress
 from guestd.client.replies import PatchedFile
-from guestd.client.workspace import (
-    DEFAULT_DEADLINE,
-    Changes,
-    EditResult,
-    GlobResult,
-    GrepEngine,
-    GrepResult,
-    TreeUpload,
-    View,
-)
+from guestd.client.workspace import Changes, EditResult, GlobResult, GrepEngine, GrepResult, TreeUpload, View
 from guestd.wire.paths import WirePath
 
 
