@@ -26,6 +26,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Literal
 
 from guestd.client.connection import Call, ClientConnection, GuestProtocolError
+from guestd.client.params import present
 from guestd.wire.errors import ErrorCode, GuestdError
 from guestd.wire.session import Stream
 
@@ -797,7 +798,7 @@ class PortWatch:
         self._pending.clear()
 
     async def _poll(self) -> None:
-        args = _present(timeout_s=self._poll_s, digest=self._digest, interval_s=self._interval_s, ports=self._ports)
+        args = present(timeout_s=self._poll_s, digest=self._digest, interval_s=self._interval_s, ports=self._ports)
         body = await self._conn.request("port.watch", args, self._poll_s + CONNECT_MARGIN)
         self._digest = body["digest"]
         if not body["changed"]:
@@ -826,10 +827,6 @@ def _connect_deadline(connect_timeout_s: float | None) -> float:
     return (DEFAULT_CONNECT_TIMEOUT_S if connect_timeout_s is None else connect_timeout_s) + CONNECT_MARGIN
 
 
-def _present(**fields: Any) -> dict[str, Any]:
-    return {k: v for k, v in fields.items() if v is not None}
-
-
 class PortsAPI:
     """:class:`~guestd.client.AsyncClient`'s port methods (a mixin: the client's ``_conn``)."""
 
@@ -850,7 +847,7 @@ class PortsAPI:
             reader = asyncio.StreamReader(loop=loop)
             return asyncio.StreamReaderProtocol(reader, loop=loop)
 
-        args = _present(port=port, address=address, connect_timeout_s=connect_timeout_s)
+        args = present(port=port, address=address, connect_timeout_s=connect_timeout_s)
         transport = await open_relay(
             "port.connect", self._conn, args, streams, ("guest", port), _connect_deadline(connect_timeout_s)
         )
@@ -868,7 +865,7 @@ class PortsAPI:
     ) -> PortForward:
         """Listen on ``local_address:local_port`` on this host (0: a free port, see
         ``.local_port``) and relay each connection to ``guest_port`` in the guest."""
-        args = _present(port=guest_port, address=address, connect_timeout_s=connect_timeout_s)
+        args = present(port=guest_port, address=address, connect_timeout_s=connect_timeout_s)
         forward = PortForward(self._conn, guest_port, args, _connect_deadline(connect_timeout_s))
         await forward.start(local_address, local_port)
         return forward
@@ -888,7 +885,7 @@ class PortsAPI:
         each connection made to it is relayed to ``destination``, the only place it may go.
         Needs ``[ports] reverse = true`` in guestd's config. ``connect_timeout`` bounds each
         connect to the destination; ``deadline`` the set-up."""
-        args = _present(port=guest_port, address=address, accept_timeout_s=accept_timeout_s)
+        args = present(port=guest_port, address=address, accept_timeout_s=accept_timeout_s)
         call = self._conn.start("port.reverse", args)
         forward = ReverseForward(self._conn, call, destination, connect_timeout)
         try:
@@ -901,7 +898,7 @@ class PortsAPI:
     async def port_list(self, *, ports: list[int] | None = None, deadline: float | None = 30.0) -> PortList:
         """The guest's listening TCP sockets, with the process holding each where guestd sees it;
         ``ports``: those ports only. At most 4096 are listed: see ``total`` and ``truncated``."""
-        body = await self._conn.request("port.list", _present(ports=ports), deadline)
+        body = await self._conn.request("port.list", present(ports=ports), deadline)
         return PortList.from_body(body)
 
     async def port_wait(
@@ -917,7 +914,7 @@ class PortsAPI:
         """Until ``port`` in the guest accepts connections (with ``http``, until a GET of
         ``path`` answers 2xx/3xx), at most ``timeout_s`` (guest default 30 s); ``ready`` false
         when it did not in time."""
-        args = _present(port=port, address=address, timeout_s=timeout_s, http=http, path=path)
+        args = present(port=port, address=address, timeout_s=timeout_s, http=http, path=path)
         if deadline is None:
             deadline = (30.0 if timeout_s is None else timeout_s) + CONNECT_MARGIN
         body: PortWaitReply = await self._conn.request("port.wait", args, deadline)  # type: ignore[assignment]
