@@ -41,8 +41,9 @@ class Archive:
     next piece is filled while the loop sends the last one and the client reads it: made on
     demand, the two waited for each other (the send's drain lasts until the client has read
     most of the piece). Headers are made by hand (``tarhead``) and file data is read straight
-    into the piece (``tarhead.Pieces``), so a stream holds at most three pieces (one sent, one
-    ready, one filling) and nothing else."""
+    into the piece (``tarhead.Pieces``), so a stream holds at most four pieces (one sent, one
+    ready, one filling, and a spare one the transport may still be writing from, filled again
+    once it is done) and nothing else."""
 
     def __init__(self, root_fd: int, flt: Filter, chunk: int) -> None:
         self.root_fd = root_fd

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import functools
 import os
+import sys
 from collections.abc import Callable
 
 BLOCK = 512
@@ -132,25 +133,48 @@ def _padding(size: int) -> bytes:
 
 
 _ZEROS = bytes(BLOCK)
+_ZERO_RUN = memoryview(bytes(64 * 1024))
+_HELD_ONLY_HERE = 2  # see Pieces._free_piece
 
 
 class Pieces:
     """An archive's bytes cut into pieces of exactly ``size`` bytes, each handed to ``emit``
     as it fills (the last one shorter, at :meth:`finish`). Headers are copied in, file data
     is read straight into the free part of the piece (``readv``): a byte of a file is copied
-    once on its way out, and what is held is one piece."""
+    once on its way out, and what is held is one piece.
+
+    A piece emitted earlier is filled again once nobody else holds it (its reference count says
+    so: whoever still sends or reads it, a queue, the transport's memoryview, holds a
+    reference), so a stream cycles through a few pieces instead of zeroing a new megabyte for
+    each (``bytearray(size)`` was a twentieth of tree.download's CPU). Every byte of a piece
+    is written, padding included: none is assumed zero."""
+
+    SPARE = 3  # pieces emitted earlier, kept to be filled again
 
     def __init__(self, size: int, emit: Callable[[bytearray], None]) -> None:
         self.size = size
         self.emit = emit
         self.out = bytearray(size)
         self.filled = 0
+        self.spare: list[bytearray] = []
 
     def _full(self) -> None:
         full = self.out
-        self.out = bytearray(self.size)  # a new piece: the one emitted is never written again
+        self.out = self._free_piece()  # the one emitted is never written again while held
         self.filled = 0
         self.emit(full)
+        self.spare.append(full)
+        del full
+
+    def _free_piece(self) -> bytearray:
+        """A spare piece nobody else holds (referred to only by ``spare`` and getrefcount's
+        argument), else a new one; the oldest spare is let go."""
+        for i in range(len(self.spare)):
+            if sys.getrefcount(self.spare[i]) == _HELD_ONLY_HERE:
+                return self.spare.pop(i)
+        if len(self.spare) >= self.SPARE:
+            del self.spare[0]
+        return bytearray(self.size)
 
     def put(self, data: bytes) -> None:
         end = self.filled + len(data)
@@ -168,9 +192,10 @@ class Pieces:
                 self._full()
 
     def zeros(self, count: int) -> None:
-        """``count`` zero bytes: a new piece is all zeros, so the fill mark only moves on."""
+        """``count`` zero bytes."""
         while count:
-            n = min(count, self.size - self.filled)
+            n = min(count, self.size - self.filled, len(_ZERO_RUN))
+            self.out[self.filled : self.filled + n] = _ZERO_RUN[:n]
             self.filled += n
             count -= n
             if self.filled == self.size:
