@@ -1,9 +1,12 @@
 """Runs inside the QEMU guest (bench/guest.py writes it there and runs it as root with
 /usr/local/bin/guestd-python): exec ``true`` through a guestd with the shipped-like config, a
 guestd without workload settings and the ``subprocess.run`` floor, in the same interleaved rounds,
-then ping latency while N clients loop ``exec true`` against each guestd. Prints one JSON object.
+then ping latency while N clients loop ``exec true`` against each guestd, then ``snapshot.restore``
+with N live code contexts on the guestd without workload settings (its privileged steps real: the
+guest's CRNG re-seeded, each kernel re-seeded). Prints one JSON object.
 
     guestd-python guest_probe.py '{"rounds": 5, "n_exec": 20, "loops": 16, "pings": 100,
+                                   "restore_contexts": 8, "restores": 20,
                                    "daemons": {"shipped": "/tmp/gship.toml", "plain": "/tmp/gplain.toml"}}'
 
 Measured from inside the guest, so the virtio-serial link to the host is not in the figures.
@@ -131,6 +134,36 @@ async def ping_under_exec_load(address: str, pinger: AsyncClient, loops: int, pi
     return {"clients": loops, "execs_per_s": rate, "ping_under_load": summary_ms(samples)}
 
 
+async def restore_with_contexts(c: AsyncClient, contexts: int, restores: int) -> dict[str, Any]:
+    """``restores`` restores with ``contexts`` live code contexts: the round trip, guestd's own
+    duration (``duration_s``) and the re-seeding part of it (``workloads_ms``)."""
+    ids = []
+    t = time.monotonic()
+    for _ in range(contexts):
+        ids.append((await c.code_create(deadline=600)).id)
+    log(f"{contexts} contexts up in {time.monotonic() - t:.0f} s")
+    rtt, in_guest, reseeding = [], [], []
+    try:
+        for _ in range(restores):
+            t0 = time.perf_counter()
+            rep = await c.restore(entropy=os.urandom(64))
+            rtt.append(time.perf_counter() - t0)
+            in_guest.append(rep.duration_s)
+            reseeding.append(rep.workloads_ms / 1000)
+            if len(rep.contexts_reseeded) != contexts:
+                raise RuntimeError(f"{len(rep.contexts_reseeded)} of {contexts} contexts re-seeded: {rep}")
+    finally:
+        for ctx_id in ids:
+            with contextlib.suppress(Exception):
+                await c.code_close(ctx_id)
+    return {
+        "contexts": contexts,
+        "rtt": summary_ms(rtt),
+        "in_guest": summary_ms(in_guest),
+        "reseeding": summary_ms(reseeding),
+    }
+
+
 async def measure(params: dict[str, Any]) -> dict[str, Any]:
     configs: dict[str, str] = params["daemons"]
     rounds, n_exec = int(params["rounds"]), int(params["n_exec"])
@@ -171,6 +204,11 @@ async def measure(params: dict[str, Any]) -> dict[str, Any]:
                 addresses[name], c, int(params["loops"]), int(params["pings"])
             )
             log(f"load {name}: {out['load'][name]}")
+        if int(params.get("restore_contexts", 0)) > 0 and "plain" in clients:  # last: it drops other connections
+            out["restore"] = await restore_with_contexts(
+                clients["plain"], int(params["restore_contexts"]), int(params.get("restores", 10))
+            )
+            log(f"restore: {out['restore']}")
     finally:
         for c in clients.values():
             with contextlib.suppress(Exception):
