@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import io
 import os
+import random
 import shutil
 import subprocess
 import tarfile
@@ -105,3 +106,54 @@ def test_gnu_tar_lists_and_extracts_the_same(tmp_path: object) -> None:
     assert os.path.exists(os.path.join(base, b"d/" + raw))
     assert os.readlink(os.path.join(base, b"d/up")) == b"../" + b"t" * 120
     assert os.stat(os.path.join(base, b"d")).st_mtime_ns == 1_600_000_000_500_000_000
+
+
+def _stream(seed: int) -> list[tuple[str, int]]:
+    """What to put into Pieces: headers-like runs of bytes, zero runs (padding), in a fixed order."""
+    rng = random.Random(seed)
+    return [(rng.choice(["put", "zeros"]), rng.randint(1, 3000)) for _ in range(400)]
+
+
+def _fill(out: tarhead.Pieces, ops: list[tuple[str, int]]) -> bytes:
+    expected = bytearray()
+    for i, (op, n) in enumerate(ops):
+        if op == "put":
+            data = bytes([i % 251 + 1]) * n
+            out.put(data)
+            expected += data
+        else:
+            out.zeros(n)
+            expected += bytes(n)
+    out.finish()
+    return bytes(expected + bytes(2 * tarhead.BLOCK))
+
+
+@pytest.mark.parametrize("keep", [0, 1, 2, 5, 1000])
+def test_a_piece_is_filled_again_only_once_nobody_holds_it(keep: int) -> None:
+    """A consumer holding its last ``keep`` pieces (as the loop and the transport hold the ones
+    being sent) finds each one as it was emitted; pieces it let go of are filled again, every
+    byte written (a reused piece held the bytes of an earlier one where padding was assumed zero)."""
+    held: list[bytearray] = []
+    views: list[memoryview] = []
+    copies: list[bytes] = []
+
+    def emit(piece: bytearray) -> None:
+        copies.append(bytes(piece))
+        if keep == 1:
+            views[:] = [memoryview(piece)]  # a memoryview holds the piece as a reference does
+        elif keep:
+            held.append(piece)
+            del held[:-keep]
+
+    out = tarhead.Pieces(1000, emit)
+    expected = _fill(out, _stream(keep))
+    assert b"".join(copies) == expected
+    if keep == 1:
+        assert bytes(views[0]) == copies[-1]
+    for piece, copy in zip(held, copies[-len(held) :] if held else [], strict=True):
+        assert bytes(piece) == copy  # what the consumer holds was never written again
+    distinct = {id(p) for p in held}
+    if keep == 1000:
+        assert len(distinct) == len(held)  # all held: each a piece of its own
+    if keep == 0:
+        assert len(out.spare) <= 1  # nothing held: one piece filled over and over
