@@ -16,7 +16,7 @@ DOCS += sorted(glob.glob("bench/*.md", root_dir=REPO))
 CODE_REF = re.compile(r"\b((?:guestd|tests|bench|scripts)/[A-Za-z0-9_/]+\.py)(?:::([A-Za-z_][A-Za-z0-9_.]*))?")
 # an example path in the README's set-up text, and SWE-ReX's own test file (fetched when its tests run)
 EXAMPLES_AND_THEIRS = {"tests/test_x.py", "tests/test_execution.py"}
-TEST_NAME = re.compile(r"`(test_[a-z0-9_]+)`")
+TEST_NAME = re.compile(r"(?:`|::)(test_[a-z0-9_]+)\b(?!\.py)")
 
 
 def read(path: str) -> str:
