@@ -10,9 +10,10 @@ from typing import Any
 
 from guestd.cli import terminal
 from guestd.cli.runs import run_kept
-from guestd.cli.shared import Subcommands, add_command, jsonable, parse_env, print_death, print_json
+from guestd.cli.shared import Subcommands, add_command, jsonable, parse_env, print_death, print_json, print_listing
 from guestd.cli.terminal import field
 from guestd.client.aio import AsyncClient, present
+from guestd.client.replies import ContextInfo
 from guestd.client.results import CodeResult
 
 _SAFE_NAME = re.compile(r"[^A-Za-z0-9_.-]")
@@ -69,15 +70,12 @@ async def create(client: AsyncClient, ns: argparse.Namespace) -> int:
 
 
 async def list_contexts(client: AsyncClient, ns: argparse.Namespace) -> int:
-    contexts = await client.code_list()
-    if ns.json:
-        print_json({"contexts": contexts})
-    else:
-        for c in contexts:
-            name = field(c.name or "-")
-            kernel = field(c.kernel or "python")
-            print(f"{field(c.id)}  {name:12} {kernel:8} {c.state:8} pid {c.pid}  runs {c.execution_count}")
-    return 0
+    return print_listing(ns, "contexts", await client.code_list(), context_line)
+
+
+def context_line(c: ContextInfo) -> str:
+    name, kernel = field(c.name or "-"), field(c.kernel or "python")
+    return f"{field(c.id)}  {name:12} {kernel:8} {c.state:8} pid {c.pid}  runs {c.execution_count}"
 
 
 async def manage_context(client: AsyncClient, ns: argparse.Namespace) -> int:

@@ -23,18 +23,9 @@ import asyncio
 import contextlib
 import os
 import sys
-from typing import NoReturn
 
-from guestd.cli import terminal
 from guestd.cli.bridge import TerminalBridge, local_size
-from guestd.cli.live import (
-    OUTPUT_CUT_EXIT,
-    READER_GONE_EXIT,
-    finish_live,
-    relay,
-    report_truncation,
-    with_gap_markers,
-)
+from guestd.cli.live import show_run
 from guestd.cli.shared import (
     Subcommands,
     UsageError,
@@ -43,9 +34,11 @@ from guestd.cli.shared import (
     print_death,
     print_json,
     print_spills_and_timeout,
+    refuse_flags,
 )
 from guestd.cli.terminal import field
 from guestd.client.aio import AsyncClient, ExecStream
+from guestd.client.results import ExecResult
 from guestd.client.streaming import DERIVED
 from guestd.wire.errors import GuestdError
 
@@ -120,36 +113,31 @@ def register(sub: Subcommands) -> None:
             e.add_argument("command", nargs="+", help="joined with spaces into one /bin/sh -c command, as ssh does")
 
 
-def usage_error(ns: argparse.Namespace, message: str) -> NoReturn:
-    raise UsageError(message)
-
-
 def refuse_flags_that_cannot_apply(ns: argparse.Namespace) -> None:
     """No flag is silently ignored: one that has no meaning for the way the command runs is a
     usage error saying what to do instead."""
     if ns.detach:
-        given = [flag for flag, on in (("--timeout", ns.timeout is not None),
-                                        ("--idle-timeout", ns.idle_timeout is not None),
-                                        ("--on-timeout", ns.on_timeout is not None),
-                                        ("--head-tail", ns.head_tail)) if on]  # fmt: skip
-        if given:
-            usage_error(
-                ns,
-                f"{', '.join(given)} cannot apply with --detach: a background process has no timeout "
-                "(guestctl wait ID --timeout S waits for it; guestctl kill ID ends it)",
-            )
+        refuse_flags(
+            (
+                ("--timeout", ns.timeout is not None),
+                ("--idle-timeout", ns.idle_timeout is not None),
+                ("--on-timeout", ns.on_timeout is not None),
+                ("--head-tail", ns.head_tail),
+            ),
+            "--detach",
+            "a background process has no timeout (guestctl wait ID --timeout S waits for it; guestctl kill ID ends it)",
+        )
     elif ns.pty:
-        given = [flag for flag, on in (("--max-output", ns.max_output is not None),
-                                        ("--head-tail", ns.head_tail),
-                                        ("--spill", ns.spill)) if on]  # fmt: skip
-        if given:
-            usage_error(
-                ns,
-                f"{', '.join(given)} cannot apply with --pty: the terminal shows the output as it comes "
-                "(guestctl exec --detach --pty --spill keeps it in the guest)",
-            )
-        if ns.json:
-            usage_error(ns, "--json cannot apply with --pty: the terminal shows the output")
+        refuse_flags(
+            (
+                ("--max-output", ns.max_output is not None),
+                ("--head-tail", ns.head_tail),
+                ("--spill", ns.spill),
+                ("--json", ns.json),
+            ),
+            "--pty",
+            "the terminal shows the output as it comes (guestctl exec --detach --pty --spill keeps it in the guest)",
+        )
 
 
 def command_of(ns: argparse.Namespace) -> list[str] | str:
@@ -157,7 +145,7 @@ def command_of(ns: argparse.Namespace) -> list[str] | str:
         return " ".join(ns.command)
     argv: list[str] = ns.argv[1:] if ns.argv[:1] == ["--"] else ns.argv
     if not argv:
-        usage_error(ns, "give the command after --")
+        raise UsageError("give the command after --")
     return argv
 
 
@@ -170,23 +158,13 @@ async def run_command(client: AsyncClient, ns: argparse.Namespace) -> int:
     if ns.pty:
         return await run_on_pty(client, ns, cmd, env)
     live = not (ns.json or ns.max_output is not None or ns.head_tail or ns.spill)
-    stream = start_exec(client, ns, cmd, env, live)
-    delivered = await relay(stream, ns.raw, send_stdin=ns.stdin)
-    if delivered.reader_gone:
-        return READER_GONE_EXIT
-    res = await stream.result()
-    if ns.json:
-        print_json(res)
-        return res.shell_exit_code()
-    if live:
-        cut = finish_live(delivered, res, ns.raw)
-    else:
-        terminal.write_output(*with_gap_markers(res), ns.raw)
-        report_truncation(res)  # asked for with --max-output, --head-tail or --spill
-        cut = False
+    return await show_run(start_exec(client, ns, cmd, env, live), ns, live, ExecResult.shell_exit_code, print_notes)
+
+
+def print_notes(res: ExecResult) -> None:
+    """After the output: where spilled output is, what a timeout did, why the tree died."""
     print_spills_and_timeout(res, "process tree killed")
     print_death(res.killed_by, res.oom_killed, res.signal)
-    return OUTPUT_CUT_EXIT if cut else res.shell_exit_code()
 
 
 def start_exec(

@@ -6,20 +6,23 @@ The whole output arrives: a streamed run is not cut by the guest's capture (``ma
 only what a reply keeps). The client's credit is the only buffer, so a slow local reader slows the
 command instead of filling memory. Should the guest still report more bytes than arrived (a
 stream that died with its request), :func:`finish_live` says so and the run exits
-:data:`OUTPUT_CUT_EXIT`, never 0.
+:data:`OUTPUT_CUT_EXIT`, never 0. :func:`show_run` takes a run of either kind, live or bounded
+(``--max-output``...), to its end and its exit code.
 """
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import contextlib
 import os
 import sys
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Protocol, TypeVar
 
 from guestd.cli import terminal
+from guestd.cli.shared import print_json
 from guestd.wire.errors import GuestdError
 
 # guestctl's own failure code: the output that reached this side is not all the command wrote.
@@ -29,8 +32,11 @@ READER_GONE_EXIT = 128 + 13
 # Bytes asked of local stdin per read; a pipe gives what it holds, up to this.
 STDIN_CHUNK = 1024 * 1024
 
+R = TypeVar("R", bound="GapCaptured")  # a run's reply: ExecResult, ShellResult
+R_co = TypeVar("R_co", covariant=True)
 
-class RunStream(Protocol):
+
+class RunStream(Protocol[R_co]):
     """What :class:`guestd.client.aio.ExecStream` and ``ShellStream`` offer a live run."""
 
     def __aiter__(self) -> AsyncIterator[tuple[str, bytes]]: ...
@@ -41,7 +47,36 @@ class RunStream(Protocol):
 
     async def cancel(self) -> None: ...
 
-    async def result(self) -> object: ...
+    async def result(self) -> R_co: ...
+
+
+async def show_run(
+    stream: RunStream[R],
+    ns: argparse.Namespace,
+    live: bool,
+    exit_code: Callable[[R], int],
+    notes: Callable[[R], None],
+) -> int:
+    """A run (``exec``, ``shell run``) to its end and guestctl's exit code: the output relayed
+    as it comes (with ``-i``, local stdin sent meanwhile), then the reply as JSON, or what a
+    ``live`` run's reply adds (or a bounded run's capture with its gaps marked and what was
+    dropped) and the run's ``notes`` on stderr. :data:`OUTPUT_CUT_EXIT` when live output was
+    cut, :data:`READER_GONE_EXIT` when our stdout's reader went away."""
+    delivered = await relay(stream, ns.raw, send_stdin=ns.stdin)
+    if delivered.reader_gone:
+        return READER_GONE_EXIT
+    res = await stream.result()
+    if ns.json:
+        print_json(res)
+        return exit_code(res)
+    if live:
+        cut = finish_live(delivered, res, ns.raw)
+    else:
+        terminal.write_output(*with_gap_markers(res), ns.raw)
+        report_truncation(res)  # asked for with --max-output, --head-tail or --spill
+        cut = False
+    notes(res)
+    return OUTPUT_CUT_EXIT if cut else exit_code(res)
 
 
 @dataclass
@@ -53,7 +88,7 @@ class Delivered:
     reader_gone: bool = False
 
 
-async def relay(stream: RunStream, raw: bool, send_stdin: bool) -> Delivered:
+async def relay(stream: RunStream[object], raw: bool, send_stdin: bool) -> Delivered:
     """Write the run's output here as it arrives (neutralized for a terminal unless ``raw``) and,
     with ``send_stdin``, send local stdin to it meanwhile. A reader of our stdout that goes
     away cancels the run (``reader_gone``) and silences our stdout, as SIGPIPE would."""
@@ -99,7 +134,7 @@ def silence_stdout() -> None:
     os.close(devnull)
 
 
-async def send_local_stdin(stream: RunStream) -> None:
+async def send_local_stdin(stream: RunStream[object]) -> None:
     """Local stdin to the command, each read sent as it arrives (a typed line, a pipe's
     buffer) within the guest's credit: a command that reads slowly slows the local writer.
     Its end closes the command's stdin. A command that stops taking stdin (it exited) ends

@@ -7,7 +7,15 @@ import argparse
 import sys
 
 from guestd.cli import terminal
-from guestd.cli.shared import Subcommands, add_command, exit_code_of, jsonable, print_death, print_json
+from guestd.cli.shared import (
+    Subcommands,
+    add_command,
+    exit_code_of,
+    jsonable,
+    print_death,
+    print_json,
+    print_listing,
+)
 from guestd.cli.terminal import field
 from guestd.client.aio import AsyncClient, Attach
 from guestd.client.replies import ProcessWaitResult
@@ -62,12 +70,7 @@ async def prune(client: AsyncClient, ns: argparse.Namespace) -> int:
     gone = [p.id for p in await client.process_list() if p.state != "running"]
     for process_id in gone:
         await client.process_forget(process_id)
-    if ns.json:
-        print_json({"ids": gone})
-    else:
-        for process_id in gone:
-            print(field(process_id))
-    return 0
+    return print_listing(ns, "ids", gone, field)
 
 
 async def kill(client: AsyncClient, ns: argparse.Namespace) -> int:

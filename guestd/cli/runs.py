@@ -7,7 +7,7 @@ import sys
 from typing import Any
 
 from guestd.cli import terminal
-from guestd.cli.shared import Subcommands, add_command, jsonable, print_json
+from guestd.cli.shared import Subcommands, add_command, jsonable, print_json, print_listing
 from guestd.cli.terminal import field
 from guestd.client.aio import AsyncClient
 from guestd.client.replies import RunInfo
@@ -29,13 +29,11 @@ def register(sub: Subcommands) -> None:
 
 
 async def list_runs(client: AsyncClient, ns: argparse.Namespace) -> int:
-    runs = await client.run_list()
-    if ns.json:
-        print_json({"runs": runs})
-        return 0
-    for r in runs:
-        print(f"{field(r.id)}  {r.op:9} {r.state:8} {field(r.target)}  {terminal.text(r.what)[:60]}")
-    return 0
+    return print_listing(ns, "runs", await client.run_list(), run_line)
+
+
+def run_line(r: RunInfo) -> str:
+    return f"{field(r.id)}  {r.op:9} {r.state:8} {field(r.target)}  {terminal.text(r.what)[:60]}"
 
 
 async def run_kept(client: AsyncClient, ns: argparse.Namespace, op: str, args: dict[str, Any]) -> int:

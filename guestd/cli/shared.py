@@ -11,8 +11,8 @@ import math
 import os
 import signal
 import sys
-from collections.abc import Awaitable, Callable
-from typing import Any, TypeAlias
+from collections.abc import Awaitable, Callable, Iterable, Sequence
+from typing import Any, TypeAlias, TypeVar
 
 from guestd.cli.terminal import field
 from guestd.client.aio import AsyncClient
@@ -23,6 +23,8 @@ Handler: TypeAlias = Callable[[AsyncClient, argparse.Namespace], Awaitable[int]]
 # What ``ArgumentParser.add_subparsers`` returns; a string because it is generic only in typeshed.
 Subcommands: TypeAlias = "argparse._SubParsersAction[argparse.ArgumentParser]"
 
+
+T = TypeVar("T")
 
 # guestctl's exit code for a usage error (argparse's own, and every handler's, under --json too).
 USAGE_EXIT = 2
@@ -48,11 +50,29 @@ class UsageError(Exception):
     (under --json as ``{"error": {"code": "usage", "message": ...}}`` on stdout)."""
 
 
+def refuse_flags(flags: Iterable[tuple[str, bool]], beside: str, why: str) -> None:
+    """No flag is silently ignored: a usage error naming each of ``flags`` (flag, given) that
+    was given but cannot apply ``beside`` another (``--pty``...), and ``why`` or what to do instead."""
+    given = [flag for flag, on in flags if on]
+    if given:
+        raise UsageError(f"{', '.join(given)} cannot apply with {beside}: {why}")
+
+
 def add_command(sub: Subcommands, name: str, handler: Handler, **parser_kw: Any) -> argparse.ArgumentParser:
     """A subcommand parser whose namespace carries ``handler`` (``run`` calls it once connected)."""
     parser = sub.add_parser(name, **parser_kw)
     parser.set_defaults(handler=handler)
     return parser
+
+
+def print_listing(ns: argparse.Namespace, key: str, items: Sequence[T], line: Callable[[T], str]) -> int:
+    """A list command's output: ``{key: items}`` under --json, else ``line(item)`` for each; exit 0."""
+    if ns.json:
+        print_json({key: items})
+    else:
+        for item in items:
+            print(line(item))
+    return 0
 
 
 def print_json(obj: Any) -> None:

@@ -7,15 +7,9 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+from typing import TypedDict
 
-from guestd.cli.live import (
-    OUTPUT_CUT_EXIT,
-    READER_GONE_EXIT,
-    finish_live,
-    relay,
-    report_truncation,
-    with_gap_markers,
-)
+from guestd.cli.live import show_run
 from guestd.cli.runs import run_kept
 from guestd.cli.shared import (
     Subcommands,
@@ -24,10 +18,14 @@ from guestd.cli.shared import (
     parse_env,
     print_death,
     print_json,
+    print_listing,
     print_spills_and_timeout,
+    refuse_flags,
 )
-from guestd.cli.terminal import field, write_output
+from guestd.cli.terminal import field
 from guestd.client.aio import AsyncClient, ShellStream, present
+from guestd.client.params import OnTimeout
+from guestd.client.replies import ShellInfo
 from guestd.client.results import ShellResult
 from guestd.client.streaming import DERIVED
 from guestd.wire.errors import GuestdError
@@ -90,15 +88,12 @@ async def create(client: AsyncClient, ns: argparse.Namespace) -> int:
 
 
 async def list_sessions(client: AsyncClient, ns: argparse.Namespace) -> int:
-    sessions = await client.shell_list()
-    if ns.json:
-        print_json({"sessions": sessions})
-    else:
-        for s in sessions:
-            cwd = field(printable_path(s.cwd))
-            name = field(s.name or "-")
-            print(f"{field(s.id)}  {name:12} pid {s.pid:<8} {cwd}  ({s.commands} commands)")
-    return 0
+    return print_listing(ns, "sessions", await client.shell_list(), session_line)
+
+
+def session_line(s: ShellInfo) -> str:
+    cwd, name = field(printable_path(s.cwd)), field(s.name or "-")
+    return f"{field(s.id)}  {name:12} pid {s.pid:<8} {cwd}  ({s.commands} commands)"
 
 
 async def close(client: AsyncClient, ns: argparse.Namespace) -> int:
@@ -134,34 +129,10 @@ async def run_in_session(client: AsyncClient, ns: argparse.Namespace) -> int:
     if ns.pty:
         return await run_on_pty(client, ns)
     if ns.keep:
-        options = present(
-            input=sys.stdin.buffer.read() if ns.stdin else None,
-            timeout_s=ns.timeout,
-            idle_timeout_s=ns.idle_timeout,
-            max_output=ns.max_output,
-            on_timeout=ns.on_timeout,
-            merge_stderr=ns.merge_stderr or None,
-            check_syntax=ns.check_syntax or None,
-            spill=ns.spill or None,
-        )
+        options = present(input=sys.stdin.buffer.read() if ns.stdin else None, **run_flags(ns))
         return await run_kept(client, ns, "shell.run", {"id": ns.id, "command": ns.command, **options})
     live = not (ns.json or ns.max_output is not None or ns.spill)
-    s = start_shell_run(client, ns, live)
-    delivered = await relay(s, ns.raw, send_stdin=ns.stdin)
-    if delivered.reader_gone:
-        return READER_GONE_EXIT
-    res = await s.result()
-    if ns.json:
-        print_json(res)
-        return shell_exit_code(res)
-    if live:
-        cut = finish_live(delivered, res, ns.raw)
-    else:
-        write_output(*with_gap_markers(res), ns.raw)
-        report_truncation(res)  # asked for with --max-output or --spill
-        cut = False
-    print_run_notes(res)
-    return OUTPUT_CUT_EXIT if cut else shell_exit_code(res)
+    return await show_run(start_shell_run(client, ns, live), ns, live, shell_exit_code, print_run_notes)
 
 
 def start_shell_run(client: AsyncClient, ns: argparse.Namespace, live: bool) -> ShellStream:
@@ -172,16 +143,34 @@ def start_shell_run(client: AsyncClient, ns: argparse.Namespace, live: bool) -> 
         ns.id,
         ns.command,
         stdin_stream=ns.stdin or None,
-        timeout_s=ns.timeout,
-        idle_timeout_s=ns.idle_timeout,
-        max_output=ns.max_output,
-        on_timeout=ns.on_timeout,
-        merge_stderr=ns.merge_stderr or None,
-        check_syntax=ns.check_syntax or None,
-        spill=ns.spill or None,
         live=live,
         deadline=DERIVED if ns.timeout is not None else None,
+        **run_flags(ns),
     )
+
+
+class RunFlags(TypedDict):
+    """The shell.run fields ``shell run``'s flags set, alike for a kept and a streamed run."""
+
+    timeout_s: float | None
+    idle_timeout_s: float | None
+    max_output: int | None
+    on_timeout: OnTimeout | None
+    merge_stderr: bool | None
+    check_syntax: bool | None
+    spill: bool | None
+
+
+def run_flags(ns: argparse.Namespace) -> RunFlags:
+    return {
+        "timeout_s": ns.timeout,
+        "idle_timeout_s": ns.idle_timeout,
+        "max_output": ns.max_output,
+        "on_timeout": ns.on_timeout,
+        "merge_stderr": ns.merge_stderr or None,
+        "check_syntax": ns.check_syntax or None,
+        "spill": ns.spill or None,
+    }
 
 
 def print_run_notes(res: ShellResult) -> None:
@@ -199,14 +188,18 @@ def shell_exit_code(res: ShellResult) -> int:
 
 def refuse_flags_beside_pty(ns: argparse.Namespace) -> None:
     """``shell run --pty``: the flags that have no meaning on a terminal are usage errors."""
-    given = [flag for flag, on in (("--max-output", ns.max_output is not None),
-                                    ("--spill", ns.spill),
-                                    ("--keep", ns.keep),
-                                    ("--check-syntax", ns.check_syntax),
-                                    ("--on-timeout detach", ns.on_timeout == "detach"),
-                                    ("--json", ns.json)) if on]  # fmt: skip
-    if given:
-        raise UsageError(f"{', '.join(given)} cannot apply with --pty (the terminal shows the output as it comes)")
+    refuse_flags(
+        (
+            ("--max-output", ns.max_output is not None),
+            ("--spill", ns.spill),
+            ("--keep", ns.keep),
+            ("--check-syntax", ns.check_syntax),
+            ("--on-timeout detach", ns.on_timeout == "detach"),
+            ("--json", ns.json),
+        ),
+        "--pty",
+        "the terminal shows the output as it comes",
+    )
 
 
 async def run_on_pty(client: AsyncClient, ns: argparse.Namespace) -> int:

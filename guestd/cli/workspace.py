@@ -9,9 +9,10 @@ import sys
 from typing import Any
 
 from guestd.cli.paths import guest_only
-from guestd.cli.shared import Subcommands, add_command, print_json
+from guestd.cli.shared import Subcommands, add_command, print_json, print_listing
 from guestd.cli.terminal import field, text
 from guestd.client.aio import AsyncClient
+from guestd.client.replies import PatchedFile
 from guestd.client.workspace import GrepResult
 from guestd.wire.paths import printable_path
 
@@ -165,11 +166,7 @@ def line_range(spec: str) -> tuple[int | None, int | None]:
 async def view(client: AsyncClient, ns: argparse.Namespace) -> int:
     start, end = line_range(ns.lines) if ns.lines else (None, None)
     v = await client.view(guest_only(ns.path), start_line=start, end_line=end)
-    if ns.json:
-        print_json(v.__dict__)
-    else:
-        sys.stdout.write(text(v.content))
-    return 0
+    return print_reply(ns, v.__dict__, v.content)
 
 
 async def edit(client: AsyncClient, ns: argparse.Namespace) -> int:
@@ -182,21 +179,25 @@ async def edit(client: AsyncClient, ns: argparse.Namespace) -> int:
         if ns.old is None or ns.new is None:
             raise SystemExit("guestctl edit: give --old TEXT --new TEXT, or --undo")
         r = await client.str_replace(path, ns.old, ns.new)
+    return print_reply(ns, r.__dict__, r.snippet)
+
+
+def print_reply(ns: argparse.Namespace, fields: dict[str, Any], shown: str) -> int:
+    """view, edit: the reply's ``fields`` under --json, else the text it ``shown`` (sanitized); exit 0."""
     if ns.json:
-        print_json(r.__dict__)
+        print_json(fields)
     else:
-        sys.stdout.write(text(r.snippet))
+        sys.stdout.write(text(shown))
     return 0
 
 
 async def apply_patch(client: AsyncClient, ns: argparse.Namespace) -> int:
     files = await client.apply_patch(guest_only(ns.path), sys.stdin.buffer.read(), strip=ns.strip)
-    if ns.json:
-        print_json({"files": files})
-    else:
-        for f in files:
-            print(f"{f.action:6} {field(printable_path(f.path))} ({f.hunks} hunks)")
-    return 0
+    return print_listing(ns, "files", files, patched_line)
+
+
+def patched_line(f: PatchedFile) -> str:
+    return f"{f.action:6} {field(printable_path(f.path))} ({f.hunks} hunks)"
 
 
 async def watch(client: AsyncClient, ns: argparse.Namespace) -> int:
