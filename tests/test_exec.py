@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import os
 import signal
 import threading
 import time
@@ -11,7 +10,7 @@ import time
 import pytest
 
 from guestd.client import AsyncClient, Client, GuestdError
-from guestd.testing import Guestd, live_procs_with
+from guestd.testing import Guestd, live_procs_with, unique_sleep
 
 
 def test_exit_code_output_and_counts(client: Client) -> None:
@@ -73,7 +72,7 @@ def test_bad_arguments(client: Client) -> None:
 
 
 def test_wall_timeout_kills_whole_tree_and_keeps_output(client: Client) -> None:
-    marker = f"sleep 1000{os.getpid() % 10}"
+    marker = unique_sleep()
     r = client.exec(f"echo started; {marker} & {marker}", timeout_s=0.5)
     assert r.timed_out == "wall"
     assert r.signal == signal.SIGTERM
@@ -84,7 +83,7 @@ def test_wall_timeout_kills_whole_tree_and_keeps_output(client: Client) -> None:
 
 def test_timeout_escalates_to_sigkill_and_catches_escaped_descendants(client: Client) -> None:
     # The child ignores SIGTERM and a grandchild escapes the process group with setsid.
-    marker = "sleep 999.5"
+    marker = unique_sleep()
     r = client.exec(f"trap '' TERM; setsid {marker} & {marker}; echo never", timeout_s=0.5, kill_grace_s=0.5)
     assert r.timed_out == "wall" and r.signal == signal.SIGKILL
     assert 0.9 < r.duration_s < 5
@@ -187,7 +186,7 @@ def test_hundred_concurrent_execs(guestd: Guestd) -> None:
 
 
 def test_client_deadline_cancels_the_guest_process(client: Client) -> None:
-    marker = "sleep 998.25"
+    marker = unique_sleep()
     with pytest.raises(GuestdError) as ei:
         client.exec(marker, deadline=0.3)
     assert ei.value.code == "timeout"

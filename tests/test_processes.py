@@ -9,7 +9,7 @@ import time
 import pytest
 
 from guestd.client import AsyncClient, Client, GuestdError
-from guestd.testing import Guestd, StartGuestd, live_procs_with
+from guestd.testing import Guestd, StartGuestd, live_procs_with, unique_sleep
 
 SEQ = "for i in $(seq 1 {n}); do printf '%06d\\n' $i; done"
 
@@ -110,7 +110,7 @@ def test_stalled_attacher_blocks_neither_process_nor_other_readers(guestd: Guest
 
 
 def test_signals_reach_grandchildren_and_kill_sweeps_escapees(client: Client) -> None:
-    marker = "sleep 997.5"
+    marker = unique_sleep()
     p = client.process_start(f"sh -c '{marker}' & {marker} & setsid {marker} & wait")
 
     def sleeps() -> int:

@@ -12,7 +12,7 @@ from collections.abc import Iterator
 import pytest
 
 from guestd.client import AsyncClient, Client, GuestdError
-from guestd.testing import Guestd, StartGuestd, live_procs_with
+from guestd.testing import Guestd, StartGuestd, live_procs_with, unique_sleep
 
 
 @pytest.fixture
@@ -85,7 +85,7 @@ def test_background_job_does_not_block_or_leak(sh: tuple[Client, str]) -> None:
 def test_timeout_interrupts_and_session_stays_usable(sh: tuple[Client, str], tmp_path: object) -> None:
     c, sid = sh
     c.shell_run(sid, "KEEP=yes")
-    marker = "sleep 996.25"
+    marker = unique_sleep()
     r = c.shell_run(sid, f"echo started; {marker}", timeout_s=0.5)
     assert r.timed_out == "wall" and r.interrupted and not r.session_restarted
     assert r.stdout == b"started\n" and r.exit_code == 130

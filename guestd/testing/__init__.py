@@ -15,6 +15,7 @@ from guestd.testing.local import (
     live_procs_with,
     scratch_guestd,
     start_guestd,
+    unique_sleep,
     workload_python,
     workspace_guestd,
 )
@@ -29,6 +30,7 @@ __all__ = [
     "live_procs_with",
     "scratch_guestd",
     "start_guestd",
+    "unique_sleep",
     "workload_python",
     "workspace_guestd",
 ]

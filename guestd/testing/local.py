@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import resource
+import secrets
 import select
 import shutil
 import socket
@@ -167,6 +168,12 @@ def fsize_limit(nbytes: int) -> Callable[[], None]:
         resource.setrlimit(resource.RLIMIT_FSIZE, (nbytes, nbytes))
 
     return apply
+
+
+def unique_sleep() -> str:
+    """``sleep N`` with an N no other test on this machine uses (suites run side by side, e.g. the
+    spawn fallback beside the host suite, and ``live_procs_with`` sees every process here)."""
+    return f"sleep 9{secrets.randbelow(10**7):07d}"
 
 
 def live_procs_with(marker: str) -> list[psutil.Process]:
