@@ -4,6 +4,7 @@ that tarfile reads back, a file that shrinks while read padded to its size at op
 
 from __future__ import annotations
 
+import asyncio
 import io
 import os
 import tarfile
@@ -96,3 +97,24 @@ def test_close_wakes_a_step_waiting_in_another_thread(tree: str) -> None:
     arch.close()
     waiter.join(timeout=10)
     assert not waiter.is_alive() and not arch.thread.is_alive()
+
+
+def test_next_piece_awaited_on_a_loop_gives_the_archive_step_gives(tree: str) -> None:
+    """The loop's way (the archive's thread wakes it per piece, no I/O thread waits) reads the
+    same bytes as the blocking step(), and leaves no fd or thread behind."""
+    before = _fds()
+
+    async def on_a_loop() -> list[bytes]:
+        arch = _archive(tree, 4096)
+        got = []
+        while (piece := await arch.next_piece()) is not None:
+            got.append(bytes(piece))
+        arch.close()
+        assert not arch.thread.is_alive()
+        return got
+
+    awaited = asyncio.run(on_a_loop())
+    stepped = _archive(tree, 4096)
+    assert b"".join(awaited) == b"".join(_pieces(stepped)) and len(awaited) > 3
+    stepped.close()
+    assert _fds() == before

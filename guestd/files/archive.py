@@ -14,12 +14,15 @@ third of the archive's thread).
 
 from __future__ import annotations
 
+import asyncio
 import os
 import queue
 import stat as st
 import threading
+from collections.abc import Callable
 
 from guestd.files import tarhead
+from guestd.files.entries import os_call
 from guestd.files.fs import FileSystem
 from guestd.files.walk import Filter, Walk
 
@@ -56,19 +59,41 @@ class Archive:
         self.ready: queue.Queue[bytearray | BaseException | None] = queue.Queue(maxsize=1)
         self.closed = threading.Event()
         self.ended = False  # step() has handed out the end (or an error)
+        self.wake: Callable[[], object] | None = None  # called from the thread when a piece is ready
+        self.arrived: asyncio.Event | None = None  # next_piece's: set (on the loop) by wake
         self.thread = threading.Thread(target=self._produce, name="guestd-tree-download", daemon=True)
         self.thread.start()
 
-    def step(self) -> bytearray | None:
-        """The next piece (blocks until it is made), None at the end; the walk's error if any."""
+    def step(self, block: bool = True) -> bytearray | None:
+        """The next piece (blocks until it is made; ``block`` False: queue.Empty when none is
+        ready yet), None at the end; the walk's error if any."""
         if self.ended or self.closed.is_set():
             return None
-        item = self.ready.get()
+        item = self.ready.get(block)
         if item is None or isinstance(item, BaseException):
             self.ended = True
             if item is not None:
                 raise item
         return item
+
+    async def next_piece(self) -> bytearray | None:
+        """:meth:`step` on the event loop: the archive's thread wakes the loop when a piece is
+        ready, so no I/O thread is held waiting while the piece is made (each step held one for
+        as long as a piece took, and a thread hop more per piece)."""
+        if self.arrived is None:
+            loop = asyncio.get_running_loop()
+            arrived = self.arrived = asyncio.Event()
+            self.wake = lambda: loop.call_soon_threadsafe(arrived.set)
+        while True:
+            try:
+                return self.step(block=False)
+            except queue.Empty:
+                pass
+            self.arrived.clear()  # set on the loop only, so a piece put before this is seen below
+            try:
+                return self.step(block=False)
+            except queue.Empty:
+                await self.arrived.wait()
 
     def close(self) -> None:
         """Stop the thread and wait for it (it has closed every fd when this returns). The walk
@@ -84,12 +109,21 @@ class Archive:
             self.ready.put_nowait(None)  # a step() waiting meanwhile ends
         except queue.Full:
             pass
+        self._wake()
         self.thread.join()
+
+    def _wake(self) -> None:
+        wake = self.wake
+        if wake is not None:
+            try:
+                wake()
+            except RuntimeError:  # the loop is closed: nobody waits any more
+                pass
 
     def _produce(self) -> None:
         try:
             try:
-                self._make(tarhead.Pieces(self.chunk, self._hand))
+                os_call(self._make, tarhead.Pieces(self.chunk, self._hand))  # OS errors typed
             finally:
                 os.close(self.root_fd)  # before the end is handed over: the reply finds no fd left
             self._hand(None)
@@ -106,9 +140,10 @@ class Archive:
         while not self.closed.is_set():
             try:
                 self.ready.put(item, timeout=0.05)
-                return
             except queue.Full:
                 continue
+            self._wake()
+            return
         raise _Closed
 
     def _describe(self, name: bytes, dirfd: int) -> os.stat_result:

@@ -212,7 +212,7 @@ class Workspace:
 
     @op("tree.download")
     async def op_tree_download(self, ctx: Request, a: TreeDownloadArgs) -> TreeDownloadReply:
-        """The tree under ``path`` as a tar stream, a chunk per step in an I/O thread."""
+        """The tree under ``path`` as a tar stream, made by the archive's thread a piece ahead."""
         chunk = a["chunk"] or self.services.config.limits.max_chunk
         flt = Filter(globs=[*a["include"], *("!" + g for g in a["exclude"])], gitignore=a["gitignore"], skip_git=False)
         arch: archive.Archive = await self.services.acquire_in_io(
@@ -221,7 +221,7 @@ class Workspace:
         sent = 0
         try:
             while True:
-                data = await self._io(arch.step)
+                data = await arch.next_piece()
                 if data is None:
                     break
                 await ctx.send_data_event({"ev": "data"}, data)
