@@ -96,7 +96,7 @@ async def within(
         while True:
             left = wait.deadline(began, last_progress) - loop.time()
             if left <= 0:
-                raise _gave_up(wait, loop.time() - began, last_progress - began)
+                raise gave_up(wait, loop.time() - began, last_progress - began)
             done, _ = await asyncio.wait(watched, timeout=min(LOOK_EVERY_S, left), return_when="FIRST_COMPLETED")
             if task in done:
                 task.result()  # its own error, if it failed
@@ -118,7 +118,9 @@ async def within(
                 await task
 
 
-def _gave_up(wait: StartWait, waited: float, progressed_until: float) -> GuestdError:
+def gave_up(wait: StartWait, waited: float, progressed_until: float) -> GuestdError:
+    """The ``unavailable`` of a start ``wait`` gave up on after ``waited`` s (progress seen until
+    ``progressed_until`` s into it); also a create's bounded wait for a pool kernel it claimed."""
     details: dict[str, Any] = {"stage": "start", "waited_s": round(waited, 3), "start_timeout_s": wait.timeout_s}
     if wait.timeout_s is not None:
         details["reason"] = "start_timeout"
