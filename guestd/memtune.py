@@ -24,14 +24,3 @@ def tune_malloc(mmap_threshold: int = 8 * 1024 * 1024, trim_threshold: int = 32 
     except (OSError, AttributeError):
         return False
     return bool(mallopt(M_MMAP_THRESHOLD, mmap_threshold)) and bool(mallopt(M_TRIM_THRESHOLD, trim_threshold))
-
-
-def release_free_heap() -> bool:
-    """Give the heap's free pages back to the kernel (glibc's malloc_trim(0)); False where it is
-    unavailable. Once, after start-up: the import machinery's temporaries leave free holes in the
-    heap that an idle guestd would otherwise keep resident (~0.2 MiB of its idle RSS here)."""
-    try:
-        trim = ctypes.CDLL(None).malloc_trim
-    except (OSError, AttributeError):
-        return False
-    return bool(trim(0))

@@ -318,13 +318,12 @@ def config_from_args(ns: Any) -> Config:
 
 
 def tune_memory() -> None:
-    """Bulk transfers reuse warm heap instead of page-faulting fresh mmaps, and start-up's free
-    heap goes back to the kernel (guestd/memtune.py). Done after the first reply: no transfer
-    comes before a first request, and memtune's ctypes need not be on the start path."""
-    from guestd.memtune import release_free_heap, tune_malloc
+    """Bulk transfers reuse warm heap instead of page-faulting fresh mmaps (guestd/memtune.py).
+    Done after the first reply: no transfer comes before a first request, and memtune's ctypes
+    need not be on the start path."""
+    from guestd.memtune import tune_malloc
 
     tune_malloc()
-    release_free_heap()
 
 
 def main(argv: list[str] | None = None) -> int:
