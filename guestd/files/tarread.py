@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import bz2
 import lzma
+import re
 import struct
 import tarfile
 import zlib
@@ -192,6 +193,23 @@ def _octal(field: bytes) -> int:
         raise _NotPlain from None
 
 
+# The number fields as GNU tar, tarfile and tarhead write them, bytes 100 to 156: mode, uid, gid
+# (7 octal digits and a NUL), size, mtime (11 and a NUL), checksum (6, a NUL, a space); and the
+# device numbers (329 to 345) the same or all NULs. Such a block's numbers take one match.
+_WRITTEN_NUMBERS = re.compile(rb"([0-7]{7})\0[0-7]{7}\0[0-7]{7}\0([0-7]{11})\0([0-7]{11})\0([0-7]{6})\0 ")
+_WRITTEN_DEVICES = re.compile(rb"(?:[0-7]{7}\0|\0{8}){2}")
+
+
+def _numbers(block: bytes, fields: tuple[bytes, ...]) -> tuple[int, int, int, int]:
+    """The header's mode, size, mtime and stated checksum; ``fields`` are its eight number fields
+    (mode, uid, gid, size, mtime, chksum, devmajor, devminor), all of which must be readable."""
+    written = _WRITTEN_NUMBERS.match(block, 100)
+    if written is not None and _WRITTEN_DEVICES.match(block, 329):
+        return int(written[1], 8), int(written[2], 8), int(written[3], 8), int(written[4], 8)
+    mode, _uid, _gid, size, mtime, chksum, _major, _minor = (_octal(f) for f in fields)
+    return mode, size, mtime, chksum
+
+
 def _text(field: bytes) -> str:
     return field.split(b"\0", 1)[0].decode("utf-8", "surrogateescape")
 
@@ -201,16 +219,15 @@ def decode_header(block: bytes) -> Header:
     "surrogateescape")`` reads it; raises ``tarfile.HeaderError`` where it does."""
     (name, mode, uid, gid, size, mtime, chksum, kind, link, devmajor, devminor, prefix) = _USTAR.unpack_from(block)
     try:
-        stated = _octal(chksum)
+        # all eight numbers read: those not used too, as frombuf refuses a block with one unreadable
+        mode_n, size_n, mtime_n, stated = _numbers(block, (mode, uid, gid, size, mtime, chksum, devmajor, devminor))
         # The unsigned sum of the block with the checksum field as spaces. adler32's low half is
         # 1 + the sum of the bytes mod 65521: exact for 256 bytes (at most 65,280).
         view = memoryview(block)
         unsigned = (zlib.adler32(view[:256]) & 0xFFFF) + (zlib.adler32(view[256:]) & 0xFFFF) - 2
         if stated != unsigned - sum(chksum) + 256 or kind == tarfile.GNUTYPE_SPARSE:
             raise _NotPlain  # a signed sum, a wrong one, or the old GNU sparse fields
-        head = Header(_text(name), _text(link), kind, _octal(mode), _octal(size), _octal(mtime))
-        for unused in (uid, gid, devmajor, devminor):
-            _octal(unused)  # not used, but frombuf refuses the block when one is unreadable
+        head = Header(_text(name), _text(link), kind, mode_n, size_n, mtime_n)
     except _NotPlain:
         info = tarfile.TarInfo.frombuf(block, "utf-8", "surrogateescape")
         return Header(info.name, info.linkname, info.type, info.mode, info.size, int(info.mtime))
