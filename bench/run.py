@@ -1302,7 +1302,8 @@ def report(res: dict[str, Any]) -> str:
     if "qemu_guest" in res:
         from bench.guest import render_guest
 
-        text += render_guest(res["qemu_guest"])
+        host_floor = res.get("floor", {}).get("subprocess_true", {}).get("p50_ms")
+        text += render_guest(res["qemu_guest"], host_floor)
     return text
 
 
