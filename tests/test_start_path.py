@@ -40,6 +40,7 @@ NOT_AT_START = (
     "shutil",  # argparse's default help formatter asks it for the terminal's width
     "argparse",  # a plain command line is read without it (guestd/server/options.py)
     "guestd.memtune",  # malloc's tuning for bulk transfers waits for the first reply
+    "guestd.wire.types",  # the generated TypedDicts (~15 ms, ~0.8 MiB): for type checkers and the client
 )
 
 _START_PATH = """

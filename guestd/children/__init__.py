@@ -20,7 +20,6 @@ from guestd.children.child import Child
 from guestd.children.launch import raise_fd_limit
 from guestd.children.records import ExitInfo, KilledBy, exit_info, run_figures, usage_between
 from guestd.children.spawner import DEVNULL, PIPE, STDOUT, Children
-from guestd.wire.types import RunFigures
 
 __all__ = [
     "DEVNULL",
@@ -30,7 +29,6 @@ __all__ = [
     "Children",
     "ExitInfo",
     "KilledBy",
-    "RunFigures",
     "WorkloadConfig",
     "exit_info",
     "raise_fd_limit",

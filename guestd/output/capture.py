@@ -12,15 +12,13 @@ import asyncio
 from collections import deque
 from typing import TYPE_CHECKING, NamedTuple
 
-from guestd.wire.types import CapturedOutput
-
 if TYPE_CHECKING:
     from guestd.output.spill import Spill
+    from guestd.wire.types import CapturedOutput
 
-
-# The result fields every output producer reports: the schema's captured_output group alone (closed, so
-# a reply spreads it with **).
-CapturedFields = CapturedOutput
+    # The result fields every output producer reports: the schema's captured_output group alone
+    # (closed, so a reply spreads it with **).
+    CapturedFields = CapturedOutput
 
 
 class OutputCapture:
