@@ -7,7 +7,8 @@ claimed kernel to the pool; guestd's stop ends a pool kernel mid-start.
 
 Kernels are made slow deterministically: guestd's environment (which every kernel inherits)
 puts a ``sitecustomize`` on PYTHONPATH that sleeps ``SLOW_START_S`` while the file ``SLOW_FLAG``
-exists; guestd itself starts before the flag is made.
+exists, and makes it exit at once while ``SLOW_FLAG.fail`` exists (unless the context's env has
+``FIXED``); guestd itself starts before the flags are made.
 """
 
 from __future__ import annotations
@@ -33,6 +34,8 @@ SITECUSTOMIZE = """import os, time
 flag = os.environ.get("SLOW_FLAG")
 if flag and os.path.exists(flag):
     time.sleep(float(os.environ.get("SLOW_START_S", "0")))
+if flag and os.path.exists(flag + ".fail") and "FIXED" not in os.environ:
+    os._exit(3)
 """
 KERNEL_MARK = "guestd.code.kernel"  # in the command line of guestd's own kernel
 
@@ -51,9 +54,14 @@ class PoolGuest:
         with open(self.flag, "w"):
             pass
 
+    def failing(self) -> None:
+        with open(self.flag + ".fail", "w"):
+            pass
+
     def fast(self) -> None:
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(self.flag)
+        for path in (self.flag, self.flag + ".fail"):
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(path)
 
     def kernels(self) -> set[int]:
         """The kernel processes under guestd now (starting, pooled or a context's)."""
@@ -231,4 +239,16 @@ def test_stopping_guestd_ends_a_pool_kernel_mid_start_and_its_waiting_create() -
 
         outcome = asyncio.run(wait_and_stop())
         assert outcome is not None, "a create got a context from a guestd that was stopping"
+        pg.fast()
+
+
+def test_a_create_whose_claimed_pool_kernel_fails_to_start_starts_its_own() -> None:
+    with pool_guest("--code-pool", "1") as pg:
+        pg.failing()  # every kernel without FIXED in its env exits at once: the pool's do
+        with pg.g.client() as c:
+            ctx = c.code_create(env={"FIXED": "1"}, deadline=120)  # claims the pool's first, then its own
+            assert not ctx.pooled
+            assert c.code_run("6 * 7", context=ctx.id).text == "42"
+            assert c.call("code.list")["pool_ready"] == 0  # the pool backs off after its failure
+        assert "pool kernel failed to start" in pg.g.log()
         pg.fast()
