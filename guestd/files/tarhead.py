@@ -13,6 +13,7 @@ from __future__ import annotations
 import functools
 import os
 import sys
+import zlib
 from collections.abc import Callable
 
 BLOCK = 512
@@ -33,7 +34,11 @@ _CHECKSUM_BASE = 8 * ord(" ") + sum(b"ustar\x0000")
 
 
 def _block(name: bytes, mode: int, uid: int, gid: int, size: int, mtime: int, kind: bytes, link: bytes) -> bytes:
-    checksum = _CHECKSUM_BASE + sum(b"%s%07o%07o%07o%011o%011o%s%s" % (name, mode, uid, gid, size, mtime, kind, link))
+    # The variable fields are at most 244 bytes (name and link at most 100 each), so their sum is
+    # at most 62,220 and adler32's low half, 1 + the sum mod 65,521, is 1 + the sum exactly:
+    # summed in C (sum() over the bytes was an eighth of the header's cost).
+    fields = b"%s%07o%07o%07o%011o%011o%s%s" % (name, mode, uid, gid, size, mtime, kind, link)
+    checksum = _CHECKSUM_BASE + (zlib.adler32(fields) & 0xFFFF) - 1
     return b"%s%07o\0%07o\0%07o\0%011o\0%011o\0%06o\0 %s%s%s" % (
         name.ljust(100, b"\0"),
         mode,
@@ -91,6 +96,8 @@ def header(
         block = _block(name, mode & 0o7777, uid, gid, size, mtime, kind, link)
         if not frac:
             return block
+        if _TEN_DIGITS <= mtime < 10 * _TEN_DIGITS:  # 2001 to 2286: a record of 30 bytes, made at once
+            return b"%s30 mtime=%d.%09d\n%s%s" % (_PAX_30, mtime, frac, _ZEROS[30:], block)
         record = _record(b"mtime", b"%d.%09d" % (mtime, frac))
         return _pax_block(len(record)) + record + _padding(len(record)) + block
     records: list[bytes] = []
@@ -133,6 +140,8 @@ def _padding(size: int) -> bytes:
 
 
 _ZEROS = bytes(BLOCK)
+_TEN_DIGITS = 10**9  # the first mtime of ten decimal digits
+_PAX_30 = _pax_block(30)  # the pax header block before a 30-byte record
 _ZERO_RUN = memoryview(bytes(64 * 1024))
 _HELD_ONLY_HERE = 2  # see Pieces._free_piece
 
