@@ -14,8 +14,8 @@ them side by side on a 2-CPU machine still shares the CPUs with the burst's own 
 every round, so a change is measured against its parent under the same load.
 
 Code pool under a burst (2026-12-03, 10 interleaved rounds, load average ~3 from other work on
-the 2 CPUs; "old" is the pool before a create could claim a starting pool kernel, 5bd6be0^;
-"one at a time" is the new pool with POOL_STARTS_AT_ONCE = 1):
+the 2 CPUs; "old" is the pool before a create could claim a starting pool kernel, guestd/code
+as at 5bd6be0^; "one at a time" is the new pool with POOL_STARTS_AT_ONCE = 1):
 
 | pool 2, bursts of 4 (cold create p50 681 ms) | new | old | one at a time |
 |---|---|---|---|
@@ -24,18 +24,19 @@ the 2 CPUs; "old" is the pool before a create could claim a starting pool kernel
 | creates a burst got from the pool (median) | 4 of 4 | 2 of 4 | 3 of 4 |
 | pool full again after the burst, p50 | 998 ms | 753 ms | 1484 ms |
 
-| pool 1, bursts of 3 (the shipped pool size) | new | old |
+| pool 1, bursts of 3 (the shipped pool size; 15 rounds, load ~4.8, cold p50 687 ms) | new | old |
 |---|---|---|
-| create in a burst p50 / p99 | 867 / 1799 ms | 1196 / 1605 ms |
-| whole burst done p50 / p99 | 1054 / 1800 ms | 1431 / 1606 ms |
+| create in a burst p50 / p99 | 739 / 1815 ms | 1051 / 2916 ms |
+| whole burst done p50 / p99 | 924 / 1815 ms | 1097 / 2916 ms |
 | creates a burst got from the pool (median) | 2 of 3 | 1 of 3 |
-| pool full again after the burst, p50 | 752 ms | 1 ms |
+| pool full again after the burst, p50 | 701 ms | 1 ms |
 
 The old pool refilled during the burst (its kernels started beside the creates' cold ones, so it
 was full again at once but every create waited longer); the new one refills after the creates
-have their kernels: a burst is done ~25% sooner, and the burst plus its refill take about as
-long as before (2.08 vs 2.13 s at pool 2). Two pool starts side by side refill a pool of 2 a
-third sooner than one after another, with the same create times.
+have their kernels: a create's p50 is 28-30% lower, a whole burst is done 16-21% sooner, and
+the burst plus its refill take about as long as before (2.08 vs 2.13 s at pool 2). Two pool
+starts side by side refill a pool of 2 a third sooner than one after another, with the same
+create times.
 """
 
 from __future__ import annotations
