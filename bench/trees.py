@@ -141,13 +141,16 @@ def measure_trees(where: str | None, rounds: int) -> list[str]:
             src = make_checkout(top)
             files, size = tree_size(src)
 
-            def timed(transfer: Callable[[], None]) -> tuple[float, float]:
-                """Wall seconds and CPU seconds (guestd + this client, or tar + cat) of one transfer."""
-                cpu0 = process_cpu(g.proc.pid) + own_cpu() + children_cpu()
+            def timed(transfer: Callable[[], None]) -> tuple[float, float, float]:
+                """Wall seconds, CPU seconds (guestd + this client, or tar + cat) and guestd's share
+                of them, of one transfer."""
+                guestd0 = process_cpu(g.proc.pid)
+                cpu0 = guestd0 + own_cpu() + children_cpu()
                 t0 = time.perf_counter()
                 transfer()
                 wall = time.perf_counter() - t0
-                return wall, process_cpu(g.proc.pid) + own_cpu() + children_cpu() - cpu0
+                guestd1 = process_cpu(g.proc.pid)
+                return wall, guestd1 + own_cpu() + children_cpu() - cpu0, guestd1 - guestd0
 
             def up_guestd() -> None:
                 n[0] += 1
@@ -164,7 +167,7 @@ def measure_trees(where: str | None, rounds: int) -> list[str]:
             def down_floor() -> None:
                 tar_through_socket(f"{ws}/up1", ["cat"])
 
-            runs: dict[str, list[tuple[float, float]]] = {"up_g": [], "up_f": [], "down_g": [], "down_f": []}
+            runs: dict[str, list[tuple[float, float, float]]] = {"up_g": [], "up_f": [], "down_g": [], "down_f": []}
             for _ in range(rounds):  # interleaved
                 for key, transfer in (
                     ("up_g", up_guestd),
@@ -175,15 +178,16 @@ def measure_trees(where: str | None, rounds: int) -> list[str]:
                     runs[key].append(timed(transfer))
             for label, key in (("tree upload", "up"), ("tree download", "down")):
                 guest_runs, floor_runs = runs[f"{key}_g"], runs[f"{key}_f"]
-                guest = statistics.median(w for w, _ in guest_runs)
-                floor = statistics.median(w for w, _ in floor_runs)
-                ratios = sorted(f / g_ for (g_, _), (f, _) in zip(guest_runs, floor_runs, strict=True))
-                guest_cpu = statistics.median(c_ for _, c_ in guest_runs)
-                floor_cpu = statistics.median(c_ for _, c_ in floor_runs)
+                guest = statistics.median(w for w, _, _ in guest_runs)
+                floor = statistics.median(w for w, _, _ in floor_runs)
+                ratios = sorted(f / g_ for (g_, _, _), (f, _, _) in zip(guest_runs, floor_runs, strict=True))
+                guest_cpu = statistics.median(c_ for _, c_, _ in guest_runs)
+                guestd_cpu = statistics.median(d for _, _, d in guest_runs)
+                floor_cpu = statistics.median(c_ for _, c_, _ in floor_runs)
                 rows.append(
                     f"| {label} ({files} entries, {size / MB:.0f} MB, {fs_type(top)}) | {files / floor:,.0f} files/s, "
                     f"{size / MB / floor:,.0f} MB/s; CPU {floor_cpu:.2f} s | {files / guest:,.0f} files/s, "
-                    f"{size / MB / guest:,.0f} MB/s; CPU {guest_cpu:.2f} s "
+                    f"{size / MB / guest:,.0f} MB/s; CPU {guest_cpu:.2f} s (guestd {guestd_cpu:.2f}) "
                     f"| {floor / guest:.0%} (rounds {ratios[0]:.0%}-{ratios[-1]:.0%}; "
                     f"CPU {floor_cpu / guest_cpu:.0%}) |"
                 )
@@ -267,6 +271,12 @@ def main() -> None:
         default=None,
         help="where the trees go (default: the system's temp directory, and /dev/shm too when it exists)",
     )
+    ap.add_argument(
+        "--note",
+        action="append",
+        default=[],
+        help="a paragraph for TREES.md (what else ran on the machine, earlier figures); repeatable",
+    )
     ns = ap.parse_args()
     load_before = os.getloadavg()[0]  # other work on the machine skews every figure: stated with them
     rows: list[str] = []
@@ -287,7 +297,8 @@ def main() -> None:
             f"Trees: {ns.rounds} interleaved rounds against `tar -c | unix socket | tar -x` (upload) and",
             "`tar -c | unix socket | cat` (download): medians of each side and the ratio of the medians, the",
             "range of the rounds' own ratios, and CPU seconds (guestd's process and the client; tar and cat),",
-            "in the system's temp directory and in tmpfs (the file system type is in each row).",
+            "in the system's temp directory and in tmpfs (the file system type is in each row); guestd's",
+            "own share of the CPU in brackets.",
             "Grep: best of 3 against `rg` run directly (the printer guestd asks rg for, into a pipe; guestd:",
             "rg as a workload process, each line an event to the client).",
             "",
@@ -295,6 +306,7 @@ def main() -> None:
             "|---|---|---|---|",
             *rows,
             "",
+            *(line for note in ns.note for line in (note, "")),
         ]
     )
     if not ns.grep_only and not ns.trees_only:
