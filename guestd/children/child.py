@@ -70,9 +70,14 @@ class Child:
         if on_exit is not None:
             self._exit_callbacks.append(on_exit)
         if self._exit_watch is None and self.status is None:
-            loop = asyncio.get_running_loop()
-            self._exit_watch = ExitWatch(loop, self.pid, self._on_exit_ready, poll_s, pidfd=self._pidfd)
+            # Reaped now when it has exited already (a short command often has by the time its
+            # spawn is collected): no watch is added to the loop and taken off again. Else the
+            # watch: a pidfd stays readable once the process has exited, so an exit between the
+            # two is seen at once.
             self._on_exit_ready()
+            if self.status is None:
+                loop = asyncio.get_running_loop()
+                self._exit_watch = ExitWatch(loop, self.pid, self._on_exit_ready, poll_s, pidfd=self._pidfd)
 
     def _on_exit_ready(self) -> None:
         if self.status is not None:

@@ -89,9 +89,13 @@ class Children:
         self._done_fd: int | None = None  # the native spawn threads' eventfd, watched by the loop
         self._null_fd: int | None = None
         self._counter = 0
+        # With the counter, a run's id: unique among this guestd's runs and (random per guestd)
+        # apart from those of an earlier guestd that had the same pid (its leaves may remain).
+        self._run_tag = os.urandom(4).hex()
         # Spawns in flight: their pids are not tracked yet, so the orphan sweep must wait
         # (it would reap them as orphans and their owners would see status 255).
         self._spawning = 0
+        self._sweep_soon = False  # a reaper sweep is scheduled (reaped)
         self._watchdog: asyncio.Task[None] | None = None
         self.closing = False
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -149,7 +153,7 @@ class Children:
         if self.closing:
             raise GuestdError(ErrorCode.UNAVAILABLE, "guestd is stopping", details={"stage": "spawn"})
         self._counter += 1
-        run_id = f"{self._counter}-{os.urandom(4).hex()}"
+        run_id = f"{self._counter}-{self._run_tag}"
         order = SpawnOrder(argv, kind, run_id, env, cwd, stdin, stdout, stderr, pty, extra_fds, user)
         if self.native is not None:
             try:
@@ -346,8 +350,16 @@ class Children:
     # -- bookkeeping ------------------------------------------------------------------------
     def reaped(self, child: Child) -> None:
         self.reaper.tracked.discard(child.pid)
+        if self.reaper.enabled and not self._sweep_soon:
+            # A sweep may have stopped at this child while it was unreaped: one runs after the
+            # callbacks of this exit (an exec's reply goes out first), once for a burst of exits.
+            self._sweep_soon = True
+            asyncio.get_running_loop().call_soon(self._sweep_after_exits)
+
+    def _sweep_after_exits(self) -> None:
+        self._sweep_soon = False
         if self.reaper.enabled and not self._spawning:
-            self.reaper.sweep()  # a sweep may have stopped at this child while it was unreaped
+            self.reaper.sweep()
 
     def retire(self, child: Child) -> None:
         """The run is over for guestd: its leaf is removed now, or once its last process is gone."""

@@ -64,12 +64,16 @@ class ExecRun:
         # more than it saves for the short commands agents mostly run.
         child, rings = self.child, self.rings
         assert child.stdout is not None
-        self.output.add("stdout", child.stdout, 1, (rings[1],) if rings is not None else ())
-        if child.stderr is not None:  # none with merge_stderr: both streams in stdout's pipe
-            self.output.add("stderr", child.stderr, 2, (rings[2],) if rings is not None else ())
         child.watch(self._settle, poll_s=0.01)
         if not child.running:
             self._settle()
+        # A command that has exited already (most short ones, by the time their spawn is
+        # collected) has its output read here and now, to its end unless something it left
+        # behind holds the pipes. Not when streaming: the started event goes out first.
+        read_now = not child.running and not self.stream
+        self.output.add("stdout", child.stdout, 1, (rings[1],) if rings is not None else (), read_now=read_now)
+        if child.stderr is not None:  # none with merge_stderr: both streams in stdout's pipe
+            self.output.add("stderr", child.stderr, 2, (rings[2],) if rings is not None else (), read_now=read_now)
         if self.args["timeout_s"] is not None:
             self.handles.append(self.loop.call_later(self.args["timeout_s"], self._fire_timeout, "wall"))
         if self.args["idle_timeout_s"] is not None:

@@ -102,11 +102,21 @@ class OutputPump:
         self._ended: asyncio.Future[None] | None = None  # wait_ended's, set when no source is left
 
     # -- sources ---------------------------------------------------------------------------
-    def add(self, name: str, fd: int, channel: int, taps: tuple[Tap, ...] = ()) -> None:
-        """Read ``fd`` from now on (unless paused: then from the resume on)."""
+    def add(self, name: str, fd: int, channel: int, taps: tuple[Tap, ...] = (), *, read_now: bool = False) -> None:
+        """Read ``fd`` from now on (unless paused: then from the resume on). ``read_now``: read
+        what it holds at once, at most ``drain_reads`` times, and watch it only when it has not
+        ended (the process has exited: its pipes are mostly at their end already, and a watch
+        would cost a loop turn and two changes of the loop's poll set)."""
         source = self.sources[name] = _Source(name, fd, channel, taps)
-        if not self.paused and not self.closed:
-            self.loop.add_reader(fd, self._read, source)
+        if self.paused or self.closed:
+            return
+        if read_now:
+            for _ in range(self.drain_reads):
+                if not self._read(source):
+                    break
+            if self.sources.get(name) is not source or self.paused or self.closed:
+                return  # ended (never watched), or a streaming client is behind (resume adds it)
+        self.loop.add_reader(fd, self._read, source)
 
     def remove(self, name: str) -> int | None:
         """Read ``name`` no more; its fd, which stays open (its owner closes or hands it on)."""
