@@ -187,10 +187,18 @@ def test_runs_on_one_context_are_queued_in_order(kg: Guestd) -> None:
     asyncio.run(go())
 
 
-def test_pooled_context_gets_cwd_and_env_and_pool_refills(c: Client, tmp_path: object) -> None:
+def wait_pool_ready(c: Client) -> None:
+    """Bounded: the pool holds a kernel (it starts on the module guestd's first code op)."""
+    c.code_close(c.code_create().id)
     deadline = time.monotonic() + 60
     while c.call("code.list")["pool_ready"] < 1 and time.monotonic() < deadline:
         time.sleep(0.2)
+    assert c.call("code.list")["pool_ready"] == 1
+
+
+def test_pooled_context_gets_cwd_and_env_and_pool_refills(c: Client, tmp_path: object) -> None:
+    wait_pool_ready(c)
+    deadline = time.monotonic() + 60
     ctx = c.code_create(cwd=str(tmp_path), env={"GUESTD_T": "yes"})
     assert ctx.pooled
     r = c.code_run("import os\n(os.getcwd(), os.environ['GUESTD_T'])", context=ctx.id)
@@ -200,6 +208,24 @@ def test_pooled_context_gets_cwd_and_env_and_pool_refills(c: Client, tmp_path: o
     assert c.call("code.list")["pool_ready"] == 1
     c.code_close(ctx.id)
     assert wait_gone([ctx.pid]) == []
+
+
+def test_a_create_whose_env_acts_at_interpreter_start_gets_its_own_kernel(c: Client, tmp_path: object) -> None:
+    """PYTHONPATH set inside an already running pooled kernel would do nothing: such a create
+    starts its own kernel with it, so the module on that path imports."""
+    lib = os.path.join(str(tmp_path), "lib")
+    os.makedirs(lib)
+    with open(os.path.join(lib, "only_on_this_path.py"), "w") as f:
+        f.write("VALUE = 41 + 1\n")
+    os.chmod(str(tmp_path), 0o755)
+    wait_pool_ready(c)
+    ctx = c.code_create(env={"PYTHONPATH": lib})
+    try:
+        assert not ctx.pooled
+        assert c.code_run("import only_on_this_path\nonly_on_this_path.VALUE", context=ctx.id).text == "42"
+    finally:
+        c.code_close(ctx.id)
+    assert c.call("code.list")["pool_ready"] == 1  # the ready pool kernel was left for the next create
 
 
 def test_bad_cwd_and_limits(c: Client) -> None:

@@ -33,6 +33,14 @@ POOL_STARTS_AT_ONCE = 2
 DEFAULT_CONTEXT = "default"
 
 
+def read_at_interpreter_start(env: dict[str, str] | None) -> list[str]:
+    """The variables of ``env`` that act only when a process starts: Python's own (``PYTHONPATH``,
+    ``PYTHONHOME``, ...) and the dynamic loader's (``LD_PRELOAD``, ``LD_LIBRARY_PATH``). A pooled
+    kernel is already running, so setting them in it would be silently without effect: such a
+    create starts its own kernel with them."""
+    return sorted(k for k in env or {} if k.startswith(("PYTHON", "LD_")))
+
+
 @dataclass(eq=False)
 class _Coming:
     """A pool kernel being started, and the create that claimed it (its future gets the kernel
@@ -98,12 +106,14 @@ class Contexts(NamedTable[CodeContext]):
         ctx = CodeContext(self, cid, name, cwd, env, spec, StartWait(start_timeout_s))
         try:
             with self.reserved(ctx):
-                pooled = self._take_pooled() if spec is None else None  # the pool holds guestd's kernels only
+                # The pool holds guestd's own kernels, started without the create's env.
+                poolable = spec is None and not read_at_interpreter_start(env)
+                pooled = self._take_pooled() if poolable else None
                 if pooled is not None:
                     was_pooled = await ctx.start_kernel(pooled)
                 else:
                     with self._waiting_for_kernel():
-                        if spec is None:
+                        if poolable:
                             pooled = await self._take_coming(ctx)
                         was_pooled = await ctx.start_kernel(pooled)
         except BaseException:  # out of the table by now: no one finds the context while its kernel ends
