@@ -106,7 +106,7 @@ def compose(server: Assembly) -> None:
 
 
 def _writes_left_behind(services: Services) -> bool:
-    """Records of another guestd's writes in progress in the runtime dir (files.fs.PendingTemps)."""
+    """Records of another guestd's writes in progress in the runtime dir (files.temps.PendingTemps)."""
     try:
         owners = os.listdir(os.path.join(services.runtime_dir(), PENDING_WRITES))
     except OSError:

@@ -202,24 +202,6 @@ def derive(entropy: bytes, label: str, n: int = 32) -> bytes:
     return hashlib.blake2b(entropy, digest_size=n, person=b"guestd-restore", salt=label.encode()[:16]).digest()
 
 
-async def reseed_each(items: list[Any], give_seed: Callable[[Any], None]) -> tuple[list[str], list[str], list[str]]:
-    """After a restore: ``give_seed`` to each item (a shell session or a code context: ``id``,
-    ``lock``, ``apply_pending_seed``), applied now where idle, else before its next run.
-    Returns (reseeded ids, pending ids, errors)."""
-    done: list[str] = []
-    pending: list[str] = []
-    jobs = []
-    for item in items:
-        give_seed(item)
-        if item.lock.locked():
-            pending.append(item.id)
-        else:
-            jobs.append(item.apply_pending_seed())
-            done.append(item.id)
-    results = await asyncio.gather(*jobs, return_exceptions=True)
-    return done, pending, [repr(r) for r in results if isinstance(r, BaseException)]
-
-
 class ChangeFeed(Protocol):
     """Changes under the workspace (the files capability provides it; exec and shell.run use
     it for ``report_changes``): a cursor now, and the report of what changed since one."""

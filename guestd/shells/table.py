@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 import os
 
-from guestd.services import derive, reseed_each
+from guestd.services import derive
 from guestd.shells.session import Session
 from guestd.tables import NamedTable
 from guestd.wire.errors import ErrorCode, GuestdError
@@ -50,5 +50,16 @@ class Shells(NamedTable[Session]):
         def give(s: Session) -> None:
             s.pending_seed = int.from_bytes(derive(entropy, "sh:" + s.id, 4), "big") & 0x7FFF_FFFF
 
-        done, pending, errors = await reseed_each(list(self.by_id.values()), give)
+        done: list[str] = []
+        pending: list[str] = []
+        applying = []
+        for s in self.by_id.values():
+            give(s)
+            if s.lock.locked():  # a command runs: its session takes the seed before the next one
+                pending.append(s.id)
+            else:
+                applying.append(s.apply_pending_seed())
+                done.append(s.id)
+        results = await asyncio.gather(*applying, return_exceptions=True)
+        errors = [repr(r) for r in results if isinstance(r, BaseException)]
         return {"shells_reseeded": done, "shells_pending": pending, "reseed_errors": errors}
