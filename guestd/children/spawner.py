@@ -354,7 +354,7 @@ class Children:
             # A sweep may have stopped at this child while it was unreaped: one runs after the
             # callbacks of this exit (an exec's reply goes out first), once for a burst of exits.
             self._sweep_soon = True
-            asyncio.get_running_loop().call_soon(self._sweep_after_exits)
+            (self._loop or asyncio.get_running_loop()).call_soon(self._sweep_after_exits)
 
     def _sweep_after_exits(self) -> None:
         self._sweep_soon = False
