@@ -1129,7 +1129,8 @@ CODE_OPS: tuple[OpSpec, ...] = (
                 "the longest wait for the kernel to start, this one and the context's restarts (a kernel not ready "
                 "by then is ended, and the create fails unavailable, details.reason start_timeout); nil: guestd "
                 "waits while the kernel makes progress (uses CPU or reads), gives up after 30 s without any "
-                "(details.reason no_progress) and after 300 s in all. A ready pooled kernel is already started; one of the pool still starting is waited for at most this long",
+                "(details.reason no_progress) and after 300 s in all. A ready pooled kernel is already started; "
+                "one of the pool still starting is waited for at most this long",
                 gt=0,
                 le=600,
             ),
