@@ -350,12 +350,10 @@ def test_generated_types_through_their_group_bases_are_each_message_with_its_req
 
 
 def test_a_message_has_a_group_whole_and_a_group_has_one_shape() -> None:
-    from dataclasses import replace
-
     from guestd.wire.schema import GROUPS, F, Group, groups_of
 
     figures = GROUPS["run_figures"].fields
-    untagged = tuple(replace(f, group=None) for f in figures)
+    untagged = tuple(f.with_group(None) for f in figures)
     assert groups_of("whole", (F("pid", "int", "", True), *figures)) == ("run_figures",)
     with pytest.raises(AssertionError, match="part of group run_figures"):
         groups_of("part", figures[:2])

@@ -35,8 +35,7 @@ from __future__ import annotations
 import re
 import sys
 from collections.abc import Callable, Iterator, Mapping
-from dataclasses import dataclass, field, replace
-from typing import Any
+from typing import Any, Final
 
 from guestd.wire.errors import ErrorCode, GuestdError, limit_error
 
@@ -50,27 +49,91 @@ RESPONSE_OR_ERROR = "response_or_error"
 ERROR_ONLY = "error_only"
 
 
-@dataclass(frozen=True, slots=True)  # hundreds of them live in guestd: no per-field __dict__
 class F:
     """One field of a message, with the constraints every receiver enforces.
 
     ``gt``/``ge``/``le`` bound numbers (exclusive / inclusive), ``min_len`` bounds the
     length of a str, bin or list, and ``le_limit`` names a configured limit (an attribute
     of guestd's ``Limits``, reported in the hello) that the value may not exceed.
+
+    A plain class with slots rather than a dataclass: hundreds of them live in guestd and are
+    made at import, on the start path, where a dataclass's generated methods and frozen
+    ``__init__`` cost several ms (issue 34). Immutable by contract (``Final``, checked by mypy);
+    equality, hash and repr are a frozen dataclass's (``group`` takes no part in them).
     """
 
-    name: str
-    type: str
-    doc: str
-    required: bool = False
-    default: Any = None
-    gt: float | None = None
-    ge: float | None = None
-    le: float | None = None
-    min_len: int | None = None
-    le_limit: str | None = None
-    # The Group this field belongs to (set by Group; not on the wire).
-    group: str | None = field(default=None, compare=False, repr=False)
+    __slots__ = ("default", "doc", "ge", "group", "gt", "le", "le_limit", "min_len", "name", "required", "type")
+
+    def __init__(
+        self,
+        name: str,
+        type: str,
+        doc: str,
+        required: bool = False,
+        default: Any = None,
+        gt: float | None = None,
+        ge: float | None = None,
+        le: float | None = None,
+        min_len: int | None = None,
+        le_limit: str | None = None,
+        group: str | None = None,
+    ) -> None:
+        self.name: Final = name
+        self.type: Final = type
+        self.doc: Final = doc
+        self.required: Final = required
+        self.default: Final = default
+        self.gt: Final = gt
+        self.ge: Final = ge
+        self.le: Final = le
+        self.min_len: Final = min_len
+        self.le_limit: Final = le_limit
+        # The Group this field belongs to (set by Group; not on the wire).
+        self.group: Final = group
+
+    def _key(self) -> tuple[Any, ...]:
+        return (
+            self.name,
+            self.type,
+            self.doc,
+            self.required,
+            self.default,
+            self.gt,
+            self.ge,
+            self.le,
+            self.min_len,
+            self.le_limit,
+        )
+
+    def __eq__(self, other: object) -> bool:
+        if other.__class__ is not self.__class__:
+            return NotImplemented
+        assert isinstance(other, F)
+        return self._key() == other._key()
+
+    def __hash__(self) -> int:
+        return hash(self._key())
+
+    def __repr__(self) -> str:
+        return _repr(self, F._REPR)
+
+    _REPR = ("name", "type", "doc", "required", "default", "gt", "ge", "le", "min_len", "le_limit")
+
+    def with_group(self, group: str | None) -> F:
+        """This field, as a member of ``group`` (None: of none)."""
+        return F(
+            self.name,
+            self.type,
+            self.doc,
+            self.required,
+            self.default,
+            self.gt,
+            self.ge,
+            self.le,
+            self.min_len,
+            self.le_limit,
+            group,
+        )
 
     def to_json(self) -> dict[str, Any]:
         out: dict[str, Any] = {"type": self.type, "required": self.required, "doc": self.doc}
@@ -98,32 +161,49 @@ class F:
         return ", ".join(parts)
 
 
+def _repr(obj: object, names: tuple[str, ...]) -> str:
+    """A dataclass's repr: ``Class(name=value, ...)``."""
+    inner = ", ".join(f"{name}={getattr(obj, name)!r}" for name in names)
+    return f"{type(obj).__qualname__}({inner})"
+
+
 # Every group by name, in the order they are declared (the generator's order).
 GROUPS: dict[str, Group] = {}
 
 
-@dataclass(frozen=True)
 class Group:
     """Fields several messages share, under one name: splice them into each with ``*GROUP``.
 
     Each message that has one field of a group has them all (checked when the schema loads).
     Two groups may share a name when they differ only in their docs (``captured_output`` says
     whose output it is); names, types and required-ness are the group's and must agree. A
-    field belongs to one group at most (no nesting).
+    field belongs to one group at most (no nesting). (A plain class for the reason F is one.)
     """
 
-    name: str
-    doc: str
-    fields: tuple[F, ...]
+    __slots__ = ("doc", "fields", "name")
 
-    def __post_init__(self) -> None:
-        for f in self.fields:
+    def __init__(self, name: str, doc: str, fields: tuple[F, ...]) -> None:
+        for f in fields:
             if f.group is not None:
-                raise AssertionError(f"group {self.name}: field {f.name} is already in group {f.group}")
-        object.__setattr__(self, "fields", tuple(replace(f, group=self.name) for f in self.fields))
-        first = GROUPS.setdefault(self.name, self)
+                raise AssertionError(f"group {name}: field {f.name} is already in group {f.group}")
+        self.name: Final = name
+        self.doc: Final = doc
+        self.fields: Final = tuple(f.with_group(name) for f in fields)
+        first = GROUPS.setdefault(name, self)
         if first.shape() != self.shape() or first.doc != self.doc:
             raise AssertionError(f"group {self.name} is declared twice with different fields or doc")
+
+    def __eq__(self, other: object) -> bool:
+        if other.__class__ is not self.__class__:
+            return NotImplemented
+        assert isinstance(other, Group)
+        return (self.name, self.doc, self.fields) == (other.name, other.doc, other.fields)
+
+    def __hash__(self) -> int:
+        return hash((self.name, self.doc, self.fields))
+
+    def __repr__(self) -> str:
+        return _repr(self, ("name", "doc", "fields"))
 
     def __iter__(self) -> Iterator[F]:
         return iter(self.fields)
@@ -134,39 +214,87 @@ class Group:
 
 def groups_of(where: str, fields: tuple[F, ...]) -> tuple[str, ...]:
     """The groups a message has, in the order of their first field; each one whole."""
-    names = {f.name for f in fields}
     out = tuple(dict.fromkeys(f.group for f in fields if f.group is not None))
-    for name in out:
-        missing = [f.name for f in GROUPS[name].fields if f.name not in names]
-        if missing:
-            raise AssertionError(f"{where}: has part of group {name} but not {', '.join(missing)}")
+    if out:
+        names = {f.name for f in fields}
+        for name in out:
+            missing = [f.name for f in GROUPS[name].fields if f.name not in names]
+            if missing:
+                raise AssertionError(f"{where}: has part of group {name} but not {', '.join(missing)}")
     return out
 
 
-@dataclass(frozen=True)
 class OpSpec:
-    name: str
-    capability: str
-    doc: str
-    args: tuple[F, ...] = ()
-    result: tuple[F, ...] = ()
-    events: tuple[F, ...] = ()  # fields of EVENT frames, when the op streams
-    input: tuple[F, ...] = ()  # fields of INPUT frames the op accepts
-    errors: tuple[str, ...] = ()
-    # Cross-field rules on args: exactly one of each group given / at most one of each group given
-    # ("given" = not nil and not false).
-    one_of: tuple[tuple[str, ...], ...] = ()
-    exclusive: tuple[tuple[str, ...], ...] = ()
-    # What may end a request of this op: "response_or_error", or "error_only" for an op that runs
-    # until cancelled (file.watch): it never sends a RESPONSE, its final frame is always an ERROR.
-    final: str = RESPONSE_OR_ERROR
-    # Bool args of which one must be true for the op to send any EVENT (exec's stream); empty:
-    # events whenever the op has them.
-    events_when: tuple[str, ...] = ()
-    fields_by_name: dict[str, F] = field(default_factory=dict, compare=False, repr=False)
+    """One op: its args, result, EVENT and INPUT fields, errors and rules. (A plain class for the
+    reason F is one; equality, hash and repr are a frozen dataclass's, ``fields_by_name`` apart.)"""
 
-    def __post_init__(self) -> None:
-        self.fields_by_name.update({f.name: f for f in self.args})
+    __slots__ = (
+        "args",
+        "capability",
+        "doc",
+        "errors",
+        "events",
+        "events_when",
+        "exclusive",
+        "fields_by_name",
+        "final",
+        "input",
+        "name",
+        "one_of",
+        "result",
+    )
+    _COMPARED = (
+        "name",
+        "capability",
+        "doc",
+        "args",
+        "result",
+        "events",
+        "input",
+        "errors",
+        "one_of",
+        "exclusive",
+        "final",
+        "events_when",
+    )
+
+    def __init__(
+        self,
+        name: str,
+        capability: str,
+        doc: str,
+        args: tuple[F, ...] = (),
+        result: tuple[F, ...] = (),
+        events: tuple[F, ...] = (),
+        input: tuple[F, ...] = (),
+        errors: tuple[str, ...] = (),
+        one_of: tuple[tuple[str, ...], ...] = (),
+        exclusive: tuple[tuple[str, ...], ...] = (),
+        final: str = RESPONSE_OR_ERROR,
+        events_when: tuple[str, ...] = (),
+    ) -> None:
+        self.name: Final = name
+        self.capability: Final = capability
+        self.doc: Final = doc
+        self.args: Final = args
+        self.result: Final = result
+        self.events: Final = events  # fields of EVENT frames, when the op streams
+        self.input: Final = input  # fields of INPUT frames the op accepts
+        self.errors: Final = errors
+        # Cross-field rules on args: exactly one of each group given / at most one of each group given
+        # ("given" = not nil and not false).
+        self.one_of: Final = one_of
+        self.exclusive: Final = exclusive
+        # What may end a request of this op: "response_or_error", or "error_only" for an op that runs
+        # until cancelled (file.watch): it never sends a RESPONSE, its final frame is always an ERROR.
+        self.final: Final = final
+        # Bool args of which one must be true for the op to send any EVENT (exec's stream); empty:
+        # events whenever the op has them.
+        self.events_when: Final = events_when
+        self.fields_by_name: Final[dict[str, F]] = {f.name: f for f in args}
+        self._check()
+
+    def _check(self) -> None:
         if self.final not in (RESPONSE_OR_ERROR, ERROR_ONLY):
             raise AssertionError(f"{self.name}: final must be {RESPONSE_OR_ERROR} or {ERROR_ONLY}")
         if self.final == ERROR_ONLY and self.result:
@@ -183,6 +311,21 @@ class OpSpec:
         groups_of(f"{self.name} result", self.result)
         groups_of(f"{self.name} events", self.events)
         groups_of(f"{self.name} input", self.input)
+
+    def _key(self) -> tuple[Any, ...]:
+        return tuple(getattr(self, name) for name in OpSpec._COMPARED)
+
+    def __eq__(self, other: object) -> bool:
+        if other.__class__ is not self.__class__:
+            return NotImplemented
+        assert isinstance(other, OpSpec)
+        return self._key() == other._key()
+
+    def __hash__(self) -> int:
+        return hash(self._key())
+
+    def __repr__(self) -> str:
+        return _repr(self, OpSpec._COMPARED)
 
     def sends_events(self, args: Mapping[str, Any]) -> bool:
         """Whether a request with these args may receive EVENT frames."""
