@@ -24,11 +24,12 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Awaitable, Callable, Mapping
 from types import MappingProxyType
-from typing import Any, NamedTuple, Protocol
+from typing import Any, Final, Protocol
 
 from guestd.server.dispatch import Dispatcher, Route
 from guestd.server.request import Handler, RequestContext
 from guestd.wire.paths import path_from_wire
+from guestd.wire.record import Record
 
 BULK_REPLIES = 4  # replies held whole in memory (file.read, <= limits.max_read each) built at once per connection
 
@@ -54,11 +55,16 @@ HelloHook = Callable[[Mapping[str, Any]], None]
 Admitted = tuple[Route, Handler, Gate | None]
 
 
-class Step(NamedTuple):  # not a frozen dataclass: that compiles 5 methods at every start
-    name: str
-    check: Check | None = None
-    wrap: Wrap | None = None
-    before_route: bool = False
+class Step(Record):  # not a frozen dataclass or NamedTuple: declared at every start (issue 34)
+    __slots__ = ("before_route", "check", "name", "wrap")
+
+    def __init__(
+        self, name: str, check: Check | None = None, wrap: Wrap | None = None, before_route: bool = False
+    ) -> None:
+        self.name: Final = name
+        self.check: Final = check
+        self.wrap: Final = wrap
+        self.before_route: Final = before_route
 
 
 class _Both:

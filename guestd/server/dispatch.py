@@ -8,21 +8,31 @@ first reply, idle memory)."""
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
-from typing import Any, NamedTuple
+from typing import Any, Final
 
 from guestd.server.request import Handler
 from guestd.wire.errors import ErrorCode, GuestdError
+from guestd.wire.record import Record
 from guestd.wire.schema import OPS_BY_NAME, OpSpec
 
 Result = Mapping[str, Any]
 InlineHandler = Callable[[Any], Result]
 
 
-class Route(NamedTuple):  # not a frozen dataclass: that compiles 5 methods at every start
-    spec: OpSpec
-    handler: Handler | None = None
-    inline: InlineHandler | None = None  # cheap, non-blocking: answered inside data_received
-    bulk_reply: bool = False  # the reply is built whole in memory (up to a limit): built a few at a time
+class Route(Record):  # not a frozen dataclass or NamedTuple: declared at every start (issue 34)
+    __slots__ = ("bulk_reply", "handler", "inline", "spec")
+
+    def __init__(
+        self,
+        spec: OpSpec,
+        handler: Handler | None = None,
+        inline: InlineHandler | None = None,
+        bulk_reply: bool = False,
+    ) -> None:
+        self.spec: Final = spec
+        self.handler: Final = handler
+        self.inline: Final = inline  # cheap, non-blocking: answered inside data_received
+        self.bulk_reply: Final = bulk_reply  # the reply is built whole in memory (up to a limit): built a few at a time
 
 
 class Dispatcher:

@@ -12,23 +12,36 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from types import SimpleNamespace
-from typing import TYPE_CHECKING, Any, NamedTuple
+from typing import TYPE_CHECKING, Any, Final
 
 from guestd import __version__
 from guestd.config import DEFAULT_VSOCK_PORT
+from guestd.wire.record import Record
 
 if TYPE_CHECKING:
     import argparse
 
 
-class Option(NamedTuple):
-    flag: str
-    help: str | None = None
-    convert: Callable[[str], Any] = str  # what argparse calls type=
-    default: Any = None
-    switch: bool = False  # takes no value (store_true)
-    repeat: bool = False  # each use appends (action="append")
-    metavar: str | None = None
+class Option(Record):  # a Record, not a NamedTuple: declared on the start path (issue 34)
+    __slots__ = ("convert", "default", "flag", "help", "metavar", "repeat", "switch")
+
+    def __init__(
+        self,
+        flag: str,
+        help: str | None = None,
+        convert: Callable[[str], Any] = str,
+        default: Any = None,
+        switch: bool = False,
+        repeat: bool = False,
+        metavar: str | None = None,
+    ) -> None:
+        self.flag: Final = flag
+        self.help: Final = help
+        self.convert: Final = convert  # what argparse calls type=
+        self.default: Final = default
+        self.switch: Final = switch  # takes no value (store_true)
+        self.repeat: Final = repeat  # each use appends (action="append")
+        self.metavar: Final = metavar
 
     @property
     def dest(self) -> str:

@@ -16,10 +16,11 @@ import os
 import socket
 import stat
 from collections.abc import Callable, Set
-from typing import TYPE_CHECKING, Any, NamedTuple
+from typing import TYPE_CHECKING, Any, Final
 
 from guestd.config import DEFAULT_VSOCK_PORT
 from guestd.server.connection import Connection
+from guestd.wire.record import Record
 
 if TYPE_CHECKING:
     from guestd.server.host import ConnectionHost
@@ -32,10 +33,13 @@ LOW_WATER = 512 * 1024
 SERIAL_POLL_S = 0.05
 
 
-class ListenAddress(NamedTuple):  # not a frozen dataclass: that compiles 5 methods at every start
-    scheme: str  # unix | vsock | serial
-    path: str = ""
-    port: int = 0
+class ListenAddress(Record):  # not a frozen dataclass or NamedTuple: declared at every start (issue 34)
+    __slots__ = ("path", "port", "scheme")
+
+    def __init__(self, scheme: str, path: str = "", port: int = 0) -> None:
+        self.scheme: Final = scheme  # unix | vsock | serial
+        self.path: Final = path
+        self.port: Final = port
 
     def __str__(self) -> str:
         return f"vsock:{self.port}" if self.scheme == "vsock" else f"{self.scheme}:{self.path}"

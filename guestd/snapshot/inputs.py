@@ -5,9 +5,10 @@ from __future__ import annotations
 
 import os
 import re
-from typing import TYPE_CHECKING, NamedTuple
+from typing import TYPE_CHECKING, Final
 
 from guestd.wire.errors import ErrorCode, GuestdError
+from guestd.wire.record import Record
 
 if TYPE_CHECKING:  # the generated message types: annotations only, never imported at run time
     from guestd.wire.types import SnapshotRestoreArgs
@@ -16,13 +17,18 @@ HOSTNAME = re.compile(r"[A-Za-z0-9](?:[A-Za-z0-9.-]{0,62}[A-Za-z0-9])?")  # seth
 CLOCK_MAX_NS = 2**63 - 1  # what clock_settime takes (time_t in ns)
 
 
-class Identity(NamedTuple):
+class Identity(Record):  # a Record, not a NamedTuple: declared on the start path (issue 34)
     """A restore's identity, checked whole before anything is applied."""
 
-    sandbox_id: str | None
-    hostname: str | None
-    env: dict[str, str] | None
-    token: str | None
+    __slots__ = ("env", "hostname", "sandbox_id", "token")
+
+    def __init__(
+        self, sandbox_id: str | None, hostname: str | None, env: dict[str, str] | None, token: str | None
+    ) -> None:
+        self.sandbox_id: Final = sandbox_id
+        self.hostname: Final = hostname
+        self.env: Final = env
+        self.token: Final = token
 
 
 def restore_input_error(field: str, why: str) -> GuestdError:

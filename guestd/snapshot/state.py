@@ -37,7 +37,7 @@ from guestd.services import derive
 from guestd.snapshot.clock import ClockWatch
 from guestd.snapshot.hazards import clone_hazards
 from guestd.snapshot.inputs import Identity, check_fsfreeze_target, checked_identity, restore_input_error
-from guestd.snapshot.notify import signal_registered, write_generation_file
+from guestd.snapshot.notify import load_restore_imports, signal_registered, write_generation_file
 from guestd.snapshot.privileged import Privileged, why_simulated
 from guestd.wire.errors import ErrorCode, GuestdError
 
@@ -99,6 +99,7 @@ class SnapshotState:
         freeze_max_s: float = 300.0,
     ) -> SnapshotPrepareReply:
         t0 = time.monotonic()
+        load_restore_imports()  # in the snapshot's image, so a restore imports nothing
         if freeze and self.services.workload.path is None:
             raise GuestdError(
                 ErrorCode.UNAVAILABLE,

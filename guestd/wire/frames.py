@@ -17,11 +17,12 @@ from __future__ import annotations
 import struct
 import threading
 from collections.abc import Mapping
-from dataclasses import dataclass
 from enum import IntEnum
-from typing import Any
+from typing import Any, Final
 
 import msgpack
+
+from guestd.wire.record import Record
 
 MAGIC = b"GD"
 FRAME_VERSION = 1
@@ -51,20 +52,25 @@ class FramingError(Exception):
     """The byte stream is not a guestd frame stream; the connection cannot continue."""
 
 
-@dataclass(frozen=True, slots=True)
-class Frame:
-    kind: int
-    id: int
-    payload: bytes | memoryview  # a view from FrameDecoder.next_frame_view, valid until its next read
+# Records (guestd/wire/record.py), not dataclasses: declared on the start path, made per frame.
+class Frame(Record):
+    __slots__ = ("id", "kind", "payload")
+
+    def __init__(self, kind: int, id: int, payload: bytes | memoryview) -> None:
+        self.kind: Final = kind
+        self.id: Final = id
+        self.payload: Final = payload  # a view from FrameDecoder.next_frame_view, valid until its next read
 
 
-@dataclass(frozen=True, slots=True)
-class OversizeFrame:
+class OversizeFrame(Record):
     """A frame whose declared length exceeds the limit; its body is being skipped."""
 
-    kind: int
-    id: int
-    length: int
+    __slots__ = ("id", "kind", "length")
+
+    def __init__(self, kind: int, id: int, length: int) -> None:
+        self.kind: Final = kind
+        self.id: Final = id
+        self.length: Final = length
 
 
 _packers = threading.local()
