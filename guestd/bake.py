@@ -256,7 +256,7 @@ def add_workload_ipykernel(root: str, name: str = "python3") -> None:
 
 def write_wrappers(root: str) -> None:
     scripts = {
-        "/usr/local/bin/guestd": "-m guestd",
+        "/usr/local/bin/guestd": "-P -m guestd",  # -P: no cwd on sys.path for its lazy imports
         "/usr/local/bin/guestctl": "-m guestd.cli",
         "/usr/local/bin/guestd-python": "",
         "/sbin/guestd-init": "-m guestd.init",

@@ -18,7 +18,7 @@ import time
 
 import psutil
 
-from guestd.testing import Guestd, StartGuestd
+from guestd.testing import REPO, Guestd, StartGuestd
 from guestd.wire.schema import OPS_BY_NAME
 
 # Engines a first ping needs none of: the files capability's tree and workspace modules, the
@@ -252,3 +252,54 @@ def test_serving_turns_garbage_collection_back_on(tmp_path: object) -> None:
         [sys.executable, "-c", _SERVE_ENABLES_GC, str(tmp_path)], capture_output=True, text=True, timeout=60
     )
     assert done.stdout.strip() == "True", done.stderr[-2000:]
+
+
+_CONSOLE_SCRIPT = """
+import gc, importlib, sys, tomllib
+with open(sys.argv[1], "rb") as f:
+    entry = tomllib.load(f)["project"]["scripts"]["guestd"]
+module, _, function = entry.partition(":")
+seen = []
+
+
+class Watch:  # notes whether the collector is on when the daemon's module is imported
+    def find_spec(self, name, path=None, target=None):
+        if name == "guestd.server.daemon":
+            seen.append(gc.isenabled())
+        return None
+
+
+sys.meta_path.insert(0, Watch())
+main = getattr(importlib.import_module(module), function)  # what pip's console script does
+sys.argv = ["guestd", "--no-such-option"]  # the daemon is imported, then the command line refused
+try:
+    main()
+except SystemExit:
+    pass
+print(seen)
+"""
+
+
+def test_the_console_script_starts_as_python_m_guestd_does() -> None:
+    """pip's ``guestd`` script enters at guestd.__main__:main, which turns the collector off
+    before the daemon's imports as ``python -m guestd`` does (before: guestd.server.daemon:main,
+    imported with the collector on)."""
+    done = subprocess.run(
+        [sys.executable, "-c", _CONSOLE_SCRIPT, os.path.join(REPO, "pyproject.toml")],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert done.stdout.strip() == "[False]", (done.stdout, done.stderr[-2000:])
+
+
+def test_the_baked_guestd_wrapper_puts_no_cwd_on_sys_path(tmp_path: object) -> None:
+    """guestd imports most of itself at first use, after the workload has run: the image's
+    launcher runs ``python3 -P -m guestd``, so a module the workload plants in the directory
+    guestd was started from is never on its import path (plain -m puts the cwd first)."""
+    from guestd.bake import write_wrappers
+
+    write_wrappers(str(tmp_path))
+    with open(f"{tmp_path}/usr/local/bin/guestd") as f:
+        launcher = f.read().splitlines()[-1]
+    assert " -P -m guestd " in launcher, launcher
