@@ -41,6 +41,7 @@ NOT_AT_START = (
     "argparse",  # a plain command line is read without it (guestd/server/options.py)
     "guestd.memtune",  # malloc's tuning for bulk transfers waits for the first reply
     "guestd.wire.types",  # the generated TypedDicts (~15 ms, ~0.8 MiB): for type checkers and the client
+    "guestd.wire.session.client",  # the client's half of the session core
     "json",  # ~1.8 ms, 0.14 MiB: the restore's generation file imports it (snapshot.prepare loads it first)
 )
 

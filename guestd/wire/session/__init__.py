@@ -25,7 +25,8 @@ Rules this package owns (PROTOCOL.md sections 3-6):
   (``limit`` for the request on the server, a protocol error on the client).
 """
 
-from guestd.wire.session.client import ClientSession
+from typing import TYPE_CHECKING, Any
+
 from guestd.wire.session.core import MIN_MAX_FRAME, MIN_STREAM_WINDOW, Phase, Session, data_overhead
 from guestd.wire.session.events import (
     CancelRequested,
@@ -45,6 +46,20 @@ from guestd.wire.session.events import (
     Stream,
 )
 from guestd.wire.session.server import ServerSession
+
+if TYPE_CHECKING:
+    from guestd.wire.session.client import ClientSession
+
+
+def __getattr__(name: str) -> Any:
+    """``ClientSession`` is imported when first asked for: guestd's start path imports this
+    package for the server's half and never needs the client's (issue 34)."""
+    if name == "ClientSession":
+        from guestd.wire.session.client import ClientSession
+
+        return ClientSession
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
 
 __all__ = [
     "MIN_MAX_FRAME",
