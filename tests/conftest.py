@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import signal
 import socket
 import subprocess
 import tempfile
@@ -17,6 +18,11 @@ from guestd.client import Client
 from guestd.testing import Guestd, StartGuestd, fakeguest, start_guestd, workspace_guestd
 from guestd.testing.rawwire import FAKE_GUEST_HELLO, RawPeer
 from guestd.wire.frames import Kind
+
+# A suite started from a script's background job (`cmd &` without job control) inherits SIGINT
+# ignored, and an ignored signal stays ignored across exec: guestctl and the clients these tests
+# interrupt with SIGINT (Ctrl-C) would never see it. A handler, unlike SIG_IGN, is reset at exec.
+signal.signal(signal.SIGINT, signal.default_int_handler)
 
 
 @pytest.fixture(scope="session")

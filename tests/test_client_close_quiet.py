@@ -61,12 +61,13 @@ def test_no_unretrieved_future_after_close(guestd: Guestd, scenario: str) -> Non
     assert "never retrieved" not in done.stderr, done.stderr
 
 
-def test_closing_a_watch_ends_an_iteration_in_another_task(client: Client) -> None:
+def test_closing_a_watch_ends_an_iteration_in_another_task(client: Client, tmp_path: Path) -> None:
     """``w.close()`` from one task ends ``async for ch in w`` in another (it raised
-    CancelledError in a task nobody cancelled)."""
+    CancelledError in a task nobody cancelled). A directory of its own: /tmp changes under
+    the tests running beside it."""
 
     async def main() -> list[object]:
-        w = client.aio.watch("/tmp", latency_s=0)
+        w = client.aio.watch(str(tmp_path), latency_s=0)
         await w.wait_ready()
         seen: list[object] = []
 

@@ -137,8 +137,9 @@ def test_a_create_takes_the_pool_kernel_already_starting_instead_of_starting_ano
         with pg.g.client() as c, Sampler(pg.kernels) as seen:
             ctx = c.code_create(deadline=120)
         assert ctx.pooled
+        # one kernel at a time while the create waited; the pool's next one starts once it has its
+        # kernel, which may be before the create's reply is read here
         assert seen.most_at_once == 1, seen.seen
-        assert pg.kernels() == {ctx.pid}  # the pool starts its next one only once the create has its kernel
         pg.fast()
         pg.pool_ready(1)
         with pg.g.client() as c:

@@ -52,10 +52,11 @@ def test_a_streamed_download_goes_out_within_the_credit_the_test_grants(tmp_path
     async def main() -> bytes:
         request = FakeRequest(credit=100_000)
         task = asyncio.ensure_future(call(services, "file.download", {"path": str(tmp_path / "big")}, request))
-        for _ in range(1000):  # bounded: the handler stops at the credit
-            await asyncio.sleep(0)
+        # bounded (30 s): the handler reads in an I/O thread, which a loaded machine may run late
+        for _ in range(3000):
             if request.credit == 0:
                 break
+            await asyncio.sleep(0.01)
         assert not task.done() and len(request.data("data")) == 100_000
         request.grant(1 << 20)
         await asyncio.wait_for(task, 30)
