@@ -32,7 +32,9 @@ import os
 import signal
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass
+from typing import Final
+
+from guestd.wire.record import Record
 
 log = logging.getLogger("guestd.cgroups")
 
@@ -45,14 +47,28 @@ MIB = 1 << 20
 DEFAULT_MEMORY_RESERVE = 256 * MIB
 
 
-@dataclass
-class WorkloadConfig:
-    cgroup: str = ""  # "" disables; e.g. "/sys/fs/cgroup/guestd-workload"
-    memory_max: str = "auto"  # bytes, "max" (no limit) or "auto" (see auto_memory_max)
-    memory_reserve: int = DEFAULT_MEMORY_RESERVE  # bytes, for "auto"
-    pids_max: str = "max"
-    run_pids_max: str = "25%"  # each run's leaf: a number, "N%" of pids_max, or "max"
-    cpu_weight: int = 1  # 1..10000; guestd (in the parent) keeps the default 100
+class WorkloadConfig(Record):
+    """The config's ``[workload]`` table (set field by field as the config file is read)."""
+
+    __slots__ = ("cgroup", "cpu_weight", "memory_max", "memory_reserve", "pids_max", "run_pids_max")
+
+    def __init__(
+        self,
+        cgroup: str = "",  # "" disables; e.g. "/sys/fs/cgroup/guestd-workload"
+        memory_max: str = "auto",  # bytes, "max" (no limit) or "auto" (see auto_memory_max)
+        memory_reserve: int = DEFAULT_MEMORY_RESERVE,  # bytes, for "auto"
+        pids_max: str = "max",
+        run_pids_max: str = "25%",  # each run's leaf: a number, "N%" of pids_max, or "max"
+        cpu_weight: int = 1,  # 1..10000; guestd (in the parent) keeps the default 100
+    ) -> None:
+        self.cgroup = cgroup
+        self.memory_max = memory_max
+        self.memory_reserve = memory_reserve
+        self.pids_max = pids_max
+        self.run_pids_max = run_pids_max
+        self.cpu_weight = cpu_weight
+
+    __hash__ = None  # type: ignore[assignment]  # mutable, as the dataclass was
 
 
 # Charged to the workload cgroup and not counted by MemAvailable: what a guestd that starts
@@ -61,17 +77,19 @@ class WorkloadConfig:
 _UNRECLAIMABLE = ("anon", "shmem", "kernel_stack", "pagetables", "slab_unreclaimable", "percpu", "sock")
 
 
-@dataclass(frozen=True)
-class AutoMemory:
+class AutoMemory(Record):
     """memory.max ``"auto"``, computed once at start: MemTotal, less what is in use outside
     the workload (the kernel, the image's RAM-backed files, guestd, the system's services:
     MemTotal - MemAvailable, less what the workload cgroup itself holds), less a reserve
     for their growth. All in bytes."""
 
-    total: int
-    in_use: int
-    reserve: int
-    limit: int
+    __slots__ = ("in_use", "limit", "reserve", "total")
+
+    def __init__(self, total: int, in_use: int, reserve: int, limit: int) -> None:
+        self.total: Final = total
+        self.in_use: Final = in_use
+        self.reserve: Final = reserve
+        self.limit: Final = limit
 
     def describe(self) -> str:
         return (
@@ -173,15 +191,19 @@ def _in_tree(pid: int, path: str) -> bool:
     return any(pid in RunCgroup(d, -1).pids() for d, _dirs, _files in os.walk(path))
 
 
-@dataclass(frozen=True)
-class RunUsage:
+class RunUsage(Record):
     """A leaf's counters at one moment: CPU microseconds (user, system), OOM kills and peak
     memory in bytes (None: not known, e.g. no memory controller on the leaves)."""
 
-    user_usec: int | None
-    system_usec: int | None
-    oom_kills: int | None
-    peak_bytes: int | None = None
+    __slots__ = ("oom_kills", "peak_bytes", "system_usec", "user_usec")
+
+    def __init__(
+        self, user_usec: int | None, system_usec: int | None, oom_kills: int | None, peak_bytes: int | None = None
+    ) -> None:
+        self.user_usec: Final = user_usec
+        self.system_usec: Final = system_usec
+        self.oom_kills: Final = oom_kills
+        self.peak_bytes: Final = peak_bytes
 
 
 class RunCgroup:

@@ -13,8 +13,7 @@ import os
 import subprocess
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Final
 
 from guestd.children.cgroups import RunCgroup, WorkloadCgroup
 from guestd.children.child import Child
@@ -34,6 +33,7 @@ from guestd.children.launch import (
 from guestd.children.reaper import Reaper
 from guestd.children.tree import set_winsize
 from guestd.wire.errors import ErrorCode, GuestdError
+from guestd.wire.record import Record
 
 if TYPE_CHECKING:
     from concurrent.futures import ThreadPoolExecutor
@@ -52,21 +52,36 @@ STUCK_SPAWN_S = 10.0
 IDS_TTL_S = 1.0  # how long a lookup of the workload user's ids is reused
 
 
-@dataclass(frozen=True)
-class SpawnOrder:
+class SpawnOrder(Record):
     """One spawn, as the spawn thread gets it (see Children.spawn for the meaning of each)."""
 
-    argv: list[str]
-    kind: str
-    run_id: str
-    env: dict[str, str] | None
-    cwd: str | None
-    stdin: int
-    stdout: int
-    stderr: int
-    pty: tuple[int, int] | None
-    extra_fds: dict[int, int] | None
-    user: tuple[int, int] | None = None
+    __slots__ = ("argv", "cwd", "env", "extra_fds", "kind", "pty", "run_id", "stderr", "stdin", "stdout", "user")
+
+    def __init__(
+        self,
+        argv: list[str],
+        kind: str,
+        run_id: str,
+        env: dict[str, str] | None,
+        cwd: str | None,
+        stdin: int,
+        stdout: int,
+        stderr: int,
+        pty: tuple[int, int] | None,
+        extra_fds: dict[int, int] | None,
+        user: tuple[int, int] | None = None,
+    ) -> None:
+        self.argv: Final = argv
+        self.kind: Final = kind
+        self.run_id: Final = run_id
+        self.env: Final = env
+        self.cwd: Final = cwd
+        self.stdin: Final = stdin
+        self.stdout: Final = stdout
+        self.stderr: Final = stderr
+        self.pty: Final = pty
+        self.extra_fds: Final = extra_fds
+        self.user: Final = user
 
 
 # pid, pidfd, leaf cgroup, guestd's ends of the pipes, and the Popen of the fallback spawn
@@ -437,16 +452,26 @@ def _collect_native() -> list[tuple[_NativeSpawn, tuple[int, int, int] | OSError
     return done
 
 
-@dataclass(slots=True, eq=False)
 class _NativeSpawn:
     """One spawn handed to the native spawn threads: what to do with it once it is done."""
 
-    owner: Children
-    order: SpawnOrder
-    fut: asyncio.Future[Child]
-    ours: dict[str, int]
-    theirs: list[int]
-    leaf_path: str | None
+    __slots__ = ("fut", "leaf_path", "order", "ours", "owner", "theirs")
+
+    def __init__(
+        self,
+        owner: Children,
+        order: SpawnOrder,
+        fut: asyncio.Future[Child],
+        ours: dict[str, int],
+        theirs: list[int],
+        leaf_path: str | None,
+    ) -> None:
+        self.owner = owner
+        self.order = order
+        self.fut = fut
+        self.ours = ours
+        self.theirs = theirs
+        self.leaf_path = leaf_path
 
     def close_fds(self, ours: bool) -> None:
         for fd in self.theirs:
