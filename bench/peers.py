@@ -49,10 +49,12 @@ class QGA:
 
     def exec(self, path: str, args: list[str]) -> dict[str, Any]:
         pid = self.cmd("guest-exec", path=path, arg=args, **{"capture-output": True})["pid"]
-        while True:
+        end = time.monotonic() + PEER_START_BOUND_S
+        while time.monotonic() < end:  # qemu-ga has no wait: polled, bounded
             st = self.cmd("guest-exec-status", pid=pid)
             if st.get("exited"):
                 return dict(st)
+        raise RuntimeError(f"qemu-ga: {path} did not exit within {PEER_START_BOUND_S:g} s")
 
     def write(self, path: str, data: bytes, chunk: int = MiB) -> None:
         h = self.cmd("guest-file-open", path=path, mode="w")
@@ -104,6 +106,7 @@ def _files(proc: Proc, write: Any, read: Any, tmp: str, size: int) -> dict[str, 
 
 
 H = TypeVar("H")
+PEER_START_BOUND_S = 60.0  # a peer server not answering by then failed to start
 
 
 def _cold_starts(start: Callable[[], tuple[subprocess.Popen[bytes], H, float]]) -> tuple[list[float], Proc, H]:
@@ -128,12 +131,15 @@ def measure_qga(tmp: str, n: int) -> dict[str, Any]:
             os.unlink(sock)
         t = time.perf_counter()
         p = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, preexec_fn=pin_servers)
-        while True:
+        while True:  # bounded, as swerex-remote's start below
             try:
                 q = QGA(sock)
                 q.cmd("guest-ping")
                 return p, q, time.perf_counter() - t
             except OSError:
+                if p.poll() is not None or time.perf_counter() - t > PEER_START_BOUND_S:
+                    Proc.adopt(p).stop()
+                    raise RuntimeError(f"qemu-ga did not answer (exit {p.returncode})") from None
                 time.sleep(0.001)
 
     starts, proc, q = _cold_starts(start)
@@ -180,12 +186,15 @@ def measure_swerex(tmp: str, n: int, venv_bin: str) -> dict[str, Any]:
     def start() -> tuple[subprocess.Popen[bytes], HTTP, float]:
         t = time.perf_counter()
         p = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, preexec_fn=pin_servers)
-        while True:
+        while True:  # bounded: the server may die at start (a port taken since it was drawn)
             try:
                 h = HTTP(port, token)
                 if h.get("/is_alive").get("is_alive"):
                     return p, h, time.perf_counter() - t
             except (OSError, http.client.HTTPException, ValueError):
+                if p.poll() is not None or time.perf_counter() - t > PEER_START_BOUND_S:
+                    Proc.adopt(p).stop()
+                    raise RuntimeError(f"swerex-remote did not answer (exit {p.returncode})") from None
                 time.sleep(0.002)
 
     starts, proc, h = _cold_starts(start)

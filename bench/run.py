@@ -1255,10 +1255,17 @@ async def amain(quick: bool) -> dict[str, Any]:
 
             has_qga, venv_bin = ensure_peers(os.path.join(HERE, ".peers-venv"))
             res["peer_versions"] = peer_versions(venv_bin)
+            # A peer that fails (its server did not start) is left out of the table, said on stderr.
             if has_qga:
-                res["peers"]["qemu-ga"] = await asyncio.to_thread(measure_qga, tmp, n_ping)
+                try:
+                    res["peers"]["qemu-ga"] = await asyncio.to_thread(measure_qga, tmp, n_ping)
+                except RuntimeError as exc:
+                    print(f"qemu-ga left out: {exc}", file=sys.stderr)
             if venv_bin is not None:
-                res["peers"]["SWE-ReX"] = await asyncio.to_thread(measure_swerex, tmp, n_ping, venv_bin)
+                try:
+                    res["peers"]["SWE-ReX"] = await asyncio.to_thread(measure_swerex, tmp, n_ping, venv_bin)
+                except RuntimeError as exc:
+                    print(f"SWE-ReX left out: {exc}", file=sys.stderr)
                 res["charts_python"] = os.path.join(venv_bin, "python")
         return res
 
