@@ -110,6 +110,19 @@ def test_a_timeout_interrupts_the_bash_cell_and_keeps_state(c: Client) -> None:
 
 
 @needs_bash
+def test_a_fresh_guestds_first_context_may_be_a_foreign_kernel() -> None:
+    """The first create of a guestd with a pool: the pool's kernel start and the kernelspec
+    lookup both import jupyter_client, one on the loop, one in the IO pool. At once, one of
+    them saw the package half-initialised and the create failed as internal (ImportError)."""
+    with scratch_guestd("guestd-kernels-first-", "--code-pool", "1") as g, g.client() as c:
+        ctx = c.code_create(kernel="bash")
+        r = c.code_run("echo first", context=ctx.id, timeout_s=30)
+        assert r.status == "ok" and r.stdout == b"first\n"
+        py = c.code_create()  # the pool's kernel, started beside the lookup
+        assert c.code_run("print(1 + 1)", context=py.id, timeout_s=30).stdout == b"2\n"
+
+
+@needs_bash
 def test_code_interrupt_stops_the_bash_cell(kg: Guestd) -> None:
     async def go() -> None:
         c = await AsyncClient.connect(kg.address)

@@ -28,7 +28,7 @@ from typing import TYPE_CHECKING, Any
 
 from guestd.children.tree import alive, descendants
 from guestd.code.kernel import NO_IPYKERNEL
-from guestd.code.kernelspec import ForeignSpec, foreign_command
+from guestd.code.kernelspec import ForeignSpec, foreign_command, import_jupyter_client
 from guestd.code.messages import RunState, decode, kernel_content_cap, kernel_max_message
 from guestd.code.pidfiles import remove_pidfile, write_pidfile
 from guestd.code.python import KernelPython, missing_ipykernel
@@ -157,6 +157,7 @@ class Kernel:
     async def start(self, cwd: str | None, env: dict[str, str] | None, wait: StartWait) -> None:
         """Start the kernel and wait (``wait``) until it answers. A start that fails or is
         cancelled leaves the kernel to the caller, who ends it with :meth:`shutdown`."""
+        await self.services.run_in_io(import_jupyter_client)  # off the loop, never two at once
         from jupyter_client.manager import AsyncKernelManager
 
         # jupyter_client makes the client and cleans up; the process itself is a run of

@@ -5,11 +5,27 @@ starts one. The interpreter guestd's own kernel runs on is resolved in guestd.co
 from __future__ import annotations
 
 import sys
+import threading
 from dataclasses import dataclass
 
 from guestd.wire.errors import ErrorCode, GuestdError
 
 PYTHON_KERNEL = "python"  # guestd's own kernel (guestd.code.kernel); any other name is a kernelspec
+
+_import_lock = threading.Lock()
+
+
+def import_jupyter_client() -> None:
+    """Import the jupyter_client (and zmq) modules the daemon uses, one thread at a time.
+
+    Blocking (a few hundred ms the first time): callers on the event loop run it in the IO
+    pool. Two threads importing the package at once (a pool kernel's start beside a foreign
+    kernel's kernelspec lookup) make CPython hand one of them the half-initialised package:
+    "cannot import name 'AsyncKernelManager' from partially initialized module"."""
+    with _import_lock:
+        import jupyter_client.kernelspec
+        import jupyter_client.manager
+        import zmq.asyncio  # noqa: F401
 
 
 @dataclass(frozen=True)
@@ -27,6 +43,7 @@ def find_kernelspec(name: str) -> ForeignSpec:
     """The kernelspec ``name`` on jupyter's search path as guestd's user sees it (JUPYTER_PATH,
     guestd's user data directory, sys.prefix, /usr/local/share and /usr/share/jupyter), or
     not_found listing every kernel that can be named. Blocking (it reads a few directories)."""
+    import_jupyter_client()
     from jupyter_client.kernelspec import KernelSpecManager, NoSuchKernel
 
     ksm = KernelSpecManager()
