@@ -24,7 +24,7 @@ def import_jupyter_client() -> None:
     "cannot import name 'AsyncKernelManager' from partially initialized module"."""
     with _import_lock:
         import jupyter_client.kernelspec
-        import jupyter_client.manager
+        import jupyter_client.manager  # noqa: F401
         import zmq.asyncio  # noqa: F401
 
 
