@@ -55,7 +55,7 @@ HelloHook = Callable[[Mapping[str, Any]], None]
 Admitted = tuple[Route, Handler, Gate | None]
 
 
-class Step(Record):  # not a frozen dataclass or NamedTuple: declared at every start (issue 34)
+class Step(Record):  # not a frozen dataclass or NamedTuple: declared at every start (start to first reply)
     __slots__ = ("before_route", "check", "name", "wrap")
 
     def __init__(

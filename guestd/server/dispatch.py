@@ -19,7 +19,7 @@ Result = Mapping[str, Any]
 InlineHandler = Callable[[Any], Result]
 
 
-class Route(Record):  # not a frozen dataclass or NamedTuple: declared at every start (issue 34)
+class Route(Record):  # not a frozen dataclass or NamedTuple: declared at every start (start to first reply)
     __slots__ = ("bulk_reply", "handler", "inline", "spec")
 
     def __init__(

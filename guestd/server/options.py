@@ -22,7 +22,7 @@ if TYPE_CHECKING:
     import argparse
 
 
-class Option(Record):  # a Record, not a NamedTuple: declared on the start path (issue 34)
+class Option(Record):  # a Record, not a NamedTuple: declared on the start path
     __slots__ = ("convert", "default", "flag", "help", "metavar", "repeat", "switch")
 
     def __init__(

@@ -33,7 +33,7 @@ LOW_WATER = 512 * 1024
 SERIAL_POLL_S = 0.05
 
 
-class ListenAddress(Record):  # not a frozen dataclass or NamedTuple: declared at every start (issue 34)
+class ListenAddress(Record):  # not a frozen dataclass or NamedTuple: declared at every start (start to first reply)
     __slots__ = ("path", "port", "scheme")
 
     def __init__(self, scheme: str, path: str = "", port: int = 0) -> None:

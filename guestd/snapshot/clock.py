@@ -21,7 +21,7 @@ JUMP_S = 1.0  # smaller disagreements are request latency and drift, not jumps
 DRIFT_MIN_S = 10.0
 
 
-class Observation(Record):  # a Record, not a dataclass: declared on the start path (issue 34)
+class Observation(Record):  # a Record, not a dataclass: declared on the start path
     __slots__ = ("host_ns", "mono", "wall_ns")
 
     def __init__(self, mono: float, wall_ns: int, host_ns: int) -> None:

@@ -17,7 +17,7 @@ HOSTNAME = re.compile(r"[A-Za-z0-9](?:[A-Za-z0-9.-]{0,62}[A-Za-z0-9])?")  # seth
 CLOCK_MAX_NS = 2**63 - 1  # what clock_settime takes (time_t in ns)
 
 
-class Identity(Record):  # a Record, not a NamedTuple: declared on the start path (issue 34)
+class Identity(Record):  # a Record, not a NamedTuple: declared on the start path
     """A restore's identity, checked whole before anything is applied."""
 
     __slots__ = ("env", "hostname", "sandbox_id", "token")

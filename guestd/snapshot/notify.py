@@ -27,7 +27,7 @@ MAX_ENVIRON = 1 << 20  # bytes of /proc/PID/environ read per process
 
 def load_restore_imports() -> None:
     """Import what :func:`write_generation_file` needs, at snapshot.prepare: json is off the
-    start path (~1.8 ms and 0.14 MiB before a first reply, issue 34), and a guest restored from
+    start path (~1.8 ms and 0.14 MiB before a first reply), and a guest restored from
     the snapshot finds it already in memory, so a restore never pays for the import."""
     import json  # noqa: F401
 

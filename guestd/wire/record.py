@@ -3,7 +3,7 @@
 A NamedTuple class costs ~0.1-0.15 ms to declare (a tuple class built per record) and a frozen
 dataclass ~1 ms (its methods are compiled from source at import); a plain class with
 ``__slots__`` costs ~0.01 ms, and its ``__init__`` is a plain one instead of a frozen
-dataclass's ``object.__setattr__`` per field (issue 34: start to first reply). A record
+dataclass's ``object.__setattr__`` per field (start to first reply). A record
 subclass lists its fields in ``__slots__``, assigns them in ``__init__`` and annotates them
 ``Final`` so mypy keeps them unchanged; it gets equality, hash and repr over those fields, as
 a NamedTuple or frozen dataclass has (no tuple behaviour: none of guestd's records is unpacked

@@ -58,7 +58,7 @@ class F:
 
     A plain class with slots rather than a dataclass: hundreds of them live in guestd and are
     made at import, on the start path, where a dataclass's generated methods and frozen
-    ``__init__`` cost several ms (issue 34). Immutable by contract (``Final``, checked by mypy);
+    ``__init__`` cost several ms. Immutable by contract (``Final``, checked by mypy);
     equality, hash and repr are a frozen dataclass's (``group`` takes no part in them).
     """
 

@@ -53,7 +53,7 @@ if TYPE_CHECKING:
 
 def __getattr__(name: str) -> Any:
     """``ClientSession`` is imported when first asked for: guestd's start path imports this
-    package for the server's half and never needs the client's (issue 34)."""
+    package for the server's half and never needs the client's (start to first reply)."""
     if name == "ClientSession":
         from guestd.wire.session.client import ClientSession
 
