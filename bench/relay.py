@@ -29,7 +29,8 @@ import sys
 import tempfile
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import uvloop
@@ -339,6 +340,37 @@ def report(res: dict[str, Any]) -> str:
     )
 
 
+@contextmanager
+def relay_rig() -> Iterator[tuple[str, dict[str, int]]]:
+    """The test servers (relay_servers.py) and a guestd, both on the servers' CPU: yields
+    guestd's address and the servers' ports; both stopped after."""
+    with tempfile.TemporaryDirectory(prefix="guestd-relay-bench-") as tmp:
+        servers = subprocess.Popen(
+            [sys.executable, os.path.join(HERE, "relay_servers.py"), str(64 * MiB)],
+            stdout=subprocess.PIPE,
+            preexec_fn=pin_servers,
+        )
+        try:
+            assert servers.stdout is not None
+            ports = json.loads(servers.stdout.readline())
+            g = start_guestd(tmp, preexec=pin_servers)
+            try:
+                yield g.address, ports
+            finally:
+                g.stop()
+        finally:
+            servers.kill()
+            servers.wait()
+
+
+async def connect_figures(quick: bool) -> dict[str, Any]:
+    """Only the connect figures (:func:`measure_connect`) on a rig of their own."""
+    with relay_rig() as (address, ports):
+        res = await measure(address, ports, quick, connect_only=True)
+    figures: dict[str, Any] = res["connect"]
+    return figures
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--quick", action="store_true")
@@ -347,21 +379,8 @@ def main() -> None:
     ns = ap.parse_args()
     if CLIENT_CPUS:
         os.sched_setaffinity(0, CLIENT_CPUS)
-    with tempfile.TemporaryDirectory(prefix="guestd-relay-bench-") as tmp:
-        servers = subprocess.Popen(
-            [sys.executable, os.path.join(HERE, "relay_servers.py"), str(64 * MiB)],
-            stdout=subprocess.PIPE,
-            preexec_fn=pin_servers,
-        )
-        assert servers.stdout is not None
-        ports = json.loads(servers.stdout.readline())
-        g = start_guestd(tmp, preexec=pin_servers)
-        try:
-            res = uvloop.run(measure(g.address, ports, ns.quick, ns.connect))
-        finally:
-            g.stop()
-            servers.kill()
-            servers.wait()
+    with relay_rig() as (address, ports):
+        res = uvloop.run(measure(address, ports, ns.quick, ns.connect))
     if ns.connect:
         print("\n".join(["| measure | floor | through the relay | ratio | goal |", "|---|---|---|---|---|"]))
         print("\n".join(connect_rows(res["connect"])))

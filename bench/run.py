@@ -32,6 +32,7 @@ import msgpack
 import psutil
 import uvloop
 
+from bench.more_targets import more_target_rows
 from bench.sections import carry_sections
 from bench.shipped import (
     EXEC_LOOPS,
@@ -922,6 +923,7 @@ def render(res: dict[str, Any], quick: bool, cmd: str) -> str:
             f"| restore with {restore_n} live context(s), p50 in the guest | {r_n['in_guest']['p50_ms']:.2f} ms "
             f"| - | - | < 10 ms | {verdict(r_n['in_guest']['p50_ms'] < 10)} |"
         )
+    lines += more_target_rows(res)
     if gib is not None:
         growth = max(gib["upload_rss_growth_MiB"], gib["download_rss_growth_MiB"])
         lines.append(
@@ -1267,6 +1269,9 @@ async def amain(quick: bool) -> dict[str, Any]:
                 except RuntimeError as exc:
                     print(f"SWE-ReX left out: {exc}", file=sys.stderr)
                 res["charts_python"] = os.path.join(venv_bin, "python")
+            from bench.more_targets import measure_more
+
+            res["more"] = await measure_more(quick)
         return res
 
 

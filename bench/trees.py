@@ -35,6 +35,7 @@ import sysconfig
 import tempfile
 import time
 from collections.abc import Callable
+from typing import Any
 
 from guestd.testing import Guestd, start_guestd
 
@@ -133,8 +134,27 @@ def start_workspace_guestd(where: str | None) -> tuple[Guestd, str, str]:
 
 def measure_trees(where: str | None, rounds: int) -> list[str]:
     """The upload and download rows, the trees in a new directory under ``where``."""
+    return [tree_row(t) for t in tree_figures(where, rounds)]
+
+
+def tree_row(t: dict[str, Any]) -> str:
+    """One TREES.md row of :func:`tree_figures`' ``t``."""
+    files, size, floor, guest = t["files"], t["bytes"], t["floor_s"], t["guestd_s"]
+    return (
+        f"| {t['label']} ({files} entries, {size / MB:.0f} MB, {t['fs']}) | {files / floor:,.0f} files/s, "
+        f"{size / MB / floor:,.0f} MB/s; CPU {t['floor_cpu_s']:.2f} s | {files / guest:,.0f} files/s, "
+        f"{size / MB / guest:,.0f} MB/s; CPU {t['guestd_cpu_s']:.2f} s (guestd {t['guestd_own_cpu_s']:.2f}) "
+        f"| {floor / guest:.0%} (rounds {t['ratio_min']:.0%}-{t['ratio_max']:.0%}; "
+        f"CPU {t['floor_cpu_s'] / t['guestd_cpu_s']:.0%}) |"
+    )
+
+
+def tree_figures(where: str | None, rounds: int) -> list[dict[str, Any]]:
+    """Tree upload and download against tar's floor (``label``, ``files``, ``bytes``, ``fs``,
+    medians ``floor_s`` and ``guestd_s``, the rounds' ratio range, CPU seconds), the trees in a
+    new directory under ``where``."""
     g, top, ws = start_workspace_guestd(where)
-    rows: list[str] = []
+    figures: list[dict[str, Any]] = []
     try:
         with g.client() as c:
             n = [0]
@@ -184,17 +204,26 @@ def measure_trees(where: str | None, rounds: int) -> list[str]:
                 guest_cpu = statistics.median(c_ for _, c_, _ in guest_runs)
                 guestd_cpu = statistics.median(d for _, _, d in guest_runs)
                 floor_cpu = statistics.median(c_ for _, c_, _ in floor_runs)
-                rows.append(
-                    f"| {label} ({files} entries, {size / MB:.0f} MB, {fs_type(top)}) | {files / floor:,.0f} files/s, "
-                    f"{size / MB / floor:,.0f} MB/s; CPU {floor_cpu:.2f} s | {files / guest:,.0f} files/s, "
-                    f"{size / MB / guest:,.0f} MB/s; CPU {guest_cpu:.2f} s (guestd {guestd_cpu:.2f}) "
-                    f"| {floor / guest:.0%} (rounds {ratios[0]:.0%}-{ratios[-1]:.0%}; "
-                    f"CPU {floor_cpu / guest_cpu:.0%}) |"
+                figures.append(
+                    {
+                        "label": label,
+                        "files": files,
+                        "bytes": size,
+                        "fs": fs_type(top),
+                        "floor_s": floor,
+                        "guestd_s": guest,
+                        "ratio": floor / guest,
+                        "ratio_min": ratios[0],
+                        "ratio_max": ratios[-1],
+                        "floor_cpu_s": floor_cpu,
+                        "guestd_cpu_s": guest_cpu,
+                        "guestd_own_cpu_s": guestd_cpu,
+                    }
                 )
     finally:
         g.stop()
         shutil.rmtree(top, ignore_errors=True)
-    return rows
+    return figures
 
 
 def measure_grep(files: int) -> list[str]:
