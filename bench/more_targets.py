@@ -1,18 +1,21 @@
 """The Targets rows that other benches measure, run inside ``python -m bench.run`` so every goal
-has a verdict against a floor from the same run: a relay connect (bench/relay.py's rig), tree
-upload and download against tar (bench/trees.py, the system's temp directory), the warm code
-pool under a burst of creates (bench/code_pool.py, the shipped pool size), and exec's p99
-against qemu-ga's (bench/peers.py, measured by bench.run itself).
+has a verdict against a floor from the same run: ping under an exec flood from another process
+with guestd alone on its CPU, and exec's p99 against qemu-ga's (bench/load.py, 500 samples
+each), a relay connect (bench/relay.py's rig), tree upload and download against tar
+(bench/trees.py, the system's temp directory), and the warm code pool under a burst of creates
+(bench/code_pool.py, the shipped pool size).
 
 Each is a shorter run than its own bench's (fewer rounds): the full tables stay in RELAY.md,
 TREES.md and code_pool.py's docstring."""
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import sys
 from typing import Any
 
+PING_GOAL_MS = 10.0  # ping p99 under any exec rate guestd can sustain
 RELAY_CONNECT_GOAL = 3.0  # a relay connect within 3x of a plain loopback connect
 TREE_GOAL = 0.5  # at least half of tar | socket | tar, both ways
 EXEC_P99_VS_QGA_GOAL = 1.5  # exec p99 within 1.5x of qemu-ga's (the C agent) p99
@@ -20,10 +23,27 @@ SHIPPED_POOL, POOL_BURST = 1, 3  # rootfs-overlay's guestd.toml keeps one kernel
 
 
 async def measure_more(quick: bool) -> dict[str, Any]:
-    """Relay connect, trees and the code pool; a part that fails is left out and said on stderr."""
-    from bench import code_pool, relay, trees
+    """bench.load's flood and exec rows, relay connect, trees and the code pool; a part that
+    fails is left out and said on stderr."""
+    from bench import code_pool, load, relay, trees
 
     out: dict[str, Any] = {}
+    flood = argparse.Namespace(
+        configs="shipped,root",
+        repeat=1 if quick else 2,
+        clients=64,
+        seconds=5.0,
+        exec_n=200 if quick else 500,
+        qga=True,
+        profile=None,
+        nice=0,
+        child_cpus="all",
+        load=None,
+    )
+    try:
+        out["load"] = await load.amain(flood)
+    except (OSError, RuntimeError, ValueError) as exc:
+        print(f"exec flood left out: {exc!r}", file=sys.stderr)
     try:
         out["relay_connect"] = await relay.connect_figures(quick)
     except (OSError, RuntimeError, ValueError) as exc:
@@ -48,9 +68,14 @@ def more_target_rows(res: dict[str, Any]) -> list[str]:
     """Targets rows of :func:`measure_more`'s figures (``res["more"]``) and of exec p99 against
     qemu-ga's (``res["peers"]``)."""
     rows: list[str] = []
+    more = res.get("more", {})
+    flood = more.get("load")
+    rows += _ping_rows(flood)
+    exec_rows = _exec_p99_rows(flood)
+    rows += exec_rows
     qga = res.get("peers", {}).get("qemu-ga")
     g = res["guestd"]
-    if qga is not None:
+    if qga is not None and not exec_rows:  # bench.load did not run: the peers table's samples
         qga_p99 = qga["exec_true"]["p99_ms"]
         shipped = g.get("shipped", {}).get("exec_true")
         for label, e in (("root, no workload settings", g["exec_true"]), ("shipped config", shipped)):
@@ -62,7 +87,6 @@ def more_target_rows(res: dict[str, Any]) -> list[str]:
                 f"(qemu-ga p99, n {qga['exec_true']['n']}) | {ratio:.2f}x | <= {EXEC_P99_VS_QGA_GOAL}x "
                 f"| {_verdict(ratio <= EXEC_P99_VS_QGA_GOAL)} |"
             )
-    more = res.get("more", {})
     cn = more.get("relay_connect")
     if cn is not None:
         ratio = cn["relay_p50_ms"] / cn["direct_p50_ms"]
@@ -89,5 +113,46 @@ def more_target_rows(res: dict[str, Any]) -> list[str]:
             f"| code create in a burst of {POOL_BURST}, pool of {SHIPPED_POOL} (shipped), p50 | {burst:.0f} ms "
             f"({pool['pooled_per_burst']:g} of {POOL_BURST} from the pool; {refill_text}) | {cold:.0f} ms (cold "
             f"create, same rounds) | {burst / cold:.2f}x | (context: the pool hides one start per burst) | - |"
+        )
+    return rows
+
+
+def _ping_rows(flood: dict[str, Any] | None) -> list[str]:
+    """bench.load's ping p99 under the flood, the median over the repeats (the range beside)."""
+    if not flood:
+        return []
+    from bench.load import med
+
+    rows: list[str] = []
+    for name, runs in flood["load"].items():
+        if not runs:
+            continue
+        p99, lo, hi = med(runs, "ping", "p99")
+        spread = f", runs {lo:.2f}-{hi:.2f} ms" if len(runs) > 1 else ""
+        rows.append(
+            f"| ping p99 while 64 clients loop `exec true` from another process, guestd alone on its CPU, {name} "
+            f"| {p99:.2f} ms ({med(runs, 'execs_per_s')[0]:.0f} execs/s{spread}; loop's longest iteration "
+            f"{med(runs, 'loop_max_late_ms')[0]:.1f} ms) | {med(runs, 'idle_ping', 'p99')[0]:.2f} ms (idle ping p99) "
+            f"| - | <= {PING_GOAL_MS:g} ms | {_verdict(p99 <= PING_GOAL_MS)} |"
+        )
+    return rows
+
+
+def _exec_p99_rows(flood: dict[str, Any] | None) -> list[str]:
+    """bench.load's exec p99 against qemu-ga's p99 in the same rounds, per config."""
+    if not flood:
+        return []
+    from bench.load import med
+
+    rows: list[str] = []
+    for name, runs in flood["exec"].items():
+        if not runs or not all(r.get("qga") for r in runs):
+            continue
+        ours, theirs = med(runs, "guestd", "p99")[0], med(runs, "qga", "p99")[0]
+        ratio = ours / theirs
+        rows.append(
+            f"| exec `true` p99, {name} | {ours:.2f} ms | {theirs:.2f} ms (qemu-ga p99, same rounds, "
+            f"{len(runs)} x {int(runs[0]['guestd']['n'])} each) | {ratio:.2f}x | <= {EXEC_P99_VS_QGA_GOAL}x "
+            f"| {_verdict(ratio <= EXEC_P99_VS_QGA_GOAL)} |"
         )
     return rows
