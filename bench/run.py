@@ -32,7 +32,7 @@ import msgpack
 import psutil
 import uvloop
 
-from bench.more_targets import more_target_rows
+from bench.more_targets import more_notes, more_target_rows
 from bench.sections import carry_sections
 from bench.shipped import (
     EXEC_LOOPS,
@@ -1019,6 +1019,7 @@ def render(res: dict[str, Any], quick: bool, cmd: str) -> str:
         "## Reading the misses",
         "",
         *notes(res),
+        *more_notes(res),
         "- **exec `true`**: the floor is a blocking `subprocess.run` in the client's own process. guestd adds a "
         "request/response round trip across cores, an event-loop task, pidfd + pipe wake-ups, and its child shares "
         "the server's CPU. guestd spawns with clone3 (CLONE_VM|CLONE_VFORK, into the run's leaf cgroup when it has "

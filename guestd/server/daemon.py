@@ -23,6 +23,7 @@ from guestd.config import DEFAULT_VSOCK_PORT, Config, Limits, load_config_file, 
 from guestd.server.admission import AdmissionChain, Admitted, bound_bulk_replies, os_paths
 from guestd.server.dispatch import Dispatcher
 from guestd.server.options import parse_command_line
+from guestd.server.pacing import StartPacer
 from guestd.server.transports import Listener, listen, parse_listen, refuse_live_unix_socket
 from guestd.wire.errors import ErrorCode, GuestdError
 
@@ -84,6 +85,9 @@ class Daemon:
 
             compose = compose_guestd
         compose(self)
+        # Workload ops start a few per loop iteration: a flood of them never holds a ping back.
+        self.pacer = StartPacer()
+        self.admission.add("pace", check=self.pacer.check)
         # The server's own steps come last, innermost: a reply held whole is built a few at a
         # time per connection (its route's bulk_reply), and path arguments reach handlers as os strs.
         self.admission.add("bulk_reply", wrap=bound_bulk_replies)

@@ -1,0 +1,142 @@
+"""Workload ops start a few per loop iteration (guestd/server/pacing.py), so a flood of them never
+holds back the control plane: a daemon's real Connection and admission chain in this process,
+with handlers that record the loop iteration they started in (milliseconds, no guestd process)."""
+
+from __future__ import annotations
+
+import asyncio
+from collections import Counter
+from typing import Any
+
+from guestd.config import Config
+from guestd.server.connection import Connection
+from guestd.server.daemon import Daemon
+from guestd.server.pacing import PACED_OPS, STARTS_PER_ITERATION, StartPacer
+from guestd.testing.rawwire import SinkTransport
+from guestd.wire.frames import Frame, FrameDecoder, Kind, encode_frame
+from guestd.wire.messages import decode_body
+
+
+class Iterations:
+    """Counts the loop's iterations: a callback that schedules itself runs once in each."""
+
+    def __init__(self) -> None:
+        self.count = 0
+        self._loop = asyncio.get_running_loop()
+        self._handle = self._loop.call_soon(self._tick)
+
+    def _tick(self) -> None:
+        self.count += 1
+        self._handle = self._loop.call_soon(self._tick)
+
+    def stop(self) -> None:
+        self._handle.cancel()
+
+    async def run(self, n: int) -> None:
+        for _ in range(n):
+            await asyncio.sleep(0)
+
+
+def _finals(out: bytes) -> dict[int, tuple[int, dict[str, Any]]]:
+    decoder = FrameDecoder(1 << 30)
+    decoder.feed(out)
+    finals = {}
+    while (frame := decoder.next_frame()) is not None:
+        if isinstance(frame, Frame) and frame.kind in (Kind.RESPONSE, Kind.ERROR):
+            finals[frame.id] = (frame.kind, decode_body(frame.payload))
+    return finals
+
+
+def test_only_workload_ops_are_paced() -> None:
+    assert {"exec", "file.read", "code.run", "process.start", "shell.run", "port.connect"} <= PACED_OPS
+    assert not {"ping", "info", "snapshot.prepare", "snapshot.restore", "clock.check", "metrics"} & PACED_OPS
+    daemon = Daemon(Config())
+    assert "pace" in daemon.admission.names()
+    assert daemon.pacer.check("exec") is daemon.pacer and daemon.pacer.check("ping") is None
+
+
+def test_a_flood_of_execs_starts_a_few_per_iteration_and_a_control_op_goes_first() -> None:
+    """100 execs from one connection, then a metrics request from another, all before the loop
+    runs: before pacing every exec handler started in the first iteration (100 in one), and
+    the metrics request's handler after them."""
+    starts: list[tuple[str, int]] = []
+
+    async def go() -> None:
+        it = Iterations()
+
+        def compose(server: Any) -> None:
+            async def exec_handler(ctx: Any, args: Any) -> dict[str, Any]:
+                starts.append(("exec", it.count))
+                await asyncio.sleep(0)
+                return {}
+
+            async def metrics_handler(ctx: Any, args: Any) -> dict[str, Any]:
+                starts.append(("metrics", it.count))
+                return {}
+
+            server.dispatcher.add("exec", exec_handler)
+            server.dispatcher.add("metrics", metrics_handler)
+
+        daemon = Daemon(Config(), compose)
+        daemon.settle()
+        a, b = Connection(daemon, "a", serial=True), Connection(daemon, "b", serial=True)
+        sinks = SinkTransport(), SinkTransport()
+        for conn, sink in zip((a, b), sinks, strict=True):
+            conn.connection_made(sink)  # type: ignore[arg-type]
+            conn.data_received(encode_frame(Kind.HELLO, 0, {"versions": [1]}))
+        a.data_received(
+            b"".join(encode_frame(Kind.REQUEST, i, {"op": "exec", "args": {"argv": ["true"]}}) for i in range(1, 101))
+        )
+        b.data_received(encode_frame(Kind.REQUEST, 1, {"op": "metrics", "args": {}}))
+        for _ in range(400):
+            await it.run(1)
+            if len(_finals(bytes(sinks[0].out))) == 100 and _finals(bytes(sinks[1].out)):
+                break
+        it.stop()
+        assert len(_finals(bytes(sinks[0].out))) == 100
+        assert _finals(bytes(sinks[1].out))[1][0] == Kind.RESPONSE
+
+    asyncio.run(go())
+    per_iteration = Counter(at for op, at in starts if op == "exec")
+    assert sum(per_iteration.values()) == 100
+    assert max(per_iteration.values()) <= STARTS_PER_ITERATION  # was 100 in one iteration
+    (metrics_at,) = [at for op, at in starts if op == "metrics"]
+    assert metrics_at <= min(per_iteration)  # a control op waits for no exec
+
+
+def test_turns_go_in_arrival_order_and_a_cancelled_one_is_skipped() -> None:
+    async def go() -> tuple[list[int], int, bool]:
+        pacer = StartPacer(per_iteration=2)
+        it = Iterations()
+        order: list[int] = []
+
+        async def request(i: int) -> None:
+            await pacer.wait()
+            order.append(i)
+
+        tasks = [asyncio.get_running_loop().create_task(request(i)) for i in range(7)]
+        await asyncio.sleep(0)  # every task waits for its turn now (0 and 1 got one at once)
+        tasks[3].cancel()
+        await it.run(20)
+        it.stop()
+        waiting_left = len(pacer._waiting)
+        return order, waiting_left, tasks[3].cancelled()
+
+    order, waiting_left, cancelled = asyncio.run(go())
+    assert order == [0, 1, 2, 4, 5, 6]
+    assert waiting_left == 0 and cancelled
+
+
+def test_an_unloaded_pacer_starts_at_once() -> None:
+    """Fewer than its bound in an iteration: wait() returns without a suspension."""
+
+    async def go() -> int:
+        pacer = StartPacer(per_iteration=3)
+        it = Iterations()
+        at = it.count
+        for _ in range(3):
+            await pacer.wait()
+        it.stop()
+        return it.count - at
+
+    assert asyncio.run(go()) == 0
