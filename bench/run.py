@@ -859,6 +859,10 @@ def start_and_idle_rows(floor: dict[str, Any], g: dict[str, Any]) -> list[str]:
     return rows
 
 
+def _loads(values: list[float]) -> str:
+    return "/".join(f"{v:.2f}" for v in values)
+
+
 def render(res: dict[str, Any], quick: bool, cmd: str) -> str:
     floor, g, pinning, code, restore = res["floor"], res["guestd"], res["pinning"], res["code"], res["restore"]
     f64 = g["files"][str(64 * MiB)]
@@ -884,6 +888,15 @@ def render(res: dict[str, Any], quick: bool, cmd: str) -> str:
         "the machine is shared and noisy, so read differences under ~1.5x between runs as ties. "
         f"Client pinned to CPUs {pinning['client_cpus']}, servers and their children to {pinning['server_cpus']} "
         "(the host/guest split: every round trip crosses cores).",
+        *(
+            [
+                f"Load average (1, 5, 15 min) at the start {_loads(res['loadavg']['start'])}, at the end "
+                f"{_loads(res['loadavg']['end'])}; QEMU processes of other runs, when there were any, are named "
+                "under Reading the misses."
+            ]
+            if "loadavg" in res
+            else []
+        ),
         "",
         "## Targets",
         "",
@@ -1348,7 +1361,9 @@ def main() -> None:
         res["qemu_guest"] = measure_guest(ns.quick)
     else:
         others = other_qemu_pids()
+        load_at_start = os.getloadavg()
         res = uvloop.run(amain(ns.quick))
+        res["loadavg"] = {"start": load_at_start, "end": os.getloadavg()}
         res["pinning"] = {"client_cpus": sorted(CLIENT_CPUS), "server_cpus": sorted(SERVER_CPUS)}
         res["other_qemu_pids"] = sorted(set(others) | set(other_qemu_pids()))
         res["cmd"] = "python -m bench.run" + (" --quick" if ns.quick else "")
