@@ -278,9 +278,9 @@ def test_bulk_replies_are_built_a_few_at_a_time_per_connection_and_sent_inside_t
 # -- the daemon's chain and host ----------------------------------------------------------------
 def test_the_daemon_composes_policy_first_and_its_own_steps_last() -> None:
     daemon = Daemon(Config())
-    assert daemon.admission.names() == ["policy", "first_request", ROUTE, "snapshot", "pace", "bulk_reply", "paths"]
+    assert daemon.admission.names() == ["policy", "first_request", ROUTE, "pace", "snapshot", "bulk_reply", "paths"]
     daemon.settle()  # the first reply's work started: its step leaves the chain
-    assert daemon.admission.names() == ["policy", ROUTE, "snapshot", "pace", "bulk_reply", "paths"]
+    assert daemon.admission.names() == ["policy", ROUTE, "pace", "snapshot", "bulk_reply", "paths"]
 
 
 def _finals(out: bytes) -> dict[int, tuple[int, dict[str, Any]]]:

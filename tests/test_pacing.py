@@ -140,3 +140,49 @@ def test_an_unloaded_pacer_starts_at_once() -> None:
         return it.count - at
 
     assert asyncio.run(go()) == 0
+
+
+def test_a_request_waiting_for_its_turn_waits_for_a_restore_that_began_meanwhile() -> None:
+    """20 execs arrive while no restore runs (the snapshot gate open), then a restore begins
+    before their turns come: none starts until it ends. When the snapshot gate was checked only
+    at arrival, the first turns started inside the restore."""
+    states: list[Any] = []
+    started: list[int] = []
+
+    def compose(server: Any) -> None:
+        from guestd.snapshot import handlers as snapshot_ops
+
+        async def exec_handler(ctx: Any, args: Any) -> dict[str, Any]:
+            started.append(1)
+            return {}
+
+        server.dispatcher.add("exec", exec_handler)
+        states.append(snapshot_ops.register(server.services, server.admission))
+
+    async def go() -> None:
+        cfg = Config()
+        cfg.simulate_privileged = True
+        daemon = Daemon(cfg, compose)
+        daemon.settle()
+        (state,) = states
+        conn = Connection(daemon, "test", serial=True)
+        sink = SinkTransport()
+        conn.connection_made(sink)  # type: ignore[arg-type]
+        conn.data_received(encode_frame(Kind.HELLO, 0, {"versions": [1]}))
+        conn.data_received(
+            b"".join(encode_frame(Kind.REQUEST, i, {"op": "exec", "args": {"argv": ["true"]}}) for i in range(1, 21))
+        )
+        await state.lock.acquire()  # a restore begins, as snapshot.restore does, before any turn
+        state.ready.clear()
+        for _ in range(50):
+            await asyncio.sleep(0)
+        assert started == []  # was 8: the first turns started inside the restore
+        state.ready.set()
+        state.lock.release()
+        for _ in range(400):
+            await asyncio.sleep(0)
+            if len(_finals(bytes(sink.out))) == 20:
+                break
+        assert len(started) == 20 and all(kind == Kind.RESPONSE for kind, _ in _finals(bytes(sink.out)).values())
+
+    asyncio.run(go())

@@ -67,6 +67,15 @@ class Step(Record):  # not a frozen dataclass or NamedTuple: declared at every s
         self.before_route: Final = before_route
 
 
+class Turn:
+    """A gate that hands out turns (guestd.server.pacing): the chain's checks after its step
+    run when the request's turn comes, not at its arrival, so a request that waited for its
+    turn still finds, say, the snapshot gate closed by a restore that began meanwhile."""
+
+    async def wait(self) -> None:
+        raise NotImplementedError
+
+
 class _Both:
     """Two gates, waited for in the chain's order."""
 
@@ -132,12 +141,7 @@ class AdmissionChain:
         if routed is None:
             return self._admit_unrouted(op)
         # Routed before: the route is a dict entry now, so every check runs in one loop, in order.
-        gate: Gate | None = None
-        for check in self._checks:
-            found = check(op)
-            if found is not None:
-                gate = found if gate is None else _Both(gate, found)
-        return routed[0], routed[1], gate
+        return routed[0], routed[1], _gate_of(self._checks, op, None)
 
     def _admit_unrouted(self, op: str) -> Admitted:
         """An op's first request (or first since the chain or its route changed): the checks
@@ -164,11 +168,32 @@ class AdmissionChain:
 
 
 def _gate_of(checks: tuple[Check, ...], op: str, gate: Gate | None) -> Gate | None:
-    for check in checks:
+    for i, check in enumerate(checks):
         found = check(op)
-        if found is not None:
-            gate = found if gate is None else _Both(gate, found)
+        if found is None:
+            continue
+        if isinstance(found, Turn):  # the checks after it run when the turn comes
+            found = _ThenChecks(found, checks[i + 1 :], op)
+            return found if gate is None else _Both(gate, found)
+        gate = found if gate is None else _Both(gate, found)
     return gate
+
+
+class _ThenChecks:
+    """A turn, then the chain's checks after it (which may refuse the request then)."""
+
+    __slots__ = ("op", "rest", "turn")
+
+    def __init__(self, turn: Turn, rest: tuple[Check, ...], op: str) -> None:
+        self.turn = turn
+        self.rest = rest
+        self.op = op
+
+    async def wait(self) -> None:
+        await self.turn.wait()
+        gate = _gate_of(self.rest, self.op, None)
+        if gate is not None:
+            await gate.wait()
 
 
 def _as_handler(inline: Any) -> Handler:

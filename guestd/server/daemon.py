@@ -65,6 +65,10 @@ class Daemon:
         self.admission = AdmissionChain(self.dispatcher)
         self.admission.add("policy", check=config.policy.check_op, before_route=True)
         self.admission.add("first_request", check=self._first_request, before_route=True)
+        # Workload ops start a few per loop iteration, so a flood of them never holds a ping
+        # back; first after the route, so the capabilities' gates are checked at the turn.
+        self.pacer = StartPacer()
+        self.admission.add("pace", check=self.pacer.check)
         self.admit: Callable[[str], Admitted] = self.admission.admit  # ConnectionHost.admit, with no call between
 
         from guestd.children import Children
@@ -85,9 +89,6 @@ class Daemon:
 
             compose = compose_guestd
         compose(self)
-        # Workload ops start a few per loop iteration: a flood of them never holds a ping back.
-        self.pacer = StartPacer()
-        self.admission.add("pace", check=self.pacer.check)
         # The server's own steps come last, innermost: a reply held whole is built a few at a
         # time per connection (its route's bulk_reply), and path arguments reach handlers as os strs.
         self.admission.add("bulk_reply", wrap=bound_bulk_replies)

@@ -21,6 +21,7 @@ from __future__ import annotations
 import asyncio
 from collections import deque
 
+from guestd.server.admission import Turn
 from guestd.wire.schema import OPS_BY_NAME
 
 STARTS_PER_ITERATION = 8
@@ -29,9 +30,12 @@ PACED_CAPABILITIES = frozenset({"exec", "files", "code", "process", "shell", "po
 PACED_OPS = frozenset(spec.name for spec in OPS_BY_NAME.values() if spec.capability in PACED_CAPABILITIES)
 
 
-class StartPacer:
+class StartPacer(Turn):
     """The admission chain's ``pace`` step: :meth:`check` gives a paced op's request itself
-    as its gate, whose :meth:`wait` returns when the request may start."""
+    as its gate, whose :meth:`wait` returns when the request may start. It is a
+    :class:`~guestd.server.admission.Turn`: the chain's later checks (the snapshot gate) run
+    when the turn comes, so a request that waited does not start inside a restore or a
+    quiescing prepare that began meanwhile."""
 
     def __init__(self, per_iteration: int = STARTS_PER_ITERATION) -> None:
         self.per_iteration = per_iteration
