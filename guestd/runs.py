@@ -170,7 +170,7 @@ class RunTable:
             r.task.cancel()
 
     # -- ops: run.get, run.wait, run.list, run.cancel ------------------------------------
-    @op("run.get")
+    @op("run.get", control=True)
     async def op_get(self, ctx: Request, a: RunGetArgs) -> RunGetReply:
         return {"run": self.get(a["id"]).describe(with_result=True)}
 
@@ -178,12 +178,12 @@ class RunTable:
     async def op_wait(self, ctx: Request, a: RunWaitArgs) -> RunWaitReply:
         return {"run": (await self.wait(a["id"], a["timeout_s"])).describe(with_result=True)}
 
-    @op("run.list")
+    @op("run.list", control=True)
     async def op_list(self, ctx: Request, a: RunListArgs) -> RunListReply:
         self.expire()
         return {"runs": [r.describe(with_result=False) for r in self.runs.values()]}
 
-    @op("run.cancel")
+    @op("run.cancel", control=True)
     async def op_cancel(self, ctx: Request, a: RunCancelArgs) -> RunCancelReply:
         return {"run": (await self.cancel(a["id"], a["timeout_s"])).describe(with_result=True)}
 

@@ -84,7 +84,13 @@ class Registry(Protocol):
     """Where a capability registers its ops (guestd.server.dispatch.Dispatcher)."""
 
     def add(
-        self, op: str, handler: Handler | None = None, *, inline: InlineHandler | None = None, bulk_reply: bool = False
+        self,
+        op: str,
+        handler: Handler | None = None,
+        *,
+        inline: InlineHandler | None = None,
+        bulk_reply: bool = False,
+        control: bool = False,
     ) -> None: ...
 
     def capabilities(self) -> list[str]: ...
@@ -95,13 +101,15 @@ class Registry(Protocol):
 _OP_MARK = "_guestd_op"
 
 
-def op(name: str, *, bulk_reply: bool = False, inline: bool = False) -> Callable[[C], C]:
+def op(name: str, *, bulk_reply: bool = False, inline: bool = False, control: bool = False) -> Callable[[C], C]:
     """Mark a capability's method as the handler of the op ``name`` (``inline``: it answers
     at once, without a task; ``bulk_reply``: its reply is held whole, see the server's
-    admission chain); :func:`add_ops` registers every marked method of a capability."""
+    admission chain; ``control``: cheap and bounded whatever the workload does, so it starts
+    at once instead of in its turn behind workload ops, guestd.server.pacing); :func:`add_ops`
+    registers every marked method of a capability."""
 
     def mark(method: C) -> C:
-        setattr(method, _OP_MARK, (name, bulk_reply, inline))
+        setattr(method, _OP_MARK, (name, bulk_reply, inline, control))
         return method
 
     return mark
@@ -111,15 +119,15 @@ def add_ops(registry: Registry, capability: object) -> None:
     """Register each method of ``capability`` marked with :func:`op`, in the order its class
     defines them, bound to ``capability``."""
     for attribute, member in vars(type(capability)).items():
-        mark: tuple[str, bool, bool] | None = getattr(member, _OP_MARK, None)
+        mark: tuple[str, bool, bool, bool] | None = getattr(member, _OP_MARK, None)
         if mark is None:
             continue
-        name, bulk_reply, inline = mark
+        name, bulk_reply, inline, control = mark
         bound = getattr(capability, attribute)
         if inline:
             registry.add(name, inline=bound)
         else:
-            registry.add(name, bound, bulk_reply=bulk_reply)
+            registry.add(name, bound, bulk_reply=bulk_reply, control=control)
 
 
 class Host(Protocol):

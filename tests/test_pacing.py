@@ -11,7 +11,7 @@ from typing import Any
 from guestd.config import Config
 from guestd.server.connection import Connection
 from guestd.server.daemon import Daemon
-from guestd.server.pacing import PACED_OPS, STARTS_PER_ITERATION, StartPacer
+from guestd.server.pacing import STARTS_PER_ITERATION, StartPacer
 from guestd.testing.rawwire import SinkTransport
 from guestd.wire.frames import Frame, FrameDecoder, Kind, encode_frame
 from guestd.wire.messages import decode_body
@@ -47,12 +47,27 @@ def _finals(out: bytes) -> dict[int, tuple[int, dict[str, Any]]]:
     return finals
 
 
-def test_only_workload_ops_are_paced() -> None:
-    assert {"exec", "file.read", "code.run", "process.start", "shell.run", "port.connect"} <= PACED_OPS
-    assert not {"ping", "info", "snapshot.prepare", "snapshot.restore", "clock.check", "metrics"} & PACED_OPS
+def test_work_ops_are_paced_and_control_ops_are_not() -> None:
     daemon = Daemon(Config())
     assert "pace" in daemon.admission.names()
-    assert daemon.pacer.check("exec") is daemon.pacer and daemon.pacer.check("ping") is None
+    for op in ("exec", "file.read", "code.run", "process.start", "shell.run", "port.connect", "port.list"):
+        daemon.dispatcher.route(op)  # registers its capability, as its first request does
+        assert daemon.pacer.check(op) is daemon.pacer, op
+    for op in (
+        "ping",
+        "info",
+        "metrics",
+        "snapshot.prepare",
+        "snapshot.restore",
+        "clock.check",
+        "process.signal",
+        "code.interrupt",
+        "run.cancel",
+        "shell.resize",
+        "process.list",
+    ):
+        daemon.dispatcher.route(op)
+        assert daemon.pacer.check(op) is None, op
 
 
 def test_a_flood_of_execs_starts_a_few_per_iteration_and_a_control_op_goes_first() -> None:
@@ -75,7 +90,7 @@ def test_a_flood_of_execs_starts_a_few_per_iteration_and_a_control_op_goes_first
                 return {}
 
             server.dispatcher.add("exec", exec_handler)
-            server.dispatcher.add("metrics", metrics_handler)
+            server.dispatcher.add("metrics", metrics_handler, control=True)  # as guestd.metrics registers it
 
         daemon = Daemon(Config(), compose)
         daemon.settle()
@@ -100,13 +115,13 @@ def test_a_flood_of_execs_starts_a_few_per_iteration_and_a_control_op_goes_first
     per_iteration = Counter(at for op, at in starts if op == "exec")
     assert sum(per_iteration.values()) == 100
     assert max(per_iteration.values()) <= STARTS_PER_ITERATION  # was 100 in one iteration
-    (metrics_at,) = [at for op, at in starts if op == "metrics"]
-    assert metrics_at <= min(per_iteration)  # a control op waits for no exec
+    # A control op waits for no batch: among the first handlers to start (was the 101st).
+    assert [op for op, _ in starts].index("metrics") <= STARTS_PER_ITERATION
 
 
 def test_turns_go_in_arrival_order_and_a_cancelled_one_is_skipped() -> None:
-    async def go() -> tuple[list[int], int, bool]:
-        pacer = StartPacer(per_iteration=2)
+    async def go() -> tuple[list[int], bool, bool]:
+        pacer = StartPacer({}, per_iteration=2)
         it = Iterations()
         order: list[int] = []
 
@@ -119,19 +134,18 @@ def test_turns_go_in_arrival_order_and_a_cancelled_one_is_skipped() -> None:
         tasks[3].cancel()
         await it.run(20)
         it.stop()
-        waiting_left = len(pacer._waiting)
-        return order, waiting_left, tasks[3].cancelled()
+        return order, all(t.done() for t in tasks), tasks[3].cancelled()
 
-    order, waiting_left, cancelled = asyncio.run(go())
+    order, all_done, cancelled = asyncio.run(go())
     assert order == [0, 1, 2, 4, 5, 6]
-    assert waiting_left == 0 and cancelled
+    assert all_done and cancelled
 
 
 def test_an_unloaded_pacer_starts_at_once() -> None:
     """Fewer than its bound in an iteration: wait() returns without a suspension."""
 
     async def go() -> int:
-        pacer = StartPacer(per_iteration=3)
+        pacer = StartPacer({}, per_iteration=3)
         it = Iterations()
         at = it.count
         for _ in range(3):
@@ -142,24 +156,55 @@ def test_an_unloaded_pacer_starts_at_once() -> None:
     assert asyncio.run(go()) == 0
 
 
+def test_the_bound_holds_while_the_queue_drains_and_new_requests_arrive() -> None:
+    """12 requests at once, then 8 more in each of the next iterations: the turns handed out
+    in one iteration start in the next, beside those that start at once there. Counted from 0
+    at each iteration, 16 handlers started in one."""
+
+    async def go() -> Counter[int]:
+        pacer = StartPacer({}, per_iteration=8)
+        it = Iterations()
+        started: Counter[int] = Counter()
+        loop = asyncio.get_running_loop()
+
+        async def request() -> None:
+            await pacer.wait()
+            started[it.count] += 1
+
+        tasks = [loop.create_task(request()) for _ in range(12)]
+        for _ in range(6):
+            await it.run(1)
+            tasks += [loop.create_task(request()) for _ in range(8)]
+        await it.run(40)
+        it.stop()
+        assert all(t.done() for t in tasks)
+        return started
+
+    started = asyncio.run(go())
+    assert sum(started.values()) == 60
+    assert max(started.values()) <= 8, started
+
+
 def test_a_request_waiting_for_its_turn_waits_for_a_restore_that_began_meanwhile() -> None:
     """20 execs arrive while no restore runs (the snapshot gate open), then a restore begins
     before their turns come: none starts until it ends. When the snapshot gate was checked only
     at arrival, the first turns started inside the restore."""
     states: list[Any] = []
     started: list[int] = []
+    iteration: list[Iterations] = []
 
     def compose(server: Any) -> None:
         from guestd.snapshot import handlers as snapshot_ops
 
         async def exec_handler(ctx: Any, args: Any) -> dict[str, Any]:
-            started.append(1)
+            started.append(iteration[0].count)
             return {}
 
         server.dispatcher.add("exec", exec_handler)
         states.append(snapshot_ops.register(server.services, server.admission))
 
     async def go() -> None:
+        iteration.append(Iterations())
         cfg = Config()
         cfg.simulate_privileged = True
         daemon = Daemon(cfg, compose)
@@ -183,6 +228,9 @@ def test_a_request_waiting_for_its_turn_waits_for_a_restore_that_began_meanwhile
             await asyncio.sleep(0)
             if len(_finals(bytes(sink.out))) == 20:
                 break
+        iteration[0].stop()
         assert len(started) == 20 and all(kind == Kind.RESPONSE for kind, _ in _finals(bytes(sink.out)).values())
+        # The gate opens in one iteration, and they start in their turns, not all in it.
+        assert max(Counter(started).values()) <= STARTS_PER_ITERATION, Counter(started)
 
     asyncio.run(go())

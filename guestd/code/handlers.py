@@ -123,7 +123,7 @@ class CodeCapability:
             return reply
         return await c.run(a["code"], a, ctx)
 
-    @op("code.interrupt")
+    @op("code.interrupt", control=True)
     async def op_interrupt(self, ctx: Request, a: CodeInterruptArgs) -> CodeInterruptReply:
         await (await self._resolve(a["context"])).interrupt()
         return {}
@@ -139,7 +139,7 @@ class CodeCapability:
         await self.contexts().close((await self._resolve(a["context"])).id)
         return {}
 
-    @op("code.list")
+    @op("code.list", control=True)
     async def op_list(self, ctx: Request, a: CodeListArgs) -> CodeListReply:
         if self._made is None:
             return {"contexts": [], "pool_ready": 0}

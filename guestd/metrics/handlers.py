@@ -33,7 +33,7 @@ class MetricsCapability:
         result: MetricsSampleRecord = await self.services.run_in_io(sample, path, before, now)
         return result
 
-    @op("metrics")
+    @op("metrics", control=True)
     async def op_metrics(self, ctx: Request, a: MetricsArgs) -> MetricsReply:
         interval_ms = a["interval_ms"]
         if not a["stream"]:

@@ -59,7 +59,7 @@ class ProcessesCapability:
         p = await self.table.start(a)
         return {"id": p.id, "pid": p.pid}
 
-    @op("process.list")
+    @op("process.list", control=True)
     async def op_list(self, ctx: Request, a: ProcessListArgs) -> ProcessListReply:
         return {"processes": [p.describe() for p in self.table.procs.values()]}
 
@@ -107,7 +107,7 @@ class ProcessesCapability:
         # spill files are complete.
         return {"state": "exited", **p.exit_info(), "timed_out": False, **await p.spill_fields(EXIT_SETTLE_S)}
 
-    @op("process.signal")
+    @op("process.signal", control=True)
     async def op_signal(self, ctx: Request, a: ProcessSignalArgs) -> ProcessSignalReply:
         sig = parse_signal(a["signal"])
         if sig is None:

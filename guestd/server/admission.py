@@ -22,6 +22,7 @@ checks' calls and one dict lookup (ping, exec: no more than the inline checks di
 from __future__ import annotations
 
 import asyncio
+from abc import ABC, abstractmethod
 from collections.abc import Awaitable, Callable, Mapping
 from types import MappingProxyType
 from typing import Any, Final, Protocol
@@ -67,13 +68,13 @@ class Step(Record):  # not a frozen dataclass or NamedTuple: declared at every s
         self.before_route: Final = before_route
 
 
-class Turn:
+class Turn(ABC):
     """A gate that hands out turns (guestd.server.pacing): the chain's checks after its step
     run when the request's turn comes, not at its arrival, so a request that waited for its
     turn still finds, say, the snapshot gate closed by a restore that began meanwhile."""
 
-    async def wait(self) -> None:
-        raise NotImplementedError
+    @abstractmethod
+    async def wait(self) -> None: ...
 
 
 class _Both:
@@ -190,9 +191,13 @@ class _ThenChecks:
         self.op = op
 
     async def wait(self) -> None:
-        await self.turn.wait()
-        gate = _gate_of(self.rest, self.op, None)
-        if gate is not None:
+        while True:
+            await self.turn.wait()
+            gate = _gate_of(self.rest, self.op, None)
+            if gate is None:
+                return
+            # Closed meanwhile (a restore): wait, then take a turn again, so the requests it
+            # held do not all start in the iteration it opens in.
             await gate.wait()
 
 

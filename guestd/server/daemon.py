@@ -67,7 +67,7 @@ class Daemon:
         self.admission.add("first_request", check=self._first_request, before_route=True)
         # Workload ops start a few per loop iteration, so a flood of them never holds a ping
         # back; first after the route, so the capabilities' gates are checked at the turn.
-        self.pacer = StartPacer()
+        self.pacer = StartPacer(self.dispatcher.routes)
         self.admission.add("pace", check=self.pacer.check)
         self.admit: Callable[[str], Admitted] = self.admission.admit  # ConnectionHost.admit, with no call between
 

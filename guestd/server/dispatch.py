@@ -20,7 +20,7 @@ InlineHandler = Callable[[Any], Result]
 
 
 class Route(Record):  # not a frozen dataclass or NamedTuple: declared at every start (start to first reply)
-    __slots__ = ("bulk_reply", "handler", "inline", "spec")
+    __slots__ = ("bulk_reply", "control", "handler", "inline", "spec")
 
     def __init__(
         self,
@@ -28,11 +28,14 @@ class Route(Record):  # not a frozen dataclass or NamedTuple: declared at every 
         handler: Handler | None = None,
         inline: InlineHandler | None = None,
         bulk_reply: bool = False,
+        control: bool = False,
     ) -> None:
         self.spec: Final = spec
         self.handler: Final = handler
         self.inline: Final = inline  # cheap, non-blocking: answered inside data_received
         self.bulk_reply: Final = bulk_reply  # the reply is built whole in memory (up to a limit): built a few at a time
+        # cheap and bounded whatever the workload does: started at once, not in its turn (server.pacing)
+        self.control: Final = control or inline is not None
 
 
 class Dispatcher:
@@ -71,6 +74,7 @@ class Dispatcher:
         *,
         inline: InlineHandler | None = None,
         bulk_reply: bool = False,
+        control: bool = False,
     ) -> None:
         spec = OPS_BY_NAME[op]  # KeyError here is a programming error: ops must be in the schema
         if (handler is None) == (inline is None):
@@ -79,7 +83,7 @@ class Dispatcher:
             # paths reach a handler as os strs (the admission chain's path step), never an inline op
             raise ValueError(f"{op} takes paths: give it a handler, which gets them as os strs")
         again = op in self.routes
-        self.routes[op] = Route(spec, handler, inline, bulk_reply)
+        self.routes[op] = Route(spec, handler, inline, bulk_reply, control)
         self.specs[op] = spec
         if again:
             for changed in self.on_change:

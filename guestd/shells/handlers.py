@@ -81,12 +81,12 @@ class ShellsCapability:
         cursor = await services.changes_cursor(a["report_changes"])
         return await services.with_changes(cursor, await self.shells().find(a["id"]).run(a, ctx))
 
-    @op("shell.resize")
+    @op("shell.resize", control=True)
     async def op_resize(self, ctx: Request, a: ShellResizeArgs) -> ShellResizeReply:
         self.shells().find(a["id"]).resize(a["rows"], a["cols"])
         return {}
 
-    @op("shell.list")
+    @op("shell.list", control=True)
     async def op_list(self, ctx: Request, a: ShellListArgs) -> ShellListReply:
         if self._made is None:
             return {"sessions": []}

@@ -40,20 +40,20 @@ class SnapshotOps:
     def __init__(self, state: SnapshotState) -> None:
         self.state = state
 
-    @op("snapshot.prepare")
+    @op("snapshot.prepare", control=True)
     async def op_prepare(self, ctx: Request, a: SnapshotPrepareArgs) -> SnapshotPrepareReply:
         return await self.state.prepare(a["quiesce"], a["timeout_s"], a["freeze"], a["fsfreeze"], a["freeze_max_s"])
 
-    @op("snapshot.resume")
+    @op("snapshot.resume", control=True)
     async def op_resume(self, ctx: Request, a: SnapshotResumeArgs) -> SnapshotResumeReply:
         await self.state.resume()
         return {}
 
-    @op("snapshot.restore")
+    @op("snapshot.restore", control=True)
     async def op_restore(self, ctx: Request, a: SnapshotRestoreArgs) -> SnapshotRestoreReply:
         return await self.state.restore(a, ctx.connection)
 
-    @op("clock.check")
+    @op("clock.check", control=True)
     async def op_clock_check(self, ctx: Request, a: ClockCheckArgs) -> ClockCheckReply:
         return self.state.check_clock(a["time_ns"])
 

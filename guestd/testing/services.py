@@ -35,9 +35,16 @@ class RecordingRegistry:
         self.handlers: dict[str, Handler] = {}
         self.inline: dict[str, InlineHandler] = {}
         self.bulk_reply: set[str] = set()
+        self.control: set[str] = set()
 
     def add(
-        self, op: str, handler: Handler | None = None, *, inline: InlineHandler | None = None, bulk_reply: bool = False
+        self,
+        op: str,
+        handler: Handler | None = None,
+        *,
+        inline: InlineHandler | None = None,
+        bulk_reply: bool = False,
+        control: bool = False,
     ) -> None:
         if op not in OPS_BY_NAME:
             raise AssertionError(f"{op!r} is not an op of the schema")
@@ -49,6 +56,8 @@ class RecordingRegistry:
             self.inline[op] = inline
         if bulk_reply:
             self.bulk_reply.add(op)
+        if control:
+            self.control.add(op)
 
     def capabilities(self) -> list[str]:
         return sorted({OPS_BY_NAME[op].capability for op in self.ops()})
