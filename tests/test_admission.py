@@ -32,8 +32,7 @@ from guestd.server.request import Handler, RequestContext
 from guestd.testing import StartGuestd
 from guestd.testing.rawwire import RawPeer, SinkTransport
 from guestd.wire.errors import ErrorCode, GuestdError
-from guestd.wire.frames import Frame, FrameDecoder, Kind, encode_frame
-from guestd.wire.messages import decode_body
+from guestd.wire.frames import Kind, encode_frame
 from guestd.wire.schema import OPS_BY_NAME
 
 
@@ -283,16 +282,6 @@ def test_the_daemon_composes_policy_first_and_its_own_steps_last() -> None:
     assert daemon.admission.names() == ["policy", ROUTE, "pace", "snapshot", "bulk_reply", "paths"]
 
 
-def _finals(out: bytes) -> dict[int, tuple[int, dict[str, Any]]]:
-    decoder = FrameDecoder(1 << 30)
-    decoder.feed(out)
-    finals = {}
-    while (frame := decoder.next_frame()) is not None:
-        if isinstance(frame, Frame) and frame.kind in (Kind.RESPONSE, Kind.ERROR):
-            finals[frame.id] = (frame.kind, decode_body(frame.payload))
-    return finals
-
-
 def test_during_a_restore_even_ping_waits_at_the_snapshot_gate_but_the_restore_does_not() -> None:
     """The snapshot's step, registered from its own register(), as a daemon's connection runs it."""
     states: list[Any] = []
@@ -323,14 +312,14 @@ def test_during_a_restore_even_ping_waits_at_the_snapshot_gate_but_the_restore_d
         )
         for _ in range(20):
             await asyncio.sleep(0)
-        finals = _finals(bytes(sink.out))
+        finals = sink.finals()
         assert 1 not in finals  # held
         assert finals[2][0] == Kind.ERROR and finals[2][1]["code"] == "permission_denied"  # policy first
         assert 3 not in finals  # every op but the restore itself waits
         state.ready.set()
         state.lock.release()
         for _ in range(200):
-            finals = _finals(bytes(sink.out))
+            finals = sink.finals()
             if 1 in finals and 3 in finals:
                 break
             await asyncio.sleep(0)

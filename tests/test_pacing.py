@@ -13,8 +13,7 @@ from guestd.server.connection import Connection
 from guestd.server.daemon import Daemon
 from guestd.server.pacing import STARTS_PER_ITERATION, StartPacer
 from guestd.testing.rawwire import SinkTransport
-from guestd.wire.frames import Frame, FrameDecoder, Kind, encode_frame
-from guestd.wire.messages import decode_body
+from guestd.wire.frames import Kind, encode_frame
 
 
 class Iterations:
@@ -35,16 +34,6 @@ class Iterations:
     async def run(self, n: int) -> None:
         for _ in range(n):
             await asyncio.sleep(0)
-
-
-def _finals(out: bytes) -> dict[int, tuple[int, dict[str, Any]]]:
-    decoder = FrameDecoder(1 << 30)
-    decoder.feed(out)
-    finals = {}
-    while (frame := decoder.next_frame()) is not None:
-        if isinstance(frame, Frame) and frame.kind in (Kind.RESPONSE, Kind.ERROR):
-            finals[frame.id] = (frame.kind, decode_body(frame.payload))
-    return finals
 
 
 def test_work_ops_are_paced_and_control_ops_are_not() -> None:
@@ -105,11 +94,11 @@ def test_a_flood_of_execs_starts_a_few_per_iteration_and_a_control_op_goes_first
         b.data_received(encode_frame(Kind.REQUEST, 1, {"op": "metrics", "args": {}}))
         for _ in range(400):
             await it.run(1)
-            if len(_finals(bytes(sinks[0].out))) == 100 and _finals(bytes(sinks[1].out)):
+            if len(sinks[0].finals()) == 100 and sinks[1].finals():
                 break
         it.stop()
-        assert len(_finals(bytes(sinks[0].out))) == 100
-        assert _finals(bytes(sinks[1].out))[1][0] == Kind.RESPONSE
+        assert len(sinks[0].finals()) == 100
+        assert sinks[1].finals()[1][0] == Kind.RESPONSE
 
     asyncio.run(go())
     per_iteration = Counter(at for op, at in starts if op == "exec")
@@ -226,10 +215,10 @@ def test_a_request_waiting_for_its_turn_waits_for_a_restore_that_began_meanwhile
         state.lock.release()
         for _ in range(400):
             await asyncio.sleep(0)
-            if len(_finals(bytes(sink.out))) == 20:
+            if len(sink.finals()) == 20:
                 break
         iteration[0].stop()
-        assert len(started) == 20 and all(kind == Kind.RESPONSE for kind, _ in _finals(bytes(sink.out)).values())
+        assert len(started) == 20 and all(kind == Kind.RESPONSE for kind, _ in sink.finals().values())
         # The gate opens in one iteration, and they start in their turns, not all in it.
         assert max(Counter(started).values()) <= STARTS_PER_ITERATION, Counter(started)
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 import socket
 from typing import Any
 
-from guestd.wire.frames import HEADER, HEADER_SIZE, MAGIC, Kind, encode_frame
+from guestd.wire.frames import HEADER, HEADER_SIZE, MAGIC, Frame, FrameDecoder, Kind, encode_frame
 from guestd.wire.messages import decode_body
 
 
@@ -154,3 +154,13 @@ class SinkTransport:
 
     def close(self) -> None:
         self.closed = True
+
+    def finals(self) -> dict[int, tuple[int, dict[str, Any]]]:
+        """The final frames written so far: request id -> (kind, decoded body)."""
+        decoder = FrameDecoder(1 << 30)
+        decoder.feed(bytes(self.out))
+        finals = {}
+        while (frame := decoder.next_frame()) is not None:
+            if isinstance(frame, Frame) and frame.kind in (Kind.RESPONSE, Kind.ERROR):
+                finals[frame.id] = (frame.kind, decode_body(frame.payload))
+        return finals
