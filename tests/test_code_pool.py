@@ -181,7 +181,9 @@ def test_a_cancelled_create_leaves_its_claimed_pool_kernel_to_the_pool() -> None
             pg.fast()
             pg.pool_ready(1)
             assert c.call("code.list")["contexts"] == []
-        assert seen.most_at_once == 1, seen.seen  # the pool's kernel only, never a second beside it
+        # The pool's kernel only, never a second beside it (seen once in a loaded CI run: the
+        # guestd log says whether a start was given up on and retried).
+        assert seen.most_at_once == 1, (seen.seen, pg.g.log()[-4000:])
         (pooled_pid,) = pg.kernels()
         with pg.g.client() as c:
             ctx = c.code_create()
