@@ -26,7 +26,6 @@ REPO = os.path.dirname(HERE)
 SHIPPED_CONFIG = os.path.join(REPO, "rootfs-overlay", "etc", "guestd", "guestd.toml")
 WORKLOAD_USER = "nobody"  # 65534 exists everywhere; the image's "sandbox" (uid 1000) does not exist here
 EXEC_LOOPS = 64  # clients looping `exec true` while another one pings (issue 14's load)
-PING_UNDER_LOAD_GOAL_MS = 10.0
 SHIPPED_VS_ROOT_GOAL = 1.3
 
 
@@ -130,10 +129,12 @@ def target_rows(floor: dict[str, Any], g: dict[str, Any]) -> list[str]:
         if cc is None:
             continue
         p99 = cc["ping_under_load"]["p99_ms"]
+        # The pinger shares its event loop (and CPU) with the load clients here, so its own
+        # loop's lag is in the figure: context; the goal is judged by bench/load.py's rows.
         rows.append(
-            f"| ping p99 while {cc['clients']} clients loop `exec true`, {label} | {p99:.2f} ms "
-            f"({cc['execs_per_s']:.0f} execs/s) | {g['ping']['p99_ms']:.3f} ms (idle ping p99) | - "
-            f"| <= {PING_UNDER_LOAD_GOAL_MS:.0f} ms | {verdict(p99 <= PING_UNDER_LOAD_GOAL_MS)} |"
+            f"| ping p99 while {cc['clients']} clients loop `exec true` in the pinger's own process, {label} "
+            f"| {p99:.2f} ms ({cc['execs_per_s']:.0f} execs/s) | {g['ping']['p99_ms']:.3f} ms (idle ping p99) | - "
+            f"| (context: the pinger's loop runs the load too) | - |"
         )
     return rows
 
