@@ -65,28 +65,9 @@ def _verdict(ok: bool) -> str:
 
 
 def more_target_rows(res: dict[str, Any]) -> list[str]:
-    """Targets rows of :func:`measure_more`'s figures (``res["more"]``) and of exec p99 against
-    qemu-ga's (``res["peers"]``)."""
-    rows: list[str] = []
+    """Targets rows of :func:`measure_more`'s figures (``res["more"]``)."""
     more = res.get("more", {})
-    flood = more.get("load")
-    rows += _ping_rows(flood)
-    exec_rows = _exec_p99_rows(flood)
-    rows += exec_rows
-    qga = res.get("peers", {}).get("qemu-ga")
-    g = res["guestd"]
-    if qga is not None and not exec_rows:  # bench.load did not run: the peers table's samples
-        qga_p99 = qga["exec_true"]["p99_ms"]
-        shipped = g.get("shipped", {}).get("exec_true")
-        for label, e in (("root, no workload settings", g["exec_true"]), ("shipped config", shipped)):
-            if e is None:
-                continue
-            ratio = e["p99_ms"] / qga_p99
-            rows.append(
-                f"| exec `true` p99, {label} | {e['p99_ms']:.2f} ms (n {e['n']}) | {qga_p99:.2f} ms "
-                f"(qemu-ga p99, n {qga['exec_true']['n']}) | {ratio:.2f}x | <= {EXEC_P99_VS_QGA_GOAL}x "
-                f"| {_verdict(ratio <= EXEC_P99_VS_QGA_GOAL)} |"
-            )
+    rows = _flood_rows(more.get("load"))  # when it did not run, the peers table still compares exec p99
     cn = more.get("relay_connect")
     if cn is not None:
         ratio = cn["relay_p50_ms"] / cn["direct_p50_ms"]
@@ -117,8 +98,9 @@ def more_target_rows(res: dict[str, Any]) -> list[str]:
     return rows
 
 
-def _ping_rows(flood: dict[str, Any] | None) -> list[str]:
-    """bench.load's ping p99 under the flood, the median over the repeats (the range beside)."""
+def _flood_rows(flood: dict[str, Any] | None) -> list[str]:
+    """bench.load's ping p99 under the flood and exec p99 against qemu-ga's in the same rounds,
+    per config: medians over the repeats (the ping's range beside)."""
     if not flood:
         return []
     from bench.load import med
@@ -135,16 +117,6 @@ def _ping_rows(flood: dict[str, Any] | None) -> list[str]:
             f"{med(runs, 'loop_max_late_ms')[0]:.1f} ms) | {med(runs, 'idle_ping', 'p99')[0]:.2f} ms (idle ping p99) "
             f"| - | <= {PING_GOAL_MS:g} ms | {_verdict(p99 <= PING_GOAL_MS)} |"
         )
-    return rows
-
-
-def _exec_p99_rows(flood: dict[str, Any] | None) -> list[str]:
-    """bench.load's exec p99 against qemu-ga's p99 in the same rounds, per config."""
-    if not flood:
-        return []
-    from bench.load import med
-
-    rows: list[str] = []
     for name, runs in flood["exec"].items():
         if not runs or not all(r.get("qga") for r in runs):
             continue
