@@ -109,12 +109,15 @@ class Sampler:
         self.sample = sample
         self.most_at_once = 0
         self.seen: set[int] = set()
+        self.first_seen: dict[int, int] = {}  # pid -> its order of first appearance
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True)
 
     def _run(self) -> None:
         while not self._stop.is_set():
             now = self.sample()
+            for pid in now - self.seen:
+                self.first_seen[pid] = len(self.first_seen)
             self.seen |= now
             self.most_at_once = max(self.most_at_once, len(now))
             self._stop.wait(0.02)
@@ -138,8 +141,10 @@ def test_a_create_takes_the_pool_kernel_already_starting_instead_of_starting_ano
             ctx = c.code_create(deadline=120)
         assert ctx.pooled
         # one kernel at a time while the create waited; the pool's next one starts once it has its
-        # kernel, which may be before the create's reply is read here
-        assert seen.most_at_once == 1, seen.seen
+        # kernel, which may be before the create's reply is read here (seen in a loaded CI run):
+        # a second kernel only after the context's own, never one started beside it
+        later = [pid for pid in seen.seen if seen.first_seen[pid] > seen.first_seen[ctx.pid]]
+        assert seen.most_at_once == 1 or (seen.most_at_once == 2 and len(later) == 1), seen.first_seen
         pg.fast()
         pg.pool_ready(1)
         with pg.g.client() as c:
