@@ -108,6 +108,51 @@ def test_a_flood_of_execs_starts_a_few_per_iteration_and_a_control_op_goes_first
     assert [op for op, _ in starts].index("metrics") <= STARTS_PER_ITERATION
 
 
+def test_a_connection_that_floods_waits_behind_itself_not_in_front_of_others() -> None:
+    """Connection a sends 100 execs at once, then b and c send 3 each: turns go round robin
+    across connections (a, b, c, a, b, c, ...), so b's and c's all start within the next three
+    iterations' turns. With one queue in arrival order they started after a's 100."""
+    starts: list[tuple[str, int]] = []
+
+    async def go() -> None:
+        it = Iterations()
+
+        def compose(server: Any) -> None:
+            async def exec_handler(ctx: Any, args: Any) -> dict[str, Any]:
+                starts.append((ctx.conn.transport_name, it.count))
+                await asyncio.sleep(0)
+                return {}
+
+            server.dispatcher.add("exec", exec_handler)
+
+        daemon = Daemon(Config(), compose)
+        daemon.settle()
+        conns = {name: Connection(daemon, name, serial=True) for name in "abc"}
+        sinks = {name: SinkTransport() for name in conns}
+        for name, conn in conns.items():
+            conn.connection_made(sinks[name])  # type: ignore[arg-type]
+            conn.data_received(encode_frame(Kind.HELLO, 0, {"versions": [1]}))
+        for name, n in (("a", 100), ("b", 3), ("c", 3)):
+            conns[name].data_received(
+                b"".join(
+                    encode_frame(Kind.REQUEST, i, {"op": "exec", "args": {"argv": ["true"]}}) for i in range(1, n + 1)
+                )
+            )
+        for _ in range(400):
+            await it.run(1)
+            if [len(sink.finals()) for sink in sinks.values()] == [100, 3, 3]:
+                break
+        it.stop()
+        assert [len(sink.finals()) for sink in sinks.values()] == [100, 3, 3]
+
+    asyncio.run(go())
+    first = starts[0][1]
+    late = [(name, at - first) for name, at in starts if name != "a" and at - first > 3]
+    assert not late, late  # one queue: every one of b's and c's, 13-14 iterations after
+    per_iteration = Counter(at for _, at in starts)
+    assert max(per_iteration.values()) <= STARTS_PER_ITERATION
+
+
 def test_turns_go_in_arrival_order_and_a_cancelled_one_is_skipped() -> None:
     async def go() -> tuple[list[int], bool, bool]:
         pacer = StartPacer({}, per_iteration=2)

@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import asyncio
 from abc import ABC, abstractmethod
-from collections.abc import Awaitable, Callable, Mapping
+from collections.abc import Awaitable, Callable, Hashable, Mapping
 from types import MappingProxyType
 from typing import Any, Final, Protocol
 
@@ -71,10 +71,12 @@ class Step(Record):  # not a frozen dataclass or NamedTuple: declared at every s
 class Turn(ABC):
     """A gate that hands out turns (guestd.server.pacing): the chain's checks after its step
     run when the request's turn comes, not at its arrival, so a request that waited for its
-    turn still finds, say, the snapshot gate closed by a restore that began meanwhile."""
+    turn still finds, say, the snapshot gate closed by a restore that began meanwhile.
+    ``source`` is where the request came from (its connection), so turns can be shared out
+    between sources rather than in arrival order alone."""
 
     @abstractmethod
-    async def wait(self) -> None: ...
+    async def wait(self, source: Hashable) -> None: ...
 
 
 class _Both:
@@ -136,21 +138,22 @@ class AdmissionChain:
         self._handlers.clear()  # wrapped again at each op's next request
 
     # -- per request ----------------------------------------------------------------------
-    def admit(self, op: str) -> Admitted:
-        """Run the checks in order; raises the GuestdError of the first that refuses."""
+    def admit(self, op: str, source: Hashable = None) -> Admitted:
+        """Run the checks in order; raises the GuestdError of the first that refuses.
+        ``source``: the connection the request came on (a turn's queue is per source)."""
         routed = self._handlers.get(op)
         if routed is None:
-            return self._admit_unrouted(op)
+            return self._admit_unrouted(op, source)
         # Routed before: the route is a dict entry now, so every check runs in one loop, in order.
-        return routed[0], routed[1], _gate_of(self._checks, op, None)
+        return routed[0], routed[1], _gate_of(self._checks, op, None, source)
 
-    def _admit_unrouted(self, op: str) -> Admitted:
+    def _admit_unrouted(self, op: str, source: Hashable) -> Admitted:
         """An op's first request (or first since the chain or its route changed): the checks
         before the route, the route (a declared capability registers now), the checks after."""
-        gate = _gate_of(self._before, op, None)
+        gate = _gate_of(self._before, op, None, source)
         route = self._route(op)  # raises for an op not served (and when its capability fails to register)
         routed = self._handlers[op] = (route, self._wrapped(route))
-        return route, routed[1], _gate_of(self._after, op, gate)
+        return route, routed[1], _gate_of(self._after, op, gate, source)
 
     def forget(self, op: str) -> None:
         """``op``'s route changed (registered again): resolved and wrapped again at its next request."""
@@ -168,13 +171,13 @@ class AdmissionChain:
         return handler
 
 
-def _gate_of(checks: tuple[Check, ...], op: str, gate: Gate | None) -> Gate | None:
+def _gate_of(checks: tuple[Check, ...], op: str, gate: Gate | None, source: Hashable) -> Gate | None:
     for i, check in enumerate(checks):
         found = check(op)
         if found is None:
             continue
         if isinstance(found, Turn):  # the checks after it run when the turn comes
-            found = _ThenChecks(found, checks[i + 1 :], op)
+            found = _ThenChecks(found, checks[i + 1 :], op, source)
             return found if gate is None else _Both(gate, found)
         gate = found if gate is None else _Both(gate, found)
     return gate
@@ -183,17 +186,18 @@ def _gate_of(checks: tuple[Check, ...], op: str, gate: Gate | None) -> Gate | No
 class _ThenChecks:
     """A turn, then the chain's checks after it (which may refuse the request then)."""
 
-    __slots__ = ("op", "rest", "turn")
+    __slots__ = ("op", "rest", "source", "turn")
 
-    def __init__(self, turn: Turn, rest: tuple[Check, ...], op: str) -> None:
+    def __init__(self, turn: Turn, rest: tuple[Check, ...], op: str, source: Hashable) -> None:
         self.turn = turn
         self.rest = rest
         self.op = op
+        self.source = source
 
     async def wait(self) -> None:
         while True:
-            await self.turn.wait()
-            gate = _gate_of(self.rest, self.op, None)
+            await self.turn.wait(self.source)
+            gate = _gate_of(self.rest, self.op, None, self.source)
             if gate is None:
                 return
             # Closed meanwhile (a restore): wait, then take a turn again, so the requests it

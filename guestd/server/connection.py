@@ -330,7 +330,7 @@ class Connection(asyncio.BufferedProtocol):
         try:
             # The admission chain (guestd/server/admission.py): policy, the route (the core admitted
             # only ops that are served; a declared capability registers now), the gates.
-            route, handler, gate = self._admit(stream.op)
+            route, handler, gate = self._admit(stream.op, self)
         except GuestdError as err:
             self.session.fail(stream, err)
             return

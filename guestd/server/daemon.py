@@ -15,7 +15,7 @@ import os
 import signal
 import sys
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Hashable, Mapping
 from typing import TYPE_CHECKING, Any
 
 from guestd import __version__
@@ -69,7 +69,8 @@ class Daemon:
         # back; first after the route, so the capabilities' gates are checked at the turn.
         self.pacer = StartPacer(self.dispatcher.routes)
         self.admission.add("pace", check=self.pacer.check)
-        self.admit: Callable[[str], Admitted] = self.admission.admit  # ConnectionHost.admit, with no call between
+        # ConnectionHost.admit, with no call between
+        self.admit: Callable[[str, Hashable], Admitted] = self.admission.admit
 
         from guestd.children import Children
         from guestd.children.cgroups import WorkloadCgroup

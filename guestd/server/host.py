@@ -7,7 +7,7 @@ fuzzer can give another. Neither side imports the other's module.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Hashable, Mapping
 from typing import TYPE_CHECKING, Any, Protocol
 
 if TYPE_CHECKING:
@@ -82,7 +82,8 @@ class ConnectionHost(Protocol):
         """A hello was accepted and answered (the snapshot's host-clock check hooks in here)."""
         ...
 
-    def admit(self, op: str) -> Admitted:
-        """The request for ``op`` through the admission chain: its route, its handler as the
-        chain runs it, and what it waits for first; raises the GuestdError of a refusal."""
+    def admit(self, op: str, source: Hashable) -> Admitted:
+        """The request for ``op`` from ``source`` (its connection) through the admission chain:
+        its route, its handler as the chain runs it, and what it waits for first; raises the
+        GuestdError of a refusal."""
         ...

@@ -4,9 +4,13 @@ A ping is answered inside ``data_received``, so it waits for the loop iteration 
 end. Under a flood (64 clients looping ``exec``, more than the loop can serve) each iteration
 ran every request that had arrived during the one before, and all of their later steps: the
 iteration grew with the requests in flight (26-33 ms at 64 clients) and ping p99 with it. Here
-at most :data:`STARTS_PER_ITERATION` handlers start per iteration, in arrival order across
-connections; the rest wait their turn, so an iteration holds a bounded batch of work whatever
-the number of clients, and the loop polls its sockets between batches.
+at most :data:`STARTS_PER_ITERATION` handlers start per iteration; the rest wait their turn, so
+an iteration holds a bounded batch of work whatever the number of clients, and the loop polls
+its sockets between batches.
+
+Turns go round robin across connections, in arrival order within each: a client that sends a
+thousand requests at once waits behind itself, and another client's next request takes one of
+the next iteration's turns, not the thousand-and-first.
 
 Every op is work unless its capability registered it as ``control`` (cheap and bounded whatever
 the workload does: the snapshot ops, clock, metrics, signals and interrupts, the run, process,
@@ -23,7 +27,7 @@ from __future__ import annotations
 
 import asyncio
 from collections import deque
-from collections.abc import Mapping
+from collections.abc import Hashable, Mapping
 
 from guestd.server.admission import Turn
 from guestd.server.dispatch import Route
@@ -43,20 +47,27 @@ class StartPacer(Turn):
         self._routes = routes  # the dispatcher's: pace comes after the route, so the op's is there
         self._started = 0  # handlers that start in this iteration
         self._granted = 0  # turns handed out in this iteration: their handlers start in the next
-        self._waiting: deque[asyncio.Future[None]] = deque()
+        # The requests waiting, per source (connection) in arrival order; a source is here, and
+        # in the ring, only while it has one waiting.
+        self._waiting: dict[Hashable, deque[asyncio.Future[None]]] = {}
+        self._ring: deque[Hashable] = deque()  # sources with requests waiting: the next turn's on the left
         self._armed = False  # a _next_iteration is scheduled
 
     def check(self, op: str) -> StartPacer | None:
         route = self._routes.get(op)
         return None if route is None or route.control else self
 
-    async def wait(self) -> None:
-        if not self._waiting and self._started < self.per_iteration:
+    async def wait(self, source: Hashable = None) -> None:
+        if not self._ring and self._started < self.per_iteration:
             self._started += 1
             self._arm()
             return
         turn: asyncio.Future[None] = asyncio.get_running_loop().create_future()
-        self._waiting.append(turn)
+        queue = self._waiting.get(source)
+        if queue is None:
+            queue = self._waiting[source] = deque()
+            self._ring.append(source)
+        queue.append(turn)
         self._arm()
         await turn  # cancelled while waiting: the turn is skipped when it comes
 
@@ -73,10 +84,29 @@ class StartPacer(Turn):
         # of this one): they count against this iteration, with whatever starts at once in it.
         self._started = self._granted
         self._granted = 0
-        while self._waiting and self._granted < self.per_iteration:
-            turn = self._waiting.popleft()
-            if not turn.done():  # a cancelled request's turn goes to the next
-                turn.set_result(None)
-                self._granted += 1
-        if self._waiting or self._started or self._granted:
+        while self._granted < self.per_iteration:
+            turn = self._next_turn()
+            if turn is None:
+                break
+            turn.set_result(None)
+            self._granted += 1
+        if self._ring or self._started or self._granted:
             self._arm()
+
+    def _next_turn(self) -> asyncio.Future[None] | None:
+        """The oldest live turn of the next source in the ring (None: nothing waits). Turns of
+        cancelled requests are dropped on the way, and so is a source left with none."""
+        while self._ring:
+            source = self._ring.popleft()
+            queue = self._waiting[source]
+            turn = None
+            while queue and turn is None:
+                candidate = queue.popleft()
+                turn = None if candidate.done() else candidate
+            if queue:
+                self._ring.append(source)
+            else:
+                del self._waiting[source]
+            if turn is not None:
+                return turn
+        return None
