@@ -209,9 +209,12 @@ class RunUsage(Record):
 class RunCgroup:
     """One run's leaf. ``fd`` (O_PATH) is what clone3 places the first process with."""
 
-    def __init__(self, path: str, fd: int) -> None:
+    def __init__(self, path: str, fd: int, memory: bool = True) -> None:
         self.path = path
         self.fd = fd
+        # False when the leaves have no memory controller (WorkloadCgroup.run_memory): usage()
+        # then skips memory.events and memory.peak, whose failed open was 10 us per exec here.
+        self.memory = memory
 
     @property
     def name(self) -> str:
@@ -241,9 +244,10 @@ class RunCgroup:
         user = sys_ = oom = peak = None
         with contextlib.suppress(OSError, ValueError):
             user, sys_ = self._counters(b"cpu.stat", b"user_usec", b"system_usec")
-        with contextlib.suppress(OSError, ValueError):
-            (oom,) = self._counters(b"memory.events", b"oom_kill")
-            peak = int(self._read_small(b"memory.peak"))  # Linux 5.19
+        if self.memory:
+            with contextlib.suppress(OSError, ValueError):
+                (oom,) = self._counters(b"memory.events", b"oom_kill")
+                peak = int(self._read_small(b"memory.peak"))  # Linux 5.19
         return RunUsage(user, sys_, oom, peak)
 
     def _counters(self, name: bytes, *keys: bytes) -> list[int | None]:
@@ -508,7 +512,7 @@ class WorkloadCgroup:
             with contextlib.suppress(OSError):
                 os.rmdir(path)
             raise
-        return RunCgroup(path, fd)
+        return RunCgroup(path, fd, memory=self.run_memory)
 
     def end_leftovers(self) -> int:
         """Kill and remove every leaf (and any process directly in the workload cgroup): at
