@@ -43,6 +43,7 @@ NOT_AT_START = (
     "guestd.wire.types",  # the generated TypedDicts (~15 ms, ~0.8 MiB): for type checkers and the client
     "guestd.wire.session.client",  # the client's half of the session core
     "json",  # ~1.8 ms, 0.14 MiB: the restore's generation file imports it (snapshot.prepare loads it first)
+    "ctypes",  # ~1 ms: becoming the subreaper and malloc's tuning go through the clone3 extension
 )
 
 _START_PATH = """
@@ -162,6 +163,26 @@ def test_a_guestd_that_served_only_pings_maps_no_heavy_package(fresh_guestd: Sta
         c.ping()  # the first request's after-first-reply work (Daemon.settle) has run by now
         maps = _maps_of(g.pid)
         assert [p for p, needle in HEAVY_EXTENSIONS.items() if needle in maps] == []
+
+
+def test_guestd_is_the_subreaper_of_what_its_runs_leave_behind(fresh_guestd: StartGuestd, tmp_path: object) -> None:
+    """Becoming the subreaper went from ctypes to the clone3 extension (ctypes is off the start
+    path): a background process whose shell has exited is re-parented to guestd, which reaps it."""
+    g = fresh_guestd("--runtime-dir", f"{tmp_path}/rt")
+    with g.client() as c:
+        reply = c.exec(["sh", "-c", "sleep 30 >/dev/null 2>&1 & echo $!"])
+        orphan = int(reply.stdout)
+        try:
+            with open(f"/proc/{orphan}/status") as f:
+                ppid = next(int(line.split()[1]) for line in f if line.startswith("PPid:"))
+            assert ppid == g.pid
+        finally:
+            os.kill(orphan, 9)
+        for _ in range(1000):  # reaped by guestd's sweep: the pid disappears
+            if not os.path.exists(f"/proc/{orphan}"):
+                break
+            time.sleep(0.01)
+        assert not os.path.exists(f"/proc/{orphan}")
 
 
 def test_a_first_exec_gets_what_other_capabilities_provide(fresh_guestd: StartGuestd, tmp_path: object) -> None:
