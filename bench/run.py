@@ -58,6 +58,7 @@ MiB = 1024 * 1024
 _CPUS = sorted(os.sched_getaffinity(0))
 CLIENT_CPUS = {_CPUS[0]} if len(_CPUS) >= 2 else set()
 SERVER_CPUS = {_CPUS[1]} if len(_CPUS) >= 2 else set()
+START_ROUNDS = 15  # starts of each kind (floor, root, shipped), interleaved: 7 left p50 moving by 10-20% between runs
 
 
 def pct(xs: list[float], p: float) -> float:
@@ -528,7 +529,7 @@ async def measure_with(
         gd.stop()
         if sd is not None:
             sd.stop()
-    starts = await start_to_first_reply(tmp, 7, shipped_at)
+    starts = await start_to_first_reply(tmp, START_ROUNDS, shipped_at)
     fl.update(starts["floor"])
     res.update(starts["guestd"])
     if "shipped" in starts:
@@ -1038,7 +1039,13 @@ def render(res: dict[str, Any], quick: bool, cmd: str) -> str:
         "the server's CPU. guestd spawns with clone3 (CLONE_VM|CLONE_VFORK, into the run's leaf cgroup when it has "
         "one) on a 2-thread spawn pool, so the event loop never waits for an exec; it inherits its environment "
         "instead of re-encoding it, and keeps the default pipe size (F_SETPIPE_SZ cost ~45 us per exec). "
-        "Across runs on this machine the ratio moved between ~1.2x and ~1.6x.",
+        "Across runs on this machine the ratio moved between ~1.2x and ~1.6x. Where the rest goes (perf sched "
+        "and in-process timing, 2026-12-04, root config): `true` itself (exec, ld.so, exit) ~0.45 ms, as for the "
+        "floor; a ping's round trip ~0.1 ms; guestd's work on the request before the spawn ~50 us, the child's "
+        "resets before exec (64 signal dispositions, fds, limits, affinity, the PATH search) ~30 us, collecting "
+        "the spawn and wiring the pipes ~40 us, the exit and the reply ~15 us (+~40 us in the shipped config: the "
+        "leaf's cpu.stat, its mkdir in the spawn thread). The child runs on guestd's CPU, so all of it adds up; "
+        "moving the child to the other CPU before exec measured slower (cross-CPU wake-ups in this VM).",
         "- **64 MiB upload**: an upload is an atomic replace, so it writes and fsyncs the file; the line "
         '"upload vs the disk" compares it with a local write + fsync of the same size in the same run. '
         "The raw-socket floor moves bytes into a process that discards them. guestd writes each batch of "
