@@ -10,9 +10,7 @@ RSS kept after a burst (32 MiB by default, inside the "idle + 32 MiB" budget).
 
 from __future__ import annotations
 
-from collections.abc import Callable
-
-from guestd.children.launch import clone_module
+from guestd.libc import mallopt
 
 M_TRIM_THRESHOLD = -1
 M_MMAP_THRESHOLD = -3
@@ -20,23 +18,4 @@ M_MMAP_THRESHOLD = -3
 
 def tune_malloc(mmap_threshold: int = 8 * 1024 * 1024, trim_threshold: int = 32 * 1024 * 1024) -> bool:
     """Apply the settings to this process; False where mallopt is unavailable (non-glibc)."""
-    mallopt = _mallopt()
-    if mallopt is None:
-        return False
     return bool(mallopt(M_MMAP_THRESHOLD, mmap_threshold)) and bool(mallopt(M_TRIM_THRESHOLD, trim_threshold))
-
-
-def _mallopt() -> Callable[[int, int], object] | None:
-    """glibc's mallopt through the clone3 extension; through ctypes (~1 MiB of idle RSS, ~1 ms to
-    import) only when the extension was not built."""
-    try:
-        mallopt: Callable[[int, int], object] = clone_module().mallopt
-        return mallopt
-    except (ImportError, AttributeError):
-        pass
-    import ctypes
-
-    try:
-        return ctypes.CDLL(None).mallopt  # symbols of this process, libc included
-    except (OSError, AttributeError):
-        return None

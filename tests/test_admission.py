@@ -79,13 +79,13 @@ def test_checks_run_in_order_around_the_route_and_a_refusal_ends_the_chain() -> 
     chain.add("policy", check=policy, before_route=True)
     assert chain.names() == ["policy", ROUTE, "after"]
     with pytest.raises(GuestdError) as refused:
-        chain.admit("info")
+        chain.admit("info", "test")
     assert refused.value.code == "permission_denied" and refused.value.details == {"op": "info"}
     assert calls == ["policy info"] and loaded == []  # refused before the route: nothing registered
-    route, _handler, gate = chain.admit("ping")
+    route, _handler, gate = chain.admit("ping", "test")
     assert route.spec.name == "ping" and route.inline is _ping and gate is None
     assert calls == ["policy info", "policy ping", "after ping"] and loaded == ["system"]
-    assert chain.admit("ping")[0] is route  # routed now: the same order, the route kept
+    assert chain.admit("ping", "test")[0] is route  # routed now: the same order, the route kept
     assert calls[3:] == ["policy ping", "after ping"] and loaded == ["system"]
 
 
@@ -97,21 +97,21 @@ def test_a_refusal_after_the_route_runs_no_later_check() -> None:
     chain.add("refuse", check=_deny)
     chain.add("later", check=calls.append)
     with pytest.raises(GuestdError):
-        chain.admit("ping")
+        chain.admit("ping", "test")
     assert calls == []
     with pytest.raises(GuestdError):  # once routed too
-        chain.admit("ping")
+        chain.admit("ping", "test")
     assert calls == []
     chain.remove("refuse")
     assert chain.names() == [ROUTE, "later"]
-    chain.admit("ping")
+    chain.admit("ping", "test")
     assert calls == ["ping"]
 
 
 def test_an_unknown_op_is_the_routes_error() -> None:
     chain = AdmissionChain(Dispatcher())
     with pytest.raises(GuestdError) as unknown:
-        chain.admit("no.such.op")
+        chain.admit("no.such.op", "test")
     assert unknown.value.code == "unknown_op"
 
 
@@ -123,7 +123,7 @@ def test_gates_are_waited_for_in_the_chains_order() -> None:
         first, second = asyncio.Event(), asyncio.Event()
         chain.add("first", check=lambda op: first, before_route=True)
         chain.add("second", check=lambda op: second)
-        gate = chain.admit("ping")[2]
+        gate = chain.admit("ping", "test")[2]
         assert gate is not None
         waiting = asyncio.ensure_future(gate.wait())
         second.set()
@@ -163,16 +163,16 @@ def test_wraps_are_built_once_per_route_the_first_added_outermost() -> None:
 
         chain.add("outer", wrap=wrap_as("outer"))
         chain.add("inner", wrap=wrap_as("inner"))
-        handlers = {chain.admit("clock.check")[1] for _ in range(3)}
+        handlers = {chain.admit("clock.check", "test")[1] for _ in range(3)}
         assert len(handlers) == 1 and built == ["inner", "outer"]  # once, inside out
         (handler,) = handlers
         assert await handler(cast(RequestContext, None), {"time_ns": 5}) == {"args": {"time_ns": 5}}
         assert ran == ["outer", "inner", "handler"]
         dispatcher.add("clock.check", clock_check)  # registered again: wrapped again
-        chain.admit("clock.check")
+        chain.admit("clock.check", "test")
         assert built == ["inner", "outer", "inner", "outer"]
         chain.add("third", check=lambda op: None)  # the chain changed: wrapped again
-        chain.admit("clock.check")
+        chain.admit("clock.check", "test")
         assert len(built) == 6
 
     asyncio.run(go())

@@ -112,14 +112,14 @@ def test_a_connection_that_floods_waits_behind_itself_not_in_front_of_others() -
     """Connection a sends 100 execs at once, then b and c send 3 each: turns go round robin
     across connections (a, b, c, a, b, c, ...), so b's and c's all start within the next three
     iterations' turns. With one queue in arrival order they started after a's 100."""
-    starts: list[tuple[str, int]] = []
+    starts: list[tuple[str, int, int]] = []
 
     async def go() -> None:
         it = Iterations()
 
         def compose(server: Any) -> None:
             async def exec_handler(ctx: Any, args: Any) -> dict[str, Any]:
-                starts.append((ctx.conn.transport_name, it.count))
+                starts.append((ctx.conn.transport_name, it.count, ctx.stream.id))
                 await asyncio.sleep(0)
                 return {}
 
@@ -147,10 +147,13 @@ def test_a_connection_that_floods_waits_behind_itself_not_in_front_of_others() -
 
     asyncio.run(go())
     first = starts[0][1]
-    late = [(name, at - first) for name, at in starts if name != "a" and at - first > 3]
+    late = [(name, at - first) for name, at, _ in starts if name != "a" and at - first > 3]
     assert not late, late  # one queue: every one of b's and c's, 13-14 iterations after
-    per_iteration = Counter(at for _, at in starts)
+    per_iteration = Counter(at for _, at, _ in starts)
     assert max(per_iteration.values()) <= STARTS_PER_ITERATION
+    for name in "abc":  # each connection's own requests start in the order they arrived
+        ids = [request_id for conn, _, request_id in starts if conn == name]
+        assert ids == sorted(ids), name
 
 
 def test_turns_go_in_arrival_order_and_a_cancelled_one_is_skipped() -> None:
@@ -160,7 +163,7 @@ def test_turns_go_in_arrival_order_and_a_cancelled_one_is_skipped() -> None:
         order: list[int] = []
 
         async def request(i: int) -> None:
-            await pacer.wait()
+            await pacer.wait("test")
             order.append(i)
 
         tasks = [asyncio.get_running_loop().create_task(request(i)) for i in range(7)]
@@ -175,6 +178,38 @@ def test_turns_go_in_arrival_order_and_a_cancelled_one_is_skipped() -> None:
     assert all_done and cancelled
 
 
+def test_turns_go_round_robin_across_sources_skipping_cancelled_ones() -> None:
+    """Two start at once; then a (5 requests), b (1) and c (2) wait, and b's only one and a's
+    second are cancelled: turns go a, c, a, c, a, a, each source's in arrival order, and a source
+    whose turns were all cancelled leaves the ring (the next request starts at once again)."""
+
+    async def go() -> tuple[list[tuple[str, int]], int]:
+        pacer = StartPacer({}, per_iteration=2)
+        it = Iterations()
+        order: list[tuple[str, int]] = []
+        loop = asyncio.get_running_loop()
+
+        async def request(source: str, i: int) -> None:
+            await pacer.wait(source)
+            order.append((source, i))
+
+        arrivals = [("x", 0), ("x", 1), *(("a", i) for i in range(5)), ("b", 0), ("c", 0), ("c", 1)]
+        tasks = {arrival: loop.create_task(request(*arrival)) for arrival in arrivals}
+        await asyncio.sleep(0)  # x's two started at once; the others wait for turns
+        tasks["b", 0].cancel()
+        tasks["a", 1].cancel()
+        await it.run(20)
+        at = it.count
+        await pacer.wait("y")  # nothing waits: starts without a suspension
+        suspended = it.count - at
+        it.stop()
+        return order, suspended
+
+    order, suspended = asyncio.run(go())
+    assert order == [("x", 0), ("x", 1), ("a", 0), ("c", 0), ("a", 2), ("c", 1), ("a", 3), ("a", 4)]
+    assert suspended == 0
+
+
 def test_an_unloaded_pacer_starts_at_once() -> None:
     """Fewer than its bound in an iteration: wait() returns without a suspension."""
 
@@ -183,7 +218,7 @@ def test_an_unloaded_pacer_starts_at_once() -> None:
         it = Iterations()
         at = it.count
         for _ in range(3):
-            await pacer.wait()
+            await pacer.wait("test")
         it.stop()
         return it.count - at
 
@@ -202,7 +237,7 @@ def test_the_bound_holds_while_the_queue_drains_and_new_requests_arrive() -> Non
         loop = asyncio.get_running_loop()
 
         async def request() -> None:
-            await pacer.wait()
+            await pacer.wait("test")
             started[it.count] += 1
 
         tasks = [loop.create_task(request()) for _ in range(12)]

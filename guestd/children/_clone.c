@@ -21,7 +21,9 @@
 #include <errno.h>
 #include <fcntl.h>
 #include <limits.h>
+#ifdef __GLIBC__
 #include <malloc.h>
+#endif
 #include <pthread.h>
 #include <signal.h>
 #include <stdint.h>
@@ -787,7 +789,7 @@ static PyObject *gd_kill_stuck(PyObject *self, PyObject *args) {
 
 PyDoc_STRVAR(subreaper_doc, "become_subreaper()\n--\n\n"
                             "prctl(PR_SET_CHILD_SUBREAPER, 1): orphans of what guestd starts are re-parented to it\n"
-                            "(here rather than through ctypes, whose import was ~1 ms of every start); OSError on failure.");
+                            "(guestd/libc.py: here rather than through ctypes, ~1 ms of every start); OSError on failure.");
 
 static PyObject *gd_become_subreaper(PyObject *self, PyObject *unused) {
     (void)self;
@@ -796,8 +798,9 @@ static PyObject *gd_become_subreaper(PyObject *self, PyObject *unused) {
     Py_RETURN_NONE;
 }
 
+#ifdef __GLIBC__ /* musl has no mallopt: guestd/libc.py then falls back to ctypes, which says so */
 PyDoc_STRVAR(mallopt_doc, "mallopt(param, value)\n--\n\n"
-                         "glibc's mallopt (guestd/memtune.py): True when it took the setting.");
+                         "glibc's mallopt (guestd/libc.py, for guestd/memtune.py): True when it took the setting.");
 
 static PyObject *gd_mallopt(PyObject *self, PyObject *args) {
     int param, value;
@@ -805,10 +808,13 @@ static PyObject *gd_mallopt(PyObject *self, PyObject *args) {
     if (!PyArg_ParseTuple(args, "ii", &param, &value)) return NULL;
     return PyBool_FromLong(mallopt(param, value));
 }
+#endif
 
 static PyMethodDef methods[] = {
     {"become_subreaper", gd_become_subreaper, METH_NOARGS, subreaper_doc},
+#ifdef __GLIBC__
     {"mallopt", gd_mallopt, METH_VARARGS, mallopt_doc},
+#endif
     {"spawn", gd_spawn, METH_VARARGS, spawn_doc},
     {"spawner", gd_spawner, METH_NOARGS, spawner_doc},
     {"submit", gd_submit, METH_VARARGS, submit_doc},

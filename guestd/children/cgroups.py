@@ -209,12 +209,12 @@ class RunUsage(Record):
 class RunCgroup:
     """One run's leaf. ``fd`` (O_PATH) is what clone3 places the first process with."""
 
-    def __init__(self, path: str, fd: int, memory: bool = True) -> None:
+    def __init__(self, path: str, fd: int, *, memory_controller: bool = True) -> None:
         self.path = path
         self.fd = fd
         # False when the leaves have no memory controller (WorkloadCgroup.run_memory): usage()
         # then skips memory.events and memory.peak, whose failed open was 10 us per exec here.
-        self.memory = memory
+        self.memory_controller = memory_controller
 
     @property
     def name(self) -> str:
@@ -244,7 +244,7 @@ class RunCgroup:
         user = sys_ = oom = peak = None
         with contextlib.suppress(OSError, ValueError):
             user, sys_ = self._counters(b"cpu.stat", b"user_usec", b"system_usec")
-        if self.memory:
+        if self.memory_controller:
             with contextlib.suppress(OSError, ValueError):
                 (oom,) = self._counters(b"memory.events", b"oom_kill")
                 peak = int(self._read_small(b"memory.peak"))  # Linux 5.19
@@ -512,7 +512,7 @@ class WorkloadCgroup:
             with contextlib.suppress(OSError):
                 os.rmdir(path)
             raise
-        return RunCgroup(path, fd, memory=self.run_memory)
+        return RunCgroup(path, fd, memory_controller=self.run_memory)
 
     def end_leftovers(self) -> int:
         """Kill and remove every leaf (and any process directly in the workload cgroup): at

@@ -10,13 +10,10 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
-from typing import Any
 
-from guestd.children.launch import clone_module
+from guestd.libc import become_subreaper
 
 log = logging.getLogger("guestd.reaper")
-
-PR_SET_CHILD_SUBREAPER = 36
 
 
 class Reaper:
@@ -26,7 +23,7 @@ class Reaper:
 
     def enable(self) -> bool:
         try:
-            _become_subreaper()
+            become_subreaper()
         except (OSError, AttributeError) as exc:
             log.warning("cannot become child subreaper: %s", exc)
             return False
@@ -53,18 +50,3 @@ class Reaper:
                 os.waitpid(info.si_pid, os.WNOHANG)
             except ChildProcessError:
                 return
-
-
-def _become_subreaper() -> None:
-    """prctl(PR_SET_CHILD_SUBREAPER) through the clone3 extension, already loaded at start; through
-    ctypes (~1 ms to import, on every start) only when the extension was not built."""
-    try:
-        become: Any = clone_module().become_subreaper
-    except (ImportError, AttributeError):
-        import ctypes
-
-        libc = ctypes.CDLL(None, use_errno=True)
-        if libc.prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0) != 0:
-            raise OSError(ctypes.get_errno(), "prctl(PR_SET_CHILD_SUBREAPER)") from None
-        return
-    become()

@@ -46,8 +46,9 @@ class Gate(Protocol):
     def wait(self) -> Awaitable[object]: ...
 
 
-# Refuses a request (raises GuestdError) or returns what it must wait for (None: nothing).
-Check = Callable[[str], Gate | None]
+# Refuses a request (raises GuestdError) or returns what it must wait for (None: nothing): a
+# gate, or a Turn (which is told where the request came from).
+Check = Callable[[str], "Gate | Turn | None"]
 # The handler of a route as the step runs it (the handler itself when the step does nothing to it).
 Wrap = Callable[[Route, Handler], Handler]
 HelloHook = Callable[[Mapping[str, Any]], None]
@@ -138,7 +139,7 @@ class AdmissionChain:
         self._handlers.clear()  # wrapped again at each op's next request
 
     # -- per request ----------------------------------------------------------------------
-    def admit(self, op: str, source: Hashable = None) -> Admitted:
+    def admit(self, op: str, source: Hashable) -> Admitted:
         """Run the checks in order; raises the GuestdError of the first that refuses.
         ``source``: the connection the request came on (a turn's queue is per source)."""
         routed = self._handlers.get(op)

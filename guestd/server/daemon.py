@@ -325,8 +325,7 @@ def config_from_args(ns: Any) -> Config:
 
 def tune_memory() -> None:
     """Bulk transfers reuse warm heap instead of page-faulting fresh mmaps (guestd/memtune.py).
-    Done after the first reply: no transfer comes before a first request, and memtune's ctypes
-    need not be on the start path."""
+    Done after the first reply: no transfer comes before a first request."""
     from guestd.memtune import tune_malloc
 
     tune_malloc()

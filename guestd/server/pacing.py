@@ -57,7 +57,7 @@ class StartPacer(Turn):
         route = self._routes.get(op)
         return None if route is None or route.control else self
 
-    async def wait(self, source: Hashable = None) -> None:
+    async def wait(self, source: Hashable) -> None:
         if not self._ring and self._started < self.per_iteration:
             self._started += 1
             self._arm()
