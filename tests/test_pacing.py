@@ -210,6 +210,33 @@ def test_turns_go_round_robin_across_sources_skipping_cancelled_ones() -> None:
     assert suspended == 0
 
 
+def test_a_request_arriving_as_turns_are_handed_out_does_not_start_ahead_of_them() -> None:
+    """Request 1 waits for a turn; request 2 arrives in the iteration the turn is handed out, after
+    the hand-out: it waits too. Before, it took the free start at once and ran ahead of 1, whose
+    task resumes only in the next iteration (a connection's process.write calls reached the
+    process out of order: tests/test_processes.py's concurrent writes, 1 of 4 whole-file runs)."""
+
+    async def go() -> list[int]:
+        pacer = StartPacer({}, per_iteration=1)
+        it = Iterations()
+        loop = asyncio.get_running_loop()
+        order: list[int] = []
+
+        async def request(i: int) -> None:
+            await pacer.wait("a")
+            order.append(i)
+
+        tasks = [loop.create_task(request(0)), loop.create_task(request(1))]
+        await asyncio.sleep(0)  # 0 started at once, 1 waits; the hand-out is next iteration's first callback
+        tasks.append(loop.create_task(request(2)))  # its first step runs right after the hand-out
+        await it.run(10)
+        it.stop()
+        assert all(t.done() for t in tasks)
+        return order
+
+    assert asyncio.run(go()) == [0, 1, 2]  # was [0, 2, 1]
+
+
 def test_an_unloaded_pacer_starts_at_once() -> None:
     """Fewer than its bound in an iteration: wait() returns without a suspension."""
 

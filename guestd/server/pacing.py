@@ -10,7 +10,8 @@ its sockets between batches.
 
 Turns go round robin across connections, in arrival order within each: a client that sends a
 thousand requests at once waits behind itself, and another client's next request takes one of
-the next iteration's turns, not the thousand-and-first.
+the next iteration's turns, not the thousand-and-first. A request handed a turn resumes in the
+next iteration: until it has, a new request waits for a turn too, rather than start ahead of it.
 
 Every op is work unless its capability registered it as ``control`` (cheap and bounded whatever
 the workload does: the snapshot ops, clock, metrics, signals and interrupts, the run, process,
@@ -51,6 +52,9 @@ class StartPacer(Turn):
         # in the ring, only while it has one waiting.
         self._waiting: dict[Hashable, deque[asyncio.Future[None]]] = {}
         self._ring: deque[Hashable] = deque()  # sources with requests waiting: the next turn's on the left
+        # Turns handed out whose requests have not resumed yet (they do in the next iteration):
+        # while there are any, a new request waits too, or it would start ahead of them.
+        self._handed = 0
         self._armed = False  # a _next_iteration is scheduled
 
     def check(self, op: str) -> StartPacer | None:
@@ -58,7 +62,7 @@ class StartPacer(Turn):
         return None if route is None or route.control else self
 
     async def wait(self, source: Hashable) -> None:
-        if not self._ring and self._started < self.per_iteration:
+        if not self._ring and not self._handed and self._started < self.per_iteration:
             self._started += 1
             self._arm()
             return
@@ -69,7 +73,11 @@ class StartPacer(Turn):
             self._ring.append(source)
         queue.append(turn)
         self._arm()
-        await turn  # cancelled while waiting: the turn is skipped when it comes
+        try:
+            await turn  # cancelled while waiting: the turn is skipped when it comes
+        finally:
+            if turn.done() and not turn.cancelled():  # handed a turn (cancelled or not since)
+                self._handed -= 1
 
     def _arm(self) -> None:
         if not self._armed:
@@ -90,6 +98,7 @@ class StartPacer(Turn):
                 break
             turn.set_result(None)
             self._granted += 1
+            self._handed += 1
         if self._ring or self._started or self._granted:
             self._arm()
 
