@@ -498,6 +498,10 @@ class WorkloadCgroup:
         pids = self.run_pids_max.encode() if self.run_pids_max is not None else None
         return (self._dir_fd, name.encode(), pids), os.path.join(self.path, name)
 
+    def run_leaf(self, path: str, fd: int) -> RunCgroup:
+        """A run's leaf made here (new_run) or by the native spawn thread (leaf_order)."""
+        return RunCgroup(path, fd, memory_controller=self.run_memory)
+
     def new_run(self, kind: str, run_id: str) -> RunCgroup | None:
         """Make the leaf for one run (None when there is no workload cgroup)."""
         if self.path is None:
@@ -512,7 +516,7 @@ class WorkloadCgroup:
             with contextlib.suppress(OSError):
                 os.rmdir(path)
             raise
-        return RunCgroup(path, fd, memory_controller=self.run_memory)
+        return self.run_leaf(path, fd)
 
     def end_leftovers(self) -> int:
         """Kill and remove every leaf (and any process directly in the workload cgroup): at

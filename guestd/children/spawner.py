@@ -504,7 +504,7 @@ class _NativeSpawn:
         pid, pidfd, leaf_fd = outcome
         cgroup = None
         if leaf_fd >= 0 and self.leaf_path is not None:
-            cgroup = RunCgroup(self.leaf_path, leaf_fd, memory_controller=owner.workload.run_memory)
+            cgroup = owner.workload.run_leaf(self.leaf_path, leaf_fd)
         child = Child(owner, self.order.kind, pid, pidfd, cgroup, self.ours, None)
         owner.live.add(child)
         owner.reaper.tracked.add(pid)  # now, before any sweep could take it for an orphan
