@@ -10,6 +10,7 @@ import asyncio
 import contextlib
 import logging
 import os
+import signal
 import subprocess
 import time
 from collections.abc import Callable
@@ -276,7 +277,11 @@ class Children:
         """The spawn threads' eventfd is readable: hand each finished spawn to its waiter."""
         assert self.native is not None or self._done_fd is not None
         for pending, outcome in _collect_native():
-            pending.finish(outcome)
+            try:
+                pending.finish(outcome)
+            except Exception:  # a bug of guestd's: this request fails, typed; the batch goes on
+                log.exception("finishing a spawn of %r failed", pending.order.argv[0])
+                pending.abandon(outcome)
 
     def _spawned(self) -> None:
         self._spawning -= 1
@@ -455,7 +460,7 @@ def _collect_native() -> list[tuple[_NativeSpawn, tuple[int, int, int] | OSError
 class _NativeSpawn:
     """One spawn handed to the native spawn threads: what to do with it once it is done."""
 
-    __slots__ = ("fut", "leaf_path", "order", "ours", "owner", "theirs")
+    __slots__ = ("cgroup", "child", "fut", "leaf_path", "order", "ours", "owner", "theirs")
 
     def __init__(
         self,
@@ -472,6 +477,8 @@ class _NativeSpawn:
         self.ours = ours
         self.theirs = theirs
         self.leaf_path = leaf_path
+        self.cgroup: RunCgroup | None = None  # the leaf, once wrapped (it owns the leaf's fd)
+        self.child: Child | None = None  # once made (it owns the pidfd, guestd's ends, the leaf)
 
     def close_fds(self, ours: bool) -> None:
         for fd in self.theirs:
@@ -489,7 +496,8 @@ class _NativeSpawn:
             self.close_fds(ours=True)
             leaf_fd = getattr(outcome, "leaf_fd", -1)
             if leaf_fd >= 0 and self.leaf_path is not None:
-                owner._drop_leaf(RunCgroup(self.leaf_path, leaf_fd))
+                self.cgroup = RunCgroup(self.leaf_path, leaf_fd)
+                owner._drop_leaf(self.cgroup)
             if getattr(outcome, "stage", None) == "clone" and outcome.errno in NO_CLONE3:
                 log.warning("clone3 spawn unavailable (%s); using subprocess from now on", outcome)
                 owner.native = None
@@ -502,10 +510,10 @@ class _NativeSpawn:
             return
         self.close_fds(ours=False)
         pid, pidfd, leaf_fd = outcome
-        cgroup = None
         if leaf_fd >= 0 and self.leaf_path is not None:
-            cgroup = owner.workload.run_leaf(self.leaf_path, leaf_fd)
-        child = Child(owner, self.order.kind, pid, pidfd, cgroup, self.ours, None)
+            self.cgroup = owner.workload.run_leaf(self.leaf_path, leaf_fd)
+        child = self.child = Child(owner, self.order.kind, pid, pidfd, self.cgroup, self.ours, None)
+        self.ours = {}  # the child's now
         owner.live.add(child)
         owner.reaper.tracked.add(pid)  # now, before any sweep could take it for an orphan
         if fut.done():  # the request went away meanwhile: the run ends at once
@@ -513,3 +521,43 @@ class _NativeSpawn:
             child.release()
         else:
             fut.set_result(child)
+
+    def abandon(self, outcome: tuple[int, int, int] | OSError) -> None:
+        """``finish`` raised (a bug of guestd's, never the workload's doing): the request fails
+        with a typed internal error instead of waiting forever, and what the spawn made is
+        ended and closed. Each step checks what ``finish`` got to, so nothing is closed twice."""
+        fut, self.fut = self.fut, None  # type: ignore[assignment]
+        if fut is not None and not fut.done():
+            fut.set_exception(
+                GuestdError(
+                    ErrorCode.INTERNAL,
+                    f"guestd failed to finish the spawn of {self.order.argv[0]!r}; the process was ended",
+                    details={"stage": "spawn"},
+                )
+            )
+        child, self.child = self.child, None
+        if child is not None:  # it owns the rest
+            child.kill_now()
+            child.release()
+            return
+        self.close_fds(ours=True)
+        owner = self.owner
+        if isinstance(outcome, BaseException):
+            leaf_fd = getattr(outcome, "leaf_fd", -1)
+            if leaf_fd >= 0 and self.leaf_path is not None and self.cgroup is None:
+                owner._drop_leaf(RunCgroup(self.leaf_path, leaf_fd))
+            return
+        pid, pidfd, leaf_fd = outcome
+        # Started, with no owner: killed through its pidfd (its pid is unreaped, so its group is
+        # still its own) and its leaf; the orphan sweep reaps it, the lingering sweep takes the leaf.
+        with contextlib.suppress(OSError):
+            signal.pidfd_send_signal(pidfd, signal.SIGKILL)
+        with contextlib.suppress(OSError):
+            os.killpg(pid, signal.SIGKILL)
+        os.close(pidfd)
+        owner.reaper.tracked.discard(pid)
+        if self.cgroup is None and leaf_fd >= 0 and self.leaf_path is not None:
+            self.cgroup = RunCgroup(self.leaf_path, leaf_fd)
+        if self.cgroup is not None:
+            self.cgroup.kill()
+            owner._drop_leaf(self.cgroup)

@@ -1,0 +1,134 @@
+"""A fault in guestd's own code while a finished native spawn is handed to its request (the
+loop's ``_collect``) fails that one request with a typed internal error: it never waits forever
+(process.start has no deadline), the process it started is killed, its fds and leaf do not
+leak, and the other spawns of the same batch still finish. The fault is injected into guestd's
+code; the spawns, pipes, children and leaves are real."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+import uvloop
+
+from guestd.children import Child, spawner
+from guestd.children.cgroups import WorkloadCgroup, WorkloadConfig
+from guestd.children.launch import load_native
+from guestd.children.spawner import Children
+from guestd.wire.errors import ErrorCode, GuestdError
+
+pytestmark = pytest.mark.skipif(load_native() is None, reason="needs the clone3 spawn extension")
+
+
+class _FailingOnce(set):  # type: ignore[type-arg]
+    """``Children.live``: its first add raises, as a bug after the Child was made would."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.failed = False
+
+    def add(self, item: Any) -> None:
+        if not self.failed:
+            self.failed = True
+            raise RuntimeError("injected: after the child was made")
+        super().add(item)
+
+
+def _open_fds() -> set[int]:
+    """Open fds, after a first uvloop has run (libuv keeps a pipe of its own from then on)."""
+    _run(asyncio.sleep, 0)
+    return {int(n) for n in os.listdir("/proc/self/fd") if os.path.exists(f"/proc/self/fd/{n}")}
+
+
+def _killed_by(pid: int) -> int | None:
+    """Reap ``pid`` (the test process is its parent: nothing else reaps it) and say which
+    signal ended it."""
+    _, status = os.waitpid(pid, 0)
+    return os.WTERMSIG(status) if os.WIFSIGNALED(status) else None
+
+
+@pytest.fixture
+def workload(request: pytest.FixtureRequest) -> Iterator[WorkloadCgroup]:
+    if request.param == "no cgroup":
+        yield WorkloadCgroup(WorkloadConfig())  # runs are process groups
+        return
+    scratch = request.getfixturevalue("scratch")
+    wl = WorkloadCgroup(WorkloadConfig(cgroup=os.path.join(scratch, "collect")))
+    wl.setup()
+    assert wl.path is not None, wl.status
+    yield wl
+
+
+def _run(test: Any, *args: Any) -> None:
+    with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:
+        runner.run(test(*args))
+
+
+def _leaves(wl: WorkloadCgroup) -> list[str]:
+    if wl.path is None:
+        return []
+    return [n for n in os.listdir(wl.path) if n.startswith("exec-")]
+
+
+@pytest.mark.parametrize("where", ["before the child", "after the child"])
+@pytest.mark.parametrize("workload", ["no cgroup", "a leaf per run"], indirect=True)
+def test_a_fault_while_collecting_fails_that_spawn_typed_and_ends_its_process(
+    where: str, workload: WorkloadCgroup, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    wl = workload
+    children = Children(wl, lambda: None)  # no subreaper here: the test reaps its own children
+    started: list[int] = []
+    real_child = Child
+
+    def child_failing_once(owner: Any, kind: str, pid: int, *rest: Any) -> Any:
+        started.append(pid)
+        if where == "before the child" and len(started) == 1:
+            raise RuntimeError("injected: before the child was made")
+        return real_child(owner, kind, pid, *rest)
+
+    monkeypatch.setattr(spawner, "Child", child_failing_once)
+    if where == "after the child":
+        children.live = _FailingOnce()
+    fds_before = _open_fds()
+
+    async def test() -> None:
+        # Two at once: collected in one batch or two, in either order; the one that meets the
+        # fault fails, and the other is not held by it.
+        results = await asyncio.wait_for(
+            asyncio.gather(
+                *(children.spawn(["cat"], kind="exec", stdin=spawner.PIPE, stdout=spawner.DEVNULL) for _ in range(2)),
+                return_exceptions=True,
+            ),
+            timeout=30,
+        )
+        failed = [r for r in results if isinstance(r, BaseException)]
+        fine = [r for r in results if not isinstance(r, BaseException)]
+        assert len(failed) == 1 and len(fine) == 1, results
+        error = failed[0]
+        assert isinstance(error, GuestdError) and error.code == ErrorCode.INTERNAL, error
+        assert error.details == {"stage": "spawn"} and "'cat'" in error.message
+        other = fine[0]
+        other.watch()
+        other.close_fd("stdin")  # at its end of input it exits 0
+        await asyncio.wait_for(other.exited, timeout=30)
+        assert other.status == 0
+        other.release()
+        # The faulted spawn's process: killed, not left running for the session.
+        assert _killed_by(started[0]) == signal.SIGKILL  # the first to be collected met the fault
+        for _ in range(500):  # its leaf goes once it is empty (the lingering sweep)
+            children.sweep()
+            if not _leaves(wl) and not children.lingering:
+                break
+            await asyncio.sleep(0.01)
+        assert _leaves(wl) == [] and not children.live
+
+    _run(test)
+    # Pipes, pidfds and leaf fds of both spawns are closed (the spawn threads' eventfd, /dev/null
+    # and the workload's directory fd stay open for the next spawns, as in guestd).
+    kept = {fd for fd in (children._done_fd, children._null_fd, wl._dir_fd) if fd is not None and fd >= 0}
+    left = _open_fds() - fds_before - kept
+    assert left == set(), {fd: os.readlink(f"/proc/self/fd/{fd}") for fd in left}
