@@ -150,6 +150,23 @@ _SIZED = {0xD9: 1, 0xDA: 2, 0xDB: 4, 0xC4: 1, 0xC5: 2, 0xC6: 4, 0xC7: 1, 0xC8: 2
 _COUNTED = {0xDC: (2, 1), 0xDD: (4, 1), 0xDE: (2, 2), 0xDF: (4, 2)}
 
 
+# Every byte except those that can open a map or an array (fixmap, fixarray, map/array 16 and 32).
+_NOT_CONTAINER_HEADERS = bytes(b for b in range(256) if not (0x80 <= b <= 0x9F or 0xDC <= b <= 0xDF))
+
+
+def bounded_by_length(payload: bytes | memoryview, limit: int) -> bool:
+    """True when ``payload`` is too short to decode to more than ``limit`` bytes or to nest
+    beyond ``MAX_DEPTH``, so :func:`decoded_size`'s walk (~0.1 us per object, in Python) can be
+    skipped for a frame whose size nobody needs (a reply). Every object takes a byte of the
+    frame and every content byte is a byte of it, so decoding costs at most ``OBJECT_COST``
+    per byte; every level of nesting needs a map or array header, and each header is one of
+    the bytes counted here (bytes inside strings or numbers count too: then the walk runs).
+    Sound for any payload, valid msgpack or not."""
+    if len(payload) * OBJECT_COST > limit:
+        return False
+    return len(bytes(payload).translate(None, _NOT_CONTAINER_HEADERS)) <= MAX_DEPTH
+
+
 def decoded_size(payload: bytes | memoryview, limit: int) -> int:
     """An upper-bound estimate of the memory decoding ``payload`` takes (``OBJECT_COST`` per object
     plus the bytes of every str, bin and ext), measured by walking its headers without building

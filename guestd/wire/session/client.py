@@ -8,7 +8,7 @@ from typing import Any
 
 from guestd.wire.errors import GuestdError
 from guestd.wire.frames import MAX_ID, Frame, OversizeFrame
-from guestd.wire.messages import decode_body, decoded_size
+from guestd.wire.messages import bounded_by_length, decode_body, decoded_size
 from guestd.wire.schema import HELLO_SERVER, OpSpec, validate
 from guestd.wire.session.core import (
     _AWAIT_HELLO,
@@ -157,8 +157,13 @@ class ClientSession(Session):
             why = "which has none" if stream.spec is not None and not stream.spec.events else "which asked for none"
             self._fail_connection(PeerViolation(f"guest sent an event for {stream.op}, {why}"))
             return
-        size = self._measure(frame, self.max_event_decoded if kind == _EVENT else self.max_decoded)
-        if size is None:
+        size = 0  # what an event is charged in the event queue; a reply's is only bounded
+        if kind == _EVENT:
+            measured = self._measure(frame, self.max_event_decoded)
+            if measured is None:
+                return
+            size = measured
+        elif not bounded_by_length(frame.payload, self.max_decoded) and self._measure(frame, self.max_decoded) is None:
             return
         try:
             body = decode_body(frame.payload)

@@ -1,0 +1,135 @@
+"""The receivers' checks made cheap for the common case must refuse exactly what the full ones
+refuse (issue 34: the client's reply checks were ~25 us of an exec's round trip).
+
+- ``bounded_by_length`` lets a reply skip ``decoded_size``'s walk only when the walk could not
+  have refused it: for any bytes at all, never for a frame that decodes past the limit or nests
+  beyond MAX_DEPTH.
+- ``validate`` with its per-field ``FieldCheck`` gives, for every field of every op and record
+  and a spread of values, the value or the error that ``check_value`` and the constraints give.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import msgpack
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from guestd.wire.errors import GuestdError
+from guestd.wire.messages import MAX_DEPTH, OBJECT_COST, bounded_by_length, decoded_size
+from guestd.wire.schema import OPS, RECORDS, F, _check_constraints, check_value, validate
+
+
+def _walk_refuses(payload: bytes, limit: int) -> bool:
+    try:
+        decoded_size(payload, limit)
+    except GuestdError:
+        return True
+    return False
+
+
+@settings(max_examples=3000, deadline=None)
+@given(st.binary(max_size=400), st.integers(min_value=0, max_value=40_000))
+def test_the_length_bound_never_passes_what_the_walk_refuses_any_bytes(payload: bytes, limit: int) -> None:
+    if bounded_by_length(payload, limit):
+        assert not _walk_refuses(payload, limit)
+
+
+_values = st.recursive(
+    st.none()
+    | st.booleans()
+    | st.integers(min_value=-(2**63), max_value=2**64 - 1)
+    | st.floats(allow_nan=False)
+    | st.text(max_size=20)
+    | st.binary(max_size=20),
+    lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=5), inner, max_size=4),
+    max_leaves=30,
+)
+
+
+@settings(max_examples=1500, deadline=None)
+@given(st.dictionaries(st.text(max_size=8), _values, max_size=6), st.integers(min_value=0, max_value=20_000))
+def test_the_length_bound_never_passes_what_the_walk_refuses_msgpack(body: dict[str, object], limit: int) -> None:
+    payload = msgpack.packb(body)
+    if bounded_by_length(payload, limit):
+        assert not _walk_refuses(payload, limit)
+
+
+def test_nesting_past_the_depth_is_never_taken_on_length_alone() -> None:
+    deep: object = 1
+    for _ in range(MAX_DEPTH + 1):
+        deep = [deep]
+    payload = msgpack.packb({"v": deep})
+    assert not bounded_by_length(payload, 1 << 30)
+    assert _walk_refuses(payload, 1 << 30)
+    shallow: object = 1
+    for _ in range(MAX_DEPTH - 1):
+        shallow = [shallow]
+    payload = msgpack.packb({"v": shallow})  # the top-level map is a level too
+    assert bounded_by_length(payload, 1 << 30) and not _walk_refuses(payload, 1 << 30)
+
+
+def test_a_frame_that_could_decode_past_the_limit_is_walked() -> None:
+    empty_maps = b"\x80" * 1000  # each 1 byte that decodes to a 64-byte dict
+    payload = b"\xdc" + len(empty_maps).to_bytes(2, "big") + empty_maps
+    limit = 1000 * OBJECT_COST  # the walk counts the list too: 1001 objects
+    assert not bounded_by_length(payload, limit)
+    assert _walk_refuses(payload, limit)
+
+
+def _all_fields() -> list[F]:
+    fields: list[F] = []
+    for spec in OPS:
+        fields += [*spec.args, *spec.result, *spec.events, *spec.input]
+    for record in RECORDS.values():
+        fields += record
+    return fields
+
+
+class _Limits:
+    def __getattr__(self, name: str) -> int:
+        return 1000
+
+
+_SAMPLES: list[object] = [
+    None, True, False, 0, 1, -1, 7, 10**6, 2**64, 0.5, -2.5, float("inf"), float("nan"), "", "x", "SIGTERM",
+    "kill", "utf-8", b"", b"\xff", [], ["a"], [1, 2], [-1], [b"p"], [{}], {}, {"a": "b"}, {"a": 1}, {1: 2},
+    [{"path": "p", "kind": "file"}],
+]  # fmt: skip
+
+
+def _reference(f: F, value: object, limits: object) -> object:
+    """What validate gave before FieldCheck: check_value, then the constraints."""
+    checked = check_value(f.name, f.type, value)
+    if checked is not None:
+        _check_constraints(f, checked, limits)
+    return checked
+
+
+def _validated(f: F, body: dict[str, object], limits: object) -> object:
+    return validate((f,), body, limits)
+
+
+def _outcome(call: Callable[..., object], *args: object) -> tuple[object, ...]:
+    try:
+        return ("ok", repr(call(*args)))
+    except GuestdError as err:
+        return ("error", err.code, err.message, err.details)
+
+
+@pytest.mark.parametrize("limits", [None, _Limits()], ids=["no limits", "limits"])
+def test_validate_gives_what_check_value_and_the_constraints_give(limits: object) -> None:
+    fields = _all_fields()
+    assert len(fields) > 300
+    for f in fields:
+        for value in _SAMPLES:
+            got = _outcome(_validated, f, {f.name: value}, limits)
+            want = _outcome(lambda f, value: {f.name: _reference(f, value, limits)}, f, value)
+            assert got == want, (f, value)
+        absent = _outcome(_validated, f, {}, limits)
+        if f.required:
+            assert absent[0] == "error" and "missing required field" in str(absent[2])
+        else:
+            assert absent == ("ok", repr({f.name: f.default}))
