@@ -451,7 +451,14 @@ async def measure_with(
             shipped["child_sees"] = seen.stdout.decode().split()
         # Interleave floor and guestd in rounds so drift on a shared machine hits both alike; the
         # shipped-config guestd takes its exec turn in the same rounds as the root one.
-        samples: dict[str, list[float]] = {"echo": [], "ping": [], "run": [], "exec": [], "exec_shipped": []}
+        samples: dict[str, list[float]] = {
+            "echo": [],
+            "ping": [],
+            "run": [],
+            "bare_exec": [],
+            "exec": [],
+            "exec_shipped": [],
+        }
         await time_loop(lambda: fc.call({"op": "ping", "id": 1}), 0, 200)
         await time_loop(c.ping, 0, 200)
         await time_loop(lambda: c.exec(["true"]), 0, 20)
@@ -461,12 +468,14 @@ async def measure_with(
             samples["echo"] += await time_loop(lambda: fc.call({"op": "ping", "id": 1}), n_ping, 20)
             samples["ping"] += await time_loop(c.ping, n_ping, 20)
             samples["run"] += await time_loop(run_true, n_exec, 2)
+            samples["bare_exec"] += await time_loop(lambda: fc.call({"op": "exec", "argv": ["true"]}), n_exec, 2)
             samples["exec"] += await time_loop(lambda: c.exec(["true"]), n_exec, 2)
             if cs is not None:
                 samples["exec_shipped"] += await time_loop(lambda: cs.exec(["true"]), n_exec, 2)
         fl["echo_ping"] = summary_ms(samples["echo"])
         res["ping"] = summary_ms(samples["ping"])
         fl["subprocess_true"] = summary_ms(samples["run"])
+        fl["bare_server_exec_true"] = summary_ms(samples["bare_exec"])
         res["exec_true"] = summary_ms(samples["exec"])
         if cs is not None:
             shipped["exec_true"] = summary_ms(samples["exec_shipped"])
@@ -860,6 +869,21 @@ def start_and_idle_rows(floor: dict[str, Any], g: dict[str, Any]) -> list[str]:
     return rows
 
 
+def bare_exec_rows(floor: dict[str, Any], g: dict[str, Any]) -> list[str]:
+    """Context for the exec rows: exec through the bare server (bench/floor_server.py's exec op)
+    against subprocess.run, i.e. what the architecture alone costs; and guestd against it."""
+    bare = floor.get("bare_server_exec_true")
+    if bare is None:
+        return []
+    run, ours = floor["subprocess_true"]["p50_ms"], g["exec_true"]["p50_ms"]
+    return [
+        f"| exec `true` p50 through the bare uvloop+msgpack server (posix_spawn on its loop, two pipes, "
+        f"a pidfd; no checks, user, cgroup or limits) | {bare['p50_ms']:.3f} ms | {run:.3f} ms "
+        f"(`subprocess.run(['true'])`) | {bare['p50_ms'] / run:.2f}x | (context: the architecture's own "
+        f"cost; guestd, root, is {ours / bare['p50_ms']:.2f}x of it, +{(ours - bare['p50_ms']) * 1000:.0f} us) | - |",
+    ]
+
+
 def _loads(values: list[float]) -> str:
     return "/".join(f"{v:.2f}" for v in values)
 
@@ -910,6 +934,7 @@ def render(res: dict[str, Any], quick: bool, cmd: str) -> str:
         f"| exec `true` p50 (root, no workload settings) | {g['exec_true']['p50_ms']:.3f} ms "
         f"| {floor['subprocess_true']['p50_ms']:.3f} ms "
         f"(`subprocess.run(['true'])`) | {exec_ratio:.2f}x | <= 1.3x | {verdict(exec_ratio <= 1.3)} |",
+        *bare_exec_rows(floor, g),
         f"| 64 MiB upload | {f64['upload_MBps']:.0f} MB/s | {floor['socket_in_MBps']:.0f} MB/s (raw socket in) "
         f"| {up_frac:.0%} | >= 50% | {verdict(up_frac >= 0.5)} |",
         f"| 64 MiB upload vs the disk | {f64['upload_MBps']:.0f} MB/s | {floor['disk_write_fsync_MBps']:.0f} MB/s "
@@ -955,6 +980,15 @@ def render(res: dict[str, Any], quick: bool, cmd: str) -> str:
         f"| guestd: `ping` | {g['ping']['p50_ms']:.3f} | {g['ping']['p99_ms']:.3f} | {g['ping']['n']} |",
         f"| floor: `subprocess.run(['true'])` in-process | {floor['subprocess_true']['p50_ms']:.3f} "
         f"| {floor['subprocess_true']['p99_ms']:.3f} | {floor['subprocess_true']['n']} |",
+        *(
+            [
+                f"| floor: exec `true` through the bare server (bench/floor_server.py) "
+                f"| {floor['bare_server_exec_true']['p50_ms']:.3f} | {floor['bare_server_exec_true']['p99_ms']:.3f} "
+                f"| {floor['bare_server_exec_true']['n']} |"
+            ]
+            if "bare_server_exec_true" in floor
+            else []
+        ),
         f"| guestd: `exec ['true']` | {g['exec_true']['p50_ms']:.3f} | {g['exec_true']['p99_ms']:.3f} "
         f"| {g['exec_true']['n']} |",
         *detail_rows(g),
