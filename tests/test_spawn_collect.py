@@ -7,6 +7,7 @@ code; the spawns, pipes, children and leaves are real."""
 from __future__ import annotations
 
 import asyncio
+import logging
 import os
 import signal
 from collections.abc import Iterator
@@ -132,3 +133,59 @@ def test_a_fault_while_collecting_fails_that_spawn_typed_and_ends_its_process(
     kept = {fd for fd in (children._done_fd, children._null_fd, wl._dir_fd) if fd is not None and fd >= 0}
     left = _open_fds() - fds_before - kept
     assert left == set(), {fd: os.readlink(f"/proc/self/fd/{fd}") for fd in left}
+
+
+def test_a_fault_part_way_through_closing_never_closes_an_fd_twice(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``finish`` fails on the second of the child's pipe ends (another bug closed it already);
+    the number the first one freed is taken by a file opened meanwhile (here by a log handler,
+    as a spawn thread's openat could). ``abandon`` must leave that file open, still kill the
+    process first and fail the request typed, and the other spawn of the batch still finishes.
+    Before: abandon closed the new file, and an error out of abandon dropped the batch."""
+    children = Children(WorkloadCgroup(WorkloadConfig()), lambda: None)
+    real_collect = spawner._collect_native
+    faulted: list[int] = []
+    opened: list[int] = []
+
+    def collect_with_a_closed_end() -> Any:
+        done = real_collect()
+        if done and not faulted:
+            pending, outcome = done[0]
+            assert isinstance(outcome, tuple)
+            faulted.append(outcome[0])
+            os.close(pending.theirs[0])  # closed by "another bug": finish's close of it fails
+        return done
+
+    class OpensAFile(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            if not opened:
+                opened.append(os.open(os.devnull, os.O_RDONLY | os.O_CLOEXEC))
+
+    monkeypatch.setattr(spawner, "_collect_native", collect_with_a_closed_end)
+    handler = OpensAFile()
+    logging.getLogger("guestd.children").addHandler(handler)
+    try:
+
+        async def test() -> None:
+            results = await asyncio.wait_for(
+                asyncio.gather(
+                    *(children.spawn(["cat"], kind="exec", stdin=spawner.PIPE) for _ in range(2)),
+                    return_exceptions=True,
+                ),
+                timeout=30,
+            )
+            errors = [r for r in results if isinstance(r, BaseException)]
+            assert len(errors) == 1 and isinstance(errors[0], GuestdError), results
+            assert errors[0].code == ErrorCode.INTERNAL
+            (other,) = [r for r in results if not isinstance(r, BaseException)]
+            other.watch()
+            other.close_fd("stdin")
+            await asyncio.wait_for(other.exited, timeout=30)
+            other.release()
+
+        _run(test)
+        assert opened and os.path.exists(f"/proc/self/fd/{opened[0]}"), "abandon closed a file it did not own"
+        assert _killed_by(faulted[0]) == signal.SIGKILL
+    finally:
+        logging.getLogger("guestd.children").removeHandler(handler)
+        for fd in opened:
+            os.close(fd)

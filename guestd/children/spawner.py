@@ -32,7 +32,7 @@ from guestd.children.launch import (
     spawn_error,
 )
 from guestd.children.reaper import Reaper
-from guestd.children.tree import set_winsize
+from guestd.children.tree import descendants, set_winsize, signal_each, signal_group
 from guestd.wire.errors import ErrorCode, GuestdError
 from guestd.wire.record import Record
 
@@ -281,7 +281,10 @@ class Children:
                 pending.finish(outcome)
             except Exception:  # a bug of guestd's: this request fails, typed; the batch goes on
                 log.exception("finishing a spawn of %r failed", pending.order.argv[0])
-                pending.abandon(outcome)
+                try:
+                    pending.abandon(outcome)
+                except Exception:  # and the rest of the batch is still handed out
+                    log.exception("ending what the spawn of %r made failed", pending.order.argv[0])
 
     def _spawned(self) -> None:
         self._spawning -= 1
@@ -481,13 +484,13 @@ class _NativeSpawn:
         self.child: Child | None = None  # once made (it owns the pidfd, guestd's ends, the leaf)
 
     def close_fds(self, ours: bool) -> None:
-        for fd in self.theirs:
-            os.close(fd)
-        self.theirs = []
+        # Each fd is forgotten before it is closed: after a failed close, a second call (abandon)
+        # never closes a number that may be another thread's file by then.
+        while self.theirs:
+            os.close(self.theirs.pop())
         if ours:
-            for fd in self.ours.values():
-                os.close(fd)
-            self.ours = {}
+            while self.ours:
+                os.close(self.ours.popitem()[1])
 
     def finish(self, outcome: tuple[int, int, int] | OSError) -> None:
         owner, fut = self.owner, self.fut
@@ -525,13 +528,16 @@ class _NativeSpawn:
     def abandon(self, outcome: tuple[int, int, int] | OSError) -> None:
         """``finish`` raised (a bug of guestd's, never the workload's doing): the request fails
         with a typed internal error instead of waiting forever, and what the spawn made is
-        ended and closed. Each step checks what ``finish`` got to, so nothing is closed twice."""
+        ended and closed. Each step checks what ``finish`` got to, so nothing is closed twice;
+        a started process is killed before its pipes close (EOF must not be what ends it)."""
+        started = not isinstance(outcome, BaseException)
         fut, self.fut = self.fut, None  # type: ignore[assignment]
         if fut is not None and not fut.done():
+            what = "the process was killed" if started else "it had failed"
             fut.set_exception(
                 GuestdError(
                     ErrorCode.INTERNAL,
-                    f"guestd failed to finish the spawn of {self.order.argv[0]!r}; the process was ended",
+                    f"guestd failed to finish the spawn of {self.order.argv[0]!r}; {what}",
                     details={"stage": "spawn"},
                 )
             )
@@ -540,24 +546,29 @@ class _NativeSpawn:
             child.kill_now()
             child.release()
             return
-        self.close_fds(ours=True)
         owner = self.owner
         if isinstance(outcome, BaseException):
+            self.close_fds(ours=True)
             leaf_fd = getattr(outcome, "leaf_fd", -1)
             if leaf_fd >= 0 and self.leaf_path is not None and self.cgroup is None:
                 owner._drop_leaf(RunCgroup(self.leaf_path, leaf_fd))
             return
         pid, pidfd, leaf_fd = outcome
-        # Started, with no owner: killed through its pidfd (its pid is unreaped, so its group is
-        # still its own) and its leaf; the orphan sweep reaps it, the lingering sweep takes the leaf.
-        with contextlib.suppress(OSError):
-            signal.pidfd_send_signal(pidfd, signal.SIGKILL)
-        with contextlib.suppress(OSError):
-            os.killpg(pid, signal.SIGKILL)
-        os.close(pidfd)
-        owner.reaper.tracked.discard(pid)
+        # Started, with no owner: killed through its leaf, or its pidfd, its group (its pid is
+        # unreaped, so the group is still its own) and what it started; the orphan sweep reaps
+        # it, the lingering sweep takes the leaf.
         if self.cgroup is None and leaf_fd >= 0 and self.leaf_path is not None:
             self.cgroup = RunCgroup(self.leaf_path, leaf_fd)
         if self.cgroup is not None:
             self.cgroup.kill()
+        else:
+            escaped = descendants(pid)
+            with contextlib.suppress(OSError):
+                signal.pidfd_send_signal(pidfd, signal.SIGKILL)
+            signal_group(pid, signal.SIGKILL)
+            signal_each(escaped, signal.SIGKILL)
+        self.close_fds(ours=True)
+        os.close(pidfd)
+        owner.reaper.tracked.discard(pid)
+        if self.cgroup is not None:
             owner._drop_leaf(self.cgroup)
