@@ -19,7 +19,7 @@ from hypothesis import strategies as st
 
 from guestd.wire.errors import GuestdError
 from guestd.wire.messages import MAX_DEPTH, OBJECT_COST, bounded_by_length, decoded_size
-from guestd.wire.schema import OPS, RECORDS, F, _check_constraints, check_value, validate
+from guestd.wire.schema import OPS, RECORDS, F, FieldCheck, _check_constraints, check_value, validate
 
 
 def _walk_refuses(payload: bytes, limit: int) -> bool:
@@ -133,3 +133,49 @@ def test_validate_gives_what_check_value_and_the_constraints_give(limits: object
             assert absent[0] == "error" and "missing required field" in str(absent[2])
         else:
             assert absent == ("ok", repr({f.name: f.default}))
+
+
+def _decoding_peak(payload: bytes) -> int:
+    """What decode_body's unpackb allocates at most for ``payload`` (tracemalloc sees msgpack's
+    lists and objects: they come from Python's allocators), whether it decodes or fails."""
+    import tracemalloc
+
+    tracemalloc.start()
+    try:
+        tracemalloc.reset_peak()
+        base = tracemalloc.get_traced_memory()[0]
+        try:
+            msgpack.unpackb(payload, raw=False, use_list=True, strict_map_key=True)
+        except ValueError:
+            pass  # truncated: the point is what it held before it gave up
+        return tracemalloc.get_traced_memory()[1] - base
+    finally:
+        tracemalloc.stop()
+
+
+@pytest.mark.parametrize(
+    "depth, claim, size", [(63, 8000, 8192), (63, 20000, 20000), (1, 60000, 60000), (8, 4000, 4096)]
+)
+def test_lists_sized_from_their_headers_are_in_the_estimate(depth: int, claim: int, size: int) -> None:
+    """A few KiB of nested array32 headers, each claiming up to the payload's length and then
+    cut short: msgpack sizes each list from its header before any item, so the walk must count
+    those slots (it counted 0.5 MiB where decoding held ~4 MiB: a helper's review)."""
+    payload = b"\x81\xa1v" + (b"\xdd" + claim.to_bytes(4, "big")) * depth
+    payload += b"\x00" * (size - len(payload))
+    estimate = decoded_size(payload, 1 << 40)
+    assert _decoding_peak(payload) <= estimate
+    assert not bounded_by_length(payload, estimate - 1)
+    with pytest.raises(GuestdError, match="decodes to more than"):
+        decoded_size(payload, estimate - 1)
+
+
+def test_a_field_stays_picklable_and_equal_once_its_check_is_cached() -> None:
+    import pickle
+
+    fields = [f for f in _all_fields() if f.type.rstrip("?") in RECORDS or f.type.startswith(("list<", "enum"))]
+    assert len(fields) > 20
+    for f in fields:
+        _outcome(_validated, f, {f.name: 12345}, None)  # makes and keeps its FieldCheck
+        assert isinstance(f.check, FieldCheck)
+        copy = pickle.loads(pickle.dumps(f))
+        assert copy == f  # (a field whose default is a list has no hash, as before)

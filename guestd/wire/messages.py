@@ -159,17 +159,24 @@ def bounded_by_length(payload: bytes | memoryview, limit: int) -> bool:
     beyond ``MAX_DEPTH``, so :func:`decoded_size`'s walk (~0.1 us per object, in Python) can be
     skipped for a frame whose size nobody needs (a reply). Every object takes a byte of the
     frame and every content byte is a byte of it, so decoding costs at most ``OBJECT_COST``
-    per byte; every level of nesting needs a map or array header, and each header is one of
-    the bytes counted here (bytes inside strings or numbers count too: then the walk runs).
-    Sound for any payload, valid msgpack or not."""
-    if len(payload) * OBJECT_COST > limit:
+    per byte, plus the list an array16/32 header sizes from its count (at most the payload's
+    length); every level of nesting needs a map or array header, and each header is one of
+    the bytes counted here (bytes inside strings or numbers count too: a looser bound, or the
+    walk). Sound for any payload, valid msgpack or not."""
+    n = len(payload)
+    if n * OBJECT_COST > limit:
         return False
-    return len(bytes(payload).translate(None, _NOT_CONTAINER_HEADERS)) <= MAX_DEPTH
+    headers = bytes(payload).translate(None, _NOT_CONTAINER_HEADERS)
+    if len(headers) > MAX_DEPTH:
+        return False
+    # An array16/32 header may size its list up to the payload's length before any item.
+    return n * (OBJECT_COST + 8 * (headers.count(0xDC) + headers.count(0xDD))) <= limit
 
 
 def decoded_size(payload: bytes | memoryview, limit: int) -> int:
-    """An upper-bound estimate of the memory decoding ``payload`` takes (``OBJECT_COST`` per object
-    plus the bytes of every str, bin and ext), measured by walking its headers without building
+    """An upper-bound estimate of the memory decoding ``payload`` takes (``OBJECT_COST`` per object,
+    the bytes of every str, bin and ext, and the slots of each list sized from an array16/32
+    header's count), measured by walking its headers without building
     anything; raises ``too_large`` as soon as it passes ``limit`` (so the walk costs at most
     ``limit / OBJECT_COST`` steps, ~0.1 us each), ``bad_request`` when it nests beyond ``MAX_DEPTH``.
 
@@ -215,6 +222,11 @@ def decoded_size(payload: bytes | memoryview, limit: int) -> int:
             width, per = _COUNTED[b]
             items = int.from_bytes(payload[i : i + width], "big") * per
             i += width
+            if per == 1:
+                # msgpack sizes a list from its header before reading a single item (up to
+                # max_array_len, which decode_body leaves at the payload's length): a truncated
+                # payload of nested array32 headers held MBs for its few KiB (a helper's review).
+                cost += 8 * min(items, n)
         else:
             return cost  # 0xC1 is never used: let the decoder refuse the payload
         if items:

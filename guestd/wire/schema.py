@@ -604,11 +604,20 @@ class FieldCheck:
         self.checker: Callable[[str, Any], Any] | None = None
         if base != "any":
             builtin = _BUILTIN_CHECKS.get(base)
-            if builtin is not None:
-                self.checker = builtin
-            else:
-                self.checker = lambda name, value: check_value(name, base, value)
+            self.checker = builtin if builtin is not None else _CheckAs(base)
         self.constrained = any(c is not None for c in (f.gt, f.ge, f.le, f.min_len, f.le_limit))
+
+
+class _CheckAs:
+    """A record or enum type's checker (a class, not a closure: an F stays picklable)."""
+
+    __slots__ = ("typ",)
+
+    def __init__(self, typ: str) -> None:
+        self.typ = typ
+
+    def __call__(self, name: str, value: Any) -> Any:
+        return check_value(name, self.typ, value)
 
 
 def validate(fields: tuple[F, ...], body: dict[str, Any], limits: object | None = None) -> dict[str, Any]:
