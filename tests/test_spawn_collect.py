@@ -75,6 +75,31 @@ def _leaves(wl: WorkloadCgroup) -> list[str]:
     return [n for n in os.listdir(wl.path) if n.startswith("exec-")]
 
 
+async def _two_cats_one_faulted(children: Children) -> None:
+    """Two `cat` spawns at once (collected in one batch or two, in either order): the one that
+    meets the fault fails with a typed internal error, the other is not held by it and runs to
+    its end (it exits 0 at the end of its input)."""
+    results = await asyncio.wait_for(
+        asyncio.gather(
+            *(children.spawn(["cat"], kind="exec", stdin=spawner.PIPE, stdout=spawner.DEVNULL) for _ in range(2)),
+            return_exceptions=True,
+        ),
+        timeout=30,
+    )
+    failed = [r for r in results if isinstance(r, BaseException)]
+    fine = [r for r in results if not isinstance(r, BaseException)]
+    assert len(failed) == 1 and len(fine) == 1, results
+    error = failed[0]
+    assert isinstance(error, GuestdError) and error.code == ErrorCode.INTERNAL, error
+    assert error.details == {"stage": "spawn"} and "'cat'" in error.message
+    other = fine[0]
+    other.watch()
+    other.close_fd("stdin")
+    await asyncio.wait_for(other.exited, timeout=30)
+    assert other.status == 0
+    other.release()
+
+
 @pytest.mark.parametrize("where", ["before the child", "after the child"])
 @pytest.mark.parametrize("workload", ["no cgroup", "a leaf per run"], indirect=True)
 def test_a_fault_while_collecting_fails_that_spawn_typed_and_ends_its_process(
@@ -97,27 +122,7 @@ def test_a_fault_while_collecting_fails_that_spawn_typed_and_ends_its_process(
     fds_before = _open_fds()
 
     async def test() -> None:
-        # Two at once: collected in one batch or two, in either order; the one that meets the
-        # fault fails, and the other is not held by it.
-        results = await asyncio.wait_for(
-            asyncio.gather(
-                *(children.spawn(["cat"], kind="exec", stdin=spawner.PIPE, stdout=spawner.DEVNULL) for _ in range(2)),
-                return_exceptions=True,
-            ),
-            timeout=30,
-        )
-        failed = [r for r in results if isinstance(r, BaseException)]
-        fine = [r for r in results if not isinstance(r, BaseException)]
-        assert len(failed) == 1 and len(fine) == 1, results
-        error = failed[0]
-        assert isinstance(error, GuestdError) and error.code == ErrorCode.INTERNAL, error
-        assert error.details == {"stage": "spawn"} and "'cat'" in error.message
-        other = fine[0]
-        other.watch()
-        other.close_fd("stdin")  # at its end of input it exits 0
-        await asyncio.wait_for(other.exited, timeout=30)
-        assert other.status == 0
-        other.release()
+        await _two_cats_one_faulted(children)
         # The faulted spawn's process: killed, not left running for the session.
         assert _killed_by(started[0]) == signal.SIGKILL  # the first to be collected met the fault
         for _ in range(500):  # its leaf goes once it is empty (the lingering sweep)
@@ -166,21 +171,7 @@ def test_a_fault_part_way_through_closing_never_closes_an_fd_twice(monkeypatch: 
     try:
 
         async def test() -> None:
-            results = await asyncio.wait_for(
-                asyncio.gather(
-                    *(children.spawn(["cat"], kind="exec", stdin=spawner.PIPE) for _ in range(2)),
-                    return_exceptions=True,
-                ),
-                timeout=30,
-            )
-            errors = [r for r in results if isinstance(r, BaseException)]
-            assert len(errors) == 1 and isinstance(errors[0], GuestdError), results
-            assert errors[0].code == ErrorCode.INTERNAL
-            (other,) = [r for r in results if not isinstance(r, BaseException)]
-            other.watch()
-            other.close_fd("stdin")
-            await asyncio.wait_for(other.exited, timeout=30)
-            other.release()
+            await _two_cats_one_faulted(children)
 
         _run(test)
         assert opened and os.path.exists(f"/proc/self/fd/{opened[0]}"), "abandon closed a file it did not own"

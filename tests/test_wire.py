@@ -25,6 +25,7 @@ from guestd.wire.frames import (
 from guestd.wire.messages import decode_body
 from guestd.wire.schema import OPS, OPS_BY_NAME, schema_json, validate, validate_args
 from guestd.wire.vectors import document, from_json_value
+from tests.strategies import msgpack_values
 
 PROTOCOL = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "protocol")
 
@@ -129,18 +130,6 @@ def test_serial_resync_finds_the_next_header() -> None:
         except FramingError:
             continue
     assert isinstance(frame, Frame) and frame.kind == Kind.HELLO
-
-
-msgpack_values = st.recursive(
-    st.none()
-    | st.booleans()
-    | st.integers(-(2**63), 2**64 - 1)
-    | st.floats(allow_nan=False)
-    | st.text(max_size=20)
-    | st.binary(max_size=64),
-    lambda children: st.lists(children, max_size=4) | st.dictionaries(st.text(max_size=8), children, max_size=4),
-    max_leaves=20,
-)
 
 
 @settings(max_examples=200, deadline=None)

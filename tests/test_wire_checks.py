@@ -20,6 +20,7 @@ from hypothesis import strategies as st
 from guestd.wire.errors import GuestdError
 from guestd.wire.messages import MAX_DEPTH, OBJECT_COST, bounded_by_length, decoded_size
 from guestd.wire.schema import OPS, RECORDS, F, FieldCheck, _check_constraints, check_value, validate
+from tests.strategies import msgpack_values
 
 
 def _walk_refuses(payload: bytes, limit: int) -> bool:
@@ -37,20 +38,8 @@ def test_the_length_bound_never_passes_what_the_walk_refuses_any_bytes(payload: 
         assert not _walk_refuses(payload, limit)
 
 
-_values = st.recursive(
-    st.none()
-    | st.booleans()
-    | st.integers(min_value=-(2**63), max_value=2**64 - 1)
-    | st.floats(allow_nan=False)
-    | st.text(max_size=20)
-    | st.binary(max_size=20),
-    lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=5), inner, max_size=4),
-    max_leaves=30,
-)
-
-
 @settings(max_examples=1500, deadline=None)
-@given(st.dictionaries(st.text(max_size=8), _values, max_size=6), st.integers(min_value=0, max_value=20_000))
+@given(st.dictionaries(st.text(max_size=8), msgpack_values, max_size=6), st.integers(min_value=0, max_value=20_000))
 def test_the_length_bound_never_passes_what_the_walk_refuses_msgpack(body: dict[str, object], limit: int) -> None:
     payload = msgpack.packb(body)
     if bounded_by_length(payload, limit):
