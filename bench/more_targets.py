@@ -150,7 +150,12 @@ def more_notes(res: dict[str, Any]) -> list[str]:
             "- **port relay connect**: one round trip to guestd with a connect in the guest in the middle. "
             "Its floor is a plain loopback connect, which a ping alone already costs a few times over here "
             "(bench/RELAY.md: relay connect against a ping plus a direct connect is ~2.2-3x); the 3x goal "
-            "is below what one round trip costs on this machine."
+            "is below what one round trip costs on this machine. Where a back-to-back connect's ~210 us go "
+            "(in-process marks on both sides, 2026-12-04): the request reaching guestd ~15 us; the previous "
+            "stream's cancel, served first, and the new request's admission and task ~75 us; guestd's "
+            "connect() ~65 us (the accept server shares guestd's CPU and runs as soon as the handshake wakes "
+            "it, inside that call; the same connect from the servers' CPU alone is ~21 us); `connected` "
+            "written ~20 us (the write wakes the client's idle CPU); the client ~25 us."
         )
     if more.get("trees"):
         lines.append(
