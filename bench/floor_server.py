@@ -3,8 +3,9 @@
 Length-prefixed msgpack over a Unix socket, no validation, no concurrency control.
 Ops: ping -> {}; sink n -> reads n raw bytes then replies; source n -> writes n raw bytes;
 exec argv -> {exit_code, stdout, stderr}: the least an exec through a server can do here
-(posix_spawn on the loop, as vfork, with two pipes; the exit seen through a pidfd; the pipes
-read once it has exited; no user, cgroup, limits, timeouts or checks), so the bench can say
+(posix_spawn on the loop, as vfork, with two pipes; the exit seen through a pidfd; each pipe
+read once, after the exit, so only for commands whose output fits a pipe's buffer, such as
+`true`; no user, cgroup, limits, timeouts or checks), so the bench can say
 how much of guestd's exec time is the architecture (a round trip across CPUs to a server
 that spawns) and how much is guestd's own.
 """

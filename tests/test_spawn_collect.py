@@ -149,6 +149,7 @@ def test_a_fault_part_way_through_closing_never_closes_an_fd_twice(monkeypatch: 
     children = Children(WorkloadCgroup(WorkloadConfig()), lambda: None)
     real_collect = spawner._collect_native
     faulted: list[int] = []
+    freed: list[int] = []  # the child's ends of the faulted spawn: their numbers come free
     opened: list[int] = []
 
     def collect_with_a_closed_end() -> Any:
@@ -157,6 +158,7 @@ def test_a_fault_part_way_through_closing_never_closes_an_fd_twice(monkeypatch: 
             pending, outcome = done[0]
             assert isinstance(outcome, tuple)
             faulted.append(outcome[0])
+            freed.extend(pending.theirs)
             os.close(pending.theirs[0])  # closed by "another bug": finish's close of it fails
         return done
 
@@ -174,7 +176,8 @@ def test_a_fault_part_way_through_closing_never_closes_an_fd_twice(monkeypatch: 
             await _two_cats_one_faulted(children)
 
         _run(test)
-        assert opened and os.path.exists(f"/proc/self/fd/{opened[0]}"), "abandon closed a file it did not own"
+        assert opened and opened[0] in freed, (opened, freed)  # the file took a number the spawn had
+        assert os.path.exists(f"/proc/self/fd/{opened[0]}"), "abandon closed a file it did not own"
         assert _killed_by(faulted[0]) == signal.SIGKILL
     finally:
         logging.getLogger("guestd.children").removeHandler(handler)

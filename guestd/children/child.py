@@ -16,7 +16,15 @@ from typing import Any, Protocol
 
 from guestd.children.cgroups import RunCgroup, RunUsage
 from guestd.children.records import ExitInfo, KilledBy, exit_info
-from guestd.children.tree import ExitWatch, descendants, kill_tree, signal_each, signal_group, try_reap_usage
+from guestd.children.tree import (
+    ExitWatch,
+    descendants,
+    kill_group_and_descendants,
+    kill_tree,
+    signal_each,
+    signal_group,
+    try_reap_usage,
+)
 
 # GUESTD_RUN_USAGE=0: no reading of the run's cgroup at exit (bench/observability.py measures
 # what that reading costs an exec; figures then come from wait4 alone).
@@ -158,9 +166,7 @@ class Child:
             self.cgroup.kill()
             return
         if self.running:
-            escaped = descendants(self.pid)
-            signal_group(self.pid, signal.SIGKILL)
-            signal_each(escaped, signal.SIGKILL)
+            kill_group_and_descendants(self.pid)
         signal_each(self._known, signal.SIGKILL)  # psutil handles: no pid-reuse mistakes
 
     def end(self, grace_s: float, reason: KilledBy | None = None) -> asyncio.Task[None]:

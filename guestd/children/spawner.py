@@ -10,7 +10,6 @@ import asyncio
 import contextlib
 import logging
 import os
-import signal
 import subprocess
 import time
 from collections.abc import Callable
@@ -32,7 +31,7 @@ from guestd.children.launch import (
     spawn_error,
 )
 from guestd.children.reaper import Reaper
-from guestd.children.tree import descendants, set_winsize, signal_each, signal_group
+from guestd.children.tree import kill_group_and_descendants, set_winsize
 from guestd.wire.errors import ErrorCode, GuestdError
 from guestd.wire.record import Record
 
@@ -496,11 +495,7 @@ class _NativeSpawn:
         owner, fut = self.owner, self.fut
         owner._spawned()
         if isinstance(outcome, BaseException):
-            self.close_fds(ours=True)
-            leaf_fd = getattr(outcome, "leaf_fd", -1)
-            if leaf_fd >= 0 and self.leaf_path is not None:
-                self.cgroup = RunCgroup(self.leaf_path, leaf_fd)
-                owner._drop_leaf(self.cgroup)
+            self._drop_failed(outcome)
             if getattr(outcome, "stage", None) == "clone" and outcome.errno in NO_CLONE3:
                 log.warning("clone3 spawn unavailable (%s); using subprocess from now on", outcome)
                 owner.native = None
@@ -525,15 +520,22 @@ class _NativeSpawn:
         else:
             fut.set_result(child)
 
+    def _drop_failed(self, outcome: OSError) -> None:
+        """A spawn that failed: its pipes closed, the leaf the thread made (if any) removed."""
+        self.close_fds(ours=True)
+        leaf_fd = getattr(outcome, "leaf_fd", -1)
+        if leaf_fd >= 0 and self.leaf_path is not None and self.cgroup is None:
+            self.cgroup = RunCgroup(self.leaf_path, leaf_fd)
+            self.owner._drop_leaf(self.cgroup)
+
     def abandon(self, outcome: tuple[int, int, int] | OSError) -> None:
         """``finish`` raised (a bug of guestd's, never the workload's doing): the request fails
         with a typed internal error instead of waiting forever, and what the spawn made is
         ended and closed. Each step checks what ``finish`` got to, so nothing is closed twice;
         a started process is killed before its pipes close (EOF must not be what ends it)."""
-        started = not isinstance(outcome, BaseException)
         fut, self.fut = self.fut, None  # type: ignore[assignment]
         if fut is not None and not fut.done():
-            what = "the process was killed" if started else "it had failed"
+            what = f"it had failed: {outcome}" if isinstance(outcome, BaseException) else "the process was killed"
             fut.set_exception(
                 GuestdError(
                     ErrorCode.INTERNAL,
@@ -546,29 +548,20 @@ class _NativeSpawn:
             child.kill_now()
             child.release()
             return
-        owner = self.owner
         if isinstance(outcome, BaseException):
-            self.close_fds(ours=True)
-            leaf_fd = getattr(outcome, "leaf_fd", -1)
-            if leaf_fd >= 0 and self.leaf_path is not None and self.cgroup is None:
-                owner._drop_leaf(RunCgroup(self.leaf_path, leaf_fd))
+            self._drop_failed(outcome)
             return
+        # Started, with no Child yet (finish failed before it was made, so nothing tracks it):
+        # killed as Child.kill_now would; the orphan sweep reaps it, the lingering sweep takes
+        # the leaf.
         pid, pidfd, leaf_fd = outcome
-        # Started, with no owner: killed through its leaf, or its pidfd, its group (its pid is
-        # unreaped, so the group is still its own) and what it started; the orphan sweep reaps
-        # it, the lingering sweep takes the leaf.
         if self.cgroup is None and leaf_fd >= 0 and self.leaf_path is not None:
             self.cgroup = RunCgroup(self.leaf_path, leaf_fd)
         if self.cgroup is not None:
             self.cgroup.kill()
         else:
-            escaped = descendants(pid)
-            with contextlib.suppress(OSError):
-                signal.pidfd_send_signal(pidfd, signal.SIGKILL)
-            signal_group(pid, signal.SIGKILL)
-            signal_each(escaped, signal.SIGKILL)
+            kill_group_and_descendants(pid)
         self.close_fds(ours=True)
         os.close(pidfd)
-        owner.reaper.tracked.discard(pid)
         if self.cgroup is not None:
-            owner._drop_leaf(self.cgroup)
+            self.owner._drop_leaf(self.cgroup)

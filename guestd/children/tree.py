@@ -31,6 +31,14 @@ def signal_group(pgid: int, sig: int) -> None:
         pass
 
 
+def kill_group_and_descendants(pid: int) -> None:
+    """SIGKILL ``pid``'s process group and every descendant of ``pid`` (found first: they may
+    have left the group). ``pid`` must be an unreaped child, so its group is still its own."""
+    escaped = descendants(pid)
+    signal_group(pid, signal.SIGKILL)
+    signal_each(escaped, signal.SIGKILL)
+
+
 def signal_each(procs: list[psutil.Process], sig: int) -> None:
     import psutil
 

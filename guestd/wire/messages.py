@@ -192,12 +192,10 @@ def decoded_size(payload: bytes | memoryview, limit: int) -> int:
     left = 1  # objects still to read in the innermost open container (the top level: one)
     stack: list[int] = []  # the same count for each enclosing container
     while True:
-        while not left:
-            if not stack:
-                return cost
+        while not left and stack:
             left = stack.pop()
-        if i >= n:
-            return cost
+        if not left or i >= n:
+            break
         left -= 1
         b = payload[i]
         i += 1
@@ -210,8 +208,8 @@ def decoded_size(payload: bytes | memoryview, limit: int) -> int:
             items = (b & 0x0F) * (2 if b < 0x90 else 1)  # fixmap, fixarray
         elif b < 0xC0:
             size = b & 0x1F  # fixstr
+            cost += min(size, n - i)  # a str cut short is refused, not built
             i += size
-            cost += size
             continue
         elif b in _FIXED_TAIL:
             i += _FIXED_TAIL[b]
@@ -219,8 +217,9 @@ def decoded_size(payload: bytes | memoryview, limit: int) -> int:
         elif b in _SIZED:
             width = _SIZED[b]
             size = int.from_bytes(payload[i : i + width], "big")
-            i += width + size + (1 if b >= 0xC7 and b <= 0xC9 else 0)
-            cost += size
+            i += width + (1 if b >= 0xC7 and b <= 0xC9 else 0)
+            cost += min(size, max(0, n - i))  # only what the payload holds: a claim past its end is refused, not built
+            i += size
             continue
         elif b in _COUNTED:
             width, per = _COUNTED[b]
@@ -232,7 +231,7 @@ def decoded_size(payload: bytes | memoryview, limit: int) -> int:
                 # payload of nested array32 headers held MBs for its few KiB (a helper's review).
                 cost += 8 * min(items, n)
         else:
-            return cost  # 0xC1 is never used: let the decoder refuse the payload
+            break  # 0xC1 is never used: let the decoder refuse the payload
         if items:
             stack.append(left)
             left = items
@@ -240,3 +239,6 @@ def decoded_size(payload: bytes | memoryview, limit: int) -> int:
                 raise GuestdError(
                     ErrorCode.BAD_REQUEST, f"payload nests deeper than {MAX_DEPTH}", details={"limit": "depth"}
                 )
+    if cost > limit:  # the last object's content or list slots, added after its check above
+        raise too_large("decoded_size", cost, f"a frame that decodes to more than {limit} bytes")
+    return cost

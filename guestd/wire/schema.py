@@ -58,8 +58,9 @@ class F:
 
     A plain class with slots rather than a dataclass: hundreds of them live in guestd and are
     made at import, on the start path, where a dataclass's generated methods and frozen
-    ``__init__`` cost several ms. Immutable by contract (``Final``, checked by mypy);
-    equality, hash and repr are a frozen dataclass's (``group`` takes no part in them).
+    ``__init__`` cost several ms. Immutable by contract (``Final``, checked by mypy) but for
+    ``check``, validate's cache of what ``type`` and the constraints say; equality, hash and
+    repr are a frozen dataclass's (``group`` and ``check`` take no part in them).
     """
 
     __slots__ = (
@@ -569,6 +570,11 @@ def _check_enum(name: str, typ: str, value: Any) -> Any:
     return value
 
 
+def _nil_refused(name: str) -> GuestdError:
+    # Nil is never "absent": a field whose type has no "?" refuses it, required or not.
+    return GuestdError(ErrorCode.BAD_REQUEST, f"field {name!r} may not be nil", details={"field": name})
+
+
 def check_value(name: str, typ: str, value: Any) -> Any:
     """Validate one value against a schema type; returns it (ints widened to float)."""
     if typ.endswith("?"):
@@ -578,8 +584,7 @@ def check_value(name: str, typ: str, value: Any) -> Any:
     if typ == "any":
         return value
     if value is None:
-        # Nil is never "absent": a field whose type has no "?" refuses it, required or not.
-        raise GuestdError(ErrorCode.BAD_REQUEST, f"field {name!r} may not be nil", details={"field": name})
+        raise _nil_refused(name)
     builtin = _BUILTIN_CHECKS.get(typ)
     if builtin is not None:
         return builtin(name, value)
@@ -590,10 +595,12 @@ def check_value(name: str, typ: str, value: Any) -> Any:
 
 
 class FieldCheck:
-    """What :func:`check_value` and the constraints come to for one field, worked out once:
-    whether nil is taken, the type's checker (None: any value), whether any constraint is set.
-    validate runs every request's args and every reply the client receives through these
-    (its per-value parsing of the type string was ~10 us of an exec's round trip)."""
+    """What :func:`check_value` and the constraints come to for one field, worked out at its
+    first value: whether nil is taken, the type's checker (None: any value; a built-in type's
+    own function, a record or enum type still through check_value), whether any constraint is
+    set. validate runs every request's args and every reply the client receives through these
+    (parsing the type string per value was half of validate's time: 8.8 -> 4.4 us for an exec
+    reply)."""
 
     __slots__ = ("checker", "constrained", "takes_nil")
 
@@ -635,8 +642,7 @@ def validate(fields: tuple[F, ...], body: dict[str, Any], limits: object | None 
                 check = f.check = FieldCheck(f)
             if value is None:
                 if not check.takes_nil:
-                    # Nil is never "absent": a field whose type has no "?" refuses it, required or not.
-                    raise GuestdError(ErrorCode.BAD_REQUEST, f"field {name!r} may not be nil", details={"field": name})
+                    raise _nil_refused(name)
             else:
                 if check.checker is not None:
                     value = check.checker(name, value)

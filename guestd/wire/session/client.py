@@ -163,8 +163,10 @@ class ClientSession(Session):
             if measured is None:
                 return
             size = measured
-        elif not bounded_by_length(frame.payload, self.max_decoded) and self._measure(frame, self.max_decoded) is None:
-            return
+        elif not bounded_by_length(frame.payload, self.max_decoded):
+            measured = self._measure(frame, self.max_decoded)  # None: it failed the connection
+            if measured is None:
+                return
         try:
             body = decode_body(frame.payload)
         except GuestdError as err:
