@@ -508,9 +508,7 @@ class _NativeSpawn:
             return
         self.close_fds(ours=False)
         pid, pidfd, leaf_fd = outcome
-        if leaf_fd >= 0 and self.leaf_path is not None:
-            self.cgroup = owner.workload.run_leaf(self.leaf_path, leaf_fd)
-        child = self.child = Child(owner, self.order.kind, pid, pidfd, self.cgroup, self.ours, None)
+        child = self.child = Child(owner, self.order.kind, pid, pidfd, self._leaf(leaf_fd), self.ours, None)
         self.ours = {}  # the child's now
         owner.live.add(child)
         owner.reaper.tracked.add(pid)  # now, before any sweep could take it for an orphan
@@ -520,13 +518,21 @@ class _NativeSpawn:
         else:
             fut.set_result(child)
 
+    def _leaf(self, leaf_fd: int) -> RunCgroup | None:
+        """The leaf the spawn thread made (None: it made none), wrapped once: the wrapper owns
+        ``leaf_fd`` from then on, so a second call (abandon after finish) returns the same."""
+        if self.cgroup is None and leaf_fd >= 0 and self.leaf_path is not None:
+            self.cgroup = self.owner.workload.run_leaf(self.leaf_path, leaf_fd)
+        return self.cgroup
+
     def _drop_failed(self, outcome: OSError) -> None:
         """A spawn that failed: its pipes closed, the leaf the thread made (if any) removed."""
         self.close_fds(ours=True)
-        leaf_fd = getattr(outcome, "leaf_fd", -1)
-        if leaf_fd >= 0 and self.leaf_path is not None and self.cgroup is None:
-            self.cgroup = RunCgroup(self.leaf_path, leaf_fd)
-            self.owner._drop_leaf(self.cgroup)
+        if self.cgroup is not None:
+            return  # wrapped and dropped already (abandon after a finish that got this far)
+        leaf = self._leaf(getattr(outcome, "leaf_fd", -1))
+        if leaf is not None:
+            self.owner._drop_leaf(leaf)
 
     def abandon(self, outcome: tuple[int, int, int] | OSError) -> None:
         """``finish`` raised (a bug of guestd's, never the workload's doing): the request fails
@@ -555,13 +561,12 @@ class _NativeSpawn:
         # killed as Child.kill_now would; the orphan sweep reaps it, the lingering sweep takes
         # the leaf.
         pid, pidfd, leaf_fd = outcome
-        if self.cgroup is None and leaf_fd >= 0 and self.leaf_path is not None:
-            self.cgroup = RunCgroup(self.leaf_path, leaf_fd)
-        if self.cgroup is not None:
-            self.cgroup.kill()
+        leaf = self._leaf(leaf_fd)
+        if leaf is not None:
+            leaf.kill()
         else:
             kill_group_and_descendants(pid)
         self.close_fds(ours=True)
         os.close(pidfd)
-        if self.cgroup is not None:
-            self.owner._drop_leaf(self.cgroup)
+        if leaf is not None:
+            self.owner._drop_leaf(leaf)
