@@ -171,7 +171,12 @@ def test_a_burst_takes_the_ready_kernel_then_the_starting_one_and_the_pool_refil
         with Sampler(pg.kernels) as seen:
             made = asyncio.run(burst())
         assert sum(pooled for pooled, _ in made) == 2, made
-        assert seen.most_at_once <= 3, seen.seen  # the two creates' kernels and the one they took
+        # The two creates' kernels and the one they took; the pool's refill starts once the last
+        # create has its kernel, which may be before the client reads that reply (4 seen in a
+        # loaded clean-clone CI run): a fourth only after all three, never one beside them.
+        last = max(seen.first_seen[pid] for _, pid in made)
+        later = [pid for pid in seen.seen if seen.first_seen[pid] > last]
+        assert seen.most_at_once <= 3 or (seen.most_at_once == 4 and len(later) == 1), seen.first_seen
         pg.pool_ready(1)
         assert len(pg.kernels()) == 4  # three contexts, one pooled: no kernel beyond the bound
 
