@@ -17,6 +17,7 @@ import pytest
 import uvloop
 
 from guestd.children import Child, spawner
+from guestd.children import child as child_module
 from guestd.children.cgroups import WorkloadCgroup, WorkloadConfig
 from guestd.children.launch import load_native
 from guestd.children.spawner import Children
@@ -116,7 +117,7 @@ def test_a_fault_while_collecting_fails_that_spawn_typed_and_ends_its_process(
             raise RuntimeError("injected: before the child was made")
         return real_child(owner, kind, pid, *rest)
 
-    monkeypatch.setattr(spawner, "Child", child_failing_once)
+    monkeypatch.setattr(child_module, "Child", child_failing_once)  # where the spawner gets it
     if where == "after the child":
         children.live = _FailingOnce()
     fds_before = _open_fds()

@@ -17,6 +17,7 @@ import sys
 import time
 
 import psutil
+import pytest
 
 from guestd.testing import REPO, Guestd, StartGuestd
 from guestd.wire.schema import OPS_BY_NAME
@@ -44,6 +45,17 @@ NOT_AT_START = (
     "guestd.wire.session.client",  # the client's half of the session core
     "json",  # ~1.8 ms, 0.14 MiB: the restore's generation file imports it (snapshot.prepare loads it first)
     "ctypes",  # ~1 ms: becoming the subreaper and malloc's tuning go through the clone3 extension
+    # A run's handle, its exit records and the tree's helpers (and termios) load with the first spawn
+    "guestd.children.child",
+    "guestd.children.records",
+    "guestd.children.tree",
+    "termios",
+    # What snapshot.prepare and restore need beyond the gate and the clock loads at prepare
+    "guestd.snapshot.inputs",
+    "guestd.snapshot.notify",
+    "guestd.snapshot.hazards",
+    "guestd.children.options",
+    "pwd",
 )
 
 _START_PATH = """
@@ -325,3 +337,54 @@ def test_the_baked_guestd_wrapper_puts_no_cwd_on_sys_path(tmp_path: object) -> N
     with open(f"{tmp_path}/usr/local/bin/guestd") as f:
         launcher = f.read().splitlines()[-1]
     assert " -P -m guestd " in launcher, launcher
+
+
+def _imported_in_functions(path: str) -> set[str]:
+    """Modules a file imports inside its functions (the lazy imports of a path off the start)."""
+    import ast
+
+    with open(os.path.join(REPO, path)) as f:
+        tree = ast.parse(f.read())
+    found: set[str] = set()
+    for fn in ast.walk(tree):
+        if isinstance(fn, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            for node in ast.walk(fn):
+                if isinstance(node, ast.ImportFrom) and node.module:
+                    found.add(node.module)
+                elif isinstance(node, ast.Import):
+                    found.update(alias.name for alias in node.names)
+    return found
+
+
+_RESTORE_IMPORTS = """
+import json, sys
+from guestd.snapshot.state import load_restore_imports
+load_restore_imports()
+print(json.dumps(sorted(sys.modules)))
+"""
+
+
+def test_snapshot_prepare_loads_what_a_restore_imports_later() -> None:
+    """A guest restored from a snapshot must import nothing: every module the snapshot state and
+    the restore's notices import inside a function is loaded by load_restore_imports, which
+    snapshot.prepare calls (the modules are off the start path: the test above)."""
+    lazy = _imported_in_functions("guestd/snapshot/state.py") | _imported_in_functions("guestd/snapshot/notify.py")
+    assert {"guestd.snapshot.inputs", "guestd.snapshot.notify", "json"} <= lazy  # the scan sees them
+    done = subprocess.run([sys.executable, "-c", _RESTORE_IMPORTS], capture_output=True, text=True, check=True)
+    loaded = set(json.loads(done.stdout))
+    assert sorted(lazy - loaded) == []
+
+
+def test_the_children_package_names_each_load_from_their_module() -> None:
+    """guestd.children gives its names on first use (PEP 562), so importing one of its modules
+    on the start path does not import the rest; each name is the defining module's object."""
+    import importlib
+
+    import guestd.children as children
+
+    table = children._DEFINED_IN
+    assert sorted(children.__all__) == sorted(table)
+    for name, module in table.items():
+        assert getattr(children, name) is getattr(importlib.import_module(f"guestd.children.{module}"), name)
+    with pytest.raises(ImportError):
+        from guestd.children import no_such_name  # noqa: F401

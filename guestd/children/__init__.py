@@ -15,11 +15,45 @@ exit watch, exit fields, signals, and ``end`` (TERM, grace, then ``cgroup.kill``
 run).
 """
 
-from guestd.children.cgroups import WorkloadConfig
-from guestd.children.child import Child
-from guestd.children.launch import raise_fd_limit
-from guestd.children.records import ExitInfo, KilledBy, exit_info, run_figures, usage_between
-from guestd.children.spawner import DEVNULL, PIPE, STDOUT, Children
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from guestd.children.cgroups import WorkloadConfig
+    from guestd.children.child import Child
+    from guestd.children.launch import raise_fd_limit
+    from guestd.children.records import ExitInfo, KilledBy, exit_info, run_figures, usage_between
+    from guestd.children.spawner import DEVNULL, PIPE, STDOUT, Children
+
+# Each name from the module that defines it, at its first use (PEP 562): guestd's start imports
+# guestd.children.cgroups, which runs this file, and must not pay for the run handle, its
+# records and the tree's helpers there (the first spawn loads them).
+_DEFINED_IN = {
+    "DEVNULL": "spawner",
+    "PIPE": "spawner",
+    "STDOUT": "spawner",
+    "Child": "child",
+    "Children": "spawner",
+    "ExitInfo": "records",
+    "KilledBy": "records",
+    "WorkloadConfig": "cgroups",
+    "exit_info": "records",
+    "raise_fd_limit": "launch",
+    "run_figures": "records",
+    "usage_between": "records",
+}
+
+
+def __getattr__(name: str) -> object:
+    module = _DEFINED_IN.get(name)
+    if module is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(importlib.import_module(f"{__name__}.{module}"), name)
+    globals()[name] = value  # the next lookup finds it without this call
+    return value
+
 
 __all__ = [
     "DEVNULL",

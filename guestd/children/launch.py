@@ -14,7 +14,6 @@ import importlib
 import os
 import resource
 import subprocess
-import termios
 from typing import TYPE_CHECKING, Any
 
 from guestd.wire.errors import ErrorCode, GuestdError
@@ -113,6 +112,8 @@ def popen_fallback(
 ) -> subprocess.Popen[bytes]:
     """Where the native spawn is missing: fork + a Python preexec step (slower, see _clone.c).
     Raises GuestdError (details.stage: cwd or spawn)."""
+    import termios  # here, not in the forked child: this path only, off guestd's start path
+
     by_target = dict((t, s) for s, t in child_fds)
     procs = os.path.join(cgroup.path, "cgroup.procs") if cgroup is not None else ""
 
