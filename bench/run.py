@@ -1090,6 +1090,14 @@ def render(res: dict[str, Any], quick: bool, cmd: str) -> str:
         "length skips the walk, and 4.4 us). "
         "The shipped config adds ~100 us: the leaf's mkdir in the spawn thread, its cpu.stat at exit, its "
         "rmdir. Moving the child to the other CPU before exec measured slower (cross-CPU wake-ups in this VM).",
+        "- **start to first reply**: guestd is the floor plus its own modules, ~44 of them before a first "
+        "reply (2026-12-05, -X importtime, ~8 ms: the protocol schema ~1.25 ms, the error codes, the cgroup "
+        "code, framing, the session core, the server); every capability's engine, the snapshot's restore "
+        "steps and the run handle load on first use, and the hello and a ping answer without them. The "
+        "shipped config adds reading its TOML file (tomllib ~1.4 ms) and the workload's user and cgroup. "
+        "The floor itself moves between ~58 and ~75 ms from run to run on this machine while guestd's "
+        "own part does not: f6db72f measured 1.14x, 0.99x and 1.04x root in three runs of "
+        "`bench.start_idle` (floors 61, 71 and 66 ms).",
         "- **64 MiB upload**: an upload is an atomic replace, so it writes and fsyncs the file; the line "
         '"upload vs the disk" compares it with a local write + fsync of the same size in the same run. '
         "The raw-socket floor moves bytes into a process that discards them. guestd writes each batch of "
