@@ -10,6 +10,7 @@ import asyncio
 import logging
 import os
 import signal
+import sys
 from collections.abc import Iterator
 from typing import Any
 
@@ -184,3 +185,33 @@ def test_a_fault_part_way_through_closing_never_closes_an_fd_twice(monkeypatch: 
         logging.getLogger("guestd.children").removeHandler(handler)
         for fd in opened:
             os.close(fd)
+
+
+def test_a_run_handle_that_cannot_load_fails_the_spawn_before_any_process_starts(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The run handle loads at the first spawn (off guestd's start path): if that import fails
+    (fds or memory exhausted, an unreadable file), no process has started yet, so none is left
+    untracked; the spawn raises and the next one, once it can load, works."""
+    import psutil
+
+    children = Children(WorkloadCgroup(WorkloadConfig()), lambda: None)
+    before = {p.pid for p in psutil.Process().children()}
+    monkeypatch.setitem(sys.modules, "guestd.children.child", None)  # its import raises ImportError
+
+    async def spawn() -> Child:
+        return await children.spawn(["sleep", "30"], kind="exec", stdout=spawner.DEVNULL, stderr=spawner.DEVNULL)
+
+    with pytest.raises(ImportError):
+        _run(spawn)
+    assert {p.pid for p in psutil.Process().children()} == before  # no sleep, not even a zombie
+    monkeypatch.undo()
+
+    async def spawn_and_end() -> None:
+        child = await spawn()
+        child.watch()
+        child.kill_now()
+        await asyncio.wait_for(child.exited, timeout=30)
+        child.release()
+
+    _run(spawn_and_end)

@@ -388,3 +388,26 @@ def test_the_children_package_names_each_load_from_their_module() -> None:
         assert getattr(children, name) is getattr(importlib.import_module(f"guestd.children.{module}"), name)
     with pytest.raises(ImportError):
         from guestd.children import no_such_name  # noqa: F401
+
+
+def test_a_restore_after_prepare_imports_nothing(fresh_guestd: StartGuestd, tmp_path: object) -> None:
+    """End to end, as a restored clone runs it: after snapshot.prepare, the restore (re-seeds,
+    identity, generation file, signals), a clock check and a new connection's hello import no
+    module (Python's own import trace, in guestd's log, has no line after prepare)."""
+    g = fresh_guestd("--runtime-dir", f"{tmp_path}/rt", env={"PYTHONPROFILEIMPORTTIME": "1"})
+    with g.client() as c:
+        c.ping()
+        c.call("snapshot.prepare", {})
+        mark = os.path.getsize(g.log_path)
+        identity = {"sandbox_id": "clone-1", "hostname": "clone-1", "env": {"CLONE": "1"}}
+        restore = {"generation": 1, "nonce": "n1", "entropy": os.urandom(32), "time_ns": time.time_ns(), **identity}
+        assert c.call("snapshot.restore", restore)["generation"] == 1
+    with g.client() as c:  # the restore dropped the connections from before it
+        c.call("clock.check", {"time_ns": time.time_ns() + 5 * 10**9})  # 5 s off: the clock is stepped (recorded)
+        c.ping()
+    with open(g.log_path) as f:
+        f.seek(mark)
+        after = [line for line in f if line.startswith("import time:")]
+    assert after == []
+    with open(g.log_path) as f:  # the trace is on: prepare's own imports are in the log
+        assert any(line.startswith("import time:") and "guestd.snapshot.inputs" in line for line in f)

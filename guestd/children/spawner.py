@@ -169,6 +169,11 @@ class Children:
         """
         if self.closing:
             raise GuestdError(ErrorCode.UNAVAILABLE, "guestd is stopping", details={"stage": "spawn"})
+        # The run handle (and the tree's helpers it imports) loads at the first spawn, not on
+        # guestd's start path; here, before any process exists: an import failing once one had
+        # started would leave it, its fds and its leaf untracked. Later, a sys.modules hit.
+        import guestd.children.child  # noqa: F401
+
         self._counter += 1
         run_id = f"{self._counter}-{self._run_tag}"
         order = SpawnOrder(argv, kind, run_id, env, cwd, stdin, stdout, stderr, pty, extra_fds, user)
@@ -516,7 +521,7 @@ class _NativeSpawn:
             return
         self.close_fds(ours=False)
         pid, pidfd, leaf_fd = outcome
-        from guestd.children.child import Child  # in sys.modules after the first spawn: ~0.3 us
+        from guestd.children.child import Child  # loaded by spawn(), before the process
 
         child = self.child = Child(owner, self.order.kind, pid, pidfd, self._leaf(leaf_fd), self.ours, None)
         self.ours = {}  # the child's now

@@ -17,7 +17,7 @@ HOSTNAME = re.compile(r"[A-Za-z0-9](?:[A-Za-z0-9.-]{0,62}[A-Za-z0-9])?")  # seth
 CLOCK_MAX_NS = 2**63 - 1  # what clock_settime takes (time_t in ns)
 
 
-class Identity(Record):  # a Record, not a NamedTuple: declared on the start path
+class Identity(Record):  # a Record, not a NamedTuple: cheap to declare (at snapshot.prepare)
     """A restore's identity, checked whole before anything is applied."""
 
     __slots__ = ("env", "hostname", "sandbox_id", "token")

@@ -61,6 +61,7 @@ def load_restore_imports() -> None:
     snapshot.prepare, so a guest restored from the snapshot finds them in memory and its restore
     imports nothing; not at start, where the snapshot state is made (~0.7 ms of guestd's start).
     A restore with no prepare before it imports them itself."""
+    import hashlib  # noqa: F401  (services.derive: the new instance id, seeds, machine-id)
     import json  # noqa: F401  (the generation file's)
     import random  # noqa: F401  (re-seeded by the restore)
 
@@ -288,7 +289,7 @@ class SnapshotState:
     ) -> SnapshotRestoreReply:
         """The steps that can fail (privileged ones) come first; guestd's own state changes after
         them, all together, so a failure never leaves a new instance id with an old generation."""
-        from guestd.snapshot.notify import signal_registered, write_generation_file  # loaded by restore
+        from guestd.snapshot.notify import signal_registered, write_generation_file  # in memory: load_restore_imports
 
         entropy: bytes = args["entropy"]
         self.priv.recorded = []
