@@ -20,7 +20,15 @@ import tempfile
 import time
 from typing import Any
 
-from bench.shipped import other_qemu_pids, shipped_config_text, verdict
+from bench.shipped import (
+    EXEC_FLOOR_GOAL,
+    IDLE_RSS_GOAL,
+    PING_RTT_GOAL,
+    START_GOAL,
+    other_qemu_pids,
+    shipped_config_text,
+    verdict,
+)
 from guestd.testing.qemu import GuestVM, bake_initramfs, ensure_kernel
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -30,6 +38,8 @@ SHIPPED_VS_PLAIN_GOAL = 1.3
 GUEST_PYTHON = "/usr/local/bin/guestd-python"
 RESTORE_CONTEXTS = 8  # issue 34: a restore with 8 live contexts in under 10 ms
 RESTORE_GOAL_MS = 10.0
+START_CONFIG = "/tmp/gstart.toml"
+FLOOR_DIR = "/tmp/bench-floor"  # where bench/guest_probe.py runs the floor server from
 
 
 def daemon_head(name: str) -> str:
@@ -45,11 +55,15 @@ def guest_configs() -> dict[str, str]:
     return {
         "shipped": shipped_config_text("/sys/fs/cgroup/gship-workload", head=daemon_head("gship")),
         "plain": daemon_head("gplain"),
+        # started and stopped in rounds against the floor (its own workload cgroup: a guestd's
+        # start ends what runs in its cgroup, and "shipped" runs meanwhile)
+        "start": shipped_config_text("/sys/fs/cgroup/gstart-workload", head=daemon_head("gstart")),
     }
 
 
 def measure_guest(quick: bool) -> dict[str, Any]:
-    daemons = {"shipped": "/tmp/gship.toml", "plain": "/tmp/gplain.toml"}
+    configs = {"shipped": "/tmp/gship.toml", "plain": "/tmp/gplain.toml", "start": START_CONFIG}
+    daemons = {name: path for name, path in configs.items() if name != "start"}
     params: dict[str, Any] = {
         "rounds": 3 if quick else 6,
         "n_exec": 10 if quick else 25,
@@ -58,6 +72,9 @@ def measure_guest(quick: bool) -> dict[str, Any]:
         "restore_contexts": 2 if quick else RESTORE_CONTEXTS,
         "restores": 10 if quick else 20,
         "daemons": daemons,
+        "start_config": START_CONFIG,
+        "start_rounds": 3 if quick else 7,
+        "start_pings": 30,
     }
     others_before = other_qemu_pids()
     vmlinux, kdir = ensure_kernel()
@@ -74,7 +91,10 @@ def measure_guest(quick: bool) -> dict[str, Any]:
                 with open(os.path.join(HERE, "guest_probe.py"), "rb") as f:
                     c.write_file("/tmp/guest_probe.py", f.read())
                 for name, text in guest_configs().items():
-                    c.write_file(daemons[name], text)
+                    c.write_file(configs[name], text)
+                for name in ("floor_server.py", "floor_client.py"):  # the floor, on guestd's Python
+                    with open(os.path.join(HERE, name), "rb") as f:
+                        c.write_file(f"{FLOOR_DIR}/{name}", f.read(), parents=True)
                 r = c.exec(
                     [GUEST_PYTHON, "/tmp/guest_probe.py", json.dumps(params)], timeout_s=1500, max_output=1 << 20
                 )
@@ -119,6 +139,16 @@ def render_guest(g: dict[str, Any], host_floor_ms: float | None = None) -> str:
         f"| {ex['floor']['p50_ms']:.2f} ms (`subprocess.run`) | {ratio:.2f}x | <= {SHIPPED_VS_PLAIN_GOAL}x "
         f"| {verdict(ratio <= SHIPPED_VS_PLAIN_GOAL)} |",
     ]
+    floor_ms = ex["floor"]["p50_ms"]
+    for name, label in (("shipped", "shipped"), ("plain", "no settings")):
+        r = ex[name]["p50_ms"] / floor_ms
+        cells = [f"{ex[name]['p50_ms']:.2f} ms", "-"] if name == "shipped" else ["-", f"{ex[name]['p50_ms']:.2f} ms"]
+        lines.append(
+            f"| exec `true` p50 vs `subprocess.run`, {label} | {cells[0]} | {cells[1]} "
+            f"| {floor_ms:.2f} ms (`subprocess.run`) | {r:.2f}x | <= {EXEC_FLOOR_GOAL}x "
+            f"| {verdict(r <= EXEC_FLOOR_GOAL)} |"
+        )
+    lines += start_rows(g.get("starts"))
     for name, label in (("shipped", "shipped"), ("plain", "no settings")):
         p99 = load[name]["ping_under_load"]["p99_ms"]
         cells = [f"{p99:.1f} ms", "-"] if name == "shipped" else ["-", f"{p99:.1f} ms"]
@@ -140,6 +170,17 @@ def render_guest(g: dict[str, Any], host_floor_ms: float | None = None) -> str:
             f"| {ex['floor']['p50_ms']:.2f} ms (`subprocess.run`) | {r50 / ex['floor']['p50_ms']:.2f}x | {goal} "
             f"| {verdict(r50 < goal_ms)} |"
         )
+    starts = g.get("starts")
+    start_details = (
+        (
+            ("start to first reply, floor server (spawn -> first ping reply)", starts["floor"]["first_reply"]),
+            ("start to first reply, shipped (spawn -> hello -> first ping reply)", starts["shipped"]["first_reply"]),
+            ("ping after start, floor server", starts["floor"]["ping"]),
+            ("ping after start, shipped", starts["shipped"]["ping"]),
+        )
+        if starts is not None
+        else ()
+    )
     lines += [
         "",
         "| in the guest | p50 ms | p99 ms | max ms | n |",
@@ -154,6 +195,7 @@ def render_guest(g: dict[str, Any], host_floor_ms: float | None = None) -> str:
                 ("ping, idle, shipped", idle["shipped"]),
                 (f"ping under {load['plain']['clients']} exec loops, no settings", load["plain"]["ping_under_load"]),
                 (f"ping under {load['shipped']['clients']} exec loops, shipped", load["shipped"]["ping_under_load"]),
+                *start_details,
                 *(
                     (
                         (f"restore, {restore['contexts']} contexts, round trip, no settings", restore["rtt"]),
@@ -185,6 +227,31 @@ def render_guest(g: dict[str, Any], host_floor_ms: float | None = None) -> str:
             "noisier than on an idle host.",
         ]
     return "\n".join(lines) + "\n"
+
+
+def start_rows(starts: dict[str, Any] | None) -> list[str]:
+    """Rows of the shipped guestd against the floor server, both started in rounds on guestd's own
+    Python in the guest: the idle round trip, start to first reply, idle RSS."""
+    if starts is None:
+        return []
+    floor, shipped = starts["floor"], starts["shipped"]
+    rows = []
+    for what, key, goal in (
+        ("ping round trip p50 (after start)", "ping", PING_RTT_GOAL),
+        ("start to first reply p50 (spawn -> first ping reply; a hello first for guestd)", "first_reply", START_GOAL),
+    ):
+        mine, base = shipped[key]["p50_ms"], floor[key]["p50_ms"]
+        rows.append(
+            f"| {what}, shipped | {mine:.2f} ms | - | {base:.2f} ms (bare uvloop+msgpack server) "
+            f"| {mine / base:.2f}x | <= {goal}x | {verdict(mine / base <= goal)} |"
+        )
+    rss, base_rss = shipped["idle_rss_kib"] / 1024, floor["idle_rss_kib"] / 1024
+    rows.append(
+        f"| idle RSS (after a hello and the pings, then 1 s), shipped | {rss:.1f} MiB | - "
+        f"| {base_rss:.1f} MiB (bare uvloop+msgpack server) | {rss / base_rss:.2f}x | <= {IDLE_RSS_GOAL}x "
+        f"| {verdict(rss / base_rss <= IDLE_RSS_GOAL)} |"
+    )
+    return rows
 
 
 def main() -> None:

@@ -1,12 +1,15 @@
 """Runs inside the QEMU guest (bench/guest.py writes it there and runs it as root with
-/usr/local/bin/guestd-python): exec ``true`` through a guestd with the shipped-like config, a
+/usr/local/bin/guestd-python): first the start to first reply, idle round trip and idle RSS of a
+guestd with the shipped-like config against the floor server's (bench/floor_server.py, on the
+same Python), in interleaved rounds; then exec ``true`` through a guestd with the shipped-like config, a
 guestd without workload settings and the ``subprocess.run`` floor, in the same interleaved rounds,
 then ping latency while N clients loop ``exec true`` against each guestd, then ``snapshot.restore``
 with N live code contexts on the guestd without workload settings (its privileged steps real: the
 guest's CRNG re-seeded, each kernel re-seeded). Prints one JSON object.
 
     guestd-python guest_probe.py '{"rounds": 5, "n_exec": 20, "loops": 16, "pings": 100,
-                                   "restore_contexts": 8, "restores": 20,
+                                   "restore_contexts": 8, "restores": 20, "start_config": "/tmp/gstart.toml",
+                                   "start_rounds": 7, "start_pings": 30,
                                    "daemons": {"shipped": "/tmp/gship.toml", "plain": "/tmp/gplain.toml"}}'
 
 Measured from inside the guest, so the virtio-serial link to the host is not in the figures.
@@ -30,6 +33,8 @@ from typing import Any
 from guestd.client import AsyncClient
 
 GUESTD = "/usr/local/bin/guestd"
+GUEST_PYTHON = "/usr/local/bin/guestd-python"  # guestd's own Python: the floor runs on it too
+FLOOR_DIR = "/tmp/bench-floor"  # bench/floor_server.py and floor_client.py, written by bench/guest.py
 # The test image's own guestd runs this script in its workload cgroup (cpu.weight 1, pids.max
 # 256); in production guestd runs outside the workload at weight 100. The daemons under test are
 # started from a sibling cgroup at the default weight, so they meet their workload as they would.
@@ -104,6 +109,89 @@ async def run_true() -> None:
     subprocess.run(["true"], check=True)
 
 
+def rss_kib(pid: int) -> int:
+    with open(f"/proc/{pid}/status") as f:
+        return next(int(line.split()[1]) for line in f if line.startswith("VmRSS:"))
+
+
+async def first_reply_and_idle(argv: list[str], sock: str, floor: bool, pings: int) -> dict[str, Any]:
+    """Spawn a server on the server CPU, time spawn -> the first reply to a ping (a hello first
+    for guestd, as the host bench does), then ``pings`` round trips, then its RSS after a second
+    idle."""
+    from floor_client import FloorClient  # type: ignore[import-not-found]  # beside the floor server
+
+    with contextlib.suppress(FileNotFoundError):
+        os.unlink(sock)
+    os.sched_setaffinity(0, SERVER_CPUS)
+    try:
+        t0 = time.perf_counter()
+        p = subprocess.Popen(argv, cwd=FLOOR_DIR, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL)
+    finally:
+        os.sched_setaffinity(0, CLIENT_CPUS)
+    try:
+        loop = asyncio.get_running_loop()
+        deadline = time.monotonic() + 180
+        while True:
+            try:
+                if floor:
+                    _, fc = await loop.create_unix_connection(FloorClient, sock)
+                    ping: Callable[[], Awaitable[Any]] = functools.partial(fc.call, {"op": "ping", "id": 1})
+                else:
+                    c = await AsyncClient.connect(f"unix:{sock}", connect_timeout=30)
+                    ping = c.ping
+                await ping()
+                break
+            except (OSError, ConnectionError):
+                if p.poll() is not None or time.monotonic() > deadline:
+                    raise RuntimeError(f"{argv} exited {p.returncode} or never answered") from None
+                await asyncio.sleep(0.002)
+        first = time.perf_counter() - t0
+        rtt = await timed(ping, pings)
+        await asyncio.sleep(1.0)
+        rss = rss_kib(p.pid)
+        if floor:
+            fc.transport.close()
+        else:
+            await c.close()
+        return {"first_s": first, "rtt": rtt, "rss_kib": rss}
+    finally:
+        p.terminate()
+        p.wait(60)
+
+
+async def starts(config: str, rounds: int, pings: int) -> dict[str, Any]:
+    """The floor server and guestd with ``config`` (its socket the config's), interleaved in
+    ``rounds``: start to first reply, the idle round trip, idle RSS. The floor runs from its
+    byte-compiled module on guestd's own Python, as guestd's modules are compiled in the image."""
+    import py_compile
+
+    py_compile.compile(os.path.join(FLOOR_DIR, "floor_server.py"), doraise=True)
+    py_compile.compile(os.path.join(FLOOR_DIR, "floor_client.py"), doraise=True)
+    sys.path.insert(0, FLOOR_DIR)
+    with open(config, "rb") as f:
+        sock = tomllib.load(f)["listen"][0].removeprefix("unix:")
+    kinds = {
+        "floor": ([GUEST_PYTHON, "-m", "floor_server", "/run/gfloor.sock"], "/run/gfloor.sock", True),
+        "shipped": ([GUESTD, "--config", config, "--log-level", "WARNING"], sock, False),
+    }
+    got: dict[str, list[dict[str, Any]]] = {kind: [] for kind in kinds}
+    for r in range(rounds):
+        for kind, (argv, path, floor) in kinds.items():
+            got[kind].append(await first_reply_and_idle(argv, path, floor, pings))
+        log(
+            f"start round {r + 1}/{rounds}: "
+            + ", ".join(f"{k} {v[-1]['first_s'] * 1000:.0f} ms" for k, v in got.items())
+        )
+    return {
+        kind: {
+            "first_reply": summary_ms([x["first_s"] for x in xs]),
+            "ping": summary_ms([t for x in xs for t in x["rtt"]]),
+            "idle_rss_kib": sorted(x["rss_kib"] for x in xs)[len(xs) // 2],
+        }
+        for kind, xs in got.items()
+    }
+
+
 async def ping_under_exec_load(address: str, pinger: AsyncClient, loops: int, pings: int) -> dict[str, Any]:
     """``loops`` clients, each its own connection, loop ``exec true`` while ``pinger`` pings back
     to back (``pings`` times, or 120 s, whichever ends first)."""
@@ -167,8 +255,10 @@ async def restore_with_contexts(c: AsyncClient, contexts: int, restores: int) ->
 async def measure(params: dict[str, Any]) -> dict[str, Any]:
     configs: dict[str, str] = params["daemons"]
     rounds, n_exec = int(params["rounds"]), int(params["n_exec"])
-    procs = start_daemons(configs)
     out: dict[str, Any] = {"daemons": {}}
+    if params.get("start_config"):  # first, before the other daemons run
+        out["starts"] = await starts(params["start_config"], int(params["start_rounds"]), int(params["start_pings"]))
+    procs = start_daemons(configs)
     clients: dict[str, AsyncClient] = {}
     try:
         addresses = {}

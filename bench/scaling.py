@@ -49,11 +49,11 @@ from typing import Any
 import psutil
 import uvloop
 
+from bench.floor_client import FloorClient
 from bench.run import (
     CLIENT_CPUS,
     HERE,
     SERVER_CPUS,
-    FloorClient,
     MiB,
     Proc,
     guestd_argv,

@@ -28,6 +28,9 @@ WORKLOAD_USER = "nobody"  # 65534 exists everywhere; the image's "sandbox" (uid 
 EXEC_LOOPS = 64  # clients looping `exec true` while another one pings (issue 14's load)
 SHIPPED_VS_ROOT_GOAL = 1.3
 EXEC_FLOOR_GOAL = 1.3  # issue 34: exec `true` p50 against subprocess.run, in the shipped config as well as root
+PING_RTT_GOAL = 1.5  # x the bare uvloop+msgpack echo's round trip
+IDLE_RSS_GOAL = 1.15  # x the bare uvloop+msgpack server's idle RSS (issue 34)
+START_GOAL = 1.1  # x the same server's spawn -> first reply
 
 
 def shipped_workload_table() -> dict[str, Any]:
