@@ -130,7 +130,13 @@ def render_guest(g: dict[str, Any], host_floor_ms: float | None = None) -> str:
         "*no settings* (root, no workload user, no workload cgroup). Client on guest CPU "
         f"{info['client_cpus']}, guestds and their children on {info['server_cpus']}; the probe and the "
         "guestds run in a sibling cgroup of the workload at the default cpu.weight (as guestd does in "
-        "production), not in the image guestd's workload cgroup. Under TCG every figure is milliseconds.",
+        "production), not in the image guestd's workload cgroup. A third guestd with the shipped `[workload]` "
+        "table (its own cgroup `/sys/fs/cgroup/gstart-workload`) is started and stopped first, in rounds "
+        "interleaved with the floor server (bench/floor_server.py, from its compiled module on guestd's own "
+        "Python), for the start, idle round trip and idle RSS rows. Under TCG every figure is milliseconds, and "
+        "a ratio to a floor is not what hardware gives: TCG slows guestd's longer path more than the floors' "
+        "(with the same code on 2026-12-05: exec, no settings, 1.88x here and 1.54x on the host; the round "
+        "trip 1.72x and 1.36x). The host bench's ratios are the hardware's.",
         "",
         "| target | shipped | no settings | floor | ratio | goal | verdict |",
         "|---|---|---|---|---|---|---|",
