@@ -135,8 +135,8 @@ def render_guest(g: dict[str, Any], host_floor_ms: float | None = None) -> str:
         "interleaved with the floor server (bench/floor_server.py, from its compiled module on guestd's own "
         "Python), for the start, idle round trip and idle RSS rows. Under TCG every figure is milliseconds, and "
         "a ratio to a floor is not what hardware gives: TCG slows guestd's longer path more than the floors' "
-        "(with the same code on 2026-12-05: exec, no settings, 1.88x here and 1.54x on the host; the round "
-        "trip 1.72x and 1.36x). The host bench's ratios are the hardware's.",
+        "(exec and the round trip measured higher ratios here than on the host with the same code, "
+        "2026-12-05); the host bench's ratios are the hardware's.",
         "",
         "| target | shipped | no settings | floor | ratio | goal | verdict |",
         "|---|---|---|---|---|---|---|",

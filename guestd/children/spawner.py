@@ -37,7 +37,7 @@ if TYPE_CHECKING:
     from concurrent.futures import ThreadPoolExecutor
 
     # The handle and the tree's helpers load with the first spawn, not on guestd's start path
-    # (~0.9 ms with the exit records and the pty's termios), where Children is made.
+    # (~0.9 ms with the exit records), where Children is made; spawn() loads them first.
     from guestd.children.child import Child
 
 log = logging.getLogger("guestd.children")
