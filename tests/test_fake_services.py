@@ -7,15 +7,17 @@ from __future__ import annotations
 import asyncio
 import os
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import pytest
 
 from guestd.exec import handlers as exec_handlers
 from guestd.files import handlers as files_handlers
-from guestd.services import Request
 from guestd.testing.services import FakeRequest, RecordingRegistry, call, fake_services
 from guestd.wire.errors import GuestdError
+
+if TYPE_CHECKING:
+    from guestd.services import Request  # a shape for type checkers only
 
 
 def test_the_files_capability_runs_on_fake_services(tmp_path: Path) -> None:

@@ -56,6 +56,8 @@ NOT_AT_START = (
     "guestd.snapshot.hazards",
     "guestd.children.options",
     "pwd",
+    # The request's data-event shape: services' Protocols are for type checkers only
+    "guestd.output.stream",
 )
 
 _START_PATH = """

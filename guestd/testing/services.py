@@ -18,11 +18,14 @@ import asyncio
 import time
 from collections.abc import Callable, Mapping
 from pathlib import Path
-from typing import Any, NoReturn, cast
+from typing import TYPE_CHECKING, Any, NoReturn, cast
 
 from guestd.config import Config
-from guestd.services import Handler, InlineHandler, Services
+from guestd.services import Services
 from guestd.wire.paths import path_from_wire
+
+if TYPE_CHECKING:  # shapes for type checkers only (guestd/services.py)
+    from guestd.services import Handler, InlineHandler
 from guestd.wire.schema import OPS_BY_NAME, validate_args
 
 __all__ = ["FakeRequest", "FakeStream", "RecordingRegistry", "call", "fake_services"]
