@@ -1064,7 +1064,7 @@ def render(res: dict[str, Any], quick: bool, cmd: str) -> str:
         "length skips the walk, and 4.4 us). "
         "The shipped config adds ~100 us: the leaf's mkdir in the spawn thread, its cpu.stat at exit, its "
         "rmdir. Moving the child to the other CPU before exec measured slower (cross-CPU wake-ups in this VM).",
-        "- **start to first reply**: guestd is the floor plus its own modules, ~44 of them before a first "
+        "- **start to first reply**: guestd is the floor plus its own modules, ~42 of them before a first "
         "reply (2026-12-05, -X importtime, ~8 ms: the protocol schema ~1.25 ms, the error codes, the cgroup "
         "code, framing, the session core, the server); every capability's engine, the snapshot's restore "
         "steps and the run handle load on first use, and the hello and a ping answer without them. The "
