@@ -186,6 +186,8 @@ class Children:
 
     async def _spawn_pooled(self, order: SpawnOrder) -> Child:
         """The subprocess fallback: a spawn in a thread pool (Python runs in the forked child)."""
+        from guestd.children.child import Child  # loaded by spawn(), before the process
+
         if self._pool is None:
             # A spawn blocks its thread until the child has exec'd, never the loop.
             # They live as long as guestd: a kernel's PR_SET_PDEATHSIG follows the thread that
@@ -205,8 +207,6 @@ class Children:
             def cleanup(done: asyncio.Future[Any]) -> None:
                 self._spawned()
                 if not done.cancelled() and done.exception() is None:
-                    from guestd.children.child import Child
-
                     child = Child(self, kind, *done.result())
                     child.kill_now()
                     child.release()
@@ -219,8 +219,6 @@ class Children:
             # so a failed spawn is freed as it is reported, not by the garbage collector.
             del fut
             raise
-        from guestd.children.child import Child
-
         child = Child(self, kind, pid, pidfd, cgroup, fds, popen)
         self.live.add(child)
         self.reaper.tracked.add(pid)
